@@ -1,0 +1,192 @@
+//! Element types, numbered as ExecuTorch's `ScalarType` (`scalar_type.fbs`).
+
+use crate::error::{Error, Result};
+
+/// An element type. The discriminant is ExecuTorch's `ScalarType` value, so
+/// `dtype as i8` is what a `.pte` stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(i8)]
+pub enum DType {
+    U8 = 0,
+    I8 = 1,
+    I16 = 2,
+    I32 = 3,
+    I64 = 4,
+    F16 = 5,
+    F32 = 6,
+    F64 = 7,
+    Bool = 11,
+    BF16 = 15,
+}
+
+impl DType {
+    pub const ALL: [DType; 10] = [
+        DType::U8,
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::F16,
+        DType::F32,
+        DType::F64,
+        DType::Bool,
+        DType::BF16,
+    ];
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::U8 | DType::I8 | DType::Bool => 1,
+            DType::I16 | DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 => 8,
+        }
+    }
+
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
+    }
+
+    pub fn is_int(self) -> bool {
+        matches!(self, DType::U8 | DType::I8 | DType::I16 | DType::I32 | DType::I64)
+    }
+
+    /// The PyTorch name (`torch.float32` → `"float32"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::U8 => "uint8",
+            DType::I8 => "int8",
+            DType::I16 => "int16",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::F16 => "float16",
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+            DType::Bool => "bool",
+            DType::BF16 => "bfloat16",
+        }
+    }
+
+    /// Parse a PyTorch dtype name, with or without the `torch.` prefix.
+    pub fn from_name(name: &str) -> Option<DType> {
+        let name = name.strip_prefix("torch.").unwrap_or(name);
+        let alias = match name {
+            "float" => "float32",
+            "double" => "float64",
+            "half" => "float16",
+            "long" => "int64",
+            "int" => "int32",
+            "short" => "int16",
+            other => other,
+        };
+        DType::ALL.into_iter().find(|d| d.name() == alias)
+    }
+
+    /// ExecuTorch `ScalarType` code.
+    pub fn executorch_code(self) -> i8 {
+        self as i8
+    }
+
+    pub fn from_executorch(code: i8) -> Result<DType> {
+        DType::ALL
+            .into_iter()
+            .find(|d| *d as i8 == code)
+            .ok_or_else(|| Error::format(format!("unsupported ExecuTorch scalar type {code}")))
+    }
+
+    /// The torch.export serde `ScalarType` number (it differs from ExecuTorch's).
+    pub fn from_torch_serde(code: i64) -> Result<DType> {
+        Ok(match code {
+            1 => DType::U8,
+            2 => DType::I8,
+            3 => DType::I16,
+            4 => DType::I32,
+            5 => DType::I64,
+            6 => DType::F16,
+            7 => DType::F32,
+            8 => DType::F64,
+            12 => DType::Bool,
+            13 => DType::BF16,
+            other => {
+                return Err(Error::unsupported(format!(
+                    "torch.export scalar type {other} (complex, float8 and unsigned >8-bit types are not supported)"
+                )))
+            }
+        })
+    }
+
+    /// PyTorch type promotion between two dtypes of the same standing
+    /// (both dimensioned tensors). bool < integers < floats; within floats
+    /// f16 and bf16 promote to f32.
+    pub fn promote(a: DType, b: DType) -> DType {
+        use DType::*;
+        if a == b {
+            return a;
+        }
+        match (a, b) {
+            (Bool, x) | (x, Bool) => x,
+            (F64, _) | (_, F64) => F64,
+            (F16, BF16) | (BF16, F16) => F32,
+            (F32, _) | (_, F32) => F32,
+            (F16, _) | (_, F16) => F16,
+            (BF16, _) | (_, BF16) => BF16,
+            (U8, I8) | (I8, U8) => I16,
+            (x, y) => {
+                // both integers: the wider signed type wins
+                if x.size() >= y.size() {
+                    x
+                } else {
+                    y
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn executorch_codes_round_trip() {
+        for d in DType::ALL {
+            assert_eq!(DType::from_executorch(d.executorch_code()).unwrap(), d);
+        }
+        assert_eq!(DType::F32 as i8, 6);
+        assert_eq!(DType::BF16 as i8, 15);
+        assert!(DType::from_executorch(9).is_err());
+    }
+
+    #[test]
+    fn serde_codes_differ_from_executorch() {
+        assert_eq!(DType::from_torch_serde(7).unwrap(), DType::F32);
+        assert_eq!(DType::from_torch_serde(13).unwrap(), DType::BF16);
+        assert_eq!(DType::from_torch_serde(12).unwrap(), DType::Bool);
+        assert!(DType::from_torch_serde(10).is_err());
+    }
+
+    #[test]
+    fn promotion_follows_pytorch() {
+        use DType::*;
+        assert_eq!(DType::promote(Bool, I64), I64);
+        assert_eq!(DType::promote(I64, F32), F32);
+        assert_eq!(DType::promote(BF16, F16), F32);
+        assert_eq!(DType::promote(BF16, I64), BF16);
+        assert_eq!(DType::promote(U8, I8), I16);
+        assert_eq!(DType::promote(I32, I64), I64);
+        assert_eq!(DType::promote(F32, F64), F64);
+    }
+
+    #[test]
+    fn names_parse() {
+        assert_eq!(DType::from_name("torch.float32"), Some(DType::F32));
+        assert_eq!(DType::from_name("long"), Some(DType::I64));
+        assert_eq!(DType::from_name("complex64"), None);
+    }
+}

@@ -1,0 +1,18 @@
+//! Types shared by every etmetal crate: element types, shapes, host tensors,
+//! the typed operator set and the error type.
+//!
+//! Nothing here knows about files, graphs or devices; the compiler and the
+//! runtime both build on these definitions so that an op means the same thing
+//! on every side of the `.pte` boundary.
+
+pub mod dtype;
+pub mod error;
+pub mod npy;
+pub mod op;
+pub mod shape;
+pub mod tensor;
+
+pub use dtype::DType;
+pub use error::{Error, ErrorKind, Result};
+pub use op::{BinaryOp, Op, ReduceOp, Scalar, UnaryOp};
+pub use tensor::Tensor;

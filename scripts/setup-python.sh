@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Make (or reuse) the Python venv used by the parity suite: torch + executorch.
+# Path: $ETMETAL_VENV, default $HOME/.cache/etmetal/venv. Prints the venv path last.
+set -euo pipefail
+venv="${ETMETAL_VENV:-$HOME/.cache/etmetal/venv}"
+stamp="$venv/.etmetal-ready-torch2.15.0-et1.5.1"
+if [ -f "$stamp" ]; then
+  echo "$venv"
+  exit 0
+fi
+echo "setup-python: creating venv at $venv (torch 2.15.0, executorch 1.5.1; a few minutes)" >&2
+python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip >&2
+"$venv/bin/python" -m pip install -q \
+  torch==2.15.0 executorch==1.5.1 numpy pytest >&2
+touch "$stamp"
+echo "$venv"
