@@ -1,1 +1,19 @@
-//! (in progress)
+//! ExecuTorch `.pte` program files: read with full verification, write in
+//! the exact layout ExecuTorch produces (FORMATS.md part A).
+//!
+//! - [`schema`]: owned structs mirroring `program.fbs` (ExecuTorch 1.5.1).
+//! - [`read`]: [`parse`] / [`PteFile::load`] — identifier, `eh00` header,
+//!   flatbuffer verifier, decoding, then [`verify`]'s semantic checks.
+//! - [`write`]: [`serialize`] plus constant-segment and named-data helpers.
+
+mod fb;
+pub mod header;
+pub mod read;
+pub mod schema;
+pub mod verify;
+pub mod write;
+
+pub use header::ExtendedHeader;
+pub use read::{parse, PteFile};
+pub use schema::*;
+pub use write::{add_named_data, constant_segment, serialize, Segment};
