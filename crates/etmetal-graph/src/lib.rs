@@ -1,6 +1,12 @@
 //! The etmetal graph IR and the passes on it: import from a torch.export
 //! `.pt2` archive, shape and dtype inference, decompositions.
 
+pub mod decompose;
+pub mod infer;
 pub mod ir;
+pub mod pt2;
 
+pub use decompose::{decompose, eliminate_dead_code};
+pub use infer::infer;
 pub use ir::{Graph, InputKind, Node, OutputKind, ValueId, ValueInfo};
+pub use pt2::{import_pt2, load_pt2};

@@ -1,0 +1,222 @@
+//! The zip container written by `torch.export.save` and the tensors stored in
+//! it (FORMATS.md B.2–B.3): entries under one prefix folder, raw storage bytes
+//! per tensor described by `*_config.json` payload configs.
+
+use std::collections::BTreeMap;
+use std::io::{Cursor, Read};
+
+use etmetal_core::{DType, Error, Result, Tensor};
+use serde_json::Value;
+
+use super::json::{field, sym_ints, tensor_meta};
+
+/// Every entry of the archive, keyed by its path after the prefix folder.
+pub(crate) struct Archive {
+    pub origin: String,
+    entries: BTreeMap<String, Vec<u8>>,
+}
+
+impl Archive {
+    pub fn open(bytes: &[u8], origin: &str) -> Result<Archive> {
+        // torch writes archives from offset 0; detection is confused by the
+        // nested zip of `data/sample_inputs/*.pt` stored inside.
+        let config = zip::read::Config { archive_offset: zip::read::ArchiveOffset::Known(0) };
+        let mut zip = zip::ZipArchive::with_config(config, Cursor::new(bytes))
+            .map_err(|e| Error::format(format!("{origin}: not a .pt2 archive (zip): {e}")))?;
+        let mut prefix: Option<String> = None;
+        let mut entries = BTreeMap::new();
+        for i in 0..zip.len() {
+            let mut file = zip
+                .by_index(i)
+                .map_err(|e| Error::format(format!("{origin}: zip entry {i}: {e}")))?;
+            let name = file.name().map_err(|e| Error::format(format!("{origin}: zip entry {i}: {e}")))?.into_owned();
+            // The prefix is the first entry's folder; all others must share it.
+            let p = prefix.get_or_insert_with(|| match name.find('/') {
+                Some(slash) => name[..=slash].to_string(),
+                None => String::new(),
+            });
+            let Some(rel) = name.strip_prefix(p.as_str()) else {
+                return Err(Error::format(format!(
+                    "{origin}: zip entry `{name}` is outside the archive folder `{p}`"
+                )));
+            };
+            let rel = rel.to_string();
+            let mut data = Vec::with_capacity(file.size().min(1 << 30) as usize);
+            file.read_to_end(&mut data)
+                .map_err(|e| Error::format(format!("{origin}: reading zip entry `{name}`: {e}")))?;
+            entries.insert(rel, data);
+        }
+        Ok(Archive { origin: origin.to_string(), entries })
+    }
+
+    pub fn get(&self, path: &str) -> Option<&[u8]> {
+        self.entries.get(path).map(Vec::as_slice)
+    }
+
+    pub fn text(&self, path: &str) -> Option<Result<&str>> {
+        self.get(path).map(|b| {
+            std::str::from_utf8(b).map_err(|_| Error::format(format!("{}: `{path}` is not UTF-8", self.origin)))
+        })
+    }
+
+    pub fn json(&self, path: &str) -> Option<Result<Value>> {
+        self.text(path).map(|t| {
+            t.and_then(|t| {
+                serde_json::from_str(t).map_err(|e| Error::format(format!("{}: `{path}`: invalid JSON: {e}", self.origin)))
+            })
+        })
+    }
+
+    /// The model program: `models/model.json`, else the only `models/*.json`.
+    pub fn model_json(&self) -> Result<(String, Value)> {
+        let path = if self.entries.contains_key("models/model.json") {
+            "models/model.json".to_string()
+        } else {
+            let found: Vec<&String> = self
+                .entries
+                .keys()
+                .filter(|k| k.starts_with("models/") && k.ends_with(".json") && !k[7..].contains('/'))
+                .collect();
+            match found.as_slice() {
+                [one] => (*one).clone(),
+                [] => return Err(Error::format(format!("{}: no `models/*.json` program in the archive", self.origin))),
+                many => {
+                    return Err(Error::unsupported(format!(
+                        "{}: several programs in the archive ({many:?}); only one is supported",
+                        self.origin
+                    )))
+                }
+            }
+        };
+        let json = self.json(&path).unwrap_or_else(|| Err(Error::internal("listed entry vanished")))?;
+        Ok((path, json))
+    }
+
+    /// Check `archive_format` and `archive_version` when they are present.
+    pub fn check_version(&self) -> Result<()> {
+        if let Some(format) = self.text("archive_format") {
+            let format = format?.trim();
+            if format != "pt2" {
+                return Err(Error::format(format!("{}: archive_format is `{format}`, expected `pt2`", self.origin)));
+            }
+        }
+        if let Some(version) = self.text("archive_version") {
+            let version = version?.trim();
+            if version != "0" {
+                return Err(Error::unsupported(format!(
+                    "{}: archive_version is `{version}`, only version 0 is supported",
+                    self.origin
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Load the tensor `fqn` described by the payload config `config_path`
+    /// (in folder `dir`), or `None` when the config does not list it.
+    pub fn payload_tensor(&self, dir: &str, config: &Value, fqn: &str) -> Result<Option<Tensor>> {
+        let Some(entry) = config.get("config").and_then(|c| c.get(fqn)) else {
+            return Ok(None);
+        };
+        let what = format!("{}: tensor `{fqn}`", self.origin);
+        if entry.get("use_pickle").and_then(Value::as_bool) == Some(true) {
+            return Err(Error::unsupported(format!("{what} is pickled (tensor subclass), which is not supported")));
+        }
+        let path_name = field(entry, "path_name").and_then(|v| {
+            v.as_str().ok_or_else(|| Error::format("`path_name` is not a string"))
+        }).map_err(|e| e.context(&what))?;
+        let meta = field(entry, "tensor_meta").map_err(|e| e.context(&what))?;
+        let (dtype, sizes) = tensor_meta(meta).map_err(|e| e.context(&what))?;
+        let strides = sym_ints(field(meta, "strides").map_err(|e| e.context(&what))?).map_err(|e| e.context(&what))?;
+        let offset = match meta.get("storage_offset") {
+            Some(v) if !v.is_null() => super::json::sym_int(v).map_err(|e| e.context(&what))?,
+            _ => 0,
+        };
+        let file = format!("{dir}/{path_name}");
+        let storage = self
+            .get(&file)
+            .ok_or_else(|| Error::format(format!("{what}: payload `{file}` is missing from the archive")))?;
+        strided_tensor(dtype, &sizes, &strides, offset, storage).map(Some).map_err(|e| e.context(format!("{what} (`{file}`)")))
+    }
+}
+
+/// Materialise `as_strided(sizes, strides, offset)` over the raw `storage`
+/// bytes as a contiguous tensor; an empty storage means a fake tensor (zeros).
+pub(crate) fn strided_tensor(dtype: DType, sizes: &[usize], strides: &[i64], offset: i64, storage: &[u8]) -> Result<Tensor> {
+    if storage.is_empty() {
+        return Tensor::zeros(dtype, sizes);
+    }
+    if strides.len() != sizes.len() {
+        return Err(Error::format(format!("{} strides given for {} dims", strides.len(), sizes.len())));
+    }
+    if strides.iter().any(|&s| s < 0) || offset < 0 {
+        return Err(Error::format(format!("negative strides {strides:?} or storage offset {offset}")));
+    }
+    let esize = dtype.size();
+    if storage.len() % esize != 0 {
+        return Err(Error::format(format!("storage of {} bytes is not a whole number of {dtype} elements", storage.len())));
+    }
+    let elems = storage.len() / esize;
+    let mut out = Tensor::zeros(dtype, sizes)?;
+    if out.numel() == 0 {
+        return Ok(out);
+    }
+    // The farthest element the view touches must lie inside the storage.
+    let last = sizes.iter().zip(strides).try_fold(offset as u128, |acc, (&n, &s)| Some(acc + (n as u128 - 1) * s as u128));
+    if last.is_none_or(|l| l >= elems as u128) {
+        return Err(Error::format(format!(
+            "sizes {sizes:?}, strides {strides:?}, offset {offset} reach outside the storage of {elems} {dtype} elements ({} bytes)",
+            storage.len()
+        )));
+    }
+    let strides: Vec<usize> = strides.iter().map(|&s| s as usize).collect();
+    let offset = offset as usize;
+    let dst = out.bytes_mut();
+    if etmetal_core::shape::is_contiguous(sizes, &strides) {
+        dst.copy_from_slice(&storage[offset * esize..offset * esize + dst.len()]);
+        return Ok(out);
+    }
+    let mut index = vec![0usize; sizes.len()];
+    for chunk in dst.chunks_exact_mut(esize) {
+        let src: usize = offset + index.iter().zip(&strides).map(|(i, s)| i * s).sum::<usize>();
+        chunk.copy_from_slice(&storage[src * esize..(src + 1) * esize]);
+        for d in (0..sizes.len()).rev() {
+            index[d] += 1;
+            if index[d] < sizes[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transposed_view_is_materialised() {
+        let storage: Vec<u8> = (0..6f32 as i32).flat_map(|v| (v as f32).to_le_bytes()).collect();
+        // storage [0 1 2 3 4 5] viewed as a [3,2] transpose of a [2,3] matrix
+        let t = strided_tensor(DType::F32, &[3, 2], &[1, 3], 0, &storage).unwrap();
+        assert_eq!(t.to_f32_vec(), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+        let t = strided_tensor(DType::F32, &[2], &[2], 1, &storage).unwrap();
+        assert_eq!(t.to_f32_vec(), vec![1.0, 3.0]);
+    }
+
+    #[test]
+    fn out_of_storage_strides_are_rejected() {
+        let storage = vec![0u8; 24];
+        let e = strided_tensor(DType::F32, &[3, 2], &[1, 4], 0, &storage).unwrap_err();
+        assert!(e.to_string().contains("outside the storage"), "{e}");
+        let e = strided_tensor(DType::F32, &[2], &[1], 5, &storage).unwrap_err();
+        assert!(e.to_string().contains("outside the storage"), "{e}");
+    }
+
+    #[test]
+    fn empty_storage_gives_zeros() {
+        let t = strided_tensor(DType::F32, &[2, 2], &[2, 1], 0, &[]).unwrap();
+        assert_eq!(t.to_f32_vec(), vec![0.0; 4]);
+    }
+}

@@ -1,0 +1,960 @@
+//! Lowering torch.export nodes (`torch.ops.aten.*` targets) to typed [`Op`]
+//! nodes, following the conventions on `op.rs`: dims normalised, Python
+//! scalars as 0-d constants with PyTorch's promotion dtype, view-like
+//! multi-output ops split into one node per output, and unused extra outputs
+//! (batch-norm statistics, layer-norm mean/rstd) dropped.
+
+use std::cell::Cell;
+use std::collections::{HashMap, HashSet};
+
+use etmetal_core::shape::{normalize_dim, numel};
+use etmetal_core::{BinaryOp, DType, Error, ErrorKind, Op, ReduceOp, Result, Scalar, Tensor, UnaryOp};
+
+use super::json::Args;
+use crate::infer::infer;
+use crate::ir::{Graph, Node, ValueId};
+
+/// What a source value name stands for.
+enum Bound {
+    Value(ValueId),
+    /// An extra output that the lowered op does not produce.
+    Dropped { node: String, target: String },
+    /// An output of a node that could not be lowered (already reported).
+    Failed,
+}
+
+/// One source node being lowered.
+pub(crate) struct Ctx<'j> {
+    pub name: String,
+    pub target: String,
+    pub args: Args<'j>,
+    /// Output value names (`None` for `as_none` outputs).
+    pub outputs: Vec<Option<String>>,
+    emitted: Cell<usize>,
+}
+
+impl<'j> Ctx<'j> {
+    pub fn new(name: String, target: String, args: Args<'j>, outputs: Vec<Option<String>>) -> Ctx<'j> {
+        Ctx { name, target, args, outputs, emitted: Cell::new(0) }
+    }
+}
+
+pub(crate) struct Lowerer<'m> {
+    pub graph: Graph,
+    names: HashMap<String, Bound>,
+    /// `tensor_values` of the source graph: the shapes the file promises.
+    meta: &'m HashMap<String, (DType, Vec<usize>)>,
+    /// Names that some node or graph output reads.
+    used: HashSet<String>,
+    /// Set when a node read an output of a failed node.
+    hit_failed: bool,
+}
+
+fn scalar_dtype(s: Scalar) -> DType {
+    match s {
+        Scalar::Bool(_) => DType::Bool,
+        Scalar::Int(_) => DType::I64,
+        Scalar::Float(_) => DType::F32,
+    }
+}
+
+/// The dtype of a Python scalar operand next to a tensor of dtype `t`
+/// (PyTorch: same category keeps the tensor's dtype; a float scalar with an
+/// int or bool tensor gives float32; an int scalar with a bool tensor int64).
+fn promoted_scalar_dtype(s: Scalar, t: DType) -> DType {
+    match s {
+        Scalar::Float(_) if !t.is_float() => DType::F32,
+        Scalar::Int(_) if t == DType::Bool => DType::I64,
+        _ => t,
+    }
+}
+
+fn scalar_tensor(s: Scalar, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    let n = numel(shape)?;
+    match s {
+        Scalar::Int(v) if !dtype.is_float() => Tensor::from_i64(dtype, shape, &vec![v; n]),
+        _ => Tensor::from_f64(dtype, shape, &vec![s.to_f64(); n]),
+    }
+}
+
+fn usizes(v: &[i64], what: &str) -> Result<Vec<usize>> {
+    v.iter()
+        .map(|&x| usize::try_from(x).map_err(|_| Error::format(format!("{what} has a negative entry: {v:?}"))))
+        .collect()
+}
+
+impl<'m> Lowerer<'m> {
+    pub fn new(graph: Graph, meta: &'m HashMap<String, (DType, Vec<usize>)>, used: HashSet<String>) -> Lowerer<'m> {
+        Lowerer { graph, names: HashMap::new(), meta, used, hit_failed: false }
+    }
+
+    pub fn bind_input(&mut self, name: &str, id: ValueId) {
+        self.names.insert(name.to_string(), Bound::Value(id));
+    }
+
+    pub fn lookup(&mut self, name: &str) -> Result<ValueId> {
+        match self.names.get(name) {
+            Some(Bound::Value(v)) => Ok(*v),
+            Some(Bound::Dropped { node, target }) => Err(Error::unsupported(format!(
+                "value `{name}` is an extra output of node `{node}` ({target}) that etmetal does not compute"
+            ))),
+            Some(Bound::Failed) => {
+                self.hit_failed = true;
+                Err(Error::unsupported(format!("value `{name}` comes from an unsupported node")))
+            }
+            None => Err(Error::format(format!("value `{name}` is used before it is defined"))),
+        }
+    }
+
+    /// Lower one node; on an unsupported node, the error says so and its
+    /// outputs are marked failed. Returns `Ok(false)` when the node only
+    /// failed because an input came from a failed node.
+    pub fn lower(&mut self, c: &Ctx) -> Result<bool> {
+        self.hit_failed = false;
+        match self.lower_node(c) {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                for name in c.outputs.iter().flatten() {
+                    self.names.insert(name.clone(), Bound::Failed);
+                }
+                if self.hit_failed {
+                    Ok(false)
+                } else {
+                    Err(e)
+                }
+            }
+        }
+    }
+
+    fn rank(&self, v: ValueId) -> usize {
+        self.graph.value(v).shape.len()
+    }
+    fn shape(&self, v: ValueId) -> Vec<usize> {
+        self.graph.value(v).shape.clone()
+    }
+    fn dtype(&self, v: ValueId) -> DType {
+        self.graph.value(v).dtype
+    }
+
+    fn t(&mut self, c: &Ctx, arg: &str) -> Result<ValueId> {
+        let name = c.args.tensor_name(arg)?.ok_or_else(|| Error::format(format!("missing tensor argument `{arg}`")))?;
+        self.lookup(name)
+    }
+    fn opt_t(&mut self, c: &Ctx, arg: &str) -> Result<Option<ValueId>> {
+        c.args.tensor_name(arg)?.map(|n| self.lookup(n)).transpose()
+    }
+    fn req_ints(&self, c: &Ctx, arg: &str) -> Result<Vec<i64>> {
+        c.args.ints(arg)?.ok_or_else(|| Error::format(format!("missing int list argument `{arg}`")))
+    }
+    fn req_scalar(&self, c: &Ctx, arg: &str) -> Result<Scalar> {
+        c.args.scalar(arg)?.ok_or_else(|| Error::format(format!("missing scalar argument `{arg}`")))
+    }
+    fn dim(&self, c: &Ctx, arg: &str, default: i64, rank: usize) -> Result<usize> {
+        normalize_dim(c.args.int(arg, default)?, rank)
+    }
+    fn dims(&self, c: &Ctx, arg: &str, rank: usize) -> Result<Vec<usize>> {
+        let mut dims: Vec<usize> =
+            c.args.ints(arg)?.unwrap_or_default().into_iter().map(|d| normalize_dim(d, rank)).collect::<Result<_>>()?;
+        dims.sort_unstable();
+        dims.dedup();
+        Ok(dims)
+    }
+
+    /// A 0-d constant for a Python scalar operand.
+    fn constant(&mut self, c: &Ctx, what: &str, s: Scalar, dtype: DType) -> Result<ValueId> {
+        let t = scalar_tensor(s, dtype, &[])?;
+        Ok(self.graph.add_constant(format!("{}.{what}", c.name), t))
+    }
+
+    /// Add a node computing `op`; its outputs get inferred dtypes and shapes.
+    fn emit(&mut self, c: &Ctx, op: Op, inputs: Vec<Option<ValueId>>) -> Result<Vec<ValueId>> {
+        let k = c.emitted.get();
+        c.emitted.set(k + 1);
+        let name = if k == 0 { c.name.clone() } else { format!("{}.{k}", c.name) };
+        let mut node = Node { name, target: c.target.clone(), op, inputs, outputs: vec![] };
+        for (i, (dtype, shape)) in infer(&self.graph, &node)?.into_iter().enumerate() {
+            node.outputs.push(self.graph.add_value(format!("{}.out{i}", node.name), dtype, shape));
+        }
+        let outs = node.outputs.clone();
+        self.graph.nodes.push(node);
+        Ok(outs)
+    }
+
+    fn emit1(&mut self, c: &Ctx, op: Op, inputs: Vec<Option<ValueId>>) -> Result<ValueId> {
+        Ok(self.emit(c, op, inputs)?[0])
+    }
+
+    /// Give source output `index` the value `v`, checking it against the
+    /// file's metadata.
+    fn bind(&mut self, c: &Ctx, index: usize, v: ValueId) -> Result<()> {
+        let Some(Some(name)) = c.outputs.get(index) else { return Ok(()) };
+        if let Some((dtype, shape)) = self.meta.get(name) {
+            let info = self.graph.value(v);
+            if info.dtype != *dtype || info.shape != *shape {
+                return Err(Error::shape(format!(
+                    "output `{name}`: the file says {dtype} {shape:?}, inference gives {} {:?}",
+                    info.dtype, info.shape
+                )));
+            }
+        }
+        self.graph.values[v.0].name = name.clone();
+        self.names.insert(name.clone(), Bound::Value(v));
+        Ok(())
+    }
+
+    /// Emit the single node of a source node and bind its outputs; extra
+    /// source outputs are dropped (an error later if something reads them).
+    fn finish(&mut self, c: &Ctx, op: Op, inputs: Vec<Option<ValueId>>) -> Result<()> {
+        let outs = self.emit(c, op, inputs)?;
+        for (i, v) in outs.iter().enumerate() {
+            self.bind(c, i, *v)?;
+        }
+        for name in c.outputs.iter().skip(outs.len()).flatten() {
+            self.names.insert(name.clone(), Bound::Dropped { node: c.name.clone(), target: c.target.clone() });
+        }
+        Ok(())
+    }
+
+    fn is_used(&self, c: &Ctx, index: usize) -> bool {
+        matches!(c.outputs.get(index), Some(Some(n)) if self.used.contains(n))
+    }
+
+    /// Tensor argument `arg`, or a constant for a scalar given there whose
+    /// dtype follows the tensor `other` (see [`promoted_scalar_dtype`]).
+    fn operand(&mut self, c: &Ctx, arg: &str, other: Option<ValueId>) -> Result<ValueId> {
+        if c.args.is_tensor(arg)? {
+            return self.t(c, arg);
+        }
+        let s = self.req_scalar(c, arg)?;
+        let dtype = match other {
+            Some(o) => promoted_scalar_dtype(s, self.dtype(o)),
+            None => scalar_dtype(s),
+        };
+        self.constant(c, arg, s, dtype)
+    }
+
+    /// `a op b` where either may be a scalar; `alpha` scales `b`.
+    fn binary(&mut self, c: &Ctx, op: BinaryOp, a_arg: &str, b_arg: &str) -> Result<()> {
+        let (a, b) = if c.args.is_tensor(a_arg)? {
+            let a = self.t(c, a_arg)?;
+            (a, self.operand(c, b_arg, Some(a))?)
+        } else {
+            let b = self.t(c, b_arg)?;
+            (self.operand(c, a_arg, Some(b))?, b)
+        };
+        let b = match c.args.scalar("alpha")? {
+            Some(alpha) if alpha.to_f64() != 1.0 => {
+                let k = self.constant(c, "alpha", alpha, promoted_scalar_dtype(alpha, self.dtype(b)))?;
+                self.emit1(c, Op::Binary(BinaryOp::Mul), vec![Some(b), Some(k)])?
+            }
+            _ => b,
+        };
+        self.finish(c, Op::Binary(op), vec![Some(a), Some(b)])
+    }
+
+    fn unary(&mut self, c: &Ctx, arg: &str, op: UnaryOp) -> Result<()> {
+        let x = self.t(c, arg)?;
+        self.finish(c, Op::Unary(op), vec![Some(x)])
+    }
+
+    /// Cast `x` first when a `dtype=` argument asks for it.
+    fn with_dtype(&mut self, c: &Ctx, x: ValueId) -> Result<ValueId> {
+        match c.args.scalar_type("dtype")? {
+            Some(d) if d != self.dtype(x) => self.emit1(c, Op::Cast { dtype: d }, vec![Some(x)]),
+            _ => Ok(x),
+        }
+    }
+
+    fn reshape(&mut self, c: &Ctx, x: ValueId, sizes: &[i64]) -> Result<()> {
+        let total = numel(&self.shape(x))?;
+        let known: usize = sizes.iter().filter(|&&s| s >= 0).map(|&s| s as usize).product();
+        let shape = sizes
+            .iter()
+            .map(|&s| match s {
+                -1 if known != 0 && total % known == 0 => Ok(total / known),
+                s if s >= 0 => Ok(s as usize),
+                _ => Err(Error::shape(format!("cannot view {:?} as {sizes:?}", self.shape(x)))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.finish(c, Op::Reshape { shape }, vec![Some(x)])
+    }
+
+    /// `start..end` of a dim as PyTorch clamps it.
+    fn clamp_range(start: Option<i64>, end: Option<i64>, size: usize) -> (usize, usize) {
+        let n = size as i64;
+        let fix = |v: i64| (if v < 0 { v + n } else { v }).clamp(0, n) as usize;
+        let s = fix(start.unwrap_or(0));
+        let e = fix(end.unwrap_or(n));
+        (s, e.max(s))
+    }
+
+    /// Outputs `i` of a split along `dim` into pieces of `sizes`.
+    fn split(&mut self, c: &Ctx, x: ValueId, dim: usize, sizes: &[usize]) -> Result<()> {
+        let total: usize = sizes.iter().sum();
+        if total != self.shape(x)[dim] {
+            return Err(Error::shape(format!("split sizes {sizes:?} do not add up to dim {dim} of {:?}", self.shape(x))));
+        }
+        let mut start = 0;
+        for (i, &n) in sizes.iter().enumerate() {
+            let v = self.emit1(c, Op::Slice { dim, start, end: start + n, step: 1 }, vec![Some(x)])?;
+            self.bind(c, i, v)?;
+            start += n;
+        }
+        Ok(())
+    }
+
+    fn conv_attr(&self, c: &Ctx, arg: &str, spatial: usize, default: usize) -> Result<Vec<usize>> {
+        let v = usizes(&c.args.ints(arg)?.unwrap_or_default(), arg)?;
+        Ok(match v.len() {
+            0 => vec![default; spatial],
+            1 => vec![v[0]; spatial],
+            _ => v,
+        })
+    }
+
+    fn convolution(&mut self, c: &Ctx, transposed: bool) -> Result<()> {
+        let x = self.t(c, "input")?;
+        let w = self.t(c, "weight")?;
+        let bias = self.opt_t(c, "bias")?;
+        let wshape = self.shape(w);
+        let spatial = wshape.len().saturating_sub(2);
+        let stride = self.conv_attr(c, "stride", spatial, 1)?;
+        let dilation = self.conv_attr(c, "dilation", spatial, 1)?;
+        let mode = match c.args.get("padding")? {
+            Some(("as_string", _)) => c.args.string("padding")?,
+            _ => None,
+        };
+        let padding = match mode {
+            Some("valid") => vec![0; spatial],
+            Some("same") => (0..spatial)
+                .map(|i| {
+                    let total = dilation[i] * (wshape[2 + i] - 1);
+                    if total % 2 != 0 {
+                        return Err(Error::unsupported("padding='same' that needs asymmetric padding"));
+                    }
+                    Ok(total / 2)
+                })
+                .collect::<Result<_>>()?,
+            Some(other) => return Err(Error::format(format!("unknown padding mode `{other}`"))),
+            None => self.conv_attr(c, "padding", spatial, 0)?,
+        };
+        let transposed = transposed || c.args.bool("transposed", false)?;
+        let output_padding = self.conv_attr(c, "output_padding", spatial, 0)?;
+        let groups = usize::try_from(c.args.int("groups", 1)?).map_err(|_| Error::format("negative groups"))?;
+        let op = Op::Convolution { stride, padding, dilation, transposed, output_padding, groups };
+        self.finish(c, op, vec![Some(x), Some(w), bias])
+    }
+
+    fn pool_attrs(&self, c: &Ctx) -> Result<(Vec<usize>, Vec<usize>, Vec<usize>)> {
+        let kernel = usizes(&self.req_ints(c, "kernel_size")?, "kernel_size")?;
+        let n = kernel.len();
+        let stride = usizes(&c.args.ints("stride")?.unwrap_or_default(), "stride")?;
+        let stride = match stride.len() {
+            0 => kernel.clone(),
+            1 => vec![stride[0]; n],
+            _ => stride,
+        };
+        let padding = self.conv_attr(c, "padding", n, 0)?;
+        Ok((kernel, stride, padding))
+    }
+
+    fn reduce(&mut self, c: &Ctx, op: ReduceOp, dim_arg: &str) -> Result<()> {
+        let x = self.t(c, "self")?;
+        let x = self.with_dtype(c, x)?;
+        let dims = match c.args.get(dim_arg)? {
+            Some(("as_int", _)) => vec![self.dim(c, dim_arg, 0, self.rank(x))?],
+            _ => self.dims(c, dim_arg, self.rank(x))?,
+        };
+        let keepdim = c.args.bool("keepdim", false)?;
+        self.finish(c, Op::Reduce { op, dims, keepdim }, vec![Some(x)])
+    }
+
+    fn variance(&mut self, c: &Ctx, std: bool) -> Result<()> {
+        let x = self.t(c, "self")?;
+        let dims = self.dims(c, "dim", self.rank(x))?;
+        let correction = match c.args.opt_float("correction")? {
+            Some(v) => v,
+            None => c.args.bool("unbiased", true)? as i64 as f64,
+        };
+        let keepdim = c.args.bool("keepdim", false)?;
+        let op = Op::Var { dims, correction, keepdim };
+        if std {
+            let v = self.emit1(c, op, vec![Some(x)])?;
+            self.finish(c, Op::Unary(UnaryOp::Sqrt), vec![Some(v)])
+        } else {
+            self.finish(c, op, vec![Some(x)])
+        }
+    }
+
+    fn full(&mut self, c: &Ctx, shape: Vec<usize>, value: Scalar, default: DType) -> Result<()> {
+        let dtype = c.args.scalar_type("dtype")?.unwrap_or(default);
+        self.finish(c, Op::Full { shape, value, dtype }, vec![])
+    }
+
+    fn size_arg(&self, c: &Ctx, arg: &str) -> Result<Vec<usize>> {
+        usizes(&self.req_ints(c, arg)?, arg)
+    }
+
+    fn lower_node(&mut self, c: &Ctx) -> Result<()> {
+        let unknown = || Error::unsupported("no etmetal lowering for this target");
+        let Some(short) = c.target.strip_prefix("torch.ops.aten.") else { return Err(unknown()) };
+        let (name, overload) = short.split_once('.').unwrap_or((short, "default"));
+        let a = &c.args;
+        use BinaryOp as B;
+        use UnaryOp as U;
+        let unary = match name {
+            "relu" => Some(U::Relu),
+            "silu" => Some(U::Silu),
+            "sigmoid" => Some(U::Sigmoid),
+            "tanh" => Some(U::Tanh),
+            "exp" => Some(U::Exp),
+            "log" => Some(U::Log),
+            "sqrt" => Some(U::Sqrt),
+            "rsqrt" => Some(U::Rsqrt),
+            "neg" => Some(U::Neg),
+            "abs" => Some(U::Abs),
+            "reciprocal" => Some(U::Reciprocal),
+            "sin" => Some(U::Sin),
+            "cos" => Some(U::Cos),
+            "erf" => Some(U::Erf),
+            "floor" => Some(U::Floor),
+            "ceil" => Some(U::Ceil),
+            "round" if overload == "default" => Some(U::Round),
+            "sign" => Some(U::Sign),
+            "hardswish" => Some(U::Hardswish),
+            "hardsigmoid" => Some(U::Hardsigmoid),
+            "logical_not" => Some(U::LogicalNot),
+            "bitwise_not" => Some(U::BitwiseNot),
+            _ => None,
+        };
+        if let Some(u) = unary {
+            return self.unary(c, "self", u);
+        }
+        let binary = match name {
+            "add" => Some(B::Add),
+            "sub" => Some(B::Sub),
+            "mul" => Some(B::Mul),
+            "div" => Some(match a.string("rounding_mode")? {
+                None => B::Div,
+                Some("floor") => B::FloorDiv,
+                Some("trunc") => B::TruncDiv,
+                Some(m) => return Err(Error::format(format!("unknown rounding_mode `{m}`"))),
+            }),
+            "floor_divide" => Some(B::FloorDiv),
+            "remainder" => Some(B::Remainder),
+            "maximum" => Some(B::Maximum),
+            "minimum" => Some(B::Minimum),
+            "eq" => Some(B::Eq),
+            "ne" => Some(B::Ne),
+            "lt" => Some(B::Lt),
+            "le" => Some(B::Le),
+            "gt" => Some(B::Gt),
+            "ge" => Some(B::Ge),
+            "logical_and" => Some(B::LogicalAnd),
+            "logical_or" => Some(B::LogicalOr),
+            "logical_xor" => Some(B::LogicalXor),
+            "bitwise_and" | "__and__" => Some(B::BitwiseAnd),
+            "bitwise_or" | "__or__" => Some(B::BitwiseOr),
+            "bitwise_xor" | "__xor__" => Some(B::BitwiseXor),
+            "pow" if overload != "Tensor_Scalar" => Some(B::Pow),
+            _ => None,
+        };
+        if let Some(b) = binary {
+            // `pow.Scalar` has a scalar `self`; `binary` takes scalars on either side
+            let rhs = if name == "pow" { "exponent" } else { "other" };
+            return self.binary(c, b, "self", rhs);
+        }
+        match (name, overload) {
+            ("rsub", _) => self.binary(c, B::Sub, "other", "self"),
+            ("pow", "Tensor_Scalar") => {
+                let exponent = self.req_scalar(c, "exponent")?.to_f64();
+                self.unary(c, "self", U::PowScalar { exponent })
+            }
+            ("square", _) => self.unary(c, "self", U::PowScalar { exponent: 2.0 }),
+            ("gelu", _) => {
+                let tanh = match a.string("approximate")?.unwrap_or("none") {
+                    "none" => false,
+                    "tanh" => true,
+                    m => return Err(Error::format(format!("unknown gelu approximation `{m}`"))),
+                };
+                self.unary(c, "self", U::Gelu { tanh })
+            }
+            ("leaky_relu", _) => {
+                let slope = a.float("negative_slope", 0.01)?;
+                self.unary(c, "self", U::LeakyRelu { slope })
+            }
+            ("relu6", _) => self.unary(c, "self", U::Clamp { min: Some(0.0), max: Some(6.0) }),
+            ("hardtanh", _) => {
+                let (min, max) = (a.float("min_val", -1.0)?, a.float("max_val", 1.0)?);
+                self.unary(c, "self", U::Clamp { min: Some(min), max: Some(max) })
+            }
+            ("clamp", "default") | ("clamp_min", "default") | ("clamp_max", "default") => {
+                let (min, max) = (a.opt_float("min")?, a.opt_float("max")?);
+                self.unary(c, "self", U::Clamp { min, max })
+            }
+            ("where", "self" | "ScalarSelf" | "ScalarOther" | "Scalar") => {
+                let cond = self.t(c, "condition")?;
+                let (x, y) = if a.is_tensor("self")? {
+                    let x = self.t(c, "self")?;
+                    (x, self.operand(c, "other", Some(x))?)
+                } else if a.is_tensor("other")? {
+                    let y = self.t(c, "other")?;
+                    (self.operand(c, "self", Some(y))?, y)
+                } else {
+                    (self.operand(c, "self", None)?, self.operand(c, "other", None)?)
+                };
+                self.finish(c, Op::Where, vec![Some(cond), Some(x), Some(y)])
+            }
+            ("masked_fill", "Scalar" | "Tensor") => {
+                let x = self.t(c, "self")?;
+                let mask = self.t(c, "mask")?;
+                let dtype = self.dtype(x);
+                // masked_fill keeps self's dtype whatever the value's
+                let value = if a.is_tensor("value")? {
+                    let v = self.t(c, "value")?;
+                    if self.dtype(v) == dtype {
+                        v
+                    } else {
+                        self.emit1(c, Op::Cast { dtype }, vec![Some(v)])?
+                    }
+                } else {
+                    let s = self.req_scalar(c, "value")?;
+                    self.constant(c, "value", s, dtype)?
+                };
+                self.finish(c, Op::Where, vec![Some(mask), Some(value), Some(x)])
+            }
+            ("_to_copy", "default") | ("to", "dtype" | "dtype_layout") => {
+                let x = self.t(c, "self")?;
+                match a.scalar_type("dtype")? {
+                    Some(dtype) => self.finish(c, Op::Cast { dtype }, vec![Some(x)]),
+                    None => self.finish(c, Op::Identity, vec![Some(x)]),
+                }
+            }
+            ("_assert_tensor_metadata", _) => Ok(()),
+            ("clone" | "contiguous" | "alias" | "detach" | "lift_fresh_copy", _) => self.unary_identity(c, "self"),
+            ("dropout", "default") => {
+                if a.bool("train", false)? && a.float("p", 0.0)? != 0.0 {
+                    return Err(Error::unsupported("dropout in training mode"));
+                }
+                self.unary_identity(c, "input")
+            }
+            ("sum", "dim_IntList" | "default") => self.reduce(c, ReduceOp::Sum, "dim"),
+            ("mean", "dim" | "default") => self.reduce(c, ReduceOp::Mean, "dim"),
+            ("prod", "dim_int" | "default") => self.reduce(c, ReduceOp::Prod, "dim"),
+            ("amax", _) => self.reduce(c, ReduceOp::Max, "dim"),
+            ("amin", _) => self.reduce(c, ReduceOp::Min, "dim"),
+            ("max", "default") => self.reduce(c, ReduceOp::Max, "dim"),
+            ("min", "default") => self.reduce(c, ReduceOp::Min, "dim"),
+            ("any", "dim" | "dims" | "default") => self.reduce(c, ReduceOp::Any, "dim"),
+            ("all", "dim" | "dims" | "default") => self.reduce(c, ReduceOp::All, "dim"),
+            ("var", "dim" | "correction" | "default") => self.variance(c, false),
+            ("std", "dim" | "correction" | "default") => self.variance(c, true),
+            ("argmax" | "argmin", _) => {
+                let x = self.t(c, "self")?;
+                let dim = a.opt_int("dim")?.map(|d| normalize_dim(d, self.rank(x))).transpose()?;
+                let op = Op::ArgReduce { max: name == "argmax", dim, keepdim: a.bool("keepdim", false)? };
+                self.finish(c, op, vec![Some(x)])
+            }
+            ("max" | "min", "dim") => {
+                let x = self.t(c, "self")?;
+                let dim = self.dim(c, "dim", 0, self.rank(x))?;
+                let op = Op::ReduceWithIndices { max: name == "max", dim, keepdim: a.bool("keepdim", false)? };
+                self.finish(c, op, vec![Some(x)])
+            }
+            ("cumsum", "default") => {
+                let x = self.t(c, "self")?;
+                let x = self.with_dtype(c, x)?;
+                let dim = self.dim(c, "dim", 0, self.rank(x))?;
+                self.finish(c, Op::CumSum { dim }, vec![Some(x)])
+            }
+            ("softmax" | "log_softmax" | "_softmax" | "_log_softmax", _) => {
+                if a.bool("half_to_float", false)? {
+                    return Err(Error::unsupported("softmax with half_to_float=True"));
+                }
+                let x = self.t(c, "self")?;
+                let x = self.with_dtype(c, x)?;
+                let dim = self.dim(c, "dim", -1, self.rank(x))?;
+                self.finish(c, Op::Softmax { dim, log: name.contains("log") }, vec![Some(x)])
+            }
+            ("topk", "default") => {
+                let x = self.t(c, "self")?;
+                let k = usize::try_from(a.int("k", 1)?).map_err(|_| Error::format("negative k"))?;
+                let dim = self.dim(c, "dim", -1, self.rank(x))?;
+                let op = Op::TopK { k, dim, largest: a.bool("largest", true)?, sorted: a.bool("sorted", true)? };
+                self.finish(c, op, vec![Some(x)])
+            }
+            ("layer_norm" | "native_layer_norm", "default") => {
+                let x = self.t(c, "input")?;
+                let normalized_dims = self.req_ints(c, "normalized_shape")?.len();
+                let (w, b) = (self.opt_t(c, "weight")?, self.opt_t(c, "bias")?);
+                let eps = a.float("eps", 1e-5)?;
+                self.finish(c, Op::LayerNorm { normalized_dims, eps }, vec![Some(x), w, b])
+            }
+            ("rms_norm", "default") => {
+                let x = self.t(c, "input")?;
+                let normalized_dims = self.req_ints(c, "normalized_shape")?.len();
+                let w = self.opt_t(c, "weight")?;
+                self.finish(c, Op::RmsNorm { normalized_dims, eps: a.opt_float("eps")? }, vec![Some(x), w])
+            }
+            ("batch_norm", "default") | ("_native_batch_norm_legit_no_training", "default") => {
+                if a.bool("training", false)? {
+                    return Err(Error::unsupported("batch norm in training mode"));
+                }
+                let x = self.t(c, "input")?;
+                let (w, b) = (self.opt_t(c, "weight")?, self.opt_t(c, "bias")?);
+                let mean = self.t(c, "running_mean")?;
+                let var = self.t(c, "running_var")?;
+                let eps = a.float("eps", 1e-5)?;
+                self.finish(c, Op::BatchNorm { eps }, vec![Some(x), w, b, Some(mean), Some(var)])
+            }
+            ("group_norm" | "native_group_norm", "default") => {
+                let x = self.t(c, "input")?;
+                let groups = a.opt_int("num_groups")?.or(a.opt_int("group")?).unwrap_or(1);
+                let groups = usize::try_from(groups).map_err(|_| Error::format("negative groups"))?;
+                let (w, b) = (self.opt_t(c, "weight")?, self.opt_t(c, "bias")?);
+                self.finish(c, Op::GroupNorm { groups, eps: a.float("eps", 1e-5)? }, vec![Some(x), w, b])
+            }
+            ("matmul", "default") => {
+                let (x, y) = (self.t(c, "self")?, self.t(c, "other")?);
+                self.finish(c, Op::MatMul, vec![Some(x), Some(y)])
+            }
+            ("mm" | "bmm", "default") => {
+                let (x, y) = (self.t(c, "self")?, self.t(c, "mat2")?);
+                let want = if name == "mm" { 2 } else { 3 };
+                if self.rank(x) != want || self.rank(y) != want {
+                    return Err(Error::shape(format!("{name} needs {want}-D operands")));
+                }
+                self.finish(c, Op::MatMul, vec![Some(x), Some(y)])
+            }
+            ("addmm", "default") => {
+                let bias = self.t(c, "self")?;
+                let (x, y) = (self.t(c, "mat1")?, self.t(c, "mat2")?);
+                let op = Op::Addmm { beta: a.float("beta", 1.0)?, alpha: a.float("alpha", 1.0)? };
+                self.finish(c, op, vec![Some(bias), Some(x), Some(y)])
+            }
+            ("linear", "default") => {
+                let (x, w, b) = (self.t(c, "input")?, self.t(c, "weight")?, self.opt_t(c, "bias")?);
+                self.finish(c, Op::Linear, vec![Some(x), Some(w), b])
+            }
+            ("conv1d" | "conv2d" | "conv3d" | "convolution", "default" | "padding") => self.convolution(c, false),
+            ("conv_transpose1d" | "conv_transpose2d", "default" | "input") => self.convolution(c, true),
+            ("max_pool1d" | "max_pool2d" | "max_pool2d_with_indices", "default") => {
+                let x = self.t(c, "self")?;
+                let (kernel, stride, padding) = self.pool_attrs(c)?;
+                let dilation = self.conv_attr(c, "dilation", kernel.len(), 1)?;
+                let with_indices = name.ends_with("with_indices") && self.is_used(c, 1);
+                let op = Op::MaxPool { kernel, stride, padding, dilation, ceil_mode: a.bool("ceil_mode", false)?, with_indices };
+                self.finish(c, op, vec![Some(x)])
+            }
+            ("avg_pool1d" | "avg_pool2d", "default") => {
+                let x = self.t(c, "self")?;
+                let (kernel, stride, padding) = self.pool_attrs(c)?;
+                let op = Op::AvgPool {
+                    kernel,
+                    stride,
+                    padding,
+                    ceil_mode: a.bool("ceil_mode", false)?,
+                    count_include_pad: a.bool("count_include_pad", true)?,
+                    divisor_override: a.opt_int("divisor_override")?,
+                };
+                self.finish(c, op, vec![Some(x)])
+            }
+            ("adaptive_avg_pool1d" | "adaptive_avg_pool2d" | "_adaptive_avg_pool2d", "default") => {
+                let x = self.t(c, "self")?;
+                let output_size = self.size_arg(c, "output_size")?;
+                self.finish(c, Op::AdaptiveAvgPool { output_size }, vec![Some(x)])
+            }
+            ("scaled_dot_product_attention", "default") => {
+                if a.float("dropout_p", 0.0)? != 0.0 {
+                    return Err(Error::unsupported("scaled_dot_product_attention with dropout_p != 0"));
+                }
+                let (q, k, v) = (self.t(c, "query")?, self.t(c, "key")?, self.t(c, "value")?);
+                let mask = self.opt_t(c, "attn_mask")?;
+                let op = Op::Sdpa {
+                    is_causal: a.bool("is_causal", false)?,
+                    scale: a.opt_float("scale")?,
+                    enable_gqa: a.bool("enable_gqa", false)?,
+                };
+                self.finish(c, op, vec![Some(q), Some(k), Some(v), mask])
+            }
+            ("embedding", "default") => {
+                let (w, i) = (self.t(c, "weight")?, self.t(c, "indices")?);
+                self.finish(c, Op::Embedding, vec![Some(w), Some(i)])
+            }
+            ("view" | "_unsafe_view", "default") => {
+                let x = self.t(c, "self")?;
+                let size = self.req_ints(c, "size")?;
+                self.reshape(c, x, &size)
+            }
+            ("reshape", "default") => {
+                let x = self.t(c, "self")?;
+                let size = self.req_ints(c, "shape")?;
+                self.reshape(c, x, &size)
+            }
+            ("flatten", "using_ints") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let r = shape.len();
+                if r == 0 {
+                    return self.reshape(c, x, &[1]);
+                }
+                let (s, e) = (self.dim(c, "start_dim", 0, r)?, self.dim(c, "end_dim", -1, r)?);
+                if s > e {
+                    return Err(Error::shape(format!("flatten start_dim {s} > end_dim {e}")));
+                }
+                let mut sizes: Vec<i64> = shape[..s].iter().map(|&d| d as i64).collect();
+                sizes.push(shape[s..=e].iter().product::<usize>() as i64);
+                sizes.extend(shape[e + 1..].iter().map(|&d| d as i64));
+                self.reshape(c, x, &sizes)
+            }
+            ("unflatten", "int") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let d = self.dim(c, "dim", 0, shape.len())?;
+                let mut sizes: Vec<i64> = shape[..d].iter().map(|&v| v as i64).collect();
+                sizes.extend(self.req_ints(c, "sizes")?);
+                sizes.extend(shape[d + 1..].iter().map(|&v| v as i64));
+                self.reshape(c, x, &sizes)
+            }
+            ("squeeze", "dim" | "dims" | "default") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let dims = match a.get("dim")? {
+                    None => (0..shape.len()).collect(),
+                    Some(("as_int", _)) => vec![self.dim(c, "dim", 0, shape.len())?],
+                    Some(_) => self.dims(c, "dim", shape.len())?,
+                };
+                let sizes: Vec<i64> =
+                    shape.iter().enumerate().filter(|(i, &n)| !(n == 1 && dims.contains(i))).map(|(_, &n)| n as i64).collect();
+                self.reshape(c, x, &sizes)
+            }
+            ("unsqueeze", "default") => {
+                let x = self.t(c, "self")?;
+                let mut sizes: Vec<i64> = self.shape(x).iter().map(|&n| n as i64).collect();
+                let d = self.dim(c, "dim", 0, sizes.len() + 1)?;
+                sizes.insert(d, 1);
+                self.reshape(c, x, &sizes)
+            }
+            ("permute", "default") => {
+                let x = self.t(c, "self")?;
+                let r = self.rank(x);
+                let dims = self.req_ints(c, "dims")?.into_iter().map(|d| normalize_dim(d, r)).collect::<Result<_>>()?;
+                self.finish(c, Op::Permute { dims }, vec![Some(x)])
+            }
+            ("transpose", "int") | ("t", "default") => {
+                let x = self.t(c, "self")?;
+                let r = self.rank(x);
+                if r < 2 {
+                    return self.unary_identity(c, "self");
+                }
+                let (d0, d1) = (self.dim(c, "dim0", 0, r)?, self.dim(c, "dim1", 1, r)?);
+                let mut dims: Vec<usize> = (0..r).collect();
+                dims.swap(d0, d1);
+                self.finish(c, Op::Permute { dims }, vec![Some(x)])
+            }
+            ("expand", "default") => {
+                let x = self.t(c, "self")?;
+                let from = self.shape(x);
+                let size = self.req_ints(c, "size")?;
+                let lead = size.len().checked_sub(from.len()).ok_or_else(|| {
+                    Error::shape(format!("cannot expand {from:?} to fewer dims {size:?}"))
+                })?;
+                let shape = size
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &s)| match s {
+                        -1 if i >= lead => Ok(from[i - lead]),
+                        s if s >= 0 => Ok(s as usize),
+                        _ => Err(Error::shape(format!("cannot expand {from:?} to {size:?}"))),
+                    })
+                    .collect::<Result<_>>()?;
+                self.finish(c, Op::Expand { shape }, vec![Some(x)])
+            }
+            ("slice", "Tensor") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let dim = self.dim(c, "dim", 0, shape.len())?;
+                let step = usize::try_from(a.int("step", 1)?).ok().filter(|&s| s > 0).ok_or_else(|| Error::format("slice step must be positive"))?;
+                let (start, end) = Self::clamp_range(a.opt_int("start")?, a.opt_int("end")?, shape[dim]);
+                self.finish(c, Op::Slice { dim, start, end, step }, vec![Some(x)])
+            }
+            ("narrow", "default") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let dim = self.dim(c, "dim", 0, shape.len())?;
+                let n = shape[dim] as i64;
+                let start = a.int("start", 0)?;
+                let start = if start < 0 { start + n } else { start };
+                let len = a.int("length", 0)?;
+                if start < 0 || len < 0 || start + len > n {
+                    return Err(Error::shape(format!("narrow({dim}, {start}, {len}) of {shape:?}")));
+                }
+                let op = Op::Slice { dim, start: start as usize, end: (start + len) as usize, step: 1 };
+                self.finish(c, op, vec![Some(x)])
+            }
+            ("select", "int") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let dim = self.dim(c, "dim", 0, shape.len())?;
+                let i = a.int("index", 0)?;
+                let index = usize::try_from(if i < 0 { i + shape[dim] as i64 } else { i })
+                    .map_err(|_| Error::shape(format!("select index {i} of dim {dim} of {shape:?}")))?;
+                self.finish(c, Op::Select { dim, index }, vec![Some(x)])
+            }
+            ("split", "Tensor") | ("split_with_sizes", "default") | ("chunk", "default") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let dim = self.dim(c, "dim", 0, shape.len())?;
+                let n = shape[dim];
+                let sizes = match name {
+                    "split_with_sizes" => usizes(&self.req_ints(c, "split_sizes")?, "split_sizes")?,
+                    _ => {
+                        let piece = if name == "chunk" {
+                            let chunks = usize::try_from(a.int("chunks", 1)?).ok().filter(|&k| k > 0).ok_or_else(|| Error::format("chunks must be positive"))?;
+                            n.div_ceil(chunks)
+                        } else {
+                            usize::try_from(a.int("split_size", 1)?).ok().filter(|&k| k > 0).ok_or_else(|| Error::format("split_size must be positive"))?
+                        };
+                        let mut sizes = vec![piece; n / piece.max(1)];
+                        if n % piece != 0 {
+                            sizes.push(n % piece);
+                        }
+                        sizes
+                    }
+                };
+                self.split(c, x, dim, &sizes)
+            }
+            ("unbind", "int") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let dim = self.dim(c, "dim", 0, shape.len())?;
+                for index in 0..shape[dim] {
+                    let v = self.emit1(c, Op::Select { dim, index }, vec![Some(x)])?;
+                    self.bind(c, index, v)?;
+                }
+                Ok(())
+            }
+            ("cat", "default") => {
+                let parts = self.tensor_list(c, "tensors")?;
+                // legacy 1-D empty tensors do not decide the rank
+                let rank = parts.iter().map(|&p| self.shape(p)).find(|s| s != &[0]).map_or(1, |s| s.len());
+                let dim = self.dim(c, "dim", 0, rank)?;
+                self.finish(c, Op::Cat { dim }, parts.into_iter().map(Some).collect())
+            }
+            ("stack", "default") => {
+                let parts = self.tensor_list(c, "tensors")?;
+                let first = parts.first().ok_or_else(|| Error::shape("stack of no tensors"))?;
+                let mut shape = self.shape(*first);
+                let dim = self.dim(c, "dim", 0, shape.len() + 1)?;
+                shape.insert(dim, 1);
+                let mut unsqueezed = vec![];
+                for p in parts {
+                    unsqueezed.push(Some(self.emit1(c, Op::Reshape { shape: shape.clone() }, vec![Some(p)])?));
+                }
+                self.finish(c, Op::Cat { dim }, unsqueezed)
+            }
+            ("index_select", "default") => {
+                let x = self.t(c, "self")?;
+                let dim = self.dim(c, "dim", 0, self.rank(x))?;
+                let i = self.t(c, "index")?;
+                self.finish(c, Op::IndexSelect { dim }, vec![Some(x), Some(i)])
+            }
+            ("gather", "default") => {
+                let x = self.t(c, "self")?;
+                let dim = self.dim(c, "dim", 0, self.rank(x))?;
+                let i = self.t(c, "index")?;
+                self.finish(c, Op::Gather { dim }, vec![Some(x), Some(i)])
+            }
+            ("index", "Tensor") => {
+                let x = self.t(c, "self")?;
+                let mut inputs = vec![Some(x)];
+                for name in a.tensor_names("indices")? {
+                    inputs.push(name.map(|n| self.lookup(n)).transpose()?);
+                }
+                self.finish(c, Op::Index, inputs)
+            }
+            ("triu" | "tril", "default") => {
+                let x = self.t(c, "self")?;
+                let op = Op::Triangle { upper: name == "triu", diagonal: a.int("diagonal", 0)? };
+                self.finish(c, op, vec![Some(x)])
+            }
+            ("repeat", "default") => {
+                let x = self.t(c, "self")?;
+                let repeats = usizes(&self.req_ints(c, "repeats")?, "repeats")?;
+                self.finish(c, Op::Repeat { repeats }, vec![Some(x)])
+            }
+            ("constant_pad_nd", "default") | ("pad", "default") => {
+                if let Some(mode) = a.string("mode")? {
+                    if mode != "constant" {
+                        return Err(Error::unsupported(format!("pad mode `{mode}` (only constant)")));
+                    }
+                }
+                let x = self.t(c, "self")?;
+                let pad = self.req_ints(c, "pad")?;
+                self.finish(c, Op::ConstantPad { pad, value: a.float("value", 0.0)? }, vec![Some(x)])
+            }
+            ("full", "default") => {
+                let shape = self.size_arg(c, "size")?;
+                let v = self.req_scalar(c, "fill_value")?;
+                self.full(c, shape, v, scalar_dtype(v))
+            }
+            ("zeros" | "ones" | "empty", "default" | "memory_format") => {
+                let shape = self.size_arg(c, "size")?;
+                self.full(c, shape, Scalar::Int((name == "ones") as i64), DType::F32)
+            }
+            ("full_like" | "zeros_like" | "ones_like" | "empty_like", "default") => {
+                let x = self.t(c, "self")?;
+                let v = match name {
+                    "full_like" => self.req_scalar(c, "fill_value")?,
+                    "ones_like" => Scalar::Int(1),
+                    _ => Scalar::Int(0),
+                };
+                let (shape, dtype) = (self.shape(x), self.dtype(x));
+                self.full(c, shape, v, dtype)
+            }
+            ("new_zeros" | "new_ones" | "new_full" | "new_empty", "default") => {
+                let x = self.t(c, "self")?;
+                let shape = self.size_arg(c, "size")?;
+                let v = match name {
+                    "new_full" => self.req_scalar(c, "fill_value")?,
+                    "new_ones" => Scalar::Int(1),
+                    _ => Scalar::Int(0),
+                };
+                let dtype = self.dtype(x);
+                self.full(c, shape, v, dtype)
+            }
+            ("scalar_tensor", "default") => {
+                let v = self.req_scalar(c, "s")?;
+                self.full(c, vec![], v, DType::F32)
+            }
+            ("arange", "default" | "start" | "start_step") => {
+                let start = a.scalar("start")?.unwrap_or(Scalar::Int(0));
+                let end = self.req_scalar(c, "end")?;
+                let step = a.scalar("step")?.unwrap_or(Scalar::Int(1));
+                let all_int = [start, end, step].iter().all(|s| matches!(s, Scalar::Int(_)));
+                let dtype = a.scalar_type("dtype")?.unwrap_or(if all_int { DType::I64 } else { DType::F32 });
+                self.finish(c, Op::Arange { start, end, step, dtype }, vec![])
+            }
+            _ => Err(unknown()),
+        }
+    }
+
+    fn unary_identity(&mut self, c: &Ctx, arg: &str) -> Result<()> {
+        let x = self.t(c, arg)?;
+        self.finish(c, Op::Identity, vec![Some(x)])
+    }
+
+    fn tensor_list(&mut self, c: &Ctx, arg: &str) -> Result<Vec<ValueId>> {
+        let names = c.args.tensor_names(arg)?;
+        names
+            .into_iter()
+            .map(|n| n.ok_or_else(|| Error::format(format!("`{arg}` holds a None"))).and_then(|n| self.lookup(n)))
+            .collect()
+    }
+}
+
+/// Whether an error means "etmetal cannot lower this" (collected and
+/// reported together) rather than "the file is wrong" (reported at once).
+pub(crate) fn is_unsupported(e: &Error) -> bool {
+    e.kind() == ErrorKind::Unsupported
+}

@@ -1,0 +1,242 @@
+//! Import of the `.pt2` archive written by `torch.export.save` (torch 2.9 to
+//! 2.15 layout, schema major 8) into a [`Graph`].
+
+mod archive;
+mod json;
+mod lower;
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+use etmetal_core::error::ResultExt;
+use etmetal_core::{DType, Error, Result};
+use serde_json::Value;
+
+use crate::ir::{Graph, InputKind, OutputKind};
+use archive::Archive;
+use json::{field, short, tensor_meta, union, Args};
+use lower::{is_unsupported, Ctx, Lowerer};
+
+/// The torch.export serde schema major version this importer reads.
+pub const SCHEMA_MAJOR: i64 = 8;
+
+/// Read and import a `.pt2` file.
+pub fn load_pt2(path: &Path) -> Result<Graph> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path.display(), e))?;
+    import_pt2(&bytes, &path.display().to_string())
+}
+
+/// Import a `.pt2` archive held in memory; `origin` names it in messages.
+pub fn import_pt2(bytes: &[u8], origin: &str) -> Result<Graph> {
+    let archive = Archive::open(bytes, origin)?;
+    archive.check_version()?;
+    let (model_path, program) = archive.model_json()?;
+    import_program(&archive, &program).context(format!("{origin}: {model_path}"))
+}
+
+fn check_schema(program: &Value) -> Result<()> {
+    let v = field(program, "schema_version")?;
+    let major = v.get("major").and_then(Value::as_i64);
+    let minor = v.get("minor").and_then(Value::as_i64);
+    match (major, minor) {
+        (Some(SCHEMA_MAJOR), _) | (Some(0), Some(0)) => Ok(()),
+        _ => Err(Error::unsupported(format!(
+            "schema version {}.{} is not supported (etmetal reads major version {SCHEMA_MAJOR}, torch 2.7 to 2.15)",
+            major.map_or("?".into(), |m| m.to_string()),
+            minor.map_or("?".into(), |m| m.to_string())
+        ))),
+    }
+}
+
+fn str_field<'a>(v: &'a Value, key: &str) -> Result<&'a str> {
+    field(v, key)?.as_str().ok_or_else(|| Error::format(format!("`{key}` is not a string")))
+}
+
+/// The value name an input/output `Argument` refers to (`as_tensor`).
+fn arg_tensor_name(arg: &Value) -> Result<&str> {
+    match union(arg)? {
+        ("as_tensor", t) => str_field(t, "name"),
+        (tag, _) => Err(Error::unsupported(format!("non-tensor graph input/output `{tag}`"))),
+    }
+}
+
+/// Output names of a node: one per tensor (`as_tensors` flattened).
+fn node_outputs(node: &Value) -> Result<Vec<Option<String>>> {
+    let mut out = vec![];
+    for o in field(node, "outputs")?.as_array().ok_or_else(|| Error::format("node `outputs` is not a list"))? {
+        match union(o)? {
+            ("as_tensor", t) => out.push(Some(str_field(t, "name")?.to_string())),
+            ("as_tensors", Value::Array(ts)) => {
+                for t in ts {
+                    out.push(Some(str_field(t, "name")?.to_string()));
+                }
+            }
+            ("as_none", _) => out.push(None),
+            (tag, _) => return Err(Error::unsupported(format!("node output of kind `{tag}` (symbolic values are not supported)"))),
+        }
+    }
+    Ok(out)
+}
+
+/// Every tensor name that a node input or a graph output reads.
+fn used_names(graph: &Value) -> HashSet<String> {
+    fn walk(v: &Value, out: &mut HashSet<String>) {
+        match v {
+            Value::Object(o) => {
+                if let Some(Value::Object(t)) = o.get("as_tensor") {
+                    if let Some(Value::String(n)) = t.get("name") {
+                        out.insert(n.clone());
+                    }
+                }
+                if let Some(Value::Array(ts)) = o.get("as_tensors") {
+                    out.extend(ts.iter().filter_map(|t| t.get("name")?.as_str().map(str::to_string)));
+                }
+                o.values().for_each(|v| walk(v, out));
+            }
+            Value::Array(a) => a.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    let mut out = HashSet::new();
+    if let Some(Value::Array(nodes)) = graph.get("nodes") {
+        for n in nodes {
+            if let Some(i) = n.get("inputs") {
+                walk(i, &mut out);
+            }
+        }
+    }
+    if let Some(o) = graph.get("outputs") {
+        walk(o, &mut out);
+    }
+    out
+}
+
+struct Payloads {
+    weights: Option<Value>,
+    constants: Option<Value>,
+}
+
+impl Payloads {
+    fn read(archive: &Archive) -> Result<Payloads> {
+        let find = |dir: &str| -> Result<Option<Value>> {
+            let config = archive.json(&format!("{dir}/model_{}_config.json", dir.rsplit('/').next().unwrap_or(dir)));
+            config.transpose()
+        };
+        Ok(Payloads { weights: find("data/weights")?, constants: find("data/constants")? })
+    }
+
+    /// The data of `fqn`, from the weights config or else the constants one.
+    fn tensor(&self, archive: &Archive, fqn: &str) -> Result<etmetal_core::Tensor> {
+        for (dir, config) in [("data/weights", &self.weights), ("data/constants", &self.constants)] {
+            if let Some(config) = config {
+                if let Some(t) = archive.payload_tensor(dir, config, fqn)? {
+                    return Ok(t);
+                }
+            }
+        }
+        Err(Error::format(format!("no payload for `{fqn}` in the weights or constants configs")))
+    }
+}
+
+fn import_program(archive: &Archive, program: &Value) -> Result<Graph> {
+    check_schema(program)?;
+    let module = field(program, "graph_module")?;
+    let g = field(module, "graph")?;
+    let signature = field(module, "signature")?;
+
+    let mut meta: HashMap<String, (DType, Vec<usize>)> = HashMap::new();
+    if let Some(tv) = g.get("tensor_values").and_then(Value::as_object) {
+        for (name, m) in tv {
+            meta.insert(name.clone(), tensor_meta(m).with_context(|| format!("tensor `{name}`"))?);
+        }
+    }
+    let payloads = Payloads::read(archive)?;
+    let mut lowerer = Lowerer::new(Graph::default(), &meta, used_names(g));
+
+    // Placeholders: one per input spec, in signature order.
+    let specs = field(signature, "input_specs")?.as_array().ok_or_else(|| Error::format("`input_specs` is not a list"))?;
+    for spec in specs {
+        let (tag, body) = union(spec)?;
+        let (name, kind) = match tag {
+            "user_input" => (arg_tensor_name(field(body, "arg")?)?, InputKind::User),
+            "parameter" => (
+                str_field(field(body, "arg")?, "name")?,
+                InputKind::Parameter { fqn: str_field(body, "parameter_name")?.to_string() },
+            ),
+            "buffer" => (
+                str_field(field(body, "arg")?, "name")?,
+                InputKind::Buffer {
+                    fqn: str_field(body, "buffer_name")?.to_string(),
+                    persistent: body.get("persistent").and_then(Value::as_bool).unwrap_or(true),
+                },
+            ),
+            "tensor_constant" => (
+                str_field(field(body, "arg")?, "name")?,
+                InputKind::Constant { fqn: str_field(body, "tensor_constant_name")?.to_string() },
+            ),
+            other => return Err(Error::unsupported(format!("graph input of kind `{other}`: {}", short(body)))),
+        };
+        let (dtype, shape) = meta
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::format(format!("input `{name}` has no entry in tensor_values")))?;
+        let fqn = match &kind {
+            InputKind::User => None,
+            InputKind::Parameter { fqn } | InputKind::Buffer { fqn, .. } | InputKind::Constant { fqn } => Some(fqn.clone()),
+        };
+        let id = lowerer.graph.add_value(name, dtype, shape.clone());
+        if let Some(fqn) = fqn {
+            let t = payloads.tensor(archive, &fqn).with_context(|| format!("input `{name}`"))?;
+            if t.dtype() != dtype || t.shape() != shape.as_slice() {
+                return Err(Error::format(format!(
+                    "input `{name}` (`{fqn}`): payload is {} {:?}, the graph says {dtype} {shape:?}",
+                    t.dtype(),
+                    t.shape()
+                )));
+            }
+            lowerer.graph.constants.insert(id, t);
+        }
+        lowerer.graph.inputs.push((id, kind));
+        lowerer.bind_input(name, id);
+    }
+
+    let nodes = field(g, "nodes")?.as_array().ok_or_else(|| Error::format("`nodes` is not a list"))?;
+    let mut unsupported = vec![];
+    for (i, n) in nodes.iter().enumerate() {
+        let target = str_field(n, "target")?.to_string();
+        let name = n.get("name").and_then(Value::as_str).map_or_else(|| format!("node{i}"), str::to_string);
+        let where_ = format!("node `{name}` ({target})");
+        let outputs = node_outputs(n).context(where_.clone());
+        let args = Args::new(field(n, "inputs")?).context(where_.clone());
+        let lowered = outputs.and_then(|o| args.map(|a| (o, a))).and_then(|(outputs, args)| {
+            lowerer.lower(&Ctx::new(name.clone(), target.clone(), args, outputs))
+        });
+        match lowered {
+            Ok(_) => {}
+            Err(e) if is_unsupported(&e) => unsupported.push(format!("{where_}: {}", e.message())),
+            Err(e) => return Err(e.context(where_)),
+        }
+    }
+    if !unsupported.is_empty() {
+        return Err(Error::unsupported(format!(
+            "{} unsupported node(s):\n  {}",
+            unsupported.len(),
+            unsupported.join("\n  ")
+        )));
+    }
+
+    let out_specs = field(signature, "output_specs")?.as_array().ok_or_else(|| Error::format("`output_specs` is not a list"))?;
+    for spec in out_specs {
+        let (tag, body) = union(spec)?;
+        let name = arg_tensor_name(field(body, "arg")?)?;
+        let kind = match tag {
+            "user_output" => OutputKind::User,
+            "buffer_mutation" => OutputKind::BufferMutation { fqn: str_field(body, "buffer_name")?.to_string() },
+            "user_input_mutation" => OutputKind::UserInputMutation { input_name: str_field(body, "user_input_name")?.to_string() },
+            other => return Err(Error::unsupported(format!("graph output of kind `{other}`"))),
+        };
+        let id = lowerer.lookup(name).with_context(|| format!("graph output `{name}`"))?;
+        lowerer.graph.outputs.push((id, kind));
+    }
+    Ok(lowerer.graph)
+}
