@@ -13,8 +13,8 @@
 use std::marker::PhantomData;
 
 use flatbuffers::{
-    ForwardsUOffset, InvalidFlatbuffer, Table, Vector, Verifiable, Verifier, VerifierOptions,
-    VOffsetT,
+    ForwardsUOffset, InvalidFlatbuffer, Table, VOffsetT, Vector, Verifiable, Verifier,
+    VerifierOptions,
 };
 
 /// A table of marker type `M` inside a verified buffer.

@@ -37,7 +37,10 @@ impl ExtendedHeader {
             return Ok(None);
         }
         let truncated = || {
-            Error::format(format!("extended header: file of {} bytes ends inside the header", file.len()))
+            Error::format(format!(
+                "extended header: file of {} bytes ends inside the header",
+                file.len()
+            ))
         };
         let length = u32_at(file, 12).ok_or_else(truncated)?;
         if length < MIN_HEADER_LENGTH {
@@ -47,9 +50,16 @@ impl ExtendedHeader {
         }
         let program_size = u64_at(file, 16).ok_or_else(truncated)?;
         let segment_base_offset = u64_at(file, 24).ok_or_else(truncated)?;
-        let segment_data_size =
-            if length >= HEADER_LENGTH { u64_at(file, 32).ok_or_else(truncated)? } else { 0 };
-        let header = ExtendedHeader { program_size, segment_base_offset, segment_data_size };
+        let segment_data_size = if length >= HEADER_LENGTH {
+            u64_at(file, 32).ok_or_else(truncated)?
+        } else {
+            0
+        };
+        let header = ExtendedHeader {
+            program_size,
+            segment_base_offset,
+            segment_data_size,
+        };
         header.check(file.len() as u64, HEADER_OFFSET as u64 + u64::from(length))?;
         Ok(Some(header))
     }
@@ -118,7 +128,14 @@ mod tests {
         // FORMATS.md A.2: program_size 1864, base 1920, data 52.
         let f = file_with(32, 1864, 1920, 52, 1972);
         let h = ExtendedHeader::parse(&f).unwrap().unwrap();
-        assert_eq!(h, ExtendedHeader { program_size: 1864, segment_base_offset: 1920, segment_data_size: 52 });
+        assert_eq!(
+            h,
+            ExtendedHeader {
+                program_size: 1864,
+                segment_base_offset: 1920,
+                segment_data_size: 52
+            }
+        );
         assert_eq!(&h.to_bytes()[..], &f[8..40]);
     }
 
@@ -130,7 +147,9 @@ mod tests {
         assert!(msg(file_with(32, 64, 128, 16, 140)).contains("segments end at 128 + 16"));
         assert!(msg(file_with(32, 64, 32, 0, 128)).contains("lies inside the program"));
         // Pre-v1.0 header (length 24): data size reads as 0 and the end check is skipped.
-        let old = ExtendedHeader::parse(&file_with(24, 64, 128, 999, 128)).unwrap().unwrap();
+        let old = ExtendedHeader::parse(&file_with(24, 64, 128, 999, 128))
+            .unwrap()
+            .unwrap();
         assert_eq!(old.segment_data_size, 0);
         assert!(ExtendedHeader::parse(&[0u8; 8]).unwrap().is_none());
     }

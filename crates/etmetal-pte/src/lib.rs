@@ -16,4 +16,6 @@ pub mod write;
 pub use header::ExtendedHeader;
 pub use read::{parse, PteFile};
 pub use schema::*;
-pub use write::{add_named_data, constant_segment, serialize, Segment};
+pub use write::{
+    add_named_data, constant_segment, layout_segments, serialize, serialize_as_is, Segment,
+};

@@ -53,7 +53,11 @@ impl PteFile {
     /// Parse and verify bytes that tensors may go on sharing.
     pub fn from_shared(data: SharedBytes) -> Result<PteFile> {
         let (program, header) = parse_program((*data).as_ref())?;
-        Ok(PteFile { program, header, data })
+        Ok(PteFile {
+            program,
+            header,
+            data,
+        })
     }
 
     /// The whole file.
@@ -75,7 +79,9 @@ impl PteFile {
     /// Every segment's bytes, borrowed, at the default alignment: what
     /// [`crate::serialize`] takes to write this program again.
     pub fn segments(&self) -> Result<Vec<Segment<'_>>> {
-        (0..self.program.segments.len()).map(|i| Ok(Segment::new(self.segment(i)?))).collect()
+        (0..self.program.segments.len())
+            .map(|i| Ok(Segment::new(self.segment(i)?)))
+            .collect()
     }
 
     pub fn segment(&self, index: usize) -> Result<&[u8]> {
@@ -85,9 +91,14 @@ impl PteFile {
 
     /// The bytes of named data `key`.
     pub fn named_data(&self, key: &str) -> Result<&[u8]> {
-        let entry = self.program.named_data.iter().find(|n| n.key == key).ok_or_else(|| {
-            Error::invalid_input(format!("named data `{key}` is not in the program"))
-        })?;
+        let entry = self
+            .program
+            .named_data
+            .iter()
+            .find(|n| n.key == key)
+            .ok_or_else(|| {
+                Error::invalid_input(format!("named data `{key}` is not in the program"))
+            })?;
         self.segment(entry.segment_index as usize)
     }
 
@@ -98,7 +109,9 @@ impl PteFile {
             .execution_plan
             .get(plan)
             .and_then(|p| p.delegates.get(delegate))
-            .ok_or_else(|| Error::invalid_input(format!("no delegate {delegate} in execution plan {plan}")))?;
+            .ok_or_else(|| {
+                Error::invalid_input(format!("no delegate {delegate} in execution plan {plan}"))
+            })?;
         let index = d.processed.index as usize;
         match d.processed.location {
             DataLocation::Segment => self.segment(index),
@@ -107,7 +120,9 @@ impl PteFile {
                 .backend_delegate_data
                 .get(index)
                 .map(|b| b.data.as_slice())
-                .ok_or_else(|| Error::format(format!("inline delegate data {index} does not exist"))),
+                .ok_or_else(|| {
+                    Error::format(format!("inline delegate data {index} does not exist"))
+                }),
         }
     }
 
@@ -115,14 +130,21 @@ impl PteFile {
     /// borrowed from the file (or copied from the deprecated inline buffers).
     pub fn constant_tensor(&self, plan: usize, value: usize) -> Result<etmetal_core::Tensor> {
         let where_ = format!("execution_plan[{plan}].values[{value}]");
-        let t = match self.program.execution_plan.get(plan).and_then(|p| p.values.get(value)) {
+        let t = match self
+            .program
+            .execution_plan
+            .get(plan)
+            .and_then(|p| p.values.get(value))
+        {
             Some(EValue::Tensor(t)) => t,
             _ => return Err(Error::invalid_input(format!("{where_} is not a tensor"))),
         };
         let shape: Vec<usize> = t.sizes.iter().map(|&s| s as usize).collect();
         let idx = t.data_buffer_idx as usize;
         if idx == 0 || t.allocation_info.is_some() {
-            return Err(Error::invalid_input(format!("{where_} is not a constant tensor")));
+            return Err(Error::invalid_input(format!(
+                "{where_} is not a constant tensor"
+            )));
         }
         if !self.program.constant_buffer.is_empty() {
             let storage = &self.program.constant_buffer.get(idx).ok_or_else(|| {
@@ -130,20 +152,28 @@ impl PteFile {
             })?;
             let len = verify::tensor_nbytes(t, &where_)? as usize;
             let bytes = storage.storage.get(..len).ok_or_else(|| {
-                Error::format(format!("{where_}: constant buffer {idx} is shorter than {len} bytes"))
+                Error::format(format!(
+                    "{where_}: constant buffer {idx} is shorter than {len} bytes"
+                ))
             })?;
             return etmetal_core::Tensor::from_bytes(t.scalar_type, &shape, bytes);
         }
         let seg = self.program.constant_segment.as_ref().ok_or_else(|| {
-            Error::format(format!("{where_}: constant tensor but the program has no constant segment"))
+            Error::format(format!(
+                "{where_}: constant tensor but the program has no constant segment"
+            ))
         })?;
-        let offset = *seg
-            .offsets
-            .get(idx)
-            .ok_or_else(|| Error::format(format!("{where_}: constant offset {idx} does not exist")))?;
+        let offset = *seg.offsets.get(idx).ok_or_else(|| {
+            Error::format(format!("{where_}: constant offset {idx} does not exist"))
+        })?;
         let start = self.segment_range(seg.segment_index as usize)?.start;
-        etmetal_core::Tensor::from_shared(t.scalar_type, &shape, self.shared_bytes(), start + offset as usize)
-            .map_err(|e| e.context(where_))
+        etmetal_core::Tensor::from_shared(
+            t.scalar_type,
+            &shape,
+            self.shared_bytes(),
+            start + offset as usize,
+        )
+        .map_err(|e| e.context(where_))
     }
 }
 
@@ -157,7 +187,11 @@ pub fn parse_program(file: &[u8]) -> Result<(Program, Option<ExtendedHeader>)> {
     }
     let ident = &file[4..8];
     if ident != FILE_IDENTIFIER {
-        let hint = if ident.starts_with(b"ET") { " (another ExecuTorch schema version)" } else { "" };
+        let hint = if ident.starts_with(b"ET") {
+            " (another ExecuTorch schema version)"
+        } else {
+            ""
+        };
         return Err(Error::format(format!(
             "file identifier is {:?}, expected \"ET12\"{hint}",
             String::from_utf8_lossy(ident)
@@ -170,12 +204,8 @@ pub fn parse_program(file: &[u8]) -> Result<(Program, Option<ExtendedHeader>)> {
     };
     let root = fb::root(program_bytes)
         .map_err(|e| Error::format(format!("program flatbuffer does not verify: {e}")))?;
-    let version = root.version().unwrap_or(0);
-    if version > 0 {
-        return Err(Error::format(format!(
-            "program schema version {version} is newer than the supported version 0"
-        )));
-    }
+    // Before decoding: a newer schema may use tags this reader does not know.
+    verify::check_version(root.version().unwrap_or(0))?;
     let program = decode_program(root)?;
     verify::check(&program, header.as_ref(), file.len())?;
     Ok((program, header))
@@ -190,19 +220,27 @@ fn scalars<'a, T: Follow<'a> + 'a>(v: Option<Vector<'a, T>>) -> Vec<T::Inner> {
 }
 
 /// Decode every table of a vector, naming each one `path[i]` for errors.
-fn tables<'a, M: 'a, R>(
+fn tables<'a, M, R>(
     v: Option<Vector<'a, ForwardsUOffset<M>>>,
     path: &str,
     decode: impl Fn(View<'a, M>, &str) -> Result<R>,
 ) -> Result<Vec<R>>
 where
-    M: Follow<'a, Inner = View<'a, M>>,
+    M: 'a + Follow<'a, Inner = View<'a, M>>,
 {
     let Some(v) = v else { return Ok(Vec::new()) };
-    v.iter().enumerate().map(|(i, t)| decode(t, &format!("{path}[{i}]"))).collect()
+    v.iter()
+        .enumerate()
+        .map(|(i, t)| decode(t, &format!("{path}[{i}]")))
+        .collect()
 }
 
-fn known_enum<T>(value: Option<i8>, parse: fn(i8) -> Option<T>, what: &str, path: &str) -> Result<T> {
+fn known_enum<T>(
+    value: Option<i8>,
+    parse: fn(i8) -> Option<T>,
+    what: &str,
+    path: &str,
+) -> Result<T> {
     let value = value.unwrap_or(0);
     parse(value).ok_or_else(|| Error::format(format!("{path}: unknown {what} {value}")))
 }
@@ -212,26 +250,45 @@ fn decode_program(p: View<'_, fb::ProgramT>) -> Result<Program> {
         version: p.version().unwrap_or(0),
         execution_plan: tables(p.execution_plan(), "execution_plan", decode_plan)?,
         constant_buffer: tables(p.constant_buffer(), "constant_buffer", |b, _| {
-            Ok(Buffer { storage: scalars(b.storage()) })
+            Ok(Buffer {
+                storage: scalars(b.storage()),
+            })
         })?,
-        backend_delegate_data: tables(p.backend_delegate_data(), "backend_delegate_data", |b, _| {
-            Ok(BackendDelegateInlineData { data: scalars(b.data()) })
-        })?,
+        backend_delegate_data: tables(
+            p.backend_delegate_data(),
+            "backend_delegate_data",
+            |b, _| {
+                Ok(BackendDelegateInlineData {
+                    data: scalars(b.data()),
+                })
+            },
+        )?,
         segments: tables(p.segments(), "segments", |s, _| {
-            Ok(DataSegment { offset: s.offset().unwrap_or(0), size: s.size().unwrap_or(0) })
+            Ok(DataSegment {
+                offset: s.offset().unwrap_or(0),
+                size: s.size().unwrap_or(0),
+            })
         })?,
         constant_segment: p.constant_segment().map(decode_subsegment),
-        mutable_data_segments: tables(p.mutable_data_segments(), "mutable_data_segments", |s, _| {
-            Ok(decode_subsegment(s))
-        })?,
+        mutable_data_segments: tables(
+            p.mutable_data_segments(),
+            "mutable_data_segments",
+            |s, _| Ok(decode_subsegment(s)),
+        )?,
         named_data: tables(p.named_data(), "named_data", |n, _| {
-            Ok(NamedData { key: string(n.key()), segment_index: n.segment_index().unwrap_or(0) })
+            Ok(NamedData {
+                key: string(n.key()),
+                segment_index: n.segment_index().unwrap_or(0),
+            })
         })?,
     })
 }
 
 fn decode_subsegment(s: View<'_, fb::SubsegmentOffsetsT>) -> SubsegmentOffsets {
-    SubsegmentOffsets { segment_index: s.segment_index().unwrap_or(0), offsets: scalars(s.offsets()) }
+    SubsegmentOffsets {
+        segment_index: s.segment_index().unwrap_or(0),
+        offsets: scalars(s.offsets()),
+    }
 }
 
 fn decode_plan(p: View<'_, fb::ExecutionPlanT>, path: &str) -> Result<ExecutionPlan> {
@@ -246,20 +303,32 @@ fn decode_plan(p: View<'_, fb::ExecutionPlanT>, path: &str) -> Result<ExecutionP
         outputs: scalars(p.outputs()),
         chains: tables(p.chains(), &format!("{path}.chains"), decode_chain)?,
         operators: tables(p.operators(), &format!("{path}.operators"), |o, _| {
-            Ok(Operator { name: string(o.name()), overload: string(o.overload()) })
+            Ok(Operator {
+                name: string(o.name()),
+                overload: string(o.overload()),
+            })
         })?,
         delegates: tables(p.delegates(), &format!("{path}.delegates"), decode_delegate)?,
         non_const_buffer_sizes: scalars(p.non_const_buffer_sizes()),
         non_const_buffer_device: p
             .non_const_buffer_device()
             .map(|v| {
-                tables(Some(v), &format!("{path}.non_const_buffer_device"), |d, path| {
-                    Ok(NonConstBufferDevice {
-                        buffer_idx: d.buffer_idx().unwrap_or(0),
-                        device_type: known_enum(d.device_type(), DeviceType::from_i8, "device type", path)?,
-                        device_index: d.device_index().unwrap_or(0),
-                    })
-                })
+                tables(
+                    Some(v),
+                    &format!("{path}.non_const_buffer_device"),
+                    |d, path| {
+                        Ok(NonConstBufferDevice {
+                            buffer_idx: d.buffer_idx().unwrap_or(0),
+                            device_type: known_enum(
+                                d.device_type(),
+                                DeviceType::from_i8,
+                                "device type",
+                                path,
+                            )?,
+                            device_index: d.device_index().unwrap_or(0),
+                        })
+                    },
+                )
             })
             .transpose()?,
     })
@@ -267,9 +336,13 @@ fn decode_plan(p: View<'_, fb::ExecutionPlanT>, path: &str) -> Result<ExecutionP
 
 fn decode_value(v: View<'_, fb::EValueT>, path: &str) -> Result<EValue> {
     Ok(match v.value() {
-        KernelTypesView::None => return Err(Error::format(format!("{path}: value has no type (NONE)"))),
+        KernelTypesView::None => {
+            return Err(Error::format(format!("{path}: value has no type (NONE)")))
+        }
         KernelTypesView::Unknown(tag) => {
-            return Err(Error::format(format!("{path}: unknown KernelTypes tag {tag}")))
+            return Err(Error::format(format!(
+                "{path}: unknown KernelTypes tag {tag}"
+            )))
         }
         KernelTypesView::Null(_) => EValue::Null,
         KernelTypesView::Int(i) => EValue::Int(i.int_val().unwrap_or(0)),
@@ -287,7 +360,8 @@ fn decode_value(v: View<'_, fb::EValueT>, path: &str) -> Result<EValue> {
 
 fn decode_tensor(t: View<'_, fb::TensorT>, path: &str) -> Result<Tensor> {
     let code = t.scalar_type().unwrap_or(0);
-    let scalar_type = DType::from_executorch(code).map_err(|e| e.context(format!("{path}: tensor")))?;
+    let scalar_type =
+        DType::from_executorch(code).map_err(|e| e.context(format!("{path}: tensor")))?;
     Ok(Tensor {
         scalar_type,
         storage_offset: t.storage_offset().unwrap_or(0),
@@ -301,15 +375,30 @@ fn decode_tensor(t: View<'_, fb::TensorT>, path: &str) -> Result<Tensor> {
             memory_offset_high: a.memory_offset_high().unwrap_or(0),
         }),
         layout: t.layout().unwrap_or(0),
-        shape_dynamism: known_enum(t.shape_dynamism(), TensorShapeDynamism::from_i8, "shape dynamism", path)?,
+        shape_dynamism: known_enum(
+            t.shape_dynamism(),
+            TensorShapeDynamism::from_i8,
+            "shape dynamism",
+            path,
+        )?,
         extra_tensor_info: t
             .extra_tensor_info()
             .map(|e| -> Result<ExtraTensorInfo> {
                 Ok(ExtraTensorInfo {
                     mutable_data_segments_idx: e.mutable_data_segments_idx().unwrap_or(0),
                     fully_qualified_name: string(e.fully_qualified_name()),
-                    location: known_enum(e.location(), TensorDataLocation::from_i8, "tensor data location", path)?,
-                    device_type: known_enum(e.device_type(), DeviceType::from_i8, "device type", path)?,
+                    location: known_enum(
+                        e.location(),
+                        TensorDataLocation::from_i8,
+                        "tensor data location",
+                        path,
+                    )?,
+                    device_type: known_enum(
+                        e.device_type(),
+                        DeviceType::from_i8,
+                        "device type",
+                        path,
+                    )?,
                     device_index: e.device_index().unwrap_or(0),
                 })
             })
@@ -321,7 +410,11 @@ fn decode_chain(c: View<'_, fb::ChainT>, path: &str) -> Result<Chain> {
     Ok(Chain {
         inputs: scalars(c.inputs()),
         outputs: scalars(c.outputs()),
-        instructions: tables(c.instructions(), &format!("{path}.instructions"), decode_instruction)?,
+        instructions: tables(
+            c.instructions(),
+            &format!("{path}.instructions"),
+            decode_instruction,
+        )?,
         stacktrace: c
             .stacktrace()
             .map(|v| {
@@ -345,10 +438,14 @@ fn decode_chain(c: View<'_, fb::ChainT>, path: &str) -> Result<Chain> {
 fn decode_instruction(i: View<'_, fb::InstructionT>, path: &str) -> Result<Instruction> {
     Ok(match i.value() {
         InstructionArgumentsView::None => {
-            return Err(Error::format(format!("{path}: instruction has no arguments (NONE)")))
+            return Err(Error::format(format!(
+                "{path}: instruction has no arguments (NONE)"
+            )))
         }
         InstructionArgumentsView::Unknown(tag) => {
-            return Err(Error::format(format!("{path}: unknown InstructionArguments tag {tag}")))
+            return Err(Error::format(format!(
+                "{path}: unknown InstructionArguments tag {tag}"
+            )))
         }
         InstructionArgumentsView::KernelCall(k) => Instruction::KernelCall(KernelCall {
             op_index: k.op_index().unwrap_or(0),
@@ -366,25 +463,41 @@ fn decode_instruction(i: View<'_, fb::InstructionT>, path: &str) -> Result<Instr
             cond_value_index: j.cond_value_index().unwrap_or(0),
             destination_instruction: j.destination_instruction().unwrap_or(0),
         }),
-        InstructionArgumentsView::FreeCall(f) => {
-            Instruction::FreeCall(FreeCall { value_index: f.value_index().unwrap_or(0) })
-        }
+        InstructionArgumentsView::FreeCall(f) => Instruction::FreeCall(FreeCall {
+            value_index: f.value_index().unwrap_or(0),
+        }),
     })
 }
 
 fn decode_delegate(d: View<'_, fb::BackendDelegateT>, path: &str) -> Result<BackendDelegate> {
     let processed = match d.processed() {
         Some(r) => BackendDelegateDataReference {
-            location: known_enum(r.location(), DataLocation::from_i8, "delegate data location", path)?,
+            location: known_enum(
+                r.location(),
+                DataLocation::from_i8,
+                "delegate data location",
+                path,
+            )?,
             index: r.index().unwrap_or(0),
         },
-        None => return Err(Error::format(format!("{path}: delegate has no processed data reference"))),
+        None => {
+            return Err(Error::format(format!(
+                "{path}: delegate has no processed data reference"
+            )))
+        }
     };
     Ok(BackendDelegate {
         id: string(d.id()),
         processed,
-        compile_specs: tables(d.compile_specs(), &format!("{path}.compile_specs"), |c, _| {
-            Ok(CompileSpec { key: string(c.key()), value: scalars(c.value()) })
-        })?,
+        compile_specs: tables(
+            d.compile_specs(),
+            &format!("{path}.compile_specs"),
+            |c, _| {
+                Ok(CompileSpec {
+                    key: string(c.key()),
+                    value: scalars(c.value()),
+                })
+            },
+        )?,
     })
 }

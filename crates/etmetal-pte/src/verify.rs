@@ -18,21 +18,44 @@ fn fail<T>(path: &str, msg: impl std::fmt::Display) -> Result<T> {
 /// (times the element size) must fit in u64.
 pub fn tensor_nbytes(t: &Tensor, path: &str) -> Result<u64> {
     if t.sizes.iter().any(|&s| s < 0) {
-        return fail(path, format!("tensor sizes {:?} have a negative size", t.sizes));
+        return fail(
+            path,
+            format!("tensor sizes {:?} have a negative size", t.sizes),
+        );
     }
     t.sizes
         .iter()
-        .try_fold(t.scalar_type.size() as u64, |acc, &s| acc.checked_mul(s as u64))
-        .map_or_else(|| fail(path, format!("tensor sizes {:?} overflow u64 bytes", t.sizes)), Ok)
+        .try_fold(t.scalar_type.size() as u64, |acc, &s| {
+            acc.checked_mul(s as u64)
+        })
+        .map_or_else(
+            || {
+                fail(
+                    path,
+                    format!("tensor sizes {:?} overflow u64 bytes", t.sizes),
+                )
+            },
+            Ok,
+        )
 }
 
 /// Absolute file range of `segments[index]`.
-pub(crate) fn segment_range(program: &Program, base: u64, file_len: usize, index: usize) -> Result<Range<usize>> {
+pub(crate) fn segment_range(
+    program: &Program,
+    base: u64,
+    file_len: usize,
+    index: usize,
+) -> Result<Range<usize>> {
     let path = format!("segments[{index}]");
     let Some(seg) = program.segments.get(index) else {
-        return fail(&path, format!("does not exist ({} segments)", program.segments.len()));
+        return fail(
+            &path,
+            format!("does not exist ({} segments)", program.segments.len()),
+        );
     };
-    let end = base.checked_add(seg.offset).and_then(|s| Some((s, s.checked_add(seg.size)?)));
+    let end = base
+        .checked_add(seg.offset)
+        .and_then(|s| Some((s, s.checked_add(seg.size)?)));
     match end {
         Some((start, end)) if end <= file_len as u64 => Ok(start as usize..end as usize),
         _ => fail(
@@ -45,19 +68,48 @@ pub(crate) fn segment_range(program: &Program, base: u64, file_len: usize, index
     }
 }
 
+/// The schema versions this reader understands (`EXECUTORCH_SCHEMA_VERSION`).
+pub const MAX_SCHEMA_VERSION: u32 = 0;
+
+pub(crate) fn check_version(version: u32) -> Result<()> {
+    if version > MAX_SCHEMA_VERSION {
+        return Err(Error::format(format!(
+            "program schema version {version} is newer than the supported version {MAX_SCHEMA_VERSION}"
+        )));
+    }
+    Ok(())
+}
+
 /// Check everything [`crate::read::parse`] promises about a program.
-pub(crate) fn check(program: &Program, header: Option<&ExtendedHeader>, file_len: usize) -> Result<()> {
+pub(crate) fn check(
+    program: &Program,
+    header: Option<&ExtendedHeader>,
+    file_len: usize,
+) -> Result<()> {
+    check_version(program.version)?;
     let seg_sizes = check_segments(program, header, file_len)?;
     let seg_size = |index: u32, path: &str| -> Result<u64> {
         match seg_sizes.get(index as usize) {
             Some(&s) => Ok(s),
-            None => fail(path, format!("segment index {index} is out of range ({} segments)", seg_sizes.len())),
+            None => fail(
+                path,
+                format!(
+                    "segment index {index} is out of range ({} segments)",
+                    seg_sizes.len()
+                ),
+            ),
         }
     };
     let check_offsets = |s: &SubsegmentOffsets, path: &str| -> Result<()> {
         let size = seg_size(s.segment_index, path)?;
         match s.offsets.iter().position(|&o| o > size) {
-            Some(i) => fail(path, format!("offsets[{i}] = {} is past the {size}-byte segment", s.offsets[i])),
+            Some(i) => fail(
+                path,
+                format!(
+                    "offsets[{i}] = {} is past the {size}-byte segment",
+                    s.offsets[i]
+                ),
+            ),
             None => Ok(()),
         }
     };
@@ -66,7 +118,10 @@ pub(crate) fn check(program: &Program, header: Option<&ExtendedHeader>, file_len
         // segment index is not used and files without segments are fine.
         if cs.offsets.len() > 1 {
             if !program.constant_buffer.is_empty() {
-                return fail("constant_segment", "both constant_buffer and constant_segment.offsets are set");
+                return fail(
+                    "constant_segment",
+                    "both constant_buffer and constant_segment.offsets are set",
+                );
             }
             check_offsets(cs, "constant_segment")?;
         }
@@ -77,7 +132,10 @@ pub(crate) fn check(program: &Program, header: Option<&ExtendedHeader>, file_len
     for (i, n) in program.named_data.iter().enumerate() {
         seg_size(n.segment_index, &format!("named_data[{i}] `{}`", n.key))?;
     }
-    let data = DataChecker { program, seg_size: &seg_size };
+    let data = DataChecker {
+        program,
+        seg_size: &seg_size,
+    };
     for (p, plan) in program.execution_plan.iter().enumerate() {
         check_plan(plan, &format!("execution_plan[{p}]"), &data)?;
     }
@@ -86,7 +144,11 @@ pub(crate) fn check(program: &Program, header: Option<&ExtendedHeader>, file_len
 
 /// Segments inside the file and the header's segment area, not overlapping.
 /// Returns each segment's size.
-fn check_segments(program: &Program, header: Option<&ExtendedHeader>, file_len: usize) -> Result<Vec<u64>> {
+fn check_segments(
+    program: &Program,
+    header: Option<&ExtendedHeader>,
+    file_len: usize,
+) -> Result<Vec<u64>> {
     let base = header.map_or(0, |h| h.segment_base_offset);
     let data_size = header.map_or(0, |h| h.segment_data_size);
     // Without a base offset only empty segments make sense (the writer adds
@@ -95,7 +157,10 @@ fn check_segments(program: &Program, header: Option<&ExtendedHeader>, file_len: 
         if let Some(i) = program.segments.iter().position(|s| s.size > 0) {
             return fail(
                 &format!("segments[{i}]"),
-                format!("{} bytes of data but no extended header gives a segment base offset", program.segments[i].size),
+                format!(
+                    "{} bytes of data but no extended header gives a segment base offset",
+                    program.segments[i].size
+                ),
             );
         }
     }
@@ -121,7 +186,10 @@ fn check_segments(program: &Program, header: Option<&ExtendedHeader>, file_len: 
         if b.start < a.end {
             return fail(
                 &format!("segments[{ib}]"),
-                format!("bytes {}..{} overlap segments[{ia}] at {}..{}", b.start, b.end, a.start, a.end),
+                format!(
+                    "bytes {}..{} overlap segments[{ia}] at {}..{}",
+                    b.start, b.end, a.start, a.end
+                ),
             );
         }
     }
@@ -135,13 +203,31 @@ struct DataChecker<'a> {
 
 impl DataChecker<'_> {
     /// `offsets[idx] + nbytes` inside the segment that `s` describes.
-    fn in_subsegment(&self, s: &SubsegmentOffsets, idx: u32, nbytes: u64, what: &str, path: &str) -> Result<()> {
+    fn in_subsegment(
+        &self,
+        s: &SubsegmentOffsets,
+        idx: u32,
+        nbytes: u64,
+        what: &str,
+        path: &str,
+    ) -> Result<()> {
         let Some(&offset) = s.offsets.get(idx as usize) else {
-            return fail(path, format!("data_buffer_idx {idx} is out of range ({} {what} offsets)", s.offsets.len()));
+            return fail(
+                path,
+                format!(
+                    "data_buffer_idx {idx} is out of range ({} {what} offsets)",
+                    s.offsets.len()
+                ),
+            );
         };
         let size = (self.seg_size)(s.segment_index, path)?;
         if offset.checked_add(nbytes).is_none_or(|end| end > size) {
-            return fail(path, format!("{nbytes} bytes at {what} offset {offset} run past the {size}-byte segment"));
+            return fail(
+                path,
+                format!(
+                    "{nbytes} bytes at {what} offset {offset} run past the {size}-byte segment"
+                ),
+            );
         }
         Ok(())
     }
@@ -149,14 +235,23 @@ impl DataChecker<'_> {
     /// The stored data of a tensor (constant or initial mutable state) is in range.
     fn tensor_data(&self, t: &Tensor, nbytes: u64, path: &str) -> Result<()> {
         let idx = t.data_buffer_idx;
-        let external = t.extra_tensor_info.as_ref().is_some_and(|e| e.location == TensorDataLocation::External);
+        let external = t
+            .extra_tensor_info
+            .as_ref()
+            .is_some_and(|e| e.location == TensorDataLocation::External);
         if idx == 0 || external {
             return Ok(());
         }
         let program = self.program;
         if t.allocation_info.is_some() {
-            let m = t.extra_tensor_info.as_ref().map_or(0, |e| e.mutable_data_segments_idx);
-            let Some(s) = usize::try_from(m).ok().and_then(|m| program.mutable_data_segments.get(m)) else {
+            let m = t
+                .extra_tensor_info
+                .as_ref()
+                .map_or(0, |e| e.mutable_data_segments_idx);
+            let Some(s) = usize::try_from(m)
+                .ok()
+                .and_then(|m| program.mutable_data_segments.get(m))
+            else {
                 return fail(path, format!("mutable data segment {m} does not exist"));
             };
             return self.in_subsegment(s, idx, nbytes, "mutable data", path);
@@ -164,20 +259,38 @@ impl DataChecker<'_> {
         if !program.constant_buffer.is_empty() {
             return match program.constant_buffer.get(idx as usize) {
                 Some(b) if b.storage.len() as u64 >= nbytes => Ok(()),
-                Some(b) => fail(path, format!("constant_buffer[{idx}] has {} bytes, needs {nbytes}", b.storage.len())),
-                None => fail(path, format!("data_buffer_idx {idx} is out of range ({} constant buffers)", program.constant_buffer.len())),
+                Some(b) => fail(
+                    path,
+                    format!(
+                        "constant_buffer[{idx}] has {} bytes, needs {nbytes}",
+                        b.storage.len()
+                    ),
+                ),
+                None => fail(
+                    path,
+                    format!(
+                        "data_buffer_idx {idx} is out of range ({} constant buffers)",
+                        program.constant_buffer.len()
+                    ),
+                ),
             };
         }
         match &program.constant_segment {
             Some(cs) => self.in_subsegment(cs, idx, nbytes, "constant", path),
-            None => fail(path, format!("data_buffer_idx {idx} but the program has no constant data")),
+            None => fail(
+                path,
+                format!("data_buffer_idx {idx} but the program has no constant data"),
+            ),
         }
     }
 }
 
 fn index_in(index: i32, len: usize, what: &str, path: &str) -> Result<()> {
     if index < 0 || index as usize >= len {
-        return fail(path, format!("{what} {index} is out of range ({len} entries)"));
+        return fail(
+            path,
+            format!("{what} {index} is out of range ({len} entries)"),
+        );
     }
     Ok(())
 }
@@ -193,12 +306,20 @@ fn check_plan(plan: &ExecutionPlan, path: &str, data: &DataChecker) -> Result<()
     }
     for (k, &s) in plan.non_const_buffer_sizes.iter().enumerate() {
         if s < 0 {
-            return fail(&format!("{path}.non_const_buffer_sizes[{k}]"), format!("size {s} is negative"));
+            return fail(
+                &format!("{path}.non_const_buffer_sizes[{k}]"),
+                format!("size {s} is negative"),
+            );
         }
     }
     for (k, d) in plan.non_const_buffer_device.iter().flatten().enumerate() {
         let p = format!("{path}.non_const_buffer_device[{k}]");
-        index_in(d.buffer_idx, plan.non_const_buffer_sizes.len(), "buffer_idx", &p)?;
+        index_in(
+            d.buffer_idx,
+            plan.non_const_buffer_sizes.len(),
+            "buffer_idx",
+            &p,
+        )?;
     }
     for (v, val) in plan.values.iter().enumerate() {
         let p = format!("{path}.values[{v}]");
@@ -220,11 +341,20 @@ fn check_plan(plan: &ExecutionPlan, path: &str, data: &DataChecker) -> Result<()
     for (d, del) in plan.delegates.iter().enumerate() {
         let p = format!("{path}.delegates[{d}] `{}`", del.id);
         let (len, list) = match del.processed.location {
-            DataLocation::Inline => (data.program.backend_delegate_data.len(), "inline delegate data index"),
+            DataLocation::Inline => (
+                data.program.backend_delegate_data.len(),
+                "inline delegate data index",
+            ),
             DataLocation::Segment => (data.program.segments.len(), "delegate segment index"),
         };
         if del.processed.index as usize >= len {
-            return fail(&p, format!("{list} {} is out of range ({len} entries)", del.processed.index));
+            return fail(
+                &p,
+                format!(
+                    "{list} {} is out of range ({len} entries)",
+                    del.processed.index
+                ),
+            );
         }
     }
     for (c, chain) in plan.chains.iter().enumerate() {
@@ -238,9 +368,17 @@ fn check_tensor(t: &Tensor, plan: &ExecutionPlan, path: &str, data: &DataChecker
     let rank = t.sizes.len();
     let mut seen = vec![false; rank];
     let permutation = t.dim_order.len() == rank
-        && t.dim_order.iter().all(|&d| (d as usize) < rank && !std::mem::replace(&mut seen[d as usize], true));
+        && t.dim_order
+            .iter()
+            .all(|&d| (d as usize) < rank && !std::mem::replace(&mut seen[d as usize], true));
     if !permutation {
-        return fail(path, format!("dim_order {:?} is not a permutation of 0..{rank}", t.dim_order));
+        return fail(
+            path,
+            format!(
+                "dim_order {:?} is not a permutation of 0..{rank}",
+                t.dim_order
+            ),
+        );
     }
     if let Some(a) = &t.allocation_info {
         let sizes = &plan.non_const_buffer_sizes;
@@ -248,7 +386,11 @@ fn check_tensor(t: &Tensor, plan: &ExecutionPlan, path: &str, data: &DataChecker
         if a.memory_id == 0 || a.memory_id as usize >= sizes.len() {
             return fail(
                 path,
-                format!("memory_id {} is out of range 1..{} (non_const_buffer_sizes)", a.memory_id, sizes.len()),
+                format!(
+                    "memory_id {} is out of range 1..{} (non_const_buffer_sizes)",
+                    a.memory_id,
+                    sizes.len()
+                ),
             );
         }
         let size = sizes[a.memory_id as usize] as u64;
@@ -256,7 +398,10 @@ fn check_tensor(t: &Tensor, plan: &ExecutionPlan, path: &str, data: &DataChecker
         if offset.checked_add(nbytes).is_none_or(|end| end > size) {
             return fail(
                 path,
-                format!("{nbytes} bytes at offset {offset} of memory {} exceed its {size} bytes", a.memory_id),
+                format!(
+                    "{nbytes} bytes at offset {offset} of memory {} exceed its {size} bytes",
+                    a.memory_id
+                ),
             );
         }
     }
@@ -289,7 +434,12 @@ fn check_chain(chain: &Chain, plan: &ExecutionPlan, path: &str) -> Result<()> {
             }
             Instruction::JumpFalseCall(j) => {
                 value(j.cond_value_index, &p)?;
-                index_in(j.destination_instruction, chain.instructions.len(), "jump destination", &p)?;
+                index_in(
+                    j.destination_instruction,
+                    chain.instructions.len(),
+                    "jump destination",
+                    &p,
+                )?;
             }
             Instruction::FreeCall(f) => value(f.value_index, &p)?,
         }

@@ -28,7 +28,10 @@ pub struct Segment<'a> {
 
 impl<'a> Segment<'a> {
     pub fn new(data: impl Into<Cow<'a, [u8]>>) -> Segment<'a> {
-        Segment { data: data.into(), alignment: 1 }
+        Segment {
+            data: data.into(),
+            alignment: 1,
+        }
     }
 }
 
@@ -38,6 +41,16 @@ impl<'a> Segment<'a> {
 /// a file being read, so a program that points outside its data is an error.
 pub fn serialize(program: &Program, segments: &[Segment]) -> Result<Vec<u8>> {
     let mut program = program.clone();
+    layout_segments(&mut program, segments)?;
+    let out = serialize_as_is(&program, segments)?;
+    let header = ExtendedHeader::parse(&out)?;
+    verify::check(&program, header.as_ref(), out.len()).map_err(|e| e.context("serialize"))?;
+    Ok(out)
+}
+
+/// Set `program.segments` to ExecuTorch's layout of `segments`: back to
+/// back, each start aligned to lcm(128, its alignment).
+pub fn layout_segments(program: &mut Program, segments: &[Segment]) -> Result<()> {
     let mut end = 0u64;
     program.segments = Vec::with_capacity(segments.len());
     for (i, seg) in segments.iter().enumerate() {
@@ -51,39 +64,54 @@ pub fn serialize(program: &Program, segments: &[Segment]) -> Result<Vec<u8>> {
         program.segments.push(DataSegment { offset, size });
         end = offset.checked_add(size).ok_or_else(too_big)?;
     }
-
-    let mut fbb = FlatBufferBuilder::new();
-    let root = write_program(&mut fbb, &program);
-    fbb.finish(root, Some("ET12"));
-    let flat = fbb.finished_data();
-
-    let (out, header) = if end == 0 {
-        (flat.to_vec(), None)
-    } else {
-        with_segments(flat, segments, &program.segments, end)?
-    };
-    verify::check(&program, header.as_ref(), out.len()).map_err(|e| e.context("serialize"))?;
-    Ok(out)
+    Ok(())
 }
 
-/// Insert the header into `flat` and append the laid-out segments.
-fn with_segments(
-    flat: &[u8],
-    segments: &[Segment],
-    layout: &[DataSegment],
-    data_size: u64,
-) -> Result<(Vec<u8>, Option<ExtendedHeader>)> {
+/// Write `program` exactly as given, placing `segments[i]` at
+/// `program.segments[i].offset`, without the semantic checks: for tools and
+/// tests that must produce deliberately inconsistent files. The header's
+/// `segment_data_size` covers the bytes actually placed.
+pub fn serialize_as_is(program: &Program, segments: &[Segment]) -> Result<Vec<u8>> {
+    if segments.len() != program.segments.len() {
+        return Err(Error::invalid_input(format!(
+            "{} segment buffers for {} entries in program.segments",
+            segments.len(),
+            program.segments.len()
+        )));
+    }
+    let mut data_size = 0u64;
+    for (seg, at) in segments.iter().zip(&program.segments) {
+        let end = at.offset.checked_add(seg.data.len() as u64);
+        data_size = data_size.max(end.ok_or_else(|| Error::limit("segment end overflows u64"))?);
+    }
+    let mut fbb = FlatBufferBuilder::new();
+    let root = write_program(&mut fbb, program);
+    fbb.finish(root, Some("ET12"));
+    let flat = fbb.finished_data();
+    if data_size == 0 {
+        return Ok(flat.to_vec());
+    }
+
     // The header is padded to the flatbuffer's largest force_align (16) so
     // every offset after byte 8 keeps its alignment; 32 already is.
-    let padded = aligned_size(u64::from(HEADER_LENGTH), TENSOR_ALIGNMENT).unwrap_or(u64::MAX) as usize;
+    let padded =
+        aligned_size(u64::from(HEADER_LENGTH), TENSOR_ALIGNMENT).unwrap_or(u64::MAX) as usize;
     let program_size = (padded + flat.len()) as u64;
     let segment_base_offset = aligned_size(program_size, SEGMENT_ALIGNMENT)
         .ok_or_else(|| Error::limit("program too large for a segment base offset"))?;
-    let header = ExtendedHeader { program_size, segment_base_offset, segment_data_size: data_size };
+    let header = ExtendedHeader {
+        program_size,
+        segment_base_offset,
+        segment_data_size: data_size,
+    };
     let total = segment_base_offset
         .checked_add(data_size)
         .and_then(|t| usize::try_from(t).ok())
-        .ok_or_else(|| Error::limit(format!("a .pte of {segment_base_offset} + {data_size} bytes")))?;
+        .ok_or_else(|| {
+            Error::limit(format!(
+                "a .pte of {segment_base_offset} + {data_size} bytes"
+            ))
+        })?;
 
     let mut out = Vec::with_capacity(total);
     let root = u32::from_le_bytes([flat[0], flat[1], flat[2], flat[3]]);
@@ -95,11 +123,12 @@ fn with_segments(
     out.extend_from_slice(&header.to_bytes());
     out.resize(HEADER_OFFSET + padded, 0);
     out.extend_from_slice(&flat[HEADER_OFFSET..]);
-    for (seg, at) in segments.iter().zip(layout) {
-        out.resize((segment_base_offset + at.offset) as usize, 0);
-        out.extend_from_slice(&seg.data);
+    out.resize(total, 0);
+    for (seg, at) in segments.iter().zip(&program.segments) {
+        let start = (segment_base_offset + at.offset) as usize;
+        out[start..start + seg.data.len()].copy_from_slice(&seg.data);
     }
-    Ok((out, Some(header)))
+    Ok(out)
 }
 
 fn gcd(a: u64, b: u64) -> u64 {
@@ -141,20 +170,28 @@ pub fn add_named_data<'a>(
     alignment: u64,
 ) -> Result<u32> {
     if program.named_data.iter().any(|n| n.key == key) {
-        return Err(Error::invalid_input(format!("named data `{key}` is already in the program")));
+        return Err(Error::invalid_input(format!(
+            "named data `{key}` is already in the program"
+        )));
     }
     let data = data.into();
     let named: Vec<u32> = program.named_data.iter().map(|n| n.segment_index).collect();
-    let existing = named.into_iter().find(|&i| segments.get(i as usize).is_some_and(|s| s.data == data));
+    let existing = named
+        .into_iter()
+        .find(|&i| segments.get(i as usize).is_some_and(|s| s.data == data));
     let index = match existing {
         Some(i) => i,
         None => {
-            let i = u32::try_from(segments.len()).map_err(|_| Error::limit("more than u32::MAX segments"))?;
+            let i = u32::try_from(segments.len())
+                .map_err(|_| Error::limit("more than u32::MAX segments"))?;
             segments.push(Segment { data, alignment });
             i
         }
     };
-    program.named_data.push(NamedData { key: key.to_owned(), segment_index: index });
+    program.named_data.push(NamedData {
+        key: key.to_owned(),
+        segment_index: index,
+    });
     Ok(index)
 }
 
@@ -173,7 +210,10 @@ impl Push for Aligned16 {
     }
 }
 
-fn aligned_bytes(fbb: &mut FlatBufferBuilder, bytes: &[u8]) -> WIPOffset<flatbuffers::UnionWIPOffset> {
+fn aligned_bytes(
+    fbb: &mut FlatBufferBuilder,
+    bytes: &[u8],
+) -> WIPOffset<flatbuffers::UnionWIPOffset> {
     let items: Vec<Aligned16> = bytes.iter().map(|&b| Aligned16(b)).collect();
     fbb.create_vector(&items).as_union_value()
 }
@@ -185,7 +225,11 @@ fn table(fbb: &mut FlatBufferBuilder, fields: impl FnOnce(&mut FlatBufferBuilder
     fbb.end_table(start)
 }
 
-fn tables<T>(fbb: &mut FlatBufferBuilder, items: &[T], write: impl Fn(&mut FlatBufferBuilder, &T) -> Off) -> WIPOffset<flatbuffers::UnionWIPOffset> {
+fn tables<T>(
+    fbb: &mut FlatBufferBuilder,
+    items: &[T],
+    write: impl Fn(&mut FlatBufferBuilder, &T) -> Off,
+) -> WIPOffset<flatbuffers::UnionWIPOffset> {
     let offs: Vec<Off> = items.iter().map(|i| write(fbb, i)).collect();
     fbb.create_vector(&offs).as_union_value()
 }
@@ -194,7 +238,10 @@ fn string(fbb: &mut FlatBufferBuilder, s: &str) -> WIPOffset<flatbuffers::UnionW
     fbb.create_string(s).as_union_value()
 }
 
-fn scalars<T: Push<Output = T> + Copy + 'static>(fbb: &mut FlatBufferBuilder, items: &[T]) -> WIPOffset<flatbuffers::UnionWIPOffset> {
+fn scalars<T: Push<Output = T> + Copy + 'static>(
+    fbb: &mut FlatBufferBuilder,
+    items: &[T],
+) -> WIPOffset<flatbuffers::UnionWIPOffset> {
     fbb.create_vector(items).as_union_value()
 }
 
@@ -214,7 +261,10 @@ fn write_program(fbb: &mut FlatBufferBuilder, p: &Program) -> Off {
             fbb.push_slot(slot(1), s.size, 0);
         })
     });
-    let constant_segment = p.constant_segment.as_ref().map(|s| write_subsegment(fbb, s));
+    let constant_segment = p
+        .constant_segment
+        .as_ref()
+        .map(|s| write_subsegment(fbb, s));
     let mutable = tables(fbb, &p.mutable_data_segments, write_subsegment);
     let named = tables(fbb, &p.named_data, |fbb, n| {
         let key = string(fbb, &n.key);
