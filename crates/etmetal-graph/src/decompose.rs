@@ -1,2 +1,317 @@
-pub fn decompose(_g: &mut crate::Graph, _k: &dyn Fn(&etmetal_core::Op) -> bool) {}
-pub fn eliminate_dead_code(_g: &mut crate::Graph) {}
+//! Graph passes that shrink the op set the backends must implement.
+//!
+//! [`decompose`] rewrites, unless `keep(op)` says the backend takes the op
+//! whole:
+//! - `Linear` → `MatMul` with the transposed weight (a pre-transposed
+//!   constant when the weight is constant, else a `Permute`) + `Add` of the
+//!   bias;
+//! - `Addmm` → `MatMul`, a `Mul` by `alpha`/`beta` where they are not 1, and
+//!   an `Add` of the bias (dropped when `beta == 0`);
+//! - `BatchNorm` with constant statistics → `Mul` by a per-channel scale and
+//!   `Add` of a shift, both precomputed constants;
+//! - `Identity` → its uses read the input directly (kept where its output is
+//!   a graph output).
+//!
+//! A rewrite whose new nodes do not infer to the original output is skipped,
+//! so the pass never breaks a graph that inferred before.
+
+use std::collections::{HashMap, HashSet};
+
+use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor};
+
+use crate::infer::infer;
+use crate::ir::{Graph, InputKind, Node, ValueId};
+
+/// Rewrite `graph` to core ops, keeping those `keep` accepts (see module docs).
+pub fn decompose(graph: &mut Graph, keep: &dyn Fn(&Op) -> bool) {
+    let nodes = std::mem::take(&mut graph.nodes);
+    let graph_outputs: HashSet<ValueId> = graph.outputs.iter().map(|(v, _)| *v).collect();
+    let mut forward: HashMap<ValueId, ValueId> = HashMap::new();
+    let mut out = Vec::with_capacity(nodes.len());
+    for mut node in nodes {
+        for slot in node.inputs.iter_mut().flatten() {
+            if let Some(v) = forward.get(slot) {
+                *slot = *v;
+            }
+        }
+        if keep(&node.op) {
+            out.push(node);
+            continue;
+        }
+        if node.op == Op::Identity && !node.outputs.iter().any(|o| graph_outputs.contains(o)) {
+            if let (Some(Some(src)), [dst]) = (node.inputs.first(), node.outputs.as_slice()) {
+                forward.insert(*dst, *src);
+                continue;
+            }
+        }
+        match rewrite(graph, &node) {
+            Ok(Some(new_nodes)) => out.extend(new_nodes),
+            // not decomposable, or the rewrite would not infer: keep it whole
+            Ok(None) | Err(_) => out.push(node),
+        }
+    }
+    graph.nodes = out;
+}
+
+/// Builds the replacement of one node: intermediates get new values, the
+/// last node writes the original outputs.
+struct Rewrite<'g> {
+    graph: &'g mut Graph,
+    base: &'g Node,
+    nodes: Vec<Node>,
+}
+
+impl Rewrite<'_> {
+    fn node(&mut self, op: Op, inputs: Vec<Option<ValueId>>) -> Result<ValueId> {
+        let name = format!("{}.{}", self.base.name, self.nodes.len());
+        let mut node = Node { name, target: self.base.target.clone(), op, inputs, outputs: vec![] };
+        let (dtype, shape) = infer(self.graph, &node)?.into_iter().next().ok_or_else(|| Error::internal("no output"))?;
+        let v = self.graph.add_value(format!("{}.out", node.name), dtype, shape);
+        node.outputs.push(v);
+        self.nodes.push(node);
+        Ok(v)
+    }
+
+    fn finish(mut self, op: Op, inputs: Vec<Option<ValueId>>) -> Result<Vec<Node>> {
+        let name = format!("{}.{}", self.base.name, self.nodes.len());
+        let node = Node { name, target: self.base.target.clone(), op, inputs, outputs: self.base.outputs.clone() };
+        let inferred = infer(self.graph, &node)?;
+        let expected: Vec<_> = node.outputs.iter().map(|v| (self.graph.value(*v).dtype, self.graph.value(*v).shape.clone())).collect();
+        if inferred != expected {
+            return Err(Error::internal(format!("rewrite of `{}` infers {inferred:?}, not {expected:?}", self.base.name)));
+        }
+        self.nodes.push(node);
+        Ok(self.nodes)
+    }
+
+    fn constant(&mut self, what: &str, t: Tensor) -> ValueId {
+        self.graph.add_constant(format!("{}.{what}", self.base.name), t)
+    }
+
+    fn scalar(&mut self, what: &str, v: f64, dtype: DType) -> Result<ValueId> {
+        Ok(self.constant(what, Tensor::scalar_f64(dtype, v)?))
+    }
+
+    /// `x * k` unless `k == 1`.
+    fn scaled(&mut self, x: ValueId, k: f64, what: &str) -> Result<ValueId> {
+        if k == 1.0 {
+            return Ok(x);
+        }
+        let dtype = self.graph.value(x).dtype;
+        let c = self.scalar(what, k, dtype)?;
+        self.node(Op::Binary(BinaryOp::Mul), vec![Some(x), Some(c)])
+    }
+}
+
+/// The transpose of a 2-D constant, materialised.
+fn transposed(t: &Tensor) -> Result<Tensor> {
+    let [rows, cols] = *t.shape() else { return Err(Error::internal("not 2-D")) };
+    let e = t.dtype().size();
+    let src = t.bytes();
+    let mut dst = vec![0u8; src.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            dst[(c * rows + r) * e..(c * rows + r + 1) * e].copy_from_slice(&src[(r * cols + c) * e..(r * cols + c + 1) * e]);
+        }
+    }
+    Tensor::from_bytes(t.dtype(), &[cols, rows], &dst)
+}
+
+fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
+    let input = |i: usize| node.inputs.get(i).copied().flatten();
+    let mut rw = Rewrite { graph, base: node, nodes: vec![] };
+    match &node.op {
+        Op::Linear => {
+            let (Some(x), Some(w)) = (input(0), input(1)) else { return Ok(None) };
+            let wt = match rw.graph.constants.get(&w) {
+                Some(t) => {
+                    let t = transposed(t)?;
+                    rw.constant("weight_t", t)
+                }
+                None => rw.node(Op::Permute { dims: vec![1, 0] }, vec![Some(w)])?,
+            };
+            match input(2) {
+                None => rw.finish(Op::MatMul, vec![Some(x), Some(wt)]).map(Some),
+                Some(b) => {
+                    let mm = rw.node(Op::MatMul, vec![Some(x), Some(wt)])?;
+                    rw.finish(Op::Binary(BinaryOp::Add), vec![Some(mm), Some(b)]).map(Some)
+                }
+            }
+        }
+        Op::Addmm { beta, alpha } => {
+            let (Some(bias), Some(a), Some(b)) = (input(0), input(1), input(2)) else { return Ok(None) };
+            if *beta == 0.0 {
+                if *alpha == 1.0 {
+                    return rw.finish(Op::MatMul, vec![Some(a), Some(b)]).map(Some);
+                }
+                let mm = rw.node(Op::MatMul, vec![Some(a), Some(b)])?;
+                let dtype = rw.graph.value(mm).dtype;
+                let k = rw.scalar("alpha", *alpha, dtype)?;
+                return rw.finish(Op::Binary(BinaryOp::Mul), vec![Some(mm), Some(k)]).map(Some);
+            }
+            let mm = rw.node(Op::MatMul, vec![Some(a), Some(b)])?;
+            let mm = rw.scaled(mm, *alpha, "alpha")?;
+            let bias = rw.scaled(bias, *beta, "beta")?;
+            rw.finish(Op::Binary(BinaryOp::Add), vec![Some(mm), Some(bias)]).map(Some)
+        }
+        Op::BatchNorm { eps } => {
+            let Some(x) = input(0) else { return Ok(None) };
+            let param = |i: usize| input(i).map(|v| rw.graph.constants.get(&v).map(Tensor::to_f64_vec));
+            let (Some(Some(mean)), Some(Some(var))) = (param(3), param(4)) else { return Ok(None) };
+            let (w, b) = (param(1), param(2));
+            if matches!(w, Some(None)) || matches!(b, Some(None)) {
+                return Ok(None); // a weight or bias computed at run time
+            }
+            let c = mean.len();
+            let (w, b) = (w.flatten().unwrap_or(vec![1.0; c]), b.flatten().unwrap_or(vec![0.0; c]));
+            if var.len() != c || w.len() != c || b.len() != c {
+                return Ok(None);
+            }
+            let scale: Vec<f64> = (0..c).map(|i| w[i] / (var[i] + eps).sqrt()).collect();
+            let shift: Vec<f64> = (0..c).map(|i| b[i] - mean[i] * scale[i]).collect();
+            let xinfo = rw.graph.value(x);
+            let (dtype, rank) = (xinfo.dtype, xinfo.shape.len());
+            // [C, 1, …] broadcasts against [N, C, spatial…]
+            let mut shape = vec![1usize; rank.saturating_sub(1)];
+            if let Some(first) = shape.first_mut() {
+                *first = c;
+            }
+            let s = rw.constant("scale", Tensor::from_f64(dtype, &shape, &scale)?);
+            let t = rw.constant("shift", Tensor::from_f64(dtype, &shape, &shift)?);
+            let y = rw.node(Op::Binary(BinaryOp::Mul), vec![Some(x), Some(s)])?;
+            rw.finish(Op::Binary(BinaryOp::Add), vec![Some(y), Some(t)]).map(Some)
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Remove nodes whose outputs nothing reads, then the constants no live node
+/// reads (with their parameter/buffer/constant inputs; user inputs stay).
+pub fn eliminate_dead_code(graph: &mut Graph) {
+    let mut live: HashSet<ValueId> = graph.outputs.iter().map(|(v, _)| *v).collect();
+    let mut kept = Vec::with_capacity(graph.nodes.len());
+    for node in std::mem::take(&mut graph.nodes).into_iter().rev() {
+        if node.outputs.iter().any(|o| live.contains(o)) {
+            live.extend(node.inputs.iter().flatten());
+            kept.push(node);
+        }
+    }
+    kept.reverse();
+    graph.nodes = kept;
+    graph.constants.retain(|v, _| live.contains(v));
+    graph.inputs.retain(|(v, kind)| *kind == InputKind::User || live.contains(v));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use etmetal_core::ReduceOp;
+
+    fn ops(g: &Graph) -> Vec<String> {
+        g.nodes.iter().map(|n| n.op.name()).collect()
+    }
+
+    fn push(g: &mut Graph, name: &str, op: Op, inputs: Vec<Option<ValueId>>) -> ValueId {
+        let mut n = Node { name: name.into(), target: "test".into(), op, inputs, outputs: vec![] };
+        let (d, s) = infer(g, &n).unwrap().remove(0);
+        let v = g.add_value(name, d, s);
+        n.outputs.push(v);
+        g.nodes.push(n);
+        v
+    }
+
+    fn reinfers(g: &Graph) {
+        for n in &g.nodes {
+            let got = infer(g, n).unwrap();
+            let want: Vec<_> = n.outputs.iter().map(|v| (g.value(*v).dtype, g.value(*v).shape.clone())).collect();
+            assert_eq!(got, want, "node {}", n.name);
+        }
+    }
+
+    fn linear_graph(const_weight: bool) -> Graph {
+        let mut g = Graph::default();
+        let x = g.add_value("x", DType::F32, vec![2, 3]);
+        g.inputs.push((x, InputKind::User));
+        let w = if const_weight {
+            g.add_constant("w", Tensor::from_f32(DType::F32, &[4, 3], &(0..12).map(|i| i as f32).collect::<Vec<_>>()).unwrap())
+        } else {
+            let w = g.add_value("w", DType::F32, vec![4, 3]);
+            g.inputs.push((w, InputKind::User));
+            w
+        };
+        let b = g.add_constant("b", Tensor::from_f32(DType::F32, &[4], &[1.0; 4]).unwrap());
+        let y = push(&mut g, "lin", Op::Linear, vec![Some(x), Some(w), Some(b)]);
+        g.outputs.push((y, crate::ir::OutputKind::User));
+        g
+    }
+
+    #[test]
+    fn linear_with_constant_weight_uses_pretransposed_weight() {
+        let mut g = linear_graph(true);
+        decompose(&mut g, &|_| false);
+        assert_eq!(ops(&g), ["mat_mul", "add"]);
+        let wt = g.nodes[0].inputs[1].unwrap();
+        let t = &g.constants[&wt];
+        assert_eq!(t.shape(), &[3, 4]);
+        assert_eq!(t.to_f32_vec()[..4], [0.0, 3.0, 6.0, 9.0]);
+        assert_eq!(g.nodes[1].outputs, vec![g.outputs[0].0]);
+        reinfers(&g);
+    }
+
+    #[test]
+    fn linear_with_runtime_weight_gets_permute_and_keep_is_honoured() {
+        let mut g = linear_graph(false);
+        decompose(&mut g, &|_| false);
+        assert_eq!(ops(&g), ["permute", "mat_mul", "add"]);
+        reinfers(&g);
+        let mut g = linear_graph(false);
+        decompose(&mut g, &|op| matches!(op, Op::Linear));
+        assert_eq!(ops(&g), ["linear"]);
+    }
+
+    #[test]
+    fn addmm_scales_and_identity_forwarding() {
+        let mut g = Graph::default();
+        let a = g.add_value("a", DType::F32, vec![2, 3]);
+        let b = g.add_value("b", DType::F32, vec![3, 5]);
+        let bias = g.add_value("bias", DType::F32, vec![5]);
+        let a2 = push(&mut g, "alias", Op::Identity, vec![Some(a)]);
+        let y = push(&mut g, "mm", Op::Addmm { beta: 0.5, alpha: 2.0 }, vec![Some(bias), Some(a2), Some(b)]);
+        g.outputs.push((y, crate::ir::OutputKind::User));
+        decompose(&mut g, &|_| false);
+        assert_eq!(ops(&g), ["mat_mul", "mul", "mul", "add"]);
+        assert_eq!(g.nodes[0].inputs[0], Some(a), "identity is forwarded");
+        reinfers(&g);
+    }
+
+    #[test]
+    fn batch_norm_folds_to_scale_and_shift() {
+        let mut g = Graph::default();
+        let x = g.add_value("x", DType::F32, vec![1, 2, 3, 3]);
+        let c = |g: &mut Graph, v: &[f32]| g.add_constant("p", Tensor::from_f32(DType::F32, &[2], v).unwrap());
+        let (w, b, m, var) = (c(&mut g, &[2.0, 1.0]), c(&mut g, &[0.5, 0.0]), c(&mut g, &[1.0, -1.0]), c(&mut g, &[4.0, 1.0]));
+        let y = push(&mut g, "bn", Op::BatchNorm { eps: 0.0 }, vec![Some(x), Some(w), Some(b), Some(m), Some(var)]);
+        g.outputs.push((y, crate::ir::OutputKind::User));
+        decompose(&mut g, &|_| false);
+        assert_eq!(ops(&g), ["mul", "add"]);
+        let scale = &g.constants[&g.nodes[0].inputs[1].unwrap()];
+        assert_eq!(scale.shape(), &[2, 1, 1]);
+        assert_eq!(scale.to_f32_vec(), vec![1.0, 1.0]);
+        assert_eq!(g.constants[&g.nodes[1].inputs[1].unwrap()].to_f32_vec(), vec![-0.5, 1.0]);
+        reinfers(&g);
+    }
+
+    #[test]
+    fn dead_code_and_unused_constants_are_removed() {
+        let mut g = linear_graph(true);
+        let x = g.inputs[0].0;
+        push(&mut g, "unused", Op::Reduce { op: ReduceOp::Sum, dims: vec![], keepdim: false }, vec![Some(x)]);
+        decompose(&mut g, &|_| false);
+        let before = g.constants.len();
+        eliminate_dead_code(&mut g);
+        assert_eq!(ops(&g), ["mat_mul", "add"]);
+        // the original [4,3] weight is no longer read after pre-transposing
+        assert_eq!(g.constants.len(), before - 1);
+        assert!(g.constants.values().all(|t| t.shape() != [4, 3]));
+    }
+}

@@ -531,7 +531,7 @@ impl<'m> Lowerer<'m> {
                 }
             }
             ("_assert_tensor_metadata", _) => Ok(()),
-            ("clone" | "contiguous" | "alias" | "detach" | "lift_fresh_copy", _) => self.unary_identity(c, "self"),
+            ("clone" | "contiguous" | "alias" | "detach" | "detach_" | "lift_fresh_copy", _) => self.unary_identity(c, "self"),
             ("dropout", "default") => {
                 if a.bool("train", false)? && a.float("p", 0.0)? != 0.0 {
                     return Err(Error::unsupported("dropout in training mode"));
