@@ -1,1 +1,436 @@
-//! (in progress)
+//! CPU kernels for every [`Op`], with PyTorch semantics.
+//!
+//! [`execute`] is the single entry point: it checks the input slots, runs the
+//! op's kernel and checks the computed output shapes and dtypes against what
+//! the graph expects. Kernels are grouped by family, one module each; they
+//! share the dtype domains of [`buf`] and the strided walk of [`strided`].
+
+mod attention;
+mod buf;
+mod conv;
+mod create;
+mod elementwise;
+mod index;
+mod layout;
+mod matmul;
+mod norm;
+mod pool;
+mod reduce;
+mod strided;
+
+use etmetal_core::{DType, Error, Op, Result, Tensor};
+
+/// What every kernel receives: the op (for messages), its input slots and the
+/// dtypes and shapes the graph expects of its outputs.
+pub(crate) struct Ctx<'a> {
+    pub op: &'a Op,
+    pub inputs: &'a [Option<&'a Tensor>],
+    pub outputs: &'a [(DType, Vec<usize>)],
+}
+
+impl<'a> Ctx<'a> {
+    pub fn name(&self) -> String {
+        self.op.name()
+    }
+
+    /// A required input slot.
+    pub fn input(&self, slot: usize) -> Result<&'a Tensor> {
+        self.inputs.get(slot).copied().flatten().ok_or_else(|| {
+            Error::invalid_input(format!(
+                "{}: required input slot {slot} is missing",
+                self.name()
+            ))
+        })
+    }
+
+    /// An optional input slot (`None` when absent or beyond the list).
+    pub fn optional(&self, slot: usize) -> Option<&'a Tensor> {
+        self.inputs.get(slot).copied().flatten()
+    }
+
+    /// The dtype the graph expects of output `i`.
+    pub fn out_dtype(&self, i: usize) -> Result<DType> {
+        self.outputs.get(i).map(|o| o.0).ok_or_else(|| {
+            Error::shape(format!(
+                "{}: output {i} has no expected dtype and shape ({} given)",
+                self.name(),
+                self.outputs.len()
+            ))
+        })
+    }
+
+    /// Error unless the number of input slots lies in `min..=max`.
+    fn arity(&self, min: usize, max: usize) -> Result<()> {
+        let n = self.inputs.len();
+        if n < min || n > max {
+            let want = if min == max {
+                format!("{min}")
+            } else {
+                format!("{min} to {max}")
+            };
+            return Err(Error::invalid_input(format!(
+                "{}: expected {want} input slots, got {n}",
+                self.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// An `InvalidInput` error naming the op.
+    pub fn invalid(&self, msg: impl std::fmt::Display) -> Error {
+        Error::invalid_input(format!("{}: {msg}", self.name()))
+    }
+
+    /// An `Unsupported` error naming the op.
+    pub fn unsupported(&self, msg: impl std::fmt::Display) -> Error {
+        Error::unsupported(format!("{}: {msg}", self.name()))
+    }
+}
+
+/// Run one op. `inputs` are the op's input slots (None = absent optional),
+/// `outputs` the dtype and shape the graph expects for each output.
+///
+/// The kernel computes each output's shape itself; a disagreement with
+/// `outputs` is an `Error::shape` naming the op, the expected and the computed
+/// shape. Where PyTorch promotes (sums of ints, `sqrt` of ints, comparisons)
+/// the output dtype is taken from `outputs`.
+pub fn execute(
+    op: &Op,
+    inputs: &[Option<&Tensor>],
+    outputs: &[(DType, Vec<usize>)],
+) -> Result<Vec<Tensor>> {
+    let ctx = Ctx {
+        op,
+        inputs,
+        outputs,
+    };
+    let results = dispatch(&ctx)?;
+    if results.len() != outputs.len() {
+        return Err(Error::shape(format!(
+            "{}: the graph expects {} outputs but the op produces {}",
+            op.name(),
+            outputs.len(),
+            results.len()
+        )));
+    }
+    for (i, (t, (dtype, shape))) in results.iter().zip(outputs).enumerate() {
+        if t.shape() != shape.as_slice() {
+            return Err(Error::shape(format!(
+                "{}: output {i} expected shape {shape:?}, computed {:?}",
+                op.name(),
+                t.shape()
+            )));
+        }
+        if t.dtype() != *dtype {
+            return Err(Error::shape(format!(
+                "{}: output {i} expected dtype {dtype}, computed {}",
+                op.name(),
+                t.dtype()
+            )));
+        }
+    }
+    Ok(results)
+}
+
+fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
+    let one = |t: Tensor| Ok(vec![t]);
+    match ctx.op {
+        Op::Unary(u) => {
+            ctx.arity(1, 1)?;
+            one(elementwise::unary(ctx, *u)?)
+        }
+        Op::Binary(b) => {
+            ctx.arity(2, 2)?;
+            one(elementwise::binary(ctx, *b)?)
+        }
+        Op::Where => {
+            ctx.arity(3, 3)?;
+            one(elementwise::where_(ctx)?)
+        }
+        Op::Cast { dtype } => {
+            ctx.arity(1, 1)?;
+            one(ctx.input(0)?.cast(*dtype)?)
+        }
+        Op::Identity => {
+            ctx.arity(1, 1)?;
+            one(ctx.input(0)?.clone())
+        }
+        Op::Reduce { op, dims, keepdim } => {
+            ctx.arity(1, 1)?;
+            one(reduce::reduce(ctx, *op, dims, *keepdim)?)
+        }
+        Op::Var {
+            dims,
+            correction,
+            keepdim,
+        } => {
+            ctx.arity(1, 1)?;
+            one(reduce::var(ctx, dims, *correction, *keepdim)?)
+        }
+        Op::ArgReduce { max, dim, keepdim } => {
+            ctx.arity(1, 1)?;
+            one(reduce::arg_reduce(ctx, *max, *dim, *keepdim)?)
+        }
+        Op::ReduceWithIndices { max, dim, keepdim } => {
+            ctx.arity(1, 1)?;
+            reduce::reduce_with_indices(ctx, *max, *dim, *keepdim)
+        }
+        Op::CumSum { dim } => {
+            ctx.arity(1, 1)?;
+            one(reduce::cumsum(ctx, *dim)?)
+        }
+        Op::Softmax { dim, log } => {
+            ctx.arity(1, 1)?;
+            one(reduce::softmax(ctx, *dim, *log)?)
+        }
+        Op::TopK {
+            k,
+            dim,
+            largest,
+            sorted: _,
+        } => {
+            // Unsorted top-k order is unspecified in PyTorch; sorted is a valid answer.
+            ctx.arity(1, 1)?;
+            reduce::topk(ctx, *k, *dim, *largest)
+        }
+        Op::LayerNorm {
+            normalized_dims,
+            eps,
+        } => {
+            ctx.arity(1, 3)?;
+            one(norm::layer_norm(ctx, *normalized_dims, *eps)?)
+        }
+        Op::RmsNorm {
+            normalized_dims,
+            eps,
+        } => {
+            ctx.arity(1, 2)?;
+            one(norm::rms_norm(ctx, *normalized_dims, *eps)?)
+        }
+        Op::BatchNorm { eps } => {
+            ctx.arity(5, 5)?;
+            one(norm::batch_norm(ctx, *eps)?)
+        }
+        Op::GroupNorm { groups, eps } => {
+            ctx.arity(1, 3)?;
+            one(norm::group_norm(ctx, *groups, *eps)?)
+        }
+        Op::MatMul => {
+            ctx.arity(2, 2)?;
+            one(matmul::matmul(ctx)?)
+        }
+        Op::Addmm { beta, alpha } => {
+            ctx.arity(3, 3)?;
+            one(matmul::addmm(ctx, *beta, *alpha)?)
+        }
+        Op::Linear => {
+            ctx.arity(2, 3)?;
+            one(matmul::linear(ctx)?)
+        }
+        Op::Convolution {
+            stride,
+            padding,
+            dilation,
+            transposed,
+            output_padding,
+            groups,
+        } => {
+            ctx.arity(2, 3)?;
+            let p = conv::ConvParams {
+                stride,
+                padding,
+                dilation,
+                transposed: *transposed,
+                output_padding,
+                groups: *groups,
+            };
+            one(conv::convolution(ctx, &p)?)
+        }
+        Op::MaxPool {
+            kernel,
+            stride,
+            padding,
+            dilation,
+            ceil_mode,
+            with_indices,
+        } => {
+            ctx.arity(1, 1)?;
+            pool::max_pool(
+                ctx,
+                kernel,
+                stride,
+                padding,
+                dilation,
+                *ceil_mode,
+                *with_indices,
+            )
+        }
+        Op::AvgPool {
+            kernel,
+            stride,
+            padding,
+            ceil_mode,
+            count_include_pad,
+            divisor_override,
+        } => {
+            ctx.arity(1, 1)?;
+            let p = pool::AvgParams {
+                kernel,
+                stride,
+                padding,
+                ceil_mode: *ceil_mode,
+                count_include_pad: *count_include_pad,
+                divisor_override: *divisor_override,
+            };
+            one(pool::avg_pool(ctx, &p)?)
+        }
+        Op::AdaptiveAvgPool { output_size } => {
+            ctx.arity(1, 1)?;
+            one(pool::adaptive_avg_pool(ctx, output_size)?)
+        }
+        Op::Sdpa {
+            is_causal,
+            scale,
+            enable_gqa,
+        } => {
+            ctx.arity(3, 4)?;
+            one(attention::sdpa(ctx, *is_causal, *scale, *enable_gqa)?)
+        }
+        Op::Embedding => {
+            ctx.arity(2, 2)?;
+            one(index::embedding(ctx)?)
+        }
+        Op::Reshape { shape } => {
+            ctx.arity(1, 1)?;
+            one(layout::reshape(ctx, shape)?)
+        }
+        Op::Permute { dims } => {
+            ctx.arity(1, 1)?;
+            one(layout::permute(ctx, dims)?)
+        }
+        Op::Expand { shape } => {
+            ctx.arity(1, 1)?;
+            one(layout::expand(ctx, shape)?)
+        }
+        Op::Slice {
+            dim,
+            start,
+            end,
+            step,
+        } => {
+            ctx.arity(1, 1)?;
+            one(layout::slice(ctx, *dim, *start, *end, *step)?)
+        }
+        Op::Select { dim, index } => {
+            ctx.arity(1, 1)?;
+            one(layout::select(ctx, *dim, *index)?)
+        }
+        Op::Cat { dim } => {
+            ctx.arity(1, usize::MAX)?;
+            one(layout::cat(ctx, *dim)?)
+        }
+        Op::ConstantPad { pad, value } => {
+            ctx.arity(1, 1)?;
+            one(layout::constant_pad(ctx, pad, *value)?)
+        }
+        Op::IndexSelect { dim } => {
+            ctx.arity(2, 2)?;
+            one(index::index_select(ctx, *dim)?)
+        }
+        Op::Gather { dim } => {
+            ctx.arity(2, 2)?;
+            one(index::gather(ctx, *dim)?)
+        }
+        Op::Index => {
+            ctx.arity(1, usize::MAX)?;
+            one(index::index(ctx)?)
+        }
+        Op::Triangle { upper, diagonal } => {
+            ctx.arity(1, 1)?;
+            one(layout::triangle(ctx, *upper, *diagonal)?)
+        }
+        Op::Repeat { repeats } => {
+            ctx.arity(1, 1)?;
+            one(layout::repeat(ctx, repeats)?)
+        }
+        Op::Full {
+            shape,
+            value,
+            dtype,
+        } => {
+            ctx.arity(0, 0)?;
+            one(create::full(shape, *value, *dtype)?)
+        }
+        Op::Arange {
+            start,
+            end,
+            step,
+            dtype,
+        } => {
+            ctx.arity(0, 0)?;
+            one(create::arange(*start, *end, *step, *dtype)?)
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_util {
+    use super::*;
+
+    pub fn f32t(shape: &[usize], v: &[f32]) -> Tensor {
+        Tensor::from_f32(DType::F32, shape, v).unwrap()
+    }
+    pub fn i64t(shape: &[usize], v: &[i64]) -> Tensor {
+        Tensor::from_i64(DType::I64, shape, v).unwrap()
+    }
+    /// Run `op` on present inputs, expecting one output of `dtype`/`shape`.
+    pub fn run1(op: Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        let slots: Vec<Option<&Tensor>> = inputs.iter().map(|t| Some(*t)).collect();
+        Ok(execute(&op, &slots, &[(dtype, shape.to_vec())])?.remove(0))
+    }
+    pub fn close(got: &[f32], want: &[f32], tol: f32) {
+        assert_eq!(got.len(), want.len(), "length: got {got:?}, want {want:?}");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let ok = (g - w).abs() <= tol * (1.0 + w.abs()) || (g.is_nan() && w.is_nan());
+            assert!(
+                ok,
+                "element {i}: got {g}, want {w} (got {got:?}, want {want:?})"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_util::*;
+    use super::*;
+    use etmetal_core::ErrorKind;
+
+    #[test]
+    fn output_shape_and_dtype_are_checked() {
+        let x = f32t(&[2], &[1.0, 2.0]);
+        let e = run1(Op::Identity, &[&x], DType::F32, &[3]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Shape);
+        assert!(
+            e.to_string().contains("[3]") && e.to_string().contains("[2]"),
+            "{e}"
+        );
+        let e = run1(Op::Identity, &[&x], DType::I64, &[2]).unwrap_err();
+        assert!(e.to_string().contains("int64"), "{e}");
+    }
+
+    #[test]
+    fn missing_and_extra_slots_are_errors() {
+        let x = f32t(&[2], &[1.0, 2.0]);
+        let e = execute(&Op::MatMul, &[Some(&x), None], &[(DType::F32, vec![])]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+        assert!(e.to_string().contains("slot 1"), "{e}");
+        let e = execute(
+            &Op::Identity,
+            &[Some(&x), Some(&x)],
+            &[(DType::F32, vec![2])],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("expected 1 input"), "{e}");
+    }
+}

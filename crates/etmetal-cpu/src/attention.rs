@@ -1,0 +1,284 @@
+//! Scaled dot-product attention, as PyTorch's math path: per batch and head,
+//! softmax(q·kᵀ·scale plus mask)·v, with bool (keep `true`) or additive float
+//! masks broadcast over batch and heads, top-left causal masking, and
+//! grouped-query attention. Rows with every position masked give zeros, as
+//! eager PyTorch 2.15 on CPU does.
+
+use etmetal_core::shape::{broadcast_shapes, broadcast_strides};
+use etmetal_core::{DType, Result, Tensor};
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+use crate::buf::{domain, Buf, Domain, Elem};
+use crate::elementwise::Real;
+use crate::matmul::{Mat, MatElem};
+use crate::Ctx;
+
+/// The mask, as either kept positions or additive biases, in the full
+/// `[batch…, L, S]` layout given by `strides`.
+enum Mask<T> {
+    None,
+    Keep(Vec<bool>, Vec<usize>),
+    Add(Vec<T>, Vec<usize>),
+}
+
+/// Offset of batch element `b` (row-major over `batch`) in an operand whose
+/// batch dims are `dims` (right-aligned, size-1 dims broadcast), with
+/// `mat` elements per matrix; `heads` maps the head dim for GQA.
+fn batch_offset(b: usize, batch: &[usize], dims: &[usize], mat: usize, gqa_rep: usize) -> usize {
+    let lead = batch.len() - dims.len();
+    let (mut rem, mut off, mut scale) = (b, 0, mat);
+    for d in (0..batch.len()).rev() {
+        let i = rem % batch[d].max(1);
+        rem /= batch[d].max(1);
+        if d >= lead {
+            let size = dims[d - lead];
+            // the last batch dim is the head dim; GQA shares each kv head
+            let i = if d == batch.len() - 1 && gqa_rep > 1 {
+                i / gqa_rep
+            } else if size == 1 {
+                0
+            } else {
+                i
+            };
+            off += i * scale;
+            scale *= size;
+        }
+    }
+    off
+}
+
+pub fn sdpa(ctx: &Ctx, is_causal: bool, scale: Option<f64>, enable_gqa: bool) -> Result<Tensor> {
+    let (q, k, v) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
+    let mask = ctx.optional(3);
+    if q.rank() < 2 || k.rank() != q.rank() || v.rank() != q.rank() {
+        return Err(ctx.invalid(format!(
+            "q {:?}, k {:?}, v {:?} need one rank of at least 2",
+            q.shape(),
+            k.shape(),
+            v.shape()
+        )));
+    }
+    if is_causal && mask.is_some() {
+        return Err(ctx.invalid("an explicit mask cannot be combined with is_causal"));
+    }
+    let r = q.rank();
+    let (l, e) = (q.shape()[r - 2], q.shape()[r - 1]);
+    let (s, ek) = (k.shape()[r - 2], k.shape()[r - 1]);
+    let (sv, ev) = (v.shape()[r - 2], v.shape()[r - 1]);
+    if ek != e || sv != s {
+        return Err(ctx.invalid(format!(
+            "q {:?}, k {:?}, v {:?} disagree on the embedding or sequence size",
+            q.shape(),
+            k.shape(),
+            v.shape()
+        )));
+    }
+    let (qb, mut kb, mut vb) = (
+        q.shape()[..r - 2].to_vec(),
+        k.shape()[..r - 2].to_vec(),
+        v.shape()[..r - 2].to_vec(),
+    );
+    let mut rep = 1;
+    if enable_gqa && r >= 3 && kb[r - 3] != qb[r - 3] {
+        let (hq, hk) = (qb[r - 3], kb[r - 3]);
+        if hk == 0 || hq % hk != 0 || vb[r - 3] != hk {
+            return Err(ctx.invalid(format!(
+                "{hq} query heads cannot share {hk} key/value heads"
+            )));
+        }
+        rep = hq / hk;
+        kb[r - 3] = hq;
+        vb[r - 3] = hq;
+    }
+    let batch = broadcast_shapes(&qb, &kb)
+        .and_then(|b| broadcast_shapes(&b, &vb))
+        .map_err(|err| ctx.invalid(format!("batch dims: {}", err.message())))?;
+    if rep > 1 {
+        // offsets use the real kv head count
+        kb[r - 3] /= rep;
+        vb[r - 3] /= rep;
+    }
+    let full: Vec<usize> = [&batch[..], &[l, s]].concat();
+    let out_dtype = ctx.out_dtype(0)?;
+    let dom = domain(out_dtype);
+    let geo = Geo {
+        batch: batch.clone(),
+        qb,
+        kb,
+        vb,
+        l,
+        s,
+        e,
+        ev,
+        rep,
+    };
+    let scale = scale.unwrap_or(1.0 / (e as f64).sqrt());
+    let buf = match dom {
+        Domain::F32 => sdpa_in::<f32>(ctx, &geo, [q, k, v], mask, &full, is_causal, scale)?,
+        Domain::F64 => sdpa_in::<f64>(ctx, &geo, [q, k, v], mask, &full, is_causal, scale)?,
+        _ => {
+            return Err(ctx.unsupported(format!(
+                "attention needs a floating-point output dtype, got {out_dtype}"
+            )))
+        }
+    };
+    let oshape: Vec<usize> = [&batch[..], &[l, ev]].concat();
+    buf.store(out_dtype, &oshape)
+}
+
+fn sdpa_in<T: MatElem + Real>(
+    ctx: &Ctx,
+    geo: &Geo,
+    [q, k, v]: [&Tensor; 3],
+    mask: Option<&Tensor>,
+    full: &[usize],
+    causal: bool,
+    scale: f64,
+) -> Result<Buf> {
+    let mask = match mask {
+        None => Mask::None,
+        Some(m) => {
+            if broadcast_shapes(m.shape(), full).ok().as_deref() != Some(full) {
+                return Err(ctx.invalid(format!(
+                    "mask of shape {:?} does not broadcast to {full:?}",
+                    m.shape()
+                )));
+            }
+            let st = broadcast_strides(m.shape(), full);
+            match m.dtype() {
+                DType::Bool => Mask::Keep(bool::load(m), st),
+                d if d.is_float() => Mask::Add(T::load(m), st),
+                d => {
+                    return Err(
+                        ctx.invalid(format!("mask dtype {d} must be bool or floating point"))
+                    )
+                }
+            }
+        }
+    };
+    let scale = <T as Real>::of(scale);
+    Ok(Elem::wrap(attend::<T>(
+        geo,
+        &T::load(q),
+        &T::load(k),
+        &T::load(v),
+        &mask,
+        causal,
+        scale,
+    )))
+}
+
+struct Geo {
+    batch: Vec<usize>,
+    qb: Vec<usize>,
+    kb: Vec<usize>,
+    vb: Vec<usize>,
+    l: usize,
+    s: usize,
+    e: usize,
+    ev: usize,
+    rep: usize,
+}
+
+fn attend<T: MatElem + Real>(
+    g: &Geo,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    mask: &Mask<T>,
+    causal: bool,
+    scale: T,
+) -> Vec<T> {
+    let (l, s, e, ev) = (g.l, g.s, g.e, g.ev);
+    let nb: usize = g.batch.iter().product();
+    let mut out = vec![T::default(); nb * l * ev];
+    if l * ev == 0 {
+        return out;
+    }
+    let ninf = <T as Real>::of(f64::NEG_INFINITY);
+    out.par_chunks_mut(l * ev).enumerate().for_each(|(b, dst)| {
+        let qo = batch_offset(b, &g.batch, &g.qb, l * e, 1);
+        let ko = batch_offset(b, &g.batch, &g.kb, s * e, g.rep);
+        let vo = batch_offset(b, &g.batch, &g.vb, s * ev, g.rep);
+        let mut scores = vec![T::default(); l * s];
+        // kᵀ is k read with swapped strides
+        T::mm(
+            &mut scores,
+            l,
+            s,
+            e,
+            Mat {
+                data: &q[qo..],
+                rs: e,
+                cs: 1,
+            },
+            Mat {
+                data: &k[ko..],
+                rs: 1,
+                cs: e,
+            },
+            Parallelism::None,
+        );
+        for i in 0..l {
+            let row = &mut scores[i * s..(i + 1) * s];
+            for (j, x) in row.iter_mut().enumerate() {
+                *x = *x * scale;
+                let masked = match mask {
+                    Mask::None => false,
+                    Mask::Keep(m, st) => !m[mask_at(b, i, j, &g.batch, st)],
+                    Mask::Add(m, st) => {
+                        *x = *x + m[mask_at(b, i, j, &g.batch, st)];
+                        false
+                    }
+                };
+                if masked || (causal && j > i) {
+                    *x = ninf;
+                }
+            }
+            let max = row
+                .iter()
+                .copied()
+                .fold(ninf, |a, x| if x > a { x } else { a });
+            if max == ninf {
+                row.iter_mut().for_each(|x| *x = <T as Real>::of(0.0));
+                continue;
+            }
+            let mut sum = <T as Real>::of(0.0);
+            for x in row.iter_mut() {
+                *x = (*x - max).exp();
+                sum = sum + *x;
+            }
+            row.iter_mut().for_each(|x| *x = *x / sum);
+        }
+        T::mm(
+            dst,
+            l,
+            ev,
+            s,
+            Mat {
+                data: &scores,
+                rs: s,
+                cs: 1,
+            },
+            Mat {
+                data: &v[vo..],
+                rs: ev,
+                cs: 1,
+            },
+            Parallelism::None,
+        );
+    });
+    out
+}
+
+/// Flat offset of mask element (batch `b`, row `i`, column `j`).
+fn mask_at(b: usize, i: usize, j: usize, batch: &[usize], st: &[usize]) -> usize {
+    let n = batch.len();
+    let (mut rem, mut off) = (b, 0);
+    for d in (0..n).rev() {
+        off += (rem % batch[d].max(1)) * st[d];
+        rem /= batch[d].max(1);
+    }
+    off + i * st[n] + j * st[n + 1]
+}

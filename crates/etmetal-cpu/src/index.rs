@@ -1,0 +1,183 @@
+//! Indexing by tensors: index_select, gather, advanced indexing and
+//! embedding. Indices are checked against their dim; out-of-range values are
+//! `InvalidInput` errors naming the op, the value and the bound.
+
+use etmetal_core::shape::{broadcast_shapes, broadcast_strides, contiguous_strides, numel};
+use etmetal_core::{Result, Tensor};
+
+use crate::strided::{by_width, for_each_offset};
+use crate::Ctx;
+
+/// The integer indices in `slot`, each checked in `0..size` (negative values
+/// count from the end when `wrap`).
+fn indices(ctx: &Ctx, slot: usize, size: usize, wrap: bool) -> Result<Vec<usize>> {
+    let t = ctx.input(slot)?;
+    if !t.dtype().is_int() {
+        let what = if t.dtype() == etmetal_core::DType::Bool {
+            " (bool masks give data-dependent shapes)"
+        } else {
+            ""
+        };
+        return Err(ctx.unsupported(format!(
+            "index slot {slot} has dtype {}, expected an integer dtype{what}",
+            t.dtype()
+        )));
+    }
+    t.to_i64_vec()
+        .into_iter()
+        .map(|i| {
+            let j = if wrap && i < 0 { i + size as i64 } else { i };
+            if j < 0 || j >= size as i64 {
+                Err(ctx.invalid(format!(
+                    "index {i} in slot {slot} is out of range for a dim of size {size}"
+                )))
+            } else {
+                Ok(j as usize)
+            }
+        })
+        .collect()
+}
+
+/// Copy element `src[s]` to each output position, `s` from `offsets`.
+fn take(x: &Tensor, shape: &[usize], offsets: impl Iterator<Item = usize>) -> Result<Tensor> {
+    by_width!(x.dtype(), T => {
+        let src = x.values::<T>()?;
+        let out: Vec<T> = offsets.map(|s| src[s]).collect();
+        Tensor::from_slice(x.dtype(), shape, &out)
+    })
+}
+
+pub fn index_select(ctx: &Ctx, dim: usize) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    let size = *x.shape().get(dim).ok_or_else(|| {
+        ctx.invalid(format!(
+            "dim {dim} is out of range for shape {:?}",
+            x.shape()
+        ))
+    })?;
+    if ctx.input(1)?.rank() > 1 {
+        return Err(ctx.invalid(format!(
+            "index must be 0-D or 1-D, got shape {:?}",
+            ctx.input(1)?.shape()
+        )));
+    }
+    let idx = indices(ctx, 1, size, false)?;
+    let mut shape = x.shape().to_vec();
+    shape[dim] = idx.len();
+    let (outer, inner): (usize, usize) = (
+        x.shape()[..dim].iter().product(),
+        x.shape()[dim + 1..].iter().product(),
+    );
+    let offsets = (0..outer).flat_map(|o| {
+        let idx = &idx;
+        idx.iter()
+            .flat_map(move |&i| (0..inner).map(move |k| (o * size + i) * inner + k))
+    });
+    take(x, &shape, offsets)
+}
+
+pub fn gather(ctx: &Ctx, dim: usize) -> Result<Tensor> {
+    let (x, index) = (ctx.input(0)?, ctx.input(1)?);
+    let size = *x.shape().get(dim).ok_or_else(|| {
+        ctx.invalid(format!(
+            "dim {dim} is out of range for shape {:?}",
+            x.shape()
+        ))
+    })?;
+    let fits = index.rank() == x.rank()
+        && (0..x.rank()).all(|d| d == dim || index.shape()[d] <= x.shape()[d]);
+    if !fits {
+        return Err(ctx.invalid(format!(
+            "index of shape {:?} does not fit input {:?} outside dim {dim}",
+            index.shape(),
+            x.shape()
+        )));
+    }
+    let idx = indices(ctx, 1, size, false)?;
+    let mut xs = contiguous_strides(x.shape());
+    let step = std::mem::replace(&mut xs[dim], 0);
+    let mut offsets = Vec::with_capacity(idx.len());
+    let mut k = 0;
+    for_each_offset(index.shape(), [&xs], [0], |[o]| {
+        offsets.push(o + idx[k] * step);
+        k += 1;
+    });
+    take(x, index.shape(), offsets.into_iter())
+}
+
+pub fn embedding(ctx: &Ctx) -> Result<Tensor> {
+    let (w, ids) = (ctx.input(0)?, ctx.input(1)?);
+    if w.rank() != 2 {
+        return Err(ctx.invalid(format!(
+            "weight must be [num_embeddings, dim], got {:?}",
+            w.shape()
+        )));
+    }
+    let (v, d) = (w.shape()[0], w.shape()[1]);
+    let idx = indices(ctx, 1, v, false)?;
+    let mut shape = ids.shape().to_vec();
+    shape.push(d);
+    take(
+        w,
+        &shape,
+        idx.into_iter().flat_map(|i| (0..d).map(move |k| i * d + k)),
+    )
+}
+
+/// `x[i0, i1, …]`: index tensors broadcast together to shape B. When the
+/// indexed dims are adjacent B takes their place; otherwise B comes first,
+/// followed by the remaining dims (PyTorch's / NumPy's rule).
+pub fn index(ctx: &Ctx) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    let slots = ctx.inputs.len() - 1;
+    if slots > x.rank() {
+        return Err(ctx.invalid(format!("{slots} indices given for shape {:?}", x.shape())));
+    }
+    let indexed: Vec<usize> = (0..slots)
+        .filter(|&d| ctx.optional(d + 1).is_some())
+        .collect();
+    let (Some(&first), Some(&last)) = (indexed.first(), indexed.last()) else {
+        return Ok(x.clone());
+    };
+    let mut b = vec![];
+    for &d in &indexed {
+        b = broadcast_shapes(&b, ctx.input(d + 1)?.shape())
+            .map_err(|e| ctx.invalid(format!("index tensors: {}", e.message())))?;
+    }
+    let xs = contiguous_strides(x.shape());
+    // offset into x contributed by the indexed dims, per element of B
+    let mut boff = vec![0usize; numel(&b)?];
+    for &d in &indexed {
+        let idx = indices(ctx, d + 1, x.shape()[d], true)?;
+        let s = broadcast_strides(ctx.input(d + 1)?.shape(), &b);
+        let mut k = 0;
+        for_each_offset(&b, [&s], [0], |[i]| {
+            boff[k] += idx[i] * xs[d];
+            k += 1;
+        });
+    }
+    let adjacent = last - first + 1 == indexed.len();
+    let rest =
+        |r: std::ops::Range<usize>| r.filter(|d| !indexed.contains(d)).collect::<Vec<usize>>();
+    let (pre, post) = if adjacent {
+        (rest(0..first), rest(first..x.rank()))
+    } else {
+        (vec![], rest(0..x.rank()))
+    };
+    let dims_of = |ds: &[usize]| ds.iter().map(|&d| x.shape()[d]).collect::<Vec<_>>();
+    let strides_of = |ds: &[usize]| ds.iter().map(|&d| xs[d]).collect::<Vec<_>>();
+    let offsets_of = |ds: &[usize]| {
+        let mut v = vec![];
+        for_each_offset(&dims_of(ds), [&strides_of(ds)], [0], |[o]| v.push(o));
+        v
+    };
+    let (pre_off, post_off) = (offsets_of(&pre), offsets_of(&post));
+    let shape: Vec<usize> = [dims_of(&pre), b, dims_of(&post)].concat();
+    numel(&shape)?;
+    let offsets = pre_off.iter().flat_map(|&p| {
+        let post_off = &post_off;
+        boff.iter()
+            .flat_map(move |&q| post_off.iter().map(move |&r| p + q + r))
+    });
+    take(x, &shape, offsets)
+}

@@ -1,0 +1,222 @@
+//! Ops that only move elements: reshape, permute, expand, slice, select,
+//! cat, constant pad, triangle masks and repeat. They work on raw elements of
+//! the dtype's width, so every dtype is handled exactly.
+
+use etmetal_core::shape::contiguous_strides;
+use etmetal_core::{Result, Tensor};
+
+use crate::strided::{by_width, for_each_offset, materialize};
+use crate::Ctx;
+
+pub fn reshape(ctx: &Ctx, shape: &[usize]) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    x.reshape(shape).map_err(|e| ctx.invalid(e.message()))
+}
+
+pub fn permute(ctx: &Ctx, dims: &[usize]) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    let mut seen = vec![false; x.rank()];
+    for &d in dims {
+        if d >= x.rank() || std::mem::replace(&mut seen[d], true) {
+            return Err(ctx.invalid(format!(
+                "{dims:?} is not a permutation of the dims of shape {:?}",
+                x.shape()
+            )));
+        }
+    }
+    if dims.len() != x.rank() {
+        return Err(ctx.invalid(format!(
+            "{dims:?} is not a permutation of the dims of shape {:?}",
+            x.shape()
+        )));
+    }
+    let strides = contiguous_strides(x.shape());
+    let shape: Vec<usize> = dims.iter().map(|&d| x.shape()[d]).collect();
+    let pstrides: Vec<usize> = dims.iter().map(|&d| strides[d]).collect();
+    materialize(x, &shape, &pstrides, 0)
+}
+
+pub fn expand(ctx: &Ctx, shape: &[usize]) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    let bad = || ctx.invalid(format!("cannot expand shape {:?} to {shape:?}", x.shape()));
+    let lead = shape.len().checked_sub(x.rank()).ok_or_else(bad)?;
+    let src = contiguous_strides(x.shape());
+    let mut strides = vec![0; shape.len()];
+    for (i, &d) in x.shape().iter().enumerate() {
+        match d {
+            _ if d == shape[lead + i] => strides[lead + i] = src[i],
+            1 => {}
+            _ => return Err(bad()),
+        }
+    }
+    materialize(x, shape, &strides, 0)
+}
+
+pub fn slice(ctx: &Ctx, dim: usize, start: usize, end: usize, step: usize) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    let size = x.shape().get(dim).copied();
+    if step == 0 || start > end || size.is_none_or(|s| end > s) {
+        return Err(ctx.invalid(format!(
+            "slice {start}..{end} step {step} of dim {dim} is invalid for shape {:?}",
+            x.shape()
+        )));
+    }
+    let mut strides = contiguous_strides(x.shape());
+    let mut shape = x.shape().to_vec();
+    shape[dim] = (end - start).div_ceil(step);
+    let offset = if shape[dim] == 0 {
+        0
+    } else {
+        start * strides[dim]
+    };
+    strides[dim] *= step;
+    materialize(x, &shape, &strides, offset)
+}
+
+pub fn select(ctx: &Ctx, dim: usize, index: usize) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    if x.shape().get(dim).is_none_or(|&s| index >= s) {
+        return Err(ctx.invalid(format!(
+            "index {index} of dim {dim} is out of range for shape {:?}",
+            x.shape()
+        )));
+    }
+    let mut strides = contiguous_strides(x.shape());
+    let mut shape = x.shape().to_vec();
+    let offset = index * strides[dim];
+    shape.remove(dim);
+    strides.remove(dim);
+    materialize(x, &shape, &strides, offset)
+}
+
+pub fn cat(ctx: &Ctx, dim: usize) -> Result<Tensor> {
+    let out = ctx.out_dtype(0)?;
+    let all = (0..ctx.inputs.len())
+        .map(|i| ctx.input(i))
+        .collect::<Result<Vec<_>>>()?;
+    let rank = all.iter().map(|t| t.rank()).max().unwrap_or(0);
+    // PyTorch still accepts (and skips) legacy 1-D empty tensors next to others
+    let parts: Vec<Tensor> = all
+        .iter()
+        .filter(|t| !(t.shape() == [0] && rank > 1))
+        .map(|t| t.cast(out))
+        .collect::<Result<_>>()?;
+    let first = parts.first().ok_or_else(|| ctx.invalid("no inputs"))?;
+    if dim >= first.rank() {
+        return Err(ctx.invalid(format!(
+            "dim {dim} is out of range for shape {:?}",
+            first.shape()
+        )));
+    }
+    let mut shape = first.shape().to_vec();
+    shape[dim] = 0;
+    for (i, p) in parts.iter().enumerate() {
+        let same = p.rank() == first.rank()
+            && (0..p.rank()).all(|d| d == dim || p.shape()[d] == first.shape()[d]);
+        if !same {
+            return Err(ctx.invalid(format!(
+                "input {i} of shape {:?} does not match {:?} outside dim {dim}",
+                p.shape(),
+                first.shape()
+            )));
+        }
+        shape[dim] += p.shape()[dim];
+    }
+    let outer: usize = shape[..dim].iter().product();
+    let chunk = |t: &Tensor| t.nbytes() / outer.max(1);
+    let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.nbytes()).sum());
+    for o in 0..outer {
+        for p in &parts {
+            let c = chunk(p);
+            bytes.extend_from_slice(&p.bytes()[o * c..(o + 1) * c]);
+        }
+    }
+    Tensor::from_bytes(out, &shape, &bytes)
+}
+
+pub fn constant_pad(ctx: &Ctx, pad: &[i64], value: f64) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    let rank = x.rank();
+    if !pad.len().is_multiple_of(2) || pad.len() > 2 * rank {
+        return Err(ctx.invalid(format!("pad {pad:?} needs pairs for at most {rank} dims")));
+    }
+    let mut shape = x.shape().to_vec();
+    let (mut src_start, mut dst_start, mut len) =
+        (vec![0; rank], vec![0; rank], x.shape().to_vec());
+    for (i, p) in pad.chunks_exact(2).enumerate() {
+        let d = rank - 1 - i;
+        let size = x.shape()[d] as i64 + p[0] + p[1];
+        if size < 0 {
+            return Err(ctx.invalid(format!(
+                "pad {pad:?} leaves dim {d} of shape {:?} negative",
+                x.shape()
+            )));
+        }
+        shape[d] = size as usize;
+        src_start[d] = (-p[0]).max(0) as usize;
+        dst_start[d] = p[0].max(0) as usize;
+        len[d] =
+            (x.shape()[d].saturating_sub(src_start[d])).min(shape[d].saturating_sub(dst_start[d]));
+    }
+    let fill = Tensor::from_f64(x.dtype(), &[], &[value])?;
+    let (ss, ds) = (contiguous_strides(x.shape()), contiguous_strides(&shape));
+    let at = |start: &[usize], strides: &[usize]| {
+        start.iter().zip(strides).map(|(a, b)| a * b).sum::<usize>()
+    };
+    let n = etmetal_core::shape::numel(&shape)?;
+    by_width!(x.dtype(), T => {
+        let src = x.values::<T>()?;
+        let mut out = vec![fill.values::<T>()?[0]; n];
+        for_each_offset(&len, [&ss, &ds], [at(&src_start, &ss), at(&dst_start, &ds)], |[s, d]| out[d] = src[s]);
+        Tensor::from_slice(x.dtype(), &shape, &out)
+    })
+}
+
+pub fn triangle(ctx: &Ctx, upper: bool, diagonal: i64) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    if x.rank() < 2 {
+        return Err(ctx.invalid(format!("needs at least 2 dims, got shape {:?}", x.shape())));
+    }
+    let (m, n) = (x.shape()[x.rank() - 2], x.shape()[x.rank() - 1]);
+    let mut y = x.clone();
+    let w = x.dtype().size();
+    let bytes = y.bytes_mut();
+    if m * n > 0 {
+        for mat in bytes.chunks_exact_mut(m * n * w) {
+            for i in 0..m {
+                for j in 0..n {
+                    let k = j as i64 - i as i64;
+                    let keep = if upper { k >= diagonal } else { k <= diagonal };
+                    if !keep {
+                        mat[(i * n + j) * w..(i * n + j + 1) * w].fill(0);
+                    }
+                }
+            }
+        }
+    }
+    Ok(y)
+}
+
+pub fn repeat(ctx: &Ctx, repeats: &[usize]) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    let lead = repeats.len().checked_sub(x.rank()).ok_or_else(|| {
+        ctx.invalid(format!(
+            "{} repeats given for a rank-{} tensor",
+            repeats.len(),
+            x.rank()
+        ))
+    })?;
+    // view x (padded with leading 1s) as [r0, d0, r1, d1, …] with stride 0 on each r
+    let dims: Vec<usize> = std::iter::repeat_n(1, lead)
+        .chain(x.shape().iter().copied())
+        .collect();
+    let src = contiguous_strides(&dims);
+    let (mut vshape, mut vstrides) = (vec![], vec![]);
+    for (i, &r) in repeats.iter().enumerate() {
+        vshape.extend([r, dims[i]]);
+        vstrides.extend([0, src[i]]);
+    }
+    let shape: Vec<usize> = repeats.iter().zip(&dims).map(|(r, d)| r * d).collect();
+    etmetal_core::shape::numel(&shape)?;
+    materialize(x, &vshape, &vstrides, 0)?.reshape(&shape)
+}

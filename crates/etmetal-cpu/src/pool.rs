@@ -1,0 +1,244 @@
+//! Pooling over the trailing spatial dims: max pool (optionally with
+//! PyTorch's flat per-plane indices), average pool and adaptive average pool.
+//! Inputs may be batched (`[N, C, *]`) or not (`[C, *]`).
+
+use etmetal_core::shape::contiguous_strides;
+use etmetal_core::{Result, Tensor};
+
+use crate::buf::{with_ordered, Buf, Elem};
+use crate::strided::{for_each_offset, window_table};
+use crate::Ctx;
+
+/// `(planes, spatial dims)` of an input with `sr` trailing spatial dims.
+fn planes(ctx: &Ctx, x: &Tensor, sr: usize) -> Result<(usize, Vec<usize>)> {
+    if sr == 0 || x.rank() < sr + 1 || x.rank() > sr + 2 {
+        return Err(ctx.invalid(format!(
+            "a {sr}-d pool needs a rank {} or {} input, got {:?}",
+            sr + 1,
+            sr + 2,
+            x.shape()
+        )));
+    }
+    let lead = x.rank() - sr;
+    Ok((
+        x.shape()[..lead].iter().product(),
+        x.shape()[lead..].to_vec(),
+    ))
+}
+
+/// An attribute with one entry per spatial dim (a single entry is repeated;
+/// an empty one takes `default`).
+fn per_dim(ctx: &Ctx, v: &[usize], sr: usize, default: &[usize], what: &str) -> Result<Vec<usize>> {
+    match v.len() {
+        0 => Ok(default.to_vec()),
+        1 => Ok(vec![v[0]; sr]),
+        n if n == sr => Ok(v.to_vec()),
+        n => Err(ctx.invalid(format!("{what} has {n} entries for {sr} spatial dims"))),
+    }
+}
+
+/// PyTorch's pooling output size, including the ceil-mode rule that the last
+/// window must start inside the input or the left padding.
+fn pool_out(
+    ctx: &Ctx,
+    i: usize,
+    k: usize,
+    s: usize,
+    p: usize,
+    d: usize,
+    ceil: bool,
+) -> Result<usize> {
+    if k == 0 || s == 0 || d == 0 || p > k / 2 {
+        return Err(ctx.invalid(format!("kernel {k}, stride {s}, padding {p}, dilation {d}: padding must be at most half the kernel and the rest positive")));
+    }
+    let num = (i + 2 * p) as i64 - (d * (k - 1)) as i64 - 1;
+    if num < 0 {
+        return Err(ctx.invalid(format!(
+            "input size {i} is smaller than the kernel {k} (dilation {d}, padding {p})"
+        )));
+    }
+    let (num, s) = (num as usize, s);
+    let mut o = if ceil { num.div_ceil(s) } else { num / s } + 1;
+    if ceil && (o - 1) * s >= i + p {
+        o -= 1;
+    }
+    Ok(o)
+}
+
+pub fn max_pool(
+    ctx: &Ctx,
+    kernel: &[usize],
+    stride: &[usize],
+    padding: &[usize],
+    dilation: &[usize],
+    ceil_mode: bool,
+    with_indices: bool,
+) -> Result<Vec<Tensor>> {
+    let x = ctx.input(0)?;
+    let sr = kernel.len();
+    let (np, insp) = planes(ctx, x, sr)?;
+    let stride = per_dim(ctx, stride, sr, kernel, "stride")?;
+    let padding = per_dim(ctx, padding, sr, &vec![0; sr], "padding")?;
+    let dilation = per_dim(ctx, dilation, sr, &vec![1; sr], "dilation")?;
+    let osp = (0..sr)
+        .map(|d| {
+            pool_out(
+                ctx,
+                insp[d],
+                kernel[d],
+                stride[d],
+                padding[d],
+                dilation[d],
+                ceil_mode,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let table = window_table(&osp, kernel, &insp, &stride, &dilation, &padding);
+    let (ins, os): (usize, usize) = (insp.iter().product(), osp.iter().product());
+    let oshape: Vec<usize> = [&x.shape()[..x.rank() - sr], &osp[..]].concat();
+    let (values, idx) = with_ordered!(x, v => {
+        let mut vals = Vec::with_capacity(np * os);
+        let mut idx = Vec::with_capacity(np * os);
+        for plane in v.chunks_exact(ins.max(1)).take(np) {
+            for o in 0..os {
+                #[allow(clippy::eq_op)]
+                let best = table.iter().skip(o).step_by(os).flatten().fold(None, |best: Option<usize>, &i| match best {
+                    // NaN wins and stays, as in PyTorch
+                    Some(b) if plane[b] != plane[b] || !(plane[i] > plane[b] || plane[i] != plane[i]) => Some(b),
+                    _ => Some(i),
+                });
+                let b = best.unwrap_or(0);
+                vals.push(plane[b]);
+                idx.push(b as i64);
+            }
+        }
+        (Elem::wrap(vals), idx)
+    });
+    let mut out = vec![values.store(ctx.out_dtype(0)?, &oshape)?];
+    if with_indices {
+        out.push(Buf::I64(idx).store(ctx.out_dtype(1)?, &oshape)?);
+    }
+    Ok(out)
+}
+
+pub struct AvgParams<'a> {
+    pub kernel: &'a [usize],
+    pub stride: &'a [usize],
+    pub padding: &'a [usize],
+    pub ceil_mode: bool,
+    pub count_include_pad: bool,
+    pub divisor_override: Option<i64>,
+}
+
+pub fn avg_pool(ctx: &Ctx, p: &AvgParams) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    let out = ctx.out_dtype(0)?;
+    if !out.is_float() {
+        return Err(ctx.unsupported(format!(
+            "average pooling needs a floating-point output dtype, got {out}"
+        )));
+    }
+    let sr = p.kernel.len();
+    let (np, insp) = planes(ctx, x, sr)?;
+    let stride = per_dim(ctx, p.stride, sr, p.kernel, "stride")?;
+    let padding = per_dim(ctx, p.padding, sr, &vec![0; sr], "padding")?;
+    let ones = vec![1; sr];
+    let osp = (0..sr)
+        .map(|d| {
+            pool_out(
+                ctx,
+                insp[d],
+                p.kernel[d],
+                stride[d],
+                padding[d],
+                1,
+                p.ceil_mode,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if p.divisor_override == Some(0) {
+        return Err(ctx.invalid("divisor_override must be non-zero"));
+    }
+    let table = window_table(&osp, p.kernel, &insp, &stride, &ones, &padding);
+    let (ins, os): (usize, usize) = (insp.iter().product(), osp.iter().product());
+    // the divisor of each output position: PyTorch clips the window to the
+    // padded input for count_include_pad, to the input otherwise
+    let mut divisors = Vec::with_capacity(os);
+    let ostrides = contiguous_strides(&osp);
+    for_each_offset(&osp, [&ostrides], [0], |[flat]| {
+        let (mut padded, mut inside) = (1i64, 1i64);
+        let mut rem = flat;
+        for d in 0..sr {
+            let o = rem / ostrides[d].max(1);
+            rem -= o * ostrides[d];
+            let start = (o * stride[d]) as i64 - padding[d] as i64;
+            let end = (start + p.kernel[d] as i64).min((insp[d] + padding[d]) as i64);
+            padded *= end - start;
+            inside *= end.min(insp[d] as i64) - start.max(0);
+        }
+        divisors.push(p.divisor_override.unwrap_or(if p.count_include_pad {
+            padded
+        } else {
+            inside
+        }) as f64);
+    });
+    let v = x.to_f64_vec();
+    let mut res = Vec::with_capacity(np * os);
+    for plane in v.chunks_exact(ins.max(1)).take(np) {
+        for (o, div) in divisors.iter().enumerate() {
+            let sum: f64 = table
+                .iter()
+                .skip(o)
+                .step_by(os)
+                .flatten()
+                .map(|&i| plane[i])
+                .sum();
+            res.push(sum / div);
+        }
+    }
+    let oshape: Vec<usize> = [&x.shape()[..x.rank() - sr], &osp[..]].concat();
+    Buf::F64(res).store(out, &oshape)
+}
+
+pub fn adaptive_avg_pool(ctx: &Ctx, output_size: &[usize]) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    let out = ctx.out_dtype(0)?;
+    if !out.is_float() {
+        return Err(ctx.unsupported(format!(
+            "average pooling needs a floating-point output dtype, got {out}"
+        )));
+    }
+    let sr = output_size.len();
+    let (np, insp) = planes(ctx, x, sr)?;
+    if insp.contains(&0) && !output_size.contains(&0) {
+        return Err(ctx.invalid(format!("cannot pool an empty input {:?}", x.shape())));
+    }
+    let (ins, os): (usize, usize) = (insp.iter().product(), output_size.iter().product());
+    let istrides = contiguous_strides(&insp);
+    let ostrides = contiguous_strides(output_size);
+    // each output position's window as (start offset, box shape)
+    let mut windows = Vec::with_capacity(os);
+    for_each_offset(output_size, [&ostrides], [0], |[flat]| {
+        let (mut start, mut dims, mut rem) = (0, vec![], flat);
+        for d in 0..sr {
+            let o = rem / ostrides[d].max(1);
+            rem -= o * ostrides[d];
+            let (i, n) = (insp[d], output_size[d]);
+            let (s, e) = (o * i / n, ((o + 1) * i).div_ceil(n));
+            start += s * istrides[d];
+            dims.push(e - s);
+        }
+        windows.push((start, dims));
+    });
+    let v = x.to_f64_vec();
+    let mut res = Vec::with_capacity(np * os);
+    for plane in v.chunks_exact(ins.max(1)).take(np) {
+        for (start, dims) in &windows {
+            let mut sum = 0.0;
+            for_each_offset(dims, [&istrides], [*start], |[i]| sum += plane[i]);
+            res.push(sum / dims.iter().product::<usize>() as f64);
+        }
+    }
+    let oshape: Vec<usize> = [&x.shape()[..x.rank() - sr], output_size].concat();
+    Buf::F64(res).store(out, &oshape)
+}
