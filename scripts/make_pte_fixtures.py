@@ -9,10 +9,19 @@ For every module it writes `<name>.pte`, the inputs `<name>.input_<i>.npy`
 and the outputs of ExecuTorch's own runtime `<name>.output_<i>.npy` (checked
 against eager PyTorch here, so later runtime tests can compare with them).
 Seeds are fixed so re-running gives the same weights.
+
+    /root/.cache/etmetal/venv/bin/python scripts/make_pte_fixtures.py --check-roundtrip
+
+instead rewrites every fixture with etmetal's writer (the `roundtrip`
+example of etmetal-pte) and checks that ExecuTorch loads the rewritten file
+and gives exactly the stored outputs.
 """
 
+import glob
 import os
+import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import torch
@@ -99,7 +108,32 @@ def write(name, module, inputs, xnnpack=False):
     print(f"{name}.pte: {len(program.buffer)} bytes", file=sys.stderr)
 
 
+def load_inputs(name):
+    paths = sorted(glob.glob(os.path.join(OUT, f"{name}.input_*.npy")))
+    return [torch.from_numpy(np.load(p)) for p in paths]
+
+
+def check_roundtrip():
+    names = sorted(os.path.basename(p)[: -len(".pte")] for p in glob.glob(os.path.join(OUT, "*.pte")))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            written = os.path.join(tmp, f"{name}.pte")
+            subprocess.run(
+                ["cargo", "run", "-q", "-p", "etmetal-pte", "--example", "roundtrip", "--",
+                 os.path.join(OUT, f"{name}.pte"), written],
+                check=True,
+            )
+            got = Runtime.get().load_program(written).load_method("forward").execute(load_inputs(name))
+            for i, g in enumerate(got):
+                want = np.load(os.path.join(OUT, f"{name}.output_{i}.npy"))
+                assert np.array_equal(g.numpy(), want), f"{name} output {i} differs"
+            print(f"{name}: rewritten file runs in ExecuTorch, {len(got)} outputs identical", file=sys.stderr)
+
+
 def main():
+    if "--check-roundtrip" in sys.argv[1:]:
+        check_roundtrip()
+        return
     os.makedirs(OUT, exist_ok=True)
     torch.manual_seed(0)
     write("linear_relu", LinearRelu(), (torch.randn(1, 3),))

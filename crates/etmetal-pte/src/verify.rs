@@ -382,7 +382,8 @@ fn check_tensor(t: &Tensor, plan: &ExecutionPlan, path: &str, data: &DataChecker
     }
     if let Some(a) = &t.allocation_info {
         let sizes = &plan.non_const_buffer_sizes;
-        // memory_id is 1-based: buffer 0 is reserved for constants.
+        // memory_id is 1-based (buffer 0 stands for constants): ExecuTorch
+        // 1.5.1 subtracts 1 and fails on 0.
         if a.memory_id == 0 || a.memory_id as usize >= sizes.len() {
             return fail(
                 path,

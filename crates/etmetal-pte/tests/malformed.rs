@@ -89,6 +89,49 @@ fn flipped_bytes_never_panic() {
     }
 }
 
+/// Random multi-byte corruption (a fixed xorshift sequence): never a panic,
+/// and whatever the reader accepts, the writer writes back to an equal
+/// program with identical segment bytes.
+#[test]
+fn random_corruptions_never_panic_and_accepted_files_round_trip() {
+    let mut state = 0x1234_5678_9abc_def0u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut accepted = 0;
+    for name in [
+        "linear_relu",
+        "mlp",
+        "conv_block",
+        "int_bool",
+        "xnnpack_linear",
+    ] {
+        let bytes = fixture_bytes(name);
+        for _ in 0..2000 {
+            let mut b = bytes.clone();
+            for _ in 0..1 + next() % 8 {
+                let at = next() as usize % b.len();
+                b[at] = next() as u8;
+            }
+            let Ok(file) = parse(&b) else { continue };
+            accepted += 1;
+            let again =
+                parse(&serialize(&file.program, &file.segments().unwrap()).unwrap()).unwrap();
+            let mut program = again.program.clone();
+            program.segments = file.program.segments.clone();
+            assert_eq!(program, file.program);
+            for i in 0..file.program.segments.len() {
+                assert_eq!(file.segment(i).unwrap(), again.segment(i).unwrap());
+            }
+        }
+    }
+    // Most corruptions land in data or padding the reader may accept.
+    assert!(accepted > 0);
+}
+
 #[test]
 fn wrong_identifier() {
     let mut b = fixture_bytes("linear_relu");
@@ -324,6 +367,14 @@ fn data_outside_its_buffer() {
     assert_eq!(
         msg,
         "execution_plan[0].values[12]: memory_id 2 is out of range 1..2 (non_const_buffer_sizes)"
+    );
+    // ExecuTorch subtracts 1 from memory_id and fails on 0 (checked with 1.5.1).
+    let msg = mutated("linear_relu", |p| {
+        tensor(p, 12).allocation_info.as_mut().unwrap().memory_id = 0
+    });
+    assert_eq!(
+        msg,
+        "execution_plan[0].values[12]: memory_id 0 is out of range 1..2 (non_const_buffer_sizes)"
     );
     let msg = mutated("linear_relu", |p| plan(p).non_const_buffer_sizes[1] = -64);
     assert_eq!(
