@@ -129,8 +129,14 @@ pub(crate) fn check(
     for (i, m) in program.mutable_data_segments.iter().enumerate() {
         check_offsets(m, &format!("mutable_data_segments[{i}]"))?;
     }
+    let mut keys = std::collections::HashSet::new();
     for (i, n) in program.named_data.iter().enumerate() {
-        seg_size(n.segment_index, &format!("named_data[{i}] `{}`", n.key))?;
+        let path = format!("named_data[{i}] `{}`", n.key);
+        seg_size(n.segment_index, &path)?;
+        // Keys are looked up by name: a second entry would be unreachable.
+        if !keys.insert(n.key.as_str()) {
+            return fail(&path, "key appears more than once");
+        }
     }
     let data = DataChecker {
         program,

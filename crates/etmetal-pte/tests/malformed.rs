@@ -412,6 +412,25 @@ fn data_outside_its_buffer() {
 }
 
 #[test]
+fn named_data_must_name_a_segment_once() {
+    let msg = mutated("xnnpack_linear", |p| p.named_data[0].segment_index = 9);
+    assert_contains(&msg, "named_data[0] `");
+    assert_contains(&msg, "segment index 9 is out of range (4 segments)");
+    let msg = mutated("xnnpack_linear", |p| {
+        let first = p.named_data[0].clone();
+        p.named_data.push(first);
+    });
+    assert_contains(&msg, "key appears more than once");
+}
+
+#[test]
+fn missing_file_is_an_io_error() {
+    let e = PteFile::load("/nonexistent/etmetal/m.pte").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Io);
+    assert_contains(&e.to_string(), "/nonexistent/etmetal/m.pte");
+}
+
+#[test]
 fn version_above_zero() {
     let msg = mutated("linear_relu", |p| p.version = 1);
     assert_eq!(
