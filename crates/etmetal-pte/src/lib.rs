@@ -8,6 +8,7 @@
 
 mod fb;
 pub mod header;
+pub mod kernels;
 pub mod read;
 pub mod schema;
 pub mod verify;
