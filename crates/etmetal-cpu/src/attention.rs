@@ -282,3 +282,118 @@ fn mask_at(b: usize, i: usize, j: usize, batch: &[usize], st: &[usize]) -> usize
     }
     off + i * st[n] + j * st[n + 1]
 }
+
+// PyTorch's printed values are kept verbatim in the tests
+#[cfg(test)]
+#[allow(clippy::excessive_precision)]
+mod tests {
+    use crate::test_util::*;
+    use etmetal_core::{DType, Op, Tensor};
+
+    // Expected values come from F.scaled_dot_product_attention in PyTorch 2.15.
+
+    fn qkv() -> (Tensor, Tensor, Tensor) {
+        (
+            f32t(&[1, 2, 3, 4], &ramp(24, 11, 7)),
+            f32t(&[1, 1, 5, 4], &ramp(20, 13, 5)),
+            f32t(&[1, 1, 5, 2], &ramp(10, 7, 3)),
+        )
+    }
+
+    #[test]
+    fn causal_grouped_query_attention() {
+        let (q, k, v) = qkv();
+        let op = Op::Sdpa {
+            is_causal: true,
+            scale: None,
+            enable_gqa: true,
+        };
+        let y = run1(op, &[&q, &k, &v], DType::F32, &[1, 2, 3, 2]).unwrap();
+        close(
+            &y.to_f32_vec(),
+            &[
+                -1.0,
+                -0.25,
+                -0.50849754,
+                -0.33191708,
+                -0.21116166,
+                -0.49079055,
+                -1.0,
+                -0.25,
+                -0.32010722,
+                -0.36331546,
+                0.3507157,
+                -0.50206709,
+            ],
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn bool_mask_with_a_fully_masked_row_gives_zeros() {
+        let (q, k, v) = qkv();
+        let m = Tensor::from_i64(
+            DType::Bool,
+            &[3, 5],
+            &[1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1],
+        )
+        .unwrap();
+        let op = Op::Sdpa {
+            is_causal: false,
+            scale: Some(0.3),
+            enable_gqa: false,
+        };
+        // k and v broadcast over the head dim
+        let y = run1(op, &[&q, &k, &v, &m], DType::F32, &[1, 2, 3, 2]).unwrap();
+        close(
+            &y.to_f32_vec(),
+            &[
+                -0.22850764,
+                -0.68111205,
+                0.0,
+                0.0,
+                -0.17310181,
+                -0.29034847,
+                -0.19780216,
+                -0.70219398,
+                0.0,
+                0.0,
+                0.084322743,
+                -0.58648926,
+            ],
+            1e-6,
+        );
+        // the same mask as an additive float mask
+        let add: Vec<f32> = m
+            .to_i64_vec()
+            .iter()
+            .map(|&b| if b == 1 { 0.0 } else { f32::NEG_INFINITY })
+            .collect();
+        let op = Op::Sdpa {
+            is_causal: false,
+            scale: Some(0.3),
+            enable_gqa: false,
+        };
+        let y2 = run1(
+            op,
+            &[&q, &k, &v, &f32t(&[3, 5], &add)],
+            DType::F32,
+            &[1, 2, 3, 2],
+        )
+        .unwrap();
+        assert_eq!(y.to_f32_vec(), y2.to_f32_vec());
+        let op = Op::Sdpa {
+            is_causal: false,
+            scale: None,
+            enable_gqa: false,
+        };
+        let e = run1(
+            op,
+            &[&q, &k, &v, &f32t(&[2, 5], &[0.0; 10])],
+            DType::F32,
+            &[1, 2, 3, 2],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("does not broadcast"), "{e}");
+    }
+}

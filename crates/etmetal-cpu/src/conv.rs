@@ -255,3 +255,191 @@ fn conv_transposed<T: MatElem>(
     add_bias(&mut out, bias, os);
     out
 }
+
+// PyTorch's printed values are kept verbatim in the tests
+#[cfg(test)]
+#[allow(clippy::excessive_precision)]
+mod tests {
+    use crate::test_util::*;
+    use etmetal_core::{DType, Op, Tensor};
+
+    fn conv(x: &Tensor, w: &Tensor, b: Option<&Tensor>, op: Op, shape: &[usize]) -> Vec<f32> {
+        crate::execute(&op, &[Some(x), Some(w), b], &[(DType::F32, shape.to_vec())]).unwrap()[0]
+            .to_f32_vec()
+    }
+
+    fn params(
+        stride: &[usize],
+        padding: &[usize],
+        dilation: &[usize],
+        transposed: bool,
+        output_padding: &[usize],
+        groups: usize,
+    ) -> Op {
+        Op::Convolution {
+            stride: stride.to_vec(),
+            padding: padding.to_vec(),
+            dilation: dilation.to_vec(),
+            transposed,
+            output_padding: output_padding.to_vec(),
+            groups,
+        }
+    }
+
+    // Expected values below come from PyTorch 2.15 on the same ramp inputs.
+
+    #[test]
+    fn conv1d_with_stride_padding_dilation_bias() {
+        let x = f32t(&[2, 3, 7], &ramp(42, 11, 7));
+        let w = f32t(&[4, 3, 3], &ramp(36, 13, 5));
+        let b = f32t(&[4], &[0.5, -0.25, 0.0, 1.0]);
+        let y = conv(
+            &x,
+            &w,
+            Some(&b),
+            params(&[2], &[1], &[2], false, &[0], 1),
+            &[2, 4, 3],
+        );
+        close(
+            &y[..12],
+            &[
+                2.0625, 3.375, -1.5, 2.125, 1.875, 1.125, 0.75, 4.625, 2.3125, 0.125, 2.4375, 4.25,
+            ],
+            1e-6,
+        );
+        close(
+            &y[12..],
+            &[
+                4.3125, 0.0, -0.0625, -3.0625, 0.375, 1.625, 3.5625, -3.9375, -1.375, -1.25,
+                4.6875, -0.375,
+            ],
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn conv2d_depthwise_and_grouped() {
+        let x = f32t(&[1, 4, 5, 4], &ramp(80, 11, 7));
+        let w = f32t(&[4, 1, 3, 2], &ramp(24, 13, 5));
+        let y = conv(
+            &x,
+            &w,
+            None,
+            params(&[2, 1], &[1, 0], &[1, 1], false, &[], 4),
+            &[1, 4, 3, 3],
+        );
+        close(
+            &y[..9],
+            &[
+                -2.5, 3.375, 0.3125, -2.1875, 5.125, 1.4375, -2.1875, 2.375, -0.625,
+            ],
+            1e-6,
+        );
+        close(
+            &y[27..],
+            &[
+                -1.0625, -0.375, 1.6875, 1.625, 0.3125, 0.375, 3.25, -1.3125, -0.375,
+            ],
+            1e-6,
+        );
+        let w = f32t(&[4, 2, 2, 3], &ramp(48, 13, 5));
+        let b = f32t(&[4], &[1.0, 2.0, 3.0, 4.0]);
+        let y = conv(
+            &x,
+            &w,
+            Some(&b),
+            params(&[1, 1], &[0, 1], &[1, 1], false, &[0, 0], 2),
+            &[1, 4, 4, 4],
+        );
+        close(
+            &y[..8],
+            &[1.6875, 6.8125, 4.0625, 1.5, 2.5, 6.125, -0.75, -0.1875],
+            1e-6,
+        );
+        close(
+            &y[56..],
+            &[8.875, 10.375, -2.5, 6.5, 7.1875, 0.125, 8.5625, 3.6875],
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn transposed_convolutions() {
+        // x[:, :, :3, :3] of the ramp above
+        let full = ramp(80, 11, 7);
+        let x: Vec<f32> = (0..4)
+            .flat_map(|c| (0..3).flat_map(move |i| (0..3).map(move |j| (c, i, j))))
+            .map(|(c, i, j)| full[c * 20 + i * 4 + j])
+            .collect();
+        let x = f32t(&[1, 4, 3, 3], &x);
+        let w = f32t(&[4, 3, 3, 2], &ramp(72, 13, 5));
+        let b = f32t(&[3], &[0.1, 0.2, 0.3]);
+        let y = conv(
+            &x,
+            &w,
+            Some(&b),
+            params(&[2, 2], &[1, 1], &[1, 1], true, &[1, 1], 1),
+            &[1, 3, 6, 5],
+        );
+        close(
+            &y[..6],
+            &[
+                -1.4,
+                1.4125,
+                2.9749999,
+                -0.33750001,
+                0.47499999,
+                -0.52499998,
+            ],
+            1e-6,
+        );
+        close(
+            &y[84..],
+            &[0.98750001, 0.48750001, 3.1125, 1.05, 0.61250001, 0.23750001],
+            1e-6,
+        );
+        // conv_transpose1d, groups 2, dilation 2 on x2[0, :, 0, :]
+        let x1: Vec<f32> = (0..4)
+            .flat_map(|c| (0..4).map(move |j| (c, j)))
+            .map(|(c, j)| full[c * 20 + j])
+            .collect();
+        let x1 = f32t(&[1, 4, 4], &x1);
+        let w1 = f32t(&[4, 1, 3], &ramp(12, 13, 5));
+        let y = conv(
+            &x1,
+            &w1,
+            None,
+            params(&[1], &[0], &[2], true, &[0], 2),
+            &[1, 2, 8],
+        );
+        close(
+            &y,
+            &[
+                0.5, -0.75, 1.25, -1.6875, -0.3125, 2.0625, -2.375, 3.75, -0.25, 0.625, -0.4375,
+                0.875, 1.625, -1.0625, -0.8125, 0.1875,
+            ],
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn bad_geometry_is_an_error() {
+        let x = f32t(&[1, 3, 4], &[0.0; 12]);
+        let w = f32t(&[2, 2, 3], &[0.0; 12]);
+        let e = crate::execute(
+            &params(&[1], &[0], &[1], false, &[0], 1),
+            &[Some(&x), Some(&w), None],
+            &[(DType::F32, vec![1, 2, 2])],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("channels"), "{e}");
+        let w = f32t(&[2, 3, 5], &[0.0; 30]);
+        let e = crate::execute(
+            &params(&[1], &[0], &[1], false, &[0], 1),
+            &[Some(&x), Some(&w), None],
+            &[(DType::F32, vec![1, 2, 1])],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("no output"), "{e}");
+    }
+}

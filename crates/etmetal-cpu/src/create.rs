@@ -68,7 +68,16 @@ mod tests {
             DType::F32,
         )
         .unwrap();
-        assert_eq!(t.to_f32_vec(), vec![0.0, 0.3, 0.6, 0.90000004]);
+        assert_eq!(t.to_f32_vec(), vec![0.0, 0.3, 0.6, 0.9]);
+        // torch.arange(-1., 1., 0.1): 20 values ending 0.7, 0.8, 0.9
+        let t = arange(
+            Scalar::Float(-1.0),
+            Scalar::Float(1.0),
+            Scalar::Float(0.1),
+            DType::F32,
+        )
+        .unwrap();
+        assert_eq!(&t.to_f32_vec()[17..], &[0.7, 0.8, 0.9]);
         // torch.arange(5, -3, -3) -> [5, 2, -1]
         let t = arange(Scalar::Int(5), Scalar::Int(-3), Scalar::Int(-3), DType::I64).unwrap();
         assert_eq!(t.to_i64_vec(), vec![5, 2, -1]);
@@ -80,7 +89,7 @@ mod tests {
             DType::I64,
         )
         .unwrap();
-        assert_eq!(t.to_i64_vec(), vec![big, big + 1, big + 2]);
+        assert_eq!(t.to_i64_vec(), vec![big, big + 1]);
         assert_eq!(
             arange(Scalar::Int(3), Scalar::Int(3), Scalar::Int(1), DType::I32)
                 .unwrap()

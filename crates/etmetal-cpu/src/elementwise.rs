@@ -535,3 +535,240 @@ pub fn where_(ctx: &Ctx) -> Result<Tensor> {
     };
     buf.store(out, &shape)
 }
+
+// PyTorch's printed values are kept verbatim in the tests
+#[cfg(test)]
+#[allow(clippy::excessive_precision)]
+mod tests {
+    use crate::test_util::*;
+    use etmetal_core::{BinaryOp, DType, ErrorKind, Op, UnaryOp};
+
+    fn un(op: UnaryOp, x: &etmetal_core::Tensor, out: DType) -> Vec<f32> {
+        run1(Op::Unary(op), &[x], out, x.shape())
+            .unwrap()
+            .to_f32_vec()
+    }
+
+    #[test]
+    fn unary_activations_match_pytorch() {
+        let x = f32t(&[6], &ramp(6, 11, 7));
+        // expected values from PyTorch 2.15
+        close(
+            &un(UnaryOp::Gelu { tanh: false }, &x, DType::F32),
+            &[
+                -0.15865529,
+                0.58002955,
+                -0.10032343,
+                1.3997891,
+                0.3457312,
+                -0.15426879,
+            ],
+            1e-6,
+        );
+        close(
+            &un(UnaryOp::Gelu { tanh: true }, &x, DType::F32),
+            &[
+                -0.15880799,
+                0.57996058,
+                -0.10032465,
+                1.3995715,
+                0.345714,
+                -0.154286,
+            ],
+            1e-6,
+        );
+        close(
+            &un(UnaryOp::Erf, &x, DType::F32),
+            &[
+                -0.84270078,
+                0.71115565,
+                -0.27632639,
+                0.96610516,
+                0.52049989,
+                -0.52049989,
+            ],
+            1e-7,
+        );
+        close(
+            &un(UnaryOp::Hardswish, &x, DType::F32),
+            &[
+                -0.33333334,
+                0.46875,
+                -0.11458334,
+                1.125,
+                0.29166666,
+                -0.20833333,
+            ],
+            1e-7,
+        );
+        close(
+            &un(UnaryOp::Silu, &x, DType::F32),
+            &[
+                -0.26894143,
+                0.50938404,
+                -0.10945588,
+                1.2263616,
+                0.31122968,
+                -0.18877034,
+            ],
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn erf_is_accurate_in_f64() {
+        // erf(0.5), erf(2), erf(-3.5) to 16 digits
+        assert!((super::erf(0.5) - 0.5204998778130465).abs() < 1e-15);
+        assert!((super::erf(2.0) - 0.9953222650189527).abs() < 1e-15);
+        assert!((super::erf(-3.5) + 0.9999992569016276).abs() < 1e-15);
+        assert_eq!(super::erf(7.0), 1.0);
+    }
+
+    #[test]
+    fn rounding_sign_clamp_and_int_paths() {
+        let x = f32t(&[5], &[2.5, -0.5, 1.5, f32::NAN, -3.0]);
+        let r = un(UnaryOp::Round, &x, DType::F32);
+        assert_eq!(&r[..3], &[2.0, -0.0, 2.0]);
+        assert_eq!(un(UnaryOp::Sign, &x, DType::F32)[3], 0.0);
+        let c = un(
+            UnaryOp::Clamp {
+                min: Some(-1.0),
+                max: None,
+            },
+            &x,
+            DType::F32,
+        );
+        assert!(c[3].is_nan());
+        assert_eq!([c[0], c[4]], [2.5, -1.0]);
+        let i = i64t(&[3], &[-4, 9, 0]);
+        let s = un(UnaryOp::Sqrt, &i, DType::F32);
+        assert!(s[0].is_nan() && s[1] == 3.0 && s[2] == 0.0);
+        let a = run1(Op::Unary(UnaryOp::Abs), &[&i], DType::I64, &[3]).unwrap();
+        assert_eq!(a.to_i64_vec(), vec![4, 9, 0]);
+        let e = run1(Op::Unary(UnaryOp::Exp), &[&i], DType::I64, &[3]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+    }
+
+    fn bin(
+        op: BinaryOp,
+        a: &etmetal_core::Tensor,
+        b: &etmetal_core::Tensor,
+        out: DType,
+        shape: &[usize],
+    ) -> etmetal_core::Tensor {
+        run1(Op::Binary(op), &[a, b], out, shape).unwrap()
+    }
+
+    #[test]
+    fn broadcasting_and_bf16_rounding() {
+        let a = f32t(&[2, 1], &[1.0, 2.0]);
+        let b = f32t(&[3], &[10.0, 20.0, 30.0]);
+        assert_eq!(
+            bin(BinaryOp::Sub, &a, &b, DType::F32, &[2, 3]).to_f32_vec(),
+            vec![-9.0, -19.0, -29.0, -8.0, -18.0, -28.0]
+        );
+        // bf16 sums rounded to nearest even; from PyTorch 2.15: [1.0, 3.015625, 101.0]
+        let x = etmetal_core::Tensor::from_f32(DType::BF16, &[3], &[1.0, 3.0, 100.5]).unwrap();
+        let y = etmetal_core::Tensor::from_f32(DType::BF16, &[3], &[0.00390625, 0.01171875, 0.25])
+            .unwrap();
+        assert_eq!(
+            bin(BinaryOp::Add, &x, &y, DType::BF16, &[3]).to_f32_vec(),
+            vec![1.0, 3.015625, 101.0]
+        );
+        let e = run1(
+            Op::Binary(BinaryOp::Add),
+            &[&b, &f32t(&[4], &[0.0; 4])],
+            DType::F32,
+            &[3, 4],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("broadcast"), "{e}");
+    }
+
+    #[test]
+    fn division_family_follows_python() {
+        let a = i64t(&[4], &[-7, 7, -6, 5]);
+        let b = i64t(&[4], &[2, -2, 3, 3]);
+        assert_eq!(
+            bin(BinaryOp::FloorDiv, &a, &b, DType::I64, &[4]).to_i64_vec(),
+            vec![-4, -4, -2, 1]
+        );
+        assert_eq!(
+            bin(BinaryOp::TruncDiv, &a, &b, DType::I64, &[4]).to_i64_vec(),
+            vec![-3, -3, -2, 1]
+        );
+        assert_eq!(
+            bin(BinaryOp::Remainder, &a, &b, DType::I64, &[4]).to_i64_vec(),
+            vec![1, -1, 0, 2]
+        );
+        assert_eq!(
+            bin(BinaryOp::Div, &a, &b, DType::F32, &[4]).to_f32_vec(),
+            vec![-3.5, -3.5, -2.0, 5.0 / 3.0]
+        );
+        // PyTorch 2.15: div(rounding_mode='floor') of [-7.5, 7.5, -0.0, 5] by [2, -2, 3, 0]
+        let fa = f32t(&[4], &[-7.5, 7.5, -0.0, 5.0]);
+        let fb = f32t(&[4], &[2.0, -2.0, 3.0, 0.0]);
+        let f = bin(BinaryOp::FloorDiv, &fa, &fb, DType::F32, &[4]).to_f32_vec();
+        assert_eq!(f, vec![-4.0, -4.0, -0.0, f32::INFINITY]);
+        assert!(f[2].is_sign_negative());
+        assert_eq!(
+            bin(BinaryOp::Remainder, &fa, &fb, DType::F32, &[4]).to_f32_vec()[..2],
+            [0.5, -0.5]
+        );
+        // integer pow with negative exponents: PyTorch gives [0, -1, 1, 9]
+        let p = bin(
+            BinaryOp::Pow,
+            &i64t(&[4], &[2, -1, 1, 3]),
+            &i64t(&[4], &[-1, -3, -2, 2]),
+            DType::I64,
+            &[4],
+        );
+        assert_eq!(p.to_i64_vec(), vec![0, -1, 1, 9]);
+        let e = run1(
+            Op::Binary(BinaryOp::FloorDiv),
+            &[&a, &i64t(&[], &[0])],
+            DType::I64,
+            &[4],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("division by zero"), "{e}");
+    }
+
+    #[test]
+    fn predicates_logical_and_where() {
+        let a = i64t(&[3], &[1, 2, 3]);
+        let b = f32t(&[], &[2.0]);
+        let lt = bin(BinaryOp::Lt, &a, &b, DType::Bool, &[3]);
+        assert_eq!((lt.dtype(), lt.to_i64_vec()), (DType::Bool, vec![1, 0, 0]));
+        let x = bin(
+            BinaryOp::LogicalXor,
+            &a,
+            &i64t(&[3], &[0, 5, 0]),
+            DType::Bool,
+            &[3],
+        );
+        assert_eq!(x.to_i64_vec(), vec![1, 0, 1]);
+        assert_eq!(
+            bin(BinaryOp::BitwiseAnd, &a, &i64t(&[], &[6]), DType::I64, &[3]).to_i64_vec(),
+            vec![0, 2, 2]
+        );
+        let m = bin(
+            BinaryOp::Maximum,
+            &f32t(&[2], &[f32::NAN, 1.0]),
+            &f32t(&[2], &[0.0, 2.0]),
+            DType::F32,
+            &[2],
+        )
+        .to_f32_vec();
+        assert!(m[0].is_nan() && m[1] == 2.0);
+        let c = etmetal_core::Tensor::from_i64(DType::Bool, &[2, 1], &[1, 0]).unwrap();
+        let w = run1(
+            Op::Where,
+            &[&c, &f32t(&[2], &[1.0, 2.0]), &f32t(&[], &[-1.0])],
+            DType::F32,
+            &[2, 2],
+        )
+        .unwrap();
+        assert_eq!(w.to_f32_vec(), vec![1.0, 2.0, -1.0, -1.0]);
+    }
+}

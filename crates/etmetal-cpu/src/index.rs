@@ -181,3 +181,109 @@ pub fn index(ctx: &Ctx) -> Result<Tensor> {
     });
     take(x, &shape, offsets)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::test_util::*;
+    use etmetal_core::{DType, ErrorKind, Op, Tensor};
+
+    fn x234() -> Tensor {
+        i64t(&[2, 3, 4], &(0..24).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn index_select_gather_embedding() {
+        let x = x234();
+        let y = run1(
+            Op::IndexSelect { dim: 1 },
+            &[&x, &i64t(&[2], &[2, 0])],
+            DType::I64,
+            &[2, 2, 4],
+        )
+        .unwrap();
+        assert_eq!(&y.to_i64_vec()[..8], &[8, 9, 10, 11, 0, 1, 2, 3]);
+        let e = run1(
+            Op::IndexSelect { dim: 1 },
+            &[&x, &i64t(&[1], &[3])],
+            DType::I64,
+            &[2, 1, 4],
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+        assert!(
+            e.to_string().contains("index 3") && e.to_string().contains("size 3"),
+            "{e}"
+        );
+        let m = i64t(&[2, 2], &[1, 2, 3, 4]);
+        let g = run1(
+            Op::Gather { dim: 1 },
+            &[&m, &i64t(&[2, 3], &[0, 0, 1, 1, 0, 0])],
+            DType::I64,
+            &[2, 3],
+        )
+        .unwrap();
+        assert_eq!(g.to_i64_vec(), vec![1, 1, 2, 4, 3, 3]);
+        assert!(run1(
+            Op::Gather { dim: 0 },
+            &[&m, &i64t(&[1, 1], &[-1])],
+            DType::I64,
+            &[1, 1]
+        )
+        .is_err());
+        let w = f32t(&[3, 2], &[0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
+        let ids = Tensor::from_i64(DType::I32, &[2, 1], &[2, 0]).unwrap();
+        let y = run1(Op::Embedding, &[&w, &ids], DType::F32, &[2, 1, 2]).unwrap();
+        assert_eq!(y.to_f32_vec(), vec![2.0, 2.5, 0.0, 0.5]);
+        let e = run1(Op::Embedding, &[&w, &i64t(&[1], &[3])], DType::F32, &[1, 2]).unwrap_err();
+        assert!(e.to_string().contains("index 3"), "{e}");
+    }
+
+    #[test]
+    fn advanced_index_adjacent_and_not() {
+        let x = x234();
+        // x[:, tensor([2, 0]), tensor([1, 1])] == [[9, 1], [21, 13]] (PyTorch 2.15)
+        let (i1, i2) = (i64t(&[2], &[2, 0]), i64t(&[2], &[1, 1]));
+        let y = crate::execute(
+            &Op::Index,
+            &[Some(&x), None, Some(&i1), Some(&i2)],
+            &[(DType::I64, vec![2, 2])],
+        )
+        .unwrap();
+        assert_eq!(y[0].to_i64_vec(), vec![9, 1, 21, 13]);
+        // x[tensor([[1], [0]]), :, tensor([0, 3, -1])]: broadcast dims first, shape [2, 3, 3]
+        let (a, c) = (i64t(&[2, 1], &[1, 0]), i64t(&[3], &[0, 3, -1]));
+        let y = crate::execute(
+            &Op::Index,
+            &[Some(&x), Some(&a), None, Some(&c)],
+            &[(DType::I64, vec![2, 3, 3])],
+        )
+        .unwrap();
+        assert_eq!(
+            y[0].to_i64_vec(),
+            vec![12, 16, 20, 15, 19, 23, 15, 19, 23, 0, 4, 8, 3, 7, 11, 3, 7, 11]
+        );
+        // trailing dims kept: x[tensor([1])] has shape [1, 3, 4]
+        let y = crate::execute(
+            &Op::Index,
+            &[Some(&x), Some(&i64t(&[1], &[1]))],
+            &[(DType::I64, vec![1, 3, 4])],
+        )
+        .unwrap();
+        assert_eq!(y[0].to_i64_vec()[0], 12);
+        let mask = Tensor::from_i64(DType::Bool, &[2], &[1, 0]).unwrap();
+        let e = crate::execute(
+            &Op::Index,
+            &[Some(&x), Some(&mask)],
+            &[(DType::I64, vec![1, 3, 4])],
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        let e = crate::execute(
+            &Op::Index,
+            &[Some(&x), Some(&i64t(&[1], &[-3]))],
+            &[(DType::I64, vec![1, 3, 4])],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("index -3"), "{e}");
+    }
+}

@@ -220,3 +220,188 @@ pub fn repeat(ctx: &Ctx, repeats: &[usize]) -> Result<Tensor> {
     etmetal_core::shape::numel(&shape)?;
     materialize(x, &vshape, &vstrides, 0)?.reshape(&shape)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::test_util::*;
+    use etmetal_core::{DType, ErrorKind, Op, Tensor};
+
+    fn x23() -> Tensor {
+        i64t(&[2, 3], &[0, 1, 2, 3, 4, 5])
+    }
+
+    #[test]
+    fn views_permute_expand_slice_select() {
+        let x = x23();
+        assert_eq!(
+            run1(Op::Permute { dims: vec![1, 0] }, &[&x], DType::I64, &[3, 2])
+                .unwrap()
+                .to_i64_vec(),
+            vec![0, 3, 1, 4, 2, 5]
+        );
+        let e = run1(
+            Op::Expand {
+                shape: vec![2, 2, 3],
+            },
+            &[&x],
+            DType::I64,
+            &[2, 2, 3],
+        )
+        .unwrap();
+        assert_eq!(e.to_i64_vec(), vec![0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]);
+        let col = f32t(&[2, 1], &[1.0, 2.0]);
+        assert_eq!(
+            run1(
+                Op::Expand { shape: vec![2, 3] },
+                &[&col],
+                DType::F32,
+                &[2, 3]
+            )
+            .unwrap()
+            .to_f32_vec(),
+            vec![1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+        );
+        assert!(run1(Op::Expand { shape: vec![3, 3] }, &[&x], DType::I64, &[3, 3]).is_err());
+        let s = run1(
+            Op::Slice {
+                dim: 1,
+                start: 0,
+                end: 3,
+                step: 2,
+            },
+            &[&x],
+            DType::I64,
+            &[2, 2],
+        )
+        .unwrap();
+        assert_eq!(s.to_i64_vec(), vec![0, 2, 3, 5]);
+        let s = run1(
+            Op::Slice {
+                dim: 1,
+                start: 3,
+                end: 3,
+                step: 1,
+            },
+            &[&x],
+            DType::I64,
+            &[2, 0],
+        )
+        .unwrap();
+        assert_eq!(s.numel(), 0);
+        assert_eq!(
+            run1(Op::Select { dim: 0, index: 1 }, &[&x], DType::I64, &[3])
+                .unwrap()
+                .to_i64_vec(),
+            vec![3, 4, 5]
+        );
+        let e = run1(Op::Select { dim: 1, index: 3 }, &[&x], DType::I64, &[2]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+        assert_eq!(
+            run1(
+                Op::Reshape {
+                    shape: vec![3, 1, 2]
+                },
+                &[&x],
+                DType::I64,
+                &[3, 1, 2]
+            )
+            .unwrap()
+            .shape(),
+            &[3, 1, 2]
+        );
+        assert!(run1(Op::Reshape { shape: vec![4] }, &[&x], DType::I64, &[4]).is_err());
+    }
+
+    #[test]
+    fn cat_promotes_and_skips_legacy_empty() {
+        let a = x23();
+        let b = Tensor::from_i64(DType::I32, &[2, 1], &[9, 8]).unwrap();
+        let empty = f32t(&[0], &[]);
+        let op = Op::Cat { dim: 1 };
+        let y = crate::execute(
+            &op,
+            &[Some(&a), Some(&empty), Some(&b)],
+            &[(DType::I64, vec![2, 4])],
+        )
+        .unwrap();
+        assert_eq!(y[0].to_i64_vec(), vec![0, 1, 2, 9, 3, 4, 5, 8]);
+        let y = crate::execute(
+            &Op::Cat { dim: 0 },
+            &[Some(&b), Some(&b)],
+            &[(DType::I32, vec![4, 1])],
+        )
+        .unwrap();
+        assert_eq!(y[0].to_i64_vec(), vec![9, 8, 9, 8]);
+        let e = crate::execute(
+            &Op::Cat { dim: 0 },
+            &[Some(&a), Some(&b)],
+            &[(DType::I64, vec![4, 3])],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("does not match"), "{e}");
+    }
+
+    #[test]
+    fn pad_triangle_repeat() {
+        let x = f32t(&[2, 3], &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        // pad last dim by (1, -1) and the first by (0, 1): crop one column, add one
+        let y = run1(
+            Op::ConstantPad {
+                pad: vec![1, -1, 0, 1],
+                value: 7.0,
+            },
+            &[&x],
+            DType::F32,
+            &[3, 3],
+        )
+        .unwrap();
+        assert_eq!(
+            y.to_f32_vec(),
+            vec![7.0, 0.0, 1.0, 7.0, 3.0, 4.0, 7.0, 7.0, 7.0]
+        );
+        let b = Tensor::from_f32(DType::BF16, &[1, 1], &[1.5]).unwrap();
+        let y = run1(
+            Op::ConstantPad {
+                pad: vec![1, 0],
+                value: 0.1,
+            },
+            &[&b],
+            DType::BF16,
+            &[1, 2],
+        )
+        .unwrap();
+        assert_eq!(y.to_f32_vec(), vec![205.0 / 2048.0, 1.5]);
+        let t = run1(
+            Op::Triangle {
+                upper: true,
+                diagonal: 1,
+            },
+            &[&x],
+            DType::F32,
+            &[2, 3],
+        )
+        .unwrap();
+        assert_eq!(t.to_f32_vec(), vec![0.0, 1.0, 2.0, 0.0, 0.0, 5.0]);
+        let t = run1(
+            Op::Triangle {
+                upper: false,
+                diagonal: -1,
+            },
+            &[&x],
+            DType::F32,
+            &[2, 3],
+        )
+        .unwrap();
+        assert_eq!(t.to_f32_vec(), vec![0.0, 0.0, 0.0, 3.0, 0.0, 0.0]);
+        let r = run1(
+            Op::Repeat {
+                repeats: vec![2, 1, 2],
+            },
+            &[&f32t(&[1, 2], &[1.0, 2.0])],
+            DType::F32,
+            &[2, 1, 4],
+        )
+        .unwrap();
+        assert_eq!(r.to_f32_vec(), vec![1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0]);
+    }
+}

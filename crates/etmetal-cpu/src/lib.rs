@@ -388,6 +388,11 @@ pub(crate) mod test_util {
         let slots: Vec<Option<&Tensor>> = inputs.iter().map(|t| Some(*t)).collect();
         Ok(execute(&op, &slots, &[(dtype, shape.to_vec())])?.remove(0))
     }
+    /// The test inputs the PyTorch references were computed on:
+    /// `((i * mul) % m) / 4 - 1` (exact in every float type).
+    pub fn ramp(n: usize, m: usize, mul: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i * mul) % m) as f32 / 4.0 - 1.0).collect()
+    }
     pub fn close(got: &[f32], want: &[f32], tol: f32) {
         assert_eq!(got.len(), want.len(), "length: got {got:?}, want {want:?}");
         for (i, (g, w)) in got.iter().zip(want).enumerate() {

@@ -334,3 +334,111 @@ pub fn linear(ctx: &Ctx) -> Result<Tensor> {
     });
     buf.store(ctx.out_dtype(0)?, &oshape)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::test_util::*;
+    use etmetal_core::{DType, Op, Tensor};
+
+    /// Reference `a[m×k] @ b[k×n]` in f64.
+    fn naive(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+        (0..m * n)
+            .map(|ij| {
+                (0..k)
+                    .map(|p| a[ij / n * k + p] as f64 * b[p * n + ij % n] as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matmul_shapes_follow_torch_matmul() {
+        let a = f32t(&[2, 1, 3, 5], &ramp(30, 11, 7));
+        let b = f32t(&[4, 5, 2], &ramp(40, 13, 5));
+        let y = run1(Op::MatMul, &[&a, &b], DType::F32, &[2, 4, 3, 2])
+            .unwrap()
+            .to_f32_vec();
+        let (av, bv) = (a.to_f32_vec(), b.to_f32_vec());
+        for i in 0..2 {
+            for j in 0..4 {
+                let want = naive(
+                    &av[i * 15..(i + 1) * 15],
+                    &bv[j * 10..(j + 1) * 10],
+                    3,
+                    5,
+                    2,
+                );
+                close(&y[(i * 4 + j) * 6..(i * 4 + j + 1) * 6], &want, 1e-6);
+            }
+        }
+        let v = f32t(&[5], &[1.0, 0.0, 0.0, 0.0, 1.0]);
+        let y = run1(Op::MatMul, &[&v, &b], DType::F32, &[4, 2])
+            .unwrap()
+            .to_f32_vec();
+        assert_eq!(&y[..2], &[bv[0] + bv[8], bv[1] + bv[9]]);
+        let y = run1(Op::MatMul, &[&v, &v], DType::F32, &[]).unwrap();
+        assert_eq!(y.to_f32_vec(), vec![2.0]);
+        let e = run1(Op::MatMul, &[&a, &a], DType::F32, &[2, 1, 3, 3]).unwrap_err();
+        assert!(e.to_string().contains("cannot be multiplied"), "{e}");
+    }
+
+    #[test]
+    fn integer_and_bf16_products() {
+        let a = i64t(&[2, 2], &[1 << 40, 1, 2, 3]);
+        let y = run1(Op::MatMul, &[&a, &i64t(&[2], &[2, 5])], DType::I64, &[2]).unwrap();
+        assert_eq!(y.to_i64_vec(), vec![(1 << 41) + 5, 19]);
+        let x = Tensor::from_f32(DType::BF16, &[1, 2], &[1.0, 1.0]).unwrap();
+        let w = Tensor::from_f32(DType::BF16, &[2, 1], &[1.0, 1.0 / 256.0]).unwrap();
+        // 1 + 2^-8 rounds to 1.0 in bf16
+        assert_eq!(
+            run1(Op::MatMul, &[&x, &w], DType::BF16, &[1, 1])
+                .unwrap()
+                .to_f32_vec(),
+            vec![1.0]
+        );
+    }
+
+    #[test]
+    fn addmm_and_linear() {
+        let a = f32t(&[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let b = f32t(&[3, 2], &[1.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
+        let bias = f32t(&[2], &[10.0, 20.0]);
+        let y = run1(
+            Op::Addmm {
+                beta: 0.5,
+                alpha: 2.0,
+            },
+            &[&bias, &a, &b],
+            DType::F32,
+            &[2, 2],
+        )
+        .unwrap();
+        assert_eq!(y.to_f32_vec(), vec![13.0, 20.0, 25.0, 32.0]);
+        let nan = f32t(&[1], &[f32::NAN]);
+        let y = run1(
+            Op::Addmm {
+                beta: 0.0,
+                alpha: 1.0,
+            },
+            &[&nan, &a, &b],
+            DType::F32,
+            &[2, 2],
+        )
+        .unwrap();
+        assert_eq!(y.to_f32_vec(), vec![4.0, 5.0, 10.0, 11.0]);
+        // linear: x [1, 2, 3] @ w[2, 3].T + bias
+        let x = f32t(&[1, 2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let w = f32t(&[2, 3], &[1.0, 0.0, -1.0, 0.5, 0.5, 0.5]);
+        let y = run1(Op::Linear, &[&x, &w, &bias], DType::F32, &[1, 2, 2]).unwrap();
+        assert_eq!(y.to_f32_vec(), vec![8.0, 23.0, 8.0, 27.5]);
+        let y = crate::execute(
+            &Op::Linear,
+            &[Some(&x), Some(&w), None],
+            &[(DType::F32, vec![1, 2, 2])],
+        )
+        .unwrap();
+        assert_eq!(y[0].to_f32_vec(), vec![-2.0, 3.0, -2.0, 7.5]);
+        let e = run1(Op::Linear, &[&x, &b], DType::F32, &[1, 2, 3]).unwrap_err();
+        assert!(e.to_string().contains("weight"), "{e}");
+    }
+}

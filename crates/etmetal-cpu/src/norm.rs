@@ -160,3 +160,143 @@ pub fn group_norm(ctx: &Ctx, groups: usize, eps: f64) -> Result<Tensor> {
     }
     Buf::F64(v).store(out, x.shape())
 }
+
+// PyTorch's printed values are kept verbatim in the tests
+#[cfg(test)]
+#[allow(clippy::excessive_precision)]
+mod tests {
+    use crate::test_util::*;
+    use etmetal_core::{DType, Op, Tensor};
+
+    #[test]
+    fn layer_group_and_rms_norm_match_pytorch() {
+        let x = f32t(&[2, 3, 4], &ramp(24, 11, 7));
+        let (w, b) = (
+            f32t(&[4], &[1.0, 2.0, 0.5, -1.0]),
+            f32t(&[4], &[0.0, 0.1, 0.2, 0.3]),
+        );
+        let y = run1(
+            Op::LayerNorm {
+                normalized_dims: 1,
+                eps: 1e-5,
+            },
+            &[&x, &w, &b],
+            DType::F32,
+            &[2, 3, 4],
+        )
+        .unwrap();
+        // F.layer_norm(x, [4], w, b, 1e-5), PyTorch 2.15
+        close(
+            &y.to_f32_vec()[..8],
+            &[
+                -1.3130571,
+                1.1504457,
+                -0.062611416,
+                -1.013057,
+                0.19999743,
+                -2.699964,
+                0.89999098,
+                0.49999744,
+            ],
+            1e-5,
+        );
+        let g = f32t(&[2, 4, 3], &ramp(24, 11, 7));
+        let (gw, gb) = (
+            f32t(&[4], &[1.0, 2.0, 3.0, 4.0]),
+            f32t(&[4], &[0.0, 1.0, 0.0, 1.0]),
+        );
+        let y = run1(
+            Op::GroupNorm {
+                groups: 2,
+                eps: 1e-5,
+            },
+            &[&g, &gw, &gb],
+            DType::F32,
+            &[2, 4, 3],
+        )
+        .unwrap();
+        close(
+            &y.to_f32_vec()[..6],
+            &[
+                -1.3930421,
+                0.6965211,
+                -0.49751502,
+                4.1840963,
+                1.7960241,
+                -0.59204817,
+            ],
+            1e-5,
+        );
+        let y = run1(
+            Op::RmsNorm {
+                normalized_dims: 2,
+                eps: None,
+            },
+            &[&x],
+            DType::F32,
+            &[2, 3, 4],
+        )
+        .unwrap();
+        close(
+            &y.to_f32_vec()[12..16],
+            &[0.91146529, -0.30382177, 1.8229306, 0.60764354],
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn rms_norm_of_bf16_uses_the_f32_epsilon() {
+        // F.rms_norm(tensor([[1e-2, 2e-2, -3e-2]]).bfloat16(), [3]) == [0.462890625, 0.92578125, -1.390625]
+        let x = Tensor::from_f32(DType::BF16, &[1, 3], &[1e-2, 2e-2, -3e-2]).unwrap();
+        let y = run1(
+            Op::RmsNorm {
+                normalized_dims: 1,
+                eps: None,
+            },
+            &[&x],
+            DType::BF16,
+            &[1, 3],
+        )
+        .unwrap();
+        assert_eq!(y.to_f32_vec(), vec![0.462890625, 0.92578125, -1.390625]);
+    }
+
+    #[test]
+    fn batch_norm_eval_and_errors() {
+        let x = f32t(&[1, 2, 2], &[1.0, 3.0, -1.0, 5.0]);
+        let (mean, var) = (f32t(&[2], &[1.0, 1.0]), f32t(&[2], &[4.0, 1.0]));
+        let (w, b) = (f32t(&[2], &[2.0, 1.0]), f32t(&[2], &[0.0, 0.5]));
+        let op = Op::BatchNorm { eps: 0.0 };
+        let y = crate::execute(
+            &op,
+            &[Some(&x), Some(&w), Some(&b), Some(&mean), Some(&var)],
+            &[(DType::F32, vec![1, 2, 2])],
+        )
+        .unwrap();
+        assert_eq!(y[0].to_f32_vec(), vec![0.0, 2.0, -1.5, 4.5]);
+        let e = crate::execute(
+            &op,
+            &[
+                Some(&x),
+                None,
+                None,
+                Some(&f32t(&[3], &[0.0; 3])),
+                Some(&var),
+            ],
+            &[(DType::F32, vec![1, 2, 2])],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("running_mean"), "{e}");
+        let e = run1(
+            Op::GroupNorm {
+                groups: 3,
+                eps: 1e-5,
+            },
+            &[&x],
+            DType::F32,
+            &[1, 2, 2],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("3 groups"), "{e}");
+    }
+}

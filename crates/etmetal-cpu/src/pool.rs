@@ -242,3 +242,136 @@ pub fn adaptive_avg_pool(ctx: &Ctx, output_size: &[usize]) -> Result<Tensor> {
     let oshape: Vec<usize> = [&x.shape()[..x.rank() - sr], output_size].concat();
     Buf::F64(res).store(out, &oshape)
 }
+
+// PyTorch's printed values are kept verbatim in the tests
+#[cfg(test)]
+#[allow(clippy::excessive_precision)]
+mod tests {
+    use crate::test_util::*;
+    use etmetal_core::{DType, Op};
+
+    // Expected values come from PyTorch 2.15 on x = ramp(50, 17, 5) as [1, 2, 5, 5].
+
+    #[test]
+    fn max_pool_ceil_mode_with_indices() {
+        let x = f32t(&[1, 2, 5, 5], &ramp(50, 17, 5));
+        let op = Op::MaxPool {
+            kernel: vec![3, 3],
+            stride: vec![2, 2],
+            padding: vec![1, 1],
+            dilation: vec![1, 1],
+            ceil_mode: true,
+            with_indices: true,
+        };
+        let r = crate::execute(
+            &op,
+            &[Some(&x)],
+            &[
+                (DType::F32, vec![1, 2, 3, 3]),
+                (DType::I64, vec![1, 2, 3, 3]),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            r[0].to_f32_vec(),
+            vec![
+                2.25, 2.75, 2.75, 3.0, 2.5, 2.5, 2.75, 2.25, 2.25, 2.5, 3.0, 2.0, 2.5, 2.75, 3.0,
+                2.25, 2.5, 3.0
+            ]
+        );
+        assert_eq!(
+            r[1].to_i64_vec(),
+            vec![6, 3, 3, 10, 13, 13, 20, 23, 23, 5, 2, 8, 5, 12, 19, 15, 22, 19]
+        );
+        // unbatched 1-D with an int dtype
+        let i = i64t(&[1, 5], &[3, -1, 7, 7, 2]);
+        let op = Op::MaxPool {
+            kernel: vec![2],
+            stride: vec![],
+            padding: vec![0],
+            dilation: vec![1],
+            ceil_mode: false,
+            with_indices: false,
+        };
+        assert_eq!(
+            run1(op, &[&i], DType::I64, &[1, 2]).unwrap().to_i64_vec(),
+            vec![3, 7]
+        );
+    }
+
+    #[test]
+    fn avg_pool_divisor_rules() {
+        let x = f32t(&[1, 2, 5, 5], &ramp(50, 17, 5));
+        let avg = |k: usize,
+                   s: usize,
+                   p: usize,
+                   ceil: bool,
+                   cip: bool,
+                   div: Option<i64>,
+                   shape: &[usize]| {
+            let op = Op::AvgPool {
+                kernel: vec![k, k],
+                stride: vec![s, s],
+                padding: vec![p, p],
+                ceil_mode: ceil,
+                count_include_pad: cip,
+                divisor_override: div,
+            };
+            run1(op, &[&x], DType::F32, shape).unwrap().to_f32_vec()
+        };
+        close(
+            &avg(3, 2, 1, true, true, None, &[1, 2, 3, 3])[..9],
+            &[
+                0.27777779, 0.72222221, 0.52777779, 1.0, 0.77777779, 0.66666669, 0.58333331,
+                0.47222221, 0.3611111,
+            ],
+            1e-6,
+        );
+        close(
+            &avg(3, 2, 1, true, false, None, &[1, 2, 3, 3])[..9],
+            &[
+                0.625, 1.0833334, 1.1875, 1.5, 0.77777779, 1.0, 1.3125, 0.70833331, 0.8125,
+            ],
+            1e-6,
+        );
+        close(
+            &avg(2, 2, 0, false, true, Some(3), &[1, 2, 2, 2]),
+            &[
+                0.83333331, 1.3333334, 1.9166666, 1.0, 1.4166666, 1.9166666, 1.0833334, 1.5833334,
+            ],
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn adaptive_avg_pool_windows() {
+        let x = f32t(&[1, 2, 5, 5], &ramp(50, 17, 5));
+        let y = run1(
+            Op::AdaptiveAvgPool {
+                output_size: vec![3, 2],
+            },
+            &[&x],
+            DType::F32,
+            &[1, 2, 3, 2],
+        )
+        .unwrap();
+        close(
+            &y.to_f32_vec(),
+            &[
+                0.54166669, 0.91666669, 0.94444442, 0.6111111, 0.875, 0.54166669, 1.3333334, 1.0,
+                1.0277778, 1.1666666, 0.95833331, 1.3333334,
+            ],
+            1e-6,
+        );
+        let e = run1(
+            Op::AdaptiveAvgPool {
+                output_size: vec![3, 2],
+            },
+            &[&f32t(&[5], &[0.0; 5])],
+            DType::F32,
+            &[3, 2],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("rank"), "{e}");
+    }
+}

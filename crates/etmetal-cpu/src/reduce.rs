@@ -366,3 +366,244 @@ pub fn topk(ctx: &Ctx, k: usize, dim: usize, largest: bool) -> Result<Vec<Tensor
         Buf::I64(idx).store(ctx.out_dtype(1)?, &oshape)?,
     ])
 }
+
+// PyTorch's printed values are kept verbatim in the tests
+#[cfg(test)]
+#[allow(clippy::excessive_precision)]
+mod tests {
+    use crate::test_util::*;
+    use etmetal_core::{DType, ErrorKind, Op, ReduceOp, Tensor};
+
+    fn red(
+        op: ReduceOp,
+        dims: &[usize],
+        keepdim: bool,
+        x: &Tensor,
+        out: DType,
+        shape: &[usize],
+    ) -> Tensor {
+        run1(
+            Op::Reduce {
+                op,
+                dims: dims.to_vec(),
+                keepdim,
+            },
+            &[x],
+            out,
+            shape,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn reductions_over_dims() {
+        let x = f32t(&[2, 3], &[1.0, 5.0, 2.0, -1.0, 0.5, 8.0]);
+        assert_eq!(
+            red(ReduceOp::Sum, &[1], false, &x, DType::F32, &[2]).to_f32_vec(),
+            vec![8.0, 7.5]
+        );
+        assert_eq!(
+            red(ReduceOp::Max, &[0], true, &x, DType::F32, &[1, 3]).to_f32_vec(),
+            vec![1.0, 5.0, 8.0]
+        );
+        assert_eq!(
+            red(ReduceOp::Mean, &[], false, &x, DType::F32, &[]).to_f32_vec(),
+            vec![15.5 / 6.0]
+        );
+        assert_eq!(
+            red(ReduceOp::Prod, &[0, 1], false, &x, DType::F32, &[]).to_f32_vec(),
+            vec![-40.0]
+        );
+        // sum of int32 gives int64, exactly
+        let i = Tensor::from_i64(DType::I32, &[3], &[i32::MAX as i64, i32::MAX as i64, 1]).unwrap();
+        assert_eq!(
+            red(ReduceOp::Sum, &[0], false, &i, DType::I64, &[]).to_i64_vec(),
+            vec![2 * i32::MAX as i64 + 1]
+        );
+        let b = Tensor::from_i64(DType::Bool, &[2, 2], &[1, 0, 1, 1]).unwrap();
+        assert_eq!(
+            red(ReduceOp::All, &[1], false, &b, DType::Bool, &[2]).to_i64_vec(),
+            vec![0, 1]
+        );
+        assert_eq!(
+            red(ReduceOp::Any, &[0], false, &b, DType::Bool, &[2]).to_i64_vec(),
+            vec![1, 1]
+        );
+        let nan = f32t(&[2], &[3.0, f32::NAN]);
+        assert!(red(ReduceOp::Min, &[0], false, &nan, DType::F32, &[]).to_f32_vec()[0].is_nan());
+        let e = run1(
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                dims: vec![2],
+                keepdim: false,
+            },
+            &[&x],
+            DType::F32,
+            &[2],
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn var_and_log_softmax_match_pytorch() {
+        let x = f32t(&[2, 3, 4], &ramp(24, 11, 7));
+        // torch.var(x, dim=(0, 2), correction=1, keepdim=True), PyTorch 2.15
+        let v = run1(
+            Op::Var {
+                dims: vec![0, 2],
+                correction: 1.0,
+                keepdim: true,
+            },
+            &[&x],
+            DType::F32,
+            &[1, 3, 1],
+        )
+        .unwrap();
+        close(&v.to_f32_vec(), &[0.78125, 0.59709823, 0.73214287], 1e-6);
+        let s = run1(
+            Op::Softmax { dim: 1, log: true },
+            &[&x],
+            DType::F32,
+            &[2, 3, 4],
+        )
+        .unwrap();
+        close(
+            &s.to_f32_vec()[..8],
+            &[
+                -1.9118679,
+                -0.94411218,
+                -1.9118679,
+                -0.31378084,
+                -0.41186789,
+                -2.1941123,
+                -0.41186789,
+                -1.5637808,
+            ],
+            1e-6,
+        );
+        let s = run1(
+            Op::Softmax { dim: 0, log: false },
+            &[&f32t(&[2], &[1000.0, 1000.0])],
+            DType::F32,
+            &[2],
+        )
+        .unwrap();
+        assert_eq!(s.to_f32_vec(), vec![0.5, 0.5]);
+    }
+
+    #[test]
+    fn arg_and_indexed_reductions_take_first_occurrence() {
+        let x = f32t(&[2, 3], &[1.0, 5.0, 5.0, 7.0, -1.0, 7.0]);
+        let a = run1(
+            Op::ArgReduce {
+                max: true,
+                dim: Some(1),
+                keepdim: false,
+            },
+            &[&x],
+            DType::I64,
+            &[2],
+        )
+        .unwrap();
+        assert_eq!(a.to_i64_vec(), vec![1, 0]);
+        let a = run1(
+            Op::ArgReduce {
+                max: false,
+                dim: None,
+                keepdim: true,
+            },
+            &[&x],
+            DType::I64,
+            &[1, 1],
+        )
+        .unwrap();
+        assert_eq!(a.to_i64_vec(), vec![4]);
+        // NaN counts as the max: torch.tensor([1.5, nan, 3.0]).argmax() == 1
+        let n = f32t(&[3], &[1.5, f32::NAN, 3.0]);
+        assert_eq!(
+            run1(
+                Op::ArgReduce {
+                    max: true,
+                    dim: None,
+                    keepdim: false
+                },
+                &[&n],
+                DType::I64,
+                &[]
+            )
+            .unwrap()
+            .to_i64_vec(),
+            vec![1]
+        );
+        let op = Op::ReduceWithIndices {
+            max: false,
+            dim: 0,
+            keepdim: true,
+        };
+        let r = crate::execute(
+            &op,
+            &[Some(&x)],
+            &[(DType::F32, vec![1, 3]), (DType::I64, vec![1, 3])],
+        )
+        .unwrap();
+        assert_eq!(r[0].to_f32_vec(), vec![1.0, -1.0, 5.0]);
+        assert_eq!(r[1].to_i64_vec(), vec![0, 1, 0]);
+    }
+
+    #[test]
+    fn cumsum_and_topk() {
+        let i = Tensor::from_i64(DType::I32, &[2, 2], &[1, 2, 3, 4]).unwrap();
+        let c = run1(Op::CumSum { dim: 0 }, &[&i], DType::I64, &[2, 2]).unwrap();
+        assert_eq!(c.to_i64_vec(), vec![1, 2, 4, 6]);
+        // torch.topk([[1,3,3,2],[nan,0,5,5]], 3, dim=1): values [[3,3,2],[nan,5,5]], indices [[1,2,3],[0,2,3]]
+        let x = f32t(&[2, 4], &[1.0, 3.0, 3.0, 2.0, f32::NAN, 0.0, 5.0, 5.0]);
+        let op = Op::TopK {
+            k: 3,
+            dim: 1,
+            largest: true,
+            sorted: true,
+        };
+        let r = crate::execute(
+            &op,
+            &[Some(&x)],
+            &[(DType::F32, vec![2, 3]), (DType::I64, vec![2, 3])],
+        )
+        .unwrap();
+        let v = r[0].to_f32_vec();
+        assert_eq!(
+            (&v[..3], v[3].is_nan(), &v[4..]),
+            (&[3.0, 3.0, 2.0][..], true, &[5.0, 5.0][..])
+        );
+        assert_eq!(r[1].to_i64_vec(), vec![1, 2, 3, 0, 2, 3]);
+        let op = Op::TopK {
+            k: 2,
+            dim: 0,
+            largest: false,
+            sorted: true,
+        };
+        let col = i64t(&[3, 1], &[4, -2, 9]);
+        let r = crate::execute(
+            &op,
+            &[Some(&col)],
+            &[(DType::I64, vec![2, 1]), (DType::I64, vec![2, 1])],
+        )
+        .unwrap();
+        assert_eq!(
+            (r[0].to_i64_vec(), r[1].to_i64_vec()),
+            (vec![-2, 4], vec![1, 0])
+        );
+        let op = Op::TopK {
+            k: 5,
+            dim: 1,
+            largest: true,
+            sorted: true,
+        };
+        assert!(crate::execute(
+            &op,
+            &[Some(&x)],
+            &[(DType::F32, vec![2, 5]), (DType::I64, vec![2, 5])]
+        )
+        .is_err());
+    }
+}
