@@ -438,4 +438,24 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("expected 1 input"), "{e}");
     }
+
+    #[test]
+    fn cast_truncates_and_tests_nonzero() {
+        let x = f32t(&[4], &[-1.7, 2.9, 0.0, 0.25]);
+        let i = run1(Op::Cast { dtype: DType::I32 }, &[&x], DType::I32, &[4]).unwrap();
+        assert_eq!(i.to_i64_vec(), vec![-1, 2, 0, 0]);
+        let b = run1(Op::Cast { dtype: DType::Bool }, &[&x], DType::Bool, &[4]).unwrap();
+        assert_eq!(b.to_i64_vec(), vec![1, 1, 0, 1]);
+        let f = execute(
+            &Op::Full {
+                shape: vec![2],
+                value: etmetal_core::Scalar::Float(2.5),
+                dtype: DType::F16,
+            },
+            &[],
+            &[(DType::F16, vec![2])],
+        )
+        .unwrap();
+        assert_eq!(f[0].to_f32_vec(), vec![2.5, 2.5]);
+    }
 }
