@@ -64,9 +64,20 @@ struct Rewrite<'g> {
 impl Rewrite<'_> {
     fn node(&mut self, op: Op, inputs: Vec<Option<ValueId>>) -> Result<ValueId> {
         let name = format!("{}.{}", self.base.name, self.nodes.len());
-        let mut node = Node { name, target: self.base.target.clone(), op, inputs, outputs: vec![] };
-        let (dtype, shape) = infer(self.graph, &node)?.into_iter().next().ok_or_else(|| Error::internal("no output"))?;
-        let v = self.graph.add_value(format!("{}.out", node.name), dtype, shape);
+        let mut node = Node {
+            name,
+            target: self.base.target.clone(),
+            op,
+            inputs,
+            outputs: vec![],
+        };
+        let (dtype, shape) = infer(self.graph, &node)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::internal("no output"))?;
+        let v = self
+            .graph
+            .add_value(format!("{}.out", node.name), dtype, shape);
         node.outputs.push(v);
         self.nodes.push(node);
         Ok(v)
@@ -74,18 +85,37 @@ impl Rewrite<'_> {
 
     fn finish(mut self, op: Op, inputs: Vec<Option<ValueId>>) -> Result<Vec<Node>> {
         let name = format!("{}.{}", self.base.name, self.nodes.len());
-        let node = Node { name, target: self.base.target.clone(), op, inputs, outputs: self.base.outputs.clone() };
+        let node = Node {
+            name,
+            target: self.base.target.clone(),
+            op,
+            inputs,
+            outputs: self.base.outputs.clone(),
+        };
         let inferred = infer(self.graph, &node)?;
-        let expected: Vec<_> = node.outputs.iter().map(|v| (self.graph.value(*v).dtype, self.graph.value(*v).shape.clone())).collect();
+        let expected: Vec<_> = node
+            .outputs
+            .iter()
+            .map(|v| {
+                (
+                    self.graph.value(*v).dtype,
+                    self.graph.value(*v).shape.clone(),
+                )
+            })
+            .collect();
         if inferred != expected {
-            return Err(Error::internal(format!("rewrite of `{}` infers {inferred:?}, not {expected:?}", self.base.name)));
+            return Err(Error::internal(format!(
+                "rewrite of `{}` infers {inferred:?}, not {expected:?}",
+                self.base.name
+            )));
         }
         self.nodes.push(node);
         Ok(self.nodes)
     }
 
     fn constant(&mut self, what: &str, t: Tensor) -> ValueId {
-        self.graph.add_constant(format!("{}.{what}", self.base.name), t)
+        self.graph
+            .add_constant(format!("{}.{what}", self.base.name), t)
     }
 
     fn scalar(&mut self, what: &str, v: f64, dtype: DType) -> Result<ValueId> {
@@ -105,13 +135,16 @@ impl Rewrite<'_> {
 
 /// The transpose of a 2-D constant, materialised.
 fn transposed(t: &Tensor) -> Result<Tensor> {
-    let [rows, cols] = *t.shape() else { return Err(Error::internal("not 2-D")) };
+    let [rows, cols] = *t.shape() else {
+        return Err(Error::internal("not 2-D"));
+    };
     let e = t.dtype().size();
     let src = t.bytes();
     let mut dst = vec![0u8; src.len()];
     for r in 0..rows {
         for c in 0..cols {
-            dst[(c * rows + r) * e..(c * rows + r + 1) * e].copy_from_slice(&src[(r * cols + c) * e..(r * cols + c + 1) * e]);
+            dst[(c * rows + r) * e..(c * rows + r + 1) * e]
+                .copy_from_slice(&src[(r * cols + c) * e..(r * cols + c + 1) * e]);
         }
     }
     Tensor::from_bytes(t.dtype(), &[cols, rows], &dst)
@@ -119,10 +152,16 @@ fn transposed(t: &Tensor) -> Result<Tensor> {
 
 fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
     let input = |i: usize| node.inputs.get(i).copied().flatten();
-    let mut rw = Rewrite { graph, base: node, nodes: vec![] };
+    let mut rw = Rewrite {
+        graph,
+        base: node,
+        nodes: vec![],
+    };
     match &node.op {
         Op::Linear => {
-            let (Some(x), Some(w)) = (input(0), input(1)) else { return Ok(None) };
+            let (Some(x), Some(w)) = (input(0), input(1)) else {
+                return Ok(None);
+            };
             let wt = match rw.graph.constants.get(&w) {
                 Some(t) => {
                     let t = transposed(t)?;
@@ -134,12 +173,15 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
                 None => rw.finish(Op::MatMul, vec![Some(x), Some(wt)]).map(Some),
                 Some(b) => {
                     let mm = rw.node(Op::MatMul, vec![Some(x), Some(wt)])?;
-                    rw.finish(Op::Binary(BinaryOp::Add), vec![Some(mm), Some(b)]).map(Some)
+                    rw.finish(Op::Binary(BinaryOp::Add), vec![Some(mm), Some(b)])
+                        .map(Some)
                 }
             }
         }
         Op::Addmm { beta, alpha } => {
-            let (Some(bias), Some(a), Some(b)) = (input(0), input(1), input(2)) else { return Ok(None) };
+            let (Some(bias), Some(a), Some(b)) = (input(0), input(1), input(2)) else {
+                return Ok(None);
+            };
             if *beta == 0.0 {
                 if *alpha == 1.0 {
                     return rw.finish(Op::MatMul, vec![Some(a), Some(b)]).map(Some);
@@ -147,23 +189,32 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
                 let mm = rw.node(Op::MatMul, vec![Some(a), Some(b)])?;
                 let dtype = rw.graph.value(mm).dtype;
                 let k = rw.scalar("alpha", *alpha, dtype)?;
-                return rw.finish(Op::Binary(BinaryOp::Mul), vec![Some(mm), Some(k)]).map(Some);
+                return rw
+                    .finish(Op::Binary(BinaryOp::Mul), vec![Some(mm), Some(k)])
+                    .map(Some);
             }
             let mm = rw.node(Op::MatMul, vec![Some(a), Some(b)])?;
             let mm = rw.scaled(mm, *alpha, "alpha")?;
             let bias = rw.scaled(bias, *beta, "beta")?;
-            rw.finish(Op::Binary(BinaryOp::Add), vec![Some(mm), Some(bias)]).map(Some)
+            rw.finish(Op::Binary(BinaryOp::Add), vec![Some(mm), Some(bias)])
+                .map(Some)
         }
         Op::BatchNorm { eps } => {
             let Some(x) = input(0) else { return Ok(None) };
-            let param = |i: usize| input(i).map(|v| rw.graph.constants.get(&v).map(Tensor::to_f64_vec));
-            let (Some(Some(mean)), Some(Some(var))) = (param(3), param(4)) else { return Ok(None) };
+            let param =
+                |i: usize| input(i).map(|v| rw.graph.constants.get(&v).map(Tensor::to_f64_vec));
+            let (Some(Some(mean)), Some(Some(var))) = (param(3), param(4)) else {
+                return Ok(None);
+            };
             let (w, b) = (param(1), param(2));
             if matches!(w, Some(None)) || matches!(b, Some(None)) {
                 return Ok(None); // a weight or bias computed at run time
             }
             let c = mean.len();
-            let (w, b) = (w.flatten().unwrap_or(vec![1.0; c]), b.flatten().unwrap_or(vec![0.0; c]));
+            let (w, b) = (
+                w.flatten().unwrap_or(vec![1.0; c]),
+                b.flatten().unwrap_or(vec![0.0; c]),
+            );
             if var.len() != c || w.len() != c || b.len() != c {
                 return Ok(None);
             }
@@ -179,7 +230,8 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
             let s = rw.constant("scale", Tensor::from_f64(dtype, &shape, &scale)?);
             let t = rw.constant("shift", Tensor::from_f64(dtype, &shape, &shift)?);
             let y = rw.node(Op::Binary(BinaryOp::Mul), vec![Some(x), Some(s)])?;
-            rw.finish(Op::Binary(BinaryOp::Add), vec![Some(y), Some(t)]).map(Some)
+            rw.finish(Op::Binary(BinaryOp::Add), vec![Some(y), Some(t)])
+                .map(Some)
         }
         _ => Ok(None),
     }
@@ -199,7 +251,9 @@ pub fn eliminate_dead_code(graph: &mut Graph) {
     kept.reverse();
     graph.nodes = kept;
     graph.constants.retain(|v, _| live.contains(v));
-    graph.inputs.retain(|(v, kind)| *kind == InputKind::User || live.contains(v));
+    graph
+        .inputs
+        .retain(|(v, kind)| *kind == InputKind::User || live.contains(v));
 }
 
 #[cfg(test)]
@@ -212,7 +266,13 @@ mod tests {
     }
 
     fn push(g: &mut Graph, name: &str, op: Op, inputs: Vec<Option<ValueId>>) -> ValueId {
-        let mut n = Node { name: name.into(), target: "test".into(), op, inputs, outputs: vec![] };
+        let mut n = Node {
+            name: name.into(),
+            target: "test".into(),
+            op,
+            inputs,
+            outputs: vec![],
+        };
         let (d, s) = infer(g, &n).unwrap().remove(0);
         let v = g.add_value(name, d, s);
         n.outputs.push(v);
@@ -223,7 +283,11 @@ mod tests {
     fn reinfers(g: &Graph) {
         for n in &g.nodes {
             let got = infer(g, n).unwrap();
-            let want: Vec<_> = n.outputs.iter().map(|v| (g.value(*v).dtype, g.value(*v).shape.clone())).collect();
+            let want: Vec<_> = n
+                .outputs
+                .iter()
+                .map(|v| (g.value(*v).dtype, g.value(*v).shape.clone()))
+                .collect();
             assert_eq!(got, want, "node {}", n.name);
         }
     }
@@ -233,7 +297,15 @@ mod tests {
         let x = g.add_value("x", DType::F32, vec![2, 3]);
         g.inputs.push((x, InputKind::User));
         let w = if const_weight {
-            g.add_constant("w", Tensor::from_f32(DType::F32, &[4, 3], &(0..12).map(|i| i as f32).collect::<Vec<_>>()).unwrap())
+            g.add_constant(
+                "w",
+                Tensor::from_f32(
+                    DType::F32,
+                    &[4, 3],
+                    &(0..12).map(|i| i as f32).collect::<Vec<_>>(),
+                )
+                .unwrap(),
+            )
         } else {
             let w = g.add_value("w", DType::F32, vec![4, 3]);
             g.inputs.push((w, InputKind::User));
@@ -276,7 +348,15 @@ mod tests {
         let b = g.add_value("b", DType::F32, vec![3, 5]);
         let bias = g.add_value("bias", DType::F32, vec![5]);
         let a2 = push(&mut g, "alias", Op::Identity, vec![Some(a)]);
-        let y = push(&mut g, "mm", Op::Addmm { beta: 0.5, alpha: 2.0 }, vec![Some(bias), Some(a2), Some(b)]);
+        let y = push(
+            &mut g,
+            "mm",
+            Op::Addmm {
+                beta: 0.5,
+                alpha: 2.0,
+            },
+            vec![Some(bias), Some(a2), Some(b)],
+        );
         g.outputs.push((y, crate::ir::OutputKind::User));
         decompose(&mut g, &|_| false);
         assert_eq!(ops(&g), ["mat_mul", "mul", "mul", "add"]);
@@ -288,16 +368,31 @@ mod tests {
     fn batch_norm_folds_to_scale_and_shift() {
         let mut g = Graph::default();
         let x = g.add_value("x", DType::F32, vec![1, 2, 3, 3]);
-        let c = |g: &mut Graph, v: &[f32]| g.add_constant("p", Tensor::from_f32(DType::F32, &[2], v).unwrap());
-        let (w, b, m, var) = (c(&mut g, &[2.0, 1.0]), c(&mut g, &[0.5, 0.0]), c(&mut g, &[1.0, -1.0]), c(&mut g, &[4.0, 1.0]));
-        let y = push(&mut g, "bn", Op::BatchNorm { eps: 0.0 }, vec![Some(x), Some(w), Some(b), Some(m), Some(var)]);
+        let c = |g: &mut Graph, v: &[f32]| {
+            g.add_constant("p", Tensor::from_f32(DType::F32, &[2], v).unwrap())
+        };
+        let (w, b, m, var) = (
+            c(&mut g, &[2.0, 1.0]),
+            c(&mut g, &[0.5, 0.0]),
+            c(&mut g, &[1.0, -1.0]),
+            c(&mut g, &[4.0, 1.0]),
+        );
+        let y = push(
+            &mut g,
+            "bn",
+            Op::BatchNorm { eps: 0.0 },
+            vec![Some(x), Some(w), Some(b), Some(m), Some(var)],
+        );
         g.outputs.push((y, crate::ir::OutputKind::User));
         decompose(&mut g, &|_| false);
         assert_eq!(ops(&g), ["mul", "add"]);
         let scale = &g.constants[&g.nodes[0].inputs[1].unwrap()];
         assert_eq!(scale.shape(), &[2, 1, 1]);
         assert_eq!(scale.to_f32_vec(), vec![1.0, 1.0]);
-        assert_eq!(g.constants[&g.nodes[1].inputs[1].unwrap()].to_f32_vec(), vec![-0.5, 1.0]);
+        assert_eq!(
+            g.constants[&g.nodes[1].inputs[1].unwrap()].to_f32_vec(),
+            vec![-0.5, 1.0]
+        );
         reinfers(&g);
     }
 
@@ -305,7 +400,16 @@ mod tests {
     fn dead_code_and_unused_constants_are_removed() {
         let mut g = linear_graph(true);
         let x = g.inputs[0].0;
-        push(&mut g, "unused", Op::Reduce { op: ReduceOp::Sum, dims: vec![], keepdim: false }, vec![Some(x)]);
+        push(
+            &mut g,
+            "unused",
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                dims: vec![],
+                keepdim: false,
+            },
+            vec![Some(x)],
+        );
         decompose(&mut g, &|_| false);
         let before = g.constants.len();
         eliminate_dead_code(&mut g);

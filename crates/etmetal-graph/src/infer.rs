@@ -9,17 +9,20 @@ use crate::ir::{Graph, Node, ValueInfo};
 
 /// `(dtype, shape)` of each output of `node`, in order.
 pub fn infer(graph: &Graph, node: &Node) -> Result<Vec<(DType, Vec<usize>)>> {
-    let inputs: Vec<Option<&ValueInfo>> = node
-        .inputs
-        .iter()
-        .map(|slot| {
-            slot.map(|v| {
-                graph.values.get(v.0).ok_or_else(|| Error::internal(format!("value id {} is not in the graph", v.0)))
+    let inputs: Vec<Option<&ValueInfo>> =
+        node.inputs
+            .iter()
+            .map(|slot| {
+                slot.map(|v| {
+                    graph.values.get(v.0).ok_or_else(|| {
+                        Error::internal(format!("value id {} is not in the graph", v.0))
+                    })
+                })
+                .transpose()
             })
-            .transpose()
-        })
-        .collect::<Result<_>>()?;
-    infer_op(&node.op, &inputs).map_err(|e| e.context(format!("node `{}` ({})", node.name, node.op.name())))
+            .collect::<Result<_>>()?;
+    infer_op(&node.op, &inputs)
+        .map_err(|e| e.context(format!("node `{}` ({})", node.name, node.op.name())))
 }
 
 type Out = Vec<(DType, Vec<usize>)>;
@@ -66,7 +69,9 @@ fn float_of(d: DType) -> DType {
 fn reduced(shape: &[usize], dims: &[usize], keepdim: bool) -> Result<Vec<usize>> {
     for &d in dims {
         if d >= shape.len().max(1) {
-            return Err(Error::shape(format!("reduce dim {d} is out of range for shape {shape:?}")));
+            return Err(Error::shape(format!(
+                "reduce dim {d} is out of range for shape {shape:?}"
+            )));
         }
     }
     let all = dims.is_empty();
@@ -83,24 +88,38 @@ fn reduced(shape: &[usize], dims: &[usize], keepdim: bool) -> Result<Vec<usize>>
 
 fn check_dim(shape: &[usize], dim: usize, what: &str) -> Result<()> {
     if dim >= shape.len() {
-        return Err(Error::shape(format!("{what} dim {dim} is out of range for shape {shape:?}")));
+        return Err(Error::shape(format!(
+            "{what} dim {dim} is out of range for shape {shape:?}"
+        )));
     }
     Ok(())
 }
 
 fn check_index_dtype(v: &ValueInfo, what: &str) -> Result<()> {
     if !matches!(v.dtype, DType::I64 | DType::I32) {
-        return Err(Error::shape(format!("{what} must be int64 or int32, got {}", v.dtype)));
+        return Err(Error::shape(format!(
+            "{what} must be int64 or int32, got {}",
+            v.dtype
+        )));
     }
     Ok(())
 }
 
 fn matmul_shape(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
-    let mismatch = || Error::shape(format!("matmul of shapes {a:?} and {b:?}: inner dims differ"));
+    let mismatch = || {
+        Error::shape(format!(
+            "matmul of shapes {a:?} and {b:?}: inner dims differ"
+        ))
+    };
     if a.is_empty() || b.is_empty() {
-        return Err(Error::shape(format!("matmul needs tensors of rank >= 1, got {a:?} and {b:?}")));
+        return Err(Error::shape(format!(
+            "matmul needs tensors of rank >= 1, got {a:?} and {b:?}"
+        )));
     }
-    let (ak, bk) = (a[a.len() - 1], if b.len() == 1 { b[0] } else { b[b.len() - 2] });
+    let (ak, bk) = (
+        a[a.len() - 1],
+        if b.len() == 1 { b[0] } else { b[b.len() - 2] },
+    );
     if ak != bk {
         return Err(mismatch());
     }
@@ -117,7 +136,14 @@ fn matmul_shape(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
 }
 
 /// Output length of a pooled or convolved spatial dim.
-fn window_out(input: usize, kernel: usize, stride: usize, pad: usize, dilation: usize, ceil: bool) -> Result<usize> {
+fn window_out(
+    input: usize,
+    kernel: usize,
+    stride: usize,
+    pad: usize,
+    dilation: usize,
+    ceil: bool,
+) -> Result<usize> {
     let span = dilation * (kernel.max(1) - 1) + 1;
     let padded = input + 2 * pad;
     if stride == 0 || padded < span {
@@ -125,7 +151,11 @@ fn window_out(input: usize, kernel: usize, stride: usize, pad: usize, dilation: 
             "window of {span} (kernel {kernel}, dilation {dilation}) does not fit input {input} with padding {pad}, stride {stride}"
         )));
     }
-    let mut out = if ceil { (padded - span).div_ceil(stride) + 1 } else { (padded - span) / stride + 1 };
+    let mut out = if ceil {
+        (padded - span).div_ceil(stride) + 1
+    } else {
+        (padded - span) / stride + 1
+    };
     // PyTorch: the last window must start inside the input or left padding
     if ceil && (out - 1) * stride >= input + pad {
         out -= 1;
@@ -133,7 +163,11 @@ fn window_out(input: usize, kernel: usize, stride: usize, pad: usize, dilation: 
     Ok(out)
 }
 
-fn spatial_split<'a>(x: &'a ValueInfo, spatial: usize, what: &str) -> Result<(&'a [usize], &'a [usize])> {
+fn spatial_split<'a>(
+    x: &'a ValueInfo,
+    spatial: usize,
+    what: &str,
+) -> Result<(&'a [usize], &'a [usize])> {
     if x.shape.len() != spatial + 1 && x.shape.len() != spatial + 2 {
         return Err(Error::shape(format!(
             "{what} with {spatial} spatial dims needs input of rank {} or {}, got {:?}",
@@ -147,7 +181,10 @@ fn spatial_split<'a>(x: &'a ValueInfo, spatial: usize, what: &str) -> Result<(&'
 
 fn per_dim(v: &[usize], n: usize, what: &str) -> Result<()> {
     if v.len() != n {
-        return Err(Error::shape(format!("{what} has {} entries, expected {n}", v.len())));
+        return Err(Error::shape(format!(
+            "{what} has {} entries, expected {n}",
+            v.len()
+        )));
     }
     Ok(())
 }
@@ -159,10 +196,18 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
         Op::Unary(u) => {
             let x = x()?;
             let dtype = match u {
-                UnaryOp::Relu | UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Sign | UnaryOp::Clamp { .. } => x.dtype,
+                UnaryOp::Relu
+                | UnaryOp::Neg
+                | UnaryOp::Abs
+                | UnaryOp::Sign
+                | UnaryOp::Clamp { .. } => x.dtype,
                 UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::BitwiseNot => x.dtype,
                 UnaryOp::LogicalNot => DType::Bool,
-                UnaryOp::PowScalar { exponent } if !x.dtype.is_float() && exponent.fract() == 0.0 => x.dtype,
+                UnaryOp::PowScalar { exponent }
+                    if !x.dtype.is_float() && exponent.fract() == 0.0 =>
+                {
+                    x.dtype
+                }
                 _ => float_of(x.dtype),
             };
             Ok(vec![(dtype, x.shape.clone())])
@@ -174,7 +219,9 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             let dtype = match b {
                 b if b.is_predicate() => DType::Bool,
                 BinaryOp::Div => float_of(common),
-                BinaryOp::BitwiseAnd | BinaryOp::BitwiseOr | BinaryOp::BitwiseXor if common.is_float() => {
+                BinaryOp::BitwiseAnd | BinaryOp::BitwiseOr | BinaryOp::BitwiseXor
+                    if common.is_float() =>
+                {
                     return Err(Error::shape(format!("bitwise op on {common} tensors")));
                 }
                 _ => common,
@@ -182,9 +229,16 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             Ok(vec![(dtype, shape)])
         }
         Op::Where => {
-            let (c, a, b) = (req(inputs, 0, "condition")?, req(inputs, 1, "self")?, req(inputs, 2, "other")?);
+            let (c, a, b) = (
+                req(inputs, 0, "condition")?,
+                req(inputs, 1, "self")?,
+                req(inputs, 2, "other")?,
+            );
             if c.dtype != DType::Bool {
-                return Err(Error::shape(format!("where condition must be bool, got {}", c.dtype)));
+                return Err(Error::shape(format!(
+                    "where condition must be bool, got {}",
+                    c.dtype
+                )));
             }
             let shape = broadcast_shapes(&broadcast_shapes(&c.shape, &a.shape)?, &b.shape)?;
             Ok(vec![(result_type(a, b), shape)])
@@ -196,7 +250,10 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             let dtype = match op {
                 ReduceOp::Sum | ReduceOp::Prod if !x.dtype.is_float() => DType::I64,
                 ReduceOp::Mean if !x.dtype.is_float() => {
-                    return Err(Error::shape(format!("mean of a {} tensor (needs a float dtype)", x.dtype)))
+                    return Err(Error::shape(format!(
+                        "mean of a {} tensor (needs a float dtype)",
+                        x.dtype
+                    )))
                 }
                 ReduceOp::Any | ReduceOp::All => DType::Bool,
                 _ => x.dtype,
@@ -205,7 +262,10 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
         }
         Op::Var { dims, keepdim, .. } => {
             let x = x()?;
-            Ok(vec![(float_of(x.dtype), reduced(&x.shape, dims, *keepdim)?)])
+            Ok(vec![(
+                float_of(x.dtype),
+                reduced(&x.shape, dims, *keepdim)?,
+            )])
         }
         Op::ArgReduce { dim, keepdim, .. } => {
             let x = x()?;
@@ -223,8 +283,21 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
         }
         Op::CumSum { dim } => {
             let x = x()?;
-            check_dim(&x.shape, *dim, "cumsum").or_else(|e| if x.shape.is_empty() { Ok(()) } else { Err(e) })?;
-            Ok(vec![(if x.dtype.is_float() { x.dtype } else { DType::I64 }, x.shape.clone())])
+            check_dim(&x.shape, *dim, "cumsum").or_else(|e| {
+                if x.shape.is_empty() {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            })?;
+            Ok(vec![(
+                if x.dtype.is_float() {
+                    x.dtype
+                } else {
+                    DType::I64
+                },
+                x.shape.clone(),
+            )])
         }
         Op::Softmax { dim, .. } => {
             let x = x()?;
@@ -239,22 +312,36 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             if !shape.is_empty() {
                 check_dim(&shape, *dim, "topk")?;
                 if *k > shape[*dim] {
-                    return Err(Error::shape(format!("topk k={k} exceeds size {} of dim {dim}", shape[*dim])));
+                    return Err(Error::shape(format!(
+                        "topk k={k} exceeds size {} of dim {dim}",
+                        shape[*dim]
+                    )));
                 }
                 shape[*dim] = *k;
             }
             Ok(vec![(x.dtype, shape.clone()), (DType::I64, shape)])
         }
-        Op::LayerNorm { normalized_dims, .. } | Op::RmsNorm { normalized_dims, .. } => {
+        Op::LayerNorm {
+            normalized_dims, ..
+        }
+        | Op::RmsNorm {
+            normalized_dims, ..
+        } => {
             let x = x()?;
             if *normalized_dims > x.shape.len() {
-                return Err(Error::shape(format!("normalising {normalized_dims} dims of shape {:?}", x.shape)));
+                return Err(Error::shape(format!(
+                    "normalising {normalized_dims} dims of shape {:?}",
+                    x.shape
+                )));
             }
             let norm = &x.shape[x.shape.len() - normalized_dims..];
             for (slot, what) in [(1, "weight"), (2, "bias")] {
                 if let Some(p) = inputs.get(slot).copied().flatten() {
                     if p.shape != norm {
-                        return Err(Error::shape(format!("{what} shape {:?} != normalized shape {norm:?}", p.shape)));
+                        return Err(Error::shape(format!(
+                            "{what} shape {:?} != normalized shape {norm:?}",
+                            p.shape
+                        )));
                     }
                 }
             }
@@ -263,18 +350,26 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
         Op::BatchNorm { .. } | Op::GroupNorm { .. } => {
             let x = x()?;
             if x.shape.len() < 2 {
-                return Err(Error::shape(format!("normalisation over channels needs rank >= 2, got {:?}", x.shape)));
+                return Err(Error::shape(format!(
+                    "normalisation over channels needs rank >= 2, got {:?}",
+                    x.shape
+                )));
             }
             let c = x.shape[1];
             if let Op::GroupNorm { groups, .. } = op {
                 if *groups == 0 || c % groups != 0 {
-                    return Err(Error::shape(format!("{c} channels do not split into {groups} groups")));
+                    return Err(Error::shape(format!(
+                        "{c} channels do not split into {groups} groups"
+                    )));
                 }
             }
             for (slot, p) in inputs.iter().enumerate().skip(1) {
                 if let Some(p) = p {
                     if p.shape != [c] {
-                        return Err(Error::shape(format!("parameter {slot} has shape {:?}, expected [{c}]", p.shape)));
+                        return Err(Error::shape(format!(
+                            "parameter {slot} has shape {:?}, expected [{c}]",
+                            p.shape
+                        )));
                     }
                 }
             }
@@ -286,41 +381,73 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
         }
         Op::MatMul => {
             let (a, b) = (req(inputs, 0, "a")?, req(inputs, 1, "b")?);
-            Ok(vec![(DType::promote(a.dtype, b.dtype), matmul_shape(&a.shape, &b.shape)?)])
+            Ok(vec![(
+                DType::promote(a.dtype, b.dtype),
+                matmul_shape(&a.shape, &b.shape)?,
+            )])
         }
         Op::Addmm { .. } => {
-            let (bias, a, b) = (req(inputs, 0, "bias")?, req(inputs, 1, "mat1")?, req(inputs, 2, "mat2")?);
+            let (bias, a, b) = (
+                req(inputs, 0, "bias")?,
+                req(inputs, 1, "mat1")?,
+                req(inputs, 2, "mat2")?,
+            );
             if a.shape.len() != 2 || b.shape.len() != 2 {
-                return Err(Error::shape(format!("addmm needs 2-D matrices, got {:?} and {:?}", a.shape, b.shape)));
+                return Err(Error::shape(format!(
+                    "addmm needs 2-D matrices, got {:?} and {:?}",
+                    a.shape, b.shape
+                )));
             }
             let out = matmul_shape(&a.shape, &b.shape)?;
             if broadcast_shapes(&bias.shape, &out)? != out {
-                return Err(Error::shape(format!("addmm bias {:?} does not broadcast to {out:?}", bias.shape)));
+                return Err(Error::shape(format!(
+                    "addmm bias {:?} does not broadcast to {out:?}",
+                    bias.shape
+                )));
             }
             Ok(vec![(DType::promote(a.dtype, b.dtype), out)])
         }
         Op::Linear => {
             let (x, w) = (x()?, req(inputs, 1, "weight")?);
             let (Some(&inner), [out_f, in_f]) = (x.shape.last(), w.shape.as_slice()) else {
-                return Err(Error::shape(format!("linear of {:?} with weight {:?}", x.shape, w.shape)));
+                return Err(Error::shape(format!(
+                    "linear of {:?} with weight {:?}",
+                    x.shape, w.shape
+                )));
             };
             if inner != *in_f {
-                return Err(Error::shape(format!("linear input {:?} does not match weight {:?}", x.shape, w.shape)));
+                return Err(Error::shape(format!(
+                    "linear input {:?} does not match weight {:?}",
+                    x.shape, w.shape
+                )));
             }
             if let Some(b) = inputs.get(2).copied().flatten() {
                 if b.shape != [*out_f] {
-                    return Err(Error::shape(format!("linear bias {:?}, expected [{out_f}]", b.shape)));
+                    return Err(Error::shape(format!(
+                        "linear bias {:?}, expected [{out_f}]",
+                        b.shape
+                    )));
                 }
             }
             let mut shape = x.shape.clone();
             *shape.last_mut().unwrap_or(&mut 0) = *out_f;
             Ok(vec![(x.dtype, shape)])
         }
-        Op::Convolution { stride, padding, dilation, transposed, output_padding, groups } => {
+        Op::Convolution {
+            stride,
+            padding,
+            dilation,
+            transposed,
+            output_padding,
+            groups,
+        } => {
             let (x, w) = (x()?, req(inputs, 1, "weight")?);
             let spatial = w.shape.len().saturating_sub(2);
             if spatial == 0 {
-                return Err(Error::shape(format!("convolution weight {:?} has no spatial dims", w.shape)));
+                return Err(Error::shape(format!(
+                    "convolution weight {:?} has no spatial dims",
+                    w.shape
+                )));
             }
             per_dim(stride, spatial, "stride")?;
             per_dim(padding, spatial, "padding")?;
@@ -328,7 +455,11 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             let (lead, dims) = spatial_split(x, spatial, "convolution")?;
             let cin = *lead.last().unwrap_or(&0);
             let g = (*groups).max(1);
-            let (expect_cin, cout) = if *transposed { (w.shape[0], w.shape[1] * g) } else { (w.shape[1] * g, w.shape[0]) };
+            let (expect_cin, cout) = if *transposed {
+                (w.shape[0], w.shape[1] * g)
+            } else {
+                (w.shape[1] * g, w.shape[0])
+            };
             if cin != expect_cin || cout % g != 0 {
                 return Err(Error::shape(format!(
                     "convolution input {:?} with weight {:?} and groups {groups}: channels do not match",
@@ -337,7 +468,10 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             }
             if let Some(b) = inputs.get(2).copied().flatten() {
                 if b.shape != [cout] {
-                    return Err(Error::shape(format!("convolution bias {:?}, expected [{cout}]", b.shape)));
+                    return Err(Error::shape(format!(
+                        "convolution bias {:?}, expected [{cout}]",
+                        b.shape
+                    )));
                 }
             }
             let mut shape: Vec<usize> = lead[..lead.len() - 1].to_vec();
@@ -348,7 +482,9 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
                     let op = output_padding.get(i).copied().unwrap_or(0);
                     ((dims[i].max(1) - 1) * stride[i] + dilation[i] * (k - 1) + op + 1)
                         .checked_sub(2 * padding[i])
-                        .ok_or_else(|| Error::shape("transposed convolution padding exceeds output"))?
+                        .ok_or_else(|| {
+                            Error::shape("transposed convolution padding exceeds output")
+                        })?
                 } else {
                     window_out(dims[i], k, stride[i], padding[i], dilation[i], false)?
                 };
@@ -356,7 +492,14 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             }
             Ok(vec![(x.dtype, shape)])
         }
-        Op::MaxPool { kernel, stride, padding, dilation, ceil_mode, with_indices } => {
+        Op::MaxPool {
+            kernel,
+            stride,
+            padding,
+            dilation,
+            ceil_mode,
+            with_indices,
+        } => {
             let x = x()?;
             let n = kernel.len();
             per_dim(stride, n, "stride")?;
@@ -365,7 +508,14 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             let (lead, dims) = spatial_split(x, n, "max pool")?;
             let mut shape = lead.to_vec();
             for i in 0..n {
-                shape.push(window_out(dims[i], kernel[i], stride[i], padding[i], dilation[i], *ceil_mode)?);
+                shape.push(window_out(
+                    dims[i],
+                    kernel[i],
+                    stride[i],
+                    padding[i],
+                    dilation[i],
+                    *ceil_mode,
+                )?);
             }
             let mut out = vec![(x.dtype, shape.clone())];
             if *with_indices {
@@ -373,7 +523,13 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             }
             Ok(out)
         }
-        Op::AvgPool { kernel, stride, padding, ceil_mode, .. } => {
+        Op::AvgPool {
+            kernel,
+            stride,
+            padding,
+            ceil_mode,
+            ..
+        } => {
             let x = x()?;
             let n = kernel.len();
             per_dim(stride, n, "stride")?;
@@ -381,7 +537,9 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             let (lead, dims) = spatial_split(x, n, "avg pool")?;
             let mut shape = lead.to_vec();
             for i in 0..n {
-                shape.push(window_out(dims[i], kernel[i], stride[i], padding[i], 1, *ceil_mode)?);
+                shape.push(window_out(
+                    dims[i], kernel[i], stride[i], padding[i], 1, *ceil_mode,
+                )?);
             }
             Ok(vec![(x.dtype, shape)])
         }
@@ -393,14 +551,29 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             Ok(vec![(x.dtype, shape)])
         }
         Op::Sdpa { enable_gqa, .. } => {
-            let (q, k, v) = (req(inputs, 0, "query")?, req(inputs, 1, "key")?, req(inputs, 2, "value")?);
+            let (q, k, v) = (
+                req(inputs, 0, "query")?,
+                req(inputs, 1, "key")?,
+                req(inputs, 2, "value")?,
+            );
             let r = q.shape.len();
             if r < 2 || k.shape.len() != r || v.shape.len() != r {
-                return Err(Error::shape(format!("attention q {:?}, k {:?}, v {:?}: ranks differ or < 2", q.shape, k.shape, v.shape)));
+                return Err(Error::shape(format!(
+                    "attention q {:?}, k {:?}, v {:?}: ranks differ or < 2",
+                    q.shape, k.shape, v.shape
+                )));
             }
-            let (l, e, s, ev) = (q.shape[r - 2], q.shape[r - 1], k.shape[r - 2], v.shape[r - 1]);
+            let (l, e, s, ev) = (
+                q.shape[r - 2],
+                q.shape[r - 1],
+                k.shape[r - 2],
+                v.shape[r - 1],
+            );
             if k.shape[r - 1] != e || v.shape[r - 2] != s {
-                return Err(Error::shape(format!("attention q {:?}, k {:?}, v {:?}: sizes differ", q.shape, k.shape, v.shape)));
+                return Err(Error::shape(format!(
+                    "attention q {:?}, k {:?}, v {:?}: sizes differ",
+                    q.shape, k.shape, v.shape
+                )));
             }
             let mut batch = q.shape[..r - 2].to_vec();
             let kb = &k.shape[..r - 2];
@@ -412,7 +585,10 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
                 broadcast_shapes(&batch, kb).is_ok()
             };
             if !heads_ok {
-                return Err(Error::shape(format!("attention batch dims of q {:?} and k {:?} differ", q.shape, k.shape)));
+                return Err(Error::shape(format!(
+                    "attention batch dims of q {:?} and k {:?} differ",
+                    q.shape, k.shape
+                )));
             }
             if !*enable_gqa {
                 batch = broadcast_shapes(&batch, kb)?;
@@ -421,7 +597,10 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
                 let mut scores = batch.clone();
                 scores.extend([l, s]);
                 if broadcast_shapes(&m.shape, &scores)? != scores {
-                    return Err(Error::shape(format!("attention mask {:?} does not broadcast to {scores:?}", m.shape)));
+                    return Err(Error::shape(format!(
+                        "attention mask {:?} does not broadcast to {scores:?}",
+                        m.shape
+                    )));
                 }
             }
             batch.extend([l, ev]);
@@ -431,7 +610,10 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             let (w, idx) = (req(inputs, 0, "weight")?, req(inputs, 1, "indices")?);
             check_index_dtype(idx, "embedding indices")?;
             if w.shape.len() != 2 {
-                return Err(Error::shape(format!("embedding weight must be 2-D, got {:?}", w.shape)));
+                return Err(Error::shape(format!(
+                    "embedding weight must be 2-D, got {:?}",
+                    w.shape
+                )));
             }
             let mut shape = idx.shape.clone();
             shape.push(w.shape[1]);
@@ -440,32 +622,57 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
         Op::Reshape { shape } => {
             let x = x()?;
             if numel(&x.shape)? != numel(shape)? {
-                return Err(Error::shape(format!("cannot reshape {:?} to {shape:?}", x.shape)));
+                return Err(Error::shape(format!(
+                    "cannot reshape {:?} to {shape:?}",
+                    x.shape
+                )));
             }
             Ok(vec![(x.dtype, shape.clone())])
         }
         Op::Permute { dims } => {
             let x = x()?;
             let mut seen = vec![false; x.shape.len()];
-            if dims.len() != x.shape.len() || dims.iter().any(|&d| d >= seen.len() || std::mem::replace(&mut seen[d], true)) {
-                return Err(Error::shape(format!("{dims:?} is not a permutation of the dims of {:?}", x.shape)));
+            if dims.len() != x.shape.len()
+                || dims
+                    .iter()
+                    .any(|&d| d >= seen.len() || std::mem::replace(&mut seen[d], true))
+            {
+                return Err(Error::shape(format!(
+                    "{dims:?} is not a permutation of the dims of {:?}",
+                    x.shape
+                )));
             }
             Ok(vec![(x.dtype, dims.iter().map(|&d| x.shape[d]).collect())])
         }
         Op::Expand { shape } => {
             let x = x()?;
             let ok = shape.len() >= x.shape.len()
-                && x.shape.iter().rev().zip(shape.iter().rev()).all(|(&a, &b)| a == b || a == 1);
+                && x.shape
+                    .iter()
+                    .rev()
+                    .zip(shape.iter().rev())
+                    .all(|(&a, &b)| a == b || a == 1);
             if !ok {
-                return Err(Error::shape(format!("cannot expand {:?} to {shape:?}", x.shape)));
+                return Err(Error::shape(format!(
+                    "cannot expand {:?} to {shape:?}",
+                    x.shape
+                )));
             }
             Ok(vec![(x.dtype, shape.clone())])
         }
-        Op::Slice { dim, start, end, step } => {
+        Op::Slice {
+            dim,
+            start,
+            end,
+            step,
+        } => {
             let x = x()?;
             check_dim(&x.shape, *dim, "slice")?;
             if *step == 0 || start > end || *end > x.shape[*dim] {
-                return Err(Error::shape(format!("slice {start}..{end} step {step} of dim {dim} of {:?}", x.shape)));
+                return Err(Error::shape(format!(
+                    "slice {start}..{end} step {step} of dim {dim} of {:?}",
+                    x.shape
+                )));
             }
             let mut shape = x.shape.clone();
             shape[*dim] = (end - start).div_ceil(*step);
@@ -475,7 +682,10 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             let x = x()?;
             check_dim(&x.shape, *dim, "select")?;
             if *index >= x.shape[*dim] {
-                return Err(Error::shape(format!("select index {index} out of range for dim {dim} of {:?}", x.shape)));
+                return Err(Error::shape(format!(
+                    "select index {index} out of range for dim {dim} of {:?}",
+                    x.shape
+                )));
             }
             let mut shape = x.shape.clone();
             shape.remove(*dim);
@@ -495,9 +705,17 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
                 if p.shape == [0] {
                     continue; // legacy empty tensors are skipped by torch.cat
                 }
-                let fits = p.shape.len() == shape.len() && p.shape.iter().zip(&first.shape).enumerate().all(|(i, (a, b))| i == *dim || a == b);
+                let fits = p.shape.len() == shape.len()
+                    && p.shape
+                        .iter()
+                        .zip(&first.shape)
+                        .enumerate()
+                        .all(|(i, (a, b))| i == *dim || a == b);
                 if !fits {
-                    return Err(Error::shape(format!("cat along dim {dim} of {:?} and {:?}", first.shape, p.shape)));
+                    return Err(Error::shape(format!(
+                        "cat along dim {dim} of {:?} and {:?}",
+                        first.shape, p.shape
+                    )));
                 }
                 shape[*dim] += p.shape[*dim];
             }
@@ -513,7 +731,10 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
                 let d = shape.len() - 1 - i;
                 let n = shape[d] as i64 + pair[0] + pair[1];
                 if n < 0 {
-                    return Err(Error::shape(format!("pad {pad:?} makes dim {d} of {:?} negative", x.shape)));
+                    return Err(Error::shape(format!(
+                        "pad {pad:?} makes dim {d} of {:?} negative",
+                        x.shape
+                    )));
                 }
                 shape[d] = n as usize;
             }
@@ -523,7 +744,10 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             let (x, idx) = (x()?, req(inputs, 1, "index")?);
             check_index_dtype(idx, "index_select index")?;
             if idx.shape.len() > 1 {
-                return Err(Error::shape(format!("index_select index must be 1-D, got {:?}", idx.shape)));
+                return Err(Error::shape(format!(
+                    "index_select index must be 1-D, got {:?}",
+                    idx.shape
+                )));
             }
             let mut shape = x.shape.clone();
             if !shape.is_empty() {
@@ -536,7 +760,10 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             let (x, idx) = (x()?, req(inputs, 1, "index")?);
             check_index_dtype(idx, "gather index")?;
             if idx.shape.len() != x.shape.len() {
-                return Err(Error::shape(format!("gather index {:?} must have the rank of {:?}", idx.shape, x.shape)));
+                return Err(Error::shape(format!(
+                    "gather index {:?} must have the rank of {:?}",
+                    idx.shape, x.shape
+                )));
             }
             if !x.shape.is_empty() {
                 check_dim(&x.shape, *dim, "gather")?;
@@ -547,14 +774,20 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             let x = x()?;
             let slots = &inputs[1..];
             if slots.len() > x.shape.len() {
-                return Err(Error::shape(format!("{} indices for a tensor of shape {:?}", slots.len(), x.shape)));
+                return Err(Error::shape(format!(
+                    "{} indices for a tensor of shape {:?}",
+                    slots.len(),
+                    x.shape
+                )));
             }
             let mut bshape: Vec<usize> = vec![];
             let mut positions = vec![];
             for (d, s) in slots.iter().enumerate() {
                 if let Some(i) = s {
                     if i.dtype == DType::Bool || i.dtype == DType::U8 {
-                        return Err(Error::unsupported("boolean mask indexing (its shape depends on the data)"));
+                        return Err(Error::unsupported(
+                            "boolean mask indexing (its shape depends on the data)",
+                        ));
                     }
                     check_index_dtype(i, "index")?;
                     bshape = broadcast_shapes(&bshape, &i.shape)?;
@@ -565,9 +798,14 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
                 return same(x);
             }
             let adjacent = positions.windows(2).all(|w| w[1] == w[0] + 1);
-            let rest = |range: std::ops::Range<usize>| range.filter(|d| !positions.contains(d)).map(|d| x.shape[d]);
+            let rest = |range: std::ops::Range<usize>| {
+                range.filter(|d| !positions.contains(d)).map(|d| x.shape[d])
+            };
             let shape: Vec<usize> = if adjacent {
-                rest(0..positions[0]).chain(bshape).chain(rest(positions[0]..x.shape.len())).collect()
+                rest(0..positions[0])
+                    .chain(bshape)
+                    .chain(rest(positions[0]..x.shape.len()))
+                    .collect()
             } else {
                 bshape.into_iter().chain(rest(0..x.shape.len())).collect()
             };
@@ -576,26 +814,44 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
         Op::Triangle { .. } => {
             let x = x()?;
             if x.shape.len() < 2 {
-                return Err(Error::shape(format!("triu/tril needs rank >= 2, got {:?}", x.shape)));
+                return Err(Error::shape(format!(
+                    "triu/tril needs rank >= 2, got {:?}",
+                    x.shape
+                )));
             }
             same(x)
         }
         Op::Repeat { repeats } => {
             let x = x()?;
             if repeats.len() < x.shape.len() {
-                return Err(Error::shape(format!("repeat {repeats:?} has fewer dims than {:?}", x.shape)));
+                return Err(Error::shape(format!(
+                    "repeat {repeats:?} has fewer dims than {:?}",
+                    x.shape
+                )));
             }
             let pad = repeats.len() - x.shape.len();
-            let shape = repeats.iter().enumerate().map(|(i, &r)| r * if i < pad { 1 } else { x.shape[i - pad] }).collect();
+            let shape = repeats
+                .iter()
+                .enumerate()
+                .map(|(i, &r)| r * if i < pad { 1 } else { x.shape[i - pad] })
+                .collect();
             Ok(vec![(x.dtype, shape)])
         }
         Op::Full { shape, dtype, .. } => Ok(vec![(*dtype, shape.clone())]),
-        Op::Arange { start, end, step, dtype } => {
+        Op::Arange {
+            start,
+            end,
+            step,
+            dtype,
+        } => {
             let (s, e, st) = (start.to_f64(), end.to_f64(), step.to_f64());
             if st == 0.0 || !((e - s) / st).is_finite() {
                 return Err(Error::shape(format!("arange({s}, {e}, {st})")));
             }
-            Ok(vec![(*dtype, vec![((e - s) / st).ceil().max(0.0) as usize])])
+            Ok(vec![(
+                *dtype,
+                vec![((e - s) / st).ceil().max(0.0) as usize],
+            )])
         }
     }
 }
@@ -606,8 +862,17 @@ mod tests {
     use crate::ir::ValueId;
 
     fn node(graph: &mut Graph, op: Op, inputs: &[(DType, &[usize])]) -> Result<Out> {
-        let ids = inputs.iter().map(|(d, s)| Some(graph.add_value("in", *d, s.to_vec()))).collect();
-        let n = Node { name: "n".into(), target: "t".into(), op, inputs: ids, outputs: vec![ValueId(0)] };
+        let ids = inputs
+            .iter()
+            .map(|(d, s)| Some(graph.add_value("in", *d, s.to_vec())))
+            .collect();
+        let n = Node {
+            name: "n".into(),
+            target: "t".into(),
+            op,
+            inputs: ids,
+            outputs: vec![ValueId(0)],
+        };
         infer(graph, &n)
     }
 
@@ -619,21 +884,54 @@ mod tests {
     fn promotion_with_zero_dim_operands() {
         use DType::*;
         let add = Op::Binary(BinaryOp::Add);
-        assert_eq!(one(add.clone(), &[(F32, &[2, 3]), (F64, &[])]).unwrap(), (F32, vec![2, 3]));
-        assert_eq!(one(add.clone(), &[(I64, &[3]), (F32, &[])]).unwrap(), (F32, vec![3]));
-        assert_eq!(one(add.clone(), &[(BF16, &[3]), (F32, &[3])]).unwrap(), (F32, vec![3]));
-        assert_eq!(one(Op::Binary(BinaryOp::Div), &[(I64, &[3]), (I64, &[])]).unwrap().0, F32);
-        assert_eq!(one(Op::Binary(BinaryOp::Lt), &[(F32, &[2, 1]), (F32, &[4])]).unwrap(), (Bool, vec![2, 4]));
+        assert_eq!(
+            one(add.clone(), &[(F32, &[2, 3]), (F64, &[])]).unwrap(),
+            (F32, vec![2, 3])
+        );
+        assert_eq!(
+            one(add.clone(), &[(I64, &[3]), (F32, &[])]).unwrap(),
+            (F32, vec![3])
+        );
+        assert_eq!(
+            one(add.clone(), &[(BF16, &[3]), (F32, &[3])]).unwrap(),
+            (F32, vec![3])
+        );
+        assert_eq!(
+            one(Op::Binary(BinaryOp::Div), &[(I64, &[3]), (I64, &[])])
+                .unwrap()
+                .0,
+            F32
+        );
+        assert_eq!(
+            one(Op::Binary(BinaryOp::Lt), &[(F32, &[2, 1]), (F32, &[4])]).unwrap(),
+            (Bool, vec![2, 4])
+        );
         assert!(one(add, &[(F32, &[2]), (F32, &[3])]).is_err());
     }
 
     #[test]
     fn matmul_and_linear() {
         use DType::F32;
-        assert_eq!(one(Op::MatMul, &[(F32, &[2, 1, 3, 4]), (F32, &[5, 4, 6])]).unwrap().1, vec![2, 5, 3, 6]);
-        assert_eq!(one(Op::MatMul, &[(F32, &[4]), (F32, &[4, 6])]).unwrap().1, vec![6]);
+        assert_eq!(
+            one(Op::MatMul, &[(F32, &[2, 1, 3, 4]), (F32, &[5, 4, 6])])
+                .unwrap()
+                .1,
+            vec![2, 5, 3, 6]
+        );
+        assert_eq!(
+            one(Op::MatMul, &[(F32, &[4]), (F32, &[4, 6])]).unwrap().1,
+            vec![6]
+        );
         assert!(one(Op::MatMul, &[(F32, &[3, 4]), (F32, &[5, 6])]).is_err());
-        assert_eq!(one(Op::Linear, &[(F32, &[2, 5, 8]), (F32, &[4, 8]), (F32, &[4])]).unwrap().1, vec![2, 5, 4]);
+        assert_eq!(
+            one(
+                Op::Linear,
+                &[(F32, &[2, 5, 8]), (F32, &[4, 8]), (F32, &[4])]
+            )
+            .unwrap()
+            .1,
+            vec![2, 5, 4]
+        );
         assert!(one(Op::Linear, &[(F32, &[2, 8]), (F32, &[4, 8]), (F32, &[3])]).is_err());
     }
 
@@ -648,7 +946,12 @@ mod tests {
             output_padding: vec![0, 0],
             groups: 1,
         };
-        assert_eq!(one(conv, &[(F32, &[1, 3, 16, 16]), (F32, &[8, 3, 3, 3])]).unwrap().1, vec![1, 8, 8, 8]);
+        assert_eq!(
+            one(conv, &[(F32, &[1, 3, 16, 16]), (F32, &[8, 3, 3, 3])])
+                .unwrap()
+                .1,
+            vec![1, 8, 8, 8]
+        );
         let pool = |ceil| Op::MaxPool {
             kernel: vec![3],
             stride: vec![2],
@@ -659,13 +962,29 @@ mod tests {
         };
         let out = node(&mut Graph::default(), pool(false), &[(F32, &[1, 2, 6])]).unwrap();
         assert_eq!(out, vec![(F32, vec![1, 2, 2]), (DType::I64, vec![1, 2, 2])]);
-        assert_eq!(one(pool(true), &[(F32, &[1, 2, 6])]).unwrap().1, vec![1, 2, 3]);
+        assert_eq!(
+            one(pool(true), &[(F32, &[1, 2, 6])]).unwrap().1,
+            vec![1, 2, 3]
+        );
     }
 
     #[test]
     fn views_and_indexing() {
         use DType::*;
-        assert_eq!(one(Op::Slice { dim: 1, start: 1, end: 5, step: 2 }, &[(F32, &[2, 6])]).unwrap().1, vec![2, 2]);
+        assert_eq!(
+            one(
+                Op::Slice {
+                    dim: 1,
+                    start: 1,
+                    end: 5,
+                    step: 2
+                },
+                &[(F32, &[2, 6])]
+            )
+            .unwrap()
+            .1,
+            vec![2, 2]
+        );
         assert!(one(Op::Reshape { shape: vec![5] }, &[(F32, &[2, 3])]).is_err());
         assert!(one(Op::Permute { dims: vec![0, 0] }, &[(F32, &[2, 2])]).is_err());
         let idx = one(Op::Index, &[(F32, &[4, 5, 6]), (I64, &[3]), (I64, &[3])]).unwrap();
@@ -673,23 +992,64 @@ mod tests {
         let mut g = Graph::default();
         let x = g.add_value("x", F32, vec![4, 5, 6]);
         let i = g.add_value("i", I64, vec![2, 3]);
-        let n = Node { name: "n".into(), target: "t".into(), op: Op::Index, inputs: vec![Some(x), None, Some(i)], outputs: vec![] };
+        let n = Node {
+            name: "n".into(),
+            target: "t".into(),
+            op: Op::Index,
+            inputs: vec![Some(x), None, Some(i)],
+            outputs: vec![],
+        };
         assert_eq!(infer(&g, &n).unwrap()[0].1, vec![4, 2, 3, 6]);
         let e = one(Op::Embedding, &[(F32, &[10, 4]), (F32, &[3])]).unwrap_err();
         assert!(e.to_string().contains("int64"), "{e}");
-        assert_eq!(one(Op::ConstantPad { pad: vec![1, 1, 0, -1], value: 0.0 }, &[(F32, &[3, 4])]).unwrap().1, vec![2, 6]);
+        assert_eq!(
+            one(
+                Op::ConstantPad {
+                    pad: vec![1, 1, 0, -1],
+                    value: 0.0
+                },
+                &[(F32, &[3, 4])]
+            )
+            .unwrap()
+            .1,
+            vec![2, 6]
+        );
     }
 
     #[test]
     fn attention_and_reductions() {
         use DType::*;
-        let sdpa = Op::Sdpa { is_causal: false, scale: None, enable_gqa: false };
-        let out = one(sdpa, &[(F32, &[1, 2, 5, 8]), (F32, &[1, 2, 7, 8]), (F32, &[1, 2, 7, 4]), (Bool, &[5, 7])]);
+        let sdpa = Op::Sdpa {
+            is_causal: false,
+            scale: None,
+            enable_gqa: false,
+        };
+        let out = one(
+            sdpa,
+            &[
+                (F32, &[1, 2, 5, 8]),
+                (F32, &[1, 2, 7, 8]),
+                (F32, &[1, 2, 7, 4]),
+                (Bool, &[5, 7]),
+            ],
+        );
         assert_eq!(out.unwrap().1, vec![1, 2, 5, 4]);
-        let sum = Op::Reduce { op: ReduceOp::Sum, dims: vec![1], keepdim: true };
+        let sum = Op::Reduce {
+            op: ReduceOp::Sum,
+            dims: vec![1],
+            keepdim: true,
+        };
         assert_eq!(one(sum, &[(Bool, &[2, 3])]).unwrap(), (I64, vec![2, 1]));
-        let topk = Op::TopK { k: 2, dim: 1, largest: true, sorted: true };
-        assert_eq!(node(&mut Graph::default(), topk, &[(F32, &[3, 4])]).unwrap()[1], (I64, vec![3, 2]));
+        let topk = Op::TopK {
+            k: 2,
+            dim: 1,
+            largest: true,
+            sorted: true,
+        };
+        assert_eq!(
+            node(&mut Graph::default(), topk, &[(F32, &[3, 4])]).unwrap()[1],
+            (I64, vec![3, 2])
+        );
         let ar = Op::Arange {
             start: etmetal_core::Scalar::Int(0),
             end: etmetal_core::Scalar::Int(5),

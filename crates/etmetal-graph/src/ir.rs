@@ -47,9 +47,13 @@ pub enum InputKind {
 pub enum OutputKind {
     User,
     /// The new value of a mutated buffer.
-    BufferMutation { fqn: String },
+    BufferMutation {
+        fqn: String,
+    },
     /// The new value of a mutated user input.
-    UserInputMutation { input_name: String },
+    UserInputMutation {
+        input_name: String,
+    },
 }
 
 #[derive(Clone, Debug, Default)]
@@ -71,8 +75,17 @@ impl Graph {
     }
 
     /// Add a new value and return its id.
-    pub fn add_value(&mut self, name: impl Into<String>, dtype: DType, shape: Vec<usize>) -> ValueId {
-        self.values.push(ValueInfo { name: name.into(), dtype, shape });
+    pub fn add_value(
+        &mut self,
+        name: impl Into<String>,
+        dtype: DType,
+        shape: Vec<usize>,
+    ) -> ValueId {
+        self.values.push(ValueInfo {
+            name: name.into(),
+            dtype,
+            shape,
+        });
         ValueId(self.values.len() - 1)
     }
 
@@ -85,11 +98,17 @@ impl Graph {
 
     /// User inputs in call order.
     pub fn user_inputs(&self) -> impl Iterator<Item = ValueId> + '_ {
-        self.inputs.iter().filter(|(_, k)| *k == InputKind::User).map(|(v, _)| *v)
+        self.inputs
+            .iter()
+            .filter(|(_, k)| *k == InputKind::User)
+            .map(|(v, _)| *v)
     }
 
     /// User outputs in return order.
     pub fn user_outputs(&self) -> impl Iterator<Item = ValueId> + '_ {
-        self.outputs.iter().filter(|(_, k)| *k == OutputKind::User).map(|(v, _)| *v)
+        self.outputs
+            .iter()
+            .filter(|(_, k)| *k == OutputKind::User)
+            .map(|(v, _)| *v)
     }
 }

@@ -20,7 +20,9 @@ impl Archive {
     pub fn open(bytes: &[u8], origin: &str) -> Result<Archive> {
         // torch writes archives from offset 0; detection is confused by the
         // nested zip of `data/sample_inputs/*.pt` stored inside.
-        let config = zip::read::Config { archive_offset: zip::read::ArchiveOffset::Known(0) };
+        let config = zip::read::Config {
+            archive_offset: zip::read::ArchiveOffset::Known(0),
+        };
         let mut zip = zip::ZipArchive::with_config(config, Cursor::new(bytes))
             .map_err(|e| Error::format(format!("{origin}: not a .pt2 archive (zip): {e}")))?;
         let mut prefix: Option<String> = None;
@@ -29,7 +31,10 @@ impl Archive {
             let mut file = zip
                 .by_index(i)
                 .map_err(|e| Error::format(format!("{origin}: zip entry {i}: {e}")))?;
-            let name = file.name().map_err(|e| Error::format(format!("{origin}: zip entry {i}: {e}")))?.into_owned();
+            let name = file
+                .name()
+                .map_err(|e| Error::format(format!("{origin}: zip entry {i}: {e}")))?
+                .into_owned();
             // The prefix is the first entry's folder; all others must share it.
             let p = prefix.get_or_insert_with(|| match name.find('/') {
                 Some(slash) => name[..=slash].to_string(),
@@ -46,7 +51,10 @@ impl Archive {
                 .map_err(|e| Error::format(format!("{origin}: reading zip entry `{name}`: {e}")))?;
             entries.insert(rel, data);
         }
-        Ok(Archive { origin: origin.to_string(), entries })
+        Ok(Archive {
+            origin: origin.to_string(),
+            entries,
+        })
     }
 
     pub fn get(&self, path: &str) -> Option<&[u8]> {
@@ -55,14 +63,17 @@ impl Archive {
 
     pub fn text(&self, path: &str) -> Option<Result<&str>> {
         self.get(path).map(|b| {
-            std::str::from_utf8(b).map_err(|_| Error::format(format!("{}: `{path}` is not UTF-8", self.origin)))
+            std::str::from_utf8(b)
+                .map_err(|_| Error::format(format!("{}: `{path}` is not UTF-8", self.origin)))
         })
     }
 
     pub fn json(&self, path: &str) -> Option<Result<Value>> {
         self.text(path).map(|t| {
             t.and_then(|t| {
-                serde_json::from_str(t).map_err(|e| Error::format(format!("{}: `{path}`: invalid JSON: {e}", self.origin)))
+                serde_json::from_str(t).map_err(|e| {
+                    Error::format(format!("{}: `{path}`: invalid JSON: {e}", self.origin))
+                })
             })
         })
     }
@@ -75,11 +86,18 @@ impl Archive {
             let found: Vec<&String> = self
                 .entries
                 .keys()
-                .filter(|k| k.starts_with("models/") && k.ends_with(".json") && !k[7..].contains('/'))
+                .filter(|k| {
+                    k.starts_with("models/") && k.ends_with(".json") && !k[7..].contains('/')
+                })
                 .collect();
             match found.as_slice() {
                 [one] => (*one).clone(),
-                [] => return Err(Error::format(format!("{}: no `models/*.json` program in the archive", self.origin))),
+                [] => {
+                    return Err(Error::format(format!(
+                        "{}: no `models/*.json` program in the archive",
+                        self.origin
+                    )))
+                }
                 many => {
                     return Err(Error::unsupported(format!(
                         "{}: several programs in the archive ({many:?}); only one is supported",
@@ -88,7 +106,9 @@ impl Archive {
                 }
             }
         };
-        let json = self.json(&path).unwrap_or_else(|| Err(Error::internal("listed entry vanished")))?;
+        let json = self
+            .json(&path)
+            .unwrap_or_else(|| Err(Error::internal("listed entry vanished")))?;
         Ok((path, json))
     }
 
@@ -97,7 +117,10 @@ impl Archive {
         if let Some(format) = self.text("archive_format") {
             let format = format?.trim();
             if format != "pt2" {
-                return Err(Error::format(format!("{}: archive_format is `{format}`, expected `pt2`", self.origin)));
+                return Err(Error::format(format!(
+                    "{}: archive_format is `{format}`, expected `pt2`",
+                    self.origin
+                )));
             }
         }
         if let Some(version) = self.text("archive_version") {
@@ -120,41 +143,66 @@ impl Archive {
         };
         let what = format!("{}: tensor `{fqn}`", self.origin);
         if entry.get("use_pickle").and_then(Value::as_bool) == Some(true) {
-            return Err(Error::unsupported(format!("{what} is pickled (tensor subclass), which is not supported")));
+            return Err(Error::unsupported(format!(
+                "{what} is pickled (tensor subclass), which is not supported"
+            )));
         }
-        let path_name = field(entry, "path_name").and_then(|v| {
-            v.as_str().ok_or_else(|| Error::format("`path_name` is not a string"))
-        }).map_err(|e| e.context(&what))?;
+        let path_name = field(entry, "path_name")
+            .and_then(|v| {
+                v.as_str()
+                    .ok_or_else(|| Error::format("`path_name` is not a string"))
+            })
+            .map_err(|e| e.context(&what))?;
         let meta = field(entry, "tensor_meta").map_err(|e| e.context(&what))?;
         let (dtype, sizes) = tensor_meta(meta).map_err(|e| e.context(&what))?;
-        let strides = sym_ints(field(meta, "strides").map_err(|e| e.context(&what))?).map_err(|e| e.context(&what))?;
+        let strides = sym_ints(field(meta, "strides").map_err(|e| e.context(&what))?)
+            .map_err(|e| e.context(&what))?;
         let offset = match meta.get("storage_offset") {
             Some(v) if !v.is_null() => super::json::sym_int(v).map_err(|e| e.context(&what))?,
             _ => 0,
         };
         let file = format!("{dir}/{path_name}");
-        let storage = self
-            .get(&file)
-            .ok_or_else(|| Error::format(format!("{what}: payload `{file}` is missing from the archive")))?;
-        strided_tensor(dtype, &sizes, &strides, offset, storage).map(Some).map_err(|e| e.context(format!("{what} (`{file}`)")))
+        let storage = self.get(&file).ok_or_else(|| {
+            Error::format(format!(
+                "{what}: payload `{file}` is missing from the archive"
+            ))
+        })?;
+        strided_tensor(dtype, &sizes, &strides, offset, storage)
+            .map(Some)
+            .map_err(|e| e.context(format!("{what} (`{file}`)")))
     }
 }
 
 /// Materialise `as_strided(sizes, strides, offset)` over the raw `storage`
 /// bytes as a contiguous tensor; an empty storage means a fake tensor (zeros).
-pub(crate) fn strided_tensor(dtype: DType, sizes: &[usize], strides: &[i64], offset: i64, storage: &[u8]) -> Result<Tensor> {
+pub(crate) fn strided_tensor(
+    dtype: DType,
+    sizes: &[usize],
+    strides: &[i64],
+    offset: i64,
+    storage: &[u8],
+) -> Result<Tensor> {
     if storage.is_empty() {
         return Tensor::zeros(dtype, sizes);
     }
     if strides.len() != sizes.len() {
-        return Err(Error::format(format!("{} strides given for {} dims", strides.len(), sizes.len())));
+        return Err(Error::format(format!(
+            "{} strides given for {} dims",
+            strides.len(),
+            sizes.len()
+        )));
     }
     if strides.iter().any(|&s| s < 0) || offset < 0 {
-        return Err(Error::format(format!("negative strides {strides:?} or storage offset {offset}")));
+        return Err(Error::format(format!(
+            "negative strides {strides:?} or storage offset {offset}"
+        )));
     }
     let esize = dtype.size();
-    if storage.len() % esize != 0 {
-        return Err(Error::format(format!("storage of {} bytes is not a whole number of {dtype} elements", storage.len())));
+    if !storage.len().is_multiple_of(esize) {
+        return Err(Error::format(format!(
+            "storage of {} bytes is not a whole number of {dtype} elements",
+            storage.len()
+        )));
     }
     let elems = storage.len() / esize;
     let mut out = Tensor::zeros(dtype, sizes)?;
@@ -162,7 +210,12 @@ pub(crate) fn strided_tensor(dtype: DType, sizes: &[usize], strides: &[i64], off
         return Ok(out);
     }
     // The farthest element the view touches must lie inside the storage.
-    let last = sizes.iter().zip(strides).try_fold(offset as u128, |acc, (&n, &s)| Some(acc + (n as u128 - 1) * s as u128));
+    let last = sizes
+        .iter()
+        .zip(strides)
+        .try_fold(offset as u128, |acc, (&n, &s)| {
+            Some(acc + (n as u128 - 1) * s as u128)
+        });
     if last.is_none_or(|l| l >= elems as u128) {
         return Err(Error::format(format!(
             "sizes {sizes:?}, strides {strides:?}, offset {offset} reach outside the storage of {elems} {dtype} elements ({} bytes)",
@@ -178,7 +231,12 @@ pub(crate) fn strided_tensor(dtype: DType, sizes: &[usize], strides: &[i64], off
     }
     let mut index = vec![0usize; sizes.len()];
     for chunk in dst.chunks_exact_mut(esize) {
-        let src: usize = offset + index.iter().zip(&strides).map(|(i, s)| i * s).sum::<usize>();
+        let src: usize = offset
+            + index
+                .iter()
+                .zip(&strides)
+                .map(|(i, s)| i * s)
+                .sum::<usize>();
         chunk.copy_from_slice(&storage[src * esize..(src + 1) * esize]);
         for d in (0..sizes.len()).rev() {
             index[d] += 1;
@@ -197,7 +255,9 @@ mod tests {
 
     #[test]
     fn transposed_view_is_materialised() {
-        let storage: Vec<u8> = (0..6f32 as i32).flat_map(|v| (v as f32).to_le_bytes()).collect();
+        let storage: Vec<u8> = (0..6f32 as i32)
+            .flat_map(|v| (v as f32).to_le_bytes())
+            .collect();
         // storage [0 1 2 3 4 5] viewed as a [3,2] transpose of a [2,3] matrix
         let t = strided_tensor(DType::F32, &[3, 2], &[1, 3], 0, &storage).unwrap();
         assert_eq!(t.to_f32_vec(), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);

@@ -7,21 +7,32 @@ use etmetal_core::{DType, Error, Result, Scalar};
 use serde_json::Value;
 
 pub(crate) fn field<'a>(v: &'a Value, key: &str) -> Result<&'a Value> {
-    v.get(key).ok_or_else(|| Error::format(format!("missing field `{key}`")))
+    v.get(key)
+        .ok_or_else(|| Error::format(format!("missing field `{key}`")))
 }
 
 /// The tag and payload of a serde union (`{"as_int": 3}` → `("as_int", 3)`).
 pub(crate) fn union(v: &Value) -> Result<(&str, &Value)> {
     match v.as_object() {
-        Some(o) if o.len() == 1 => o.iter().next().map(|(k, v)| (k.as_str(), v)).ok_or_else(|| Error::internal("empty")),
-        _ => Err(Error::format(format!("expected a union object with one key, got {}", short(v)))),
+        Some(o) if o.len() == 1 => o
+            .iter()
+            .next()
+            .map(|(k, v)| (k.as_str(), v))
+            .ok_or_else(|| Error::internal("empty")),
+        _ => Err(Error::format(format!(
+            "expected a union object with one key, got {}",
+            short(v)
+        ))),
     }
 }
 
 pub(crate) fn short(v: &Value) -> String {
     let s = v.to_string();
     if s.len() > 120 {
-        format!("{}…", &s[..s.char_indices().nth(120).map_or(s.len(), |(i, _)| i)])
+        format!(
+            "{}…",
+            &s[..s.char_indices().nth(120).map_or(s.len(), |(i, _)| i)]
+        )
     } else {
         s
     }
@@ -30,7 +41,9 @@ pub(crate) fn short(v: &Value) -> String {
 /// A static `SymInt`; a symbolic one is rejected (static shapes only).
 pub(crate) fn sym_int(v: &Value) -> Result<i64> {
     match union(v)? {
-        ("as_int", n) => n.as_i64().ok_or_else(|| Error::format(format!("`as_int` is not an integer: {n}"))),
+        ("as_int", n) => n
+            .as_i64()
+            .ok_or_else(|| Error::format(format!("`as_int` is not an integer: {n}"))),
         ("as_expr", e) => Err(Error::unsupported(format!(
             "dynamic shape `{}`: only static shapes are supported (export without dynamic_shapes)",
             e.get("expr_str").and_then(Value::as_str).unwrap_or("?")
@@ -40,12 +53,18 @@ pub(crate) fn sym_int(v: &Value) -> Result<i64> {
 }
 
 pub(crate) fn sym_ints(v: &Value) -> Result<Vec<i64>> {
-    v.as_array().ok_or_else(|| Error::format("expected a list of SymInts"))?.iter().map(sym_int).collect()
+    v.as_array()
+        .ok_or_else(|| Error::format("expected a list of SymInts"))?
+        .iter()
+        .map(sym_int)
+        .collect()
 }
 
 /// `(dtype, sizes)` of a `TensorMeta`.
 pub(crate) fn tensor_meta(meta: &Value) -> Result<(DType, Vec<usize>)> {
-    let code = field(meta, "dtype")?.as_i64().ok_or_else(|| Error::format("`dtype` is not an integer"))?;
+    let code = field(meta, "dtype")?
+        .as_i64()
+        .ok_or_else(|| Error::format("`dtype` is not an integer"))?;
     let dtype = DType::from_torch_serde(code)?;
     let sizes = sym_ints(field(meta, "sizes")?)?;
     let sizes = sizes
@@ -54,7 +73,9 @@ pub(crate) fn tensor_meta(meta: &Value) -> Result<(DType, Vec<usize>)> {
         .collect::<Result<_>>()?;
     if let Some(layout) = meta.get("layout").and_then(Value::as_i64) {
         if layout != 7 {
-            return Err(Error::unsupported(format!("tensor layout {layout} (only strided tensors are supported)")));
+            return Err(Error::unsupported(format!(
+                "tensor layout {layout} (only strided tensors are supported)"
+            )));
         }
     }
     Ok((dtype, sizes))
@@ -63,7 +84,9 @@ pub(crate) fn tensor_meta(meta: &Value) -> Result<(DType, Vec<usize>)> {
 /// A float as the serde writes it (non-finite values are strings).
 pub(crate) fn float(v: &Value) -> Result<f64> {
     match v {
-        Value::Number(n) => n.as_f64().ok_or_else(|| Error::format(format!("bad number {n}"))),
+        Value::Number(n) => n
+            .as_f64()
+            .ok_or_else(|| Error::format(format!("bad number {n}"))),
         Value::String(s) => match s.as_str() {
             "Infinity" => Ok(f64::INFINITY),
             "-Infinity" => Ok(f64::NEG_INFINITY),
@@ -82,10 +105,14 @@ pub(crate) struct Args<'a> {
 
 impl<'a> Args<'a> {
     pub fn new(inputs: &'a Value) -> Result<Args<'a>> {
-        let list = inputs.as_array().ok_or_else(|| Error::format("node `inputs` is not a list"))?;
+        let list = inputs
+            .as_array()
+            .ok_or_else(|| Error::format("node `inputs` is not a list"))?;
         let mut map = HashMap::new();
         for a in list {
-            let name = field(a, "name")?.as_str().ok_or_else(|| Error::format("argument name is not a string"))?;
+            let name = field(a, "name")?
+                .as_str()
+                .ok_or_else(|| Error::format("argument name is not a string"))?;
             map.insert(name, field(a, "arg")?);
         }
         Ok(Args { map })
@@ -96,14 +123,21 @@ impl<'a> Args<'a> {
         match self.map.get(name) {
             None => Ok(None),
             Some(v) => {
-                let (tag, payload) = union(v).map_err(|e| e.context(format!("argument `{name}`")))?;
-                Ok(if tag == "as_none" { None } else { Some((tag, payload)) })
+                let (tag, payload) =
+                    union(v).map_err(|e| e.context(format!("argument `{name}`")))?;
+                Ok(if tag == "as_none" {
+                    None
+                } else {
+                    Some((tag, payload))
+                })
             }
         }
     }
 
     fn bad(name: &str, expected: &str, tag: &str) -> Error {
-        Error::format(format!("argument `{name}`: expected {expected}, got `{tag}`"))
+        Error::format(format!(
+            "argument `{name}`: expected {expected}, got `{tag}`"
+        ))
     }
 
     /// A tensor argument's value name.
@@ -135,14 +169,21 @@ impl<'a> Args<'a> {
         match self.get(name)? {
             None => Ok(None),
             Some(("as_int" | "as_sym_int", v)) => Ok(Some(Scalar::Int(int_value(v)?))),
-            Some(("as_float" | "as_sym_float", v)) => Ok(Some(Scalar::Float(float(unwrap_sym(v))?))),
-            Some(("as_bool", v)) => Ok(Some(Scalar::Bool(v.as_bool().ok_or_else(|| Error::format("bad bool"))?))),
+            Some(("as_float" | "as_sym_float", v)) => {
+                Ok(Some(Scalar::Float(float(unwrap_sym(v))?)))
+            }
+            Some(("as_bool", v)) => Ok(Some(Scalar::Bool(
+                v.as_bool().ok_or_else(|| Error::format("bad bool"))?,
+            ))),
             Some((tag, _)) => Err(Self::bad(name, "a scalar", tag)),
         }
     }
 
     pub fn is_tensor(&self, name: &str) -> Result<bool> {
-        Ok(matches!(self.get(name)?, Some(("as_tensor" | "as_optional_tensor", _))))
+        Ok(matches!(
+            self.get(name)?,
+            Some(("as_tensor" | "as_optional_tensor", _))
+        ))
     }
 
     pub fn int(&self, name: &str, default: i64) -> Result<i64> {
@@ -154,7 +195,9 @@ impl<'a> Args<'a> {
             None => Ok(None),
             Some(Scalar::Int(v)) => Ok(Some(v)),
             Some(Scalar::Bool(b)) => Ok(Some(b as i64)),
-            Some(Scalar::Float(f)) => Err(Error::format(format!("argument `{name}`: expected an int, got {f}"))),
+            Some(Scalar::Float(f)) => Err(Error::format(format!(
+                "argument `{name}`: expected an int, got {f}"
+            ))),
         }
     }
 
@@ -171,14 +214,18 @@ impl<'a> Args<'a> {
             None => Ok(default),
             Some(Scalar::Bool(b)) => Ok(b),
             Some(Scalar::Int(v)) => Ok(v != 0),
-            Some(Scalar::Float(f)) => Err(Error::format(format!("argument `{name}`: expected a bool, got {f}"))),
+            Some(Scalar::Float(f)) => Err(Error::format(format!(
+                "argument `{name}`: expected a bool, got {f}"
+            ))),
         }
     }
 
     pub fn ints(&self, name: &str) -> Result<Option<Vec<i64>>> {
         match self.get(name)? {
             None => Ok(None),
-            Some(("as_ints", Value::Array(items))) => items.iter().map(int_value).collect::<Result<_>>().map(Some),
+            Some(("as_ints", Value::Array(items))) => {
+                items.iter().map(int_value).collect::<Result<_>>().map(Some)
+            }
             Some(("as_sym_ints", v)) => v
                 .as_array()
                 .ok_or_else(|| Error::format("bad as_sym_ints"))?
@@ -204,7 +251,8 @@ impl<'a> Args<'a> {
         match self.get(name)? {
             None => Ok(None),
             Some(("as_scalar_type", v)) => {
-                DType::from_torch_serde(v.as_i64().ok_or_else(|| Error::format("bad scalar type"))?).map(Some)
+                DType::from_torch_serde(v.as_i64().ok_or_else(|| Error::format("bad scalar type"))?)
+                    .map(Some)
             }
             Some((tag, _)) => Err(Self::bad(name, "a scalar type", tag)),
         }
@@ -214,7 +262,9 @@ impl<'a> Args<'a> {
 fn tensor_ref(v: &Value) -> Result<&str> {
     // `as_tensor {name}` inside optional-tensor unions, or a bare `{name}`
     let v = v.get("as_tensor").unwrap_or(v);
-    field(v, "name")?.as_str().ok_or_else(|| Error::format("tensor name is not a string"))
+    field(v, "name")?
+        .as_str()
+        .ok_or_else(|| Error::format("tensor name is not a string"))
 }
 
 /// `SymIntArgument` / `SymFloatArgument` are `{as_int|as_float: …}` or `{as_name}`.
@@ -224,7 +274,11 @@ fn unwrap_sym(v: &Value) -> &Value {
 
 fn int_value(v: &Value) -> Result<i64> {
     if v.get("as_name").is_some() {
-        return Err(Error::unsupported("symbolic int argument (dynamic shapes are not supported)"));
+        return Err(Error::unsupported(
+            "symbolic int argument (dynamic shapes are not supported)",
+        ));
     }
-    unwrap_sym(v).as_i64().ok_or_else(|| Error::format(format!("expected an int, got {}", short(v))))
+    unwrap_sym(v)
+        .as_i64()
+        .ok_or_else(|| Error::format(format!("expected an int, got {}", short(v))))
 }

@@ -8,7 +8,9 @@ use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 
 use etmetal_core::shape::{normalize_dim, numel};
-use etmetal_core::{BinaryOp, DType, Error, ErrorKind, Op, ReduceOp, Result, Scalar, Tensor, UnaryOp};
+use etmetal_core::{
+    BinaryOp, DType, Error, ErrorKind, Op, ReduceOp, Result, Scalar, Tensor, UnaryOp,
+};
 
 use super::json::Args;
 use crate::infer::infer;
@@ -18,7 +20,10 @@ use crate::ir::{Graph, Node, ValueId};
 enum Bound {
     Value(ValueId),
     /// An extra output that the lowered op does not produce.
-    Dropped { node: String, target: String },
+    Dropped {
+        node: String,
+        target: String,
+    },
     /// An output of a node that could not be lowered (already reported).
     Failed,
 }
@@ -34,8 +39,19 @@ pub(crate) struct Ctx<'j> {
 }
 
 impl<'j> Ctx<'j> {
-    pub fn new(name: String, target: String, args: Args<'j>, outputs: Vec<Option<String>>) -> Ctx<'j> {
-        Ctx { name, target, args, outputs, emitted: Cell::new(0) }
+    pub fn new(
+        name: String,
+        target: String,
+        args: Args<'j>,
+        outputs: Vec<Option<String>>,
+    ) -> Ctx<'j> {
+        Ctx {
+            name,
+            target,
+            args,
+            outputs,
+            emitted: Cell::new(0),
+        }
     }
 }
 
@@ -79,13 +95,26 @@ fn scalar_tensor(s: Scalar, dtype: DType, shape: &[usize]) -> Result<Tensor> {
 
 fn usizes(v: &[i64], what: &str) -> Result<Vec<usize>> {
     v.iter()
-        .map(|&x| usize::try_from(x).map_err(|_| Error::format(format!("{what} has a negative entry: {v:?}"))))
+        .map(|&x| {
+            usize::try_from(x)
+                .map_err(|_| Error::format(format!("{what} has a negative entry: {v:?}")))
+        })
         .collect()
 }
 
 impl<'m> Lowerer<'m> {
-    pub fn new(graph: Graph, meta: &'m HashMap<String, (DType, Vec<usize>)>, used: HashSet<String>) -> Lowerer<'m> {
-        Lowerer { graph, names: HashMap::new(), meta, used, hit_failed: false }
+    pub fn new(
+        graph: Graph,
+        meta: &'m HashMap<String, (DType, Vec<usize>)>,
+        used: HashSet<String>,
+    ) -> Lowerer<'m> {
+        Lowerer {
+            graph,
+            names: HashMap::new(),
+            meta,
+            used,
+            hit_failed: false,
+        }
     }
 
     pub fn bind_input(&mut self, name: &str, id: ValueId) {
@@ -137,24 +166,36 @@ impl<'m> Lowerer<'m> {
     }
 
     fn t(&mut self, c: &Ctx, arg: &str) -> Result<ValueId> {
-        let name = c.args.tensor_name(arg)?.ok_or_else(|| Error::format(format!("missing tensor argument `{arg}`")))?;
+        let name = c
+            .args
+            .tensor_name(arg)?
+            .ok_or_else(|| Error::format(format!("missing tensor argument `{arg}`")))?;
         self.lookup(name)
     }
     fn opt_t(&mut self, c: &Ctx, arg: &str) -> Result<Option<ValueId>> {
         c.args.tensor_name(arg)?.map(|n| self.lookup(n)).transpose()
     }
     fn req_ints(&self, c: &Ctx, arg: &str) -> Result<Vec<i64>> {
-        c.args.ints(arg)?.ok_or_else(|| Error::format(format!("missing int list argument `{arg}`")))
+        c.args
+            .ints(arg)?
+            .ok_or_else(|| Error::format(format!("missing int list argument `{arg}`")))
     }
     fn req_scalar(&self, c: &Ctx, arg: &str) -> Result<Scalar> {
-        c.args.scalar(arg)?.ok_or_else(|| Error::format(format!("missing scalar argument `{arg}`")))
+        c.args
+            .scalar(arg)?
+            .ok_or_else(|| Error::format(format!("missing scalar argument `{arg}`")))
     }
     fn dim(&self, c: &Ctx, arg: &str, default: i64, rank: usize) -> Result<usize> {
         normalize_dim(c.args.int(arg, default)?, rank)
     }
     fn dims(&self, c: &Ctx, arg: &str, rank: usize) -> Result<Vec<usize>> {
-        let mut dims: Vec<usize> =
-            c.args.ints(arg)?.unwrap_or_default().into_iter().map(|d| normalize_dim(d, rank)).collect::<Result<_>>()?;
+        let mut dims: Vec<usize> = c
+            .args
+            .ints(arg)?
+            .unwrap_or_default()
+            .into_iter()
+            .map(|d| normalize_dim(d, rank))
+            .collect::<Result<_>>()?;
         dims.sort_unstable();
         dims.dedup();
         Ok(dims)
@@ -170,10 +211,23 @@ impl<'m> Lowerer<'m> {
     fn emit(&mut self, c: &Ctx, op: Op, inputs: Vec<Option<ValueId>>) -> Result<Vec<ValueId>> {
         let k = c.emitted.get();
         c.emitted.set(k + 1);
-        let name = if k == 0 { c.name.clone() } else { format!("{}.{k}", c.name) };
-        let mut node = Node { name, target: c.target.clone(), op, inputs, outputs: vec![] };
+        let name = if k == 0 {
+            c.name.clone()
+        } else {
+            format!("{}.{k}", c.name)
+        };
+        let mut node = Node {
+            name,
+            target: c.target.clone(),
+            op,
+            inputs,
+            outputs: vec![],
+        };
         for (i, (dtype, shape)) in infer(&self.graph, &node)?.into_iter().enumerate() {
-            node.outputs.push(self.graph.add_value(format!("{}.out{i}", node.name), dtype, shape));
+            node.outputs.push(
+                self.graph
+                    .add_value(format!("{}.out{i}", node.name), dtype, shape),
+            );
         }
         let outs = node.outputs.clone();
         self.graph.nodes.push(node);
@@ -187,7 +241,9 @@ impl<'m> Lowerer<'m> {
     /// Give source output `index` the value `v`, checking it against the
     /// file's metadata.
     fn bind(&mut self, c: &Ctx, index: usize, v: ValueId) -> Result<()> {
-        let Some(Some(name)) = c.outputs.get(index) else { return Ok(()) };
+        let Some(Some(name)) = c.outputs.get(index) else {
+            return Ok(());
+        };
         if let Some((dtype, shape)) = self.meta.get(name) {
             let info = self.graph.value(v);
             if info.dtype != *dtype || info.shape != *shape {
@@ -210,7 +266,13 @@ impl<'m> Lowerer<'m> {
             self.bind(c, i, *v)?;
         }
         for name in c.outputs.iter().skip(outs.len()).flatten() {
-            self.names.insert(name.clone(), Bound::Dropped { node: c.name.clone(), target: c.target.clone() });
+            self.names.insert(
+                name.clone(),
+                Bound::Dropped {
+                    node: c.name.clone(),
+                    target: c.target.clone(),
+                },
+            );
         }
         Ok(())
     }
@@ -244,7 +306,12 @@ impl<'m> Lowerer<'m> {
         };
         let b = match c.args.scalar("alpha")? {
             Some(alpha) if alpha.to_f64() != 1.0 => {
-                let k = self.constant(c, "alpha", alpha, promoted_scalar_dtype(alpha, self.dtype(b)))?;
+                let k = self.constant(
+                    c,
+                    "alpha",
+                    alpha,
+                    promoted_scalar_dtype(alpha, self.dtype(b)),
+                )?;
                 self.emit1(c, Op::Binary(BinaryOp::Mul), vec![Some(b), Some(k)])?
             }
             _ => b,
@@ -267,13 +334,20 @@ impl<'m> Lowerer<'m> {
 
     fn reshape(&mut self, c: &Ctx, x: ValueId, sizes: &[i64]) -> Result<()> {
         let total = numel(&self.shape(x))?;
-        let known: usize = sizes.iter().filter(|&&s| s >= 0).map(|&s| s as usize).product();
+        let known: usize = sizes
+            .iter()
+            .filter(|&&s| s >= 0)
+            .map(|&s| s as usize)
+            .product();
         let shape = sizes
             .iter()
             .map(|&s| match s {
                 -1 if known != 0 && total % known == 0 => Ok(total / known),
                 s if s >= 0 => Ok(s as usize),
-                _ => Err(Error::shape(format!("cannot view {:?} as {sizes:?}", self.shape(x)))),
+                _ => Err(Error::shape(format!(
+                    "cannot view {:?} as {sizes:?}",
+                    self.shape(x)
+                ))),
             })
             .collect::<Result<Vec<_>>>()?;
         self.finish(c, Op::Reshape { shape }, vec![Some(x)])
@@ -292,11 +366,23 @@ impl<'m> Lowerer<'m> {
     fn split(&mut self, c: &Ctx, x: ValueId, dim: usize, sizes: &[usize]) -> Result<()> {
         let total: usize = sizes.iter().sum();
         if total != self.shape(x)[dim] {
-            return Err(Error::shape(format!("split sizes {sizes:?} do not add up to dim {dim} of {:?}", self.shape(x))));
+            return Err(Error::shape(format!(
+                "split sizes {sizes:?} do not add up to dim {dim} of {:?}",
+                self.shape(x)
+            )));
         }
         let mut start = 0;
         for (i, &n) in sizes.iter().enumerate() {
-            let v = self.emit1(c, Op::Slice { dim, start, end: start + n, step: 1 }, vec![Some(x)])?;
+            let v = self.emit1(
+                c,
+                Op::Slice {
+                    dim,
+                    start,
+                    end: start + n,
+                    step: 1,
+                },
+                vec![Some(x)],
+            )?;
             self.bind(c, i, v)?;
             start += n;
         }
@@ -329,8 +415,10 @@ impl<'m> Lowerer<'m> {
             Some("same") => (0..spatial)
                 .map(|i| {
                     let total = dilation[i] * (wshape[2 + i] - 1);
-                    if total % 2 != 0 {
-                        return Err(Error::unsupported("padding='same' that needs asymmetric padding"));
+                    if !total.is_multiple_of(2) {
+                        return Err(Error::unsupported(
+                            "padding='same' that needs asymmetric padding",
+                        ));
                     }
                     Ok(total / 2)
                 })
@@ -340,8 +428,16 @@ impl<'m> Lowerer<'m> {
         };
         let transposed = transposed || c.args.bool("transposed", false)?;
         let output_padding = self.conv_attr(c, "output_padding", spatial, 0)?;
-        let groups = usize::try_from(c.args.int("groups", 1)?).map_err(|_| Error::format("negative groups"))?;
-        let op = Op::Convolution { stride, padding, dilation, transposed, output_padding, groups };
+        let groups = usize::try_from(c.args.int("groups", 1)?)
+            .map_err(|_| Error::format("negative groups"))?;
+        let op = Op::Convolution {
+            stride,
+            padding,
+            dilation,
+            transposed,
+            output_padding,
+            groups,
+        };
         self.finish(c, op, vec![Some(x), Some(w), bias])
     }
 
@@ -377,7 +473,11 @@ impl<'m> Lowerer<'m> {
             None => c.args.bool("unbiased", true)? as i64 as f64,
         };
         let keepdim = c.args.bool("keepdim", false)?;
-        let op = Op::Var { dims, correction, keepdim };
+        let op = Op::Var {
+            dims,
+            correction,
+            keepdim,
+        };
         if std {
             let v = self.emit1(c, op, vec![Some(x)])?;
             self.finish(c, Op::Unary(UnaryOp::Sqrt), vec![Some(v)])
@@ -388,7 +488,15 @@ impl<'m> Lowerer<'m> {
 
     fn full(&mut self, c: &Ctx, shape: Vec<usize>, value: Scalar, default: DType) -> Result<()> {
         let dtype = c.args.scalar_type("dtype")?.unwrap_or(default);
-        self.finish(c, Op::Full { shape, value, dtype }, vec![])
+        self.finish(
+            c,
+            Op::Full {
+                shape,
+                value,
+                dtype,
+            },
+            vec![],
+        )
     }
 
     fn size_arg(&self, c: &Ctx, arg: &str) -> Result<Vec<usize>> {
@@ -397,7 +505,9 @@ impl<'m> Lowerer<'m> {
 
     fn lower_node(&mut self, c: &Ctx) -> Result<()> {
         let unknown = || Error::unsupported("no etmetal lowering for this target");
-        let Some(short) = c.target.strip_prefix("torch.ops.aten.") else { return Err(unknown()) };
+        let Some(short) = c.target.strip_prefix("torch.ops.aten.") else {
+            return Err(unknown());
+        };
         let (name, overload) = short.split_once('.').unwrap_or((short, "default"));
         let a = &c.args;
         use BinaryOp as B;
@@ -483,10 +593,24 @@ impl<'m> Lowerer<'m> {
                 let slope = a.float("negative_slope", 0.01)?;
                 self.unary(c, "self", U::LeakyRelu { slope })
             }
-            ("relu6", _) => self.unary(c, "self", U::Clamp { min: Some(0.0), max: Some(6.0) }),
+            ("relu6", _) => self.unary(
+                c,
+                "self",
+                U::Clamp {
+                    min: Some(0.0),
+                    max: Some(6.0),
+                },
+            ),
             ("hardtanh", _) => {
                 let (min, max) = (a.float("min_val", -1.0)?, a.float("max_val", 1.0)?);
-                self.unary(c, "self", U::Clamp { min: Some(min), max: Some(max) })
+                self.unary(
+                    c,
+                    "self",
+                    U::Clamp {
+                        min: Some(min),
+                        max: Some(max),
+                    },
+                )
             }
             ("clamp", "default") | ("clamp_min", "default") | ("clamp_max", "default") => {
                 let (min, max) = (a.opt_float("min")?, a.opt_float("max")?);
@@ -501,7 +625,10 @@ impl<'m> Lowerer<'m> {
                     let y = self.t(c, "other")?;
                     (self.operand(c, "self", Some(y))?, y)
                 } else {
-                    (self.operand(c, "self", None)?, self.operand(c, "other", None)?)
+                    (
+                        self.operand(c, "self", None)?,
+                        self.operand(c, "other", None)?,
+                    )
                 };
                 self.finish(c, Op::Where, vec![Some(cond), Some(x), Some(y)])
             }
@@ -531,7 +658,9 @@ impl<'m> Lowerer<'m> {
                 }
             }
             ("_assert_tensor_metadata", _) => Ok(()),
-            ("clone" | "contiguous" | "alias" | "detach" | "detach_" | "lift_fresh_copy", _) => self.unary_identity(c, "self"),
+            ("clone" | "contiguous" | "alias" | "detach" | "detach_" | "lift_fresh_copy", _) => {
+                self.unary_identity(c, "self")
+            }
             ("dropout", "default") => {
                 if a.bool("train", false)? && a.float("p", 0.0)? != 0.0 {
                     return Err(Error::unsupported("dropout in training mode"));
@@ -551,14 +680,25 @@ impl<'m> Lowerer<'m> {
             ("std", "dim" | "correction" | "default") => self.variance(c, true),
             ("argmax" | "argmin", _) => {
                 let x = self.t(c, "self")?;
-                let dim = a.opt_int("dim")?.map(|d| normalize_dim(d, self.rank(x))).transpose()?;
-                let op = Op::ArgReduce { max: name == "argmax", dim, keepdim: a.bool("keepdim", false)? };
+                let dim = a
+                    .opt_int("dim")?
+                    .map(|d| normalize_dim(d, self.rank(x)))
+                    .transpose()?;
+                let op = Op::ArgReduce {
+                    max: name == "argmax",
+                    dim,
+                    keepdim: a.bool("keepdim", false)?,
+                };
                 self.finish(c, op, vec![Some(x)])
             }
             ("max" | "min", "dim") => {
                 let x = self.t(c, "self")?;
                 let dim = self.dim(c, "dim", 0, self.rank(x))?;
-                let op = Op::ReduceWithIndices { max: name == "max", dim, keepdim: a.bool("keepdim", false)? };
+                let op = Op::ReduceWithIndices {
+                    max: name == "max",
+                    dim,
+                    keepdim: a.bool("keepdim", false)?,
+                };
                 self.finish(c, op, vec![Some(x)])
             }
             ("cumsum", "default") => {
@@ -574,13 +714,25 @@ impl<'m> Lowerer<'m> {
                 let x = self.t(c, "self")?;
                 let x = self.with_dtype(c, x)?;
                 let dim = self.dim(c, "dim", -1, self.rank(x))?;
-                self.finish(c, Op::Softmax { dim, log: name.contains("log") }, vec![Some(x)])
+                self.finish(
+                    c,
+                    Op::Softmax {
+                        dim,
+                        log: name.contains("log"),
+                    },
+                    vec![Some(x)],
+                )
             }
             ("topk", "default") => {
                 let x = self.t(c, "self")?;
                 let k = usize::try_from(a.int("k", 1)?).map_err(|_| Error::format("negative k"))?;
                 let dim = self.dim(c, "dim", -1, self.rank(x))?;
-                let op = Op::TopK { k, dim, largest: a.bool("largest", true)?, sorted: a.bool("sorted", true)? };
+                let op = Op::TopK {
+                    k,
+                    dim,
+                    largest: a.bool("largest", true)?,
+                    sorted: a.bool("sorted", true)?,
+                };
                 self.finish(c, op, vec![Some(x)])
             }
             ("layer_norm" | "native_layer_norm", "default") => {
@@ -588,13 +740,27 @@ impl<'m> Lowerer<'m> {
                 let normalized_dims = self.req_ints(c, "normalized_shape")?.len();
                 let (w, b) = (self.opt_t(c, "weight")?, self.opt_t(c, "bias")?);
                 let eps = a.float("eps", 1e-5)?;
-                self.finish(c, Op::LayerNorm { normalized_dims, eps }, vec![Some(x), w, b])
+                self.finish(
+                    c,
+                    Op::LayerNorm {
+                        normalized_dims,
+                        eps,
+                    },
+                    vec![Some(x), w, b],
+                )
             }
             ("rms_norm", "default") => {
                 let x = self.t(c, "input")?;
                 let normalized_dims = self.req_ints(c, "normalized_shape")?.len();
                 let w = self.opt_t(c, "weight")?;
-                self.finish(c, Op::RmsNorm { normalized_dims, eps: a.opt_float("eps")? }, vec![Some(x), w])
+                self.finish(
+                    c,
+                    Op::RmsNorm {
+                        normalized_dims,
+                        eps: a.opt_float("eps")?,
+                    },
+                    vec![Some(x), w],
+                )
             }
             ("batch_norm", "default") | ("_native_batch_norm_legit_no_training", "default") => {
                 if a.bool("training", false)? {
@@ -605,14 +771,29 @@ impl<'m> Lowerer<'m> {
                 let mean = self.t(c, "running_mean")?;
                 let var = self.t(c, "running_var")?;
                 let eps = a.float("eps", 1e-5)?;
-                self.finish(c, Op::BatchNorm { eps }, vec![Some(x), w, b, Some(mean), Some(var)])
+                self.finish(
+                    c,
+                    Op::BatchNorm { eps },
+                    vec![Some(x), w, b, Some(mean), Some(var)],
+                )
             }
             ("group_norm" | "native_group_norm", "default") => {
                 let x = self.t(c, "input")?;
-                let groups = a.opt_int("num_groups")?.or(a.opt_int("group")?).unwrap_or(1);
-                let groups = usize::try_from(groups).map_err(|_| Error::format("negative groups"))?;
+                let groups = a
+                    .opt_int("num_groups")?
+                    .or(a.opt_int("group")?)
+                    .unwrap_or(1);
+                let groups =
+                    usize::try_from(groups).map_err(|_| Error::format("negative groups"))?;
                 let (w, b) = (self.opt_t(c, "weight")?, self.opt_t(c, "bias")?);
-                self.finish(c, Op::GroupNorm { groups, eps: a.float("eps", 1e-5)? }, vec![Some(x), w, b])
+                self.finish(
+                    c,
+                    Op::GroupNorm {
+                        groups,
+                        eps: a.float("eps", 1e-5)?,
+                    },
+                    vec![Some(x), w, b],
+                )
             }
             ("matmul", "default") => {
                 let (x, y) = (self.t(c, "self")?, self.t(c, "other")?);
@@ -629,21 +810,39 @@ impl<'m> Lowerer<'m> {
             ("addmm", "default") => {
                 let bias = self.t(c, "self")?;
                 let (x, y) = (self.t(c, "mat1")?, self.t(c, "mat2")?);
-                let op = Op::Addmm { beta: a.float("beta", 1.0)?, alpha: a.float("alpha", 1.0)? };
+                let op = Op::Addmm {
+                    beta: a.float("beta", 1.0)?,
+                    alpha: a.float("alpha", 1.0)?,
+                };
                 self.finish(c, op, vec![Some(bias), Some(x), Some(y)])
             }
             ("linear", "default") => {
-                let (x, w, b) = (self.t(c, "input")?, self.t(c, "weight")?, self.opt_t(c, "bias")?);
+                let (x, w, b) = (
+                    self.t(c, "input")?,
+                    self.t(c, "weight")?,
+                    self.opt_t(c, "bias")?,
+                );
                 self.finish(c, Op::Linear, vec![Some(x), Some(w), b])
             }
-            ("conv1d" | "conv2d" | "conv3d" | "convolution", "default" | "padding") => self.convolution(c, false),
-            ("conv_transpose1d" | "conv_transpose2d", "default" | "input") => self.convolution(c, true),
+            ("conv1d" | "conv2d" | "conv3d" | "convolution", "default" | "padding") => {
+                self.convolution(c, false)
+            }
+            ("conv_transpose1d" | "conv_transpose2d", "default" | "input") => {
+                self.convolution(c, true)
+            }
             ("max_pool1d" | "max_pool2d" | "max_pool2d_with_indices", "default") => {
                 let x = self.t(c, "self")?;
                 let (kernel, stride, padding) = self.pool_attrs(c)?;
                 let dilation = self.conv_attr(c, "dilation", kernel.len(), 1)?;
                 let with_indices = name.ends_with("with_indices") && self.is_used(c, 1);
-                let op = Op::MaxPool { kernel, stride, padding, dilation, ceil_mode: a.bool("ceil_mode", false)?, with_indices };
+                let op = Op::MaxPool {
+                    kernel,
+                    stride,
+                    padding,
+                    dilation,
+                    ceil_mode: a.bool("ceil_mode", false)?,
+                    with_indices,
+                };
                 self.finish(c, op, vec![Some(x)])
             }
             ("avg_pool1d" | "avg_pool2d", "default") => {
@@ -666,7 +865,9 @@ impl<'m> Lowerer<'m> {
             }
             ("scaled_dot_product_attention", "default") => {
                 if a.float("dropout_p", 0.0)? != 0.0 {
-                    return Err(Error::unsupported("scaled_dot_product_attention with dropout_p != 0"));
+                    return Err(Error::unsupported(
+                        "scaled_dot_product_attention with dropout_p != 0",
+                    ));
                 }
                 let (q, k, v) = (self.t(c, "query")?, self.t(c, "key")?, self.t(c, "value")?);
                 let mask = self.opt_t(c, "attn_mask")?;
@@ -698,7 +899,10 @@ impl<'m> Lowerer<'m> {
                 if r == 0 {
                     return self.reshape(c, x, &[1]);
                 }
-                let (s, e) = (self.dim(c, "start_dim", 0, r)?, self.dim(c, "end_dim", -1, r)?);
+                let (s, e) = (
+                    self.dim(c, "start_dim", 0, r)?,
+                    self.dim(c, "end_dim", -1, r)?,
+                );
                 if s > e {
                     return Err(Error::shape(format!("flatten start_dim {s} > end_dim {e}")));
                 }
@@ -724,8 +928,12 @@ impl<'m> Lowerer<'m> {
                     Some(("as_int", _)) => vec![self.dim(c, "dim", 0, shape.len())?],
                     Some(_) => self.dims(c, "dim", shape.len())?,
                 };
-                let sizes: Vec<i64> =
-                    shape.iter().enumerate().filter(|(i, &n)| !(n == 1 && dims.contains(i))).map(|(_, &n)| n as i64).collect();
+                let sizes: Vec<i64> = shape
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, &n)| !(n == 1 && dims.contains(i)))
+                    .map(|(_, &n)| n as i64)
+                    .collect();
                 self.reshape(c, x, &sizes)
             }
             ("unsqueeze", "default") => {
@@ -738,7 +946,11 @@ impl<'m> Lowerer<'m> {
             ("permute", "default") => {
                 let x = self.t(c, "self")?;
                 let r = self.rank(x);
-                let dims = self.req_ints(c, "dims")?.into_iter().map(|d| normalize_dim(d, r)).collect::<Result<_>>()?;
+                let dims = self
+                    .req_ints(c, "dims")?
+                    .into_iter()
+                    .map(|d| normalize_dim(d, r))
+                    .collect::<Result<_>>()?;
                 self.finish(c, Op::Permute { dims }, vec![Some(x)])
             }
             ("transpose", "int") | ("t", "default") => {
@@ -774,9 +986,22 @@ impl<'m> Lowerer<'m> {
                 let x = self.t(c, "self")?;
                 let shape = self.shape(x);
                 let dim = self.dim(c, "dim", 0, shape.len())?;
-                let step = usize::try_from(a.int("step", 1)?).ok().filter(|&s| s > 0).ok_or_else(|| Error::format("slice step must be positive"))?;
-                let (start, end) = Self::clamp_range(a.opt_int("start")?, a.opt_int("end")?, shape[dim]);
-                self.finish(c, Op::Slice { dim, start, end, step }, vec![Some(x)])
+                let step = usize::try_from(a.int("step", 1)?)
+                    .ok()
+                    .filter(|&s| s > 0)
+                    .ok_or_else(|| Error::format("slice step must be positive"))?;
+                let (start, end) =
+                    Self::clamp_range(a.opt_int("start")?, a.opt_int("end")?, shape[dim]);
+                self.finish(
+                    c,
+                    Op::Slice {
+                        dim,
+                        start,
+                        end,
+                        step,
+                    },
+                    vec![Some(x)],
+                )
             }
             ("narrow", "default") => {
                 let x = self.t(c, "self")?;
@@ -787,9 +1012,16 @@ impl<'m> Lowerer<'m> {
                 let start = if start < 0 { start + n } else { start };
                 let len = a.int("length", 0)?;
                 if start < 0 || len < 0 || start + len > n {
-                    return Err(Error::shape(format!("narrow({dim}, {start}, {len}) of {shape:?}")));
+                    return Err(Error::shape(format!(
+                        "narrow({dim}, {start}, {len}) of {shape:?}"
+                    )));
                 }
-                let op = Op::Slice { dim, start: start as usize, end: (start + len) as usize, step: 1 };
+                let op = Op::Slice {
+                    dim,
+                    start: start as usize,
+                    end: (start + len) as usize,
+                    step: 1,
+                };
                 self.finish(c, op, vec![Some(x)])
             }
             ("select", "int") => {
@@ -798,7 +1030,9 @@ impl<'m> Lowerer<'m> {
                 let dim = self.dim(c, "dim", 0, shape.len())?;
                 let i = a.int("index", 0)?;
                 let index = usize::try_from(if i < 0 { i + shape[dim] as i64 } else { i })
-                    .map_err(|_| Error::shape(format!("select index {i} of dim {dim} of {shape:?}")))?;
+                    .map_err(|_| {
+                        Error::shape(format!("select index {i} of dim {dim} of {shape:?}"))
+                    })?;
                 self.finish(c, Op::Select { dim, index }, vec![Some(x)])
             }
             ("split", "Tensor") | ("split_with_sizes", "default") | ("chunk", "default") => {
@@ -810,13 +1044,19 @@ impl<'m> Lowerer<'m> {
                     "split_with_sizes" => usizes(&self.req_ints(c, "split_sizes")?, "split_sizes")?,
                     _ => {
                         let piece = if name == "chunk" {
-                            let chunks = usize::try_from(a.int("chunks", 1)?).ok().filter(|&k| k > 0).ok_or_else(|| Error::format("chunks must be positive"))?;
+                            let chunks = usize::try_from(a.int("chunks", 1)?)
+                                .ok()
+                                .filter(|&k| k > 0)
+                                .ok_or_else(|| Error::format("chunks must be positive"))?;
                             n.div_ceil(chunks)
                         } else {
-                            usize::try_from(a.int("split_size", 1)?).ok().filter(|&k| k > 0).ok_or_else(|| Error::format("split_size must be positive"))?
+                            usize::try_from(a.int("split_size", 1)?)
+                                .ok()
+                                .filter(|&k| k > 0)
+                                .ok_or_else(|| Error::format("split_size must be positive"))?
                         };
                         let mut sizes = vec![piece; n / piece.max(1)];
-                        if n % piece != 0 {
+                        if !n.is_multiple_of(piece) {
                             sizes.push(n % piece);
                         }
                         sizes
@@ -837,19 +1077,31 @@ impl<'m> Lowerer<'m> {
             ("cat", "default") => {
                 let parts = self.tensor_list(c, "tensors")?;
                 // legacy 1-D empty tensors do not decide the rank
-                let rank = parts.iter().map(|&p| self.shape(p)).find(|s| s != &[0]).map_or(1, |s| s.len());
+                let rank = parts
+                    .iter()
+                    .map(|&p| self.shape(p))
+                    .find(|s| s != &[0])
+                    .map_or(1, |s| s.len());
                 let dim = self.dim(c, "dim", 0, rank)?;
                 self.finish(c, Op::Cat { dim }, parts.into_iter().map(Some).collect())
             }
             ("stack", "default") => {
                 let parts = self.tensor_list(c, "tensors")?;
-                let first = parts.first().ok_or_else(|| Error::shape("stack of no tensors"))?;
+                let first = parts
+                    .first()
+                    .ok_or_else(|| Error::shape("stack of no tensors"))?;
                 let mut shape = self.shape(*first);
                 let dim = self.dim(c, "dim", 0, shape.len() + 1)?;
                 shape.insert(dim, 1);
                 let mut unsqueezed = vec![];
                 for p in parts {
-                    unsqueezed.push(Some(self.emit1(c, Op::Reshape { shape: shape.clone() }, vec![Some(p)])?));
+                    unsqueezed.push(Some(self.emit1(
+                        c,
+                        Op::Reshape {
+                            shape: shape.clone(),
+                        },
+                        vec![Some(p)],
+                    )?));
                 }
                 self.finish(c, Op::Cat { dim }, unsqueezed)
             }
@@ -875,7 +1127,10 @@ impl<'m> Lowerer<'m> {
             }
             ("triu" | "tril", "default") => {
                 let x = self.t(c, "self")?;
-                let op = Op::Triangle { upper: name == "triu", diagonal: a.int("diagonal", 0)? };
+                let op = Op::Triangle {
+                    upper: name == "triu",
+                    diagonal: a.int("diagonal", 0)?,
+                };
                 self.finish(c, op, vec![Some(x)])
             }
             ("repeat", "default") => {
@@ -886,12 +1141,21 @@ impl<'m> Lowerer<'m> {
             ("constant_pad_nd", "default") | ("pad", "default") => {
                 if let Some(mode) = a.string("mode")? {
                     if mode != "constant" {
-                        return Err(Error::unsupported(format!("pad mode `{mode}` (only constant)")));
+                        return Err(Error::unsupported(format!(
+                            "pad mode `{mode}` (only constant)"
+                        )));
                     }
                 }
                 let x = self.t(c, "self")?;
                 let pad = self.req_ints(c, "pad")?;
-                self.finish(c, Op::ConstantPad { pad, value: a.float("value", 0.0)? }, vec![Some(x)])
+                self.finish(
+                    c,
+                    Op::ConstantPad {
+                        pad,
+                        value: a.float("value", 0.0)?,
+                    },
+                    vec![Some(x)],
+                )
             }
             ("full", "default") => {
                 let shape = self.size_arg(c, "size")?;
@@ -931,9 +1195,24 @@ impl<'m> Lowerer<'m> {
                 let start = a.scalar("start")?.unwrap_or(Scalar::Int(0));
                 let end = self.req_scalar(c, "end")?;
                 let step = a.scalar("step")?.unwrap_or(Scalar::Int(1));
-                let all_int = [start, end, step].iter().all(|s| matches!(s, Scalar::Int(_)));
-                let dtype = a.scalar_type("dtype")?.unwrap_or(if all_int { DType::I64 } else { DType::F32 });
-                self.finish(c, Op::Arange { start, end, step, dtype }, vec![])
+                let all_int = [start, end, step]
+                    .iter()
+                    .all(|s| matches!(s, Scalar::Int(_)));
+                let dtype = a.scalar_type("dtype")?.unwrap_or(if all_int {
+                    DType::I64
+                } else {
+                    DType::F32
+                });
+                self.finish(
+                    c,
+                    Op::Arange {
+                        start,
+                        end,
+                        step,
+                        dtype,
+                    },
+                    vec![],
+                )
             }
             _ => Err(unknown()),
         }
@@ -948,7 +1227,10 @@ impl<'m> Lowerer<'m> {
         let names = c.args.tensor_names(arg)?;
         names
             .into_iter()
-            .map(|n| n.ok_or_else(|| Error::format(format!("`{arg}` holds a None"))).and_then(|n| self.lookup(n)))
+            .map(|n| {
+                n.ok_or_else(|| Error::format(format!("`{arg}` holds a None")))
+                    .and_then(|n| self.lookup(n))
+            })
             .collect()
     }
 }

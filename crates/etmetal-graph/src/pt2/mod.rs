@@ -49,21 +49,28 @@ fn check_schema(program: &Value) -> Result<()> {
 }
 
 fn str_field<'a>(v: &'a Value, key: &str) -> Result<&'a str> {
-    field(v, key)?.as_str().ok_or_else(|| Error::format(format!("`{key}` is not a string")))
+    field(v, key)?
+        .as_str()
+        .ok_or_else(|| Error::format(format!("`{key}` is not a string")))
 }
 
 /// The value name an input/output `Argument` refers to (`as_tensor`).
 fn arg_tensor_name(arg: &Value) -> Result<&str> {
     match union(arg)? {
         ("as_tensor", t) => str_field(t, "name"),
-        (tag, _) => Err(Error::unsupported(format!("non-tensor graph input/output `{tag}`"))),
+        (tag, _) => Err(Error::unsupported(format!(
+            "non-tensor graph input/output `{tag}`"
+        ))),
     }
 }
 
 /// Output names of a node: one per tensor (`as_tensors` flattened).
 fn node_outputs(node: &Value) -> Result<Vec<Option<String>>> {
     let mut out = vec![];
-    for o in field(node, "outputs")?.as_array().ok_or_else(|| Error::format("node `outputs` is not a list"))? {
+    for o in field(node, "outputs")?
+        .as_array()
+        .ok_or_else(|| Error::format("node `outputs` is not a list"))?
+    {
         match union(o)? {
             ("as_tensor", t) => out.push(Some(str_field(t, "name")?.to_string())),
             ("as_tensors", Value::Array(ts)) => {
@@ -72,7 +79,11 @@ fn node_outputs(node: &Value) -> Result<Vec<Option<String>>> {
                 }
             }
             ("as_none", _) => out.push(None),
-            (tag, _) => return Err(Error::unsupported(format!("node output of kind `{tag}` (symbolic values are not supported)"))),
+            (tag, _) => {
+                return Err(Error::unsupported(format!(
+                    "node output of kind `{tag}` (symbolic values are not supported)"
+                )))
+            }
         }
     }
     Ok(out)
@@ -89,7 +100,10 @@ fn used_names(graph: &Value) -> HashSet<String> {
                     }
                 }
                 if let Some(Value::Array(ts)) = o.get("as_tensors") {
-                    out.extend(ts.iter().filter_map(|t| t.get("name")?.as_str().map(str::to_string)));
+                    out.extend(
+                        ts.iter()
+                            .filter_map(|t| t.get("name")?.as_str().map(str::to_string)),
+                    );
                 }
                 o.values().for_each(|v| walk(v, out));
             }
@@ -119,22 +133,33 @@ struct Payloads {
 impl Payloads {
     fn read(archive: &Archive) -> Result<Payloads> {
         let find = |dir: &str| -> Result<Option<Value>> {
-            let config = archive.json(&format!("{dir}/model_{}_config.json", dir.rsplit('/').next().unwrap_or(dir)));
+            let config = archive.json(&format!(
+                "{dir}/model_{}_config.json",
+                dir.rsplit('/').next().unwrap_or(dir)
+            ));
             config.transpose()
         };
-        Ok(Payloads { weights: find("data/weights")?, constants: find("data/constants")? })
+        Ok(Payloads {
+            weights: find("data/weights")?,
+            constants: find("data/constants")?,
+        })
     }
 
     /// The data of `fqn`, from the weights config or else the constants one.
     fn tensor(&self, archive: &Archive, fqn: &str) -> Result<etmetal_core::Tensor> {
-        for (dir, config) in [("data/weights", &self.weights), ("data/constants", &self.constants)] {
+        for (dir, config) in [
+            ("data/weights", &self.weights),
+            ("data/constants", &self.constants),
+        ] {
             if let Some(config) = config {
                 if let Some(t) = archive.payload_tensor(dir, config, fqn)? {
                     return Ok(t);
                 }
             }
         }
-        Err(Error::format(format!("no payload for `{fqn}` in the weights or constants configs")))
+        Err(Error::format(format!(
+            "no payload for `{fqn}` in the weights or constants configs"
+        )))
     }
 }
 
@@ -147,46 +172,66 @@ fn import_program(archive: &Archive, program: &Value) -> Result<Graph> {
     let mut meta: HashMap<String, (DType, Vec<usize>)> = HashMap::new();
     if let Some(tv) = g.get("tensor_values").and_then(Value::as_object) {
         for (name, m) in tv {
-            meta.insert(name.clone(), tensor_meta(m).with_context(|| format!("tensor `{name}`"))?);
+            meta.insert(
+                name.clone(),
+                tensor_meta(m).with_context(|| format!("tensor `{name}`"))?,
+            );
         }
     }
     let payloads = Payloads::read(archive)?;
     let mut lowerer = Lowerer::new(Graph::default(), &meta, used_names(g));
 
     // Placeholders: one per input spec, in signature order.
-    let specs = field(signature, "input_specs")?.as_array().ok_or_else(|| Error::format("`input_specs` is not a list"))?;
+    let specs = field(signature, "input_specs")?
+        .as_array()
+        .ok_or_else(|| Error::format("`input_specs` is not a list"))?;
     for spec in specs {
         let (tag, body) = union(spec)?;
         let (name, kind) = match tag {
             "user_input" => (arg_tensor_name(field(body, "arg")?)?, InputKind::User),
             "parameter" => (
                 str_field(field(body, "arg")?, "name")?,
-                InputKind::Parameter { fqn: str_field(body, "parameter_name")?.to_string() },
+                InputKind::Parameter {
+                    fqn: str_field(body, "parameter_name")?.to_string(),
+                },
             ),
             "buffer" => (
                 str_field(field(body, "arg")?, "name")?,
                 InputKind::Buffer {
                     fqn: str_field(body, "buffer_name")?.to_string(),
-                    persistent: body.get("persistent").and_then(Value::as_bool).unwrap_or(true),
+                    persistent: body
+                        .get("persistent")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(true),
                 },
             ),
             "tensor_constant" => (
                 str_field(field(body, "arg")?, "name")?,
-                InputKind::Constant { fqn: str_field(body, "tensor_constant_name")?.to_string() },
+                InputKind::Constant {
+                    fqn: str_field(body, "tensor_constant_name")?.to_string(),
+                },
             ),
-            other => return Err(Error::unsupported(format!("graph input of kind `{other}`: {}", short(body)))),
+            other => {
+                return Err(Error::unsupported(format!(
+                    "graph input of kind `{other}`: {}",
+                    short(body)
+                )))
+            }
         };
-        let (dtype, shape) = meta
-            .get(name)
-            .cloned()
-            .ok_or_else(|| Error::format(format!("input `{name}` has no entry in tensor_values")))?;
+        let (dtype, shape) = meta.get(name).cloned().ok_or_else(|| {
+            Error::format(format!("input `{name}` has no entry in tensor_values"))
+        })?;
         let fqn = match &kind {
             InputKind::User => None,
-            InputKind::Parameter { fqn } | InputKind::Buffer { fqn, .. } | InputKind::Constant { fqn } => Some(fqn.clone()),
+            InputKind::Parameter { fqn }
+            | InputKind::Buffer { fqn, .. }
+            | InputKind::Constant { fqn } => Some(fqn.clone()),
         };
         let id = lowerer.graph.add_value(name, dtype, shape.clone());
         if let Some(fqn) = fqn {
-            let t = payloads.tensor(archive, &fqn).with_context(|| format!("input `{name}`"))?;
+            let t = payloads
+                .tensor(archive, &fqn)
+                .with_context(|| format!("input `{name}`"))?;
             if t.dtype() != dtype || t.shape() != shape.as_slice() {
                 return Err(Error::format(format!(
                     "input `{name}` (`{fqn}`): payload is {} {:?}, the graph says {dtype} {shape:?}",
@@ -200,17 +245,24 @@ fn import_program(archive: &Archive, program: &Value) -> Result<Graph> {
         lowerer.bind_input(name, id);
     }
 
-    let nodes = field(g, "nodes")?.as_array().ok_or_else(|| Error::format("`nodes` is not a list"))?;
+    let nodes = field(g, "nodes")?
+        .as_array()
+        .ok_or_else(|| Error::format("`nodes` is not a list"))?;
     let mut unsupported = vec![];
     for (i, n) in nodes.iter().enumerate() {
         let target = str_field(n, "target")?.to_string();
-        let name = n.get("name").and_then(Value::as_str).map_or_else(|| format!("node{i}"), str::to_string);
+        let name = n
+            .get("name")
+            .and_then(Value::as_str)
+            .map_or_else(|| format!("node{i}"), str::to_string);
         let where_ = format!("node `{name}` ({target})");
         let outputs = node_outputs(n).context(where_.clone());
         let args = Args::new(field(n, "inputs")?).context(where_.clone());
-        let lowered = outputs.and_then(|o| args.map(|a| (o, a))).and_then(|(outputs, args)| {
-            lowerer.lower(&Ctx::new(name.clone(), target.clone(), args, outputs))
-        });
+        let lowered = outputs
+            .and_then(|o| args.map(|a| (o, a)))
+            .and_then(|(outputs, args)| {
+                lowerer.lower(&Ctx::new(name.clone(), target.clone(), args, outputs))
+            });
         match lowered {
             Ok(_) => {}
             Err(e) if is_unsupported(&e) => unsupported.push(format!("{where_}: {}", e.message())),
@@ -225,17 +277,29 @@ fn import_program(archive: &Archive, program: &Value) -> Result<Graph> {
         )));
     }
 
-    let out_specs = field(signature, "output_specs")?.as_array().ok_or_else(|| Error::format("`output_specs` is not a list"))?;
+    let out_specs = field(signature, "output_specs")?
+        .as_array()
+        .ok_or_else(|| Error::format("`output_specs` is not a list"))?;
     for spec in out_specs {
         let (tag, body) = union(spec)?;
         let name = arg_tensor_name(field(body, "arg")?)?;
         let kind = match tag {
             "user_output" => OutputKind::User,
-            "buffer_mutation" => OutputKind::BufferMutation { fqn: str_field(body, "buffer_name")?.to_string() },
-            "user_input_mutation" => OutputKind::UserInputMutation { input_name: str_field(body, "user_input_name")?.to_string() },
-            other => return Err(Error::unsupported(format!("graph output of kind `{other}`"))),
+            "buffer_mutation" => OutputKind::BufferMutation {
+                fqn: str_field(body, "buffer_name")?.to_string(),
+            },
+            "user_input_mutation" => OutputKind::UserInputMutation {
+                input_name: str_field(body, "user_input_name")?.to_string(),
+            },
+            other => {
+                return Err(Error::unsupported(format!(
+                    "graph output of kind `{other}`"
+                )))
+            }
         };
-        let id = lowerer.lookup(name).with_context(|| format!("graph output `{name}`"))?;
+        let id = lowerer
+            .lookup(name)
+            .with_context(|| format!("graph output `{name}`"))?;
         lowerer.graph.outputs.push((id, kind));
     }
     Ok(lowerer.graph)

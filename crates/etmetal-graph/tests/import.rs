@@ -1,0 +1,498 @@
+//! Import of the committed `.pt2` fixtures (written by
+//! `scripts/make_fixtures.py`) and of malformed archives made from them.
+
+use std::collections::BTreeMap;
+use std::io::{Cursor, Read, Write};
+use std::path::PathBuf;
+
+use etmetal_core::{npy, DType, ErrorKind, Op, Tensor};
+use etmetal_graph::{
+    decompose, eliminate_dead_code, import_pt2, infer, load_pt2, Graph, InputKind, OutputKind,
+};
+use serde_json::Value;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn load(name: &str) -> Graph {
+    load_pt2(&fixture(&format!("{name}.pt2"))).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn ops(g: &Graph) -> Vec<String> {
+    g.nodes.iter().map(|n| n.op.name()).collect()
+}
+
+fn constant(g: &Graph, fqn: &str) -> Tensor {
+    let (id, _) = g
+        .inputs
+        .iter()
+        .find(|(_, k)| matches!(k, InputKind::Parameter { fqn: f } | InputKind::Buffer { fqn: f, .. } if f == fqn))
+        .unwrap_or_else(|| panic!("no input for {fqn}"));
+    g.constants[id].clone()
+}
+
+/// Every node's outputs re-infer to what the graph records.
+fn assert_consistent(g: &Graph) {
+    let mut defined: Vec<bool> = vec![false; g.values.len()];
+    for (v, k) in &g.inputs {
+        defined[v.0] = true;
+        if *k != InputKind::User {
+            assert!(
+                g.constants.contains_key(v),
+                "input {} has no data",
+                g.value(*v).name
+            );
+        }
+    }
+    for v in g.constants.keys() {
+        defined[v.0] = true;
+    }
+    for n in &g.nodes {
+        for i in n.inputs.iter().flatten() {
+            assert!(
+                defined[i.0],
+                "node {} reads {} before it is defined",
+                n.name,
+                g.value(*i).name
+            );
+        }
+        let got = infer(g, n).unwrap();
+        let want: Vec<_> = n
+            .outputs
+            .iter()
+            .map(|v| (g.value(*v).dtype, g.value(*v).shape.clone()))
+            .collect();
+        assert_eq!(got, want, "node {}", n.name);
+        for o in &n.outputs {
+            defined[o.0] = true;
+        }
+    }
+    for (v, _) in &g.outputs {
+        assert!(defined[v.0]);
+    }
+}
+
+fn matmul_t(x: &[f32], w: &[f32], b: &[f32], n: usize, k: usize, m: usize) -> Vec<f32> {
+    // x [n,k] @ w[m,k]^T + b
+    (0..n)
+        .flat_map(|i| {
+            (0..m).map(move |j| b[j] + (0..k).map(|t| x[i * k + t] * w[j * k + t]).sum::<f32>())
+        })
+        .collect()
+}
+
+fn close(a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{a:?} vs {b:?}");
+    }
+}
+
+#[test]
+fn mlp_signature_constants_and_values() {
+    let g = load("mlp");
+    assert_eq!(ops(&g), ["linear", "relu", "linear"]);
+    let kinds: Vec<_> = g.inputs.iter().map(|(_, k)| k.clone()).collect();
+    assert_eq!(
+        kinds[0],
+        InputKind::Parameter {
+            fqn: "fc1.weight".into()
+        }
+    );
+    assert_eq!(kinds.last(), Some(&InputKind::User));
+    assert_eq!(g.outputs.len(), 1);
+    assert_eq!(g.outputs[0].1, OutputKind::User);
+    assert_eq!(g.value(g.outputs[0].0).shape, vec![2, 4]);
+    assert_consistent(&g);
+    // the weights reproduce PyTorch's output
+    let x = npy::read(&fixture("mlp.input_0.npy")).unwrap().to_f32_vec();
+    let want = npy::read(&fixture("mlp.output_0.npy"))
+        .unwrap()
+        .to_f32_vec();
+    let (w1, b1) = (
+        constant(&g, "fc1.weight").to_f32_vec(),
+        constant(&g, "fc1.bias").to_f32_vec(),
+    );
+    let (w2, b2) = (
+        constant(&g, "fc2.weight").to_f32_vec(),
+        constant(&g, "fc2.bias").to_f32_vec(),
+    );
+    let h: Vec<f32> = matmul_t(&x, &w1, &b1, 2, 8, 16)
+        .into_iter()
+        .map(|v| v.max(0.0))
+        .collect();
+    close(&matmul_t(&h, &w2, &b2, 2, 16, 4), &want, 1e-5);
+}
+
+#[test]
+fn transposed_weight_is_materialised_from_its_storage() {
+    let g = load("transposed_weight");
+    assert_eq!(ops(&g), ["mat_mul", "mul"]);
+    let w = constant(&g, "w");
+    assert_eq!(w.shape(), &[3, 4]);
+    assert_eq!(constant(&g, "scale").to_f32_vec(), vec![1.0, 2.0, 3.0, 4.0]);
+    assert!(matches!(
+        g.inputs[1].1,
+        InputKind::Buffer {
+            persistent: true,
+            ..
+        }
+    ));
+    let x = npy::read(&fixture("transposed_weight.input_0.npy"))
+        .unwrap()
+        .to_f32_vec();
+    let want = npy::read(&fixture("transposed_weight.output_0.npy"))
+        .unwrap()
+        .to_f32_vec();
+    let (x, w) = (&x, &w.to_f32_vec());
+    let got: Vec<f32> = (0..2)
+        .flat_map(|i| {
+            (0..4).map(move |j| {
+                (j + 1) as f32 * (0..3).map(|t| x[i * 3 + t] * w[t * 4 + j]).sum::<f32>()
+            })
+        })
+        .collect();
+    close(&got, &want, 1e-5);
+}
+
+#[test]
+fn bf16_module_keeps_bf16() {
+    let g = load("bf16_mlp");
+    assert_eq!(ops(&g), ["linear", "silu", "mul"]);
+    assert_eq!(constant(&g, "fc.weight").dtype(), DType::BF16);
+    assert_eq!(g.value(g.outputs[0].0).dtype, DType::BF16);
+    // `* 2.0` becomes a 0-d bf16 constant (float scalar with a float tensor)
+    let mul = &g.nodes[2];
+    let k = &g.constants[&mul.inputs[1].unwrap()];
+    assert_eq!(
+        (k.dtype(), k.shape().len(), k.to_f32_vec()),
+        (DType::BF16, 0, vec![2.0])
+    );
+    assert_consistent(&g);
+}
+
+#[test]
+fn resblock_default_and_decomposed_export_give_the_same_ops() {
+    for name in ["resblock", "resblock_decomposed"] {
+        let g = load(name);
+        assert_eq!(
+            ops(&g),
+            [
+                "convolution",
+                "batch_norm",
+                "relu",
+                "convolution",
+                "batch_norm",
+                "add",
+                "relu"
+            ],
+            "{name}"
+        );
+        let Op::Convolution {
+            padding,
+            stride,
+            groups,
+            ..
+        } = &g.nodes[0].op
+        else {
+            panic!()
+        };
+        assert_eq!(
+            (padding.as_slice(), stride.as_slice(), *groups),
+            (&[1, 1][..], &[1, 1][..], 1)
+        );
+        assert_eq!(g.nodes[0].inputs[2], None, "conv without bias");
+        assert!(matches!(&g.nodes[1].op, Op::BatchNorm { eps } if (*eps - 1e-5).abs() < 1e-12));
+        assert_eq!(constant(&g, "bn1.running_var").shape(), &[4]);
+        assert_consistent(&g);
+    }
+}
+
+#[test]
+fn gpt_block_imports_both_exports() {
+    let g = load("gpt_block");
+    let names = ops(&g);
+    assert_eq!(names.iter().filter(|n| *n == "sdpa").count(), 1);
+    assert_eq!(
+        names.iter().filter(|n| *n == "slice").count(),
+        3,
+        "split becomes three slices"
+    );
+    let sdpa = g
+        .nodes
+        .iter()
+        .find(|n| matches!(n.op, Op::Sdpa { .. }))
+        .unwrap();
+    assert_eq!(
+        sdpa.op,
+        Op::Sdpa {
+            is_causal: true,
+            scale: None,
+            enable_gqa: false
+        }
+    );
+    assert!(g
+        .nodes
+        .iter()
+        .any(|n| n.op == Op::Unary(etmetal_core::UnaryOp::Gelu { tanh: true })));
+    assert_consistent(&g);
+
+    let d = load("gpt_block_decomposed");
+    let names = ops(&d);
+    assert!(
+        !names.contains(&"sdpa".to_string()),
+        "decomposed attention is matmuls and softmax"
+    );
+    assert!(names.contains(&"addmm".to_string()) && names.contains(&"softmax".to_string()));
+    assert!(names.contains(&"where".to_string()) && names.contains(&"arange".to_string()));
+    assert_consistent(&d);
+}
+
+#[test]
+fn decompose_fixtures_to_core_ops() {
+    for name in [
+        "mlp",
+        "mlp_decomposed",
+        "resblock",
+        "gpt_block",
+        "gpt_block_decomposed",
+        "bf16_mlp",
+    ] {
+        let mut g = load(name);
+        decompose(&mut g, &|_| false);
+        eliminate_dead_code(&mut g);
+        for n in &g.nodes {
+            assert!(
+                !matches!(n.op, Op::Linear | Op::Addmm { .. } | Op::BatchNorm { .. }),
+                "{name}: {}",
+                n.name
+            );
+        }
+        assert_consistent(&g);
+    }
+    let mut g = load("mlp");
+    decompose(&mut g, &|_| false);
+    assert_eq!(ops(&g), ["mat_mul", "add", "relu", "mat_mul", "add"]);
+    let mut g = load("mlp_decomposed");
+    decompose(&mut g, &|_| false);
+    eliminate_dead_code(&mut g);
+    assert_eq!(
+        ops(&g),
+        ["permute", "mat_mul", "add", "relu", "permute", "mat_mul", "add"]
+    );
+    let mut g = load("resblock");
+    decompose(&mut g, &|op| matches!(op, Op::Convolution { .. }));
+    assert_eq!(
+        ops(&g),
+        [
+            "convolution",
+            "mul",
+            "add",
+            "relu",
+            "convolution",
+            "mul",
+            "add",
+            "add",
+            "relu"
+        ]
+    );
+}
+
+// ---- malformed archives -------------------------------------------------
+
+fn entries(name: &str) -> Vec<(String, Vec<u8>)> {
+    let bytes = std::fs::read(fixture(&format!("{name}.pt2"))).unwrap();
+    let config = zip::read::Config {
+        archive_offset: zip::read::ArchiveOffset::Known(0),
+    };
+    let mut z = zip::ZipArchive::with_config(config, Cursor::new(bytes)).unwrap();
+    (0..z.len())
+        .map(|i| {
+            let mut f = z.by_index(i).unwrap();
+            let mut data = vec![];
+            f.read_to_end(&mut data).unwrap();
+            (f.name().unwrap().to_string(), data)
+        })
+        .collect()
+}
+
+fn rezip(entries: &[(String, Vec<u8>)]) -> Vec<u8> {
+    let mut w = zip::ZipWriter::new(Cursor::new(Vec::new()));
+    let opts =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    for (name, data) in entries {
+        w.start_file(name.as_str(), opts).unwrap();
+        w.write_all(data).unwrap();
+    }
+    w.finish().unwrap().into_inner()
+}
+
+/// The fixture with the JSON entry ending in `suffix` edited by `edit`.
+fn edited_json(name: &str, suffix: &str, edit: impl Fn(&mut Value)) -> Vec<u8> {
+    let mut es = entries(name);
+    let (_, data) = es.iter_mut().find(|(n, _)| n.ends_with(suffix)).unwrap();
+    let mut v: Value = serde_json::from_slice(data).unwrap();
+    edit(&mut v);
+    *data = serde_json::to_vec(&v).unwrap();
+    rezip(&es)
+}
+
+fn err(bytes: &[u8]) -> etmetal_core::Error {
+    import_pt2(bytes, "bad.pt2").expect_err("import should fail")
+}
+
+#[test]
+fn rebuilt_archive_still_imports() {
+    let g = import_pt2(&rezip(&entries("mlp")), "rebuilt.pt2").unwrap();
+    assert_eq!(ops(&g), ["linear", "relu", "linear"]);
+}
+
+#[test]
+fn non_zip_and_truncated_files_are_format_errors() {
+    let e = err(b"definitely not a zip file");
+    assert_eq!(e.kind(), ErrorKind::Format);
+    assert!(
+        e.to_string().contains("bad.pt2") && e.to_string().contains("zip"),
+        "{e}"
+    );
+    let bytes = std::fs::read(fixture("mlp.pt2")).unwrap();
+    let e = err(&bytes[..bytes.len() / 2]);
+    assert_eq!(e.kind(), ErrorKind::Format, "{e}");
+    let e = err(&bytes[..bytes.len() - 30]);
+    assert_eq!(e.kind(), ErrorKind::Format, "{e}");
+}
+
+#[test]
+fn missing_program_is_reported() {
+    let es: Vec<_> = entries("mlp")
+        .into_iter()
+        .filter(|(n, _)| !n.contains("/models/"))
+        .collect();
+    let e = err(&rezip(&es));
+    assert_eq!(e.kind(), ErrorKind::Format);
+    assert!(e.to_string().contains("models/*.json"), "{e}");
+}
+
+#[test]
+fn wrong_schema_major_names_the_version() {
+    let bytes = edited_json("mlp", "models/model.json", |v| {
+        v["schema_version"]["major"] = 9.into()
+    });
+    let e = err(&bytes);
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(e.to_string().contains("schema version 9.20"), "{e}");
+}
+
+#[test]
+fn unknown_ops_are_all_listed() {
+    let bytes = edited_json("gpt_block", "models/model.json", |v| {
+        for n in v["graph_module"]["graph"]["nodes"].as_array_mut().unwrap() {
+            if n["target"] == "torch.ops.aten.layer_norm.default" {
+                n["target"] = "torch.ops.mylib.norm.default".into();
+            }
+        }
+    });
+    let e = err(&bytes);
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    let msg = e.to_string();
+    assert!(msg.contains("2 unsupported node(s)"), "{msg}");
+    assert!(
+        msg.contains("node `layer_norm` (torch.ops.mylib.norm.default)"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("node `layer_norm_1` (torch.ops.mylib.norm.default)"),
+        "{msg}"
+    );
+    assert!(
+        !msg.contains("linear"),
+        "nodes downstream of a failed one are not reported: {msg}"
+    );
+}
+
+#[test]
+fn short_weight_payload_is_rejected() {
+    let mut es = entries("mlp");
+    let (name, data) = es
+        .iter_mut()
+        .find(|(n, _)| n.ends_with("data/weights/weight_0"))
+        .unwrap();
+    let name = name.clone();
+    data.truncate(data.len() / 2);
+    let e = err(&rezip(&es));
+    assert_eq!(e.kind(), ErrorKind::Format);
+    let msg = e.to_string();
+    assert!(
+        msg.contains("fc1.weight") && msg.contains("outside the storage"),
+        "{msg} ({name})"
+    );
+}
+
+#[test]
+fn strides_outside_storage_are_rejected() {
+    let bytes = edited_json("mlp", "model_weights_config.json", |v| {
+        v["config"]["fc1.weight"]["tensor_meta"]["strides"][0] = serde_json::json!({"as_int": 9});
+    });
+    let e = err(&bytes);
+    assert_eq!(e.kind(), ErrorKind::Format);
+    assert!(
+        e.to_string().contains("strides [9, 1]") && e.to_string().contains("fc1.weight"),
+        "{e}"
+    );
+}
+
+#[test]
+fn metadata_that_disagrees_with_inference_is_rejected() {
+    let bytes = edited_json("mlp", "models/model.json", |v| {
+        v["graph_module"]["graph"]["tensor_values"]["relu"]["sizes"][1] =
+            serde_json::json!({"as_int": 17});
+    });
+    let e = err(&bytes);
+    assert_eq!(e.kind(), ErrorKind::Shape);
+    let msg = e.to_string();
+    assert!(
+        msg.contains("node `relu`") && msg.contains("[2, 17]") && msg.contains("[2, 16]"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn dynamic_shapes_are_unsupported() {
+    let bytes = edited_json("mlp", "models/model.json", |v| {
+        v["graph_module"]["graph"]["tensor_values"]["x"]["sizes"][0] = serde_json::json!({"as_expr": {"expr_str": "Symbol('s0', positive=True, integer=True)", "hint": {"as_int": 2}}});
+    });
+    let e = err(&bytes);
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(
+        e.to_string().contains("dynamic shape") && e.to_string().contains("s0"),
+        "{e}"
+    );
+}
+
+#[test]
+fn reading_a_dropped_extra_output_is_an_error() {
+    // make the graph return batch norm's saved mean, which etmetal drops
+    let bytes = edited_json("resblock_decomposed", "models/model.json", |v| {
+        let name = "_native_batch_norm_legit_no_training_unused_1";
+        let nodes = v["graph_module"]["graph"]["nodes"].as_array().unwrap();
+        assert!(nodes[1]["outputs"].to_string().contains(name));
+        v["graph_module"]["signature"]["output_specs"][0]["user_output"]["arg"]["as_tensor"]
+            ["name"] = name.into();
+    });
+    let e = err(&bytes);
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(e.to_string().contains("extra output of node"), "{e}");
+}
+
+#[test]
+fn fixture_entries_share_one_prefix_folder() {
+    // all fixture entries are under one prefix folder named after the file
+    let names: BTreeMap<String, usize> = entries("mlp")
+        .into_iter()
+        .map(|(n, d)| (n, d.len()))
+        .collect();
+    assert!(names.keys().all(|n| n.starts_with("mlp/")));
+}
