@@ -1,19 +1,13 @@
-"""Fixtures of the parity suite: the etmetal binary and the one function that
-runs a model with it (`Runner.run`), so that a `.pte` path is a parameter."""
+"""Fixtures of the parity suite: the etmetal binary, wrapped in a `Runner`."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
-REPO = Path(__file__).resolve().parents[2]
-RUN_TIMEOUT_S = 120
+from runner import Runner, default_binary
 
 
 def pytest_addoption(parser):
@@ -23,69 +17,6 @@ def pytest_addoption(parser):
         default="pt2",
         help="run the .pt2 directly, or compile it to .pte (--backend cpu) first",
     )
-
-
-def default_binary() -> Path:
-    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-    return (target if target.is_absolute() else REPO / target) / "release" / "etmetal"
-
-
-@dataclass
-class Result:
-    cmd: list[str]
-    returncode: int
-    stdout: str
-    stderr: str
-    outputs: list[np.ndarray]  # output_0.npy, output_1.npy, ... (empty on failure)
-
-    def describe(self) -> str:
-        return f"$ {' '.join(self.cmd)}\nexit {self.returncode}\n--- stderr ---\n{self.stderr}--- stdout ---\n{self.stdout}"
-
-
-def to_npy(t: torch.Tensor) -> np.ndarray:
-    """numpy has no bf16: bf16 travels as float32 (exact; etmetal rounds it back)."""
-    t = t.detach()
-    return (t.float() if t.dtype == torch.bfloat16 else t).contiguous().numpy()
-
-
-@dataclass
-class Runner:
-    binary: Path
-    fmt: str  # "pt2" or "pte"
-
-    def _exec(self, args: list[str]) -> subprocess.CompletedProcess:
-        cmd = [str(self.binary), *args]
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired as e:
-            pytest.fail(f"$ {' '.join(cmd)}\ntimed out after {RUN_TIMEOUT_S}s\n{e.stderr or ''}")
-
-    def run(self, pt2: Path, inputs: tuple, work: Path) -> Result:
-        """Run the program saved at `pt2` on `inputs` (written as .npy under
-        `work`); read back every output_<i>.npy it writes."""
-        work.mkdir(parents=True, exist_ok=True)
-        program = pt2
-        if self.fmt == "pte":
-            program = pt2.with_suffix(".pte")
-            p = self._exec(["compile", str(pt2), "-o", str(program), "--backend", "cpu"])
-            if p.returncode != 0:
-                return Result(p.args, p.returncode, p.stdout, p.stderr, [])
-        paths = []
-        for i, t in enumerate(inputs):
-            path = work / f"input_{i}.npy"
-            np.save(path, to_npy(t))
-            paths.append(str(path))
-        assert not any("," in p for p in paths), f"--inputs is comma-separated; bad work dir {work}"
-        out_dir = work / "out"
-        args = ["run", str(program), "--output-dir", str(out_dir), "--device", "cpu"]
-        if paths:
-            args[2:2] = ["--inputs", ",".join(paths)]
-        p = self._exec(args)
-        outputs = []
-        if p.returncode == 0:
-            while (out_dir / f"output_{len(outputs)}.npy").exists():
-                outputs.append(np.load(out_dir / f"output_{len(outputs)}.npy"))
-        return Result(p.args, p.returncode, p.stdout, p.stderr, outputs)
 
 
 @pytest.fixture(scope="session")

@@ -107,17 +107,6 @@ def lengths_mask(g: torch.Generator, batch: int, seq: int) -> torch.Tensor:
 # ---------------------------------------------------------------- modules
 
 
-class Seq(nn.Module):
-    """nn.Sequential built lazily, so each Case constructor stays a one-liner."""
-
-    def __init__(self, *layers):
-        super().__init__()
-        self.body = nn.Sequential(*layers)
-
-    def forward(self, x):
-        return self.body(x)
-
-
 class Lambda(nn.Module):
     """A weightless module whose forward is `fn`."""
 
@@ -632,17 +621,17 @@ TIES = "bf16 rounding makes ties, so top-k/argmax indices are not well defined"
 
 CASES: list[Case] = [
     # MLP / linear stacks
-    Case("mlp_relu", lambda: Seq(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), randn(4, 16)),
+    Case("mlp_relu", lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), randn(4, 16)),
     Case("linear_3d_tanh_sigmoid_silu", LinearActs, randn(2, 5, 16)),
     Case("mlp_batchnorm1d", BatchNormMlp, randn(4, 12)),
-    Case("mlp_hardtanh_gelu", lambda: Seq(nn.Linear(8, 16), nn.Hardtanh(-0.5, 0.75), nn.Linear(16, 16), nn.GELU()), randn(3, 8)),
+    Case("mlp_hardtanh_gelu", lambda: nn.Sequential(nn.Linear(8, 16), nn.Hardtanh(-0.5, 0.75), nn.Linear(16, 16), nn.GELU()), randn(3, 8)),
     # CNNs
     Case("conv1d_stride_dilation_groups_pools", Conv1dNet, randn(2, 4, 20)),
-    Case("conv2d_relu_maxpool_flatten_linear", lambda: Seq(
+    Case("conv2d_relu_maxpool_flatten_linear", lambda: nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 4 * 4, 5)), randn(2, 3, 8, 8)),
-    Case("conv2d_stride_dilation_groups_hardtanh", lambda: Seq(
+    Case("conv2d_stride_dilation_groups_hardtanh", lambda: nn.Sequential(
         nn.Conv2d(4, 8, 3, stride=2, padding=2, dilation=2, groups=2), nn.Hardtanh()), randn(2, 4, 11, 11)),
-    Case("conv2d_asym_kernel_padding", lambda: Seq(
+    Case("conv2d_asym_kernel_padding", lambda: nn.Sequential(
         nn.Conv2d(2, 4, (3, 1), stride=(1, 2), padding=(1, 0), bias=False), nn.ReLU6()), randn(1, 2, 7, 8)),
     Case("resnet_basic_block", lambda: BasicBlock(8, 8, 1), randn(2, 8, 8, 8)),
     Case("resnet_basic_block_downsample", lambda: BasicBlock(4, 8, 2), randn(2, 4, 8, 8)),
@@ -657,7 +646,7 @@ CASES: list[Case] = [
          tol={BF16: GPT2_BF16}),
     Case("llama_block_gqa_expand", lambda: LlamaBlock("expand"), randn(2, 6, 32), tol={BF16: BLOCK_BF16}),
     Case("llama_block_gqa_enable_gqa", lambda: LlamaBlock("sdpa"), randn(2, 6, 32), tol={BF16: BLOCK_BF16}),
-    Case("rms_norm_module_and_manual", lambda: Seq(nn.RMSNorm(16), RmsNormManual(16)), randn(3, 4, 16)),
+    Case("rms_norm_module_and_manual", lambda: nn.Sequential(nn.RMSNorm(16), RmsNormManual(16)), randn(3, 4, 16)),
     Case("rotary_embedding", RotaryOnly, lambda g: (torch.randn(2, 2, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g))),
     Case("silu_gated_mlp", GatedMlp, randn(2, 3, 16)),
     Case("layer_norm_gelu", LayerNormGelu, randn(2, 3, 12)),
