@@ -88,6 +88,124 @@ class TransposedWeight(nn.Module):
         return (x @ self.w) * self.scale
 
 
+class LlamaBlock(nn.Module):
+    """Llama-style: RMSNorm, rotary embedding, grouped-query causal SDPA,
+    SiLU-gated MLP, greedy next token."""
+
+    def __init__(self, vocab=32, d=16, heads=4, kv_heads=2, t=6):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
+        self.emb = nn.Embedding(vocab, d)
+        self.norm1 = nn.RMSNorm(d, eps=1e-6)
+        self.q = nn.Linear(d, d, bias=False)
+        self.kv = nn.Linear(d, 2 * kv_heads * self.hd, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+        self.norm2 = nn.RMSNorm(d, eps=1e-6)
+        self.gate = nn.Linear(d, 2 * d, bias=False)
+        self.up = nn.Linear(d, 2 * d, bias=False)
+        self.down = nn.Linear(2 * d, d, bias=False)
+        inv = 1.0 / (10000 ** (torch.arange(0, self.hd, 2).float() / self.hd))
+        f = torch.outer(torch.arange(t).float(), inv)
+        self.register_buffer("cos", torch.cat([f, f], -1).cos(), persistent=False)
+        self.register_buffer("sin", torch.cat([f, f], -1).sin(), persistent=False)
+
+    def rope(self, x):
+        half = self.hd // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+        t = x.shape[2]
+        return x * self.cos[:t] + rot * self.sin[:t]
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        b, t, d = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, t, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(h).view(b, t, 2, self.kv_heads, self.hd).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        a = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True, enable_gqa=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        h = self.norm2(x)
+        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x, x[:, -1].argmax(-1)
+
+
+class BertBlock(nn.Module):
+    """BERT-style: word+position+type embeddings, additive padding mask,
+    GELU MLP, tanh pooler."""
+
+    def __init__(self, vocab=30, d=16, t=8):
+        super().__init__()
+        self.word = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(t, d)
+        self.typ = nn.Embedding(2, d)
+        self.ln = nn.LayerNorm(d, eps=1e-12)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.ln2 = nn.LayerNorm(d, eps=1e-12)
+        self.fc = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(2 * d, d)
+        self.pool = nn.Linear(d, d)
+        self.register_buffer("position_ids", torch.arange(t).expand(1, -1))
+
+    def forward(self, ids, mask):
+        b, t = ids.shape
+        x = self.word(ids) + self.pos(self.position_ids[:, :t]) + self.typ(torch.zeros_like(ids))
+        x = self.ln(x)
+        ext = (1.0 - mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+        q, k, v = (y.view(b, t, 2, 8).transpose(1, 2) for y in self.qkv(x).chunk(3, dim=-1))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=ext, scale=0.25)
+        x = self.ln2(x + a.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.out(F.gelu(self.fc(x)))
+        return x, torch.tanh(self.pool(x[:, 0]))
+
+
+class MobileBlock(nn.Module):
+    """MobileNetV2-ish pieces plus group norm, transposed conv and pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.dw = nn.Conv2d(8, 8, 3, padding="same", groups=8)
+        self.gn = nn.GroupNorm(2, 8)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.c1d = nn.Conv1d(4, 4, 3, padding=2, dilation=2)
+        self.fc = nn.Linear(4, 5)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        x = F.relu6(self.bn(self.conv(x)))
+        x = F.leaky_relu(self.gn(F.hardswish(self.dw(x))), 0.1)
+        y, idx = F.max_pool2d(x, 2, return_indices=True)
+        z = F.avg_pool2d(y, 3, 1, 1, count_include_pad=False)
+        u = self.up(y)
+        s = self.c1d(u.flatten(2)).mean(-1)
+        p = F.adaptive_avg_pool2d(u, 1).flatten(1)
+        return self.fc(self.drop(p + s)), idx, z
+
+
+class OpsMisc(nn.Module):
+    """Many small ops at once: views, indexing, reductions, scalars."""
+
+    def forward(self, x, i):
+        a, b = x.chunk(2, dim=-1)
+        views = torch.cat([a, b, a], 1) + 0 * torch.stack([a, b, a], 0).sum(0).repeat(1, 3)
+        e = x.unsqueeze(0).squeeze(0).permute(1, 0).t().expand(2, 4, 6).reshape(8, 6)[:, 1:5:2]
+        g = torch.index_select(x, 0, i) + torch.gather(x, 1, i.view(-1, 1).expand(-1, 6)) + x[i]
+        w = torch.where(x > 0.5, x, x * 2).masked_fill(x < 0.2, -1.0)
+        el = x.pow(2) + x.rsqrt() + x.sqrt() + x.exp() + x.log() + x.tanh() - x.neg() + x.abs() + x.reciprocal()
+        el = el + x.clamp(0.2, 0.8) + x.sin() + x.cos() + torch.erf(x) + torch.sigmoid(x)
+        red = x.sum(1, keepdim=True) + x.amax(0) + x.amin(1, keepdim=True) + x.var(1, keepdim=True) + x.std(0)
+        tv, ti = x.topk(2, dim=1)
+        mv, mi = x.max(1)
+        am = x.argmax(1) + x.argmin()
+        q = x.to(torch.float16).to(torch.float32) + x.int().float() + x.tril() + x.triu(1)
+        t = F.pad(x, (1, 1, 0, 2), value=1.0)
+        m = (x > 0.3).any(1) | (x < 0.9).all(1)
+        s = 1 - x + torch.add(x, x, alpha=2) - torch.sub(x, x, alpha=3) + x / 2 + x.mean()
+        ints = (i * 2).sum() + torch.arange(3) + torch.full((3,), 2) + torch.zeros_like(i) + torch.ones(3, dtype=torch.int64)
+        return views, e, g, w, el, red, tv, ti, mv, mi, am, q, t, m, s, x.cumsum(1), ints, x.unbind(0)[2], i / 2
+
+
 def fixtures():
     torch.manual_seed(0)
     yield "mlp", Mlp(), (torch.randn(2, 8),), False
@@ -98,6 +216,13 @@ def fixtures():
     yield "gpt_block_decomposed", GptBlock().eval(), (torch.randn(1, 5, 16),), True
     yield "bf16_mlp", Bf16Mlp().to(torch.bfloat16), (torch.randn(3, 8).to(torch.bfloat16),), False
     yield "transposed_weight", TransposedWeight(), (torch.randn(2, 3),), False
+    yield "llama_block", LlamaBlock().eval(), (torch.randint(0, 32, (1, 6)),), False
+    yield "bert_block", BertBlock().eval(), (torch.randint(0, 30, (1, 5)), torch.tensor([[1, 1, 1, 1, 0]])), False
+    yield "mobile_block", MobileBlock().eval(), (torch.randn(1, 3, 12, 12),), False
+    yield "mobile_block_decomposed", MobileBlock().eval(), (torch.randn(1, 3, 12, 12),), True
+    ops_inputs = (torch.rand(4, 6) + 0.1, torch.tensor([0, 2, 3]))
+    yield "ops_misc", OpsMisc(), ops_inputs, False
+    yield "ops_misc_decomposed", OpsMisc(), ops_inputs, True
 
 
 def save_npy(path, t):

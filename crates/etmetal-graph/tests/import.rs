@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::io::{Cursor, Read, Write};
 use std::path::PathBuf;
 
-use etmetal_core::{npy, DType, ErrorKind, Op, Tensor};
+use etmetal_core::{npy, BinaryOp, DType, ErrorKind, Op, Tensor};
 use etmetal_graph::{
     decompose, eliminate_dead_code, import_pt2, infer, load_pt2, Graph, InputKind, OutputKind,
 };
@@ -260,6 +260,10 @@ fn decompose_fixtures_to_core_ops() {
         "gpt_block",
         "gpt_block_decomposed",
         "bf16_mlp",
+        "llama_block",
+        "bert_block",
+        "mobile_block",
+        "ops_misc",
     ] {
         let mut g = load(name);
         decompose(&mut g, &|_| false);
@@ -495,4 +499,259 @@ fn fixture_entries_share_one_prefix_folder() {
         .map(|(n, d)| (n, d.len()))
         .collect();
     assert!(names.keys().all(|n| n.starts_with("mlp/")));
+}
+
+fn node<'g>(g: &'g Graph, name: &str) -> &'g etmetal_graph::Node {
+    g.nodes
+        .iter()
+        .find(|n| n.name == name)
+        .unwrap_or_else(|| panic!("no node {name}"))
+}
+
+fn const_of(g: &Graph, n: &etmetal_graph::Node, slot: usize) -> Tensor {
+    g.constants[&n.inputs[slot].unwrap()].clone()
+}
+
+#[test]
+fn llama_and_bert_blocks_import() {
+    use etmetal_core::UnaryOp;
+    let g = load("llama_block");
+    let sdpa = g
+        .nodes
+        .iter()
+        .find(|n| matches!(n.op, Op::Sdpa { .. }))
+        .unwrap();
+    assert_eq!(
+        sdpa.op,
+        Op::Sdpa {
+            is_causal: true,
+            scale: None,
+            enable_gqa: true
+        }
+    );
+    assert_eq!(
+        g.value(sdpa.inputs[1].unwrap()).shape,
+        vec![1, 2, 6, 4],
+        "2 kv heads for 4 query heads"
+    );
+    assert!(g
+        .nodes
+        .iter()
+        .any(|n| matches!(n.op, Op::RmsNorm { eps: Some(e), .. } if e == 1e-6)));
+    assert!(g.nodes.iter().any(|n| n.op == Op::Unary(UnaryOp::Silu)));
+    // rotary tables are non-persistent buffers: constants, not weights
+    assert!(g
+        .inputs
+        .iter()
+        .any(|(_, k)| matches!(k, InputKind::Buffer { fqn, persistent: false } if fqn == "cos")));
+    assert_eq!(g.value(g.outputs[1].0).dtype, DType::I64, "argmax output");
+    assert_consistent(&g);
+
+    let g = load("bert_block");
+    let sdpa = g
+        .nodes
+        .iter()
+        .find(|n| matches!(n.op, Op::Sdpa { .. }))
+        .unwrap();
+    assert_eq!(
+        sdpa.op,
+        Op::Sdpa {
+            is_causal: false,
+            scale: Some(0.25),
+            enable_gqa: false
+        }
+    );
+    assert_eq!(
+        g.value(sdpa.inputs[3].unwrap()).dtype,
+        DType::F32,
+        "additive float mask"
+    );
+    // rsub(1.0, m) is sub with the scalar first
+    let rsub = node(&g, "rsub");
+    assert_eq!(rsub.op, Op::Binary(BinaryOp::Sub));
+    assert_eq!(const_of(&g, rsub, 0).to_f32_vec(), vec![1.0]);
+    assert!(g
+        .nodes
+        .iter()
+        .any(|n| n.op == Op::Unary(UnaryOp::Gelu { tanh: false })));
+    assert_eq!(g.nodes.iter().filter(|n| n.op == Op::Embedding).count(), 3);
+    assert_consistent(&g);
+}
+
+#[test]
+fn mobile_block_convolutions_and_pooling() {
+    for name in ["mobile_block", "mobile_block_decomposed"] {
+        let g = load(name);
+        let convs: Vec<_> = g
+            .nodes
+            .iter()
+            .filter_map(|n| match &n.op {
+                Op::Convolution { .. } => Some(&n.op),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(convs.len(), 4, "{name}");
+        assert!(
+            matches!(convs[1], Op::Convolution { groups: 8, padding, .. } if padding == &[1, 1]),
+            "padding='same' of a 3x3"
+        );
+        assert!(
+            matches!(convs[2], Op::Convolution { transposed: true, stride, .. } if stride == &[2, 2])
+        );
+        assert!(
+            matches!(convs[3], Op::Convolution { dilation, padding, .. } if dilation == &[2] && padding == &[2])
+        );
+        // the pooling indices are a graph output, so they are computed
+        let pool = g
+            .nodes
+            .iter()
+            .find(|n| matches!(n.op, Op::MaxPool { .. }))
+            .unwrap();
+        assert!(matches!(
+            pool.op,
+            Op::MaxPool {
+                with_indices: true,
+                ..
+            }
+        ));
+        assert_eq!(g.value(g.outputs[1].0).dtype, DType::I64);
+        assert!(g.nodes.iter().any(|n| matches!(
+            n.op,
+            Op::Unary(etmetal_core::UnaryOp::Clamp {
+                min: Some(0.0),
+                max: Some(6.0)
+            })
+        )));
+        assert!(g.nodes.iter().any(|n| matches!(
+            n.op,
+            Op::AvgPool {
+                count_include_pad: false,
+                ..
+            }
+        )));
+        assert_consistent(&g);
+    }
+}
+
+#[test]
+fn ops_misc_follows_the_lowering_conventions() {
+    use etmetal_core::UnaryOp;
+    let g = load("ops_misc");
+    // chunk and unbind are views: one Slice/Select per output
+    assert!(matches!(
+        node(&g, "chunk.0").op,
+        Op::Slice {
+            dim: 1,
+            start: 0,
+            end: 3,
+            step: 1
+        }
+    ));
+    assert!(matches!(
+        node(&g, "chunk").op,
+        Op::Slice {
+            dim: 1,
+            start: 3,
+            end: 6,
+            step: 1
+        }
+    ));
+    assert_eq!(
+        g.nodes
+            .iter()
+            .filter(|n| n.name.starts_with("unbind"))
+            .count(),
+        4
+    );
+    // add(x, x, alpha=2): the alpha multiplies the second operand
+    assert_eq!(node(&g, "add_23.0").op, Op::Binary(BinaryOp::Mul));
+    assert_eq!(
+        const_of(&g, node(&g, "add_23.0"), 1).to_f32_vec(),
+        vec![2.0]
+    );
+    assert_eq!(node(&g, "add_23").op, Op::Binary(BinaryOp::Add));
+    // masked_fill(x, m, v) is where(m, v, x) with v of x's dtype
+    let mf = node(&g, "masked_fill");
+    assert_eq!(mf.op, Op::Where);
+    assert_eq!(const_of(&g, mf, 1).to_f32_vec(), vec![-1.0]);
+    assert_eq!(g.value(mf.inputs[0].unwrap()).dtype, DType::Bool);
+    // an int scalar with an int tensor stays int64; int / int is float
+    assert_eq!(const_of(&g, node(&g, "mul_2"), 1).dtype(), DType::I64);
+    assert_eq!(g.value(node(&g, "div_1").outputs[0]).dtype, DType::F32);
+    // an int scalar with a float tensor takes the tensor's dtype
+    assert_eq!(const_of(&g, node(&g, "mul"), 1).dtype(), DType::F32);
+    assert_eq!(
+        node(&g, "std.0").op,
+        Op::Var {
+            dims: vec![0],
+            correction: 1.0,
+            keepdim: false
+        }
+    );
+    assert_eq!(node(&g, "std").op, Op::Unary(UnaryOp::Sqrt));
+    assert_eq!(
+        node(&g, "pad").op,
+        Op::ConstantPad {
+            pad: vec![1, 1, 0, 2],
+            value: 1.0
+        }
+    );
+    assert_eq!(
+        node(&g, "argmin").op,
+        Op::ArgReduce {
+            max: false,
+            dim: None,
+            keepdim: false
+        }
+    );
+    assert_eq!(node(&g, "topk").outputs.len(), 2);
+    assert_consistent(&g);
+    let d = load("ops_misc_decomposed");
+    assert_consistent(&d);
+    assert_eq!(d.outputs.len(), g.outputs.len());
+    for ((a, _), (b, _)) in g.outputs.iter().zip(&d.outputs) {
+        assert_eq!(
+            (g.value(*a).dtype, &g.value(*a).shape),
+            (d.value(*b).dtype, &d.value(*b).shape)
+        );
+    }
+}
+
+#[test]
+fn every_fixture_has_reference_inputs_and_outputs() {
+    let names = [
+        "mlp",
+        "mlp_decomposed",
+        "resblock",
+        "resblock_decomposed",
+        "gpt_block",
+        "gpt_block_decomposed",
+        "bf16_mlp",
+        "transposed_weight",
+        "llama_block",
+        "bert_block",
+        "mobile_block",
+        "mobile_block_decomposed",
+        "ops_misc",
+        "ops_misc_decomposed",
+    ];
+    for name in names {
+        let g = load(name);
+        for (i, v) in g.user_inputs().enumerate() {
+            let t = npy::read(&fixture(&format!("{name}.input_{i}.npy"))).unwrap();
+            let info = g.value(v);
+            assert_eq!(t.shape(), info.shape.as_slice(), "{name} input {i}");
+            // bf16 is stored as float32 in .npy
+            let want = if info.dtype == DType::BF16 {
+                DType::F32
+            } else {
+                info.dtype
+            };
+            assert_eq!(t.dtype(), want, "{name} input {i}");
+        }
+        for (i, v) in g.user_outputs().enumerate() {
+            let t = npy::read(&fixture(&format!("{name}.output_{i}.npy"))).unwrap();
+            assert_eq!(t.shape(), g.value(v).shape.as_slice(), "{name} output {i}");
+        }
+    }
 }

@@ -141,7 +141,20 @@ impl<'m> Lowerer<'m> {
     pub fn lower(&mut self, c: &Ctx) -> Result<bool> {
         self.hit_failed = false;
         match self.lower_node(c) {
-            Ok(()) => Ok(true),
+            Ok(()) => {
+                // the source name goes to the last node, which gives the
+                // source output; helpers before it are `name.0`, `name.1`…
+                let n = c.emitted.get();
+                let first = self.graph.nodes.len() - n;
+                for (k, node) in self.graph.nodes[first..].iter_mut().enumerate() {
+                    node.name = if k + 1 == n {
+                        c.name.clone()
+                    } else {
+                        format!("{}.{k}", c.name)
+                    };
+                }
+                Ok(true)
+            }
             Err(e) => {
                 for name in c.outputs.iter().flatten() {
                     self.names.insert(name.clone(), Bound::Failed);
@@ -211,11 +224,7 @@ impl<'m> Lowerer<'m> {
     fn emit(&mut self, c: &Ctx, op: Op, inputs: Vec<Option<ValueId>>) -> Result<Vec<ValueId>> {
         let k = c.emitted.get();
         c.emitted.set(k + 1);
-        let name = if k == 0 {
-            c.name.clone()
-        } else {
-            format!("{}.{k}", c.name)
-        };
+        let name = format!("{}.{k}", c.name);
         let mut node = Node {
             name,
             target: c.target.clone(),
