@@ -38,7 +38,10 @@ pub fn run_graph(graph: &Graph, user_inputs: Vec<Tensor>) -> Result<Vec<Tensor>>
             .map(|slot| match slot {
                 None => Ok(None),
                 Some(v) => env[v.0].as_ref().map(Some).ok_or_else(|| {
-                    Error::internal(format!("value `{}` is read before it is computed", graph.value(*v).name))
+                    Error::internal(format!(
+                        "value `{}` is read before it is computed",
+                        graph.value(*v).name
+                    ))
                 }),
             })
             .collect::<Result<_>>()
@@ -72,9 +75,12 @@ pub fn run_graph(graph: &Graph, user_inputs: Vec<Tensor>) -> Result<Vec<Tensor>>
         .outputs
         .iter()
         .map(|(v, _)| {
-            env[v.0]
-                .clone()
-                .ok_or_else(|| Error::internal(format!("output `{}` was never computed", graph.value(*v).name)))
+            env[v.0].clone().ok_or_else(|| {
+                Error::internal(format!(
+                    "output `{}` was never computed",
+                    graph.value(*v).name
+                ))
+            })
         })
         .collect()
 }

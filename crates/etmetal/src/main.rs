@@ -11,7 +11,11 @@ use etmetal_core::{npy, Error, Result, Tensor};
 use etmetal_graph::{InputKind, OutputKind};
 
 #[derive(Parser)]
-#[command(name = "etmetal", version, about = "Run and inspect programs exported with torch.export")]
+#[command(
+    name = "etmetal",
+    version,
+    about = "Run and inspect programs exported with torch.export"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -63,9 +67,14 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect { model } => inspect(&model),
-        Command::Run { model, inputs, output_dir, device, bench, warmup } => {
-            run(&model, &inputs, &output_dir, device, bench, warmup)
-        }
+        Command::Run {
+            model,
+            inputs,
+            output_dir,
+            device,
+            bench,
+            warmup,
+        } => run(&model, &inputs, &output_dir, device, bench, warmup),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -105,7 +114,9 @@ fn inspect(path: &Path) -> Result<()> {
         let what = match kind {
             OutputKind::User => String::new(),
             OutputKind::BufferMutation { fqn } => format!(" (new value of buffer {fqn})"),
-            OutputKind::UserInputMutation { input_name } => format!(" (mutates input {input_name})"),
+            OutputKind::UserInputMutation { input_name } => {
+                format!(" (mutates input {input_name})")
+            }
         };
         println!("  {}: {} {:?}{what}", info.name, info.dtype, info.shape);
     }
@@ -117,12 +128,18 @@ fn inspect(path: &Path) -> Result<()> {
             weights += graph.constants.get(v).map_or(0, Tensor::nbytes);
         }
     }
-    println!("parameters, buffers and constants: {count} tensors, {}", human_bytes(weights));
+    println!(
+        "parameters, buffers and constants: {count} tensors, {}",
+        human_bytes(weights)
+    );
     let mut histogram: BTreeMap<String, usize> = BTreeMap::new();
     for node in &graph.nodes {
         *histogram.entry(node.op.name()).or_default() += 1;
     }
-    println!("ops ({} nodes after decomposition, all supported on cpu):", graph.nodes.len());
+    println!(
+        "ops ({} nodes after decomposition, all supported on cpu):",
+        graph.nodes.len()
+    );
     for (name, n) in histogram {
         println!("  {n:>5}  {name}");
     }
@@ -145,7 +162,10 @@ fn summary(t: &Tensor) -> String {
     let max = values.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let mean = values.iter().sum::<f64>() / values.len() as f64;
     let head: Vec<String> = values.iter().take(4).map(|v| format!("{v:.6}")).collect();
-    format!("min {min:.6} max {max:.6} mean {mean:.6} first [{}]", head.join(", "))
+    format!(
+        "min {min:.6} max {max:.6} mean {mean:.6} first [{}]",
+        head.join(", ")
+    )
 }
 
 fn run(
@@ -170,7 +190,13 @@ fn run(
     for (i, t) in outputs.iter().enumerate() {
         let file = output_dir.join(format!("output_{i}.npy"));
         npy::write(&file, t)?;
-        println!("output_{i}: {} {:?} {} -> {}", t.dtype(), t.shape(), summary(t), file.display());
+        println!(
+            "output_{i}: {} {:?} {} -> {}",
+            t.dtype(),
+            t.shape(),
+            summary(t),
+            file.display()
+        );
     }
     println!("ran on cpu in {:.3} ms", elapsed.as_secs_f64() * 1e3);
     if let Some(n) = bench {
@@ -194,6 +220,10 @@ fn bench_model(model: &Model, inputs: &[Tensor], n: usize, warmup: usize) -> Res
     }
     times.sort_by(f64::total_cmp);
     let pick = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
-    println!("bench: {n} runs after {warmup} warm-up: median {:.3} ms, p90 {:.3} ms", pick(0.5), pick(0.9));
+    println!(
+        "bench: {n} runs after {warmup} warm-up: median {:.3} ms, p90 {:.3} ms",
+        pick(0.5),
+        pick(0.9)
+    );
     Ok(())
 }

@@ -36,7 +36,11 @@ impl Model {
             .user_inputs()
             .map(|v| {
                 let info = self.graph.value(v);
-                InputSpec { name: info.name.clone(), dtype: info.dtype, shape: info.shape.clone() }
+                InputSpec {
+                    name: info.name.clone(),
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                }
             })
             .collect()
     }
@@ -61,7 +65,11 @@ impl Model {
             return Err(Error::invalid_input(format!(
                 "the program takes {} input(s) ({}), {} given",
                 specs.len(),
-                specs.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(", "),
+                specs
+                    .iter()
+                    .map(|s| s.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 inputs.len()
             )));
         }
@@ -78,7 +86,8 @@ impl Model {
                         t.shape()
                     )));
                 }
-                let rounds_down = t.dtype() == DType::F32 && matches!(spec.dtype, DType::BF16 | DType::F16);
+                let rounds_down =
+                    t.dtype() == DType::F32 && matches!(spec.dtype, DType::BF16 | DType::F16);
                 if t.dtype() == spec.dtype {
                     Ok(t)
                 } else if rounds_down {

@@ -1,0 +1,147 @@
+//! The `etmetal` command as a user runs it: outputs on disk, exit codes,
+//! one-line errors.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn etmetal(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_etmetal"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("etmetal-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn run_writes_outputs_that_match_pytorch() {
+    let out = scratch("run");
+    let model = fixture("resblock.pt2");
+    let input = fixture("resblock.input_0.npy");
+    let res = etmetal(&[
+        "run",
+        model.to_str().unwrap(),
+        "--inputs",
+        input.to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--device",
+        "cpu",
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(
+        stdout.contains("output_0: float32 [1, 4, 6, 6]"),
+        "{stdout}"
+    );
+    let got = etmetal_core::npy::read(&out.join("output_0.npy"))
+        .unwrap()
+        .to_f64_vec();
+    let want = etmetal_core::npy::read(&fixture("resblock.output_0.npy"))
+        .unwrap()
+        .to_f64_vec();
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-5, "largest error {worst}");
+}
+
+#[test]
+fn run_without_inputs_uses_ones() {
+    let out = scratch("ones");
+    let res = etmetal(&[
+        "run",
+        fixture("gpt_block.pt2").to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    assert!(out.join("output_0.npy").exists());
+}
+
+#[test]
+fn inspect_lists_inputs_weights_and_ops() {
+    let res = etmetal(&["inspect", fixture("gpt_block.pt2").to_str().unwrap()]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    for needle in [
+        "inputs:",
+        "outputs:",
+        "parameters, buffers and constants:",
+        "sdpa",
+        "layer_norm",
+    ] {
+        assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
+    }
+}
+
+#[test]
+fn bad_input_exits_2_with_one_line() {
+    let dir = scratch("bad");
+    let junk = dir.join("junk.pt2");
+    std::fs::write(&junk, b"this is not a zip archive").unwrap();
+    let wrong = dir.join("wrong.npy");
+    etmetal_core::npy::write(
+        &wrong,
+        &etmetal_core::Tensor::zeros(etmetal_core::DType::F32, &[7]).unwrap(),
+    )
+    .unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["run".into(), junk.display().to_string()], "junk.pt2"),
+        (
+            vec!["run".into(), dir.join("missing.pt2").display().to_string()],
+            "missing.pt2",
+        ),
+        (
+            vec![
+                "run".into(),
+                fixture("mlp.pt2").display().to_string(),
+                "--inputs".into(),
+                wrong.display().to_string(),
+            ],
+            "input 0",
+        ),
+        (
+            vec![
+                "run".into(),
+                fixture("mlp.pt2").display().to_string(),
+                "--device".into(),
+                "metal".into(),
+            ],
+            "cpu only",
+        ),
+    ];
+    for (args, needle) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let res = etmetal(&args);
+        let stderr = String::from_utf8_lossy(&res.stderr);
+        assert_eq!(res.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
+    }
+}
