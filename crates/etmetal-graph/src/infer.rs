@@ -480,7 +480,7 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
                 let k = w.shape[2 + i];
                 let o = if *transposed {
                     let op = output_padding.get(i).copied().unwrap_or(0);
-                    ((dims[i].max(1) - 1) * stride[i] + dilation[i] * (k - 1) + op + 1)
+                    ((dims[i].max(1) - 1) * stride[i] + dilation[i] * k.saturating_sub(1) + op + 1)
                         .checked_sub(2 * padding[i])
                         .ok_or_else(|| {
                             Error::shape("transposed convolution padding exceeds output")

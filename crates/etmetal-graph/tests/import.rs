@@ -755,3 +755,17 @@ fn every_fixture_has_reference_inputs_and_outputs() {
         }
     }
 }
+
+#[test]
+fn archives_without_payload_configs_are_unsupported() {
+    let es: Vec<_> = entries("mlp")
+        .into_iter()
+        .filter(|(n, _)| !n.ends_with("_config.json"))
+        .collect();
+    let e = err(&rezip(&es));
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(
+        e.to_string().contains("fc1.weight") && e.to_string().contains("payload configs"),
+        "{e}"
+    );
+}

@@ -201,6 +201,22 @@ impl<'m> Lowerer<'m> {
     fn dim(&self, c: &Ctx, arg: &str, default: i64, rank: usize) -> Result<usize> {
         normalize_dim(c.args.int(arg, default)?, rank)
     }
+    /// A dim argument of a tensor that must have that dim (not 0-d), with
+    /// the dim's size.
+    fn sized_dim(
+        &self,
+        c: &Ctx,
+        arg: &str,
+        default: i64,
+        shape: &[usize],
+    ) -> Result<(usize, usize)> {
+        let d = normalize_dim(c.args.int(arg, default)?, shape.len())?;
+        let n = shape
+            .get(d)
+            .copied()
+            .ok_or_else(|| Error::shape(format!("`{arg}` of a 0-d tensor")))?;
+        Ok((d, n))
+    }
     fn dims(&self, c: &Ctx, arg: &str, rank: usize) -> Result<Vec<usize>> {
         let mut dims: Vec<usize> = c
             .args
@@ -374,7 +390,7 @@ impl<'m> Lowerer<'m> {
     /// Outputs `i` of a split along `dim` into pieces of `sizes`.
     fn split(&mut self, c: &Ctx, x: ValueId, dim: usize, sizes: &[usize]) -> Result<()> {
         let total: usize = sizes.iter().sum();
-        if total != self.shape(x)[dim] {
+        if Some(&total) != self.shape(x).get(dim) {
             return Err(Error::shape(format!(
                 "split sizes {sizes:?} do not add up to dim {dim} of {:?}",
                 self.shape(x)
@@ -423,7 +439,8 @@ impl<'m> Lowerer<'m> {
             Some("valid") => vec![0; spatial],
             Some("same") => (0..spatial)
                 .map(|i| {
-                    let total = dilation[i] * (wshape[2 + i] - 1);
+                    let d = dilation.get(i).copied().unwrap_or(1);
+                    let total = d * wshape[2 + i].saturating_sub(1);
                     if !total.is_multiple_of(2) {
                         return Err(Error::unsupported(
                             "padding='same' that needs asymmetric padding",
@@ -923,7 +940,7 @@ impl<'m> Lowerer<'m> {
             ("unflatten", "int") => {
                 let x = self.t(c, "self")?;
                 let shape = self.shape(x);
-                let d = self.dim(c, "dim", 0, shape.len())?;
+                let (d, _) = self.sized_dim(c, "dim", 0, &shape)?;
                 let mut sizes: Vec<i64> = shape[..d].iter().map(|&v| v as i64).collect();
                 sizes.extend(self.req_ints(c, "sizes")?);
                 sizes.extend(shape[d + 1..].iter().map(|&v| v as i64));
@@ -994,13 +1011,12 @@ impl<'m> Lowerer<'m> {
             ("slice", "Tensor") => {
                 let x = self.t(c, "self")?;
                 let shape = self.shape(x);
-                let dim = self.dim(c, "dim", 0, shape.len())?;
+                let (dim, size) = self.sized_dim(c, "dim", 0, &shape)?;
                 let step = usize::try_from(a.int("step", 1)?)
                     .ok()
                     .filter(|&s| s > 0)
                     .ok_or_else(|| Error::format("slice step must be positive"))?;
-                let (start, end) =
-                    Self::clamp_range(a.opt_int("start")?, a.opt_int("end")?, shape[dim]);
+                let (start, end) = Self::clamp_range(a.opt_int("start")?, a.opt_int("end")?, size);
                 self.finish(
                     c,
                     Op::Slice {
@@ -1015,8 +1031,8 @@ impl<'m> Lowerer<'m> {
             ("narrow", "default") => {
                 let x = self.t(c, "self")?;
                 let shape = self.shape(x);
-                let dim = self.dim(c, "dim", 0, shape.len())?;
-                let n = shape[dim] as i64;
+                let (dim, n) = self.sized_dim(c, "dim", 0, &shape)?;
+                let n = n as i64;
                 let start = a.int("start", 0)?;
                 let start = if start < 0 { start + n } else { start };
                 let len = a.int("length", 0)?;
@@ -1036,10 +1052,10 @@ impl<'m> Lowerer<'m> {
             ("select", "int") => {
                 let x = self.t(c, "self")?;
                 let shape = self.shape(x);
-                let dim = self.dim(c, "dim", 0, shape.len())?;
+                let (dim, n) = self.sized_dim(c, "dim", 0, &shape)?;
                 let i = a.int("index", 0)?;
-                let index = usize::try_from(if i < 0 { i + shape[dim] as i64 } else { i })
-                    .map_err(|_| {
+                let index =
+                    usize::try_from(if i < 0 { i + n as i64 } else { i }).map_err(|_| {
                         Error::shape(format!("select index {i} of dim {dim} of {shape:?}"))
                     })?;
                 self.finish(c, Op::Select { dim, index }, vec![Some(x)])
@@ -1047,8 +1063,7 @@ impl<'m> Lowerer<'m> {
             ("split", "Tensor") | ("split_with_sizes", "default") | ("chunk", "default") => {
                 let x = self.t(c, "self")?;
                 let shape = self.shape(x);
-                let dim = self.dim(c, "dim", 0, shape.len())?;
-                let n = shape[dim];
+                let (dim, n) = self.sized_dim(c, "dim", 0, &shape)?;
                 let sizes = match name {
                     "split_with_sizes" => usizes(&self.req_ints(c, "split_sizes")?, "split_sizes")?,
                     _ => {
@@ -1076,8 +1091,8 @@ impl<'m> Lowerer<'m> {
             ("unbind", "int") => {
                 let x = self.t(c, "self")?;
                 let shape = self.shape(x);
-                let dim = self.dim(c, "dim", 0, shape.len())?;
-                for index in 0..shape[dim] {
+                let (dim, n) = self.sized_dim(c, "dim", 0, &shape)?;
+                for index in 0..n {
                     let v = self.emit1(c, Op::Select { dim, index }, vec![Some(x)])?;
                     self.bind(c, index, v)?;
                 }

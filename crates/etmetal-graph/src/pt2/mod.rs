@@ -31,7 +31,11 @@ pub fn import_pt2(bytes: &[u8], origin: &str) -> Result<Graph> {
     let archive = Archive::open(bytes, origin)?;
     archive.check_version()?;
     let (model_path, program) = archive.model_json()?;
-    import_program(&archive, &program).context(format!("{origin}: {model_path}"))
+    // the payload configs are named after the model: `models/<model>.json`
+    let model = model_path
+        .trim_start_matches("models/")
+        .trim_end_matches(".json");
+    import_program(&archive, model, &program).context(format!("{origin}: {model_path}"))
 }
 
 fn check_schema(program: &Value) -> Result<()> {
@@ -131,13 +135,12 @@ struct Payloads {
 }
 
 impl Payloads {
-    fn read(archive: &Archive) -> Result<Payloads> {
+    fn read(archive: &Archive, model: &str) -> Result<Payloads> {
         let find = |dir: &str| -> Result<Option<Value>> {
-            let config = archive.json(&format!(
-                "{dir}/model_{}_config.json",
-                dir.rsplit('/').next().unwrap_or(dir)
-            ));
-            config.transpose()
+            let kind = dir.rsplit('/').next().unwrap_or(dir);
+            archive
+                .json(&format!("{dir}/{model}_{kind}_config.json"))
+                .transpose()
         };
         Ok(Payloads {
             weights: find("data/weights")?,
@@ -157,13 +160,19 @@ impl Payloads {
                 }
             }
         }
+        if self.weights.is_none() && self.constants.is_none() {
+            return Err(Error::unsupported(format!(
+                "no payload for `{fqn}`: the archive has no `*_config.json` payload configs \
+                 (torch 2.8 and older pickle their weights, which etmetal does not read)"
+            )));
+        }
         Err(Error::format(format!(
             "no payload for `{fqn}` in the weights or constants configs"
         )))
     }
 }
 
-fn import_program(archive: &Archive, program: &Value) -> Result<Graph> {
+fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Graph> {
     check_schema(program)?;
     let module = field(program, "graph_module")?;
     let g = field(module, "graph")?;
@@ -178,7 +187,7 @@ fn import_program(archive: &Archive, program: &Value) -> Result<Graph> {
             );
         }
     }
-    let payloads = Payloads::read(archive)?;
+    let payloads = Payloads::read(archive, model)?;
     let mut lowerer = Lowerer::new(Graph::default(), &meta, used_names(g));
 
     // Placeholders: one per input spec, in signature order.
