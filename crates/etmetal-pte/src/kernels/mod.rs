@@ -9,7 +9,7 @@
 mod decode;
 mod encode;
 
-pub use decode::decode;
+pub use decode::{decode, decode_call, DecodedCall};
 pub use encode::encode;
 
 use etmetal_core::{DType, Op, Scalar};
