@@ -1,0 +1,394 @@
+//! A loaded method: its values, and chain 0's instructions prepared once
+//! (kernel calls decoded into ops, scalar operands made tensors, delegates
+//! initialised), then run by [`Method::execute`].
+
+use std::collections::BTreeMap;
+
+use etmetal_core::{DType, Error, Op, Result, Scalar, Tensor};
+use etmetal_pte::kernels::{decode_call, DecodedCall};
+use etmetal_pte::{EValue, Instruction, PteFile};
+
+use crate::backend::{BackendRegistry, DelegateArg, DelegateHandle};
+use crate::values::{Slot, Values};
+
+/// Dtype and shape of a method input or output.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+enum Operand {
+    Value(usize),
+    /// A scalar operand as the 0-d tensor the op set expects.
+    Scalar(Tensor),
+}
+
+struct PreparedOp {
+    op: Op,
+    inputs: Vec<Option<Operand>>,
+    outputs: Vec<usize>,
+    specs: Vec<(DType, Vec<usize>)>,
+}
+
+enum Step {
+    Kernel {
+        name: String,
+        ops: Vec<PreparedOp>,
+    },
+    Delegate {
+        id: String,
+        handle: Box<dyn DelegateHandle>,
+        args: Vec<usize>,
+    },
+    Move {
+        from: usize,
+        to: usize,
+    },
+    JumpFalse {
+        cond: usize,
+        dest: usize,
+    },
+    /// Planned memory is never freed; `FreeCall` only matters for dynamic tensors.
+    Free,
+}
+
+pub struct Method {
+    name: String,
+    values: Values,
+    steps: Vec<Step>,
+    inputs: Vec<(usize, TensorSpec)>,
+    outputs: Vec<(usize, TensorSpec)>,
+}
+
+/// The dtype of a scalar operand next to a tensor of dtype `partner`, as
+/// PyTorch's promotion treats a Python scalar: it keeps the tensor's dtype
+/// unless it is of a higher kind (a float scalar with an integer tensor
+/// gives float32, an int scalar with a bool tensor int64).
+fn scalar_dtype(partner: DType, scalar: Scalar) -> DType {
+    match scalar {
+        Scalar::Float(_) if !partner.is_float() => DType::F32,
+        Scalar::Int(_) if partner == DType::Bool => DType::I64,
+        _ => partner,
+    }
+}
+
+fn as_scalar(e: &EValue) -> Option<Scalar> {
+    match e {
+        EValue::Int(v) => Some(Scalar::Int(*v)),
+        EValue::Double(v) => Some(Scalar::Float(*v)),
+        EValue::Bool(v) => Some(Scalar::Bool(*v)),
+        _ => None,
+    }
+}
+
+fn spec(values: &Values, v: usize) -> Result<TensorSpec> {
+    let t = values.tensor_slot(v)?;
+    Ok(TensorSpec {
+        dtype: t.dtype,
+        shape: t.shape.clone(),
+    })
+}
+
+impl Method {
+    pub(crate) fn load(
+        file: &PteFile,
+        plan: usize,
+        backends: &BackendRegistry,
+        max_arena_bytes: u64,
+    ) -> Result<Method> {
+        let p = &file.program.execution_plan[plan];
+        let values = Values::new(file, plan, max_arena_bytes)?;
+        let io = |list: &[i32], what: &str| -> Result<Vec<(usize, TensorSpec)>> {
+            list.iter()
+                .enumerate()
+                .map(|(i, &v)| {
+                    let v = v as usize;
+                    spec(&values, v).map(|s| (v, s)).map_err(|_| {
+                        Error::unsupported(format!("{what} {i} (value {v}) is not a tensor"))
+                    })
+                })
+                .collect()
+        };
+        let inputs = io(&p.inputs, "input")?;
+        let outputs = io(&p.outputs, "output")?;
+        let chain = match p.chains.as_slice() {
+            [chain] => chain,
+            [] => return Err(Error::format("the method has no chain")),
+            more => {
+                return Err(Error::unsupported(format!(
+                    "{} chains (only one is supported)",
+                    more.len()
+                )))
+            }
+        };
+        let mut steps = Vec::with_capacity(chain.instructions.len());
+        // Values a kernel leaves unwritten (norm statistics), until rewritten.
+        let mut unwritten: BTreeMap<usize, String> = BTreeMap::new();
+        for (k, ins) in chain.instructions.iter().enumerate() {
+            let at = |e: Error| e.context(format!("instruction {k}"));
+            let reads: Vec<usize>;
+            let step = match ins {
+                Instruction::KernelCall(c) => {
+                    let operator = &p.operators[c.op_index as usize];
+                    let name = operator.qualified_name();
+                    let DecodedCall {
+                        ops,
+                        unwritten: left,
+                    } = decode_call(&p.values, operator, &c.args).map_err(at)?;
+                    let ops = ops
+                        .into_iter()
+                        .map(|d| Method::prepare(&values, d.op, &d.inputs, d.outputs))
+                        .collect::<Result<Vec<_>>>()
+                        .map_err(|e| at(e.context(format!("kernel {name}"))))?;
+                    reads = ops
+                        .iter()
+                        .flat_map(|o| o.inputs.iter().flatten())
+                        .filter_map(|i| match i {
+                            Operand::Value(v) => Some(*v),
+                            Operand::Scalar(_) => None,
+                        })
+                        .collect();
+                    check_reads(&unwritten, &reads, k)?;
+                    for o in &ops {
+                        o.outputs.iter().for_each(|v| {
+                            unwritten.remove(v);
+                        });
+                    }
+                    for v in left {
+                        unwritten.insert(v, name.clone());
+                    }
+                    Step::Kernel { name, ops }
+                }
+                Instruction::DelegateCall(c) => {
+                    let d = &p.delegates[c.delegate_index as usize];
+                    let backend = backends.require(&d.id).map_err(at)?;
+                    let processed = file
+                        .delegate_data(plan, c.delegate_index as usize)
+                        .map_err(at)?;
+                    let handle = backend
+                        .init(processed, &d.compile_specs)
+                        .map_err(|e| at(e.context(format!("initialising delegate `{}`", d.id))))?;
+                    let args: Vec<usize> = c.args.iter().map(|&a| a as usize).collect();
+                    check_reads(&unwritten, &args, k)?;
+                    Step::Delegate {
+                        id: d.id.clone(),
+                        handle,
+                        args,
+                    }
+                }
+                Instruction::MoveCall(m) => {
+                    check_reads(&unwritten, &[m.move_from as usize], k)?;
+                    Step::Move {
+                        from: m.move_from as usize,
+                        to: m.move_to as usize,
+                    }
+                }
+                Instruction::JumpFalseCall(j) => Step::JumpFalse {
+                    cond: j.cond_value_index as usize,
+                    dest: j.destination_instruction as usize,
+                },
+                Instruction::FreeCall(_) => Step::Free,
+            };
+            steps.push(step);
+        }
+        let outs: Vec<usize> = outputs.iter().map(|(v, _)| *v).collect();
+        check_reads(&unwritten, &outs, chain.instructions.len())?;
+        Ok(Method {
+            name: p.name.clone(),
+            values,
+            steps,
+            inputs,
+            outputs,
+        })
+    }
+
+    fn prepare(
+        values: &Values,
+        op: Op,
+        inputs: &[Option<usize>],
+        outputs: Vec<usize>,
+    ) -> Result<PreparedOp> {
+        // The tensor a scalar operand pairs with: the first tensor operand,
+        // skipping `where`'s condition.
+        let skip = usize::from(matches!(op, Op::Where));
+        let partner = inputs
+            .iter()
+            .skip(skip)
+            .flatten()
+            .find_map(|&v| values.tensor_slot(v).ok().map(|t| t.dtype));
+        let inputs = inputs
+            .iter()
+            .map(|slot| {
+                let Some(v) = *slot else { return Ok(None) };
+                match values.get(v)? {
+                    Slot::Tensor(_) => Ok(Some(Operand::Value(v))),
+                    Slot::Value(e) => {
+                        let s = as_scalar(e)
+                            .ok_or_else(|| Error::format(format!("operand value {v} is {e:?}, not a tensor or scalar")))?;
+                        let partner = partner.ok_or_else(|| {
+                            Error::unsupported(format!("scalar operand value {v} has no tensor operand to take a dtype from"))
+                        })?;
+                        let t = match s {
+                            Scalar::Int(i) => Tensor::from_i64(scalar_dtype(partner, s), &[], &[i])?,
+                            _ => Tensor::scalar_f64(scalar_dtype(partner, s), s.to_f64())?,
+                        };
+                        Ok(Some(Operand::Scalar(t)))
+                    }
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let specs = outputs
+            .iter()
+            .map(|&v| spec(values, v).map(|s| (s.dtype, s.shape)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(PreparedOp {
+            op,
+            inputs,
+            outputs,
+            specs,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn input_specs(&self) -> Vec<TensorSpec> {
+        self.inputs.iter().map(|(_, s)| s.clone()).collect()
+    }
+
+    pub fn output_specs(&self) -> Vec<TensorSpec> {
+        self.outputs.iter().map(|(_, s)| s.clone()).collect()
+    }
+
+    /// Run the method. Inputs must match [`Method::input_specs`] in count,
+    /// dtype and shape; float32 given for a bfloat16 input is rounded.
+    pub fn execute(&mut self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        if inputs.len() != self.inputs.len() {
+            return Err(Error::invalid_input(format!(
+                "method `{}` takes {} inputs, {} given",
+                self.name,
+                self.inputs.len(),
+                inputs.len()
+            )));
+        }
+        for (i, (t, (v, want))) in inputs.iter().zip(&self.inputs).enumerate() {
+            let t = match (t.dtype(), want.dtype) {
+                (DType::F32, DType::BF16) => t.cast(DType::BF16)?,
+                _ => t.clone(),
+            };
+            if t.dtype() != want.dtype || t.shape() != want.shape.as_slice() {
+                return Err(Error::invalid_input(format!(
+                    "input {i}: expected {} {:?}, got {} {:?}",
+                    want.dtype,
+                    want.shape,
+                    t.dtype(),
+                    t.shape()
+                )));
+            }
+            self.values
+                .write(*v, &t)
+                .map_err(|e| e.context(format!("input {i}")))?;
+        }
+        let mut pc = 0;
+        while pc < self.steps.len() {
+            pc = self
+                .step(pc)
+                .map_err(|e| e.context(format!("method `{}` instruction {pc}", self.name)))?;
+        }
+        self.outputs
+            .iter()
+            .enumerate()
+            .map(|(i, (v, _))| {
+                self.values
+                    .read(*v)
+                    .map_err(|e| e.context(format!("output {i}")))
+            })
+            .collect()
+    }
+
+    /// Run instruction `pc`; the next instruction's index.
+    fn step(&mut self, pc: usize) -> Result<usize> {
+        let values = &mut self.values;
+        match &mut self.steps[pc] {
+            Step::Kernel { name, ops } => {
+                for o in ops.iter() {
+                    run_op(values, o).map_err(|e| e.context(format!("kernel {name}")))?;
+                }
+            }
+            Step::Delegate { id, handle, args } => {
+                let mut call = args
+                    .iter()
+                    .map(|&v| {
+                        Ok(match values.get(v)? {
+                            Slot::Tensor(_) => DelegateArg::Tensor(values.read(v)?),
+                            Slot::Value(EValue::Int(i)) => DelegateArg::Int(*i),
+                            Slot::Value(EValue::Double(d)) => DelegateArg::Double(*d),
+                            Slot::Value(EValue::Bool(b)) => DelegateArg::Bool(*b),
+                            Slot::Value(_) => DelegateArg::Other,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                handle
+                    .execute(&mut call)
+                    .map_err(|e| e.context(format!("delegate `{id}`")))?;
+                for (&v, arg) in args.iter().zip(&call) {
+                    if let DelegateArg::Tensor(t) = arg {
+                        if !values.is_constant(v) {
+                            values
+                                .write(v, t)
+                                .map_err(|e| e.context(format!("delegate `{id}` output")))?;
+                        }
+                    }
+                }
+            }
+            Step::Move { from, to } => values.assign(*from, *to)?,
+            Step::JumpFalse { cond, dest } => {
+                let go_on = match values.get(*cond)? {
+                    Slot::Value(EValue::Bool(b)) => *b,
+                    Slot::Tensor(_) => values.read(*cond)?.to_i64_vec().iter().all(|&x| x != 0),
+                    Slot::Value(e) => {
+                        return Err(Error::format(format!(
+                            "jump condition value {cond} is {e:?}"
+                        )))
+                    }
+                };
+                if !go_on {
+                    return Ok(*dest);
+                }
+            }
+            Step::Free => {}
+        }
+        Ok(pc + 1)
+    }
+}
+
+fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
+    // Inputs are copied out before any output is written: in-place and
+    // aliasing calls read what was there before.
+    let owned = o
+        .inputs
+        .iter()
+        .map(|i| match i {
+            Some(Operand::Value(v)) => values.read(*v).map(Some),
+            Some(Operand::Scalar(t)) => Ok(Some(t.clone())),
+            None => Ok(None),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let refs: Vec<Option<&Tensor>> = owned.iter().map(Option::as_ref).collect();
+    let results = etmetal_cpu::execute(&o.op, &refs, &o.specs)?;
+    for (&v, t) in o.outputs.iter().zip(&results) {
+        values.write(v, t)?;
+    }
+    Ok(())
+}
+
+fn check_reads(unwritten: &BTreeMap<usize, String>, reads: &[usize], k: usize) -> Result<()> {
+    match reads.iter().find_map(|v| unwritten.get(v).map(|name| (v, name))) {
+        Some((v, name)) => Err(Error::unsupported(format!(
+            "instruction {k} reads value {v}, an extra output of {name} that etmetal does not compute"
+        ))),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,248 @@
+//! The method's values: tensors live in the planned arenas (at their
+//! offsets, so values that ExecuTorch lets alias share bytes), in the mapped
+//! file (constants), or, when unplanned, as owned tensors; everything else
+//! is the program's `EValue`.
+
+use etmetal_core::{DType, Error, Result, Tensor};
+use etmetal_pte::{EValue, PteFile, TensorDataLocation, TensorShapeDynamism};
+
+/// Where a tensor's bytes are.
+enum Place {
+    Constant(Tensor),
+    Arena { memory: usize, offset: usize },
+    Unplanned(Option<Tensor>),
+}
+
+pub(crate) struct TensorSlot {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    place: Place,
+}
+
+pub(crate) enum Slot {
+    Tensor(TensorSlot),
+    Value(EValue),
+}
+
+/// Every value of a method plus the arenas that back its planned tensors.
+pub(crate) struct Values {
+    slots: Vec<Slot>,
+    /// Indexed by `memory_id`; entry 0 (ExecuTorch's constant placeholder) is empty.
+    arenas: Vec<Vec<u8>>,
+}
+
+/// Allocate zeroed memory without aborting when the system refuses.
+fn allocate(size: usize, memory: usize) -> Result<Vec<u8>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(size).map_err(|_| {
+        Error::limit(format!(
+            "cannot allocate {size} bytes for planned memory {memory}"
+        ))
+    })?;
+    v.resize(size, 0);
+    Ok(v)
+}
+
+impl Values {
+    /// Build the values of `execution_plan[plan]`, allocating its arenas once.
+    pub fn new(file: &PteFile, plan: usize, max_arena_bytes: u64) -> Result<Values> {
+        let p = &file.program.execution_plan[plan];
+        // Sizes were checked non-negative by the reader.
+        let sizes: Vec<u64> = p
+            .non_const_buffer_sizes
+            .iter()
+            .map(|&s| s.max(0) as u64)
+            .collect();
+        let total = sizes
+            .iter()
+            .skip(1)
+            .try_fold(0u64, |acc, &s| acc.checked_add(s));
+        match total {
+            Some(t) if t <= max_arena_bytes => {}
+            _ => {
+                return Err(Error::limit(format!(
+                    "planned memory of {} bytes (non_const_buffer_sizes {:?}) exceeds the limit of {max_arena_bytes} bytes",
+                    total.map_or("more than u64::MAX".to_string(), |t| t.to_string()),
+                    p.non_const_buffer_sizes
+                )))
+            }
+        }
+        let mut arenas = vec![Vec::new()];
+        for (memory, &size) in sizes.iter().enumerate().skip(1) {
+            let size = usize::try_from(size).map_err(|_| {
+                Error::limit(format!(
+                    "planned memory {memory} of {size} bytes does not fit in memory"
+                ))
+            })?;
+            arenas.push(allocate(size, memory)?);
+        }
+        let slots = p
+            .values
+            .iter()
+            .enumerate()
+            .map(|(v, value)| Values::slot(file, plan, v, value))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Values { slots, arenas })
+    }
+
+    fn slot(file: &PteFile, plan: usize, v: usize, value: &EValue) -> Result<Slot> {
+        let EValue::Tensor(t) = value else {
+            return Ok(Slot::Value(value.clone()));
+        };
+        let at = || format!("value {v}");
+        let shape: Vec<usize> = t.sizes.iter().map(|&s| s.max(0) as usize).collect();
+        if t.dim_order
+            .iter()
+            .enumerate()
+            .any(|(i, &d)| d as usize != i)
+        {
+            return Err(Error::unsupported(format!(
+                "{}: dim_order {:?} (only contiguous tensors are supported)",
+                at(),
+                t.dim_order
+            )));
+        }
+        if t.shape_dynamism != TensorShapeDynamism::Static {
+            return Err(Error::unsupported(format!(
+                "{}: dynamic shape {:?}",
+                at(),
+                t.shape_dynamism
+            )));
+        }
+        if t.extra_tensor_info
+            .as_ref()
+            .is_some_and(|e| e.location == TensorDataLocation::External)
+        {
+            return Err(Error::unsupported(format!(
+                "{}: data in an external .ptd file",
+                at()
+            )));
+        }
+        let place = match (&t.allocation_info, t.data_buffer_idx) {
+            (None, 0) => Place::Unplanned(None),
+            (None, _) => Place::Constant(file.constant_tensor(plan, v)?),
+            (Some(_), idx) if idx > 0 => {
+                return Err(Error::unsupported(format!(
+                    "{}: mutable buffer with initial data",
+                    at()
+                )))
+            }
+            // The reader checked memory_id and that the bytes fit the buffer.
+            (Some(a), _) => Place::Arena {
+                memory: a.memory_id as usize,
+                offset: a.memory_offset() as usize,
+            },
+        };
+        Ok(Slot::Tensor(TensorSlot {
+            dtype: t.scalar_type,
+            shape,
+            place,
+        }))
+    }
+
+    pub fn get(&self, v: usize) -> Result<&Slot> {
+        self.slots.get(v).ok_or_else(|| {
+            Error::format(format!(
+                "value {v} does not exist ({} values)",
+                self.slots.len()
+            ))
+        })
+    }
+
+    pub fn tensor_slot(&self, v: usize) -> Result<&TensorSlot> {
+        match self.get(v)? {
+            Slot::Tensor(t) => Ok(t),
+            Slot::Value(e) => Err(Error::format(format!("value {v} is {e:?}, not a tensor"))),
+        }
+    }
+
+    /// A copy of tensor `v` (constants are shared, not copied).
+    pub fn read(&self, v: usize) -> Result<Tensor> {
+        let t = self.tensor_slot(v)?;
+        match &t.place {
+            Place::Constant(c) => Ok(c.clone()),
+            Place::Unplanned(Some(c)) => Ok(c.clone()),
+            Place::Unplanned(None) => Err(Error::invalid_input(format!(
+                "value {v} is read before it is written"
+            ))),
+            Place::Arena { memory, offset } => {
+                let n = etmetal_core::shape::numel(&t.shape)? * t.dtype.size();
+                let bytes = self.arenas[*memory]
+                    .get(*offset..*offset + n)
+                    .ok_or_else(|| {
+                        Error::internal(format!("value {v} lies outside planned memory {memory}"))
+                    })?;
+                Tensor::from_bytes(t.dtype, &t.shape, bytes)
+            }
+        }
+    }
+
+    /// Store `tensor` as value `v`: dtype and shape must be the value's.
+    pub fn write(&mut self, v: usize, tensor: &Tensor) -> Result<()> {
+        let Some(Slot::Tensor(t)) = self.slots.get_mut(v) else {
+            return Err(Error::format(format!(
+                "value {v} is not a tensor and cannot be written"
+            )));
+        };
+        if tensor.dtype() != t.dtype || tensor.shape() != t.shape.as_slice() {
+            return Err(Error::shape(format!(
+                "value {v} is {} {:?}, the result is {} {:?}",
+                t.dtype,
+                t.shape,
+                tensor.dtype(),
+                tensor.shape()
+            )));
+        }
+        match &mut t.place {
+            Place::Constant(_) => Err(Error::format(format!(
+                "value {v} is a constant and cannot be written"
+            ))),
+            Place::Unplanned(slot) => {
+                *slot = Some(tensor.clone());
+                Ok(())
+            }
+            Place::Arena { memory, offset } => {
+                let src = tensor.bytes();
+                let dst = self.arenas[*memory]
+                    .get_mut(*offset..*offset + src.len())
+                    .ok_or_else(|| {
+                        Error::internal(format!("value {v} lies outside planned memory {memory}"))
+                    })?;
+                dst.copy_from_slice(src);
+                Ok(())
+            }
+        }
+    }
+
+    /// `values[to] = values[from]` (a data copy for tensors).
+    pub fn assign(&mut self, from: usize, to: usize) -> Result<()> {
+        match self.get(from)? {
+            Slot::Tensor(_) => {
+                let t = self.read(from)?;
+                self.write(to, &t)
+            }
+            Slot::Value(e) => {
+                let e = e.clone();
+                match self.slots.get_mut(to) {
+                    Some(slot @ Slot::Value(_)) => {
+                        *slot = Slot::Value(e);
+                        Ok(())
+                    }
+                    _ => Err(Error::format(format!(
+                        "cannot move value {from} ({e:?}) into tensor value {to}"
+                    ))),
+                }
+            }
+        }
+    }
+
+    pub fn is_constant(&self, v: usize) -> bool {
+        matches!(
+            self.slots.get(v),
+            Some(Slot::Tensor(TensorSlot {
+                place: Place::Constant(_),
+                ..
+            }))
+        )
+    }
+}

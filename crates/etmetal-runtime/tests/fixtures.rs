@@ -1,0 +1,221 @@
+//! Every ExecuTorch-made fixture of etmetal-pte runs and matches the outputs
+//! ExecuTorch's own runtime stored beside it; bad inputs and programs fail
+//! with errors that say what is wrong.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use etmetal_core::{npy, DType, ErrorKind, Result, Tensor};
+use etmetal_pte::CompileSpec;
+use etmetal_runtime::{
+    Backend, BackendRegistry, DelegateArg, DelegateHandle, LoadOptions, Program,
+};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../etmetal-pte/tests/fixtures")
+}
+
+fn numbered(name: &str, kind: &str) -> Vec<Tensor> {
+    (0..)
+        .map(|i| fixtures().join(format!("{name}.{kind}_{i}.npy")))
+        .take_while(|p| p.exists())
+        .map(|p| npy::read(&p).unwrap())
+        .collect()
+}
+
+fn assert_close(name: &str, got: &[Tensor], want: &[Tensor]) {
+    assert_eq!(got.len(), want.len(), "{name}: output count");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.dtype(), w.dtype(), "{name} output {i} dtype");
+        assert_eq!(g.shape(), w.shape(), "{name} output {i} shape");
+        if w.dtype().is_float() {
+            for (a, b) in g.to_f64_vec().iter().zip(w.to_f64_vec()) {
+                assert!(
+                    (a - b).abs() <= 1e-5 + 1e-5 * b.abs(),
+                    "{name} output {i}: {a} vs {b}"
+                );
+            }
+        } else {
+            assert_eq!(g.to_i64_vec(), w.to_i64_vec(), "{name} output {i}");
+        }
+    }
+}
+
+#[test]
+fn portable_fixtures_match_executorch() {
+    for name in ["linear_relu", "mlp", "conv_block", "int_bool"] {
+        let program = Program::load(fixtures().join(format!("{name}.pte"))).unwrap();
+        let mut method = program.method("forward").unwrap();
+        let inputs = numbered(name, "input");
+        let specs = method.input_specs();
+        assert_eq!(specs.len(), inputs.len(), "{name}");
+        for (s, t) in specs.iter().zip(&inputs) {
+            assert_eq!(
+                (s.dtype, s.shape.as_slice()),
+                (t.dtype(), t.shape()),
+                "{name}"
+            );
+        }
+        let want = numbered(name, "output");
+        assert_eq!(method.output_specs().len(), want.len());
+        // Twice: the second run must not see state left by the first.
+        for _ in 0..2 {
+            let got = method.execute(inputs.clone()).unwrap();
+            assert_close(name, &got, &want);
+        }
+    }
+}
+
+#[test]
+fn from_bytes_matches_load() {
+    let path = fixtures().join("mlp.pte");
+    let program = Program::from_bytes(&std::fs::read(path).unwrap()).unwrap();
+    let got = program
+        .method("forward")
+        .unwrap()
+        .execute(numbered("mlp", "input"))
+        .unwrap();
+    assert_close("mlp", &got, &numbered("mlp", "output"));
+}
+
+#[test]
+fn unknown_method_lists_the_available_ones() {
+    let program = Program::load(fixtures().join("mlp.pte")).unwrap();
+    let e = program.method("backward").err().unwrap();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    assert!(e.to_string().contains("methods: forward"), "{e}");
+}
+
+#[test]
+fn wrong_inputs_are_named() {
+    let program = Program::load(fixtures().join("mlp.pte")).unwrap();
+    let mut m = program.method("forward").unwrap();
+    let good = numbered("mlp", "input");
+    let shape = good[0].shape().to_vec();
+
+    let e = m.execute(vec![]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    assert!(e.to_string().contains("takes 1 inputs, 0 given"), "{e}");
+
+    let e = m
+        .execute(vec![
+            Tensor::zeros(DType::F32, &[shape[0], shape[1] + 1]).unwrap()
+        ])
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    let msg = e.to_string();
+    assert!(
+        msg.contains("input 0") && msg.contains(&format!("{shape:?}")),
+        "{msg}"
+    );
+
+    let e = m
+        .execute(vec![Tensor::zeros(DType::I64, &shape).unwrap()])
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("expected float32") && e.to_string().contains("got int64"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unregistered_delegate_is_named_at_load() {
+    let program = Program::load(fixtures().join("xnnpack_linear.pte")).unwrap();
+    let e = program.method("forward").err().unwrap();
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    let msg = e.to_string();
+    assert!(
+        msg.contains("`XnnpackBackend` is not registered (registered: none)"),
+        "{msg}"
+    );
+}
+
+/// A stand-in for XNNPACK's linear: reads its payload size, computes
+/// nothing useful but writes a recognisable value into the output.
+struct Fill;
+struct FillHandle(f32);
+
+impl Backend for Fill {
+    fn id(&self) -> &str {
+        "XnnpackBackend"
+    }
+    fn init(&self, processed: &[u8], _specs: &[CompileSpec]) -> Result<Box<dyn DelegateHandle>> {
+        Ok(Box::new(FillHandle(processed.len() as f32)))
+    }
+}
+
+impl DelegateHandle for FillHandle {
+    fn execute(&mut self, args: &mut [DelegateArg]) -> Result<()> {
+        if let Some(DelegateArg::Tensor(out)) = args.last_mut() {
+            *out = Tensor::from_f32(
+                out.dtype(),
+                &out.shape().to_vec(),
+                &vec![self.0; out.numel()],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn registered_delegate_runs_and_writes_its_outputs() {
+    let mut backends = BackendRegistry::new();
+    backends.register(Arc::new(Fill)).unwrap();
+    assert!(backends.register(Arc::new(Fill)).is_err());
+    let program = Program::load(fixtures().join("xnnpack_linear.pte"))
+        .unwrap()
+        .with_options(LoadOptions {
+            backends,
+            ..LoadOptions::default()
+        });
+    let payload = program.file().delegate_data(0, 0).unwrap().len() as f32;
+    let mut m = program.method("forward").unwrap();
+    let out = m.execute(numbered("xnnpack_linear", "input")).unwrap();
+    assert_eq!(out.len(), 1);
+    assert!(
+        out[0].to_f32_vec().iter().all(|&v| v == payload),
+        "{:?}",
+        out[0].to_f32_vec()
+    );
+}
+
+#[test]
+fn absurd_arena_is_refused_before_allocating() {
+    let file = etmetal_pte::PteFile::load(fixtures().join("mlp.pte")).unwrap();
+    let mut program = file.program.clone();
+    program.execution_plan[0].non_const_buffer_sizes[1] = 1 << 50;
+    let bytes = etmetal_pte::serialize(&program, &file.segments().unwrap()).unwrap();
+    let e = Program::from_bytes(&bytes)
+        .unwrap()
+        .method("forward")
+        .err()
+        .unwrap();
+    assert_eq!(e.kind(), ErrorKind::Limit);
+    assert!(
+        e.to_string()
+            .contains("exceeds the limit of 17179869184 bytes"),
+        "{e}"
+    );
+
+    // The cap is configurable: the real program fails under a tiny one.
+    let tiny = LoadOptions {
+        max_arena_bytes: 16,
+        ..LoadOptions::default()
+    };
+    let e = Program::load(fixtures().join("mlp.pte"))
+        .unwrap()
+        .with_options(tiny)
+        .method("forward")
+        .err()
+        .unwrap();
+    assert_eq!(e.kind(), ErrorKind::Limit);
+}
+
+#[test]
+fn program_and_method_are_send() {
+    fn send<T: Send>() {}
+    fn sync<T: Sync>() {}
+    send::<Program>();
+    sync::<Program>();
+    send::<etmetal_runtime::Method>();
+}
