@@ -10,7 +10,7 @@ mod decode;
 mod encode;
 
 pub use decode::{decode, decode_call, DecodedCall};
-pub use encode::encode;
+pub use encode::{encode, kernel_outputs};
 
 use etmetal_core::{DType, Op, Scalar};
 
@@ -29,6 +29,10 @@ pub enum CallArg {
     /// the returned tensor(s) after the schema arguments again: the encoder
     /// lists them explicitly, so `args` is the complete `KernelCall.args`.
     Output(usize),
+    /// The returned tuple of a multi-output kernel (`max.dim_max`,
+    /// `native_layer_norm.out`): EXIR writes it as one `TensorList` of the
+    /// out tensors after the out arguments.
+    OutputList(Vec<usize>),
     Null,
     Int(i64),
     /// `int[]` (boxed in the file: an `IntList` of `Int` values).
