@@ -1162,6 +1162,29 @@ impl<'m> Lowerer<'m> {
                 let repeats = usizes(&self.req_ints(c, "repeats")?, "repeats")?;
                 self.finish(c, Op::Repeat { repeats }, vec![Some(x)])
             }
+            ("repeat_interleave", "self_int") => {
+                // each element `repeats` times along `dim` (flattened when
+                // absent): unsqueeze after `dim`, expand, merge the two dims
+                let mut x = self.t(c, "self")?;
+                let repeats = usizes(&[c.args.int("repeats", 1)?], "repeats")?[0];
+                let d = match c.args.opt_int("dim")? {
+                    Some(d) => normalize_dim(d, self.rank(x))?,
+                    None => {
+                        let n = self.shape(x).iter().product();
+                        x = self.emit1(c, Op::Reshape { shape: vec![n] }, vec![Some(x)])?;
+                        0
+                    }
+                };
+                let shape = self.shape(x);
+                let mut expanded = shape.clone();
+                expanded.insert(d + 1, 1);
+                let u = self.emit1(c, Op::Reshape { shape: expanded.clone() }, vec![Some(x)])?;
+                expanded[d + 1] = repeats;
+                let e = self.emit1(c, Op::Expand { shape: expanded }, vec![Some(u)])?;
+                let mut sizes: Vec<i64> = shape.iter().map(|&n| n as i64).collect();
+                sizes[d] *= repeats as i64;
+                self.reshape(c, e, &sizes)
+            }
             ("constant_pad_nd", "default") | ("pad", "default") => {
                 if let Some(mode) = a.string("mode")? {
                     if mode != "constant" {

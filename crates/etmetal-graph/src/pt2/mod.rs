@@ -280,9 +280,9 @@ fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Gra
     }
     if !unsupported.is_empty() {
         return Err(Error::unsupported(format!(
-            "{} unsupported node(s):\n  {}",
+            "{} unsupported node(s): {}",
             unsupported.len(),
-            unsupported.join("\n  ")
+            unsupported.join("; ")
         )));
     }
 
