@@ -4,6 +4,8 @@
 pub mod decompose;
 pub mod infer;
 pub mod ir;
+pub mod plan;
+pub mod portable;
 pub mod pt2;
 
 pub use decompose::{decompose, eliminate_dead_code};

@@ -1,0 +1,663 @@
+//! Rewrite the ops ExecuTorch's portable kernel library lacks into ones it
+//! has, as `to_edge` does (its `functions.yaml`): after this pass every node
+//! has a kernel in `etmetal_pte::kernels::encode`.
+//!
+//! - `MatMul` → `mm` (a 2-D right operand: the left one is flattened) or
+//!   `bmm` (batch dims broadcast with `Expand` and flattened), with
+//!   `Reshape`s for 1-D operands and the result;
+//! - `Silu` → `x * sigmoid(x)`; `Hardsigmoid` → `clamp(x + 3, 0, 6) / 6`;
+//!   `Hardswish` → `x * clamp(x + 3, 0, 6) / 6`;
+//! - `RmsNorm` → `x * rsqrt(mean(x * x) + eps) * weight`, in f32 for
+//!   reduced-precision inputs (as PyTorch does);
+//! - `Sdpa` → `softmax(q @ kᵀ * scale + mask) @ v` in f32 for reduced
+//!   precision, GQA heads repeated by reshape/expand, the causal mask a
+//!   constant;
+//! - `Reduce(All)` → `!any(!x)`; upper `Triangle` → `where(mask, x, 0)`;
+//! - 1-D max/avg/adaptive pooling → the 2-D kernels on `[N, C, 1, L]`.
+//!
+//! Each rewrite is checked to infer to the original outputs; new nodes are
+//! rewritten again (the `MatMul`s an `Sdpa` produces become `bmm`).
+
+use etmetal_core::{BinaryOp, DType, Error, Op, ReduceOp, Result, Tensor, UnaryOp};
+
+use crate::infer::infer;
+use crate::ir::{Graph, Node, ValueId};
+
+/// Rewrite `graph` in place to ops with a portable kernel (module docs).
+pub fn to_portable(graph: &mut Graph) -> Result<()> {
+    let mut pending: Vec<Node> = std::mem::take(&mut graph.nodes);
+    pending.reverse(); // a stack: the next node is the last
+    let mut done = Vec::with_capacity(pending.len());
+    while let Some(node) = pending.pop() {
+        match rewrite(graph, &node).map_err(|e| {
+            e.context(format!(
+                "to_portable: node `{}` ({})",
+                node.name, node.target
+            ))
+        })? {
+            Some(nodes) => pending.extend(nodes.into_iter().rev()),
+            None => done.push(node),
+        }
+    }
+    graph.nodes = done;
+    Ok(())
+}
+
+/// The replacement of one node: intermediates get new values, the last
+/// node writes the original outputs.
+struct Builder<'g> {
+    graph: &'g mut Graph,
+    base: &'g Node,
+    nodes: Vec<Node>,
+}
+
+impl Builder<'_> {
+    fn name(&self) -> String {
+        format!("{}.p{}", self.base.name, self.nodes.len())
+    }
+
+    fn node(&mut self, op: Op, inputs: &[Option<ValueId>]) -> Result<ValueId> {
+        let name = self.name();
+        let mut node = Node {
+            name,
+            target: self.base.target.clone(),
+            op,
+            inputs: inputs.to_vec(),
+            outputs: vec![],
+        };
+        let (dtype, shape) = infer(self.graph, &node)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::internal("a rewrite node with no output"))?;
+        let v = self
+            .graph
+            .add_value(format!("{}.out", node.name), dtype, shape);
+        node.outputs.push(v);
+        self.nodes.push(node);
+        Ok(v)
+    }
+
+    fn unary(&mut self, u: UnaryOp, x: ValueId) -> Result<ValueId> {
+        self.node(Op::Unary(u), &[Some(x)])
+    }
+
+    fn binary(&mut self, b: BinaryOp, x: ValueId, y: ValueId) -> Result<ValueId> {
+        self.node(Op::Binary(b), &[Some(x), Some(y)])
+    }
+
+    /// A 0-d constant of `dtype`.
+    fn scalar(&mut self, v: f64, dtype: DType) -> Result<ValueId> {
+        let name = format!("{}.c{}", self.base.name, self.graph.values.len());
+        Ok(self.graph.add_constant(name, Tensor::scalar_f64(dtype, v)?))
+    }
+
+    fn reshape(&mut self, x: ValueId, shape: Vec<usize>) -> Result<ValueId> {
+        if self.graph.value(x).shape == shape {
+            return Ok(x);
+        }
+        self.node(Op::Reshape { shape }, &[Some(x)])
+    }
+
+    fn expand(&mut self, x: ValueId, shape: Vec<usize>) -> Result<ValueId> {
+        if self.graph.value(x).shape == shape {
+            return Ok(x);
+        }
+        self.node(Op::Expand { shape }, &[Some(x)])
+    }
+
+    fn cast(&mut self, x: ValueId, dtype: DType) -> Result<ValueId> {
+        if self.graph.value(x).dtype == dtype {
+            return Ok(x);
+        }
+        self.node(Op::Cast { dtype }, &[Some(x)])
+    }
+
+    /// Make the last node write the original outputs (checked), or add a
+    /// copy when `v` is a graph value already (a rewrite that became a no-op).
+    fn finish(mut self, v: ValueId) -> Result<Vec<Node>> {
+        let [want] = self.base.outputs.as_slice() else {
+            return Err(Error::internal(
+                "rewrites of multi-output nodes are not written",
+            ));
+        };
+        let made_here = self.nodes.last().is_some_and(|n| n.outputs == [v]);
+        if !made_here {
+            let name = self.name();
+            self.nodes.push(Node {
+                name,
+                target: self.base.target.clone(),
+                op: Op::Reshape {
+                    shape: self.graph.value(v).shape.clone(),
+                },
+                inputs: vec![Some(v)],
+                outputs: vec![v],
+            });
+        }
+        let last = self
+            .nodes
+            .last_mut()
+            .ok_or_else(|| Error::internal("empty rewrite"))?;
+        last.outputs = vec![*want];
+        let got = infer(self.graph, last)?;
+        let info = self.graph.value(*want);
+        if got != [(info.dtype, info.shape.clone())] {
+            return Err(Error::internal(format!(
+                "rewrite infers {got:?}, the node had {:?} {:?}",
+                info.dtype, info.shape
+            )));
+        }
+        Ok(self.nodes)
+    }
+}
+
+fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
+    let input = |i: usize| node.inputs.get(i).copied().flatten();
+    let needs =
+        |i: usize| input(i).ok_or_else(|| Error::invalid_input(format!("input {i} is missing")));
+    let mut b = Builder {
+        graph,
+        base: node,
+        nodes: vec![],
+    };
+    let y = match &node.op {
+        Op::MatMul => {
+            let (x, w) = (needs(0)?, needs(1)?);
+            let (sa, sb) = (
+                b.graph.value(x).shape.clone(),
+                b.graph.value(w).shape.clone(),
+            );
+            let plain = (sa.len() == 2 && sb.len() == 2)
+                || (sa.len() == 3 && sb.len() == 3 && sa[0] == sb[0]);
+            if plain {
+                return Ok(None);
+            }
+            matmul(&mut b, x, w)?
+        }
+        Op::Unary(UnaryOp::Silu) => {
+            let x = needs(0)?;
+            let s = b.unary(UnaryOp::Sigmoid, x)?;
+            b.binary(BinaryOp::Mul, x, s)?
+        }
+        Op::Unary(u @ (UnaryOp::Hardsigmoid | UnaryOp::Hardswish)) => {
+            let x = needs(0)?;
+            let dtype = b.graph.value(x).dtype;
+            let three = b.scalar(3.0, dtype)?;
+            let six = b.scalar(6.0, dtype)?;
+            let t = b.binary(BinaryOp::Add, x, three)?;
+            let mut t = b.unary(
+                UnaryOp::Clamp {
+                    min: Some(0.0),
+                    max: Some(6.0),
+                },
+                t,
+            )?;
+            if *u == UnaryOp::Hardswish {
+                t = b.binary(BinaryOp::Mul, x, t)?;
+            }
+            b.binary(BinaryOp::Div, t, six)?
+        }
+        Op::RmsNorm {
+            normalized_dims,
+            eps,
+        } => {
+            let x = needs(0)?;
+            let info = b.graph.value(x).clone();
+            let eps = eps.unwrap_or(machine_eps(info.dtype));
+            let xf = b.cast(x, compute_dtype(info.dtype))?;
+            let sq = b.binary(BinaryOp::Mul, xf, xf)?;
+            let rank = info.shape.len();
+            let dims = (rank - normalized_dims.min(&rank)..rank).collect();
+            let ms = b.node(
+                Op::Reduce {
+                    op: ReduceOp::Mean,
+                    dims,
+                    keepdim: true,
+                },
+                &[Some(sq)],
+            )?;
+            let e = b.scalar(eps, compute_dtype(info.dtype))?;
+            let ms = b.binary(BinaryOp::Add, ms, e)?;
+            let r = b.unary(UnaryOp::Rsqrt, ms)?;
+            let y = b.binary(BinaryOp::Mul, xf, r)?;
+            let y = b.cast(y, info.dtype)?;
+            match input(1) {
+                Some(w) => b.binary(BinaryOp::Mul, y, w)?,
+                None => y,
+            }
+        }
+        Op::Sdpa {
+            is_causal,
+            scale,
+            enable_gqa,
+        } => sdpa(
+            &mut b,
+            [needs(0)?, needs(1)?, needs(2)?],
+            input(3),
+            *is_causal,
+            *scale,
+            *enable_gqa,
+        )?,
+        Op::Reduce {
+            op: ReduceOp::All,
+            dims,
+            keepdim,
+        } => {
+            let n = b.unary(UnaryOp::LogicalNot, needs(0)?)?;
+            let any = Op::Reduce {
+                op: ReduceOp::Any,
+                dims: dims.clone(),
+                keepdim: *keepdim,
+            };
+            let a = b.node(any, &[Some(n)])?;
+            b.unary(UnaryOp::LogicalNot, a)?
+        }
+        Op::Triangle {
+            upper: true,
+            diagonal,
+        } => {
+            let x = needs(0)?;
+            let info = b.graph.value(x).clone();
+            let [.., rows, cols] = info.shape[..] else {
+                return Err(Error::shape(format!("triu of a {:?} tensor", info.shape)));
+            };
+            let keep: Vec<u8> = (0..rows * cols)
+                .map(|i| ((i % cols) as i64 - (i / cols) as i64 >= *diagonal) as u8)
+                .collect();
+            let name = format!("{}.triu_mask", node.name);
+            let mask = b
+                .graph
+                .add_constant(name, Tensor::from_bytes(DType::Bool, &[rows, cols], &keep)?);
+            let zero = b.scalar(0.0, info.dtype)?;
+            b.node(Op::Where, &[Some(mask), Some(x), Some(zero)])?
+        }
+        Op::MaxPool {
+            kernel,
+            stride,
+            padding,
+            dilation,
+            ceil_mode,
+            with_indices: false,
+        } if kernel.len() == 1 => {
+            let op = Op::MaxPool {
+                kernel: vec![1, kernel[0]],
+                stride: vec![1, stride[0]],
+                padding: vec![0, padding[0]],
+                dilation: vec![1, dilation[0]],
+                ceil_mode: *ceil_mode,
+                with_indices: false,
+            };
+            pool_1d(&mut b, needs(0)?, op)?
+        }
+        Op::AvgPool {
+            kernel,
+            stride,
+            padding,
+            ceil_mode,
+            count_include_pad,
+            divisor_override,
+        } if kernel.len() == 1 => {
+            let op = Op::AvgPool {
+                kernel: vec![1, kernel[0]],
+                stride: vec![1, stride[0]],
+                padding: vec![0, padding[0]],
+                ceil_mode: *ceil_mode,
+                count_include_pad: *count_include_pad,
+                divisor_override: *divisor_override,
+            };
+            pool_1d(&mut b, needs(0)?, op)?
+        }
+        Op::AdaptiveAvgPool { output_size } if output_size.len() == 1 => {
+            let op = Op::AdaptiveAvgPool {
+                output_size: vec![1, output_size[0]],
+            };
+            pool_1d(&mut b, needs(0)?, op)?
+        }
+        _ => return Ok(None),
+    };
+    b.finish(y).map(Some)
+}
+
+/// f32 for the reduced-precision floats (PyTorch's opmath type), else the dtype.
+fn compute_dtype(d: DType) -> DType {
+    if matches!(d, DType::BF16 | DType::F16) {
+        DType::F32
+    } else {
+        d
+    }
+}
+
+/// `torch.finfo(dtype).eps`, the default `rms_norm` epsilon.
+fn machine_eps(d: DType) -> f64 {
+    match d {
+        DType::BF16 => 0.0078125,
+        DType::F16 => 0.0009765625,
+        DType::F64 => f64::EPSILON,
+        _ => f32::EPSILON as f64,
+    }
+}
+
+/// `torch.matmul` with `mm`/`bmm` (module docs).
+fn matmul(b: &mut Builder, x: ValueId, w: ValueId) -> Result<ValueId> {
+    let (mut sa, mut sb) = (
+        b.graph.value(x).shape.clone(),
+        b.graph.value(w).shape.clone(),
+    );
+    if sa.is_empty() || sb.is_empty() {
+        return Err(Error::shape(format!("matmul of {sa:?} and {sb:?}")));
+    }
+    if sa.len() == 1 {
+        sa.insert(0, 1);
+    }
+    if sb.len() == 1 {
+        sb.push(1);
+    }
+    let (x, w) = (b.reshape(x, sa.clone())?, b.reshape(w, sb.clone())?);
+    let (m, k, n) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 1]);
+    let y = if sb.len() == 2 {
+        let rows: usize = sa[..sa.len() - 1].iter().product();
+        let x2 = b.reshape(x, vec![rows, k])?;
+        b.node(Op::MatMul, &[Some(x2), Some(w)])?
+    } else {
+        let batch =
+            etmetal_core::shape::broadcast_shapes(&sa[..sa.len() - 2], &sb[..sb.len() - 2])?;
+        let count: usize = batch.iter().product();
+        let xe = b.expand(x, [batch.as_slice(), &[m, k]].concat())?;
+        let we = b.expand(w, [batch.as_slice(), &[k, n]].concat())?;
+        let x3 = b.reshape(xe, vec![count, m, k])?;
+        let w3 = b.reshape(we, vec![count, k, n])?;
+        b.node(Op::MatMul, &[Some(x3), Some(w3)])?
+    };
+    let out = b
+        .base
+        .outputs
+        .first()
+        .map(|v| b.graph.value(*v).shape.clone());
+    let out = out.ok_or_else(|| Error::internal("matmul without an output"))?;
+    b.reshape(y, out)
+}
+
+/// Attention by its definition (module docs).
+fn sdpa(
+    b: &mut Builder,
+    [q, k, v]: [ValueId; 3],
+    mask: Option<ValueId>,
+    is_causal: bool,
+    scale: Option<f64>,
+    enable_gqa: bool,
+) -> Result<ValueId> {
+    let dtype = b.graph.value(q).dtype;
+    let work = compute_dtype(dtype);
+    let (q, mut k, mut v) = (b.cast(q, work)?, b.cast(k, work)?, b.cast(v, work)?);
+    let sq = b.graph.value(q).shape.clone();
+    let r = sq.len();
+    if enable_gqa && r >= 3 {
+        k = repeat_heads(b, k, sq[r - 3])?;
+        v = repeat_heads(b, v, sq[r - 3])?;
+    }
+    let sk = b.graph.value(k).shape.clone();
+    let mut perm: Vec<usize> = (0..r).collect();
+    perm.swap(r - 2, r - 1);
+    let kt = b.node(Op::Permute { dims: perm }, &[Some(k)])?;
+    let scores = b.node(Op::MatMul, &[Some(q), Some(kt)])?;
+    let scale = scale.unwrap_or(1.0 / (sq[r - 1] as f64).sqrt());
+    let s = b.scalar(scale, work)?;
+    let mut scores = b.binary(BinaryOp::Mul, scores, s)?;
+    let neg_inf = b.scalar(f64::NEG_INFINITY, work)?;
+    if is_causal {
+        let (l, s_len) = (sq[r - 2], sk[r - 2]);
+        let keep: Vec<u8> = (0..l * s_len)
+            .map(|i| (i % s_len <= i / s_len) as u8)
+            .collect();
+        let name = format!("{}.causal_mask", b.base.name);
+        let m = b
+            .graph
+            .add_constant(name, Tensor::from_bytes(DType::Bool, &[l, s_len], &keep)?);
+        scores = b.node(Op::Where, &[Some(m), Some(scores), Some(neg_inf)])?;
+    }
+    if let Some(m) = mask {
+        scores = if b.graph.value(m).dtype == DType::Bool {
+            b.node(Op::Where, &[Some(m), Some(scores), Some(neg_inf)])?
+        } else {
+            let m = b.cast(m, work)?;
+            b.binary(BinaryOp::Add, scores, m)?
+        };
+    }
+    let p = b.node(
+        Op::Softmax {
+            dim: r - 1,
+            log: false,
+        },
+        &[Some(scores)],
+    )?;
+    let y = b.node(Op::MatMul, &[Some(p), Some(v)])?;
+    b.cast(y, dtype)
+}
+
+/// `[.., Hk, S, E]` → `[.., H, S, E]`, each head repeated `H / Hk` times
+/// in place (`repeat_interleave` on the head dim).
+fn repeat_heads(b: &mut Builder, x: ValueId, heads: usize) -> Result<ValueId> {
+    let s = b.graph.value(x).shape.clone();
+    let r = s.len();
+    let hk = s[r - 3];
+    if hk == heads {
+        return Ok(x);
+    }
+    if hk == 0 || !heads.is_multiple_of(hk) {
+        return Err(Error::shape(format!(
+            "{heads} query heads over {hk} key/value heads"
+        )));
+    }
+    let mut split = s.clone();
+    split.insert(r - 2, 1);
+    let x = b.reshape(x, split.clone())?;
+    split[r - 2] = heads / hk;
+    let x = b.expand(x, split)?;
+    let mut out = s;
+    out[r - 3] = heads;
+    b.reshape(x, out)
+}
+
+/// A 1-D pooling `op2d` (already widened to 2-D attributes) on `[N, C, 1, L]`.
+fn pool_1d(b: &mut Builder, x: ValueId, op2d: Op) -> Result<ValueId> {
+    let mut s = b.graph.value(x).shape.clone();
+    let at = s.len().saturating_sub(1);
+    s.insert(at, 1);
+    let x4 = b.reshape(x, s)?;
+    let y4 = b.node(op2d, &[Some(x4)])?;
+    let mut out = b.graph.value(y4).shape.clone();
+    out.remove(at);
+    b.reshape(y4, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{InputKind, OutputKind};
+
+    /// One node `op` over fresh user inputs of the given shapes (f32 unless
+    /// `dtypes` says), its output a graph output.
+    fn single(op: Op, inputs: &[(DType, &[usize])]) -> Graph {
+        let mut g = Graph::default();
+        let ins: Vec<_> = inputs
+            .iter()
+            .enumerate()
+            .map(|(i, (d, s))| {
+                let v = g.add_value(format!("in{i}"), *d, s.to_vec());
+                g.inputs.push((v, InputKind::User));
+                Some(v)
+            })
+            .collect();
+        let mut n = Node {
+            name: "n".into(),
+            target: "t".into(),
+            op,
+            inputs: ins,
+            outputs: vec![],
+        };
+        let (d, s) = infer(&g, &n).unwrap().remove(0);
+        let y = g.add_value("y", d, s);
+        n.outputs.push(y);
+        g.nodes.push(n);
+        g.outputs.push((y, OutputKind::User));
+        g
+    }
+
+    fn ops(g: &Graph) -> Vec<String> {
+        g.nodes.iter().map(|n| n.op.name()).collect()
+    }
+
+    /// Every node re-infers to its values, and only encodable shapes remain.
+    fn check(g: &Graph) {
+        for n in &g.nodes {
+            let want: Vec<_> = n
+                .outputs
+                .iter()
+                .map(|v| (g.value(*v).dtype, g.value(*v).shape.clone()))
+                .collect();
+            assert_eq!(infer(g, n).unwrap(), want, "node {}", n.name);
+            if n.op == Op::MatMul {
+                let (a, b) = (
+                    &g.value(n.inputs[0].unwrap()).shape,
+                    &g.value(n.inputs[1].unwrap()).shape,
+                );
+                assert!(
+                    (a.len(), b.len()) == (2, 2) || (a.len(), b.len()) == (3, 3) && a[0] == b[0],
+                    "{a:?} {b:?}"
+                );
+            }
+            assert!(!matches!(
+                n.op,
+                Op::Sdpa { .. } | Op::RmsNorm { .. } | Op::Unary(UnaryOp::Silu)
+            ));
+        }
+    }
+
+    const F: DType = DType::F32;
+
+    #[test]
+    fn matmul_shapes() {
+        for (a, b, want) in [
+            (
+                &[2, 5, 8][..],
+                &[8, 4][..],
+                vec!["reshape", "mat_mul", "reshape"],
+            ),
+            (&[2, 3, 4], &[2, 4, 5], vec!["mat_mul"]),
+            (
+                &[2, 1, 3, 4],
+                &[5, 4, 6],
+                vec![
+                    "expand", "expand", "reshape", "reshape", "mat_mul", "reshape",
+                ],
+            ),
+            (&[4], &[4, 6], vec!["reshape", "mat_mul", "reshape"]),
+            (
+                &[2, 3, 4],
+                &[4],
+                vec!["reshape", "reshape", "mat_mul", "reshape"],
+            ),
+        ] {
+            let mut g = single(Op::MatMul, &[(F, a), (F, b)]);
+            to_portable(&mut g).unwrap();
+            check(&g);
+            assert_eq!(ops(&g), want, "{a:?} @ {b:?}");
+        }
+    }
+
+    #[test]
+    fn activations_and_norms() {
+        let mut g = single(Op::Unary(UnaryOp::Silu), &[(F, &[2, 3])]);
+        to_portable(&mut g).unwrap();
+        check(&g);
+        assert_eq!(ops(&g), ["sigmoid", "mul"]);
+        let mut g = single(Op::Unary(UnaryOp::Hardswish), &[(F, &[2, 3])]);
+        to_portable(&mut g).unwrap();
+        assert_eq!(ops(&g), ["add", "clamp", "mul", "div"]);
+        let rms = Op::RmsNorm {
+            normalized_dims: 1,
+            eps: None,
+        };
+        let mut g = single(rms, &[(DType::BF16, &[2, 3, 8]), (DType::BF16, &[8])]);
+        to_portable(&mut g).unwrap();
+        check(&g);
+        assert_eq!(
+            ops(&g),
+            [
+                "cast",
+                "mul",
+                "reduce_mean",
+                "add",
+                "rsqrt",
+                "mul",
+                "cast",
+                "mul"
+            ]
+        );
+        let all = Op::Reduce {
+            op: ReduceOp::All,
+            dims: vec![1],
+            keepdim: false,
+        };
+        let mut g = single(all, &[(DType::Bool, &[2, 3])]);
+        to_portable(&mut g).unwrap();
+        check(&g);
+        assert_eq!(ops(&g), ["logical_not", "reduce_any", "logical_not"]);
+    }
+
+    #[test]
+    fn attention_becomes_bmm_and_softmax() {
+        let sdpa = Op::Sdpa {
+            is_causal: true,
+            scale: None,
+            enable_gqa: true,
+        };
+        let mut g = single(
+            sdpa,
+            &[(F, &[2, 4, 5, 8]), (F, &[2, 2, 5, 8]), (F, &[2, 2, 5, 8])],
+        );
+        to_portable(&mut g).unwrap();
+        check(&g);
+        let names = ops(&g);
+        assert_eq!(
+            names.iter().filter(|n| *n == "mat_mul").count(),
+            2,
+            "{names:?}"
+        );
+        assert!(names.contains(&"softmax".to_string()) && names.contains(&"where".to_string()));
+        // the causal mask is a lower-triangular constant
+        let mask = g
+            .values
+            .iter()
+            .position(|v| v.name.ends_with("causal_mask"))
+            .unwrap();
+        let m = g.constants[&ValueId(mask)].bytes().to_vec();
+        assert_eq!(&m[..6], &[1, 0, 0, 0, 0, 1]);
+    }
+
+    #[test]
+    fn pools_and_triu() {
+        let pool = Op::MaxPool {
+            kernel: vec![3],
+            stride: vec![2],
+            padding: vec![1],
+            dilation: vec![1],
+            ceil_mode: false,
+            with_indices: false,
+        };
+        let mut g = single(pool, &[(F, &[2, 4, 11])]);
+        to_portable(&mut g).unwrap();
+        check(&g);
+        assert_eq!(ops(&g), ["reshape", "max_pool", "reshape"]);
+        let mut g = single(
+            Op::Triangle {
+                upper: true,
+                diagonal: 1,
+            },
+            &[(F, &[3, 3])],
+        );
+        to_portable(&mut g).unwrap();
+        check(&g);
+        let mask = g.nodes[0].inputs[0].unwrap();
+        assert_eq!(g.constants[&mask].bytes(), &[0, 1, 1, 0, 0, 1, 0, 0, 0]);
+    }
+}
