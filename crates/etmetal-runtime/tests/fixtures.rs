@@ -147,11 +147,7 @@ impl Backend for Fill {
 impl DelegateHandle for FillHandle {
     fn execute(&mut self, args: &mut [DelegateArg]) -> Result<()> {
         if let Some(DelegateArg::Tensor(out)) = args.last_mut() {
-            *out = Tensor::from_f32(
-                out.dtype(),
-                &out.shape().to_vec(),
-                &vec![self.0; out.numel()],
-            )?;
+            *out = Tensor::from_f32(out.dtype(), out.shape(), &vec![self.0; out.numel()])?;
         }
         Ok(())
     }

@@ -53,8 +53,14 @@ pub fn decode_call(values: &[EValue], operator: &Operator, args: &[i32]) -> Resu
         args,
         name: &name,
     };
-    table(&a, operator.name.as_str(), operator.overload.as_str())
-        .map_err(|e| e.context(format!("kernel {name}")))
+    // Unsupported operators name themselves; other errors get the name as context.
+    table(&a, operator.name.as_str(), operator.overload.as_str()).map_err(|e| {
+        if e.message().contains(&name) {
+            e
+        } else {
+            e.context(format!("kernel {name}"))
+        }
+    })
 }
 
 /// The arguments of one call, read by schema position with type checks.
@@ -1100,4 +1106,634 @@ fn unsupported(a: &Args) -> Error {
         "ExecuTorch operator {} has no etmetal kernel",
         a.name
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schema::TensorShapeDynamism;
+    use etmetal_core::ErrorKind;
+
+    /// A value table built by hand, as ExecuTorch's emitter lays it out.
+    #[derive(Default)]
+    struct Values(Vec<EValue>);
+
+    impl Values {
+        fn push(&mut self, v: EValue) -> i32 {
+            self.0.push(v);
+            self.0.len() as i32 - 1
+        }
+        fn t(&mut self, dtype: DType, sizes: &[i32]) -> i32 {
+            self.push(EValue::Tensor(Tensor {
+                scalar_type: dtype,
+                storage_offset: 0,
+                sizes: sizes.to_vec(),
+                dim_order: (0..sizes.len() as u8).collect(),
+                requires_grad: false,
+                data_buffer_idx: 0,
+                allocation_info: None,
+                layout: 0,
+                shape_dynamism: TensorShapeDynamism::Static,
+                extra_tensor_info: None,
+            }))
+        }
+        fn f32(&mut self, sizes: &[i32]) -> i32 {
+            self.t(DType::F32, sizes)
+        }
+        fn int(&mut self, v: i64) -> i32 {
+            self.push(EValue::Int(v))
+        }
+        fn ints(&mut self, v: &[i64]) -> i32 {
+            let items = v.iter().map(|&x| self.int(x) as i64).collect();
+            self.push(EValue::IntList(items))
+        }
+        fn float(&mut self, v: f64) -> i32 {
+            self.push(EValue::Double(v))
+        }
+        fn bool(&mut self, v: bool) -> i32 {
+            self.push(EValue::Bool(v))
+        }
+        fn null(&mut self) -> i32 {
+            self.push(EValue::Null)
+        }
+        fn str(&mut self, s: &str) -> i32 {
+            self.push(EValue::String(s.into()))
+        }
+        fn list(&mut self, items: &[i32]) -> i32 {
+            self.push(EValue::TensorList(items.to_vec()))
+        }
+        fn call(&self, name: &str, args: &[i32]) -> Result<DecodedCall> {
+            let (name, overload) = name.split_once('.').unwrap();
+            let operator = Operator {
+                name: name.into(),
+                overload: overload.into(),
+            };
+            decode_call(&self.0, &operator, args)
+        }
+        /// The single op of a call, with its inputs and outputs as value indices.
+        fn one(&self, name: &str, args: &[i32]) -> (Op, Vec<Option<usize>>, Vec<usize>) {
+            let mut c = self.call(name, args).unwrap();
+            assert_eq!(c.ops.len(), 1, "{name}");
+            assert!(c.unwritten.is_empty(), "{name}");
+            let d = c.ops.remove(0);
+            (d.op, d.inputs, d.outputs)
+        }
+    }
+
+    fn u(i: i32) -> usize {
+        i as usize
+    }
+
+    #[test]
+    fn unary_family() {
+        let mut v = Values::default();
+        let (x, out) = (v.f32(&[2, 3]), v.f32(&[2, 3]));
+        let (op, ins, outs) = v.one("aten::relu.out", &[x, out, out]);
+        assert_eq!(
+            (op, ins, outs),
+            (Op::Unary(UnaryOp::Relu), vec![Some(u(x))], vec![u(out)])
+        );
+        let tanh = v.str("tanh");
+        assert_eq!(
+            v.one("aten::gelu.out", &[x, tanh, out, out]).0,
+            Op::Unary(UnaryOp::Gelu { tanh: true })
+        );
+        let (lo, hi) = (v.float(-0.5), v.float(0.75));
+        let want = Op::Unary(UnaryOp::Clamp {
+            min: Some(-0.5),
+            max: Some(0.75),
+        });
+        assert_eq!(v.one("aten::hardtanh.out", &[x, lo, hi, out, out]).0, want);
+        let none = v.null();
+        let want = Op::Unary(UnaryOp::Clamp {
+            min: None,
+            max: Some(0.75),
+        });
+        assert_eq!(v.one("aten::clamp.out", &[x, none, hi, out, out]).0, want);
+        let two = v.int(2);
+        let want = Op::Unary(UnaryOp::PowScalar { exponent: 2.0 });
+        assert_eq!(
+            v.one("aten::pow.Tensor_Scalar_out", &[x, two, out, out]).0,
+            want
+        );
+    }
+
+    #[test]
+    fn binary_family_and_scalar_operands() {
+        let mut v = Values::default();
+        let (x, y, out) = (v.f32(&[2, 3]), v.f32(&[3]), v.f32(&[2, 3]));
+        let (one, two, half) = (v.int(1), v.int(2), v.float(0.5));
+        let (op, ins, _) = v.one("aten::add.out", &[x, y, one, out, out]);
+        assert_eq!(
+            (op, ins),
+            (Op::Binary(BinaryOp::Add), vec![Some(u(x)), Some(u(y))])
+        );
+        let e = v.call("aten::sub.out", &[x, y, two, out, out]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        assert!(
+            e.to_string().contains("aten::sub.out with alpha = 2"),
+            "{e}"
+        );
+        // The scalar operand is the slot of its Double value.
+        let (op, ins, _) = v.one("aten::mul.Scalar_out", &[x, half, out, out]);
+        assert_eq!(
+            (op, ins),
+            (Op::Binary(BinaryOp::Mul), vec![Some(u(x)), Some(u(half))])
+        );
+        let (op, ins, _) = v.one("aten::rsub.Scalar_out", &[x, half, one, out, out]);
+        assert_eq!(
+            (op, ins),
+            (Op::Binary(BinaryOp::Sub), vec![Some(u(half)), Some(u(x))])
+        );
+        let floor = v.str("floor");
+        assert_eq!(
+            v.one("aten::div.out_mode", &[x, y, floor, out, out]).0,
+            Op::Binary(BinaryOp::FloorDiv)
+        );
+        let mask = v.t(DType::Bool, &[2, 3]);
+        assert_eq!(
+            v.one("aten::le.Scalar_out", &[x, two, mask, mask]).0,
+            Op::Binary(BinaryOp::Le)
+        );
+        // A tensor where a scalar belongs is a format error naming the position.
+        let e = v
+            .call("aten::mul.Scalar_out", &[x, y, out, out])
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("argument 1: expected a scalar, got Tensor"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn where_and_masked_fill() {
+        let mut v = Values::default();
+        let (c, a, b, out) = (
+            v.t(DType::Bool, &[3]),
+            v.f32(&[3]),
+            v.f32(&[3]),
+            v.f32(&[3]),
+        );
+        let (op, ins, _) = v.one("aten::where.self_out", &[c, a, b, out, out]);
+        assert_eq!(
+            (op, ins),
+            (Op::Where, vec![Some(u(c)), Some(u(a)), Some(u(b))])
+        );
+        let val = v.float(-1.0);
+        let (op, ins, _) = v.one("aten::masked_fill.Scalar_out", &[a, c, val, out, out]);
+        assert_eq!(
+            (op, ins),
+            (Op::Where, vec![Some(u(c)), Some(u(val)), Some(u(a))])
+        );
+    }
+
+    #[test]
+    fn reduction_family_normalises_dims() {
+        let mut v = Values::default();
+        let x = v.f32(&[3, 4, 5]);
+        let (dims, keep, none) = (v.ints(&[-1, 0]), v.bool(true), v.null());
+        let out = v.f32(&[1, 4, 1]);
+        let want = Op::Reduce {
+            op: ReduceOp::Sum,
+            dims: vec![2, 0],
+            keepdim: true,
+        };
+        assert_eq!(
+            v.one("aten::sum.IntList_out", &[x, dims, keep, none, out, out])
+                .0,
+            want
+        );
+        let want = Op::Reduce {
+            op: ReduceOp::Mean,
+            dims: vec![2, 0],
+            keepdim: true,
+        };
+        assert_eq!(
+            v.one("aten::mean.out", &[x, dims, keep, none, out, out]).0,
+            want
+        );
+        let (d1, no) = (v.int(-2), v.bool(false));
+        let b = v.t(DType::Bool, &[3, 5]);
+        let want = Op::Reduce {
+            op: ReduceOp::Any,
+            dims: vec![1],
+            keepdim: false,
+        };
+        assert_eq!(v.one("aten::any.out", &[x, d1, no, b, b]).0, want);
+        let zero = v.int(0);
+        let want = Op::Var {
+            dims: vec![2, 0],
+            correction: 0.0,
+            keepdim: true,
+        };
+        assert_eq!(
+            v.one("aten::var.correction_out", &[x, dims, zero, keep, out, out])
+                .0,
+            want
+        );
+        let idx = v.t(DType::I64, &[]);
+        let want = Op::ArgReduce {
+            max: true,
+            dim: None,
+            keepdim: false,
+        };
+        assert_eq!(v.one("aten::argmax.out", &[x, none, no, idx, idx]).0, want);
+        let (vals, inds) = (v.f32(&[3, 5]), v.t(DType::I64, &[3, 5]));
+        let list = v.list(&[vals, inds]);
+        let (op, _, outs) = v.one("aten::max.dim_max", &[x, d1, no, vals, inds, list]);
+        assert_eq!(
+            op,
+            Op::ReduceWithIndices {
+                max: true,
+                dim: 1,
+                keepdim: false
+            }
+        );
+        assert_eq!(outs, vec![u(vals), u(inds)]);
+        let (last, no2) = (v.int(-1), v.bool(false));
+        let want = Op::Softmax { dim: 2, log: true };
+        assert_eq!(
+            v.one("aten::_log_softmax.out", &[x, last, no2, x, x]).0,
+            want
+        );
+    }
+
+    #[test]
+    fn norms_report_unwritten_statistics() {
+        let mut v = Values::default();
+        let (x, w) = (v.f32(&[2, 3, 12]), v.f32(&[12]));
+        let (shape, none, eps) = (v.ints(&[12]), v.null(), v.float(1e-5));
+        let (out, mean, rstd) = (v.f32(&[2, 3, 12]), v.f32(&[2, 3, 1]), v.f32(&[2, 3, 1]));
+        let list = v.list(&[out, mean, rstd]);
+        let c = v
+            .call(
+                "aten::native_layer_norm.out",
+                &[x, shape, w, none, eps, out, mean, rstd, list],
+            )
+            .unwrap();
+        assert_eq!(c.ops.len(), 1);
+        assert_eq!(
+            c.ops[0].op,
+            Op::LayerNorm {
+                normalized_dims: 1,
+                eps: 1e-5
+            }
+        );
+        assert_eq!(c.ops[0].inputs, vec![Some(u(x)), Some(u(w)), None]);
+        assert_eq!(c.ops[0].outputs, vec![u(out)]);
+        assert_eq!(c.unwritten, vec![u(mean), u(rstd)]);
+
+        let (rm, rv, mom) = (v.f32(&[3]), v.f32(&[3]), v.float(0.1));
+        let x4 = v.f32(&[2, 3, 4, 4]);
+        let (o, s1, s2) = (v.f32(&[2, 3, 4, 4]), v.f32(&[0]), v.f32(&[0]));
+        let c = v
+            .call(
+                "aten::_native_batch_norm_legit_no_training.out",
+                &[x4, none, none, rm, rv, mom, eps, o, s1, s2],
+            )
+            .unwrap();
+        assert_eq!(c.ops[0].op, Op::BatchNorm { eps: 1e-5 });
+        assert_eq!(
+            c.ops[0].inputs,
+            vec![Some(u(x4)), None, None, Some(u(rm)), Some(u(rv))]
+        );
+        assert_eq!(c.unwritten, vec![u(s1), u(s2)]);
+        // The single-op entry point still returns the op.
+        let operator = Operator {
+            name: "aten::native_layer_norm".into(),
+            overload: "out".into(),
+        };
+        assert!(decode(
+            &v.0,
+            &operator,
+            &[x, shape, w, none, eps, out, mean, rstd, list]
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn matmul_conv_and_pool_family() {
+        let mut v = Values::default();
+        let (a, b, out) = (v.f32(&[4, 5]), v.f32(&[5, 2]), v.f32(&[4, 2]));
+        assert_eq!(v.one("aten::mm.out", &[a, b, out, out]).0, Op::MatMul);
+        let (bias, beta, alpha) = (v.f32(&[2]), v.float(0.5), v.int(1));
+        let want = Op::Addmm {
+            beta: 0.5,
+            alpha: 1.0,
+        };
+        assert_eq!(
+            v.one("aten::addmm.out", &[bias, a, b, beta, alpha, out, out])
+                .0,
+            want
+        );
+
+        let (x, w, none) = (v.f32(&[2, 4, 11, 11]), v.f32(&[8, 2, 3, 3]), v.null());
+        let (st, pad, dil, tr, opad, groups) = (
+            v.ints(&[2, 2]),
+            v.ints(&[2, 2]),
+            v.ints(&[2, 2]),
+            v.bool(false),
+            v.ints(&[0, 0]),
+            v.int(2),
+        );
+        let y = v.f32(&[2, 8, 5, 5]);
+        let (op, ins, _) = v.one(
+            "aten::convolution.out",
+            &[x, w, none, st, pad, dil, tr, opad, groups, y, y],
+        );
+        let want = Op::Convolution {
+            stride: vec![2, 2],
+            padding: vec![2, 2],
+            dilation: vec![2, 2],
+            transposed: false,
+            output_padding: vec![0, 0],
+            groups: 2,
+        };
+        assert_eq!((op, ins), (want, vec![Some(u(x)), Some(u(w)), None]));
+
+        let (k, empty, p0, d1, ceil) = (
+            v.ints(&[2, 2]),
+            v.ints(&[]),
+            v.ints(&[0, 0]),
+            v.ints(&[1, 1]),
+            v.bool(false),
+        );
+        let (pooled, idx) = (v.f32(&[2, 4, 5, 5]), v.t(DType::I64, &[2, 4, 5, 5]));
+        let list = v.list(&[pooled, idx]);
+        let (op, _, outs) = v.one(
+            "aten::max_pool2d_with_indices.out",
+            &[x, k, empty, p0, d1, ceil, pooled, idx, list],
+        );
+        let want = Op::MaxPool {
+            kernel: vec![2, 2],
+            stride: vec![2, 2],
+            padding: vec![0, 0],
+            dilation: vec![1, 1],
+            ceil_mode: false,
+            with_indices: true,
+        };
+        assert_eq!((op, outs), (want, vec![u(pooled), u(idx)]));
+        let (incl, none2) = (v.bool(true), v.null());
+        let (op, _, _) = v.one(
+            "aten::avg_pool2d.out",
+            &[x, k, empty, p0, ceil, incl, none2, pooled, pooled],
+        );
+        assert!(
+            matches!(op, Op::AvgPool { ref stride, count_include_pad: true, divisor_override: None, .. } if stride == &[2, 2])
+        );
+    }
+
+    #[test]
+    fn layout_family() {
+        let mut v = Values::default();
+        let x = v.f32(&[4, 6, 5]);
+        let dims = v.ints(&[-1, 0, 1]);
+        let y = v.f32(&[5, 4, 6]);
+        assert_eq!(
+            v.one("aten::permute_copy.out", &[x, dims, y, y]).0,
+            Op::Permute {
+                dims: vec![2, 0, 1]
+            }
+        );
+        let (d0, d1) = (v.int(0), v.int(-1));
+        let yt = v.f32(&[5, 6, 4]);
+        assert_eq!(
+            v.one("aten::transpose_copy.int_out", &[x, d0, d1, yt, yt])
+                .0,
+            Op::Permute {
+                dims: vec![2, 1, 0]
+            }
+        );
+        // Slice bounds clamp like PyTorch: start -100 → 0, end i64::MAX → 6.
+        let (dim, start, end, step) = (v.int(1), v.int(-100), v.int(i64::MAX), v.int(2));
+        let s = v.f32(&[4, 3, 5]);
+        let want = Op::Slice {
+            dim: 1,
+            start: 0,
+            end: 6,
+            step: 2,
+        };
+        assert_eq!(
+            v.one(
+                "aten::slice_copy.Tensor_out",
+                &[x, dim, start, end, step, s, s]
+            )
+            .0,
+            want
+        );
+        let (none, three) = (v.null(), v.int(-3));
+        let want = Op::Slice {
+            dim: 1,
+            start: 3,
+            end: 6,
+            step: 2,
+        };
+        assert_eq!(
+            v.one(
+                "aten::slice_copy.Tensor_out",
+                &[x, dim, three, none, step, s, s]
+            )
+            .0,
+            want
+        );
+        let (d2, last) = (v.int(2), v.int(-1));
+        let sel = v.f32(&[4, 6]);
+        assert_eq!(
+            v.one("aten::select_copy.int_out", &[x, d2, last, sel, sel])
+                .0,
+            Op::Select { dim: 2, index: 4 }
+        );
+        let flat = v.f32(&[24, 5]);
+        let size = v.ints(&[-1, 5]);
+        assert_eq!(
+            v.one("aten::view_copy.out", &[x, size, flat, flat]).0,
+            Op::Reshape { shape: vec![24, 5] }
+        );
+        let (b, cd) = (v.f32(&[4, 2, 5]), v.int(-2));
+        let items = v.list(&[x, b]);
+        let c = v.f32(&[4, 8, 5]);
+        let (op, ins, _) = v.one("aten::cat.out", &[items, cd, c, c]);
+        assert_eq!(
+            (op, ins),
+            (Op::Cat { dim: 1 }, vec![Some(u(x)), Some(u(b))])
+        );
+        let (e, sz, implicit) = (
+            v.f32(&[2, 4, 6, 5]),
+            v.ints(&[2, -1, -1, -1]),
+            v.bool(false),
+        );
+        assert_eq!(
+            v.one("aten::expand_copy.out", &[x, sz, implicit, e, e]).0,
+            Op::Expand {
+                shape: vec![2, 4, 6, 5]
+            }
+        );
+    }
+
+    #[test]
+    fn split_becomes_one_slice_per_piece() {
+        let mut v = Values::default();
+        let x = v.f32(&[4, 6]);
+        let (sizes, dim) = (v.ints(&[1, 2, 3]), v.int(-1));
+        let (a, b, c) = (v.f32(&[4, 1]), v.f32(&[4, 2]), v.f32(&[4, 3]));
+        let outs = v.list(&[a, b, c]);
+        let call = v
+            .call(
+                "aten::split_with_sizes_copy.out",
+                &[x, sizes, dim, outs, outs],
+            )
+            .unwrap();
+        let slices: Vec<_> = call
+            .ops
+            .iter()
+            .map(|d| (d.op.clone(), d.outputs.clone()))
+            .collect();
+        assert_eq!(
+            slices,
+            vec![
+                (
+                    Op::Slice {
+                        dim: 1,
+                        start: 0,
+                        end: 1,
+                        step: 1
+                    },
+                    vec![u(a)]
+                ),
+                (
+                    Op::Slice {
+                        dim: 1,
+                        start: 1,
+                        end: 3,
+                        step: 1
+                    },
+                    vec![u(b)]
+                ),
+                (
+                    Op::Slice {
+                        dim: 1,
+                        start: 3,
+                        end: 6,
+                        step: 1
+                    },
+                    vec![u(c)]
+                ),
+            ]
+        );
+        let operator = Operator {
+            name: "aten::split_with_sizes_copy".into(),
+            overload: "out".into(),
+        };
+        let e = decode(&v.0, &operator, &[x, sizes, dim, outs, outs]).unwrap_err();
+        assert!(e.to_string().contains("decodes to 3 ops"), "{e}");
+    }
+
+    #[test]
+    fn creation_and_cast_family_take_the_out_tensor() {
+        let mut v = Values::default();
+        let x = v.f32(&[2, 3]);
+        let (zero, fmt) = (v.int(0), v.int(1));
+        let out = v.t(DType::I64, &[2, 3]);
+        let want = Op::Full {
+            shape: vec![2, 3],
+            value: Scalar::Int(0),
+            dtype: DType::I64,
+        };
+        assert_eq!(
+            v.one("aten::full_like.out", &[x, zero, fmt, out, out]).0,
+            want
+        );
+        let (s, e, st) = (v.int(0), v.int(7), v.int(1));
+        let r = v.t(DType::I64, &[7]);
+        let want = Op::Arange {
+            start: Scalar::Int(0),
+            end: Scalar::Int(7),
+            step: Scalar::Int(1),
+            dtype: DType::I64,
+        };
+        assert_eq!(v.one("aten::arange.start_out", &[s, e, st, r, r]).0, want);
+        let ninf = v.float(f64::NEG_INFINITY);
+        let t0 = v.f32(&[]);
+        let want = Op::Full {
+            shape: vec![],
+            value: Scalar::Float(f64::NEG_INFINITY),
+            dtype: DType::F32,
+        };
+        assert_eq!(v.one("aten::scalar_tensor.out", &[ninf, t0, t0]).0, want);
+        let (nb, order) = (v.bool(false), v.ints(&[0, 1]));
+        let h = v.t(DType::F16, &[2, 3]);
+        let (op, ins, _) = v.one(
+            "dim_order_ops::_to_dim_order_copy.out",
+            &[x, nb, order, h, h],
+        );
+        assert_eq!(
+            (op, ins),
+            (Op::Cast { dtype: DType::F16 }, vec![Some(u(x))])
+        );
+        let swapped = v.ints(&[1, 0]);
+        let e = v
+            .call(
+                "dim_order_ops::_clone_dim_order.out",
+                &[x, nb, swapped, h, h],
+            )
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        assert!(e.to_string().contains("dim_order [1, 0]"), "{e}");
+    }
+
+    #[test]
+    fn indexing_family() {
+        let mut v = Values::default();
+        let (x, i, j) = (
+            v.f32(&[5, 6, 4]),
+            v.t(DType::I64, &[3]),
+            v.t(DType::I64, &[3]),
+        );
+        let list = v.push(EValue::OptionalTensorList(vec![-1, i]));
+        let out = v.f32(&[5, 3, 4]);
+        let (op, ins, _) = v.one("aten::index.Tensor_out", &[x, list, out, out]);
+        assert_eq!((op, ins), (Op::Index, vec![Some(u(x)), None, Some(u(i))]));
+        let d = v.int(-2);
+        let (op, ins, _) = v.one("aten::index_select.out", &[x, d, j, out, out]);
+        assert_eq!(
+            (op, ins),
+            (Op::IndexSelect { dim: 1 }, vec![Some(u(x)), Some(u(j))])
+        );
+        let (w, idx) = (v.f32(&[20, 8]), v.t(DType::I64, &[2, 5]));
+        let (pad, f) = (v.int(-1), v.bool(false));
+        let e = v.f32(&[2, 5, 8]);
+        assert_eq!(
+            v.one("aten::embedding.out", &[w, idx, pad, f, f, e, e]).1,
+            vec![Some(u(w)), Some(u(idx))]
+        );
+    }
+
+    #[test]
+    fn malformed_and_unknown_calls_are_errors() {
+        let mut v = Values::default();
+        let x = v.f32(&[2]);
+        let e = v.call("aten::frobnicate.out", &[x, x, x]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        assert!(e.to_string().contains("aten::frobnicate.out"), "{e}");
+        let e = v.call("aten::relu.out", &[x]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("aten::relu.out: argument 1 is missing"),
+            "{e}"
+        );
+        let e = v.call("aten::relu.out", &[x, 99, 99]).unwrap_err();
+        assert!(
+            e.to_string().contains("value index 99 is out of range"),
+            "{e}"
+        );
+        let bad_list = v.push(EValue::IntList(vec![x as i64]));
+        let e = v
+            .call("aten::permute_copy.out", &[x, bad_list, x, x])
+            .unwrap_err();
+        assert!(e.to_string().contains("is Tensor, not an Int"), "{e}");
+        let (d, no) = (v.int(3), v.bool(false));
+        let e = v.call("aten::_softmax.out", &[x, d, no, x, x]).unwrap_err();
+        assert!(e.to_string().contains("dim 3 is out of range"), "{e}");
+    }
 }
