@@ -4,6 +4,7 @@
 //! archive into the graph IR (decomposed to the core op set) and
 //! [`Model::execute`] evaluates it with the CPU kernels.
 
+pub mod compile;
 mod eval;
 mod model;
 
