@@ -52,7 +52,7 @@ fn opt(inputs: &[Option<TensorMeta>], slot: usize) -> CallArg {
     }
 }
 
-fn meta<'a>(metas: &'a [Option<TensorMeta>], slot: usize) -> Result<&'a TensorMeta> {
+fn meta(metas: &[Option<TensorMeta>], slot: usize) -> Result<&TensorMeta> {
     metas
         .get(slot)
         .and_then(Option::as_ref)
