@@ -36,7 +36,12 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
-        Error { kind, message: message.into(), context: Vec::new(), source: None }
+        Error {
+            kind,
+            message: message.into(),
+            context: Vec::new(),
+            source: None,
+        }
     }
     pub fn format(message: impl Into<String>) -> Error {
         Error::new(ErrorKind::Format, message)
@@ -92,7 +97,9 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source.as_deref().map(|e| e as &(dyn std::error::Error + 'static))
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
     }
 }
 
@@ -117,7 +124,9 @@ mod tests {
 
     #[test]
     fn context_reads_outside_in() {
-        let e = Error::format("bad magic").context("header").context("m.pte");
+        let e = Error::format("bad magic")
+            .context("header")
+            .context("m.pte");
         assert_eq!(e.to_string(), "m.pte: header: bad magic");
         assert_eq!(e.kind(), ErrorKind::Format);
         assert!(e.is_user_error());

@@ -40,14 +40,26 @@ fn dtype_of_descr(d: &str) -> Option<DType> {
 
 /// Encode a tensor as `.npy` bytes (bf16 becomes float32).
 pub fn encode(tensor: &Tensor) -> Result<Vec<u8>> {
-    let t = if tensor.dtype() == DType::BF16 { tensor.cast(DType::F32)? } else { tensor.clone() };
+    let t = if tensor.dtype() == DType::BF16 {
+        tensor.cast(DType::F32)?
+    } else {
+        tensor.clone()
+    };
     let shape = match t.shape() {
         [] => "()".to_string(),
         [d] => format!("({d},)"),
-        dims => format!("({})", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
+        dims => format!(
+            "({})",
+            dims.iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
     };
-    let mut header =
-        format!("{{'descr': '{}', 'fortran_order': False, 'shape': {shape}, }}", descr(t.dtype()));
+    let mut header = format!(
+        "{{'descr': '{}', 'fortran_order': False, 'shape': {shape}, }}",
+        descr(t.dtype())
+    );
     // magic + version + u16 len + header + '\n' padded to 64 bytes
     let unpadded = MAGIC.len() + 2 + 2 + header.len() + 1;
     header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
@@ -72,7 +84,10 @@ pub fn decode(bytes: &[u8]) -> Result<Tensor> {
             if bytes.len() < 12 {
                 return Err(Error::format(".npy header is truncated"));
             }
-            (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12)
+            (
+                u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
+                12,
+            )
         }
         v => return Err(Error::unsupported(format!(".npy format version {v}"))),
     };
@@ -96,10 +111,13 @@ pub fn decode(bytes: &[u8]) -> Result<Tensor> {
         .strip_prefix('\'')
         .and_then(|r| r.split('\'').next())
         .ok_or_else(|| Error::format(format!(".npy descr is malformed: {header}")))?;
-    let dtype = dtype_of_descr(descr)
-        .ok_or_else(|| Error::unsupported(format!(".npy dtype '{descr}' (big-endian or unsupported)")))?;
+    let dtype = dtype_of_descr(descr).ok_or_else(|| {
+        Error::unsupported(format!(".npy dtype '{descr}' (big-endian or unsupported)"))
+    })?;
     if field("fortran_order")?.starts_with("True") {
-        return Err(Error::unsupported(".npy in Fortran order; save with np.ascontiguousarray"));
+        return Err(Error::unsupported(
+            ".npy in Fortran order; save with np.ascontiguousarray",
+        ));
     }
     let shape_text = field("shape")?;
     let inner = shape_text
@@ -110,7 +128,10 @@ pub fn decode(bytes: &[u8]) -> Result<Tensor> {
         .split(',')
         .map(str::trim)
         .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<usize>().map_err(|_| Error::format(format!(".npy shape entry '{s}' is not a size"))))
+        .map(|s| {
+            s.parse::<usize>()
+                .map_err(|_| Error::format(format!(".npy shape entry '{s}' is not a size")))
+        })
         .collect::<Result<Vec<_>>>()?;
     Tensor::from_bytes(dtype, &shape, &bytes[end..]).map_err(|e| e.context(".npy data"))
 }
@@ -133,7 +154,11 @@ mod tests {
         for dtype in DType::ALL {
             let t = Tensor::from_i64(dtype, &[2, 3], &[0, 1, 0, 1, 1, 0]).unwrap();
             let back = decode(&encode(&t).unwrap()).unwrap();
-            let expect = if dtype == DType::BF16 { DType::F32 } else { dtype };
+            let expect = if dtype == DType::BF16 {
+                DType::F32
+            } else {
+                dtype
+            };
             assert_eq!(back.dtype(), expect);
             assert_eq!(back.shape(), &[2, 3]);
             assert_eq!(back.to_f64_vec(), t.to_f64_vec());
@@ -153,7 +178,10 @@ mod tests {
         assert!(decode(b"hello").is_err());
         let mut bytes = encode(&Tensor::zeros(DType::F32, &[4]).unwrap()).unwrap();
         bytes.truncate(bytes.len() - 1);
-        assert!(decode(&bytes).unwrap_err().to_string().contains("bytes given"));
+        assert!(decode(&bytes)
+            .unwrap_err()
+            .to_string()
+            .contains("bytes given"));
         let fortran = b"\x93NUMPY\x01\x00\x46\x00{'descr': '<f4', 'fortran_order': True, 'shape': (1,), }      \n";
         assert!(decode(fortran).is_err());
     }

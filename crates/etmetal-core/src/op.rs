@@ -42,7 +42,9 @@ impl Scalar {
 pub enum UnaryOp {
     Relu,
     /// `gelu(x, approximate='none'|'tanh')`
-    Gelu { tanh: bool },
+    Gelu {
+        tanh: bool,
+    },
     Silu,
     Sigmoid,
     Tanh,
@@ -62,11 +64,18 @@ pub enum UnaryOp {
     Sign,
     Hardswish,
     Hardsigmoid,
-    LeakyRelu { slope: f64 },
+    LeakyRelu {
+        slope: f64,
+    },
     /// `clamp(x, min, max)`; `relu6`/`hardtanh` are clamps.
-    Clamp { min: Option<f64>, max: Option<f64> },
+    Clamp {
+        min: Option<f64>,
+        max: Option<f64>,
+    },
     /// `pow(x, exponent)` with a scalar exponent.
-    PowScalar { exponent: f64 },
+    PowScalar {
+        exponent: f64,
+    },
     LogicalNot,
     /// `bitwise_not`; on bool it is logical not.
     BitwiseNot,
@@ -108,7 +117,10 @@ impl BinaryOp {
     /// Whether the result is bool regardless of the inputs.
     pub fn is_predicate(self) -> bool {
         use BinaryOp::*;
-        matches!(self, Eq | Ne | Lt | Le | Gt | Ge | LogicalAnd | LogicalOr | LogicalXor)
+        matches!(
+            self,
+            Eq | Ne | Lt | Le | Gt | Ge | LogicalAnd | LogicalOr | LogicalXor
+        )
     }
 }
 
@@ -144,24 +156,48 @@ pub enum Op {
 
     /// `[x]` → `[y]`: reduce `dims` (all dims when empty); the output dtype
     /// is the node's (sum of ints gives int64, `dtype=` overrides).
-    Reduce { op: ReduceOp, dims: Vec<usize>, keepdim: bool },
+    Reduce {
+        op: ReduceOp,
+        dims: Vec<usize>,
+        keepdim: bool,
+    },
     /// `[x]` → `[y]`: variance with Bessel-style `correction` (0 or 1 usually).
-    Var { dims: Vec<usize>, correction: f64, keepdim: bool },
+    Var {
+        dims: Vec<usize>,
+        correction: f64,
+        keepdim: bool,
+    },
     /// `[x]` → `[indices]` (int64); `dim: None` reduces the flattened tensor.
-    ArgReduce { max: bool, dim: Option<usize>, keepdim: bool },
+    ArgReduce {
+        max: bool,
+        dim: Option<usize>,
+        keepdim: bool,
+    },
     /// `[x]` → `[values, indices]`: `max.dim` / `min.dim`.
-    ReduceWithIndices { max: bool, dim: usize, keepdim: bool },
+    ReduceWithIndices {
+        max: bool,
+        dim: usize,
+        keepdim: bool,
+    },
     /// `[x]` → `[y]`: `cumsum(dim)`; output dtype is the node's.
     CumSum { dim: usize },
     /// `[x]` → `[y]`: `softmax` / `log_softmax` over `dim`.
     Softmax { dim: usize, log: bool },
     /// `[x]` → `[values, indices]`.
-    TopK { k: usize, dim: usize, largest: bool, sorted: bool },
+    TopK {
+        k: usize,
+        dim: usize,
+        largest: bool,
+        sorted: bool,
+    },
 
     /// `[x, weight?, bias?]` → `[y]`: over the last `normalized_dims` dims.
     LayerNorm { normalized_dims: usize, eps: f64 },
     /// `[x, weight?]` → `[y]`; `eps: None` means `finfo(dtype).eps`.
-    RmsNorm { normalized_dims: usize, eps: Option<f64> },
+    RmsNorm {
+        normalized_dims: usize,
+        eps: Option<f64>,
+    },
     /// `[x, weight?, bias?, running_mean, running_var]` → `[y]`: eval-mode
     /// batch norm over dim 1.
     BatchNorm { eps: f64 },
@@ -208,7 +244,11 @@ pub enum Op {
     /// `[q, k, v, mask?]` → `[y]`: scaled dot-product attention; a bool mask
     /// keeps `true` positions, a float mask is added to the scores.
     /// `enable_gqa` repeats k/v heads to match q's.
-    Sdpa { is_causal: bool, scale: Option<f64>, enable_gqa: bool },
+    Sdpa {
+        is_causal: bool,
+        scale: Option<f64>,
+        enable_gqa: bool,
+    },
 
     /// `[weight, indices]` → `[y]`
     Embedding,
@@ -221,7 +261,12 @@ pub enum Op {
     Expand { shape: Vec<usize> },
     /// `[x]` → `[y]`: `start..end` by `step` along `dim`, already clamped to
     /// the dim (`end >= start`).
-    Slice { dim: usize, start: usize, end: usize, step: usize },
+    Slice {
+        dim: usize,
+        start: usize,
+        end: usize,
+        step: usize,
+    },
     /// `[x]` → `[y]`: index `index` of `dim`, which is removed.
     Select { dim: usize, index: usize },
     /// `[x0, x1, …]` → `[y]`
@@ -242,9 +287,18 @@ pub enum Op {
     Repeat { repeats: Vec<usize> },
 
     /// `[]` → `[y]`: `full`, `zeros`, `ones`, `*_like`, `scalar_tensor`.
-    Full { shape: Vec<usize>, value: Scalar, dtype: DType },
+    Full {
+        shape: Vec<usize>,
+        value: Scalar,
+        dtype: DType,
+    },
     /// `[]` → `[y]`: `arange(start, end, step)`.
-    Arange { start: Scalar, end: Scalar, step: Scalar, dtype: DType },
+    Arange {
+        start: Scalar,
+        end: Scalar,
+        step: Scalar,
+        dtype: DType,
+    },
 }
 
 impl Op {
@@ -284,9 +338,22 @@ mod tests {
         assert_eq!(Op::Binary(BinaryOp::FloorDiv).name(), "floor_div");
         assert_eq!(Op::MatMul.name(), "mat_mul");
         assert_eq!(
-            Op::Reduce { op: ReduceOp::Sum, dims: vec![], keepdim: false }.name(),
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                dims: vec![],
+                keepdim: false
+            }
+            .name(),
             "reduce_sum"
         );
-        assert_eq!(Op::Sdpa { is_causal: true, scale: None, enable_gqa: false }.name(), "sdpa");
+        assert_eq!(
+            Op::Sdpa {
+                is_causal: true,
+                scale: None,
+                enable_gqa: false
+            }
+            .name(),
+            "sdpa"
+        );
     }
 }

@@ -6,8 +6,11 @@ use crate::error::{Error, Result};
 /// Number of elements, or an error when the product overflows.
 pub fn numel(shape: &[usize]) -> Result<usize> {
     shape.iter().try_fold(1usize, |acc, &d| {
-        acc.checked_mul(d)
-            .ok_or_else(|| Error::limit(format!("shape {shape:?} has more elements than fit in memory")))
+        acc.checked_mul(d).ok_or_else(|| {
+            Error::limit(format!(
+                "shape {shape:?} has more elements than fit in memory"
+            ))
+        })
     })
 }
 
@@ -47,13 +50,25 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
     let rank = a.len().max(b.len());
     let mut out = vec![0; rank];
     for i in 0..rank {
-        let da = if i < rank - a.len() { 1 } else { a[i - (rank - a.len())] };
-        let db = if i < rank - b.len() { 1 } else { b[i - (rank - b.len())] };
+        let da = if i < rank - a.len() {
+            1
+        } else {
+            a[i - (rank - a.len())]
+        };
+        let db = if i < rank - b.len() {
+            1
+        } else {
+            b[i - (rank - b.len())]
+        };
         out[i] = match (da, db) {
             (x, y) if x == y => x,
             (1, y) => y,
             (x, 1) => x,
-            _ => return Err(Error::shape(format!("shapes {a:?} and {b:?} do not broadcast"))),
+            _ => {
+                return Err(Error::shape(format!(
+                    "shapes {a:?} and {b:?} do not broadcast"
+                )))
+            }
         };
     }
     Ok(out)
@@ -80,7 +95,9 @@ pub fn normalize_dim(dim: i64, rank: usize) -> Result<usize> {
     let r = rank as i64;
     let d = if dim < 0 { dim + r } else { dim };
     if d < 0 || d >= r.max(1) {
-        return Err(Error::shape(format!("dim {dim} is out of range for a tensor of rank {rank}")));
+        return Err(Error::shape(format!(
+            "dim {dim} is out of range for a tensor of rank {rank}"
+        )));
     }
     Ok(d as usize)
 }
@@ -101,7 +118,10 @@ mod tests {
 
     #[test]
     fn broadcasting() {
-        assert_eq!(broadcast_shapes(&[2, 1, 4], &[3, 1]).unwrap(), vec![2, 3, 4]);
+        assert_eq!(
+            broadcast_shapes(&[2, 1, 4], &[3, 1]).unwrap(),
+            vec![2, 3, 4]
+        );
         assert!(broadcast_shapes(&[2, 3], &[4]).is_err());
         assert_eq!(broadcast_strides(&[3, 1], &[2, 3, 4]), vec![0, 1, 0]);
     }

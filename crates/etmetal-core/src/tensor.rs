@@ -20,7 +20,11 @@ enum Bytes {
     /// Owned, 8-byte aligned so every dtype can be viewed in place.
     Owned { words: Vec<u64>, len: usize },
     /// A window into shared memory (a mapped file, a loaded archive).
-    Shared { data: Arc<dyn AsRef<[u8]> + Send + Sync>, offset: usize, len: usize },
+    Shared {
+        data: Arc<dyn AsRef<[u8]> + Send + Sync>,
+        offset: usize,
+        len: usize,
+    },
 }
 
 impl Bytes {
@@ -55,7 +59,14 @@ impl Tensor {
     /// A zero-filled tensor.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Tensor> {
         let len = byte_len(dtype, shape)?;
-        Ok(Tensor { dtype, shape: shape.to_vec(), bytes: Bytes::Owned { words: vec![0; len.div_ceil(8)], len } })
+        Ok(Tensor {
+            dtype,
+            shape: shape.to_vec(),
+            bytes: Bytes::Owned {
+                words: vec![0; len.div_ceil(8)],
+                len,
+            },
+        })
     }
 
     /// A tensor from raw little-endian bytes; the length must match.
@@ -87,7 +98,11 @@ impl Tensor {
                 offset.saturating_add(len)
             )));
         }
-        Ok(Tensor { dtype, shape: shape.to_vec(), bytes: Bytes::Shared { data, offset, len } })
+        Ok(Tensor {
+            dtype,
+            shape: shape.to_vec(),
+            bytes: Bytes::Shared { data, offset, len },
+        })
     }
 
     /// A tensor from typed values; `T` must be the storage type of `dtype`
@@ -146,7 +161,10 @@ impl Tensor {
         }
         let mut t = Tensor::zeros(dtype, shape)?;
         if values.len() != t.numel() {
-            return Err(Error::internal(format!("{} values given for shape {shape:?}", values.len())));
+            return Err(Error::internal(format!(
+                "{} values given for shape {shape:?}",
+                values.len()
+            )));
         }
         let w = dtype.size();
         let out = t.bytes_mut();
@@ -251,7 +269,10 @@ impl Tensor {
     /// Every element converted to f32.
     pub fn to_f32_vec(&self) -> Vec<f32> {
         match self.dtype {
-            DType::F32 => self.values::<f32>().map(|v| v.into_owned()).unwrap_or_default(),
+            DType::F32 => self
+                .values::<f32>()
+                .map(|v| v.into_owned())
+                .unwrap_or_default(),
             _ => self.to_f64_vec().into_iter().map(|v| v as f32).collect(),
         }
     }
@@ -261,9 +282,18 @@ impl Tensor {
         let b = self.bytes();
         let w = self.dtype.size();
         match self.dtype {
-            DType::I64 => b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect(),
-            DType::I32 => b.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64).collect(),
-            DType::I16 => b.chunks_exact(2).map(|c| i16::from_le_bytes(c.try_into().unwrap()) as i64).collect(),
+            DType::I64 => b
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            DType::I32 => b
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
+                .collect(),
+            DType::I16 => b
+                .chunks_exact(2)
+                .map(|c| i16::from_le_bytes(c.try_into().unwrap()) as i64)
+                .collect(),
             DType::I8 => b.iter().map(|&v| v as i8 as i64).collect(),
             DType::U8 | DType::Bool => b.iter().map(|&v| v as i64).collect(),
             _ => {
@@ -281,7 +311,11 @@ impl Tensor {
                 self.shape
             )));
         }
-        Ok(Tensor { dtype: self.dtype, shape: shape.to_vec(), bytes: self.bytes.clone() })
+        Ok(Tensor {
+            dtype: self.dtype,
+            shape: shape.to_vec(),
+            bytes: self.bytes.clone(),
+        })
     }
 
     /// Converted to another dtype (same conversions as [`Tensor::from_f64`];
@@ -325,7 +359,10 @@ mod tests {
     #[test]
     fn casts_and_sizes() {
         let t = Tensor::from_i64(DType::I64, &[3], &[i64::MAX, -1, 0]).unwrap();
-        assert_eq!(t.cast(DType::I64).unwrap().to_i64_vec(), vec![i64::MAX, -1, 0]);
+        assert_eq!(
+            t.cast(DType::I64).unwrap().to_i64_vec(),
+            vec![i64::MAX, -1, 0]
+        );
         assert_eq!(t.cast(DType::Bool).unwrap().to_i64_vec(), vec![1, 1, 0]);
         assert!(Tensor::from_bytes(DType::F32, &[2], &[0; 7]).is_err());
         assert!(Tensor::zeros(DType::F64, &[usize::MAX / 4, 4]).is_err());

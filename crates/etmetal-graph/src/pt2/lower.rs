@@ -1178,7 +1178,13 @@ impl<'m> Lowerer<'m> {
                 let shape = self.shape(x);
                 let mut expanded = shape.clone();
                 expanded.insert(d + 1, 1);
-                let u = self.emit1(c, Op::Reshape { shape: expanded.clone() }, vec![Some(x)])?;
+                let u = self.emit1(
+                    c,
+                    Op::Reshape {
+                        shape: expanded.clone(),
+                    },
+                    vec![Some(x)],
+                )?;
                 expanded[d + 1] = repeats;
                 let e = self.emit1(c, Op::Expand { shape: expanded }, vec![Some(u)])?;
                 let mut sizes: Vec<i64> = shape.iter().map(|&n| n as i64).collect();
