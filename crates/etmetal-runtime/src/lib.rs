@@ -3,6 +3,23 @@
 //! [`Program::load`] maps and verifies the file; [`Program::method`] prepares
 //! one execution plan (arenas allocated, kernel calls decoded, delegates
 //! initialised through a [`BackendRegistry`]); [`Method::execute`] runs it.
+//!
+//! ```no_run
+//! # fn main() -> etmetal_core::Result<()> {
+//! use etmetal_core::{Tensor, npy};
+//! let program = etmetal_runtime::Program::load("model.pte")?;
+//! let mut method = program.method("forward")?;
+//! let inputs: Vec<Tensor> = method
+//!     .input_specs()
+//!     .iter()
+//!     .map(|s| Tensor::zeros(s.dtype, &s.shape))
+//!     .collect::<etmetal_core::Result<_>>()?;
+//! for (i, t) in method.execute(inputs)?.iter().enumerate() {
+//!     npy::write(format!("output_{i}.npy").as_ref(), t)?;
+//! }
+//! # Ok(())
+//! # }
+//! ```
 
 mod backend;
 mod method;
