@@ -13,7 +13,10 @@
 //!   precision, GQA heads repeated by reshape/expand, the causal mask a
 //!   constant;
 //! - `Reduce(All)` → `!any(!x)`; upper `Triangle` → `where(mask, x, 0)`;
-//! - 1-D max/avg/adaptive pooling → the 2-D kernels on `[N, C, 1, L]`.
+//! - 1-D max/avg/adaptive pooling → the 2-D kernels on `[N, C, 1, L]`;
+//! - bf16/f16 `Convolution` → the f32 kernel between casts (weights
+//!   converted at compile time): the portable kernel accumulates in the
+//!   input dtype, which misses PyTorch's bf16 results by more than 1e-2.
 //!
 //! Each rewrite is checked to infer to the original outputs; new nodes are
 //! rewritten again (the `MatMul`s an `Sdpa` produces become `bmm`).
@@ -110,6 +113,18 @@ impl Builder<'_> {
             return Ok(x);
         }
         self.node(Op::Cast { dtype }, &[Some(x)])
+    }
+
+    /// `v` in f32: constants converted here, other values by a `Cast` node.
+    fn as_f32(&mut self, v: ValueId) -> Result<ValueId> {
+        match self.graph.constants.get(&v) {
+            Some(t) if t.dtype() != DType::F32 => {
+                let t = t.cast(DType::F32)?;
+                let name = format!("{}.f32", self.graph.value(v).name);
+                Ok(self.graph.add_constant(name, t))
+            }
+            _ => self.cast(v, DType::F32),
+        }
     }
 
     /// Make the last node write the original outputs (checked), or add a
@@ -311,6 +326,18 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
                 output_size: vec![1, output_size[0]],
             };
             pool_1d(&mut b, needs(0)?, op)?
+        }
+        Op::Convolution { .. }
+            if compute_dtype(b.graph.value(needs(0)?).dtype) != b.graph.value(needs(0)?).dtype =>
+        {
+            let dtype = b.graph.value(needs(0)?).dtype;
+            let slots = node
+                .inputs
+                .iter()
+                .map(|s| s.map(|v| b.as_f32(v)).transpose())
+                .collect::<Result<Vec<_>>>()?;
+            let y = b.node(node.op.clone(), &slots)?;
+            b.cast(y, dtype)?
         }
         _ => return Ok(None),
     };
@@ -648,6 +675,36 @@ mod tests {
         to_portable(&mut g).unwrap();
         check(&g);
         assert_eq!(ops(&g), ["reshape", "max_pool", "reshape"]);
+        let conv = Op::Convolution {
+            stride: vec![1],
+            padding: vec![0],
+            dilation: vec![1],
+            transposed: false,
+            output_padding: vec![0],
+            groups: 1,
+        };
+        let mut g = Graph::default();
+        let x = g.add_value("x", DType::BF16, vec![1, 2, 5]);
+        g.inputs.push((x, InputKind::User));
+        let w = g.add_constant(
+            "w",
+            Tensor::from_f32(DType::BF16, &[3, 2, 2], &[0.5; 12]).unwrap(),
+        );
+        let y = g.add_value("y", DType::BF16, vec![1, 3, 4]);
+        let inputs = vec![Some(x), Some(w), None];
+        g.nodes.push(Node {
+            name: "c".into(),
+            target: "t".into(),
+            op: conv,
+            inputs,
+            outputs: vec![y],
+        });
+        g.outputs.push((y, OutputKind::User));
+        to_portable(&mut g).unwrap();
+        check(&g);
+        assert_eq!(ops(&g), ["cast", "convolution", "cast"]);
+        let wf = g.nodes[1].inputs[1].unwrap();
+        assert_eq!(g.constants[&wf].dtype(), DType::F32);
         let mut g = single(
             Op::Triangle {
                 upper: true,
