@@ -712,6 +712,27 @@ mod tests {
                 OutputList(vec![0, 1, 2]),
             ],
         );
+        // as EXIR 1.5.1 emits it: momentum 0.1, three outs, then the tuple
+        let bn = Op::BatchNorm { eps: 1e-5 };
+        let c = enc(bn, &[t(&[2, 3, 4]), t(&[3]), t(&[3]), t(&[3]), t(&[3])], 3);
+        check(
+            &c,
+            "aten::_native_batch_norm_legit_no_training",
+            "out",
+            vec![
+                Input(0),
+                Input(1),
+                Input(2),
+                Input(3),
+                Input(4),
+                Float(0.1),
+                Float(1e-5),
+                Output(0),
+                Output(1),
+                Output(2),
+                OutputList(vec![0, 1, 2]),
+            ],
+        );
         // the statistics outputs must be supplied
         let ln = Op::LayerNorm {
             normalized_dims: 1,
