@@ -22,6 +22,7 @@ step "cargo test --workspace"
 cargo test --workspace --quiet
 step "cargo build --release"
 cargo build --release --quiet -p etmetal
+cargo build --release --quiet -p etmetal-pte --example roundtrip
 step "parity suite"
 ETMETAL_BIN="$CARGO_TARGET_DIR/release/etmetal" bash scripts/run-parity.sh "$venv" -q
 step "all tests passed"

@@ -10,9 +10,11 @@ pub mod error;
 pub mod npy;
 pub mod op;
 pub mod shape;
+pub mod spec;
 pub mod tensor;
 
 pub use dtype::DType;
 pub use error::{Error, ErrorKind, Result};
 pub use op::{BinaryOp, Op, ReduceOp, Scalar, UnaryOp};
+pub use spec::{check_inputs, TensorSpec};
 pub use tensor::Tensor;

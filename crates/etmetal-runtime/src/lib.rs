@@ -31,7 +31,8 @@ use etmetal_core::{Error, Result};
 use etmetal_pte::PteFile;
 
 pub use backend::{Backend, BackendRegistry, DelegateArg, DelegateHandle};
-pub use method::{Method, TensorSpec};
+pub use etmetal_core::TensorSpec;
+pub use method::Method;
 
 /// Default cap on a method's planned memory.
 pub const DEFAULT_MAX_ARENA_BYTES: u64 = 16 << 30;

@@ -4,19 +4,12 @@
 
 use std::collections::BTreeMap;
 
-use etmetal_core::{DType, Error, Op, Result, Scalar, Tensor};
+use etmetal_core::{check_inputs, DType, Error, Op, Result, Scalar, Tensor, TensorSpec};
 use etmetal_pte::kernels::{decode_call, DecodedCall};
 use etmetal_pte::{EValue, Instruction, PteFile};
 
 use crate::backend::{BackendRegistry, DelegateArg, DelegateHandle};
 use crate::values::{Slot, Values};
-
-/// Dtype and shape of a method input or output.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TensorSpec {
-    pub dtype: DType,
-    pub shape: Vec<usize>,
-}
 
 enum Operand {
     Value(usize),
@@ -265,30 +258,12 @@ impl Method {
     /// Run the method. Inputs must match [`Method::input_specs`] in count,
     /// dtype and shape; float32 given for a bfloat16 input is rounded.
     pub fn execute(&mut self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        if inputs.len() != self.inputs.len() {
-            return Err(Error::invalid_input(format!(
-                "method `{}` takes {} inputs, {} given",
-                self.name,
-                self.inputs.len(),
-                inputs.len()
-            )));
-        }
-        for (i, (t, (v, want))) in inputs.iter().zip(&self.inputs).enumerate() {
-            let t = match (t.dtype(), want.dtype) {
-                (DType::F32, DType::BF16) => t.cast(DType::BF16)?,
-                _ => t.clone(),
-            };
-            if t.dtype() != want.dtype || t.shape() != want.shape.as_slice() {
-                return Err(Error::invalid_input(format!(
-                    "input {i}: expected {} {:?}, got {} {:?}",
-                    want.dtype,
-                    want.shape,
-                    t.dtype(),
-                    t.shape()
-                )));
-            }
+        let specs: Vec<TensorSpec> = self.inputs.iter().map(|(_, s)| s.clone()).collect();
+        let inputs = check_inputs(&specs, inputs)
+            .map_err(|e| e.context(format!("method `{}`", self.name)))?;
+        for (i, (t, (v, _))) in inputs.iter().zip(&self.inputs).enumerate() {
             self.values
-                .write(*v, &t)
+                .write(*v, t)
                 .map_err(|e| e.context(format!("input {i}")))?;
         }
         let mut pc = 0;

@@ -95,7 +95,7 @@ fn wrong_inputs_are_named() {
 
     let e = m.execute(vec![]).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput);
-    assert!(e.to_string().contains("takes 1 inputs, 0 given"), "{e}");
+    assert!(e.to_string().contains("takes 1 input(s), 0 given"), "{e}");
 
     let e = m
         .execute(vec![

@@ -1,11 +1,13 @@
 //! etmetal: load a program exported with `torch.export`, run it, inspect it.
 //!
 //! The library half of the `etmetal` command. [`Model::load`] reads a `.pt2`
-//! archive into the graph IR (decomposed to the core op set) and
-//! [`Model::execute`] evaluates it with the CPU kernels.
+//! archive into the graph IR (decomposed to the core op set) or a `.pte`
+//! into `etmetal-runtime`, and [`Model::execute`] runs it on the CPU
+//! kernels; [`compile::compile_pt2_cpu`] writes a `.pt2` as a `.pte` of
+//! ExecuTorch portable-kernel calls.
 
 pub mod compile;
 mod eval;
 mod model;
 
-pub use model::{InputSpec, Model};
+pub use model::{is_pte, Model};

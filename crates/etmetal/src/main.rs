@@ -1,4 +1,4 @@
-//! The `etmetal` command line: `inspect` and `run` (see DESIGN.md).
+//! The `etmetal` command line: `compile`, `run` and `inspect` (DESIGN.md).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use etmetal::Model;
 use etmetal_core::{npy, Error, Result, Tensor};
 use etmetal_graph::{InputKind, OutputKind};
+use etmetal_pte::{DataLocation, EValue, Instruction, PteFile};
 
 #[derive(Parser)]
 #[command(
@@ -30,11 +31,31 @@ enum Device {
     Cpu,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    /// ExecuTorch portable-kernel calls (runs in ExecuTorch's runtime too).
+    Cpu,
+    /// The GPU delegate (not in this build yet).
+    Metal,
+}
+
 #[derive(Subcommand)]
 enum Command {
-    /// Show a program's inputs, outputs, weights and ops.
-    Inspect {
+    /// Compile a `.pt2` archive into an ExecuTorch `.pte` program.
+    Compile {
         /// A `.pt2` archive written by `torch.export.save`.
+        model: PathBuf,
+        /// The `.pte` to write.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// What executes the program. Only `cpu` exists in this build.
+        #[arg(long, value_enum, default_value = "cpu")]
+        backend: Backend,
+    },
+    /// Show a program: inputs, outputs, weights and ops (`.pt2`), or the
+    /// execution plan, operators, delegates, segments and arenas (`.pte`).
+    Inspect {
+        /// A `.pt2` archive or a `.pte` program.
         model: PathBuf,
     },
     /// Run a program and write its outputs as .npy files.
@@ -42,7 +63,7 @@ enum Command {
     /// NumPy has no bfloat16: bf16 outputs are written as float32, and a
     /// float32 .npy given for a bf16 (or float16) input is rounded to it.
     Run {
-        /// A `.pt2` archive written by `torch.export.save`.
+        /// A `.pt2` archive or a `.pte` program (method `forward`).
         model: PathBuf,
         /// Comma-separated .npy files, one per user input, in order.
         /// Without it every input is all ones of its declared shape.
@@ -63,10 +84,24 @@ enum Command {
     },
 }
 
+/// Append one line to the command's output, which `main` prints at the end.
+macro_rules! say {
+    ($out:expr, $($arg:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = writeln!($out, $($arg)*);
+    }};
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let mut out = String::new();
     let result = match cli.command {
-        Command::Inspect { model } => inspect(&model),
+        Command::Compile {
+            model,
+            output,
+            backend,
+        } => compile(&mut out, &model, &output, backend),
+        Command::Inspect { model } => inspect(&mut out, &model),
         Command::Run {
             model,
             inputs,
@@ -74,8 +109,18 @@ fn main() -> ExitCode {
             device,
             bench,
             warmup,
-        } => run(&model, &inputs, &output_dir, device, bench, warmup),
+        } => run(
+            &mut out,
+            &model,
+            &inputs,
+            &output_dir,
+            device,
+            bench,
+            warmup,
+        ),
     };
+    // A closed pipe (`etmetal inspect m.pte | head`) is not an error.
+    let _ = std::io::Write::write_all(&mut std::io::stdout(), out.as_bytes());
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -100,15 +145,48 @@ fn human_bytes(n: usize) -> String {
     }
 }
 
-fn inspect(path: &Path) -> Result<()> {
-    let model = Model::load(path)?;
-    let graph = model.graph();
-    println!("{}", path.display());
-    println!("inputs:");
-    for spec in model.inputs() {
-        println!("  {}: {} {:?}", spec.name, spec.dtype, spec.shape);
+fn compile(out: &mut String, path: &Path, output: &Path, backend: Backend) -> Result<()> {
+    if backend != Backend::Cpu {
+        return Err(Error::unsupported(
+            "backend metal is not in this build yet: use --backend cpu",
+        ));
     }
-    println!("outputs:");
+    let start = Instant::now();
+    let bytes = etmetal::compile::compile_pt2_cpu(path)?;
+    std::fs::write(output, &bytes).map_err(|e| Error::io(output.display(), e))?;
+    say!(
+        out,
+        "wrote {} ({}) in {:.0} ms",
+        output.display(),
+        human_bytes(bytes.len()),
+        start.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(())
+}
+
+/// Inspecting a `.pte` reads the file only: a program whose delegates this
+/// build cannot run can still be looked at.
+fn inspect(out: &mut String, path: &Path) -> Result<()> {
+    say!(out, "{}", path.display());
+    if etmetal::is_pte(path)? {
+        inspect_pte(out, &PteFile::load(path)?)
+    } else {
+        inspect_graph(
+            out,
+            Model::load(path)?
+                .graph()
+                .ok_or_else(|| Error::internal("a .pt2 model has a graph"))?,
+        )
+    }
+}
+
+fn inspect_graph(out: &mut String, graph: &etmetal_graph::Graph) -> Result<()> {
+    say!(out, "inputs:");
+    for v in graph.user_inputs() {
+        let info = graph.value(v);
+        say!(out, "  {}: {} {:?}", info.name, info.dtype, info.shape);
+    }
+    say!(out, "outputs:");
     for (v, kind) in &graph.outputs {
         let info = graph.value(*v);
         let what = match kind {
@@ -118,7 +196,13 @@ fn inspect(path: &Path) -> Result<()> {
                 format!(" (mutates input {input_name})")
             }
         };
-        println!("  {}: {} {:?}{what}", info.name, info.dtype, info.shape);
+        say!(
+            out,
+            "  {}: {} {:?}{what}",
+            info.name,
+            info.dtype,
+            info.shape
+        );
     }
     let mut weights = 0usize;
     let mut count = 0usize;
@@ -128,7 +212,8 @@ fn inspect(path: &Path) -> Result<()> {
             weights += graph.constants.get(v).map_or(0, Tensor::nbytes);
         }
     }
-    println!(
+    say!(
+        out,
         "parameters, buffers and constants: {count} tensors, {}",
         human_bytes(weights)
     );
@@ -136,14 +221,136 @@ fn inspect(path: &Path) -> Result<()> {
     for node in &graph.nodes {
         *histogram.entry(node.op.name()).or_default() += 1;
     }
-    println!(
+    say!(
+        out,
         "ops ({} nodes after decomposition, all supported on cpu):",
         graph.nodes.len()
     );
     for (name, n) in histogram {
-        println!("  {n:>5}  {name}");
+        say!(out, "  {n:>5}  {name}");
     }
     Ok(())
+}
+
+fn inspect_pte(out: &mut String, file: &PteFile) -> Result<()> {
+    let program = &file.program;
+    say!(out, "segments:");
+    for (i, seg) in program.segments.iter().enumerate() {
+        say!(
+            out,
+            "  {i}: offset {} size {}",
+            seg.offset,
+            human_bytes(seg.size as usize)
+        );
+    }
+    if let Some(constants) = &program.constant_segment {
+        say!(
+            out,
+            "constants: {} buffers in segment {}",
+            constants.offsets.len().saturating_sub(1),
+            constants.segment_index
+        );
+    }
+    for nd in &program.named_data {
+        say!(
+            out,
+            "named data `{}` -> segment {}",
+            nd.key,
+            nd.segment_index
+        );
+    }
+    for plan in &program.execution_plan {
+        say!(out, "method `{}`:", plan.name);
+        let tensor = |v: &i32| match plan.values.get(*v as usize) {
+            Some(EValue::Tensor(t)) => format!("{v}: {} {:?}", t.scalar_type, t.sizes),
+            Some(other) => format!("{v}: {other:?}"),
+            None => format!("{v}: (out of range)"),
+        };
+        say!(
+            out,
+            "  inputs:  {}",
+            plan.inputs
+                .iter()
+                .map(tensor)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        say!(
+            out,
+            "  outputs: {}",
+            plan.outputs
+                .iter()
+                .map(tensor)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let arenas: Vec<String> = plan
+            .non_const_buffer_sizes
+            .iter()
+            .skip(1)
+            .map(|&n| human_bytes(n as usize))
+            .collect();
+        say!(
+            out,
+            "  values: {}, planned arenas: [{}]",
+            plan.values.len(),
+            arenas.join(", ")
+        );
+        say!(out, "  operators:");
+        for (i, op) in plan.operators.iter().enumerate() {
+            say!(out, "    {i}: {}", op.qualified_name());
+        }
+        for (i, d) in plan.delegates.iter().enumerate() {
+            let index = d.processed.index as usize;
+            let size = match d.processed.location {
+                DataLocation::Segment => program.segments.get(index).map_or(0, |s| s.size as usize),
+                DataLocation::Inline => program
+                    .backend_delegate_data
+                    .get(index)
+                    .map_or(0, |b| b.data.len()),
+            };
+            let specs: Vec<&str> = d.compile_specs.iter().map(|c| c.key.as_str()).collect();
+            say!(
+                out,
+                "  delegate {i}: {} ({}), compile specs [{}]",
+                d.id,
+                human_bytes(size),
+                specs.join(", ")
+            );
+        }
+        for (c, chain) in plan.chains.iter().enumerate() {
+            say!(
+                out,
+                "  chain {c}: {} instructions",
+                chain.instructions.len()
+            );
+            for (i, ins) in chain.instructions.iter().enumerate() {
+                say!(out, "    {i:>4}  {}", describe(plan, ins));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn describe(plan: &etmetal_pte::ExecutionPlan, ins: &Instruction) -> String {
+    match ins {
+        Instruction::KernelCall(k) => {
+            let op = plan
+                .operators
+                .get(k.op_index as usize)
+                .map(|o| o.qualified_name());
+            format!("{} {:?}", op.unwrap_or_else(|| "?".into()), k.args)
+        }
+        Instruction::DelegateCall(d) => format!("delegate {} {:?}", d.delegate_index, d.args),
+        Instruction::MoveCall(m) => format!("move {} -> {}", m.move_from, m.move_to),
+        Instruction::JumpFalseCall(j) => {
+            format!(
+                "jump to {} if value {} is false",
+                j.destination_instruction, j.cond_value_index
+            )
+        }
+        Instruction::FreeCall(f) => format!("free {}", f.value_index),
+    }
 }
 
 fn load_inputs(model: &Model, paths: &[PathBuf]) -> Result<Vec<Tensor>> {
@@ -169,6 +376,7 @@ fn summary(t: &Tensor) -> String {
 }
 
 fn run(
+    out: &mut String,
     path: &Path,
     input_paths: &[PathBuf],
     output_dir: &Path,
@@ -181,7 +389,7 @@ fn run(
             "device {device:?} is not available: this build runs on the cpu only (use --device cpu)"
         )));
     }
-    let model = Model::load(path)?;
+    let mut model = Model::load(path)?;
     let inputs = load_inputs(&model, input_paths)?;
     let start = Instant::now();
     let outputs = model.execute(inputs.clone())?;
@@ -190,7 +398,8 @@ fn run(
     for (i, t) in outputs.iter().enumerate() {
         let file = output_dir.join(format!("output_{i}.npy"));
         npy::write(&file, t)?;
-        println!(
+        say!(
+            out,
             "output_{i}: {} {:?} {} -> {}",
             t.dtype(),
             t.shape(),
@@ -198,14 +407,20 @@ fn run(
             file.display()
         );
     }
-    println!("ran on cpu in {:.3} ms", elapsed.as_secs_f64() * 1e3);
+    say!(out, "ran on cpu in {:.3} ms", elapsed.as_secs_f64() * 1e3);
     if let Some(n) = bench {
-        bench_model(&model, &inputs, n, warmup)?;
+        bench_model(out, &mut model, &inputs, n, warmup)?;
     }
     Ok(())
 }
 
-fn bench_model(model: &Model, inputs: &[Tensor], n: usize, warmup: usize) -> Result<()> {
+fn bench_model(
+    out: &mut String,
+    model: &mut Model,
+    inputs: &[Tensor],
+    n: usize,
+    warmup: usize,
+) -> Result<()> {
     if n == 0 {
         return Err(Error::invalid_input("--bench needs at least one run"));
     }
@@ -220,7 +435,8 @@ fn bench_model(model: &Model, inputs: &[Tensor], n: usize, warmup: usize) -> Res
     }
     times.sort_by(f64::total_cmp);
     let pick = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
-    println!(
+    say!(
+        out,
         "bench: {n} runs after {warmup} warm-up: median {:.3} ms, p90 {:.3} ms",
         pick(0.5),
         pick(0.9)

@@ -1,118 +1,112 @@
-//! A loaded program: the graph, its user inputs and outputs, and execution.
+//! A loaded program, from a `.pt2` archive (evaluated node by node on the
+//! CPU kernels) or a `.pte` file (run by `etmetal-runtime`).
 
 use std::path::Path;
 
-use etmetal_core::{DType, Error, Result, Tensor};
+use etmetal_core::{check_inputs, Error, Result, Tensor, TensorSpec};
 use etmetal_graph::{Graph, OutputKind};
+use etmetal_pte::PteFile;
 
-/// What a user input must look like.
-#[derive(Clone, Debug, PartialEq)]
-pub struct InputSpec {
-    pub name: String,
-    pub dtype: DType,
-    pub shape: Vec<usize>,
+enum Program {
+    Graph(Graph),
+    Pte {
+        program: etmetal_runtime::Program,
+        // boxed: a prepared method is much larger than a graph
+        method: Box<etmetal_runtime::Method>,
+    },
 }
 
-/// A program loaded from a `.pt2` archive, ready to run on the CPU.
+/// A program ready to run on the CPU.
 pub struct Model {
-    graph: Graph,
+    program: Program,
+}
+
+/// Whether `path` holds an ExecuTorch program (`ET12` at bytes 4..8).
+pub fn is_pte(path: &Path) -> Result<bool> {
+    use std::io::Read;
+    let mut head = [0u8; 8];
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path.display(), e))?;
+    let n = file
+        .read(&mut head)
+        .map_err(|e| Error::io(path.display(), e))?;
+    Ok(n == 8 && &head[4..8] == b"ET12")
 }
 
 impl Model {
-    /// Import a `.pt2` archive and decompose it to the core op set.
+    /// Load a `.pte` (method `forward`) or a `.pt2` archive; the format is
+    /// told by the file's content, not its name.
     pub fn load(path: &Path) -> Result<Model> {
-        let mut graph = etmetal_graph::load_pt2(path)?;
-        etmetal_graph::decompose(&mut graph, &|_| false);
-        etmetal_graph::eliminate_dead_code(&mut graph);
-        Ok(Model { graph })
+        let program = if is_pte(path)? {
+            let program = etmetal_runtime::Program::load(path)?;
+            let method = program
+                .method("forward")
+                .map_err(|e| e.context(path.display().to_string()))?;
+            Program::Pte {
+                program,
+                method: Box::new(method),
+            }
+        } else {
+            let mut graph = etmetal_graph::load_pt2(path)?;
+            etmetal_graph::decompose(&mut graph, &|_| false);
+            etmetal_graph::eliminate_dead_code(&mut graph);
+            Program::Graph(graph)
+        };
+        Ok(Model { program })
     }
 
-    pub fn graph(&self) -> &Graph {
-        &self.graph
+    /// The graph of a `.pt2` program.
+    pub fn graph(&self) -> Option<&Graph> {
+        match &self.program {
+            Program::Graph(g) => Some(g),
+            Program::Pte { .. } => None,
+        }
     }
 
-    pub fn inputs(&self) -> Vec<InputSpec> {
-        self.graph
-            .user_inputs()
-            .map(|v| {
-                let info = self.graph.value(v);
-                InputSpec {
-                    name: info.name.clone(),
-                    dtype: info.dtype,
-                    shape: info.shape.clone(),
-                }
-            })
-            .collect()
+    /// The file of a `.pte` program.
+    pub fn pte(&self) -> Option<&PteFile> {
+        match &self.program {
+            Program::Graph(_) => None,
+            Program::Pte { program, .. } => Some(program.file()),
+        }
+    }
+
+    pub fn inputs(&self) -> Vec<TensorSpec> {
+        match &self.program {
+            Program::Graph(g) => graph_inputs(g),
+            Program::Pte { method, .. } => method.input_specs(),
+        }
     }
 
     /// All-ones inputs of the declared shapes and dtypes.
     pub fn ones_inputs(&self) -> Result<Vec<Tensor>> {
-        self.inputs()
-            .iter()
-            .map(|spec| {
-                let n = etmetal_core::shape::numel(&spec.shape)?;
-                Tensor::from_f64(spec.dtype, &spec.shape, &vec![1.0; n])
-            })
-            .collect()
+        self.inputs().iter().map(TensorSpec::ones).collect()
     }
 
-    /// Check the inputs against the program: count, shape and dtype. A
-    /// float32 tensor given for a bf16 or f16 input is rounded to it
-    /// (NumPy has no bfloat16).
-    pub fn check_inputs(&self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        let specs = self.inputs();
-        if inputs.len() != specs.len() {
-            return Err(Error::invalid_input(format!(
-                "the program takes {} input(s) ({}), {} given",
-                specs.len(),
-                specs
-                    .iter()
-                    .map(|s| s.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                inputs.len()
-            )));
+    /// Run the program and return its user outputs in order. Inputs are
+    /// checked first (count, dtype, shape; float32 rounds into bf16/f16).
+    pub fn execute(&mut self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        match &mut self.program {
+            Program::Graph(graph) => {
+                let inputs = check_inputs(&graph_inputs(graph), inputs)?;
+                let all = crate::eval::run_graph(graph, inputs)?;
+                Ok(all
+                    .into_iter()
+                    .zip(&graph.outputs)
+                    .filter(|(_, (_, kind))| *kind == OutputKind::User)
+                    .map(|(t, _)| t)
+                    .collect())
+            }
+            Program::Pte { method, .. } => method.execute(inputs),
         }
-        inputs
-            .into_iter()
-            .zip(&specs)
-            .enumerate()
-            .map(|(i, (t, spec))| {
-                if t.shape() != spec.shape.as_slice() {
-                    return Err(Error::invalid_input(format!(
-                        "input {i} (`{}`): expected shape {:?}, got {:?}",
-                        spec.name,
-                        spec.shape,
-                        t.shape()
-                    )));
-                }
-                let rounds_down =
-                    t.dtype() == DType::F32 && matches!(spec.dtype, DType::BF16 | DType::F16);
-                if t.dtype() == spec.dtype {
-                    Ok(t)
-                } else if rounds_down {
-                    t.cast(spec.dtype)
-                } else {
-                    Err(Error::invalid_input(format!(
-                        "input {i} (`{}`): expected dtype {}, got {}",
-                        spec.name,
-                        spec.dtype,
-                        t.dtype()
-                    )))
-                }
-            })
-            .collect()
     }
+}
 
-    /// Run the program and return its user outputs in order.
-    pub fn execute(&self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        let inputs = self.check_inputs(inputs)?;
-        let all = crate::eval::run_graph(&self.graph, inputs)?;
-        Ok(all
-            .into_iter()
-            .zip(&self.graph.outputs)
-            .filter(|(_, (_, kind))| *kind == OutputKind::User)
-            .map(|(t, _)| t)
-            .collect())
-    }
+fn graph_inputs(graph: &Graph) -> Vec<TensorSpec> {
+    graph
+        .user_inputs()
+        .map(|v| TensorSpec {
+            dtype: graph.value(v).dtype,
+            shape: graph.value(v).shape.clone(),
+        })
+        .collect()
 }

@@ -145,3 +145,84 @@ fn bad_input_exits_2_with_one_line() {
         assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn compiled_pte_runs_and_inspects() {
+    let dir = scratch("compile");
+    let pte = dir.join("resblock.pte");
+    let res = etmetal(&[
+        "compile",
+        fixture("resblock.pt2").to_str().unwrap(),
+        "-o",
+        pte.to_str().unwrap(),
+        "--backend",
+        "cpu",
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let out = dir.join("out");
+    let input = fixture("resblock.input_0.npy");
+    let res = etmetal(&[
+        "run",
+        pte.to_str().unwrap(),
+        "--inputs",
+        input.to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let got = etmetal_core::npy::read(&out.join("output_0.npy"))
+        .unwrap()
+        .to_f64_vec();
+    let want = etmetal_core::npy::read(&fixture("resblock.output_0.npy"))
+        .unwrap()
+        .to_f64_vec();
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-5, "largest error {worst}");
+    let res = etmetal(&["inspect", pte.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    for needle in [
+        "method `forward`",
+        "aten::convolution.out",
+        "planned arenas",
+        "chain 0",
+    ] {
+        assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
+    }
+    let res = etmetal(&[
+        "compile",
+        fixture("mlp.pt2").to_str().unwrap(),
+        "-o",
+        pte.to_str().unwrap(),
+        "--backend",
+        "metal",
+    ]);
+    assert_eq!(res.status.code(), Some(2));
+}
+
+#[test]
+fn inspect_shows_delegates_it_cannot_run() {
+    let pte = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../etmetal-pte/tests/fixtures/xnnpack_linear.pte");
+    let res = etmetal(&["inspect", pte.to_str().unwrap()]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    assert!(String::from_utf8_lossy(&res.stdout).contains("delegate 0: XnnpackBackend"));
+    let res = etmetal(&["run", pte.to_str().unwrap()]);
+    assert_eq!(res.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&res.stderr).contains("`XnnpackBackend` is not registered"));
+}
