@@ -1,0 +1,22 @@
+//! The etmetal Metal backend, compile-time half: the partitioner (which
+//! nodes of a graph the GPU delegate takes) and the delegate's compile
+//! specs.
+//!
+//! ```no_run
+//! use etmetal_metal::partitioner::{ops_to_not_decompose, partition, PartitionOptions};
+//! # fn main() -> etmetal_core::Result<()> {
+//! let mut graph = etmetal_graph::load_pt2("model.pt2".as_ref())?;
+//! etmetal_graph::decompose(&mut graph, &ops_to_not_decompose);
+//! let parts = partition(&graph, &PartitionOptions::default())?;
+//! for p in &parts.partitions {
+//!     println!("{}: {} nodes", p.tag(), p.nodes.len());
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod compile_spec;
+pub mod partitioner;
+
+/// The delegate id written into `.pte` files (our own, no other backend's).
+pub const BACKEND_ID: &str = "EtMetalBackend";

@@ -1,0 +1,470 @@
+//! The Metal partitioner: which nodes of a graph go to the GPU delegate.
+//!
+//! [`partition`] asks the support table ([`supports`]) about every node,
+//! groups the supported ones into partitions and leaves the rest on the CPU.
+//! Partitions are *convex*: no path leaves a partition and re-enters it, and
+//! more strongly the graph of partitions and CPU nodes is acyclic, so one
+//! delegate call per partition can be scheduled between CPU kernel calls
+//! ([`Partitioning::steps`]). Partitions grow along edges first (a node joins
+//! the partitions of its producers when that keeps the graph of partitions
+//! acyclic), then independent partitions are merged.
+//!
+//! Partition ids follow the schedule, nodes inside a partition keep graph
+//! order, so the result depends on the graph alone.
+
+mod support;
+
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
+
+use etmetal_core::{Error, Op, Result};
+use etmetal_graph::{Graph, InputKind, OutputKind, ValueId};
+
+pub use support::{op_supported, supports, DeviceLimits};
+
+/// `auto` delegates what it can; `whole` requires one partition of the
+/// whole graph.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PartitionMode {
+    #[default]
+    Auto,
+    Whole,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PartitionOptions {
+    pub mode: PartitionMode,
+    /// Ops kept off the GPU, by [`Op::name`] (`"sdpa"`, `"add"`).
+    pub skip_ops: Vec<String>,
+    pub limits: DeviceLimits,
+}
+
+/// One delegated subgraph.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Partition {
+    pub id: usize,
+    /// Node indices in graph order.
+    pub nodes: Vec<usize>,
+    /// Values the partition reads from outside (graph inputs, CPU results,
+    /// other partitions' outputs, constants also read on the CPU), in order
+    /// of first use.
+    pub inputs: Vec<ValueId>,
+    /// Values it produces that are read outside or are graph outputs, in
+    /// order of production.
+    pub outputs: Vec<ValueId>,
+    /// Constants (weights, buffers, lifted scalars) read only by delegated
+    /// nodes: they go to the delegate's named data, not the CPU constant
+    /// segment. A constant read by several partitions is listed in each.
+    pub constants: Vec<ValueId>,
+    /// Mutated buffers whose new value this partition computes:
+    /// `(buffer input, new value)`.
+    pub mutated_buffers: Vec<(ValueId, ValueId)>,
+}
+
+impl Partition {
+    /// The delegation tag of the partition's nodes (`"tag0"`), as ExecuTorch
+    /// names them.
+    pub fn tag(&self) -> String {
+        format!("tag{}", self.id)
+    }
+}
+
+/// One step of the schedule: a delegate call or a CPU node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    Delegate(usize),
+    Cpu(usize),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Partitioning {
+    pub partitions: Vec<Partition>,
+    /// Nodes left on the CPU with the reason, in graph order.
+    pub cpu_nodes: Vec<(usize, String)>,
+    /// Partitions and CPU nodes in an order that respects every data
+    /// dependency.
+    pub steps: Vec<Step>,
+    /// For each node, the id of its partition (`None`: CPU).
+    pub node_partition: Vec<Option<usize>>,
+}
+
+impl Partitioning {
+    /// The delegation tag of node `node`, `None` on the CPU.
+    pub fn tag(&self, node: usize) -> Option<String> {
+        let id = (*self.node_partition.get(node)?)?;
+        self.partitions.get(id).map(Partition::tag)
+    }
+}
+
+/// The ops the backend wants whole from `etmetal_graph::decompose` (the
+/// `keep` predicate): every op it takes, so linear, addmm, batch norm and
+/// attention reach their fused kernels. `Identity` is the exception: its
+/// removal saves a copy on any backend.
+pub fn ops_to_not_decompose(op: &Op) -> bool {
+    *op != Op::Identity && op_supported(op).is_ok()
+}
+
+/// Partition `graph` for the Metal backend (see the module docs).
+pub fn partition(graph: &Graph, options: &PartitionOptions) -> Result<Partitioning> {
+    let dag = Dag::new(graph)?;
+    let n = graph.nodes.len();
+    let mut cpu_nodes = vec![];
+    let mut groups = Groups::new(n);
+    for (i, node) in graph.nodes.iter().enumerate() {
+        let name = node.op.name();
+        let verdict = if options.skip_ops.contains(&name) {
+            Err(format!("`{name}` is in skip_ops"))
+        } else {
+            supports(graph, node, &options.limits)
+        };
+        match verdict {
+            Ok(()) => groups.add(i, &dag),
+            Err(reason) => cpu_nodes.push((i, reason)),
+        }
+    }
+    groups.merge_independent(&dag);
+
+    if options.mode == PartitionMode::Whole {
+        whole_check(graph, &cpu_nodes, &groups)?;
+    }
+    let (steps, node_partition) = schedule(&groups, &dag, n)?;
+    let mut readers: HashMap<ValueId, Vec<usize>> = HashMap::new();
+    for (i, node) in graph.nodes.iter().enumerate() {
+        for v in node.inputs.iter().flatten() {
+            readers.entry(*v).or_default().push(i);
+        }
+    }
+    let mut partitions: Vec<Partition> = vec![];
+    for step in &steps {
+        if let Step::Delegate(id) = *step {
+            let nodes: Vec<usize> = (0..n).filter(|&i| node_partition[i] == Some(id)).collect();
+            partitions.push(describe(graph, id, nodes, &node_partition, &readers));
+        }
+    }
+    Ok(Partitioning {
+        partitions,
+        cpu_nodes,
+        steps,
+        node_partition,
+    })
+}
+
+/// `whole` mode: one partition of every node, else an error naming every
+/// node that stays off the GPU.
+fn whole_check(graph: &Graph, cpu_nodes: &[(usize, String)], groups: &Groups) -> Result<()> {
+    if !cpu_nodes.is_empty() {
+        let list: Vec<String> = cpu_nodes
+            .iter()
+            .map(|(i, reason)| {
+                let node = &graph.nodes[*i];
+                format!("node `{}` ({}): {reason}", node.name, node.op.name())
+            })
+            .collect();
+        return Err(Error::unsupported(format!(
+            "--partition whole: {} node(s) cannot run on the Metal backend: {}",
+            list.len(),
+            list.join("; ")
+        )));
+    }
+    match groups.live().count() {
+        1 => Ok(()),
+        0 => Err(Error::unsupported(
+            "--partition whole: the graph has no nodes to delegate",
+        )),
+        k => Err(Error::internal(format!(
+            "--partition whole: every node is supported but they form {k} partitions"
+        ))),
+    }
+}
+
+/// Node-level producer/consumer edges, checked against the graph.
+struct Dag {
+    succs: Vec<Vec<usize>>,
+    preds: Vec<Vec<usize>>,
+}
+
+impl Dag {
+    fn new(graph: &Graph) -> Result<Dag> {
+        let n = graph.nodes.len();
+        let mut producer: HashMap<ValueId, usize> = HashMap::new();
+        let mut preds = vec![vec![]; n];
+        let mut succs = vec![vec![]; n];
+        for (i, node) in graph.nodes.iter().enumerate() {
+            let mut p = BTreeSet::new();
+            for v in node.inputs.iter().flatten() {
+                check_value(graph, *v, &node.name)?;
+                if let Some(&j) = producer.get(v) {
+                    p.insert(j);
+                } else if graph.nodes[i..]
+                    .iter()
+                    .any(|later| later.outputs.contains(v))
+                {
+                    return Err(Error::invalid_input(format!(
+                        "node `{}` reads `{}` before it is produced (nodes are not in topological order)",
+                        node.name,
+                        graph.value(*v).name
+                    )));
+                }
+            }
+            for v in &node.outputs {
+                check_value(graph, *v, &node.name)?;
+                producer.insert(*v, i);
+            }
+            for &j in &p {
+                succs[j].push(i);
+            }
+            preds[i] = p.into_iter().collect();
+        }
+        Ok(Dag { succs, preds })
+    }
+}
+
+fn check_value(graph: &Graph, v: ValueId, node: &str) -> Result<()> {
+    if v.0 < graph.values.len() {
+        Ok(())
+    } else {
+        Err(Error::invalid_input(format!(
+            "node `{node}` refers to value #{} but the graph has {} values",
+            v.0,
+            graph.values.len()
+        )))
+    }
+}
+
+/// Budget of node visits for merging independent partitions: the search is
+/// quadratic in the partition count, so huge fragmented graphs keep some
+/// independent partitions apart rather than stall the compiler.
+const MERGE_VISIT_BUDGET: usize = 50_000_000;
+
+/// The growing partitions: `of[node]` is its group, `members[g]` its nodes
+/// (empty once merged away).
+struct Groups {
+    of: Vec<Option<usize>>,
+    members: Vec<Vec<usize>>,
+    visits: usize,
+}
+
+impl Groups {
+    fn new(n: usize) -> Groups {
+        Groups {
+            of: vec![None; n],
+            members: vec![],
+            visits: 0,
+        }
+    }
+
+    fn live(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.members.len()).filter(|&g| !self.members[g].is_empty())
+    }
+
+    /// Add supported node `i` (all its producers are already placed) and
+    /// join it to its producers' groups where that stays acyclic.
+    fn add(&mut self, i: usize, dag: &Dag) {
+        let mut g = self.members.len();
+        self.members.push(vec![i]);
+        self.of[i] = Some(g);
+        let candidates: BTreeSet<usize> = dag.preds[i].iter().filter_map(|&p| self.of[p]).collect();
+        // ascending, and merges keep the lower id, so each candidate is live
+        for c in candidates {
+            if self.can_merge(c, g, dag) {
+                g = self.merge(c, g);
+            }
+        }
+    }
+
+    /// Merge pairs of groups in id order while the budget lasts.
+    fn merge_independent(&mut self, dag: &Dag) {
+        let mut a = 0;
+        while a < self.members.len() {
+            let mut b = a + 1;
+            while !self.members[a].is_empty() && b < self.members.len() {
+                if self.visits > MERGE_VISIT_BUDGET {
+                    return;
+                }
+                if !self.members[b].is_empty() && self.can_merge(a, b, dag) {
+                    self.merge(a, b);
+                }
+                b += 1;
+            }
+            a += 1;
+        }
+    }
+
+    /// Whether groups `a` and `b` can become one without a cycle among
+    /// groups and CPU nodes: no path from one to the other through anything
+    /// else. A group is entered whole, since its call needs all its inputs.
+    fn can_merge(&mut self, a: usize, b: usize, dag: &Dag) -> bool {
+        let inside = |g: Option<usize>| g == Some(a) || g == Some(b);
+        let mut seen = vec![false; self.of.len()];
+        self.visits += seen.len();
+        let mut stack: Vec<usize> = vec![];
+        for &m in self.members[a].iter().chain(&self.members[b]) {
+            for &s in &dag.succs[m] {
+                if !inside(self.of[s]) {
+                    stack.push(s);
+                }
+            }
+        }
+        while let Some(x) = stack.pop() {
+            if seen[x] {
+                continue;
+            }
+            self.visits += 1;
+            if inside(self.of[x]) {
+                return false;
+            }
+            seen[x] = true;
+            let group = self.of[x].map_or(&[][..], |g| &self.members[g][..]);
+            for &m in std::iter::once(&x).chain(group) {
+                seen[m] = true;
+                stack.extend(dag.succs[m].iter().copied().filter(|&s| !seen[s]));
+            }
+        }
+        true
+    }
+
+    /// Merge the higher-numbered group into the lower; returns the survivor.
+    fn merge(&mut self, a: usize, b: usize) -> usize {
+        let (keep, gone) = (a.min(b), a.max(b));
+        let moved = std::mem::take(&mut self.members[gone]);
+        for &m in &moved {
+            self.of[m] = Some(keep);
+        }
+        self.members[keep].extend(moved);
+        self.members[keep].sort_unstable();
+        keep
+    }
+}
+
+/// Order groups and CPU nodes by their dependencies, earliest first node
+/// first; number partitions in that order.
+fn schedule(groups: &Groups, dag: &Dag, n: usize) -> Result<(Vec<Step>, Vec<Option<usize>>)> {
+    // a vertex per group (its first node stands for it) and per CPU node
+    let vertex = |i: usize| groups.of[i].map_or(i, |g| groups.members[g][0]);
+    let mut indegree = vec![0usize; n];
+    let mut edges: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); n];
+    for i in 0..n {
+        for &s in &dag.succs[i] {
+            let (u, v) = (vertex(i), vertex(s));
+            if u != v && edges[u].insert(v) {
+                indegree[v] += 1;
+            }
+        }
+    }
+    let mut ready: BinaryHeap<Reverse<usize>> = (0..n)
+        .filter(|&i| vertex(i) == i && indegree[i] == 0)
+        .map(Reverse)
+        .collect();
+    let mut steps = vec![];
+    let mut node_partition = vec![None; n];
+    let mut next_id = 0;
+    while let Some(Reverse(u)) = ready.pop() {
+        match groups.of[u] {
+            Some(g) => {
+                for &m in &groups.members[g] {
+                    node_partition[m] = Some(next_id);
+                }
+                steps.push(Step::Delegate(next_id));
+                next_id += 1;
+            }
+            None => steps.push(Step::Cpu(u)),
+        }
+        for &v in &edges[u] {
+            indegree[v] -= 1;
+            if indegree[v] == 0 {
+                ready.push(Reverse(v));
+            }
+        }
+    }
+    let scheduled = steps.len();
+    let vertices = (0..n).filter(|&i| vertex(i) == i).count();
+    if scheduled != vertices {
+        return Err(Error::internal(format!(
+            "partitions form a cycle: {scheduled} of {vertices} steps scheduled"
+        )));
+    }
+    Ok((steps, node_partition))
+}
+
+/// The boundary of partition `id`: inputs, outputs, owned constants and
+/// mutated buffers.
+fn describe(
+    graph: &Graph,
+    id: usize,
+    nodes: Vec<usize>,
+    node_partition: &[Option<usize>],
+    readers: &HashMap<ValueId, Vec<usize>>,
+) -> Partition {
+    let readers = |v: ValueId| readers.get(&v).map_or(&[][..], Vec::as_slice);
+    let graph_outputs: BTreeSet<ValueId> = graph.outputs.iter().map(|(v, _)| *v).collect();
+    // a constant is delegated when every reader is delegated and it is not
+    // also returned or mutated
+    let mutated: BTreeSet<&str> = graph
+        .outputs
+        .iter()
+        .filter_map(|(_, k)| match k {
+            OutputKind::BufferMutation { fqn } => Some(fqn.as_str()),
+            _ => None,
+        })
+        .collect();
+    let is_mutated_buffer = |v: ValueId| {
+        graph.inputs.iter().any(|(iv, k)| {
+            *iv == v && matches!(k, InputKind::Buffer { fqn, .. } if mutated.contains(fqn.as_str()))
+        })
+    };
+    let read_only_by_delegates =
+        |v: ValueId| readers(v).iter().all(|&i| node_partition[i].is_some());
+    let produced: BTreeSet<ValueId> = nodes
+        .iter()
+        .flat_map(|&i| graph.nodes[i].outputs.iter().copied())
+        .collect();
+    let mut inputs = vec![];
+    let mut constants = vec![];
+    for &i in &nodes {
+        for &v in graph.nodes[i].inputs.iter().flatten() {
+            if produced.contains(&v) || inputs.contains(&v) || constants.contains(&v) {
+                continue;
+            }
+            let owned = graph.constants.contains_key(&v)
+                && !graph_outputs.contains(&v)
+                && !is_mutated_buffer(v)
+                && read_only_by_delegates(v);
+            if owned {
+                constants.push(v);
+            } else {
+                inputs.push(v);
+            }
+        }
+    }
+    let mut outputs = vec![];
+    for &i in &nodes {
+        for &v in &graph.nodes[i].outputs {
+            let read_outside = readers(v).iter().any(|&j| node_partition[j] != Some(id));
+            if read_outside || graph_outputs.contains(&v) {
+                outputs.push(v);
+            }
+        }
+    }
+    let mutated_buffers = graph
+        .outputs
+        .iter()
+        .filter_map(|(new, k)| match k {
+            OutputKind::BufferMutation { fqn } if produced.contains(new) => {
+                let buffer = graph.inputs.iter().find_map(|(iv, ik)| match ik {
+                    InputKind::Buffer { fqn: f, .. } if f == fqn => Some(*iv),
+                    _ => None,
+                })?;
+                Some((buffer, *new))
+            }
+            _ => None,
+        })
+        .collect();
+    Partition {
+        id,
+        nodes,
+        inputs,
+        outputs,
+        constants,
+        mutated_buffers,
+    }
+}
