@@ -70,7 +70,7 @@ impl Partition {
 }
 
 /// One step of the schedule: a delegate call or a CPU node.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Step {
     Delegate(usize),
     Cpu(usize),
