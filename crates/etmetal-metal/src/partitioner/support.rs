@@ -87,7 +87,10 @@ pub fn supports(graph: &Graph, node: &Node, limits: &DeviceLimits) -> Result<(),
         if let Some(v) = v {
             storable(v, limits).map_err(|e| format!("input {i}: {e}"))?;
             if v.dtype == DType::I64 && !moves_bytes(&node.op) {
-                return Err(format!("input {i} is int64 (WGSL has no 64-bit integers)"));
+                return Err(format!(
+                    "input {i} `{}` is int64 (WGSL has no 64-bit integers)",
+                    v.name
+                ));
             }
         }
     }
@@ -97,7 +100,10 @@ pub fn supports(graph: &Graph, node: &Node, limits: &DeviceLimits) -> Result<(),
             return Err(format!("output {i} is empty ({:?})", v.shape));
         }
         if v.dtype == DType::I64 && !moves_bytes(&node.op) && !is_index_output(&node.op, i) {
-            return Err(format!("output {i} is int64 (WGSL has no 64-bit integers)"));
+            return Err(format!(
+                "output {i} `{}` is int64 (WGSL has no 64-bit integers)",
+                v.name
+            ));
         }
     }
     dtypes_taken(&node.op, &ins, limits)
@@ -363,4 +369,204 @@ fn is_bitwise(b: BinaryOp) -> bool {
         b,
         BinaryOp::BitwiseAnd | BinaryOp::BitwiseOr | BinaryOp::BitwiseXor
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use etmetal_graph::ValueId;
+
+    /// A graph with one node of `op` over inputs of the given dtypes and
+    /// shapes, giving one output of `out`.
+    fn one_node(op: Op, ins: &[(DType, &[usize])], out: (DType, &[usize])) -> (Graph, Node) {
+        let mut graph = Graph::default();
+        let inputs = ins
+            .iter()
+            .enumerate()
+            .map(|(i, (d, s))| Some(graph.add_value(format!("in{i}"), *d, s.to_vec())))
+            .collect();
+        let y = graph.add_value("y", out.0, out.1.to_vec());
+        let node = Node {
+            name: "n".into(),
+            target: "test".into(),
+            op,
+            inputs,
+            outputs: vec![y],
+        };
+        (graph, node)
+    }
+
+    fn verdict(op: Op, ins: &[(DType, &[usize])], out: (DType, &[usize])) -> Result<(), String> {
+        let (graph, node) = one_node(op, ins, out);
+        supports(&graph, &node, &DeviceLimits::default())
+    }
+
+    const F32: DType = DType::F32;
+
+    #[test]
+    fn float_compute_is_taken_in_every_gpu_float() {
+        for d in [DType::F32, DType::BF16, DType::F16] {
+            let mm = verdict(Op::MatMul, &[(d, &[2, 3]), (d, &[3, 4])], (d, &[2, 4]));
+            assert_eq!(mm, Ok(()), "{d:?}");
+            let ex = verdict(Op::Unary(UnaryOp::Exp), &[(d, &[5])], (d, &[5]));
+            assert_eq!(ex, Ok(()), "{d:?}");
+        }
+    }
+
+    #[test]
+    fn float64_is_refused_with_its_name() {
+        let err = verdict(
+            Op::Binary(BinaryOp::Add),
+            &[(DType::F64, &[2]), (DType::F64, &[2])],
+            (DType::F64, &[2]),
+        )
+        .unwrap_err();
+        assert!(err.contains("float64") && err.contains("in0"), "{err}");
+    }
+
+    #[test]
+    fn int64_moves_but_is_not_computed_on() {
+        let i64s: &[(DType, &[usize])] = &[(DType::I64, &[3]), (DType::I64, &[3])];
+        let err = verdict(Op::Binary(BinaryOp::Add), i64s, (DType::I64, &[3])).unwrap_err();
+        assert!(err.contains("int64"), "{err}");
+        let emb = verdict(
+            Op::Embedding,
+            &[(F32, &[10, 4]), (DType::I64, &[3])],
+            (F32, &[3, 4]),
+        );
+        assert_eq!(emb, Ok(()));
+        let perm = verdict(
+            Op::Permute { dims: vec![1, 0] },
+            &[(DType::I64, &[2, 3])],
+            (DType::I64, &[3, 2]),
+        );
+        assert_eq!(perm, Ok(()));
+        let argmax = verdict(
+            Op::ArgReduce {
+                max: true,
+                dim: Some(0),
+                keepdim: false,
+            },
+            &[(F32, &[4])],
+            (DType::I64, &[]),
+        );
+        assert_eq!(argmax, Ok(()));
+        let int_sum = verdict(
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                dims: vec![],
+                keepdim: false,
+            },
+            &[(DType::I32, &[4])],
+            (DType::I64, &[]),
+        );
+        assert!(int_sum.is_err());
+    }
+
+    #[test]
+    fn attribute_conditions() {
+        let conv = |transposed: bool, spatial: usize| Op::Convolution {
+            stride: vec![1; spatial],
+            padding: vec![0; spatial],
+            dilation: vec![1; spatial],
+            transposed,
+            output_padding: vec![0; spatial],
+            groups: 1,
+        };
+        assert_eq!(op_supported(&conv(false, 1)), Ok(()));
+        assert_eq!(op_supported(&conv(false, 2)), Ok(()));
+        assert!(op_supported(&conv(false, 3)).unwrap_err().contains("3-D"));
+        assert!(op_supported(&conv(true, 2))
+            .unwrap_err()
+            .contains("transposed"));
+        assert!(op_supported(&Op::CumSum { dim: 0 }).is_err());
+        let topk = |k| Op::TopK {
+            k,
+            dim: 0,
+            largest: true,
+            sorted: true,
+        };
+        let k = 300;
+        let (graph, mut node) = one_node(topk(k), &[(F32, &[1000])], (F32, &[k]));
+        let idx = ValueId(graph.values.len());
+        let mut graph = graph;
+        graph.add_value("idx", DType::I64, vec![k]);
+        node.outputs.push(idx);
+        let err = supports(&graph, &node, &DeviceLimits::default()).unwrap_err();
+        assert!(err.contains("k = 300"), "{err}");
+        let wide = DeviceLimits {
+            max_topk: 512,
+            ..DeviceLimits::default()
+        };
+        assert_eq!(supports(&graph, &node, &wide), Ok(()));
+    }
+
+    #[test]
+    fn sizes_and_dtypes_within_limits() {
+        let limits = DeviceLimits {
+            max_buffer_bytes: 1024,
+            max_rank: 3,
+            ..DeviceLimits::default()
+        };
+        let (graph, node) = one_node(Op::Identity, &[(F32, &[257])], (F32, &[257]));
+        let err = supports(&graph, &node, &limits).unwrap_err();
+        assert!(err.contains("1024 byte"), "{err}");
+        let (graph, node) = one_node(Op::Identity, &[(F32, &[1, 1, 1, 1])], (F32, &[1, 1, 1, 1]));
+        let err = supports(&graph, &node, &limits).unwrap_err();
+        assert!(err.contains("rank 4"), "{err}");
+        let mixed = verdict(
+            Op::MatMul,
+            &[(F32, &[2, 2]), (DType::BF16, &[2, 2])],
+            (F32, &[2, 2]),
+        );
+        assert!(mixed.unwrap_err().contains("mixed dtypes"));
+        let mask = verdict(Op::Index, &[(F32, &[4]), (DType::Bool, &[4])], (F32, &[2]));
+        assert!(mask.unwrap_err().contains("bool mask"));
+        let empty = verdict(Op::Identity, &[(F32, &[0])], (F32, &[0]));
+        assert!(empty.unwrap_err().contains("empty"));
+        let u8s = verdict(Op::Identity, &[(DType::U8, &[4])], (DType::U8, &[4]));
+        assert!(u8s.unwrap_err().contains("uint8"));
+    }
+
+    #[test]
+    fn attention_head_dim_and_mask() {
+        let sdpa = Op::Sdpa {
+            is_causal: false,
+            scale: None,
+            enable_gqa: false,
+        };
+        let q: &[usize] = &[1, 2, 8, 64];
+        let ok = verdict(
+            sdpa.clone(),
+            &[(F32, q), (F32, q), (F32, q), (DType::Bool, &[8, 8])],
+            (F32, q),
+        );
+        assert_eq!(ok, Ok(()));
+        let big: &[usize] = &[1, 2, 8, 512];
+        let err = verdict(
+            sdpa.clone(),
+            &[(F32, big), (F32, big), (F32, big)],
+            (F32, big),
+        );
+        assert!(err.unwrap_err().contains("head dim 512"));
+        let int_mask = verdict(
+            sdpa,
+            &[(F32, q), (F32, q), (F32, q), (DType::I32, &[8, 8])],
+            (F32, q),
+        );
+        assert!(int_mask.unwrap_err().contains("input 3"));
+    }
+
+    #[test]
+    fn missing_values_are_reasons_not_panics() {
+        let (graph, mut node) = one_node(Op::Identity, &[(F32, &[2])], (F32, &[2]));
+        node.inputs[0] = Some(ValueId(42));
+        let err = supports(&graph, &node, &DeviceLimits::default()).unwrap_err();
+        assert!(err.contains("#42"), "{err}");
+        node.inputs[0] = None;
+        node.op = Op::Unary(UnaryOp::Exp);
+        assert!(supports(&graph, &node, &DeviceLimits::default())
+            .unwrap_err()
+            .contains("required input 0"));
+    }
 }
