@@ -481,6 +481,31 @@ fn malformed_graphs_are_errors() {
     graph.nodes[1].inputs[0] = Some(ValueId(999));
     let err = partition(&graph, &auto()).unwrap_err();
     assert!(err.to_string().contains("#999"), "{err}");
+    let mut graph = sandwich();
+    graph.nodes[2].outputs = graph.nodes[0].outputs.clone();
+    let err = partition(&graph, &auto()).unwrap_err();
+    assert!(err.to_string().contains("produced twice"), "{err}");
+}
+
+#[test]
+fn long_alternating_chain_partitions_and_schedules() {
+    // relu, mul, relu, mul, ...: every relu its own partition
+    let mut b = Builder::new();
+    let mut v = b.input("x");
+    for i in 0..2000 {
+        v = b.node(if i % 2 == 0 { RELU } else { MUL }, &[v, v][..1 + i % 2]);
+    }
+    b.output(v);
+    let p = partition(&b.graph, &skipping(&["mul"], PartitionMode::Auto)).unwrap();
+    assert_eq!(p.partitions.len(), 1000);
+    for (k, step) in p.steps.iter().enumerate() {
+        let expected = if k % 2 == 0 {
+            Step::Delegate(k / 2)
+        } else {
+            Step::Cpu(k)
+        };
+        assert_eq!(*step, expected);
+    }
 }
 
 /// xorshift64*: deterministic, no dependency.

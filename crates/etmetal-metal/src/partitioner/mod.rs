@@ -187,28 +187,37 @@ impl Dag {
     fn new(graph: &Graph) -> Result<Dag> {
         let n = graph.nodes.len();
         let mut producer: HashMap<ValueId, usize> = HashMap::new();
+        for (i, node) in graph.nodes.iter().enumerate() {
+            for v in &node.outputs {
+                check_value(graph, *v, &node.name)?;
+                if producer.insert(*v, i).is_some() {
+                    return Err(Error::invalid_input(format!(
+                        "value `{}` is produced twice (again by node `{}`)",
+                        graph.value(*v).name,
+                        node.name
+                    )));
+                }
+            }
+        }
         let mut preds = vec![vec![]; n];
         let mut succs = vec![vec![]; n];
         for (i, node) in graph.nodes.iter().enumerate() {
             let mut p = BTreeSet::new();
             for v in node.inputs.iter().flatten() {
                 check_value(graph, *v, &node.name)?;
-                if let Some(&j) = producer.get(v) {
-                    p.insert(j);
-                } else if graph.nodes[i..]
-                    .iter()
-                    .any(|later| later.outputs.contains(v))
-                {
-                    return Err(Error::invalid_input(format!(
-                        "node `{}` reads `{}` before it is produced (nodes are not in topological order)",
-                        node.name,
-                        graph.value(*v).name
-                    )));
+                match producer.get(v) {
+                    Some(&j) if j < i => {
+                        p.insert(j);
+                    }
+                    Some(_) => {
+                        return Err(Error::invalid_input(format!(
+                            "node `{}` reads `{}` before it is produced (nodes are not in topological order)",
+                            node.name,
+                            graph.value(*v).name
+                        )))
+                    }
+                    None => {}
                 }
-            }
-            for v in &node.outputs {
-                check_value(graph, *v, &node.name)?;
-                producer.insert(*v, i);
             }
             for &j in &p {
                 succs[j].push(i);
@@ -234,13 +243,19 @@ fn check_value(graph: &Graph, v: ValueId, node: &str) -> Result<()> {
 /// Budget of node visits for merging independent partitions: the search is
 /// quadratic in the partition count, so huge fragmented graphs keep some
 /// independent partitions apart rather than stall the compiler.
-const MERGE_VISIT_BUDGET: usize = 50_000_000;
+const MERGE_VISIT_BUDGET: usize = 20_000_000;
 
 /// The growing partitions: `of[node]` is its group, `members[g]` its nodes
 /// (empty once merged away).
 struct Groups {
     of: Vec<Option<usize>>,
     members: Vec<Vec<usize>>,
+    /// The last node placed: later nodes are in no group and only lead to
+    /// later nodes, so no path back into a group passes them.
+    horizon: usize,
+    /// `seen[node] == stamp`: visited by the current [`Groups::can_merge`].
+    seen: Vec<u32>,
+    stamp: u32,
     visits: usize,
 }
 
@@ -249,6 +264,9 @@ impl Groups {
         Groups {
             of: vec![None; n],
             members: vec![],
+            horizon: 0,
+            seen: vec![0; n],
+            stamp: 0,
             visits: 0,
         }
     }
@@ -260,6 +278,7 @@ impl Groups {
     /// Add supported node `i` (all its producers are already placed) and
     /// join it to its producers' groups where that stays acyclic.
     fn add(&mut self, i: usize, dag: &Dag) {
+        self.horizon = i;
         let mut g = self.members.len();
         self.members.push(vec![i]);
         self.of[i] = Some(g);
@@ -272,55 +291,85 @@ impl Groups {
         }
     }
 
-    /// Merge pairs of groups in id order while the budget lasts.
+    /// Merge pairs of groups in id order while the budget lasts. A group
+    /// that `a` reaches can never join it, so only the others are checked.
     fn merge_independent(&mut self, dag: &Dag) {
-        let mut a = 0;
-        while a < self.members.len() {
-            let mut b = a + 1;
-            while !self.members[a].is_empty() && b < self.members.len() {
+        self.horizon = self.of.len();
+        for a in 0..self.members.len() {
+            if self.members[a].is_empty() {
+                continue;
+            }
+            let mut reached = self.reached_groups(&[a], dag);
+            for b in a + 1..self.members.len() {
                 if self.visits > MERGE_VISIT_BUDGET {
                     return;
                 }
-                if !self.members[b].is_empty() && self.can_merge(a, b, dag) {
+                if !self.members[b].is_empty() && !reached.contains(&b) && self.can_merge(a, b, dag)
+                {
                     self.merge(a, b);
+                    reached = self.reached_groups(&[a], dag);
                 }
-                b += 1;
             }
-            a += 1;
         }
     }
 
     /// Whether groups `a` and `b` can become one without a cycle among
     /// groups and CPU nodes: no path from one to the other through anything
-    /// else. A group is entered whole, since its call needs all its inputs.
+    /// else.
     fn can_merge(&mut self, a: usize, b: usize, dag: &Dag) -> bool {
-        let inside = |g: Option<usize>| g == Some(a) || g == Some(b);
-        let mut seen = vec![false; self.of.len()];
-        self.visits += seen.len();
+        let reached = self.reached_groups(&[a, b], dag);
+        !reached.contains(&a) && !reached.contains(&b)
+    }
+
+    /// The groups reached from `sources` by paths that leave them. A group
+    /// is entered whole, since its call needs all its inputs; a source is
+    /// recorded when a path comes back to it, and not walked again.
+    fn reached_groups(&mut self, sources: &[usize], dag: &Dag) -> BTreeSet<usize> {
+        let is_source = |g: Option<usize>| g.is_some_and(|g| sources.contains(&g));
+        let horizon = self.horizon;
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.seen.fill(0);
+            self.stamp = 1;
+        }
+        let stamp = self.stamp;
         let mut stack: Vec<usize> = vec![];
-        for &m in self.members[a].iter().chain(&self.members[b]) {
-            for &s in &dag.succs[m] {
-                if !inside(self.of[s]) {
-                    stack.push(s);
-                }
+        for &g in sources {
+            for &m in &self.members[g] {
+                stack.extend(
+                    dag.succs[m]
+                        .iter()
+                        .copied()
+                        .filter(|&s| s <= horizon && !is_source(self.of[s])),
+                );
             }
         }
+        let mut reached = BTreeSet::new();
         while let Some(x) = stack.pop() {
-            if seen[x] {
+            if self.seen[x] == stamp {
                 continue;
             }
             self.visits += 1;
-            if inside(self.of[x]) {
-                return false;
+            if let Some(g) = self.of[x] {
+                reached.insert(g);
             }
-            seen[x] = true;
+            if is_source(self.of[x]) {
+                self.seen[x] = stamp;
+                continue;
+            }
             let group = self.of[x].map_or(&[][..], |g| &self.members[g][..]);
             for &m in std::iter::once(&x).chain(group) {
-                seen[m] = true;
-                stack.extend(dag.succs[m].iter().copied().filter(|&s| !seen[s]));
+                self.seen[m] = stamp;
+                let seen = &self.seen;
+                stack.extend(
+                    dag.succs[m]
+                        .iter()
+                        .copied()
+                        .filter(|&s| s <= horizon && seen[s] != stamp),
+                );
             }
         }
-        true
+        reached
     }
 
     /// Merge the higher-numbered group into the lower; returns the survivor.

@@ -323,6 +323,7 @@ fn dtypes_taken(op: &Op, ins: &[Option<&ValueInfo>], limits: &DeviceLimits) -> R
             same_float(ins, all)
         }
         Op::Sdpa { .. } => {
+            required(ins, 1)?;
             same_float(ins, 0..3)?;
             for slot in [0, 2] {
                 let head = required(ins, slot)?.shape.last().copied().unwrap_or(1);
