@@ -134,13 +134,18 @@ pub fn partition(graph: &Graph, options: &PartitionOptions) -> Result<Partitioni
             readers.entry(*v).or_default().push(i);
         }
     }
-    let mut partitions: Vec<Partition> = vec![];
-    for step in &steps {
-        if let Step::Delegate(id) = *step {
-            let nodes: Vec<usize> = (0..n).filter(|&i| node_partition[i] == Some(id)).collect();
-            partitions.push(describe(graph, id, nodes, &node_partition, &readers));
+    let count = groups.live().count();
+    let mut nodes_of: Vec<Vec<usize>> = vec![vec![]; count];
+    for (i, id) in node_partition.iter().enumerate() {
+        if let Some(id) = id {
+            nodes_of[*id].push(i);
         }
     }
+    let partitions: Vec<Partition> = nodes_of
+        .into_iter()
+        .enumerate()
+        .map(|(id, nodes)| describe(graph, id, nodes, &node_partition, &readers))
+        .collect();
     Ok(Partitioning {
         partitions,
         cpu_nodes,
