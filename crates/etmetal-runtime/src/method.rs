@@ -255,6 +255,11 @@ impl Method {
         self.outputs.iter().map(|(_, s)| s.clone()).collect()
     }
 
+    /// Bytes allocated for planned memory (at most what the file declares).
+    pub fn arena_bytes(&self) -> usize {
+        self.values.arena_bytes()
+    }
+
     /// Run the method. Inputs must match [`Method::input_specs`] in count,
     /// dtype and shape; float32 given for a bfloat16 input is rounded.
     pub fn execute(&mut self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>> {

@@ -67,8 +67,23 @@ impl Values {
                 )))
             }
         }
+        // Allocate only what planned tensors reach: a file may declare more
+        // (the reader checked every tensor lies inside its declared arena),
+        // and bytes no tensor covers are never read or written.
+        let mut used = vec![0u64; sizes.len()];
+        for (v, value) in p.values.iter().enumerate() {
+            if let EValue::Tensor(t) = value {
+                if let Some(a) = &t.allocation_info {
+                    let end = a.memory_offset()
+                        + etmetal_pte::verify::tensor_nbytes(t, &format!("value {v}"))?;
+                    if let Some(u) = used.get_mut(a.memory_id as usize) {
+                        *u = (*u).max(end);
+                    }
+                }
+            }
+        }
         let mut arenas = vec![Vec::new()];
-        for (memory, &size) in sizes.iter().enumerate().skip(1) {
+        for (memory, &size) in used.iter().enumerate().skip(1) {
             let size = usize::try_from(size).map_err(|_| {
                 Error::limit(format!(
                     "planned memory {memory} of {size} bytes does not fit in memory"
@@ -138,6 +153,11 @@ impl Values {
             shape,
             place,
         }))
+    }
+
+    /// Bytes allocated for planned memory.
+    pub fn arena_bytes(&self) -> usize {
+        self.arenas.iter().map(Vec::len).sum()
     }
 
     pub fn get(&self, v: usize) -> Result<&Slot> {

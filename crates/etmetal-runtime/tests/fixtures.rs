@@ -215,3 +215,26 @@ fn program_and_method_are_send() {
     sync::<Program>();
     send::<etmetal_runtime::Method>();
 }
+
+/// Found by the `pte_load` fuzz target: one byte makes conv_block declare a
+/// 4 GiB arena its tensors never reach; only the reached bytes are allocated.
+#[test]
+fn declared_but_unused_arena_is_not_allocated() {
+    let regression = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/regressions/pte_load/oom-conv_block-buffer-size-byte251.pte");
+    let program = Program::load(&regression).unwrap();
+    let declared = &program.file().program.execution_plan[0].non_const_buffer_sizes;
+    assert_eq!(declared[1], 0xfe00_0360);
+    let mut method = program.method("forward").unwrap();
+    assert!(
+        method.arena_bytes() <= 864,
+        "{} bytes allocated",
+        method.arena_bytes()
+    );
+    let want = numbered("conv_block", "output");
+    let got = method.execute(numbered("conv_block", "input")).unwrap();
+    assert_close("conv_block (regression)", &got, &want);
+
+    let honest = Program::load(fixtures().join("conv_block.pte")).unwrap();
+    assert_eq!(honest.method("forward").unwrap().arena_bytes(), 864);
+}
