@@ -17,10 +17,10 @@
 
 use std::collections::{HashMap, HashSet};
 
-use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor};
+use etmetal_core::{BinaryOp, Error, Op, Result, Tensor};
 
-use crate::infer::infer;
 use crate::ir::{Graph, InputKind, Node, ValueId};
+use crate::rewrite::Rewrite;
 
 /// Rewrite `graph` to core ops, keeping those `keep` accepts (see module docs).
 pub fn decompose(graph: &mut Graph, keep: &dyn Fn(&Op) -> bool) {
@@ -53,87 +53,16 @@ pub fn decompose(graph: &mut Graph, keep: &dyn Fn(&Op) -> bool) {
     graph.nodes = out;
 }
 
-/// Builds the replacement of one node: intermediates get new values, the
-/// last node writes the original outputs.
-struct Rewrite<'g> {
-    graph: &'g mut Graph,
-    base: &'g Node,
-    nodes: Vec<Node>,
+/// `x * k` unless `k == 1`.
+fn scaled(rw: &mut Rewrite, x: ValueId, k: f64) -> Result<ValueId> {
+    if k == 1.0 {
+        return Ok(x);
+    }
+    let dtype = rw.graph.value(x).dtype;
+    let c = rw.scalar(k, dtype)?;
+    rw.node(Op::Binary(BinaryOp::Mul), &[Some(x), Some(c)])
 }
 
-impl Rewrite<'_> {
-    fn node(&mut self, op: Op, inputs: Vec<Option<ValueId>>) -> Result<ValueId> {
-        let name = format!("{}.{}", self.base.name, self.nodes.len());
-        let mut node = Node {
-            name,
-            target: self.base.target.clone(),
-            op,
-            inputs,
-            outputs: vec![],
-        };
-        let (dtype, shape) = infer(self.graph, &node)?
-            .into_iter()
-            .next()
-            .ok_or_else(|| Error::internal("no output"))?;
-        let v = self
-            .graph
-            .add_value(format!("{}.out", node.name), dtype, shape);
-        node.outputs.push(v);
-        self.nodes.push(node);
-        Ok(v)
-    }
-
-    fn finish(mut self, op: Op, inputs: Vec<Option<ValueId>>) -> Result<Vec<Node>> {
-        let name = format!("{}.{}", self.base.name, self.nodes.len());
-        let node = Node {
-            name,
-            target: self.base.target.clone(),
-            op,
-            inputs,
-            outputs: self.base.outputs.clone(),
-        };
-        let inferred = infer(self.graph, &node)?;
-        let expected: Vec<_> = node
-            .outputs
-            .iter()
-            .map(|v| {
-                (
-                    self.graph.value(*v).dtype,
-                    self.graph.value(*v).shape.clone(),
-                )
-            })
-            .collect();
-        if inferred != expected {
-            return Err(Error::internal(format!(
-                "rewrite of `{}` infers {inferred:?}, not {expected:?}",
-                self.base.name
-            )));
-        }
-        self.nodes.push(node);
-        Ok(self.nodes)
-    }
-
-    fn constant(&mut self, what: &str, t: Tensor) -> ValueId {
-        self.graph
-            .add_constant(format!("{}.{what}", self.base.name), t)
-    }
-
-    fn scalar(&mut self, what: &str, v: f64, dtype: DType) -> Result<ValueId> {
-        Ok(self.constant(what, Tensor::scalar_f64(dtype, v)?))
-    }
-
-    /// `x * k` unless `k == 1`.
-    fn scaled(&mut self, x: ValueId, k: f64, what: &str) -> Result<ValueId> {
-        if k == 1.0 {
-            return Ok(x);
-        }
-        let dtype = self.graph.value(x).dtype;
-        let c = self.scalar(what, k, dtype)?;
-        self.node(Op::Binary(BinaryOp::Mul), vec![Some(x), Some(c)])
-    }
-}
-
-/// The transpose of a 2-D constant, materialised.
 fn transposed(t: &Tensor) -> Result<Tensor> {
     let [rows, cols] = *t.shape() else {
         return Err(Error::internal("not 2-D"));
@@ -152,11 +81,7 @@ fn transposed(t: &Tensor) -> Result<Tensor> {
 
 fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
     let input = |i: usize| node.inputs.get(i).copied().flatten();
-    let mut rw = Rewrite {
-        graph,
-        base: node,
-        nodes: vec![],
-    };
+    let mut rw = Rewrite::new(graph, node);
     match &node.op {
         Op::Linear => {
             let (Some(x), Some(w)) = (input(0), input(1)) else {
@@ -167,13 +92,13 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
                     let t = transposed(t)?;
                     rw.constant("weight_t", t)
                 }
-                None => rw.node(Op::Permute { dims: vec![1, 0] }, vec![Some(w)])?,
+                None => rw.node(Op::Permute { dims: vec![1, 0] }, &[Some(w)])?,
             };
             match input(2) {
-                None => rw.finish(Op::MatMul, vec![Some(x), Some(wt)]).map(Some),
+                None => rw.finish_with(Op::MatMul, &[Some(x), Some(wt)]).map(Some),
                 Some(b) => {
-                    let mm = rw.node(Op::MatMul, vec![Some(x), Some(wt)])?;
-                    rw.finish(Op::Binary(BinaryOp::Add), vec![Some(mm), Some(b)])
+                    let mm = rw.node(Op::MatMul, &[Some(x), Some(wt)])?;
+                    rw.finish_with(Op::Binary(BinaryOp::Add), &[Some(mm), Some(b)])
                         .map(Some)
                 }
             }
@@ -184,19 +109,19 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
             };
             if *beta == 0.0 {
                 if *alpha == 1.0 {
-                    return rw.finish(Op::MatMul, vec![Some(a), Some(b)]).map(Some);
+                    return rw.finish_with(Op::MatMul, &[Some(a), Some(b)]).map(Some);
                 }
-                let mm = rw.node(Op::MatMul, vec![Some(a), Some(b)])?;
+                let mm = rw.node(Op::MatMul, &[Some(a), Some(b)])?;
                 let dtype = rw.graph.value(mm).dtype;
-                let k = rw.scalar("alpha", *alpha, dtype)?;
+                let k = rw.scalar(*alpha, dtype)?;
                 return rw
-                    .finish(Op::Binary(BinaryOp::Mul), vec![Some(mm), Some(k)])
+                    .finish_with(Op::Binary(BinaryOp::Mul), &[Some(mm), Some(k)])
                     .map(Some);
             }
-            let mm = rw.node(Op::MatMul, vec![Some(a), Some(b)])?;
-            let mm = rw.scaled(mm, *alpha, "alpha")?;
-            let bias = rw.scaled(bias, *beta, "beta")?;
-            rw.finish(Op::Binary(BinaryOp::Add), vec![Some(mm), Some(bias)])
+            let mm = rw.node(Op::MatMul, &[Some(a), Some(b)])?;
+            let mm = scaled(&mut rw, mm, *alpha)?;
+            let bias = scaled(&mut rw, bias, *beta)?;
+            rw.finish_with(Op::Binary(BinaryOp::Add), &[Some(mm), Some(bias)])
                 .map(Some)
         }
         Op::BatchNorm { eps } => {
@@ -229,8 +154,8 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
             }
             let s = rw.constant("scale", Tensor::from_f64(dtype, &shape, &scale)?);
             let t = rw.constant("shift", Tensor::from_f64(dtype, &shape, &shift)?);
-            let y = rw.node(Op::Binary(BinaryOp::Mul), vec![Some(x), Some(s)])?;
-            rw.finish(Op::Binary(BinaryOp::Add), vec![Some(y), Some(t)])
+            let y = rw.node(Op::Binary(BinaryOp::Mul), &[Some(x), Some(s)])?;
+            rw.finish_with(Op::Binary(BinaryOp::Add), &[Some(y), Some(t)])
                 .map(Some)
         }
         _ => Ok(None),
@@ -259,6 +184,8 @@ pub fn eliminate_dead_code(graph: &mut Graph) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::infer::infer;
+    use etmetal_core::DType;
     use etmetal_core::ReduceOp;
 
     fn ops(g: &Graph) -> Vec<String> {

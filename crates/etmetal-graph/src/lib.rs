@@ -7,6 +7,7 @@ pub mod ir;
 pub mod plan;
 pub mod portable;
 pub mod pt2;
+mod rewrite;
 
 pub use decompose::{decompose, eliminate_dead_code};
 pub use infer::infer;

@@ -23,8 +23,8 @@
 
 use etmetal_core::{BinaryOp, DType, Error, Op, ReduceOp, Result, Tensor, UnaryOp};
 
-use crate::infer::infer;
 use crate::ir::{Graph, Node, ValueId};
+use crate::rewrite::Rewrite;
 
 /// Rewrite `graph` in place to ops with a portable kernel (module docs).
 pub fn to_portable(graph: &mut Graph) -> Result<()> {
@@ -46,134 +46,11 @@ pub fn to_portable(graph: &mut Graph) -> Result<()> {
     Ok(())
 }
 
-/// The replacement of one node: intermediates get new values, the last
-/// node writes the original outputs.
-struct Builder<'g> {
-    graph: &'g mut Graph,
-    base: &'g Node,
-    nodes: Vec<Node>,
-}
-
-impl Builder<'_> {
-    fn name(&self) -> String {
-        format!("{}.p{}", self.base.name, self.nodes.len())
-    }
-
-    fn node(&mut self, op: Op, inputs: &[Option<ValueId>]) -> Result<ValueId> {
-        let name = self.name();
-        let mut node = Node {
-            name,
-            target: self.base.target.clone(),
-            op,
-            inputs: inputs.to_vec(),
-            outputs: vec![],
-        };
-        let (dtype, shape) = infer(self.graph, &node)?
-            .into_iter()
-            .next()
-            .ok_or_else(|| Error::internal("a rewrite node with no output"))?;
-        let v = self
-            .graph
-            .add_value(format!("{}.out", node.name), dtype, shape);
-        node.outputs.push(v);
-        self.nodes.push(node);
-        Ok(v)
-    }
-
-    fn unary(&mut self, u: UnaryOp, x: ValueId) -> Result<ValueId> {
-        self.node(Op::Unary(u), &[Some(x)])
-    }
-
-    fn binary(&mut self, b: BinaryOp, x: ValueId, y: ValueId) -> Result<ValueId> {
-        self.node(Op::Binary(b), &[Some(x), Some(y)])
-    }
-
-    /// A 0-d constant of `dtype`.
-    fn scalar(&mut self, v: f64, dtype: DType) -> Result<ValueId> {
-        let name = format!("{}.c{}", self.base.name, self.graph.values.len());
-        Ok(self.graph.add_constant(name, Tensor::scalar_f64(dtype, v)?))
-    }
-
-    fn reshape(&mut self, x: ValueId, shape: Vec<usize>) -> Result<ValueId> {
-        if self.graph.value(x).shape == shape {
-            return Ok(x);
-        }
-        self.node(Op::Reshape { shape }, &[Some(x)])
-    }
-
-    fn expand(&mut self, x: ValueId, shape: Vec<usize>) -> Result<ValueId> {
-        if self.graph.value(x).shape == shape {
-            return Ok(x);
-        }
-        self.node(Op::Expand { shape }, &[Some(x)])
-    }
-
-    fn cast(&mut self, x: ValueId, dtype: DType) -> Result<ValueId> {
-        if self.graph.value(x).dtype == dtype {
-            return Ok(x);
-        }
-        self.node(Op::Cast { dtype }, &[Some(x)])
-    }
-
-    /// `v` in f32: constants converted here, other values by a `Cast` node.
-    fn as_f32(&mut self, v: ValueId) -> Result<ValueId> {
-        match self.graph.constants.get(&v) {
-            Some(t) if t.dtype() != DType::F32 => {
-                let t = t.cast(DType::F32)?;
-                let name = format!("{}.f32", self.graph.value(v).name);
-                Ok(self.graph.add_constant(name, t))
-            }
-            _ => self.cast(v, DType::F32),
-        }
-    }
-
-    /// Make the last node write the original outputs (checked), or add a
-    /// copy when `v` is a graph value already (a rewrite that became a no-op).
-    fn finish(mut self, v: ValueId) -> Result<Vec<Node>> {
-        let [want] = self.base.outputs.as_slice() else {
-            return Err(Error::internal(
-                "rewrites of multi-output nodes are not written",
-            ));
-        };
-        let made_here = self.nodes.last().is_some_and(|n| n.outputs == [v]);
-        if !made_here {
-            let name = self.name();
-            self.nodes.push(Node {
-                name,
-                target: self.base.target.clone(),
-                op: Op::Reshape {
-                    shape: self.graph.value(v).shape.clone(),
-                },
-                inputs: vec![Some(v)],
-                outputs: vec![v],
-            });
-        }
-        let last = self
-            .nodes
-            .last_mut()
-            .ok_or_else(|| Error::internal("empty rewrite"))?;
-        last.outputs = vec![*want];
-        let got = infer(self.graph, last)?;
-        let info = self.graph.value(*want);
-        if got != [(info.dtype, info.shape.clone())] {
-            return Err(Error::internal(format!(
-                "rewrite infers {got:?}, the node had {:?} {:?}",
-                info.dtype, info.shape
-            )));
-        }
-        Ok(self.nodes)
-    }
-}
-
 fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
     let input = |i: usize| node.inputs.get(i).copied().flatten();
     let needs =
         |i: usize| input(i).ok_or_else(|| Error::invalid_input(format!("input {i} is missing")));
-    let mut b = Builder {
-        graph,
-        base: node,
-        nodes: vec![],
-    };
+    let mut b = Rewrite::new(graph, node);
     let y = match &node.op {
         Op::MatMul => {
             let (x, w) = (needs(0)?, needs(1)?);
@@ -364,7 +241,7 @@ fn machine_eps(d: DType) -> f64 {
 }
 
 /// `torch.matmul` with `mm`/`bmm` (module docs).
-fn matmul(b: &mut Builder, x: ValueId, w: ValueId) -> Result<ValueId> {
+fn matmul(b: &mut Rewrite, x: ValueId, w: ValueId) -> Result<ValueId> {
     let (mut sa, mut sb) = (
         b.graph.value(x).shape.clone(),
         b.graph.value(w).shape.clone(),
@@ -405,7 +282,7 @@ fn matmul(b: &mut Builder, x: ValueId, w: ValueId) -> Result<ValueId> {
 
 /// Attention by its definition (module docs).
 fn sdpa(
-    b: &mut Builder,
+    b: &mut Rewrite,
     [q, k, v]: [ValueId; 3],
     mask: Option<ValueId>,
     is_causal: bool,
@@ -435,10 +312,10 @@ fn sdpa(
         let keep: Vec<u8> = (0..l * s_len)
             .map(|i| (i % s_len <= i / s_len) as u8)
             .collect();
-        let name = format!("{}.causal_mask", b.base.name);
-        let m = b
-            .graph
-            .add_constant(name, Tensor::from_bytes(DType::Bool, &[l, s_len], &keep)?);
+        let m = b.constant(
+            "causal_mask",
+            Tensor::from_bytes(DType::Bool, &[l, s_len], &keep)?,
+        );
         scores = b.node(Op::Where, &[Some(m), Some(scores), Some(neg_inf)])?;
     }
     if let Some(m) = mask {
@@ -462,7 +339,7 @@ fn sdpa(
 
 /// `[.., Hk, S, E]` → `[.., H, S, E]`, each head repeated `H / Hk` times
 /// in place (`repeat_interleave` on the head dim).
-fn repeat_heads(b: &mut Builder, x: ValueId, heads: usize) -> Result<ValueId> {
+fn repeat_heads(b: &mut Rewrite, x: ValueId, heads: usize) -> Result<ValueId> {
     let s = b.graph.value(x).shape.clone();
     let r = s.len();
     let hk = s[r - 3];
@@ -485,7 +362,7 @@ fn repeat_heads(b: &mut Builder, x: ValueId, heads: usize) -> Result<ValueId> {
 }
 
 /// A 1-D pooling `op2d` (already widened to 2-D attributes) on `[N, C, 1, L]`.
-fn pool_1d(b: &mut Builder, x: ValueId, op2d: Op) -> Result<ValueId> {
+fn pool_1d(b: &mut Rewrite, x: ValueId, op2d: Op) -> Result<ValueId> {
     let mut s = b.graph.value(x).shape.clone();
     let at = s.len().saturating_sub(1);
     s.insert(at, 1);
@@ -499,6 +376,7 @@ fn pool_1d(b: &mut Builder, x: ValueId, op2d: Op) -> Result<ValueId> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::infer::infer;
     use crate::ir::{InputKind, OutputKind};
 
     /// One node `op` over fresh user inputs of the given shapes (f32 unless
@@ -655,7 +533,7 @@ mod tests {
         let mask = g
             .values
             .iter()
-            .position(|v| v.name.ends_with("causal_mask"))
+            .position(|v| v.name.contains(".causal_mask"))
             .unwrap();
         let m = g.constants[&ValueId(mask)].bytes().to_vec();
         assert_eq!(&m[..6], &[1, 0, 0, 0, 0, 1]);
