@@ -24,5 +24,5 @@ step "cargo build --release"
 cargo build --release --quiet -p etmetal
 cargo build --release --quiet -p etmetal-pte --example roundtrip
 step "parity suite"
-ETMETAL_BIN="$CARGO_TARGET_DIR/release/etmetal" bash scripts/run-parity.sh "$venv" -q
+ETMETAL_BIN="$CARGO_TARGET_DIR/release/etmetal" bash scripts/run-parity.sh "$venv"
 step "all tests passed"
