@@ -15,7 +15,7 @@ use etmetal_pte::{DataLocation, EValue, Instruction, PteFile};
 #[command(
     name = "etmetal",
     version,
-    about = "Run and inspect programs exported with torch.export"
+    about = "Compile, run and inspect programs exported with torch.export"
 )]
 struct Cli {
     #[command(subcommand)]
