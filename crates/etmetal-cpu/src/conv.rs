@@ -31,6 +31,28 @@ struct Geometry {
     osp: Vec<usize>,
 }
 
+/// Element counts of one spatial plane (input, output, kernel) and the
+/// channels per group, as both convolution directions use them.
+struct Sizes {
+    ins: usize,
+    os: usize,
+    k: usize,
+    cin_g: usize,
+    cout_g: usize,
+}
+
+impl Geometry {
+    fn sizes(&self) -> Sizes {
+        Sizes {
+            ins: self.insp.iter().product(),
+            os: self.osp.iter().product(),
+            k: self.ksp.iter().product(),
+            cin_g: self.cin / self.groups,
+            cout_g: self.cout / self.groups,
+        }
+    }
+}
+
 fn geometry(ctx: &Ctx, x: &Tensor, w: &Tensor, p: &ConvParams) -> Result<Geometry> {
     let sr = p.stride.len();
     let op = if p.output_padding.is_empty() {
@@ -163,12 +185,13 @@ fn conv_forward<T: MatElem>(
     w: &[T],
     bias: Option<&[T]>,
 ) -> Vec<T> {
-    let (ins, os, k): (usize, usize, usize) = (
-        g.insp.iter().product(),
-        g.osp.iter().product(),
-        g.ksp.iter().product(),
-    );
-    let (cin_g, cout_g) = (g.cin / g.groups, g.cout / g.groups);
+    let Sizes {
+        ins,
+        os,
+        k,
+        cin_g,
+        cout_g,
+    } = g.sizes();
     let table = window_table(&g.osp, &g.ksp, &g.insp, p.stride, p.dilation, p.padding);
     let mut out = vec![T::default(); g.n * g.cout * os];
     per_image(&mut out, g.n, |img, dst, par| {
@@ -215,12 +238,13 @@ fn conv_transposed<T: MatElem>(
     w: &[T],
     bias: Option<&[T]>,
 ) -> Vec<T> {
-    let (ins, os, k): (usize, usize, usize) = (
-        g.insp.iter().product(),
-        g.osp.iter().product(),
-        g.ksp.iter().product(),
-    );
-    let (cin_g, cout_g) = (g.cin / g.groups, g.cout / g.groups);
+    let Sizes {
+        ins,
+        os,
+        k,
+        cin_g,
+        cout_g,
+    } = g.sizes();
     // where input position i lands in the output for kernel position kk
     let table = window_table(&g.insp, &g.ksp, &g.osp, p.stride, p.dilation, p.padding);
     let mut out = vec![T::default(); g.n * g.cout * os];
