@@ -454,6 +454,19 @@ fn reshape(a: &Args, out: usize) -> Result<DecodedCall> {
     )
 }
 
+/// A pooling call's `(kernel_size, stride)` at arguments 1 and 2; an empty
+/// stride means the kernel size, as in PyTorch.
+fn pool_window(a: &Args) -> Result<(Vec<usize>, Vec<usize>)> {
+    let kernel = a.sizes(1)?;
+    let stride = a.sizes(2)?;
+    let stride = if stride.is_empty() {
+        kernel.clone()
+    } else {
+        stride
+    };
+    Ok((kernel, stride))
+}
+
 fn softmax(a: &Args, log: bool) -> Result<DecodedCall> {
     if a.bool(2)? {
         return Err(Error::unsupported("half_to_float = true"));
@@ -840,14 +853,9 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
         }
         // (self, kernel_size, stride, padding, dilation, ceil_mode, out, indices)
         ("max_pool2d_with_indices", "out") => {
-            let kernel = a.sizes(1)?;
-            let stride = a.sizes(2)?;
+            let (kernel, stride) = pool_window(&a)?;
             let op = Op::MaxPool {
-                stride: if stride.is_empty() {
-                    kernel.clone()
-                } else {
-                    stride
-                },
+                stride,
                 kernel,
                 padding: a.sizes(3)?,
                 dilation: a.sizes(4)?,
@@ -862,14 +870,9 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
         }
         // (self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override?, out)
         ("avg_pool2d", "out") => {
-            let kernel = a.sizes(1)?;
-            let stride = a.sizes(2)?;
+            let (kernel, stride) = pool_window(&a)?;
             let op = Op::AvgPool {
-                stride: if stride.is_empty() {
-                    kernel.clone()
-                } else {
-                    stride
-                },
+                stride,
                 kernel,
                 padding: a.sizes(3)?,
                 ceil_mode: a.bool(4)?,
