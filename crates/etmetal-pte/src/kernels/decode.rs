@@ -853,7 +853,7 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
         }
         // (self, kernel_size, stride, padding, dilation, ceil_mode, out, indices)
         ("max_pool2d_with_indices", "out") => {
-            let (kernel, stride) = pool_window(&a)?;
+            let (kernel, stride) = pool_window(a)?;
             let op = Op::MaxPool {
                 stride,
                 kernel,
@@ -870,7 +870,7 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
         }
         // (self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override?, out)
         ("avg_pool2d", "out") => {
-            let (kernel, stride) = pool_window(&a)?;
+            let (kernel, stride) = pool_window(a)?;
             let op = Op::AvgPool {
                 stride,
                 kernel,
