@@ -1,6 +1,9 @@
 //! The etmetal Metal backend, compile-time half: the partitioner (which
-//! nodes of a graph the GPU delegate takes) and the delegate's compile
-//! specs.
+//! nodes of a graph the GPU delegate takes), preprocess (a partition into
+//! WGSL/MSL kernels and a dispatch plan), the delegate payload format and
+//! the delegate's compile specs. Without the default `compiler` feature
+//! only the payload format and compile specs build (what the GPU runtime
+//! needs).
 //!
 //! ```no_run
 //! use etmetal_metal::partitioner::{ops_to_not_decompose, partition, PartitionOptions};
@@ -16,7 +19,9 @@
 //! ```
 
 pub mod compile_spec;
+#[cfg(feature = "compiler")]
 pub mod partitioner;
+pub mod payload;
 
 /// The delegate id written into `.pte` files (our own, no other backend's).
 pub const BACKEND_ID: &str = "EtMetalBackend";

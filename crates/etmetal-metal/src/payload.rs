@@ -1,0 +1,493 @@
+//! The delegate payload: what `preprocess` writes into a `.pte` for one
+//! partition and what the GPU runtime executes. Pure data, no native code.
+//!
+//! Layout on disk: the 4-byte magic `EMTL`, the major and minor version as
+//! little-endian `u16`s, then the payload as UTF-8 JSON. A reader rejects a
+//! newer major version; a newer minor version only adds fields a reader
+//! may ignore.
+//!
+//! Execution model (what the runtime relies on):
+//! - Every tensor the delegate touches is a [`Buffer`]: a weight uploaded
+//!   once from the `.pte`'s named data (bound read-only), or a range of an
+//!   arena buffer allocated once at load (bound `read_write`, since wgpu
+//!   forbids read-only and writable bindings of one buffer in a dispatch).
+//! - Delegate inputs are written into their arena ranges, every
+//!   [`Dispatch`] is recorded in order into one compute pass of one command
+//!   buffer, outputs are copied out of the arena.
+//! - A kernel binds its buffers at `@group(0) @binding(i)`, i in the order
+//!   of [`Dispatch::buffers`]; shapes are baked into the WGSL, so there are
+//!   no uniforms.
+//! - On the GPU a tensor is stored as [`GpuRepr`] says: int64 narrowed to
+//!   i32 (checked when written), bool/u8/i8 widened to one u32 an element,
+//!   f16/bf16 packed two a u32 (the host bytes, padded to 4).
+
+use etmetal_core::{DType, Error, Result, Tensor};
+use serde::{Deserialize, Serialize};
+
+pub const MAGIC: &[u8; 4] = b"EMTL";
+/// Bumped when a reader of the previous major version would misread.
+pub const VERSION_MAJOR: u16 = 1;
+pub const VERSION_MINOR: u16 = 0;
+
+/// Offsets of arena ranges are multiples of this (wgpu's default and the
+/// largest `min_storage_buffer_offset_alignment` of real adapters).
+pub const ARENA_ALIGN: u64 = 256;
+
+pub type BufferId = usize;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Payload {
+    pub buffers: Vec<Buffer>,
+    /// Distinct shader modules; dispatches refer to them by index, so
+    /// repeated layers share one pipeline.
+    pub kernels: Vec<Kernel>,
+    pub dispatches: Vec<Dispatch>,
+    /// Buffers of the delegate call's inputs, in argument order.
+    pub inputs: Vec<BufferId>,
+    /// Buffers of the delegate call's outputs, in argument order; each is an
+    /// arena buffer no other output shares.
+    pub outputs: Vec<BufferId>,
+    /// Byte size of each arena buffer.
+    pub arenas: Vec<u64>,
+    pub requirements: Requirements,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Buffer {
+    /// The graph value it holds, for messages.
+    pub name: String,
+    /// The host dtype (what the `.pte` declares for the tensor).
+    #[serde(with = "dtype_name")]
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub location: Location,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Location {
+    /// Named data of the `.pte`, already in [`GpuRepr`] form.
+    Weight { key: String },
+    /// `offset` bytes into arena `arena`, [`ARENA_ALIGN`]-aligned.
+    Arena { arena: usize, offset: u64 },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Kernel {
+    /// Unique within the payload (`k3_matmul_add_relu`).
+    pub name: String,
+    /// The graph ops fused into it, in order (`["mat_mul", "add", "relu"]`).
+    pub ops: Vec<String>,
+    pub wgsl: String,
+    /// naga's MSL translation of `wgsl` (opt-in passthrough on Metal).
+    pub msl: String,
+    pub entry_point: String,
+    /// One entry per binding: whether the kernel writes it.
+    pub bindings: Vec<Access>,
+    pub workgroup_size: [u32; 3],
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Access {
+    Read,
+    ReadWrite,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Dispatch {
+    pub kernel: usize,
+    /// The graph nodes this dispatch computes, for messages and `inspect`.
+    pub nodes: Vec<String>,
+    pub buffers: Vec<BufferId>,
+    pub workgroups: [u32; 3],
+}
+
+/// What the device must offer; the runtime requests these limits and
+/// refuses to load, naming the limit, when the adapter has less.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Requirements {
+    pub max_storage_buffer_binding_size: u64,
+    pub max_buffer_size: u64,
+    pub max_storage_buffers_per_shader_stage: u32,
+    pub max_compute_workgroup_storage_size: u32,
+    pub max_compute_invocations_per_workgroup: u32,
+    pub max_compute_workgroups_per_dimension: u32,
+    pub shader_f16: bool,
+}
+
+impl Default for Requirements {
+    /// wgpu's default limits, which every adapter meets.
+    fn default() -> Self {
+        Requirements {
+            max_storage_buffer_binding_size: 128 << 20,
+            max_buffer_size: 256 << 20,
+            max_storage_buffers_per_shader_stage: 8,
+            max_compute_workgroup_storage_size: 16384,
+            max_compute_invocations_per_workgroup: 256,
+            max_compute_workgroups_per_dimension: 65535,
+            shader_f16: false,
+        }
+    }
+}
+
+/// How a host dtype is stored in a GPU buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuRepr {
+    F32,
+    I32,
+    /// int64 on the host, i32 on the GPU.
+    I64AsI32,
+    /// bool/u8/i8 on the host, one `u32` (bool, u8) or `i32` (i8) an element.
+    Widened,
+    /// f16/bf16: the host bytes, two elements a `u32`.
+    Packed16,
+}
+
+impl GpuRepr {
+    pub fn of(dtype: DType) -> Result<GpuRepr> {
+        Ok(match dtype {
+            DType::F32 => GpuRepr::F32,
+            DType::I32 => GpuRepr::I32,
+            DType::I64 => GpuRepr::I64AsI32,
+            DType::Bool | DType::U8 | DType::I8 => GpuRepr::Widened,
+            DType::F16 | DType::BF16 => GpuRepr::Packed16,
+            DType::I16 | DType::F64 => {
+                return Err(Error::unsupported(format!(
+                    "{} tensors have no GPU storage",
+                    dtype.name()
+                )))
+            }
+        })
+    }
+}
+
+/// Bytes a tensor of `dtype` and `numel` elements takes on the GPU (a
+/// multiple of 4, at least 4 so empty tensors still bind).
+pub fn gpu_bytes(dtype: DType, numel: usize) -> Result<u64> {
+    let n = numel as u64;
+    let bytes = match GpuRepr::of(dtype)? {
+        GpuRepr::Packed16 => n.div_ceil(2) * 4,
+        _ => n * 4,
+    };
+    Ok(bytes.max(4))
+}
+
+/// The GPU bytes of a host tensor; `what` names it in the error raised when
+/// an int64 value does not fit in i32.
+pub fn to_gpu(tensor: &Tensor, what: &str) -> Result<Vec<u8>> {
+    let bytes = tensor.bytes();
+    let mut out = Vec::with_capacity(gpu_bytes(tensor.dtype(), tensor.numel())? as usize);
+    match GpuRepr::of(tensor.dtype())? {
+        GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16 => out.extend_from_slice(bytes),
+        GpuRepr::I64AsI32 => {
+            for (i, chunk) in bytes.chunks_exact(8).enumerate() {
+                let v = i64::from_le_bytes(chunk.try_into().expect("8-byte chunk"));
+                let narrow = i32::try_from(v).map_err(|_| {
+                    Error::limit(format!(
+                        "{what}: int64 element {i} = {v} does not fit the GPU's 32-bit integers"
+                    ))
+                })?;
+                out.extend_from_slice(&narrow.to_le_bytes());
+            }
+        }
+        GpuRepr::Widened => {
+            let signed = tensor.dtype() == DType::I8;
+            for &b in bytes {
+                let v = if signed { b as i8 as i32 } else { b as i32 };
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+    out.resize(gpu_bytes(tensor.dtype(), tensor.numel())? as usize, 0);
+    Ok(out)
+}
+
+/// The host tensor of GPU bytes `bytes` (at least [`gpu_bytes`] long).
+pub fn from_gpu(bytes: &[u8], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    let numel: usize = shape.iter().product();
+    let need = gpu_bytes(dtype, numel)? as usize;
+    if bytes.len() < need {
+        return Err(Error::internal(format!(
+            "GPU buffer of {} bytes holds less than a {} tensor of shape {shape:?} ({need} bytes)",
+            bytes.len(),
+            dtype.name()
+        )));
+    }
+    let words = || bytes[..numel * 4].chunks_exact(4);
+    let word = |c: &[u8]| i32::from_le_bytes(c.try_into().expect("4-byte chunk"));
+    let host: Vec<u8> = match GpuRepr::of(dtype)? {
+        GpuRepr::F32 | GpuRepr::I32 => bytes[..numel * 4].to_vec(),
+        GpuRepr::Packed16 => bytes[..numel * 2].to_vec(),
+        GpuRepr::I64AsI32 => words()
+            .flat_map(|c| (word(c) as i64).to_le_bytes())
+            .collect(),
+        GpuRepr::Widened => words()
+            .map(|c| match dtype {
+                DType::Bool => (word(c) != 0) as u8,
+                _ => word(c) as u8,
+            })
+            .collect(),
+    };
+    Tensor::from_bytes(dtype, shape, &host)
+}
+
+impl Payload {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = MAGIC.to_vec();
+        out.extend_from_slice(&VERSION_MAJOR.to_le_bytes());
+        out.extend_from_slice(&VERSION_MINOR.to_le_bytes());
+        out.extend_from_slice(
+            &serde_json::to_vec(self).expect("a payload always serialises to JSON"),
+        );
+        out
+    }
+
+    /// Parse and check a payload: version, and every index and range it
+    /// holds, so the runtime can trust it.
+    pub fn decode(bytes: &[u8]) -> Result<Payload> {
+        if bytes.len() < 8 || &bytes[..4] != MAGIC {
+            return Err(Error::format(
+                "EtMetalBackend payload: missing the `EMTL` magic at offset 0 (not an etmetal payload)",
+            ));
+        }
+        let major = u16::from_le_bytes([bytes[4], bytes[5]]);
+        let minor = u16::from_le_bytes([bytes[6], bytes[7]]);
+        if major != VERSION_MAJOR {
+            return Err(Error::unsupported(format!(
+                "EtMetalBackend payload version {major}.{minor} is not readable by this etmetal \
+                 (reads {VERSION_MAJOR}.x); recompile the model with this etmetal"
+            )));
+        }
+        let payload: Payload = serde_json::from_slice(&bytes[8..]).map_err(|e| {
+            Error::format(format!(
+                "EtMetalBackend payload: bad JSON at byte {} of the body: {e}",
+                e.column()
+            ))
+        })?;
+        payload.verify()?;
+        Ok(payload)
+    }
+
+    fn verify(&self) -> Result<()> {
+        let bad = |m: String| Error::format(format!("EtMetalBackend payload: {m}"));
+        for (i, b) in self.buffers.iter().enumerate() {
+            let numel = b
+                .shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .ok_or_else(|| bad(format!("buffer {i} `{}`: shape overflows", b.name)))?;
+            let bytes = gpu_bytes(b.dtype, numel)?;
+            if let Location::Arena { arena, offset } = b.location {
+                let size = *self.arenas.get(arena).ok_or_else(|| {
+                    bad(format!(
+                        "buffer {i} `{}`: arena {arena} does not exist",
+                        b.name
+                    ))
+                })?;
+                if offset % ARENA_ALIGN != 0 || offset.checked_add(bytes).is_none_or(|e| e > size) {
+                    return Err(bad(format!(
+                        "buffer {i} `{}`: {bytes} bytes at offset {offset} do not fit arena {arena} \
+                         ({size} bytes) at {ARENA_ALIGN}-byte alignment",
+                        b.name
+                    )));
+                }
+            }
+        }
+        let buffer = |id: BufferId, what: &str| {
+            self.buffers.get(id).ok_or_else(|| {
+                bad(format!(
+                    "{what} refers to buffer {id}, which does not exist"
+                ))
+            })
+        };
+        for (k, &id) in self.inputs.iter().chain(&self.outputs).enumerate() {
+            buffer(id, &format!("delegate argument {k}"))?;
+        }
+        for (k, &id) in self.outputs.iter().enumerate() {
+            if !matches!(buffer(id, "output")?.location, Location::Arena { .. }) {
+                return Err(bad(format!("output {k} is not an arena buffer")));
+            }
+        }
+        for (d, dispatch) in self.dispatches.iter().enumerate() {
+            let kernel = self.kernels.get(dispatch.kernel).ok_or_else(|| {
+                bad(format!(
+                    "dispatch {d} uses kernel {}, which does not exist",
+                    dispatch.kernel
+                ))
+            })?;
+            if kernel.bindings.len() != dispatch.buffers.len() {
+                return Err(bad(format!(
+                    "dispatch {d} binds {} buffers to kernel `{}`, which has {} bindings",
+                    dispatch.buffers.len(),
+                    kernel.name,
+                    kernel.bindings.len()
+                )));
+            }
+            for (&id, access) in dispatch.buffers.iter().zip(&kernel.bindings) {
+                let b = buffer(id, &format!("dispatch {d}"))?;
+                let writable = matches!(b.location, Location::Arena { .. });
+                if (*access == Access::ReadWrite) != writable {
+                    return Err(bad(format!(
+                        "dispatch {d} binds `{}` as {access:?}, but arena buffers bind read_write \
+                         and weights read-only",
+                        b.name
+                    )));
+                }
+            }
+            if dispatch.workgroups.contains(&0)
+                || dispatch
+                    .workgroups
+                    .iter()
+                    .any(|&w| w > self.requirements.max_compute_workgroups_per_dimension)
+            {
+                return Err(bad(format!(
+                    "dispatch {d} (`{}`) has workgroup counts {:?} outside 1..={}",
+                    kernel.name,
+                    dispatch.workgroups,
+                    self.requirements.max_compute_workgroups_per_dimension
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Names of the weights the payload needs from the named data.
+    pub fn weight_keys(&self) -> impl Iterator<Item = &str> {
+        self.buffers.iter().filter_map(|b| match &b.location {
+            Location::Weight { key } => Some(key.as_str()),
+            Location::Arena { .. } => None,
+        })
+    }
+}
+
+mod dtype_name {
+    use etmetal_core::DType;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &DType, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(d.name())
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DType, D::Error> {
+        let name = String::deserialize(d)?;
+        DType::from_name(&name)
+            .ok_or_else(|| serde::de::Error::custom(format!("unknown dtype `{name}`")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Payload {
+        let wgsl = "@group(0) @binding(0) var<storage, read> w: array<f32>;\n\
+                    @group(0) @binding(1) var<storage, read_write> y: array<f32>;\n\
+                    @compute @workgroup_size(64) fn main(@builtin(global_invocation_id) g: vec3<u32>) {\n\
+                    if (g.x < 6u) { y[g.x] = w[g.x] * 2.0; } }";
+        Payload {
+            buffers: vec![
+                Buffer {
+                    name: "w".into(),
+                    dtype: DType::F32,
+                    shape: vec![2, 3],
+                    location: Location::Weight { key: "p0.w".into() },
+                },
+                Buffer {
+                    name: "y".into(),
+                    dtype: DType::F32,
+                    shape: vec![2, 3],
+                    location: Location::Arena {
+                        arena: 0,
+                        offset: 0,
+                    },
+                },
+            ],
+            kernels: vec![Kernel {
+                name: "k0_mul".into(),
+                ops: vec!["mul".into()],
+                wgsl: wgsl.into(),
+                msl: String::new(),
+                entry_point: "main".into(),
+                bindings: vec![Access::Read, Access::ReadWrite],
+                workgroup_size: [64, 1, 1],
+            }],
+            dispatches: vec![Dispatch {
+                kernel: 0,
+                nodes: vec!["mul".into()],
+                buffers: vec![0, 1],
+                workgroups: [1, 1, 1],
+            }],
+            inputs: vec![],
+            outputs: vec![1],
+            arenas: vec![256],
+            requirements: Requirements::default(),
+        }
+    }
+
+    #[test]
+    fn decode_inverts_encode() {
+        let p = sample();
+        assert_eq!(Payload::decode(&p.encode()).unwrap(), p);
+        assert_eq!(p.weight_keys().collect::<Vec<_>>(), ["p0.w"]);
+    }
+
+    #[test]
+    fn newer_major_version_is_refused() {
+        let mut bytes = sample().encode();
+        bytes[4..6].copy_from_slice(&(VERSION_MAJOR + 1).to_le_bytes());
+        let e = Payload::decode(&bytes).unwrap_err();
+        assert!(e.message().contains("version 2.0"), "{e}");
+        let mut minor = sample().encode();
+        minor[6..8].copy_from_slice(&7u16.to_le_bytes());
+        assert!(Payload::decode(&minor).is_ok());
+    }
+
+    #[test]
+    fn bad_payloads_are_format_errors() {
+        assert!(Payload::decode(b"EMT").is_err());
+        let bytes = sample().encode();
+        assert!(Payload::decode(&bytes[..bytes.len() - 3]).is_err());
+        let mut p = sample();
+        p.dispatches[0].buffers = vec![0, 9];
+        assert!(Payload::decode(&p.encode())
+            .unwrap_err()
+            .message()
+            .contains("buffer 9"));
+        let mut p = sample();
+        p.arenas = vec![8];
+        assert!(Payload::decode(&p.encode()).is_err());
+        let mut p = sample();
+        p.kernels[0].bindings = vec![Access::ReadWrite, Access::ReadWrite];
+        assert!(Payload::decode(&p.encode()).is_err());
+        let mut p = sample();
+        p.dispatches[0].workgroups = [0, 1, 1];
+        assert!(Payload::decode(&p.encode()).is_err());
+    }
+
+    #[test]
+    fn gpu_repr_round_trips_host_tensors() {
+        let t = Tensor::from_i64(DType::I64, &[3], &[-5, 0, 1 << 30]).unwrap();
+        let g = to_gpu(&t, "x").unwrap();
+        assert_eq!(g.len(), 12);
+        assert_eq!(
+            from_gpu(&g, DType::I64, &[3]).unwrap().to_i64_vec(),
+            [-5, 0, 1 << 30]
+        );
+        let big = Tensor::from_i64(DType::I64, &[1], &[1 << 40]).unwrap();
+        assert!(to_gpu(&big, "input 0")
+            .unwrap_err()
+            .message()
+            .contains("input 0"));
+        let b = Tensor::from_bytes(DType::Bool, &[3], &[1, 0, 1]).unwrap();
+        let g = to_gpu(&b, "m").unwrap();
+        assert_eq!(g, [1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]);
+        assert_eq!(from_gpu(&g, DType::Bool, &[3]).unwrap().bytes(), [1, 0, 1]);
+        let h = Tensor::from_f32(DType::BF16, &[3], &[1.0, -2.0, 0.5]).unwrap();
+        let g = to_gpu(&h, "h").unwrap();
+        assert_eq!(g.len(), 8);
+        assert_eq!(
+            from_gpu(&g, DType::BF16, &[3]).unwrap().to_f32_vec(),
+            [1.0, -2.0, 0.5]
+        );
+        let i8s = Tensor::from_bytes(DType::I8, &[1], &[0xff]).unwrap();
+        assert_eq!(to_gpu(&i8s, "c").unwrap(), [0xff; 4]);
+    }
+}
