@@ -61,6 +61,10 @@ pub(crate) fn sym_ints(v: &Value) -> Result<Vec<i64>> {
 }
 
 /// `(dtype, sizes)` of a `TensorMeta`.
+/// The largest tensor a `.pt2` may declare (a weight, an input or an
+/// intermediate): as large as the runtime's default arena limit.
+pub const MAX_TENSOR_BYTES: u64 = 16 << 30;
+
 pub(crate) fn tensor_meta(meta: &Value) -> Result<(DType, Vec<usize>)> {
     let code = field(meta, "dtype")?
         .as_i64()
@@ -70,7 +74,16 @@ pub(crate) fn tensor_meta(meta: &Value) -> Result<(DType, Vec<usize>)> {
     let sizes = sizes
         .into_iter()
         .map(|s| usize::try_from(s).map_err(|_| Error::format(format!("negative size {s}"))))
-        .collect::<Result<_>>()?;
+        .collect::<Result<Vec<usize>>>()?;
+    // Refused here, before any tensor of this shape is allocated.
+    let bytes = sizes
+        .iter()
+        .try_fold(dtype.size() as u64, |acc, &s| acc.checked_mul(s as u64));
+    if bytes.is_none_or(|b| b > MAX_TENSOR_BYTES) {
+        return Err(Error::limit(format!(
+            "{dtype} tensor of sizes {sizes:?} exceeds the limit of {MAX_TENSOR_BYTES} bytes a tensor"
+        )));
+    }
     if let Some(layout) = meta.get("layout").and_then(Value::as_i64) {
         if layout != 7 {
             return Err(Error::unsupported(format!(

@@ -3,6 +3,7 @@
 
 mod archive;
 mod json;
+pub use json::MAX_TENSOR_BYTES;
 mod lower;
 
 use std::collections::{HashMap, HashSet};
