@@ -95,12 +95,14 @@ impl Values {
             .values
             .iter()
             .enumerate()
-            .map(|(v, value)| Values::slot(file, plan, v, value))
+            .map(|(v, value)| Values::slot(file, plan, v, value, max_arena_bytes))
             .collect::<Result<Vec<_>>>()?;
         Ok(Values { slots, arenas })
     }
 
-    fn slot(file: &PteFile, plan: usize, v: usize, value: &EValue) -> Result<Slot> {
+    /// `max_bytes` bounds an unplanned tensor, allocated when it is given
+    /// or made (all-ones inputs), like the arenas.
+    fn slot(file: &PteFile, plan: usize, v: usize, value: &EValue, max_bytes: u64) -> Result<Slot> {
         let EValue::Tensor(t) = value else {
             return Ok(Slot::Value(value.clone()));
         };
@@ -134,7 +136,17 @@ impl Values {
             )));
         }
         let place = match (&t.allocation_info, t.data_buffer_idx) {
-            (None, 0) => Place::Unplanned(None),
+            (None, 0) => {
+                let nbytes = etmetal_pte::verify::tensor_nbytes(t, &at())?;
+                if nbytes > max_bytes {
+                    return Err(Error::limit(format!(
+                        "{}: unplanned tensor of {nbytes} bytes (sizes {:?}) exceeds the limit of {max_bytes} bytes",
+                        at(),
+                        t.sizes
+                    )));
+                }
+                Place::Unplanned(None)
+            }
             (None, _) => Place::Constant(file.constant_tensor(plan, v)?),
             (Some(_), idx) if idx > 0 => {
                 return Err(Error::unsupported(format!(
