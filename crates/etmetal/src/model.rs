@@ -21,7 +21,8 @@ pub struct Model {
     program: Program,
 }
 
-/// Whether `path` holds an ExecuTorch program (`ET12` at bytes 4..8).
+/// Whether `path` holds an ExecuTorch program (`ET??` at bytes 4..8; the
+/// `.pte` reader names an identifier other than `ET12`).
 pub fn is_pte(path: &Path) -> Result<bool> {
     use std::io::Read;
     let mut head = [0u8; 8];
@@ -29,7 +30,7 @@ pub fn is_pte(path: &Path) -> Result<bool> {
     let n = file
         .read(&mut head)
         .map_err(|e| Error::io(path.display(), e))?;
-    Ok(n == 8 && &head[4..8] == b"ET12")
+    Ok(n == 8 && &head[4..6] == b"ET")
 }
 
 impl Model {
