@@ -3,8 +3,10 @@
 
 use std::sync::Arc;
 
+use std::collections::HashMap;
+
 use etmetal_core::{Error, Result, Tensor};
-use etmetal_pte::CompileSpec;
+use etmetal_pte::{CompileSpec, PteFile};
 
 /// One argument of a delegate call, as the method holds it.
 #[derive(Clone, Debug)]
@@ -25,13 +27,37 @@ pub trait DelegateHandle: Send {
     fn execute(&mut self, args: &mut [DelegateArg]) -> Result<()>;
 }
 
+/// The program's named data (weights a delegate payload refers to by key).
+pub trait NamedData {
+    /// The bytes of `key`; an error naming it when the program has none.
+    fn get(&self, key: &str) -> Result<&[u8]>;
+}
+
+impl NamedData for PteFile {
+    fn get(&self, key: &str) -> Result<&[u8]> {
+        self.named_data(key)
+    }
+}
+
+/// Named data held in memory (for programs assembled by hand).
+impl NamedData for HashMap<String, Vec<u8>> {
+    fn get(&self, key: &str) -> Result<&[u8]> {
+        HashMap::get(self, key).map(Vec::as_slice).ok_or_else(|| {
+            Error::invalid_input(format!("named data `{key}` is not in the program"))
+        })
+    }
+}
+
 /// A delegate backend, looked up by the `BackendDelegate.id` it owns.
 pub trait Backend: Send + Sync {
     fn id(&self) -> &str;
+    /// Prepare one delegate: `processed` is its payload, `named_data` the
+    /// program's named data (read during `init` only).
     fn init(
         &self,
         processed: &[u8],
         compile_specs: &[CompileSpec],
+        named_data: &dyn NamedData,
     ) -> Result<Box<dyn DelegateHandle>>;
 }
 

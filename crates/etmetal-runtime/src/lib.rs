@@ -30,7 +30,7 @@ use std::path::Path;
 use etmetal_core::{Error, Result};
 use etmetal_pte::PteFile;
 
-pub use backend::{Backend, BackendRegistry, DelegateArg, DelegateHandle};
+pub use backend::{Backend, BackendRegistry, DelegateArg, DelegateHandle, NamedData};
 pub use etmetal_core::TensorSpec;
 pub use method::Method;
 

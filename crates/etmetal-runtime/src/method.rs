@@ -160,7 +160,7 @@ impl Method {
                         .delegate_data(plan, c.delegate_index as usize)
                         .map_err(at)?;
                     let handle = backend
-                        .init(processed, &d.compile_specs)
+                        .init(processed, &d.compile_specs, file)
                         .map_err(|e| at(e.context(format!("initialising delegate `{}`", d.id))))?;
                     let args: Vec<usize> = c.args.iter().map(|&a| a as usize).collect();
                     check_reads(&unwritten, &args, k)?;
@@ -176,14 +176,6 @@ impl Method {
                         from: m.move_from as usize,
                         to: m.move_to as usize,
                     }
-                }
-                // Forward jumps only: then every execute ends (the program
-                // counter only grows), and etmetal's compiler emits no loops.
-                Instruction::JumpFalseCall(j) if j.destination_instruction as usize <= k => {
-                    return Err(Error::unsupported(format!(
-                        "instruction {k} jumps back to instruction {} (loops are not supported)",
-                        j.destination_instruction
-                    )))
                 }
                 Instruction::JumpFalseCall(j) => Step::JumpFalse {
                     cond: j.cond_value_index as usize,

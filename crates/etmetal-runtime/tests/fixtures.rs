@@ -8,7 +8,7 @@ use std::sync::Arc;
 use etmetal_core::{npy, DType, ErrorKind, Result, Tensor};
 use etmetal_pte::CompileSpec;
 use etmetal_runtime::{
-    Backend, BackendRegistry, DelegateArg, DelegateHandle, LoadOptions, Program,
+    Backend, BackendRegistry, DelegateArg, DelegateHandle, LoadOptions, NamedData, Program,
 };
 
 fn fixtures() -> PathBuf {
@@ -139,7 +139,12 @@ impl Backend for Fill {
     fn id(&self) -> &str {
         "XnnpackBackend"
     }
-    fn init(&self, processed: &[u8], _specs: &[CompileSpec]) -> Result<Box<dyn DelegateHandle>> {
+    fn init(
+        &self,
+        processed: &[u8],
+        _specs: &[CompileSpec],
+        _named: &dyn NamedData,
+    ) -> Result<Box<dyn DelegateHandle>> {
         Ok(Box::new(FillHandle(processed.len() as f32)))
     }
 }
