@@ -22,6 +22,8 @@ pub mod compile_spec;
 #[cfg(feature = "compiler")]
 pub mod partitioner;
 pub mod payload;
+#[cfg(feature = "compiler")]
+pub mod preprocess;
 
 /// The delegate id written into `.pte` files (our own, no other backend's).
 pub const BACKEND_ID: &str = "EtMetalBackend";

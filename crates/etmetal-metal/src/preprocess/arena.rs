@@ -1,0 +1,74 @@
+//! Arena planning: every non-weight buffer gets an aligned range of one
+//! arena, reused by buffers whose lifetimes (first to last dispatch that
+//! binds them) do not overlap. Delegate inputs are live from the start,
+//! outputs to the end.
+
+use etmetal_core::{Error, Result};
+
+use super::{Buffers, Place};
+use crate::payload::{gpu_bytes, Dispatch, ARENA_ALIGN};
+
+pub(crate) struct ArenaPlan {
+    /// `(arena, offset)` of each buffer; `None` for weights.
+    pub offsets: Vec<Option<(usize, u64)>>,
+    pub sizes: Vec<u64>,
+}
+
+pub(crate) fn plan(buffers: &Buffers, dispatches: &[Dispatch]) -> Result<ArenaPlan> {
+    let n = buffers.list.len();
+    let end = dispatches.len();
+    let mut first = vec![usize::MAX; n];
+    let mut last = vec![0usize; n];
+    for (d, dispatch) in dispatches.iter().enumerate() {
+        for &b in &dispatch.buffers {
+            first[b] = first[b].min(d);
+            last[b] = last[b].max(d);
+        }
+    }
+    let mut live: Vec<(usize, usize, u64, u64)> = vec![]; // (buffer, last, offset, bytes)
+    let mut order: Vec<usize> = (0..n)
+        .filter(|&b| !matches!(buffers.list[b].place, Place::Weight(_)))
+        .collect();
+    for &b in &order {
+        match buffers.list[b].place {
+            Place::Input(_) => first[b] = 0,
+            Place::Output(_) => {
+                first[b] = first[b].min(end);
+                last[b] = end;
+            }
+            _ => {}
+        }
+        if first[b] == usize::MAX {
+            // never bound (a value no kernel touched): give it its own range
+            first[b] = 0;
+            last[b] = end;
+        }
+    }
+    order.sort_by_key(|&b| (first[b], b));
+    let mut offsets = vec![None; n];
+    let mut size = 0u64;
+    for b in order {
+        let desc = &buffers.list[b];
+        let bytes = gpu_bytes(desc.dtype, desc.numel())?.next_multiple_of(ARENA_ALIGN);
+        live.retain(|&(_, l, _, _)| l >= first[b]);
+        live.sort_by_key(|&(_, _, o, _)| o);
+        // lowest gap that fits between the live ranges
+        let mut offset = 0u64;
+        for &(_, _, o, s) in &live {
+            if offset + bytes <= o {
+                break;
+            }
+            offset = offset.max(o + s);
+        }
+        let top = offset
+            .checked_add(bytes)
+            .ok_or_else(|| Error::limit(format!("arena offset of `{}` overflows", desc.name)))?;
+        size = size.max(top);
+        live.push((b, last[b], offset, bytes));
+        offsets[b] = Some((0, offset));
+    }
+    Ok(ArenaPlan {
+        offsets,
+        sizes: vec![size.max(ARENA_ALIGN)],
+    })
+}

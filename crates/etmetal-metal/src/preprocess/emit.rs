@@ -1,0 +1,507 @@
+//! WGSL emission for one kernel: buffer bindings, load/store functions per
+//! storage type, and lazy values turned into functions of their logical
+//! index (`fn x(i0: u32, i1: u32) -> f32`) that kernel templates call.
+
+use std::collections::HashMap;
+use std::fmt::Write;
+
+use etmetal_core::{DType, Error, Result};
+
+use super::expr::{GatherAt, Kind, LazyRef};
+use super::pointwise::{self, compute_type};
+use super::{BufferIdx, Buffers, Storage};
+use crate::payload::Access;
+
+/// Elements handled by one invocation of a flat kernel's workgroup.
+pub(crate) const FLAT_WORKGROUP: u32 = 256;
+
+pub(crate) struct KernelBuilder<'a> {
+    buffers: &'a Buffers,
+    /// Buffers in binding order.
+    pub bindings: Vec<BufferIdx>,
+    functions: String,
+    helpers: Vec<&'static str>,
+}
+
+/// The statements of one function being emitted, with its memo of values
+/// already computed at an index.
+struct FnBody {
+    lines: String,
+    memo: HashMap<(usize, Vec<String>), String>,
+    temps: usize,
+}
+
+impl FnBody {
+    fn bind(&mut self, ty: &str, expr: String) -> String {
+        let name = format!("t{}", self.temps);
+        self.temps += 1;
+        let _ = writeln!(self.lines, "  let {name}: {ty} = {expr};");
+        name
+    }
+    /// A name for a u32 index expression (bound when not already simple).
+    fn index(&mut self, expr: String) -> String {
+        if expr.chars().all(|c| c.is_alphanumeric() || c == '_') {
+            expr
+        } else {
+            self.bind("u32", expr)
+        }
+    }
+}
+
+impl<'a> KernelBuilder<'a> {
+    pub fn new(buffers: &'a Buffers) -> KernelBuilder<'a> {
+        KernelBuilder {
+            buffers,
+            bindings: vec![],
+            functions: String::new(),
+            helpers: vec![],
+        }
+    }
+
+    /// The binding index of `buf`, adding it on first use.
+    pub fn binding(&mut self, buf: BufferIdx) -> usize {
+        match self.bindings.iter().position(|b| *b == buf) {
+            Some(i) => i,
+            None => {
+                self.bindings.push(buf);
+                self.bindings.len() - 1
+            }
+        }
+    }
+
+    pub fn uses(&mut self, helper: &'static str) {
+        if !self.helpers.contains(&helper) {
+            self.helpers.push(helper);
+        }
+    }
+
+    /// A WGSL expression reading element `e` (a u32 expression) of `buf`
+    /// as its compute type.
+    pub fn load(&mut self, buf: BufferIdx, e: &str) -> String {
+        let b = self.binding(buf);
+        let desc = &self.buffers.list[buf];
+        match desc.storage {
+            Storage::F32 => format!("b{b}[{e}]"),
+            Storage::I32 if desc.dtype == DType::Bool => format!("(b{b}[{e}] != 0i)"),
+            Storage::I32 => format!("b{b}[{e}]"),
+            Storage::Packed16 if desc.dtype == DType::BF16 => {
+                format!("bitcast<f32>((b{b}[({e}) >> 1u] >> ((({e}) & 1u) * 16u)) << 16u)")
+            }
+            Storage::Packed16 => format!("unpack2x16float(b{b}[({e}) >> 1u])[({e}) & 1u]"),
+        }
+    }
+
+    /// A statement storing compute value `v` as element `e` of `buf`
+    /// (16-bit float buffers are written by [`Self::store_pair`]).
+    pub fn store(&mut self, buf: BufferIdx, e: &str, v: &str) -> Result<String> {
+        let b = self.binding(buf);
+        let desc = &self.buffers.list[buf];
+        Ok(match desc.storage {
+            Storage::F32 => format!("b{b}[{e}] = {v};"),
+            Storage::I32 if desc.dtype == DType::Bool => {
+                format!("b{b}[{e}] = select(0i, 1i, {v});")
+            }
+            Storage::I32 => format!("b{b}[{e}] = {v};"),
+            Storage::Packed16 => {
+                return Err(Error::internal(format!(
+                    "buffer `{}` is 16-bit packed: written in pairs only",
+                    desc.name
+                )))
+            }
+        })
+    }
+
+    /// A statement storing two consecutive elements `lo`, `hi` at word `w`
+    /// of a 16-bit packed buffer.
+    pub fn store_pair(&mut self, buf: BufferIdx, w: &str, lo: &str, hi: &str) -> String {
+        let b = self.binding(buf);
+        if self.buffers.list[buf].dtype == DType::BF16 {
+            self.uses("rbf16");
+            format!(
+                "b{b}[{w}] = (bitcast<u32>(rbf16({lo})) >> 16u) | (bitcast<u32>(rbf16({hi})) & 0xffff0000u);"
+            )
+        } else {
+            format!("b{b}[{w}] = pack2x16float(vec2<f32>({lo}, {hi}));")
+        }
+    }
+
+    /// Emit `fn name(i0: u32, …) -> T` computing `v` at a logical index
+    /// (out-of-range indices are clamped into the buffers read).
+    pub fn value_fn(&mut self, v: &LazyRef, name: &str) -> Result<()> {
+        let rank = v.shape.len();
+        let params: Vec<String> = (0..rank).map(|d| format!("i{d}")).collect();
+        let mut body = FnBody {
+            lines: String::new(),
+            memo: HashMap::new(),
+            temps: 0,
+        };
+        let result = self.emit(&mut body, v, &params)?;
+        let sig = params
+            .iter()
+            .map(|p| format!("{p}: u32"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let _ = write!(
+            self.functions,
+            "fn {name}({sig}) -> {} {{\n{}  return {result};\n}}\n\n",
+            compute_type(v.dtype),
+            body.lines
+        );
+        Ok(())
+    }
+
+    fn emit(&mut self, f: &mut FnBody, v: &LazyRef, idx: &[String]) -> Result<String> {
+        let key = (std::rc::Rc::as_ptr(v) as usize, idx.to_vec());
+        if let Some(name) = f.memo.get(&key) {
+            return Ok(name.clone());
+        }
+        let ty = compute_type(v.dtype);
+        let expr = match &v.kind {
+            Kind::Load(buf) => {
+                let n = v.shape.iter().product::<usize>().max(1);
+                let lin = linear(idx, &v.shape);
+                self.load(*buf, &format!("min({lin}, {}u)", n - 1))
+            }
+            Kind::Literal(s) => pointwise::literal(*s, v.dtype)?,
+            Kind::Iota { start, step } => {
+                let i = idx.first().cloned().unwrap_or_else(|| "0u".into());
+                let conv = format!("{ty}({i})");
+                pointwise::round_to(
+                    format!(
+                        "({} + {} * {conv})",
+                        pointwise::literal(*start, v.dtype)?,
+                        pointwise::literal(*step, v.dtype)?
+                    ),
+                    v.dtype,
+                )
+            }
+            Kind::Unary(op, x) => {
+                let a = self.emit(f, x, idx)?;
+                let mut uses = vec![];
+                let e = pointwise::unary(*op, &a, v.dtype, &mut uses)?;
+                uses.into_iter().for_each(|h| self.uses(h));
+                pointwise::round_to(e, v.dtype)
+            }
+            Kind::Binary { op, compute, a, b } => {
+                let xa = self.emit(f, a, idx)?;
+                let xb = self.emit(f, b, idx)?;
+                let ca = pointwise::cast(&xa, a.dtype, *compute);
+                let cb = pointwise::cast(&xb, b.dtype, *compute);
+                let mut uses = vec![];
+                let e = pointwise::binary(*op, &ca, &cb, *compute, &mut uses)?;
+                uses.into_iter().for_each(|h| self.uses(h));
+                let e = if op.is_predicate() {
+                    e
+                } else {
+                    pointwise::cast(&e, *compute, v.dtype)
+                };
+                pointwise::round_to(e, v.dtype)
+            }
+            Kind::Where(c, a, b) => {
+                let xc = self.emit(f, c, idx)?;
+                let xa = self.emit(f, a, idx)?;
+                let xb = self.emit(f, b, idx)?;
+                let xc = pointwise::cast(&xc, c.dtype, DType::Bool);
+                let xa = pointwise::cast(&xa, a.dtype, v.dtype);
+                let xb = pointwise::cast(&xb, b.dtype, v.dtype);
+                format!("select({xb}, {xa}, {xc})")
+            }
+            Kind::Cast(x) => {
+                let a = self.emit(f, x, idx)?;
+                pointwise::cast(&a, x.dtype, v.dtype)
+            }
+            Kind::Permute(x, dims) => {
+                let mut inner = vec![String::new(); dims.len()];
+                for (i, &d) in dims.iter().enumerate() {
+                    inner[d] = idx[i].clone();
+                }
+                return self.emit_as(f, v, key, x, &inner);
+            }
+            Kind::Expand(x) => {
+                let lead = v.shape.len() - x.shape.len();
+                let inner: Vec<String> = x
+                    .shape
+                    .iter()
+                    .enumerate()
+                    .map(|(d, &n)| {
+                        if n == 1 {
+                            "0u".to_string()
+                        } else {
+                            idx[lead + d].clone()
+                        }
+                    })
+                    .collect();
+                return self.emit_as(f, v, key, x, &inner);
+            }
+            Kind::Reshape(x) => {
+                let lin = f.index(linear(idx, &v.shape));
+                let inner = unravel(&lin, &x.shape);
+                return self.emit_as(f, v, key, x, &inner);
+            }
+            Kind::Repeat(x) => {
+                let lead = v.shape.len() - x.shape.len();
+                let inner: Vec<String> = x
+                    .shape
+                    .iter()
+                    .enumerate()
+                    .map(|(d, &n)| modulo(&idx[lead + d], n))
+                    .collect();
+                return self.emit_as(f, v, key, x, &inner);
+            }
+            Kind::Slice {
+                x,
+                dim,
+                start,
+                step,
+            } => {
+                let mut inner = idx.to_vec();
+                inner[*dim] = f.index(affine(&idx[*dim], *step, *start));
+                return self.emit_as(f, v, key, x, &inner);
+            }
+            Kind::Select { x, dim, index } => {
+                let mut inner = idx.to_vec();
+                inner.insert(*dim, format!("{index}u"));
+                return self.emit_as(f, v, key, x, &inner);
+            }
+            Kind::Cat(parts, dim) => {
+                // the last part that starts at or before the index
+                let mut start = 0usize;
+                let mut e = String::new();
+                for (k, p) in parts.iter().enumerate() {
+                    let mut inner = idx.to_vec();
+                    let n = p.shape[*dim];
+                    inner[*dim] = f.index(format!(
+                        "min({} - min({}, {start}u), {}u)",
+                        idx[*dim],
+                        idx[*dim],
+                        n.max(1) - 1
+                    ));
+                    let x = self.emit(f, p, &inner)?;
+                    let x = pointwise::cast(&x, p.dtype, v.dtype);
+                    e = if k == 0 {
+                        x
+                    } else {
+                        format!("select({e}, {x}, {} >= {start}u)", idx[*dim])
+                    };
+                    start += n;
+                }
+                e
+            }
+            Kind::Pad { x, before, value } => {
+                let mut inner = vec![];
+                let mut inside = vec![];
+                for (d, (&n, &b)) in x.shape.iter().zip(before).enumerate() {
+                    if b == 0 {
+                        inner.push(idx[d].clone());
+                        continue;
+                    }
+                    let p = f.bind(
+                        "i32",
+                        format!("i32({}) - {}", idx[d], pointwise::int_literal(b)?),
+                    );
+                    inside.push(format!("({p} >= 0i && {p} < {}i)", n));
+                    inner.push(f.index(format!("u32(clamp({p}, 0i, {}i))", n.max(1) - 1)));
+                }
+                let a = self.emit(f, x, &inner)?;
+                let a = pointwise::cast(&a, x.dtype, v.dtype);
+                if inside.is_empty() {
+                    a
+                } else {
+                    let fill = pointwise::literal(etmetal_core::Scalar::Float(*value), v.dtype)?;
+                    format!("select({fill}, {a}, {})", inside.join(" && "))
+                }
+            }
+            Kind::Triangle { x, upper, diagonal } => {
+                let r = idx.len();
+                let a = self.emit(f, x, idx)?;
+                let zero = pointwise::literal(etmetal_core::Scalar::Int(0), v.dtype)?;
+                let diff = format!("(i32({}) - i32({}))", idx[r - 1], idx[r - 2]);
+                let keep = if *upper {
+                    format!("{diff} >= {}", pointwise::int_literal(*diagonal)?)
+                } else {
+                    format!("{diff} <= {}", pointwise::int_literal(*diagonal)?)
+                };
+                format!("select({zero}, {a}, {keep})")
+            }
+            Kind::Gather {
+                src,
+                dim,
+                index,
+                at,
+            } => {
+                let at_idx: Vec<String> = match at {
+                    GatherAt::Same => idx.to_vec(),
+                    GatherAt::Dim => vec![idx[*dim].clone()],
+                    GatherAt::Leading => idx[..idx.len() - 1].to_vec(),
+                };
+                let raw = self.emit(f, index, &at_idx)?;
+                let raw = pointwise::cast(&raw, index.dtype, DType::I32);
+                let n = src.shape[*dim] as i64;
+                // negative indices count from the end; out of range clamps
+                let i = f.index(format!(
+                    "u32(clamp(select({raw}, {raw} + {}, {raw} < 0i), 0i, {}))",
+                    pointwise::int_literal(n)?,
+                    pointwise::int_literal((n - 1).max(0))?
+                ));
+                let inner: Vec<String> = match at {
+                    GatherAt::Leading => vec![i, idx[idx.len() - 1].clone()],
+                    _ => {
+                        let mut inner = idx.to_vec();
+                        inner[*dim] = i;
+                        inner
+                    }
+                };
+                return self.emit_as(f, v, key, src, &inner);
+            }
+        };
+        let name = f.bind(ty, expr);
+        f.memo.insert(key, name.clone());
+        Ok(name)
+    }
+
+    /// `v` is `x` read at `inner` (a layout op): same value, maybe recast.
+    fn emit_as(
+        &mut self,
+        f: &mut FnBody,
+        v: &LazyRef,
+        key: (usize, Vec<String>),
+        x: &LazyRef,
+        inner: &[String],
+    ) -> Result<String> {
+        let a = self.emit(f, x, inner)?;
+        let name = if x.dtype == v.dtype {
+            a
+        } else {
+            f.bind(compute_type(v.dtype), pointwise::cast(&a, x.dtype, v.dtype))
+        };
+        f.memo.insert(key, name.clone());
+        Ok(name)
+    }
+
+    /// The kernel: bindings, helpers, generated functions, then `main`.
+    pub fn finish(self, main: &str) -> Built {
+        Built {
+            wgsl: self.module(main),
+            bindings: self.bindings,
+        }
+    }
+
+    fn module(&self, main: &str) -> String {
+        let mut s = String::new();
+        for (i, &buf) in self.bindings.iter().enumerate() {
+            let desc = &self.buffers.list[buf];
+            let access = match self.buffers.access(buf) {
+                Access::Read => "read",
+                Access::ReadWrite => "read_write",
+            };
+            let elem = match desc.storage {
+                Storage::F32 => "f32",
+                Storage::I32 => "i32",
+                Storage::Packed16 => "u32",
+            };
+            let _ = writeln!(
+                s,
+                "@group(0) @binding({i}) var<storage, {access}> b{i}: array<{elem}>;"
+            );
+        }
+        s.push('\n');
+        for (name, code) in pointwise::HELPERS {
+            if self.helpers.contains(name) {
+                s.push_str(code);
+                s.push('\n');
+            }
+        }
+        s.push_str(&self.functions);
+        s.push_str(main);
+        s
+    }
+}
+
+/// A kernel's WGSL and the buffers it binds, in binding order.
+pub(crate) struct Built {
+    pub wgsl: String,
+    pub bindings: Vec<BufferIdx>,
+}
+
+/// Row-major linear index of `idx` in `shape`.
+pub(crate) fn linear(idx: &[String], shape: &[usize]) -> String {
+    let mut terms = vec![];
+    let mut stride = 1usize;
+    for (i, &n) in idx.iter().zip(shape).rev() {
+        if n != 1 {
+            terms.push(if stride == 1 {
+                i.clone()
+            } else {
+                format!("{i} * {stride}u")
+            });
+        }
+        stride *= n;
+    }
+    if terms.is_empty() {
+        "0u".into()
+    } else {
+        terms.reverse();
+        terms.join(" + ")
+    }
+}
+
+/// The multi-index of linear index `lin` (a u32 name) in `shape`.
+pub(crate) fn unravel(lin: &str, shape: &[usize]) -> Vec<String> {
+    let mut stride: usize = shape.iter().product();
+    shape
+        .iter()
+        .map(|&n| {
+            stride /= n.max(1);
+            if n == 1 {
+                "0u".to_string()
+            } else if stride == 1 {
+                modulo(lin, n)
+            } else {
+                modulo(&format!("({lin} / {stride}u)"), n)
+            }
+        })
+        .collect()
+}
+
+fn modulo(x: &str, n: usize) -> String {
+    if n == 1 {
+        "0u".into()
+    } else {
+        format!("({x} % {n}u)")
+    }
+}
+
+fn affine(i: &str, step: usize, start: usize) -> String {
+    match (step, start) {
+        (1, 0) => i.to_string(),
+        (1, s) => format!("{i} + {s}u"),
+        (k, 0) => format!("{i} * {k}u"),
+        (k, s) => format!("{i} * {k}u + {s}u"),
+    }
+}
+
+/// Workgroup counts covering `groups` workgroups within the per-dimension
+/// limit, and the WGSL expression of the flat workgroup index.
+pub(crate) fn grid(groups: u64, max_per_dim: u32) -> Result<[u32; 3]> {
+    let max = u64::from(max_per_dim);
+    let x = groups.clamp(1, max);
+    let y = groups.div_ceil(x);
+    if y > max {
+        return Err(Error::limit(format!(
+            "{groups} workgroups exceed the {max}×{max} dispatch grid"
+        )));
+    }
+    Ok([x as u32, y as u32, 1])
+}
+
+/// The flat workgroup index in a kernel dispatched with [`grid`].
+pub(crate) const FLAT_GROUP: &str = "(wid.x + wid.y * nwg.x)";
+
+/// The signature of a kernel's entry point with the builtins templates use.
+pub(crate) fn entry(workgroup_size: u32) -> String {
+    format!(
+        "@compute @workgroup_size({workgroup_size})\n\
+         fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, \
+         @builtin(local_invocation_index) lid: u32) {{\n"
+    )
+}

@@ -1,0 +1,179 @@
+//! Lazy values: what a graph value is before it is written to a buffer.
+//!
+//! Pointwise ops, casts, constants and every layout op (permute, expand,
+//! reshape, slice, select, cat, pad, gathers, …) are not kernels of their
+//! own: they become a [`Lazy`] tree over the buffers that exist, and the
+//! tree is inlined into the kernel that reads it. Reading a lazy value at
+//! a logical index emits WGSL that maps the index through every layout op
+//! down to buffer loads — layout ops fold into index arithmetic, pointwise
+//! chains fuse into their consumer.
+
+use std::rc::Rc;
+
+use etmetal_core::{BinaryOp, DType, Scalar, UnaryOp};
+
+use super::BufferIdx;
+
+pub(crate) type LazyRef = Rc<Lazy>;
+
+#[derive(Debug)]
+pub(crate) struct Lazy {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub kind: Kind,
+}
+
+/// How the element at a logical index of an [`Lazy`] is computed. Children
+/// of pointwise kinds already have the node's shape (broadcasts are
+/// explicit [`Kind::Expand`]s).
+#[derive(Debug)]
+pub(crate) enum Kind {
+    /// Element of a contiguous buffer of the same shape.
+    Load(BufferIdx),
+    Literal(Scalar),
+    /// `start + step * index` along the only dim (arange).
+    Iota {
+        start: Scalar,
+        step: Scalar,
+    },
+    Unary(UnaryOp, LazyRef),
+    /// Computed in `compute` (the promoted dtype), result in `dtype`.
+    Binary {
+        op: BinaryOp,
+        compute: DType,
+        a: LazyRef,
+        b: LazyRef,
+    },
+    Where(LazyRef, LazyRef, LazyRef),
+    Cast(LazyRef),
+    /// `y.shape[i] = x.shape[dims[i]]`
+    Permute(LazyRef, Vec<usize>),
+    /// Broadcast of a lower- or equal-rank value (size-1 dims stretch).
+    Expand(LazyRef),
+    /// Same elements in row-major order, other shape.
+    Reshape(LazyRef),
+    Slice {
+        x: LazyRef,
+        dim: usize,
+        start: usize,
+        step: usize,
+    },
+    Select {
+        x: LazyRef,
+        dim: usize,
+        index: usize,
+    },
+    /// Concatenation along `dim`.
+    Cat(Vec<LazyRef>, usize),
+    /// `before[d]` elements of `value` ahead of dim d (negative: cropped).
+    Pad {
+        x: LazyRef,
+        before: Vec<i64>,
+        value: f64,
+    },
+    /// `x` where `col - row` is on the kept side of `diagonal`, else 0.
+    Triangle {
+        x: LazyRef,
+        upper: bool,
+        diagonal: i64,
+    },
+    /// `repeat`: index modulo the source size.
+    Repeat(LazyRef),
+    /// Data-dependent index along `dim` of `src`: the index value is read
+    /// from `index` at a position given by `at`.
+    Gather {
+        src: LazyRef,
+        dim: usize,
+        index: LazyRef,
+        at: GatherAt,
+    },
+}
+
+/// Where in the output index the index tensor is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GatherAt {
+    /// `gather`: same position as the output element.
+    Same,
+    /// `index_select`: the output's index along `dim`.
+    Dim,
+    /// `embedding`: the output's leading dims (all but the last).
+    Leading,
+}
+
+impl Lazy {
+    pub fn new(dtype: DType, shape: Vec<usize>, kind: Kind) -> LazyRef {
+        Rc::new(Lazy { dtype, shape, kind })
+    }
+
+    /// Whether reading it costs only index arithmetic and loads (no math
+    /// worth materialising before a kernel reads it many times).
+    pub fn is_view(&self) -> bool {
+        match &self.kind {
+            Kind::Load(_) | Kind::Literal(_) | Kind::Iota { .. } => true,
+            Kind::Permute(x, _)
+            | Kind::Expand(x)
+            | Kind::Reshape(x)
+            | Kind::Slice { x, .. }
+            | Kind::Select { x, .. }
+            | Kind::Repeat(x) => x.is_view(),
+            _ => false,
+        }
+    }
+
+    /// The buffers it reads, each once, in first-read order.
+    pub fn buffers(&self, out: &mut Vec<BufferIdx>) {
+        match &self.kind {
+            Kind::Load(b) => {
+                if !out.contains(b) {
+                    out.push(*b)
+                }
+            }
+            Kind::Literal(_) | Kind::Iota { .. } => {}
+            Kind::Unary(_, x)
+            | Kind::Cast(x)
+            | Kind::Permute(x, _)
+            | Kind::Expand(x)
+            | Kind::Reshape(x)
+            | Kind::Slice { x, .. }
+            | Kind::Select { x, .. }
+            | Kind::Pad { x, .. }
+            | Kind::Triangle { x, .. }
+            | Kind::Repeat(x) => x.buffers(out),
+            Kind::Binary { a, b, .. } => {
+                a.buffers(out);
+                b.buffers(out);
+            }
+            Kind::Where(c, a, b) => {
+                c.buffers(out);
+                a.buffers(out);
+                b.buffers(out);
+            }
+            Kind::Cat(parts, _) => parts.iter().for_each(|p| p.buffers(out)),
+            Kind::Gather { src, index, .. } => {
+                src.buffers(out);
+                index.buffers(out);
+            }
+        }
+    }
+
+    /// Number of tree nodes (a bound on the WGSL a kernel inlines).
+    pub fn size(&self) -> usize {
+        1 + match &self.kind {
+            Kind::Load(_) | Kind::Literal(_) | Kind::Iota { .. } => 0,
+            Kind::Unary(_, x)
+            | Kind::Cast(x)
+            | Kind::Permute(x, _)
+            | Kind::Expand(x)
+            | Kind::Reshape(x)
+            | Kind::Slice { x, .. }
+            | Kind::Select { x, .. }
+            | Kind::Pad { x, .. }
+            | Kind::Triangle { x, .. }
+            | Kind::Repeat(x) => x.size(),
+            Kind::Binary { a, b, .. } => a.size() + b.size(),
+            Kind::Where(c, a, b) => c.size() + a.size() + b.size(),
+            Kind::Cat(parts, _) => parts.iter().map(|p| p.size()).sum(),
+            Kind::Gather { src, index, .. } => src.size() + index.size(),
+        }
+    }
+}

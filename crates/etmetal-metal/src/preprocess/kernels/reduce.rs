@@ -1,0 +1,290 @@
+//! Reductions over any dims (sum, mean, prod, amax/amin, any/all), variance,
+//! argmax/argmin, max/min with indices, softmax and log-softmax: all row
+//! kernels (see [`super::rows`]).
+
+use etmetal_core::{DType, Error, Op, ReduceOp, Result};
+use etmetal_graph::Node;
+
+use super::rows::{as_f32, as_rows, col_loop, row_head, shared, tree_reduce, ROW_WORKGROUP};
+use crate::preprocess::emit::{entry, grid, linear, unravel, Built, KernelBuilder};
+use crate::preprocess::pointwise::{cast, compute_type, float_literal};
+use crate::preprocess::Lowering;
+
+pub(super) fn takes(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Reduce { .. }
+            | Op::Var { .. }
+            | Op::ArgReduce { .. }
+            | Op::ReduceWithIndices { .. }
+            | Op::Softmax { .. }
+    )
+}
+
+pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
+    let x = lw.fused(node, 0)?;
+    let rank = x.shape.len();
+    let all: Vec<usize> = (0..rank).collect();
+    let dims_or_all = |dims: &[usize]| {
+        if dims.is_empty() {
+            all.clone()
+        } else {
+            dims.to_vec()
+        }
+    };
+    match &node.op {
+        Op::Reduce { op, dims, .. } => {
+            let (rows_x, rows, cols) = as_rows(&x, &dims_or_all(dims));
+            let out = lw.output_buffer(node, 0)?;
+            let out_dtype = lw.buffers.list[out].dtype;
+            let acc_dtype = match op {
+                ReduceOp::Mean => DType::F32,
+                ReduceOp::Sum | ReduceOp::Prod => out_dtype,
+                ReduceOp::Max | ReduceOp::Min => x.dtype,
+                ReduceOp::Any | ReduceOp::All => DType::I32,
+            };
+            let ty = compute_type(acc_dtype);
+            let acc_ty = if ty == "bool" { "i32" } else { ty };
+            let acc_dtype = if ty == "bool" { DType::I32 } else { acc_dtype };
+            let (init, combine): (String, fn(&str, &str) -> String) = match op {
+                ReduceOp::Sum | ReduceOp::Mean => (zero(acc_ty), |a, b| format!("({a} + {b})")),
+                ReduceOp::Prod => (one(acc_ty), |a, b| format!("({a} * {b})")),
+                ReduceOp::Max | ReduceOp::Any => (lowest(acc_ty), |a, b| format!("max({a}, {b})")),
+                ReduceOp::Min | ReduceOp::All => (highest(acc_ty), |a, b| format!("min({a}, {b})")),
+            };
+            let init = match op {
+                ReduceOp::Any => "0i".to_string(),
+                ReduceOp::All => "1i".to_string(),
+                _ => init,
+            };
+            let mut kb = KernelBuilder::new(&lw.buffers);
+            kb.value_fn(&rows_x, "x")?;
+            let read = match op {
+                ReduceOp::Any | ReduceOp::All => cast(
+                    &cast("x(row, c)", x.dtype, DType::Bool),
+                    DType::Bool,
+                    DType::I32,
+                ),
+                _ => cast("x(row, c)", x.dtype, acc_dtype),
+            };
+            let mut main = shared("red", acc_ty);
+            main.push_str(&entry(ROW_WORKGROUP));
+            main.push_str(&row_head(rows));
+            main.push_str(&format!("  var acc: {acc_ty} = {init};\n"));
+            main.push_str(&col_loop(
+                cols,
+                &format!("    acc = {};\n", combine("acc", &read)),
+            ));
+            main.push_str(&tree_reduce("red", "acc", "total", &|a, b| combine(a, b)));
+            let mut total = "total".to_string();
+            if *op == ReduceOp::Mean {
+                total = format!("(total / {})", float_literal(cols as f64));
+            }
+            let store = kb.store(out, "row", &cast(&total, acc_dtype, out_dtype))?;
+            main.push_str(&format!("  if (lid == 0u) {{ {store} }}\n}}\n"));
+            dispatch_rows(lw, kb.finish(&main), rows, acc_ty)
+        }
+        Op::Var {
+            dims, correction, ..
+        } => {
+            let (rows_x, rows, cols) = as_rows(&x, &dims_or_all(dims));
+            let rows_x = as_f32(rows_x);
+            let out = lw.output_buffer(node, 0)?;
+            let out_dtype = lw.buffers.list[out].dtype;
+            let mut kb = KernelBuilder::new(&lw.buffers);
+            kb.value_fn(&rows_x, "x")?;
+            let mut main = shared("red", "f32");
+            main.push_str(&entry(ROW_WORKGROUP));
+            main.push_str(&row_head(rows));
+            main.push_str("  var acc = 0.0;\n");
+            main.push_str(&col_loop(cols, "    acc = acc + x(row, c);\n"));
+            main.push_str(&tree_reduce("red", "acc", "sum", &|a, b| {
+                format!("({a} + {b})")
+            }));
+            main.push_str(&format!(
+                "  let mean = sum / {};\n  var sq = 0.0;\n",
+                float_literal(cols as f64)
+            ));
+            main.push_str(&col_loop(
+                cols,
+                "    let d = x(row, c) - mean;\n    sq = sq + d * d;\n",
+            ));
+            main.push_str(&tree_reduce("red", "sq", "total", &|a, b| {
+                format!("({a} + {b})")
+            }));
+            let divisor = float_literal((cols as f64 - correction).max(0.0));
+            let store = kb.store(
+                out,
+                "row",
+                &cast(&format!("(total / {divisor})"), DType::F32, out_dtype),
+            )?;
+            main.push_str(&format!("  if (lid == 0u) {{ {store} }}\n}}\n"));
+            dispatch_rows(lw, kb.finish(&main), rows, "f32")
+        }
+        Op::ArgReduce { max, dim, .. } => {
+            let reduced = dim.map_or(all.clone(), |d| vec![d]);
+            arg_reduce(lw, node, &x, &reduced, *max, None, 0)
+        }
+        Op::ReduceWithIndices { max, dim, .. } => {
+            let values = lw.output_buffer(node, 0)?;
+            arg_reduce(lw, node, &x, &[*dim], *max, Some(values), 1)
+        }
+        Op::Softmax { dim, log } => softmax(lw, node, &x, *dim, *log),
+        other => Err(Error::internal(format!(
+            "{} is not a reduction",
+            other.name()
+        ))),
+    }
+}
+
+fn dispatch_rows(lw: &mut Lowering, built: Built, rows: usize, shared_ty: &str) -> Result<()> {
+    let workgroups = grid(rows as u64, lw.options.max_workgroups_per_dim)?;
+    let bytes = ROW_WORKGROUP
+        * if shared_ty == "f32" || shared_ty == "i32" {
+            4
+        } else {
+            8
+        };
+    let ops = vec![lw.op_label()];
+    lw.add_dispatch(built, ops, [ROW_WORKGROUP, 1, 1], workgroups, bytes)
+}
+
+/// argmax/argmin (first index of the extreme value, as PyTorch), with the
+/// values written too when `values` is given.
+fn arg_reduce(
+    lw: &mut Lowering,
+    node: &Node,
+    x: &crate::preprocess::expr::LazyRef,
+    reduced: &[usize],
+    max: bool,
+    values: Option<usize>,
+    index_output: usize,
+) -> Result<()> {
+    let (rows_x, rows, cols) = as_rows(x, reduced);
+    let indices = lw.output_buffer(node, index_output)?;
+    let ty = match compute_type(x.dtype) {
+        "bool" => "i32",
+        t => t,
+    };
+    let value_dtype = if ty == "f32" { DType::F32 } else { DType::I32 };
+    let mut kb = KernelBuilder::new(&lw.buffers);
+    kb.value_fn(&rows_x, "x")?;
+    let better = if max { ">" } else { "<" };
+    let mut main = shared("rv", ty);
+    main.push_str(&shared("ri", "u32"));
+    main.push_str(&entry(ROW_WORKGROUP));
+    main.push_str(&row_head(rows));
+    main.push_str(&format!(
+        "  var bv: {ty} = {};\n  var bi: u32 = 0xffffffffu;\n",
+        if max { lowest(ty) } else { highest(ty) }
+    ));
+    let read = cast("x(row, c)", x.dtype, value_dtype);
+    main.push_str(&col_loop(
+        cols,
+        &format!("    let v = {read};\n    if (bi == 0xffffffffu || v {better} bv) {{ bv = v; bi = c; }}\n"),
+    ));
+    main.push_str(&format!(
+        "  rv[lid] = bv;\n  ri[lid] = bi;\n  workgroupBarrier();\n\
+         \x20 for (var s = {half}u; s > 0u; s = s >> 1u) {{\n\
+         \x20   if (lid < s) {{\n\
+         \x20     let ov = rv[lid + s]; let oi = ri[lid + s];\n\
+         \x20     if (oi != 0xffffffffu && (ri[lid] == 0xffffffffu || ov {better} rv[lid] || (ov == rv[lid] && oi < ri[lid]))) {{ rv[lid] = ov; ri[lid] = oi; }}\n\
+         \x20   }}\n    workgroupBarrier();\n  }}\n",
+        half = ROW_WORKGROUP / 2
+    ));
+    let out_dtype = lw.buffers.list[indices].dtype;
+    let mut stores = kb.store(indices, "row", &cast("i32(ri[0])", DType::I32, out_dtype))?;
+    if let Some(values) = values {
+        let vd = lw.buffers.list[values].dtype;
+        stores.push(' ');
+        stores.push_str(&kb.store(values, "row", &cast("rv[0]", value_dtype, vd))?);
+    }
+    main.push_str(&format!("  if (lid == 0u) {{ {stores} }}\n}}\n"));
+    let workgroups = grid(rows as u64, lw.options.max_workgroups_per_dim)?;
+    let ops = vec![lw.op_label()];
+    lw.add_dispatch(
+        kb.finish(&main),
+        ops,
+        [ROW_WORKGROUP, 1, 1],
+        workgroups,
+        ROW_WORKGROUP * 8,
+    )
+}
+
+fn softmax(
+    lw: &mut Lowering,
+    node: &Node,
+    x: &crate::preprocess::expr::LazyRef,
+    dim: usize,
+    log: bool,
+) -> Result<()> {
+    let (rows_x, rows, cols) = as_rows(x, &[dim]);
+    let rows_x = as_f32(rows_x);
+    let out = lw.output_buffer(node, 0)?;
+    let out_dtype = lw.buffers.list[out].dtype;
+    let shape = x.shape.clone();
+    let kept: Vec<usize> = (0..shape.len())
+        .filter(|&d| d != dim)
+        .map(|d| shape[d])
+        .collect();
+    // output position of (row, c): the kept dims from the row, dim from c
+    let mut idx = unravel("row", &kept);
+    idx.insert(dim, "c".into());
+    let at = linear(&idx, &shape);
+    let mut kb = KernelBuilder::new(&lw.buffers);
+    kb.value_fn(&rows_x, "x")?;
+    let mut main = shared("red", "f32");
+    main.push_str(&entry(ROW_WORKGROUP));
+    main.push_str(&row_head(rows));
+    main.push_str(&format!("  var m = {};\n", lowest("f32")));
+    main.push_str(&col_loop(cols, "    m = max(m, x(row, c));\n"));
+    main.push_str(&tree_reduce("red", "m", "mx", &|a, b| {
+        format!("max({a}, {b})")
+    }));
+    main.push_str("  var s = 0.0;\n");
+    main.push_str(&col_loop(cols, "    s = s + exp(x(row, c) - mx);\n"));
+    main.push_str(&tree_reduce("red", "s", "total", &|a, b| {
+        format!("({a} + {b})")
+    }));
+    let y = if log {
+        "x(row, c) - mx - log(total)"
+    } else {
+        "exp(x(row, c) - mx) / total"
+    };
+    let store = kb.store(out, "at", &cast(&format!("({y})"), DType::F32, out_dtype))?;
+    main.push_str(&col_loop(
+        cols,
+        &format!("    let at = {at};\n    {store}\n"),
+    ));
+    main.push_str("}\n");
+    dispatch_rows(lw, kb.finish(&main), rows, "f32")
+}
+
+fn zero(ty: &str) -> String {
+    if ty == "f32" {
+        "0.0".into()
+    } else {
+        "0i".into()
+    }
+}
+fn one(ty: &str) -> String {
+    if ty == "f32" {
+        "1.0".into()
+    } else {
+        "1i".into()
+    }
+}
+fn lowest(ty: &str) -> String {
+    if ty == "f32" {
+        float_literal(f64::NEG_INFINITY)
+    } else {
+        "(-2147483647i - 1i)".into()
+    }
+}
+fn highest(ty: &str) -> String {
+    if ty == "f32" {
+        float_literal(f64::INFINITY)
+    } else {
+        "2147483647i".into()
+    }
+}

@@ -1,0 +1,76 @@
+//! The row kernel shape shared by reductions, softmax and norms: the
+//! reduced dims are moved last and flattened, one workgroup takes one row,
+//! its invocations stride over the columns and combine their partial
+//! results through workgroup memory (no subgroup size is assumed).
+
+use etmetal_core::DType;
+
+use crate::preprocess::expr::{Kind, Lazy, LazyRef};
+
+/// Invocations of a row workgroup (a power of two).
+pub(crate) const ROW_WORKGROUP: u32 = 64;
+
+/// `x` as `[rows, cols]`: kept dims (in order) then `reduced` dims.
+pub(crate) fn as_rows(x: &LazyRef, reduced: &[usize]) -> (LazyRef, usize, usize) {
+    let rank = x.shape.len();
+    let kept: Vec<usize> = (0..rank).filter(|d| !reduced.contains(d)).collect();
+    let rows: usize = kept.iter().map(|&d| x.shape[d]).product();
+    let cols: usize = reduced.iter().map(|&d| x.shape[d]).product();
+    let order: Vec<usize> = kept.iter().chain(reduced).copied().collect();
+    let permuted = if order.iter().enumerate().all(|(i, &d)| i == d) {
+        x.clone()
+    } else {
+        let shape = order.iter().map(|&d| x.shape[d]).collect();
+        Lazy::new(x.dtype, shape, Kind::Permute(x.clone(), order))
+    };
+    let flat = Lazy::new(x.dtype, vec![rows, cols], Kind::Reshape(permuted));
+    (flat, rows, cols)
+}
+
+/// `x` cast to f32 (`[rows, cols]` views of any dtype).
+pub(crate) fn as_f32(x: LazyRef) -> LazyRef {
+    if x.dtype == DType::F32 {
+        x
+    } else {
+        let shape = x.shape.clone();
+        Lazy::new(DType::F32, shape, Kind::Cast(x))
+    }
+}
+
+/// Declaration of a workgroup array for the tree reduction.
+pub(crate) fn shared(name: &str, ty: &str) -> String {
+    format!("var<workgroup> {name}: array<{ty}, {ROW_WORKGROUP}>;\n")
+}
+
+/// Statements: store `value` into `name[lid]`, combine pairwise down to
+/// `name[0]` with `combine(a, b)` (a WGSL expression of two elements),
+/// and leave the result in a `let` called `result` for every invocation.
+pub(crate) fn tree_reduce(
+    name: &str,
+    value: &str,
+    result: &str,
+    combine: &dyn Fn(&str, &str) -> String,
+) -> String {
+    let step = combine(&format!("{name}[lid]"), &format!("{name}[lid + s]"));
+    format!(
+        "  {name}[lid] = {value};\n  workgroupBarrier();\n\
+         \x20 for (var s = {half}u; s > 0u; s = s >> 1u) {{\n\
+         \x20   if (lid < s) {{ {name}[lid] = {step}; }}\n\
+         \x20   workgroupBarrier();\n  }}\n\
+         \x20 let {result} = {name}[0];\n  workgroupBarrier();\n",
+        half = ROW_WORKGROUP / 2
+    )
+}
+
+/// The head of a row kernel: `row` is the workgroup's row; a loop over
+/// the row's columns follows (`for (var c = lid; c < COLS; …)`).
+pub(crate) fn row_head(rows: usize) -> String {
+    format!(
+        "  let row = {};\n  if (row >= {rows}u) {{ return; }}\n",
+        crate::preprocess::emit::FLAT_GROUP
+    )
+}
+
+pub(crate) fn col_loop(cols: usize, body: &str) -> String {
+    format!("  for (var c = lid; c < {cols}u; c = c + {ROW_WORKGROUP}u) {{\n{body}  }}\n")
+}

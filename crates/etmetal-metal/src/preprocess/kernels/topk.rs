@@ -1,0 +1,20 @@
+//! GPU kernels for top-k, cumulative sums and advanced indexing.
+//! (Being written: until then these ops stay on the CPU.)
+
+use etmetal_core::{Error, Op, Result};
+use etmetal_graph::Node;
+
+use crate::preprocess::Lowering;
+
+/// Whether this module lowers `op`.
+pub(super) fn takes(_op: &Op) -> bool {
+    false
+}
+
+pub(super) fn lower(_lw: &mut Lowering, node: &Node) -> Result<()> {
+    Err(Error::unsupported(format!(
+        "{} has no GPU kernel yet",
+        node.op.name()
+    )))
+}
+// ops: Op::TopK { .. } | Op::CumSum { .. } | Op::Index

@@ -1,0 +1,725 @@
+//! MetalBackend preprocess: one partition of a graph → a delegate
+//! [`Payload`] (kernels, buffers, dispatch plan) and the named data of its
+//! weights.
+//!
+//! Lowering walks the partition's nodes in order. Pointwise and layout ops
+//! build [`expr::Lazy`] values (fused into whatever reads them); every
+//! other op is a kernel template in [`kernels`] that reads its inputs
+//! through lazy values and writes a buffer. A lazy value is *materialised*
+//! (a flat kernel writes it to a buffer) when a template needs more than a
+//! view of it, when several nodes read it, when it is a partition output,
+//! or when inlining it would bind too many buffers. Then arena ranges are
+//! planned by lifetime, and each kernel is validated by naga and
+//! translated to MSL.
+
+mod arena;
+pub(crate) mod emit;
+pub(crate) mod expr;
+mod kernels;
+pub(crate) mod pointwise;
+mod validate;
+
+use std::collections::HashMap;
+
+use etmetal_core::{DType, Error, Op, Result, Scalar};
+use etmetal_graph::{Graph, Node, ValueId};
+
+use crate::partitioner::Partition;
+use crate::payload::{self, Access, Dispatch, GpuRepr, Kernel, Location, Payload, Requirements};
+use emit::{entry, grid, unravel, Built, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
+use expr::{Kind, Lazy, LazyRef};
+
+/// Index into [`Buffers::list`] (the payload's buffer ids).
+pub(crate) type BufferIdx = usize;
+
+/// What preprocess makes of one partition.
+#[derive(Clone, Debug)]
+pub struct Preprocessed {
+    pub payload: Payload,
+    /// Weights in GPU form, keyed as the payload names them (graph value
+    /// names, so a weight read by several partitions is stored once).
+    pub named_data: Vec<(String, Vec<u8>)>,
+}
+
+#[derive(Clone, Debug)]
+pub struct PreprocessOptions {
+    /// Bindings a fused kernel may use (wgpu's default
+    /// `max_storage_buffers_per_shader_stage`).
+    pub max_bindings: usize,
+    /// Tree nodes a fused expression may inline before it is materialised.
+    pub max_fused_size: usize,
+    pub max_workgroups_per_dim: u32,
+}
+
+impl Default for PreprocessOptions {
+    fn default() -> Self {
+        PreprocessOptions {
+            max_bindings: 8,
+            max_fused_size: 64,
+            max_workgroups_per_dim: 65535,
+        }
+    }
+}
+
+/// How a buffer's elements are stored on the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Storage {
+    F32,
+    /// i32, and int64/bool/u8/i8 widened or narrowed to i32.
+    I32,
+    /// f16/bf16 two a u32 (delegate inputs, outputs and weights only;
+    /// 16-bit intermediates are kept in f32).
+    Packed16,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Place {
+    Input(usize),
+    Output(usize),
+    Weight(String),
+    Temp,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct BufferDesc {
+    pub name: String,
+    /// The logical dtype of the values (loads and stores convert).
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub storage: Storage,
+    pub place: Place,
+}
+
+impl BufferDesc {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Buffers {
+    pub list: Vec<BufferDesc>,
+}
+
+impl Buffers {
+    pub fn access(&self, buf: BufferIdx) -> Access {
+        match self.list[buf].place {
+            Place::Weight(_) => Access::Read,
+            _ => Access::ReadWrite,
+        }
+    }
+}
+
+/// Storage of a buffer the host reads or writes.
+fn boundary_storage(dtype: DType) -> Result<Storage> {
+    Ok(match GpuRepr::of(dtype)? {
+        GpuRepr::F32 => Storage::F32,
+        GpuRepr::Packed16 => Storage::Packed16,
+        GpuRepr::I32 | GpuRepr::I64AsI32 | GpuRepr::Widened => Storage::I32,
+    })
+}
+
+/// Whether preprocess lowers `op` at all (as an expression or a kernel
+/// template); the partitioner's support table starts from this.
+pub fn lowers(op: &Op) -> bool {
+    is_expression(op) || kernels::takes(op)
+}
+
+/// Ops that become lazy expressions (fused into their readers).
+fn is_expression(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Where
+            | Op::Cast { .. }
+            | Op::Identity
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Expand { .. }
+            | Op::Slice { .. }
+            | Op::Select { .. }
+            | Op::Repeat { .. }
+            | Op::Cat { .. }
+            | Op::ConstantPad { .. }
+            | Op::Triangle { .. }
+            | Op::Full { .. }
+            | Op::Arange { .. }
+            | Op::Embedding
+            | Op::IndexSelect { .. }
+            | Op::Gather { .. }
+    )
+}
+
+/// Compile `partition` of `graph` (decomposed as the partitioner saw it).
+pub fn preprocess(
+    graph: &Graph,
+    partition: &Partition,
+    options: &PreprocessOptions,
+) -> Result<Preprocessed> {
+    if let Some((buffer, _)) = partition.mutated_buffers.first() {
+        return Err(Error::unsupported(format!(
+            "partition {}: buffer `{}` is mutated; state on the GPU is not compiled yet",
+            partition.id,
+            graph.value(*buffer).name
+        )));
+    }
+    let mut lw = Lowering::new(graph, partition, options)?;
+    for &n in &partition.nodes {
+        let node = graph
+            .nodes
+            .get(n)
+            .ok_or_else(|| Error::internal(format!("partition {} lists node {n}", partition.id)))?;
+        lw.lower_node(node).map_err(|e| {
+            e.context(format!(
+                "node `{}` ({}, {})",
+                node.name,
+                node.op.name(),
+                node.target
+            ))
+        })?;
+    }
+    lw.finish()
+}
+
+/// Lowering state of one partition.
+pub(crate) struct Lowering<'g> {
+    pub graph: &'g Graph,
+    pub options: &'g PreprocessOptions,
+    pub buffers: Buffers,
+    values: HashMap<ValueId, LazyRef>,
+    /// Reads of each value by partition nodes still to be lowered, plus one
+    /// for a partition output.
+    readers: HashMap<ValueId, usize>,
+    outputs: Vec<ValueId>,
+    kernels: Vec<Kernel>,
+    pub dispatches: Vec<Dispatch>,
+    named_data: Vec<(String, Vec<u8>)>,
+    requirements: Requirements,
+    /// The node being lowered, for dispatch records.
+    current: String,
+}
+
+// Until every template is written, some accessors have no caller.
+#[allow(dead_code)]
+impl<'g> Lowering<'g> {
+    fn new(
+        graph: &'g Graph,
+        partition: &Partition,
+        options: &'g PreprocessOptions,
+    ) -> Result<Lowering<'g>> {
+        let mut lw = Lowering {
+            graph,
+            options,
+            buffers: Buffers::default(),
+            values: HashMap::new(),
+            readers: HashMap::new(),
+            outputs: partition.outputs.clone(),
+            kernels: vec![],
+            dispatches: vec![],
+            named_data: vec![],
+            requirements: Requirements {
+                max_storage_buffers_per_shader_stage: 1,
+                max_compute_invocations_per_workgroup: FLAT_WORKGROUP,
+                max_compute_workgroup_storage_size: 0,
+                max_storage_buffer_binding_size: 4,
+                max_buffer_size: 4,
+                ..Requirements::default()
+            },
+            current: String::new(),
+        };
+        for &n in &partition.nodes {
+            for v in graph.nodes[n].inputs.iter().flatten() {
+                *lw.readers.entry(*v).or_default() += 1;
+            }
+        }
+        for v in &partition.outputs {
+            *lw.readers.entry(*v).or_default() += 1;
+        }
+        for (k, &v) in partition.inputs.iter().enumerate() {
+            let info = graph.value(v);
+            let buf = lw.add_buffer(BufferDesc {
+                name: info.name.clone(),
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                storage: boundary_storage(info.dtype)?,
+                place: Place::Input(k),
+            });
+            lw.values.insert(v, lw.load(buf));
+        }
+        for &v in &partition.constants {
+            let info = graph.value(v);
+            let tensor = graph
+                .constants
+                .get(&v)
+                .ok_or_else(|| Error::internal(format!("constant `{}` has no data", info.name)))?;
+            let lazy = if info.shape.is_empty() {
+                // 0-d constants (scalars of binary ops) are inlined literals
+                let value = if info.dtype.is_float() {
+                    Scalar::Float(tensor.to_f64_vec()[0])
+                } else if info.dtype == DType::Bool {
+                    Scalar::Bool(tensor.bytes()[0] != 0)
+                } else {
+                    Scalar::Int(tensor.to_i64_vec()[0])
+                };
+                Lazy::new(info.dtype, vec![], Kind::Literal(value))
+            } else {
+                let bytes = payload::to_gpu(tensor, &format!("weight `{}`", info.name))?;
+                lw.named_data.push((info.name.clone(), bytes));
+                let buf = lw.add_buffer(BufferDesc {
+                    name: info.name.clone(),
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    storage: boundary_storage(info.dtype)?,
+                    place: Place::Weight(info.name.clone()),
+                });
+                lw.load(buf)
+            };
+            lw.values.insert(v, lazy);
+        }
+        Ok(lw)
+    }
+
+    pub fn add_buffer(&mut self, desc: BufferDesc) -> BufferIdx {
+        self.buffers.list.push(desc);
+        self.buffers.list.len() - 1
+    }
+
+    /// A lazy read of the whole of `buf`.
+    pub fn load(&self, buf: BufferIdx) -> LazyRef {
+        let d = &self.buffers.list[buf];
+        Lazy::new(d.dtype, d.shape.clone(), Kind::Load(buf))
+    }
+
+    /// A new intermediate buffer for a value of `dtype` and `shape`.
+    pub fn temp(&mut self, name: &str, dtype: DType, shape: &[usize]) -> BufferIdx {
+        let storage = if dtype.is_float() {
+            Storage::F32
+        } else {
+            Storage::I32
+        };
+        self.add_buffer(BufferDesc {
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            storage,
+            place: Place::Temp,
+        })
+    }
+
+    /// The lazy value of graph value `v`.
+    pub fn value(&self, v: ValueId) -> Result<LazyRef> {
+        self.values.get(&v).cloned().ok_or_else(|| {
+            Error::internal(format!(
+                "value `{}` is read before the partition computes it",
+                self.graph.value(v).name
+            ))
+        })
+    }
+
+    /// Input slot `slot` of `node`, as a lazy value.
+    pub fn input(&self, node: &Node, slot: usize) -> Result<LazyRef> {
+        let v = node
+            .inputs
+            .get(slot)
+            .copied()
+            .flatten()
+            .ok_or_else(|| Error::invalid_input(format!("input {slot} is missing")))?;
+        self.value(v)
+    }
+
+    pub fn optional_input(&self, node: &Node, slot: usize) -> Result<Option<LazyRef>> {
+        match node.inputs.get(slot).copied().flatten() {
+            Some(v) => self.value(v).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Input `slot` as something a template may read many times per
+    /// element: a view of a buffer (materialised when it is more).
+    pub fn input_view(&mut self, node: &Node, slot: usize) -> Result<LazyRef> {
+        let lazy = self.input(node, slot)?;
+        if lazy.is_view() {
+            return Ok(lazy);
+        }
+        let v = node.inputs[slot].expect("input() checked the slot");
+        self.materialize_value(v, lazy)
+    }
+
+    pub fn optional_input_view(&mut self, node: &Node, slot: usize) -> Result<Option<LazyRef>> {
+        match node.inputs.get(slot).copied().flatten() {
+            Some(_) => self.input_view(node, slot).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Output `k` of `node`: `(name, dtype, shape)`.
+    pub fn output_info(&self, node: &Node, k: usize) -> Result<(String, DType, Vec<usize>)> {
+        let v = *node
+            .outputs
+            .get(k)
+            .ok_or_else(|| Error::internal(format!("output {k} is missing")))?;
+        let info = self.graph.value(v);
+        Ok((info.name.clone(), info.dtype, info.shape.clone()))
+    }
+
+    /// A buffer for output `k` of `node` that a template writes, recorded
+    /// as the value's home.
+    pub fn output_buffer(&mut self, node: &Node, k: usize) -> Result<BufferIdx> {
+        let (name, dtype, shape) = self.output_info(node, k)?;
+        let buf = self.temp(&name, dtype, &shape);
+        let lazy = self.load(buf);
+        self.values.insert(node.outputs[k], lazy);
+        Ok(buf)
+    }
+
+    /// Record `lazy` as the value of graph value `v`.
+    pub fn define(&mut self, v: ValueId, lazy: LazyRef) {
+        self.values.insert(v, lazy);
+    }
+
+    /// Write `lazy` to a buffer (once: later readers load it).
+    fn materialize_value(&mut self, v: ValueId, lazy: LazyRef) -> Result<LazyRef> {
+        let name = self.graph.value(v).name.clone();
+        let buf = self.temp(&name, lazy.dtype, &lazy.shape);
+        self.write_flat(&lazy, buf)?;
+        let loaded = self.load(buf);
+        self.values.insert(v, loaded.clone());
+        Ok(loaded)
+    }
+
+    /// A flat kernel writing every element of `lazy` to `buf`.
+    pub fn write_flat(&mut self, lazy: &LazyRef, buf: BufferIdx) -> Result<()> {
+        let numel = self.buffers.list[buf].numel().max(1);
+        let packed = self.buffers.list[buf].storage == Storage::Packed16;
+        let mut kb = KernelBuilder::new(&self.buffers);
+        kb.value_fn(lazy, "value")?;
+        let mut main = entry(FLAT_WORKGROUP);
+        let rank = lazy.shape.len();
+        let call = |e: &str| {
+            let idx = unravel(e, &lazy.shape);
+            format!("value({})", idx.join(", "))
+        };
+        let per = if packed { 2 } else { 1 };
+        let items = numel.div_ceil(per);
+        main.push_str(&format!(
+            "  let g = {FLAT_GROUP} * {FLAT_WORKGROUP}u + lid;\n  if (g >= {items}u) {{ return; }}\n"
+        ));
+        if packed {
+            let lo = call("e0");
+            let hi = call("e1");
+            main.push_str("  let e0 = 2u * g;\n  let e1 = min(e0 + 1u, ");
+            main.push_str(&format!("{}u);\n", numel - 1));
+            let store = kb.store_pair(buf, "g", "lo", "hi");
+            main.push_str(&format!(
+                "  let lo = {lo};\n  let hi = select(0.0, {hi}, e0 + 1u < {numel}u);\n  {store}\n}}\n"
+            ));
+        } else {
+            let v = if rank == 0 {
+                "value()".to_string()
+            } else {
+                call("g")
+            };
+            let store = kb.store(buf, "g", &v)?;
+            main.push_str(&format!("  {store}\n}}\n"));
+        }
+        let groups = (items as u64).div_ceil(u64::from(FLAT_WORKGROUP));
+        let workgroups = grid(groups, self.options.max_workgroups_per_dim)?;
+        let ops = vec![self.op_label()];
+        let built = kb.finish(&main);
+        self.add_dispatch(built, ops, [FLAT_WORKGROUP, 1, 1], workgroups, 0)
+    }
+
+    pub(crate) fn op_label(&self) -> String {
+        self.current.clone()
+    }
+
+    /// Finish a kernel: validate it, share it with an identical earlier
+    /// kernel, and append its dispatch.
+    pub fn add_dispatch(
+        &mut self,
+        built: Built,
+        ops: Vec<String>,
+        workgroup_size: [u32; 3],
+        workgroups: [u32; 3],
+        workgroup_storage: u32,
+    ) -> Result<()> {
+        let Built { wgsl, bindings } = built;
+        let access: Vec<Access> = bindings.iter().map(|&b| self.buffers.access(b)).collect();
+        let kernel = match self.kernels.iter().position(|k| k.wgsl == wgsl) {
+            Some(i) => i,
+            None => {
+                let name = format!("k{}_{}", self.kernels.len(), ops.join("_"));
+                let writable: Vec<bool> = access.iter().map(|a| *a == Access::ReadWrite).collect();
+                let msl = validate::validate_and_translate(&name, &wgsl, &writable)?;
+                self.kernels.push(Kernel {
+                    name,
+                    ops,
+                    wgsl,
+                    msl,
+                    entry_point: "main".into(),
+                    bindings: access,
+                    workgroup_size,
+                });
+                self.kernels.len() - 1
+            }
+        };
+        let r = &mut self.requirements;
+        r.max_storage_buffers_per_shader_stage = r
+            .max_storage_buffers_per_shader_stage
+            .max(bindings.len() as u32);
+        r.max_compute_invocations_per_workgroup = r
+            .max_compute_invocations_per_workgroup
+            .max(workgroup_size.iter().product());
+        r.max_compute_workgroup_storage_size =
+            r.max_compute_workgroup_storage_size.max(workgroup_storage);
+        self.dispatches.push(Dispatch {
+            kernel,
+            nodes: vec![self.current.clone()],
+            buffers: bindings,
+            workgroups,
+        });
+        Ok(())
+    }
+
+    /// One node's reads are done: a value no later node reads is dropped.
+    fn consume(&mut self, node: &Node) {
+        for v in node.inputs.iter().flatten() {
+            if let Some(n) = self.readers.get_mut(v) {
+                *n = n.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Lazy input of a pointwise node, materialised first when another
+    /// node also reads it (computing it twice would cost more than a load).
+    pub(crate) fn fused(&mut self, node: &Node, slot: usize) -> Result<LazyRef> {
+        let lazy = self.input(node, slot)?;
+        let v = node.inputs[slot].expect("input() checked the slot");
+        let shared = self.readers.get(&v).copied().unwrap_or(0) > 1;
+        if !lazy.is_view() && shared {
+            return self.materialize_value(v, lazy);
+        }
+        Ok(lazy)
+    }
+
+    fn lower_node(&mut self, node: &Node) -> Result<()> {
+        self.current = node.op.name();
+        let out = node
+            .outputs
+            .first()
+            .copied()
+            .ok_or_else(|| Error::internal("node has no outputs"))?;
+        let (_, dtype, shape) = self.output_info(node, 0)?;
+        let broadcast = |x: LazyRef| -> LazyRef {
+            if x.shape == shape {
+                x
+            } else {
+                Lazy::new(x.dtype, shape.clone(), Kind::Expand(x))
+            }
+        };
+        let kind = match &node.op {
+            Op::Unary(u) => Some(Kind::Unary(*u, self.fused(node, 0)?)),
+            Op::Binary(b) => {
+                let a = self.fused(node, 0)?;
+                let c = self.fused(node, 1)?;
+                let (ia, ib) = (
+                    self.graph.value(node.inputs[0].unwrap()),
+                    self.graph.value(node.inputs[1].unwrap()),
+                );
+                let compute = if b.is_predicate() {
+                    etmetal_graph::infer::result_type(ia, ib)
+                } else {
+                    dtype
+                };
+                Some(Kind::Binary {
+                    op: *b,
+                    compute,
+                    a: broadcast(a),
+                    b: broadcast(c),
+                })
+            }
+            Op::Where => Some(Kind::Where(
+                broadcast(self.fused(node, 0)?),
+                broadcast(self.fused(node, 1)?),
+                broadcast(self.fused(node, 2)?),
+            )),
+            Op::Cast { .. } | Op::Identity => Some(Kind::Cast(self.fused(node, 0)?)),
+            Op::Reshape { .. } => Some(Kind::Reshape(self.input(node, 0)?)),
+            Op::Permute { dims } => Some(Kind::Permute(self.input(node, 0)?, dims.clone())),
+            Op::Expand { .. } => Some(Kind::Expand(self.input(node, 0)?)),
+            Op::Slice {
+                dim, start, step, ..
+            } => Some(Kind::Slice {
+                x: self.input(node, 0)?,
+                dim: *dim,
+                start: *start,
+                step: *step,
+            }),
+            Op::Select { dim, index } => Some(Kind::Select {
+                x: self.input(node, 0)?,
+                dim: *dim,
+                index: *index,
+            }),
+            Op::Repeat { .. } => Some(Kind::Repeat(self.input(node, 0)?)),
+            Op::Cat { dim } => {
+                let parts = (0..node.inputs.len())
+                    .map(|i| self.fused(node, i))
+                    .collect::<Result<Vec<_>>>()?;
+                Some(Kind::Cat(parts, *dim))
+            }
+            Op::ConstantPad { pad, value } => {
+                let x = self.fused(node, 0)?;
+                let rank = x.shape.len();
+                let mut before = vec![0i64; rank];
+                for (k, pair) in pad.chunks(2).enumerate() {
+                    before[rank - 1 - k] = pair[0];
+                }
+                Some(Kind::Pad {
+                    x,
+                    before,
+                    value: *value,
+                })
+            }
+            Op::Triangle { upper, diagonal } => Some(Kind::Triangle {
+                x: self.fused(node, 0)?,
+                upper: *upper,
+                diagonal: *diagonal,
+            }),
+            Op::Full { value, .. } => Some(Kind::Literal(*value)),
+            Op::Arange { start, step, .. } => Some(Kind::Iota {
+                start: *start,
+                step: *step,
+            }),
+            Op::Embedding => Some(Kind::Gather {
+                src: self.input(node, 0)?,
+                dim: 0,
+                index: self.fused(node, 1)?,
+                at: expr::GatherAt::Leading,
+            }),
+            Op::IndexSelect { dim } => Some(Kind::Gather {
+                src: self.input(node, 0)?,
+                dim: *dim,
+                index: self.fused(node, 1)?,
+                at: expr::GatherAt::Dim,
+            }),
+            Op::Gather { dim } => Some(Kind::Gather {
+                src: self.input(node, 0)?,
+                dim: *dim,
+                index: self.fused(node, 1)?,
+                at: expr::GatherAt::Same,
+            }),
+            _ => None,
+        };
+        match kind {
+            Some(kind) => {
+                let lazy = Lazy::new(dtype, shape, kind);
+                let lazy = self.bound_fusion(out, lazy)?;
+                self.values.insert(out, lazy);
+            }
+            None => kernels::lower(self, node)?,
+        }
+        self.consume(node);
+        Ok(())
+    }
+
+    /// Materialise `lazy` (the value of `v`) when inlining it further would
+    /// bind more buffers or inline more code than a kernel should.
+    fn bound_fusion(&mut self, v: ValueId, lazy: LazyRef) -> Result<LazyRef> {
+        let mut reads = vec![];
+        lazy.buffers(&mut reads);
+        // one binding is the output of the kernel that inlines it
+        if reads.len() + 1 > self.options.max_bindings || lazy.size() > self.options.max_fused_size
+        {
+            return self.materialize_value(v, lazy);
+        }
+        Ok(lazy)
+    }
+
+    fn finish(mut self) -> Result<Preprocessed> {
+        self.current = "output".into();
+        let mut outputs = vec![];
+        for (k, &v) in self.outputs.clone().iter().enumerate() {
+            let lazy = self.value(v)?;
+            let info = self.graph.value(v);
+            let storage = boundary_storage(info.dtype)?;
+            let reuse = match lazy.kind {
+                Kind::Load(b)
+                    if self.buffers.list[b].place == Place::Temp
+                        && self.buffers.list[b].storage == storage =>
+                {
+                    Some(b)
+                }
+                _ => None,
+            };
+            let buf = match reuse {
+                Some(b) => {
+                    self.buffers.list[b].place = Place::Output(k);
+                    b
+                }
+                None => {
+                    let b = self.add_buffer(BufferDesc {
+                        name: info.name.clone(),
+                        dtype: info.dtype,
+                        shape: info.shape.clone(),
+                        storage,
+                        place: Place::Output(k),
+                    });
+                    self.write_flat(&lazy, b)?;
+                    b
+                }
+            };
+            outputs.push(buf);
+        }
+        let arenas = arena::plan(&self.buffers, &self.dispatches)?;
+        let mut buffers = vec![];
+        let mut inputs = vec![];
+        for (i, b) in self.buffers.list.iter().enumerate() {
+            let bytes = payload::gpu_bytes(b.dtype, b.numel())?;
+            let r = &mut self.requirements;
+            r.max_storage_buffer_binding_size = r.max_storage_buffer_binding_size.max(bytes);
+            r.max_buffer_size = r.max_buffer_size.max(bytes);
+            let location = match &b.place {
+                Place::Weight(key) => Location::Weight { key: key.clone() },
+                _ => {
+                    let (arena, offset) = arenas.offsets[i].ok_or_else(|| {
+                        Error::internal(format!("buffer `{}` has no arena range", b.name))
+                    })?;
+                    Location::Arena { arena, offset }
+                }
+            };
+            if let Place::Input(k) = b.place {
+                inputs.push((k, i));
+            }
+            // 16-bit float intermediates live in f32
+            let dtype = if b.storage == Storage::F32 {
+                DType::F32
+            } else {
+                b.dtype
+            };
+            buffers.push(payload::Buffer {
+                name: b.name.clone(),
+                dtype,
+                shape: b.shape.clone(),
+                location,
+            });
+        }
+        inputs.sort();
+        for &size in &arenas.sizes {
+            self.requirements.max_buffer_size = self.requirements.max_buffer_size.max(size);
+        }
+        let payload = Payload {
+            buffers,
+            kernels: self.kernels,
+            dispatches: self.dispatches,
+            inputs: inputs.into_iter().map(|(_, i)| i).collect(),
+            outputs,
+            arenas: arenas.sizes,
+            requirements: self.requirements,
+        };
+        Ok(Preprocessed {
+            payload,
+            named_data: self.named_data,
+        })
+    }
+}

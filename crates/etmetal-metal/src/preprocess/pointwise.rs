@@ -1,0 +1,318 @@
+//! WGSL for the elementwise functions: one expression per op, in the
+//! compute types of [`compute_type`] (f32 for floats, i32 for integers,
+//! bool), following PyTorch's definitions (Python-style remainder and floor
+//! division, round half to even, `pow` of negative bases).
+
+use etmetal_core::{BinaryOp, DType, Error, Result, Scalar, UnaryOp};
+
+/// The WGSL type a value of `dtype` is computed in.
+pub(crate) fn compute_type(dtype: DType) -> &'static str {
+    if dtype == DType::Bool {
+        "bool"
+    } else if dtype.is_float() {
+        "f32"
+    } else {
+        "i32"
+    }
+}
+
+/// Helper functions the expressions call; a kernel includes those it uses.
+pub(crate) const HELPERS: &[(&str, &str)] = &[
+    (
+        "erf_",
+        // Abramowitz & Stegun 7.1.26 refined (max error 1.2e-7).
+        "fn erf_(x: f32) -> f32 {\n\
+         \x20 let t = 1.0 / (1.0 + 0.5 * abs(x));\n\
+         \x20 let y = 1.0 - t * exp(-x * x - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))));\n\
+         \x20 return select(-y, y, x >= 0.0);\n}\n",
+    ),
+    (
+        "tanh_",
+        // WGSL's tanh may overflow to NaN for large |x| on some drivers.
+        "fn tanh_(x: f32) -> f32 { return tanh(clamp(x, -15.0, 15.0)); }\n",
+    ),
+    (
+        "rbf16",
+        // Round to the nearest bfloat16 (ties to even), keeping inf/NaN.
+        "fn rbf16(x: f32) -> f32 {\n\
+         \x20 let u = bitcast<u32>(x);\n\
+         \x20 if ((u & 0x7f800000u) == 0x7f800000u) { return x; }\n\
+         \x20 return bitcast<f32>((u + 0x7fffu + ((u >> 16u) & 1u)) & 0xffff0000u);\n}\n",
+    ),
+    (
+        "rf16",
+        "fn rf16(x: f32) -> f32 { return unpack2x16float(pack2x16float(vec2<f32>(x, 0.0))).x; }\n",
+    ),
+    (
+        "powf_",
+        // pow of a negative base: defined for integral exponents only.
+        "fn powf_(a: f32, b: f32) -> f32 {\n\
+         \x20 if (b == 0.0) { return 1.0; }\n\
+         \x20 let p = pow(abs(a), b);\n\
+         \x20 if (a >= 0.0) { return p; }\n\
+         \x20 if (floor(b) != b) { return bitcast<f32>(0x7fc00000u); }\n\
+         \x20 return select(p, -p, (abs(b) % 2.0) == 1.0);\n}\n",
+    ),
+    (
+        "floordiv_i",
+        "fn floordiv_i(a: i32, b: i32) -> i32 {\n\
+         \x20 let q = a / b;\n\
+         \x20 return select(q, q - 1, (a % b != 0) && ((a < 0) != (b < 0)));\n}\n",
+    ),
+    (
+        "rem_i",
+        "fn rem_i(a: i32, b: i32) -> i32 {\n\
+         \x20 let r = a % b;\n\
+         \x20 return select(r, r + b, (r != 0) && ((r < 0) != (b < 0)));\n}\n",
+    ),
+    (
+        "pow_i",
+        "fn pow_i(a: i32, b: i32) -> i32 {\n\
+         \x20 var r = 1; var base = a; var e = b;\n\
+         \x20 if (e < 0) { return select(0, select(-1, 1, (e & 1) == 0), a == -1) + select(0, 1, a == 1); }\n\
+         \x20 loop { if (e == 0) { break; } if ((e & 1) == 1) { r = r * base; } base = base * base; e = e >> 1u; }\n\
+         \x20 return r;\n}\n",
+    ),
+];
+
+/// A WGSL literal of `value` in the compute type of `dtype`.
+pub(crate) fn literal(value: Scalar, dtype: DType) -> Result<String> {
+    Ok(match compute_type(dtype) {
+        "bool" => (value.to_f64() != 0.0).to_string(),
+        "f32" => float_literal(value.to_f64()),
+        _ => {
+            let v = match value {
+                Scalar::Float(f) => f.trunc() as i64,
+                other => other.to_i64(),
+            };
+            int_literal(v)?
+        }
+    })
+}
+
+pub(crate) fn float_literal(v: f64) -> String {
+    let f = v as f32;
+    if f.is_nan() {
+        "bitcast<f32>(0x7fc00000u)".into()
+    } else if f.is_infinite() {
+        format!(
+            "bitcast<f32>({:#010x}u)",
+            if f > 0.0 { 0x7f80_0000u32 } else { 0xff80_0000 }
+        )
+    } else {
+        format!("f32({f:?})")
+    }
+}
+
+pub(crate) fn int_literal(v: i64) -> Result<String> {
+    let v = i32::try_from(v).map_err(|_| {
+        Error::unsupported(format!(
+            "integer constant {v} does not fit the GPU's 32-bit integers"
+        ))
+    })?;
+    Ok(if v == i32::MIN {
+        "(-2147483647i - 1i)".into()
+    } else {
+        format!("{v}i")
+    })
+}
+
+/// `to` from a value `x` computed as `from`.
+pub(crate) fn cast(x: &str, from: DType, to: DType) -> String {
+    let v = match (compute_type(from), compute_type(to)) {
+        (a, b) if a == b => x.to_string(),
+        ("bool", "f32") => format!("select(0.0, 1.0, {x})"),
+        ("bool", _) => format!("select(0i, 1i, {x})"),
+        ("f32", "bool") => format!("({x} != 0.0)"),
+        (_, "bool") => format!("({x} != 0i)"),
+        (_, t) => format!("{t}({x})"),
+    };
+    // narrow integer dtypes wrap like PyTorch's casts
+    match to {
+        DType::U8 => format!("({v} & 255i)"),
+        DType::I8 => format!("((({v} & 255i) ^ 128i) - 128i)"),
+        _ => round_to(v, to),
+    }
+}
+
+/// `x` rounded to the precision of `dtype` (16-bit floats are computed in
+/// f32 and rounded where PyTorch would store them).
+pub(crate) fn round_to(x: String, dtype: DType) -> String {
+    match dtype {
+        DType::BF16 => format!("rbf16({x})"),
+        DType::F16 => format!("rf16({x})"),
+        _ => x,
+    }
+}
+
+/// `op(x)` computed in the type of `dtype`; the helpers it calls are
+/// pushed to `uses`.
+pub(crate) fn unary(
+    op: UnaryOp,
+    x: &str,
+    dtype: DType,
+    uses: &mut Vec<&'static str>,
+) -> Result<String> {
+    let float = dtype.is_float();
+    let int = compute_type(dtype) == "i32";
+    let unsupported = || {
+        Err(Error::unsupported(format!(
+            "{op:?} of {} on the GPU",
+            dtype.name()
+        )))
+    };
+    Ok(match op {
+        UnaryOp::Relu if float => format!("max({x}, 0.0)"),
+        UnaryOp::Relu if int => format!("max({x}, 0i)"),
+        UnaryOp::Gelu { tanh: false } if float => {
+            uses.push("erf_");
+            format!("(0.5 * {x} * (1.0 + erf_({x} * 0.70710678118654752)))")
+        }
+        UnaryOp::Gelu { tanh: true } if float => {
+            uses.push("tanh_");
+            format!(
+                "(0.5 * {x} * (1.0 + tanh_(0.79788456080286536 * ({x} + 0.044715 * {x} * {x} * {x}))))"
+            )
+        }
+        UnaryOp::Silu if float => format!("({x} / (1.0 + exp(-{x})))"),
+        UnaryOp::Sigmoid if float => format!("(1.0 / (1.0 + exp(-{x})))"),
+        UnaryOp::Tanh if float => {
+            uses.push("tanh_");
+            format!("tanh_({x})")
+        }
+        UnaryOp::Exp if float => format!("exp({x})"),
+        UnaryOp::Log if float => format!("log({x})"),
+        UnaryOp::Sqrt if float => format!("sqrt({x})"),
+        UnaryOp::Rsqrt if float => format!("inverseSqrt({x})"),
+        UnaryOp::Sin if float => format!("sin({x})"),
+        UnaryOp::Cos if float => format!("cos({x})"),
+        UnaryOp::Erf if float => {
+            uses.push("erf_");
+            format!("erf_({x})")
+        }
+        UnaryOp::Reciprocal if float => format!("(1.0 / {x})"),
+        UnaryOp::Floor if float => format!("floor({x})"),
+        UnaryOp::Ceil if float => format!("ceil({x})"),
+        UnaryOp::Round if float => format!("round({x})"),
+        UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round if int => x.to_string(),
+        UnaryOp::Neg if float || int => format!("(-{x})"),
+        UnaryOp::Abs if float || int => format!("abs({x})"),
+        UnaryOp::Sign if float => format!("sign({x})"),
+        UnaryOp::Sign if int => format!("sign({x})"),
+        UnaryOp::Hardswish if float => format!("({x} * clamp({x} + 3.0, 0.0, 6.0) / 6.0)"),
+        UnaryOp::Hardsigmoid if float => format!("clamp({x} / 6.0 + 0.5, 0.0, 1.0)"),
+        UnaryOp::LeakyRelu { slope } if float => {
+            format!("select({x} * {}, {x}, {x} > 0.0)", float_literal(slope))
+        }
+        UnaryOp::Clamp { min, max } if float || int => {
+            let lit = |v: f64| literal(Scalar::Float(v), dtype);
+            let mut e = x.to_string();
+            if let Some(lo) = min {
+                e = format!("max({e}, {})", lit(lo)?);
+            }
+            if let Some(hi) = max {
+                e = format!("min({e}, {})", lit(hi)?);
+            }
+            e
+        }
+        UnaryOp::PowScalar { exponent } if float => {
+            if exponent == 2.0 {
+                format!("({x} * {x})")
+            } else if exponent == 1.0 {
+                x.to_string()
+            } else if exponent == 0.5 {
+                format!("sqrt({x})")
+            } else {
+                uses.push("powf_");
+                format!("powf_({x}, {})", float_literal(exponent))
+            }
+        }
+        UnaryOp::LogicalNot => match compute_type(dtype) {
+            "bool" => format!("(!{x})"),
+            "f32" => format!("({x} == 0.0)"),
+            _ => format!("({x} == 0i)"),
+        },
+        UnaryOp::BitwiseNot if dtype == DType::Bool => format!("(!{x})"),
+        UnaryOp::BitwiseNot if int => format!("(~{x})"),
+        _ => return unsupported(),
+    })
+}
+
+/// `a op b` with both operands computed as `compute`.
+pub(crate) fn binary(
+    op: BinaryOp,
+    a: &str,
+    b: &str,
+    compute: DType,
+    uses: &mut Vec<&'static str>,
+) -> Result<String> {
+    let ty = compute_type(compute);
+    let float = ty == "f32";
+    let int = ty == "i32";
+    let boolean = ty == "bool";
+    Ok(match op {
+        BinaryOp::Add if boolean => format!("({a} || {b})"),
+        BinaryOp::Mul if boolean => format!("({a} && {b})"),
+        BinaryOp::Add if !boolean => format!("({a} + {b})"),
+        BinaryOp::Sub if !boolean => format!("({a} - {b})"),
+        BinaryOp::Mul if !boolean => format!("({a} * {b})"),
+        BinaryOp::Div if float => format!("({a} / {b})"),
+        BinaryOp::FloorDiv if float => format!("floor({a} / {b})"),
+        BinaryOp::FloorDiv if int => {
+            uses.push("floordiv_i");
+            format!("floordiv_i({a}, {b})")
+        }
+        BinaryOp::TruncDiv if float => format!("trunc({a} / {b})"),
+        BinaryOp::TruncDiv if int => format!("({a} / {b})"),
+        BinaryOp::Remainder if float => format!("({a} - {b} * floor({a} / {b}))"),
+        BinaryOp::Remainder if int => {
+            uses.push("rem_i");
+            format!("rem_i({a}, {b})")
+        }
+        BinaryOp::Pow if float => {
+            uses.push("powf_");
+            format!("powf_({a}, {b})")
+        }
+        BinaryOp::Pow if int => {
+            uses.push("pow_i");
+            format!("pow_i({a}, {b})")
+        }
+        BinaryOp::Maximum if !boolean => format!("max({a}, {b})"),
+        BinaryOp::Minimum if !boolean => format!("min({a}, {b})"),
+        BinaryOp::Maximum => format!("({a} || {b})"),
+        BinaryOp::Minimum => format!("({a} && {b})"),
+        BinaryOp::Eq => format!("({a} == {b})"),
+        BinaryOp::Ne => format!("({a} != {b})"),
+        BinaryOp::Lt if !boolean => format!("({a} < {b})"),
+        BinaryOp::Le if !boolean => format!("({a} <= {b})"),
+        BinaryOp::Gt if !boolean => format!("({a} > {b})"),
+        BinaryOp::Ge if !boolean => format!("({a} >= {b})"),
+        BinaryOp::Lt => format!("(!{a} && {b})"),
+        BinaryOp::Le => format!("(!{a} || {b})"),
+        BinaryOp::Gt => format!("({a} && !{b})"),
+        BinaryOp::Ge => format!("({a} || !{b})"),
+        BinaryOp::LogicalAnd | BinaryOp::LogicalOr | BinaryOp::LogicalXor => {
+            let t = |x: &str| match ty {
+                "bool" => x.to_string(),
+                "f32" => format!("({x} != 0.0)"),
+                _ => format!("({x} != 0i)"),
+            };
+            let sym = match op {
+                BinaryOp::LogicalAnd => "&&",
+                BinaryOp::LogicalOr => "||",
+                _ => "!=",
+            };
+            format!("({} {sym} {})", t(a), t(b))
+        }
+        BinaryOp::BitwiseAnd if !float => format!("({a} & {b})"),
+        BinaryOp::BitwiseOr if !float => format!("({a} | {b})"),
+        BinaryOp::BitwiseXor if int => format!("({a} ^ {b})"),
+        BinaryOp::BitwiseXor if boolean => format!("({a} != {b})"),
+        _ => {
+            return Err(Error::unsupported(format!(
+                "{op:?} of {} on the GPU",
+                compute.name()
+            )))
+        }
+    })
+}

@@ -1,0 +1,70 @@
+//! Every generated kernel is parsed and validated by naga at compile time,
+//! and translated to MSL with a real binding map (binding i → buffer slot
+//! i), so the Metal path never meets a kernel that was not checked here.
+
+use etmetal_core::{Error, Result};
+use naga::back::msl;
+use naga::valid::{Capabilities, ValidationFlags, Validator};
+
+/// The MSL of `wgsl` (entry point `main`, `bindings` storage buffers), or
+/// an error naming `kernel` with naga's diagnostic.
+pub(crate) fn validate_and_translate(
+    kernel: &str,
+    wgsl: &str,
+    bindings: &[bool],
+) -> Result<String> {
+    let module = naga::front::wgsl::parse_str(wgsl).map_err(|e| {
+        Error::internal(format!(
+            "kernel `{kernel}` is not valid WGSL: {}\n{wgsl}",
+            e.emit_to_string(wgsl)
+        ))
+    })?;
+    let info = Validator::new(ValidationFlags::all(), Capabilities::SHADER_FLOAT16)
+        .validate(&module)
+        .map_err(|e| {
+            Error::internal(format!(
+                "kernel `{kernel}` fails naga validation: {}\n{wgsl}",
+                e.emit_to_string(wgsl)
+            ))
+        })?;
+    let resources = bindings
+        .iter()
+        .enumerate()
+        .map(|(i, &writable)| {
+            (
+                naga::ResourceBinding {
+                    group: 0,
+                    binding: i as u32,
+                },
+                msl::BindTarget {
+                    buffer: Some(i as u8),
+                    mutable: writable,
+                    ..Default::default()
+                },
+            )
+        })
+        .collect();
+    let options = msl::Options {
+        lang_version: (2, 4),
+        per_entry_point_map: [(
+            "main".to_string(),
+            msl::EntryPointResources {
+                resources,
+                // runtime-sized arrays need their lengths in a buffer after the bindings
+                sizes_buffer: Some(bindings.len() as u8),
+                ..Default::default()
+            },
+        )]
+        .into_iter()
+        .collect(),
+        fake_missing_bindings: false,
+        ..Default::default()
+    };
+    let (msl, _) = msl::write_string(&module, &info, &options, &msl::PipelineOptions::default())
+        .map_err(|e| {
+            Error::internal(format!(
+                "kernel `{kernel}`: naga's MSL back end failed: {e}"
+            ))
+        })?;
+    Ok(msl)
+}
