@@ -177,6 +177,14 @@ impl Method {
                         to: m.move_to as usize,
                     }
                 }
+                // Forward jumps only: then every execute ends (the program
+                // counter only grows), and etmetal's compiler emits no loops.
+                Instruction::JumpFalseCall(j) if j.destination_instruction as usize <= k => {
+                    return Err(Error::unsupported(format!(
+                        "instruction {k} jumps back to instruction {} (loops are not supported)",
+                        j.destination_instruction
+                    )))
+                }
                 Instruction::JumpFalseCall(j) => Step::JumpFalse {
                     cond: j.cond_value_index as usize,
                     dest: j.destination_instruction as usize,
