@@ -1,0 +1,293 @@
+//! Choosing an adapter and opening a device with the limits a payload needs.
+
+use std::sync::{Arc, Mutex};
+
+use etmetal_core::{Error, Result};
+use etmetal_metal::payload::Requirements;
+
+/// Which GPU API to run delegates on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// Metal if present, else a discrete GPU, else any other adapter
+    /// (integrated, virtual, then software ones such as Mesa lavapipe).
+    Auto,
+    Metal,
+    Vulkan,
+    Dx12,
+}
+
+impl DeviceChoice {
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceChoice::Auto => "auto",
+            DeviceChoice::Metal => "metal",
+            DeviceChoice::Vulkan => "vulkan",
+            DeviceChoice::Dx12 => "dx12",
+        }
+    }
+
+    fn backends(self) -> wgpu::Backends {
+        match self {
+            DeviceChoice::Auto => {
+                wgpu::Backends::METAL | wgpu::Backends::VULKAN | wgpu::Backends::DX12
+            }
+            DeviceChoice::Metal => wgpu::Backends::METAL,
+            DeviceChoice::Vulkan => wgpu::Backends::VULKAN,
+            DeviceChoice::Dx12 => wgpu::Backends::DX12,
+        }
+    }
+}
+
+/// An open device, shared (through `Arc`) by every delegate loaded on it.
+pub struct GpuDevice {
+    pub instance: wgpu::Instance,
+    pub adapter: wgpu::Adapter,
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: wgpu::AdapterInfo,
+    /// The limits the device was opened with.
+    pub limits: wgpu::Limits,
+    /// What the device was opened for; a payload needing no more reuses it.
+    pub requested: Requirements,
+    /// Errors reported outside any error scope, and device loss, kept for
+    /// the next check instead of wgpu's default panic.
+    pub(crate) uncaptured: Arc<Mutex<Option<String>>>,
+}
+
+fn lower(backends: wgpu::Backends) -> String {
+    let names: Vec<String> = backends
+        .iter_names()
+        .map(|(name, _)| name.to_lowercase())
+        .collect();
+    if names.is_empty() {
+        "none".into()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// A one-line description: `llvmpipe (LLVM 19, 256 bits) (vulkan, cpu)`.
+pub fn describe(info: &wgpu::AdapterInfo) -> String {
+    format!(
+        "{} ({}, {})",
+        info.name,
+        info.backend.to_str(),
+        format!("{:?}", info.device_type).to_lowercase()
+    )
+}
+
+/// Lower is preferred: Metal first, then by device type.
+fn rank(info: &wgpu::AdapterInfo) -> (bool, u8) {
+    let kind = match info.device_type {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Other => 3,
+        wgpu::DeviceType::Cpu => 4,
+    };
+    (info.backend != wgpu::Backend::Metal, kind)
+}
+
+fn new_instance(backends: wgpu::Backends) -> wgpu::Instance {
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+    desc.backends = backends;
+    wgpu::Instance::new(desc)
+}
+
+/// The adapter `choice` selects, or an error naming the backends tried and
+/// the adapters other backends have.
+pub fn select_adapter(choice: DeviceChoice) -> Result<(wgpu::Instance, wgpu::Adapter)> {
+    let tried = choice.backends() & wgpu::Instance::enabled_backend_features();
+    let instance = new_instance(tried);
+    let mut adapters = pollster::block_on(instance.enumerate_adapters(tried));
+    adapters.sort_by_key(|a| rank(&a.get_info()));
+    if let Some(adapter) = adapters.into_iter().next() {
+        return Ok((instance, adapter));
+    }
+    let others = wgpu::Instance::enabled_backend_features() - tried;
+    let found: Vec<String> = if others.is_empty() {
+        Vec::new()
+    } else {
+        pollster::block_on(new_instance(others).enumerate_adapters(others))
+            .iter()
+            .map(|a| describe(&a.get_info()))
+            .collect()
+    };
+    let found = if found.is_empty() {
+        "no adapter on any backend".to_string()
+    } else {
+        format!("found only {}", found.join("; "))
+    };
+    Err(Error::unsupported(format!(
+        "no GPU adapter found for device `{}` (tried {}; {found}; on Linux install \
+         mesa-vulkan-drivers and libvulkan1 for a software Vulkan)",
+        choice.name(),
+        lower(tried),
+    )))
+}
+
+/// The requirement fields as (name, needed, available on `limits`).
+fn limit_rows(req: &Requirements, limits: &wgpu::Limits) -> [(&'static str, u64, u64); 6] {
+    [
+        (
+            "max_storage_buffer_binding_size",
+            req.max_storage_buffer_binding_size,
+            limits.max_storage_buffer_binding_size,
+        ),
+        (
+            "max_buffer_size",
+            req.max_buffer_size,
+            limits.max_buffer_size,
+        ),
+        (
+            "max_storage_buffers_per_shader_stage",
+            req.max_storage_buffers_per_shader_stage.into(),
+            limits.max_storage_buffers_per_shader_stage.into(),
+        ),
+        (
+            "max_compute_workgroup_storage_size",
+            req.max_compute_workgroup_storage_size.into(),
+            limits.max_compute_workgroup_storage_size.into(),
+        ),
+        (
+            "max_compute_invocations_per_workgroup",
+            req.max_compute_invocations_per_workgroup.into(),
+            limits.max_compute_invocations_per_workgroup.into(),
+        ),
+        (
+            "max_compute_workgroups_per_dimension",
+            req.max_compute_workgroups_per_dimension.into(),
+            limits.max_compute_workgroups_per_dimension.into(),
+        ),
+    ]
+}
+
+/// An error naming the first limit or feature `req` needs beyond what
+/// `limits`/`features` of adapter `name` offer.
+fn check(
+    req: &Requirements,
+    limits: &wgpu::Limits,
+    features: wgpu::Features,
+    name: &str,
+) -> Result<()> {
+    for (limit, need, have) in limit_rows(req, limits) {
+        if need > have {
+            return Err(Error::limit(format!(
+                "the GPU `{name}` offers {limit} = {have}, the delegate needs {need}"
+            )));
+        }
+    }
+    if req.shader_f16 && !features.contains(wgpu::Features::SHADER_F16) {
+        return Err(Error::limit(format!(
+            "the GPU `{name}` lacks the shader-f16 feature the delegate's kernels use"
+        )));
+    }
+    Ok(())
+}
+
+/// Per field, the larger of two requirements.
+pub(crate) fn union(a: &Requirements, b: &Requirements) -> Requirements {
+    Requirements {
+        max_storage_buffer_binding_size: a
+            .max_storage_buffer_binding_size
+            .max(b.max_storage_buffer_binding_size),
+        max_buffer_size: a.max_buffer_size.max(b.max_buffer_size),
+        max_storage_buffers_per_shader_stage: a
+            .max_storage_buffers_per_shader_stage
+            .max(b.max_storage_buffers_per_shader_stage),
+        max_compute_workgroup_storage_size: a
+            .max_compute_workgroup_storage_size
+            .max(b.max_compute_workgroup_storage_size),
+        max_compute_invocations_per_workgroup: a
+            .max_compute_invocations_per_workgroup
+            .max(b.max_compute_invocations_per_workgroup),
+        max_compute_workgroups_per_dimension: a
+            .max_compute_workgroups_per_dimension
+            .max(b.max_compute_workgroups_per_dimension),
+        shader_f16: a.shader_f16 || b.shader_f16,
+    }
+}
+
+impl GpuDevice {
+    /// Open the adapter `choice` selects with the limits `req` asks for
+    /// (wgpu's defaults where it asks for less, never beyond the adapter's).
+    pub fn open(choice: DeviceChoice, req: &Requirements) -> Result<Arc<GpuDevice>> {
+        let (instance, adapter) = select_adapter(choice)?;
+        let info = adapter.get_info();
+        let available = adapter.limits();
+        check(req, &available, adapter.features(), &describe(&info))?;
+        let mut limits = wgpu::Limits::default().or_worse_values_from(&available);
+        limits.max_storage_buffer_binding_size = limits
+            .max_storage_buffer_binding_size
+            .max(req.max_storage_buffer_binding_size);
+        limits.max_buffer_size = limits.max_buffer_size.max(req.max_buffer_size);
+        limits.max_storage_buffers_per_shader_stage = limits
+            .max_storage_buffers_per_shader_stage
+            .max(req.max_storage_buffers_per_shader_stage);
+        limits.max_compute_workgroup_storage_size = limits
+            .max_compute_workgroup_storage_size
+            .max(req.max_compute_workgroup_storage_size);
+        limits.max_compute_invocations_per_workgroup = limits
+            .max_compute_invocations_per_workgroup
+            .max(req.max_compute_invocations_per_workgroup);
+        limits.max_compute_workgroups_per_dimension = limits
+            .max_compute_workgroups_per_dimension
+            .max(req.max_compute_workgroups_per_dimension);
+        let required_features = if req.shader_f16 {
+            wgpu::Features::SHADER_F16
+        } else {
+            wgpu::Features::empty()
+        };
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("etmetal"),
+            required_features,
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| {
+            Error::unsupported(format!(
+                "opening a device on `{}` failed: {e}",
+                describe(&info)
+            ))
+        })?;
+        let uncaptured = Arc::new(Mutex::new(None));
+        let slot = uncaptured.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| record(&slot, e.to_string())));
+        let slot = uncaptured.clone();
+        device.set_device_lost_callback(move |reason, message| {
+            record(&slot, format!("device lost ({reason:?}): {message}"))
+        });
+        Ok(Arc::new(GpuDevice {
+            instance,
+            adapter,
+            device,
+            queue,
+            info,
+            limits,
+            requested: req.clone(),
+            uncaptured,
+        }))
+    }
+
+    /// Whether a delegate needing `req` can load on this device.
+    pub fn satisfies(&self, req: &Requirements) -> bool {
+        check(req, &self.limits, self.device.features(), "").is_ok()
+    }
+
+    /// `describe` of the adapter.
+    pub fn description(&self) -> String {
+        describe(&self.info)
+    }
+
+    /// The first error wgpu reported outside an error scope (or the device
+    /// loss), if any, taken out so it is reported once.
+    pub(crate) fn take_uncaptured(&self) -> Option<String> {
+        self.uncaptured.lock().ok().and_then(|mut s| s.take())
+    }
+}
+
+fn record(slot: &Mutex<Option<String>>, message: String) {
+    if let Ok(mut s) = slot.lock() {
+        s.get_or_insert(message);
+    }
+}

@@ -1,0 +1,118 @@
+//! The etmetal Metal backend, run half: executes `EtMetalBackend` delegate
+//! payloads (see `etmetal_metal::payload`) through wgpu, on Metal, Vulkan or
+//! DX12.
+//!
+//! Register a [`MetalBackend`] in the runtime's backend registry; the first
+//! delegate it initialises opens the device, which later delegates share.
+//! Weights, arenas, pipelines and bind groups are made at load; an execute
+//! is one command buffer with every dispatch of the delegate.
+//!
+//! ```no_run
+//! # fn main() -> etmetal_core::Result<()> {
+//! use std::sync::Arc;
+//! use etmetal_metal_runtime::{DeviceChoice, MetalBackend};
+//! let mut options = etmetal_runtime::LoadOptions::default();
+//! options
+//!     .backends
+//!     .register(Arc::new(MetalBackend::new(DeviceChoice::Auto)))?;
+//! let program = etmetal_runtime::Program::load("model.pte")?.with_options(options);
+//! let mut method = program.method("forward")?;
+//! # Ok(())
+//! # }
+//! ```
+
+mod delegate;
+mod device;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use etmetal_core::{Error, Result};
+use etmetal_metal::payload::{Payload, Requirements};
+use etmetal_pte::CompileSpec;
+use etmetal_runtime::{Backend, DelegateHandle, NamedData};
+
+pub use delegate::GpuStats;
+pub use device::{describe, select_adapter, DeviceChoice, GpuDevice};
+
+/// How long an execute waits for the GPU before failing.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The `EtMetalBackend` delegate backend on one device choice.
+pub struct MetalBackend {
+    choice: DeviceChoice,
+    timeout: Duration,
+    device: Mutex<Option<Arc<GpuDevice>>>,
+    counters: Arc<delegate::Counters>,
+}
+
+impl MetalBackend {
+    /// A backend that opens its device at the first delegate it loads.
+    pub fn new(choice: DeviceChoice) -> MetalBackend {
+        MetalBackend {
+            choice,
+            timeout: DEFAULT_TIMEOUT,
+            device: Mutex::new(None),
+            counters: Arc::default(),
+        }
+    }
+
+    /// Fail an execute the GPU has not finished after `timeout`.
+    pub fn with_timeout(mut self, timeout: Duration) -> MetalBackend {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Counters over every delegate this backend loaded and ran.
+    pub fn stats(&self) -> GpuStats {
+        self.counters.stats()
+    }
+
+    /// The device delegates currently load on (none before the first).
+    pub fn device(&self) -> Option<Arc<GpuDevice>> {
+        self.device.lock().ok().and_then(|d| d.clone())
+    }
+
+    /// The shared device if it meets `req`, else a new one opened for the
+    /// union of what it was opened for and `req` (delegates already loaded
+    /// keep the old one).
+    fn device_for(&self, req: &Requirements) -> Result<Arc<GpuDevice>> {
+        let mut slot = self
+            .device
+            .lock()
+            .map_err(|_| Error::internal("the GPU device lock is poisoned"))?;
+        if let Some(d) = slot.as_ref().filter(|d| d.satisfies(req)) {
+            return Ok(d.clone());
+        }
+        let want = match slot.as_ref() {
+            Some(d) => device::union(&d.requested, req),
+            None => req.clone(),
+        };
+        let d = GpuDevice::open(self.choice, &want)?;
+        *slot = Some(d.clone());
+        Ok(d)
+    }
+}
+
+impl Backend for MetalBackend {
+    fn id(&self) -> &str {
+        etmetal_metal::BACKEND_ID
+    }
+
+    fn init(
+        &self,
+        processed: &[u8],
+        _compile_specs: &[CompileSpec],
+        named_data: &dyn NamedData,
+    ) -> Result<Box<dyn DelegateHandle>> {
+        let payload = Payload::decode(processed)?;
+        let gpu = self.device_for(&payload.requirements)?;
+        Ok(Box::new(delegate::GpuDelegate::load(
+            gpu,
+            self.counters.clone(),
+            self.timeout,
+            payload,
+            named_data,
+        )?))
+    }
+}

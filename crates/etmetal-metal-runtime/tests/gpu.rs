@@ -1,0 +1,528 @@
+//! The GPU runtime on whatever adapter this machine has (in CI: Mesa
+//! lavapipe). Payloads are built by hand with WGSL written here. No adapter
+//! is a failure, not a skip.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use etmetal_core::{DType, ErrorKind, Tensor};
+use etmetal_metal::payload::{
+    to_gpu, Access, Buffer, Dispatch, Kernel, Location, Payload, Requirements, VERSION_MAJOR,
+};
+use etmetal_metal_runtime::{describe, select_adapter, DeviceChoice, GpuStats, MetalBackend};
+use etmetal_pte::{
+    AllocationDetails, BackendDelegate, BackendDelegateDataReference, BackendDelegateInlineData,
+    Chain, DataLocation, DelegateCall, EValue, ExecutionPlan, Instruction, Program, Segment,
+    Tensor as PteTensor, TensorShapeDynamism,
+};
+use etmetal_runtime::{Backend, DelegateArg, LoadOptions};
+
+type Named = HashMap<String, Vec<u8>>;
+
+/// Fails (with how to get a software GPU) when the machine has no adapter.
+fn backend() -> MetalBackend {
+    if let Err(e) = select_adapter(DeviceChoice::Auto) {
+        panic!(
+            "GPU tests need an adapter: {e}. On Debian/Ubuntu: \
+             apt-get install mesa-vulkan-drivers libvulkan1 (Mesa lavapipe)"
+        );
+    }
+    MetalBackend::new(DeviceChoice::Auto)
+}
+
+fn arena(name: &str, dtype: DType, shape: &[usize], arena: usize, offset: u64) -> Buffer {
+    Buffer {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+        location: Location::Arena { arena, offset },
+    }
+}
+
+fn weight(name: &str, dtype: DType, shape: &[usize], key: &str) -> Buffer {
+    Buffer {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+        location: Location::Weight { key: key.into() },
+    }
+}
+
+fn kernel(name: &str, wgsl: String, bindings: &[Access]) -> Kernel {
+    Kernel {
+        name: name.into(),
+        ops: vec![name.into()],
+        wgsl,
+        msl: String::new(),
+        entry_point: "main".into(),
+        bindings: bindings.to_vec(),
+        workgroup_size: [64, 1, 1],
+    }
+}
+
+fn dispatch(kernel: usize, buffers: &[usize], workgroups: u32) -> Dispatch {
+    Dispatch {
+        kernel,
+        nodes: vec![format!("node{kernel}")],
+        buffers: buffers.to_vec(),
+        workgroups: [workgroups, 1, 1],
+    }
+}
+
+/// `y[i] = expr` over `n` elements of `ty` (`x` the input), with helper
+/// functions in `prelude`.
+fn elementwise(ty: &str, n: usize, expr: &str, prelude: &str) -> String {
+    format!(
+        "{prelude}\n\
+         @group(0) @binding(0) var<storage, read_write> x: array<{ty}>;\n\
+         @group(0) @binding(1) var<storage, read_write> y: array<{ty}>;\n\
+         @compute @workgroup_size(64) fn main(@builtin(global_invocation_id) g: vec3<u32>) {{\n\
+           let i = g.x;\n\
+           if (i < {n}u) {{ y[i] = {expr}; }}\n\
+         }}\n"
+    )
+}
+
+/// One kernel `y = expr(x)` from input buffer 0 to output buffer 1 (both
+/// in arena 0).
+fn unary(
+    dtype: DType,
+    shape: &[usize],
+    ty: &str,
+    words: usize,
+    expr: &str,
+    prelude: &str,
+) -> Payload {
+    Payload {
+        buffers: vec![
+            arena("x", dtype, shape, 0, 0),
+            arena("y", dtype, shape, 0, 256),
+        ],
+        kernels: vec![kernel(
+            "k0_unary",
+            elementwise(ty, words, expr, prelude),
+            &[Access::ReadWrite, Access::ReadWrite],
+        )],
+        dispatches: vec![dispatch(0, &[0, 1], 1)],
+        inputs: vec![0],
+        outputs: vec![1],
+        arenas: vec![512],
+        requirements: Requirements::default(),
+    }
+}
+
+/// `y = a * w + b` (a: input [2, 3], w: weight [2, 3], b: weight [3]).
+fn affine() -> (Payload, Named) {
+    let wgsl = "@group(0) @binding(0) var<storage, read_write> a: array<f32>;\n\
+                @group(0) @binding(1) var<storage, read> w: array<f32>;\n\
+                @group(0) @binding(2) var<storage, read> b: array<f32>;\n\
+                @group(0) @binding(3) var<storage, read_write> y: array<f32>;\n\
+                @compute @workgroup_size(64) fn main(@builtin(global_invocation_id) g: vec3<u32>) {\n\
+                  let i = g.x;\n\
+                  if (i < 6u) { y[i] = a[i] * w[i] + b[i % 3u]; }\n\
+                }\n";
+    let payload = Payload {
+        buffers: vec![
+            arena("a", DType::F32, &[2, 3], 0, 0),
+            weight("w", DType::F32, &[2, 3], "p.w"),
+            weight("b", DType::F32, &[3], "p.b"),
+            arena("y", DType::F32, &[2, 3], 0, 256),
+            // A second reference to `p.w`: the weight is still uploaded once.
+            weight("w_again", DType::F32, &[2, 3], "p.w"),
+        ],
+        kernels: vec![kernel(
+            "k0_mul_add",
+            wgsl.into(),
+            &[
+                Access::ReadWrite,
+                Access::Read,
+                Access::Read,
+                Access::ReadWrite,
+            ],
+        )],
+        dispatches: vec![dispatch(0, &[0, 1, 2, 3], 1)],
+        inputs: vec![0],
+        outputs: vec![3],
+        arenas: vec![512],
+        requirements: Requirements::default(),
+    };
+    let f32s =
+        |v: &[f32]| to_gpu(&Tensor::from_f32(DType::F32, &[v.len()], v).unwrap(), "w").unwrap();
+    let named = HashMap::from([
+        ("p.w".to_string(), f32s(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])),
+        ("p.b".to_string(), f32s(&[0.5, -1.0, 10.0])),
+    ]);
+    (payload, named)
+}
+
+fn args(inputs: &[Tensor], payload: &Payload) -> Vec<DelegateArg> {
+    let outs = payload.outputs.iter().map(|&id| {
+        let b = &payload.buffers[id];
+        DelegateArg::Tensor(Tensor::zeros(b.dtype, &b.shape).unwrap())
+    });
+    inputs
+        .iter()
+        .cloned()
+        .map(DelegateArg::Tensor)
+        .chain(outs)
+        .collect()
+}
+
+fn output(args: &[DelegateArg], k: usize) -> &Tensor {
+    match &args[args.len() - 1 - k] {
+        DelegateArg::Tensor(t) => t,
+        other => panic!("output is {other:?}"),
+    }
+}
+
+/// Load `payload` and run it once on `inputs`; its (single) output.
+fn run_once(payload: &Payload, named: &Named, inputs: &[Tensor]) -> Tensor {
+    let b = backend();
+    let mut h = b.init(&payload.encode(), &[], named).unwrap();
+    let mut a = args(inputs, payload);
+    h.execute(&mut a).unwrap();
+    output(&a, 0).clone()
+}
+
+#[test]
+fn adapter_is_found_and_offers_the_default_requirements() {
+    let (_, adapter) = select_adapter(DeviceChoice::Auto)
+        .unwrap_or_else(|e| panic!("{e}: install mesa-vulkan-drivers libvulkan1 (Mesa lavapipe)"));
+    let info = adapter.get_info();
+    let l = adapter.limits();
+    eprintln!(
+        "adapter: {}; driver {} {}; subgroups {}..{}; max_storage_buffer_binding_size {}, \
+         max_buffer_size {}, max_compute_workgroup_storage_size {}, \
+         max_storage_buffers_per_shader_stage {}, max_compute_invocations_per_workgroup {}, \
+         shader-f16 {}",
+        describe(&info),
+        info.driver,
+        info.driver_info,
+        info.subgroup_min_size,
+        info.subgroup_max_size,
+        l.max_storage_buffer_binding_size,
+        l.max_buffer_size,
+        l.max_compute_workgroup_storage_size,
+        l.max_storage_buffers_per_shader_stage,
+        l.max_compute_invocations_per_workgroup,
+        adapter.features().contains(wgpu::Features::SHADER_F16),
+    );
+    let d = Requirements::default();
+    assert!(l.max_storage_buffer_binding_size >= d.max_storage_buffer_binding_size);
+    assert!(l.max_storage_buffers_per_shader_stage >= d.max_storage_buffers_per_shader_stage);
+}
+
+#[test]
+fn affine_over_weights_and_load_once() {
+    let (payload, named) = affine();
+    let b = backend();
+    let mut h = b.init(&payload.encode(), &[], &named).unwrap();
+    // 1 arena + 2 weights (p.w once) + 1 read-back buffer; 1 pipeline.
+    let loaded = b.stats();
+    assert_eq!(
+        loaded,
+        GpuStats {
+            pipelines_created: 1,
+            buffers_allocated: 4,
+            submits: 0
+        }
+    );
+    assert!(b.device().is_some());
+    let a = Tensor::from_f32(DType::F32, &[2, 3], &[1.0, 1.0, 1.0, 2.0, -1.0, 0.0]).unwrap();
+    let mut first = args(std::slice::from_ref(&a), &payload);
+    h.execute(&mut first).unwrap();
+    assert_eq!(
+        output(&first, 0).to_f32_vec(),
+        [1.5, 1.0, 13.0, 8.5, -6.0, 10.0]
+    );
+    let mut second = args(&[a], &payload);
+    h.execute(&mut second).unwrap();
+    assert_eq!(output(&first, 0).bytes(), output(&second, 0).bytes());
+    let after = b.stats();
+    assert_eq!(after.pipelines_created, loaded.pipelines_created);
+    assert_eq!(after.buffers_allocated, loaded.buffers_allocated);
+    assert_eq!(after.submits, 2);
+}
+
+#[test]
+fn two_dispatches_chain_through_an_intermediate_and_share_a_pipeline() {
+    let shape = [3, 5];
+    let add_one = elementwise("f32", 15, "x[i] * 2.0 + 1.0", "");
+    let payload = Payload {
+        buffers: vec![
+            arena("x", DType::F32, &shape, 0, 0),
+            arena("t", DType::F32, &shape, 0, 256),
+            arena("y", DType::F32, &shape, 1, 0),
+        ],
+        kernels: vec![kernel(
+            "k0_mul_add",
+            add_one,
+            &[Access::ReadWrite, Access::ReadWrite],
+        )],
+        dispatches: vec![dispatch(0, &[0, 1], 1), dispatch(0, &[1, 2], 1)],
+        inputs: vec![0],
+        outputs: vec![2],
+        arenas: vec![512, 60],
+        requirements: Requirements::default(),
+    };
+    let x: Vec<f32> = (0..15).map(|i| i as f32 - 7.0).collect();
+    let b = backend();
+    let mut h = b.init(&payload.encode(), &[], &Named::new()).unwrap();
+    assert_eq!(b.stats().pipelines_created, 1);
+    let mut a = args(
+        &[Tensor::from_f32(DType::F32, &shape, &x).unwrap()],
+        &payload,
+    );
+    h.execute(&mut a).unwrap();
+    let want: Vec<f32> = x.iter().map(|v| (v * 2.0 + 1.0) * 2.0 + 1.0).collect();
+    assert_eq!(output(&a, 0).to_f32_vec(), want);
+    assert_eq!(output(&a, 0).shape(), shape);
+}
+
+#[test]
+fn bf16_packed_round_trip() {
+    // Two bf16 a word; doubling is exact, so truncating back is too.
+    let prelude = "fn twice(w: u32) -> u32 {\n\
+                     let lo = bitcast<f32>(w << 16u) * 2.0;\n\
+                     let hi = bitcast<f32>(w & 0xffff0000u) * 2.0;\n\
+                     return (bitcast<u32>(lo) >> 16u) | (bitcast<u32>(hi) & 0xffff0000u);\n\
+                   }";
+    let payload = unary(DType::BF16, &[5], "u32", 3, "twice(x[i])", prelude);
+    let x = [1.0, -2.5, 0.375, 96.0, -0.0078125];
+    let out = run_once(
+        &payload,
+        &Named::new(),
+        &[Tensor::from_f32(DType::BF16, &[5], &x).unwrap()],
+    );
+    assert_eq!(out.dtype(), DType::BF16);
+    let want: Vec<f32> = x.iter().map(|v| v * 2.0).collect();
+    assert_eq!(out.to_f32_vec(), want);
+}
+
+#[test]
+fn int64_runs_as_i32_and_comes_back_int64() {
+    let payload = unary(DType::I64, &[4], "i32", 4, "x[i] * 3 - 1", "");
+    let x = Tensor::from_i64(DType::I64, &[4], &[-3, 0, 7, 1 << 29]).unwrap();
+    let out = run_once(&payload, &Named::new(), &[x]);
+    assert_eq!(out.dtype(), DType::I64);
+    assert_eq!(out.to_i64_vec(), [-10, -1, 20, (1 << 29) * 3 - 1]);
+
+    let big = Tensor::from_i64(DType::I64, &[4], &[0, 0, 1 << 40, 0]).unwrap();
+    let b = backend();
+    let mut h = b.init(&payload.encode(), &[], &Named::new()).unwrap();
+    let e = h.execute(&mut args(&[big], &payload)).unwrap_err();
+    assert!(e.to_string().contains("delegate input 0 (`x`)"), "{e}");
+}
+
+#[test]
+fn bool_widened_round_trip() {
+    let payload = unary(DType::Bool, &[5], "u32", 5, "1u - x[i]", "");
+    let x = Tensor::from_bytes(DType::Bool, &[5], &[1, 0, 0, 1, 1]).unwrap();
+    let out = run_once(&payload, &Named::new(), &[x]);
+    assert_eq!(out.dtype(), DType::Bool);
+    assert_eq!(out.bytes(), [0, 1, 1, 0, 0]);
+}
+
+#[test]
+fn wrong_arguments_are_named() {
+    let (payload, named) = affine();
+    let b = backend();
+    let mut h = b.init(&payload.encode(), &[], &named).unwrap();
+    let good = Tensor::zeros(DType::F32, &[2, 3]).unwrap();
+
+    let e = h
+        .execute(&mut args(
+            &[Tensor::zeros(DType::I32, &[2, 3]).unwrap()],
+            &payload,
+        ))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    let m = e.to_string();
+    assert!(
+        m.contains("input 0 (`a`): expected float32 [2, 3], got int32 [2, 3]"),
+        "{m}"
+    );
+
+    let e = h
+        .execute(&mut args(
+            &[Tensor::zeros(DType::F32, &[3, 2]).unwrap()],
+            &payload,
+        ))
+        .unwrap_err();
+    assert!(e.to_string().contains("got float32 [3, 2]"), "{e}");
+
+    let mut too_few = vec![DelegateArg::Tensor(good.clone())];
+    let e = h.execute(&mut too_few).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("takes 1 inputs and 1 outputs, got 1 arguments"),
+        "{e}"
+    );
+
+    let mut not_tensor = vec![DelegateArg::Int(3), DelegateArg::Tensor(good.clone())];
+    let e = h.execute(&mut not_tensor).unwrap_err();
+    assert!(
+        e.to_string().contains("input 0 (`a`): expected a tensor"),
+        "{e}"
+    );
+
+    let mut bad_out = vec![
+        DelegateArg::Tensor(good.clone()),
+        DelegateArg::Tensor(Tensor::zeros(DType::F32, &[6]).unwrap()),
+    ];
+    let e = h.execute(&mut bad_out).unwrap_err();
+    assert!(e.to_string().contains("output 0 (`y`)"), "{e}");
+
+    // The handle still works after refused calls.
+    h.execute(&mut args(&[good], &payload)).unwrap();
+}
+
+#[test]
+fn requirement_beyond_the_adapter_fails_at_load_naming_the_limit() {
+    let (mut payload, named) = affine();
+    payload.requirements.max_storage_buffer_binding_size = 1 << 50;
+    let e = backend()
+        .init(&payload.encode(), &[], &named)
+        .err()
+        .unwrap();
+    assert_eq!(e.kind(), ErrorKind::Limit);
+    let m = e.to_string();
+    assert!(
+        m.contains("max_storage_buffer_binding_size") && m.contains(&(1u64 << 50).to_string()),
+        "{m}"
+    );
+}
+
+#[test]
+fn larger_requirements_of_a_later_delegate_get_a_device_that_meets_them() {
+    let (payload, named) = affine();
+    let b = backend();
+    let first = b.init(&payload.encode(), &[], &named).unwrap();
+    let d1 = b.device().unwrap();
+    let mut bigger = payload.clone();
+    let offered = d1.adapter.limits().max_buffer_size;
+    assert!(
+        offered > d1.limits.max_buffer_size,
+        "this adapter offers no max_buffer_size beyond wgpu's default"
+    );
+    bigger.requirements.max_buffer_size = offered;
+    let _second = b.init(&bigger.encode(), &[], &named).unwrap();
+    let d2 = b.device().unwrap();
+    assert!(!Arc::ptr_eq(&d1, &d2));
+    assert!(d2.satisfies(&bigger.requirements) && d2.satisfies(&payload.requirements));
+    // The same requirements again reuse the device.
+    let _third = b.init(&payload.encode(), &[], &named).unwrap();
+    assert!(Arc::ptr_eq(&d2, &b.device().unwrap()));
+    drop(first);
+}
+
+#[test]
+fn load_errors_name_their_cause() {
+    let (payload, named) = affine();
+    let b = backend();
+
+    let mut bytes = payload.encode();
+    bytes[4..6].copy_from_slice(&(VERSION_MAJOR + 1).to_le_bytes());
+    let e = b.init(&bytes, &[], &named).err().unwrap();
+    assert!(
+        e.to_string()
+            .contains(&format!("version {}.0", VERSION_MAJOR + 1)),
+        "{e}"
+    );
+
+    let mut missing = named.clone();
+    missing.remove("p.b");
+    let e = b.init(&payload.encode(), &[], &missing).err().unwrap();
+    assert!(e.to_string().contains("`p.b`"), "{e}");
+
+    let mut short = named.clone();
+    short.insert("p.w".into(), vec![0; 20]);
+    let e = b.init(&payload.encode(), &[], &short).err().unwrap();
+    assert!(e.to_string().contains("named data `p.w`): 20 bytes"), "{e}");
+
+    let mut broken = payload.clone();
+    broken.kernels[0].wgsl = broken.kernels[0].wgsl.replace("b[i % 3u]", "b[i % 3u] + q");
+    let e = b.init(&broken.encode(), &[], &named).err().unwrap();
+    assert!(e.to_string().contains("kernel `k0_mul_add`"), "{e}");
+}
+
+fn pte_tensor(dtype: DType, sizes: &[i32], offset: u32) -> EValue {
+    EValue::Tensor(PteTensor {
+        scalar_type: dtype,
+        storage_offset: 0,
+        sizes: sizes.to_vec(),
+        dim_order: (0..sizes.len() as u8).collect(),
+        requires_grad: false,
+        data_buffer_idx: 0,
+        allocation_info: Some(AllocationDetails {
+            memory_id: 1,
+            memory_offset_low: offset,
+            memory_offset_high: 0,
+        }),
+        layout: 0,
+        shape_dynamism: TensorShapeDynamism::Static,
+        extra_tensor_info: None,
+    })
+}
+
+/// A `.pte` whose one instruction is the affine delegate, weights in its
+/// named data, run through `etmetal_runtime::Program`.
+#[test]
+fn pte_with_a_delegate_runs_through_program() {
+    let (payload, named) = affine();
+    let mut program = Program {
+        execution_plan: vec![ExecutionPlan {
+            name: "forward".into(),
+            values: vec![
+                pte_tensor(DType::F32, &[2, 3], 0),
+                pte_tensor(DType::F32, &[2, 3], 32),
+            ],
+            inputs: vec![0],
+            outputs: vec![1],
+            chains: vec![Chain {
+                inputs: vec![0],
+                outputs: vec![1],
+                instructions: vec![Instruction::DelegateCall(DelegateCall {
+                    delegate_index: 0,
+                    args: vec![0, 1],
+                })],
+                stacktrace: None,
+            }],
+            delegates: vec![BackendDelegate {
+                id: etmetal_metal::BACKEND_ID.into(),
+                processed: BackendDelegateDataReference {
+                    location: DataLocation::Inline,
+                    index: 0,
+                },
+                compile_specs: vec![],
+            }],
+            non_const_buffer_sizes: vec![0, 64],
+            ..ExecutionPlan::default()
+        }],
+        backend_delegate_data: vec![BackendDelegateInlineData {
+            data: payload.encode(),
+        }],
+        ..Program::default()
+    };
+    let mut segments: Vec<Segment> = Vec::new();
+    for key in ["p.w", "p.b"] {
+        etmetal_pte::add_named_data(&mut program, &mut segments, key, named[key].clone(), 16)
+            .unwrap();
+    }
+    let bytes = etmetal_pte::serialize(&program, &segments).unwrap();
+
+    let metal = Arc::new(backend());
+    let mut options = LoadOptions::default();
+    options.backends.register(metal.clone()).unwrap();
+    let program = etmetal_runtime::Program::from_bytes(&bytes)
+        .unwrap()
+        .with_options(options);
+    let mut method = program.method("forward").unwrap();
+    let a = Tensor::from_f32(DType::F32, &[2, 3], &[1.0, 1.0, 1.0, 2.0, -1.0, 0.0]).unwrap();
+    for _ in 0..2 {
+        let out = method.execute(vec![a.clone()]).unwrap();
+        assert_eq!(out[0].to_f32_vec(), [1.5, 1.0, 13.0, 8.5, -6.0, 10.0]);
+    }
+    assert_eq!(metal.stats().pipelines_created, 1);
+    assert_eq!(metal.stats().submits, 2);
+}
