@@ -11,6 +11,15 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 start=$(date +%s)
 step() { echo "== $* ($(( $(date +%s) - start ))s)"; }
 
+step "setup: software Vulkan (Mesa lavapipe) for the GPU tests"
+if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    apt="$sudo env DEBIAN_FRONTEND=noninteractive apt-get -qq"
+    $apt update >/dev/null
+    $apt install -y --no-install-recommends mesa-vulkan-drivers libvulkan1 >/dev/null
+fi
+
 step "setup: python venv"
 venv=$(bash scripts/setup-python.sh | tail -n 1)
 

@@ -118,8 +118,14 @@ pub fn select_adapter(choice: DeviceChoice) -> Result<(wgpu::Instance, wgpu::Ada
     } else {
         format!("found only {}", found.join("; "))
     };
+    let unbuilt = choice.backends() - tried;
+    let unbuilt = if unbuilt.is_empty() {
+        String::new()
+    } else {
+        format!(" ({} not built for this platform)", lower(unbuilt))
+    };
     Err(Error::unsupported(format!(
-        "no GPU adapter found for device `{}` (tried {}; {found}; on Linux install \
+        "no GPU adapter found for device `{}` (tried {}{unbuilt}; {found}; on Linux install \
          mesa-vulkan-drivers and libvulkan1 for a software Vulkan)",
         choice.name(),
         lower(tried),

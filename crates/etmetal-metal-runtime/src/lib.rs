@@ -34,6 +34,7 @@ use etmetal_runtime::{Backend, DelegateHandle, NamedData};
 
 pub use delegate::GpuStats;
 pub use device::{describe, select_adapter, DeviceChoice, GpuDevice};
+pub use etmetal_metal::BACKEND_ID;
 
 /// How long an execute waits for the GPU before failing.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);

@@ -3,7 +3,9 @@
 //! The library half of the `etmetal` command. [`Model::load`] reads a `.pt2`
 //! archive into the graph IR (decomposed to the core op set) or a `.pte`
 //! into `etmetal-runtime`, and [`Model::execute`] runs it on the CPU
-//! kernels; [`compile::compile_pt2_cpu`] writes a `.pt2` as a `.pte` of
+//! kernels, with the `.pte`'s GPU delegates on the backends given to
+//! [`Model::load_with`] (`etmetal_metal_runtime::MetalBackend`);
+//! [`compile::compile_pt2_cpu`] writes a `.pt2` as a `.pte` of
 //! ExecuTorch portable-kernel calls.
 
 pub mod compile;

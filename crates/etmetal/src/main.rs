@@ -3,12 +3,14 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use etmetal::Model;
 use etmetal_core::{npy, Error, Result, Tensor};
 use etmetal_graph::{InputKind, OutputKind};
+use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
 use etmetal_pte::{DataLocation, EValue, Instruction, PteFile};
 
 #[derive(Parser)]
@@ -72,7 +74,8 @@ enum Command {
         /// Where to write output_0.npy, output_1.npy, ...
         #[arg(long, default_value = ".")]
         output_dir: PathBuf,
-        /// Where to run. Only `cpu` exists in this build; `auto` means cpu.
+        /// Where a `.pte`'s GPU delegates run: `auto` picks Metal, then a
+        /// discrete GPU, then any adapter. Everything else runs on the cpu.
         #[arg(long, value_enum, default_value = "auto", env = "ETMETAL_DEVICE")]
         device: Device,
         /// Execute N times after the warm-up runs and print latency figures.
@@ -384,12 +387,16 @@ fn run(
     bench: Option<usize>,
     warmup: usize,
 ) -> Result<()> {
-    if !matches!(device, Device::Cpu | Device::Auto) {
-        return Err(Error::unsupported(format!(
-            "device {device:?} is not available: this build runs on the cpu only (use --device cpu)"
-        )));
+    let gpu = gpu_backend(path, device)?;
+    let mut options = etmetal_runtime::LoadOptions::default();
+    if let Some(backend) = &gpu {
+        options.backends.register(backend.clone())?;
     }
-    let mut model = Model::load(path)?;
+    let mut model = Model::load_with(path, options)?;
+    let adapter = gpu.and_then(|b| b.device()).map(|d| d.description());
+    if let Some(adapter) = &adapter {
+        eprintln!("etmetal: GPU adapter: {adapter}");
+    }
     let inputs = load_inputs(&model, input_paths)?;
     let start = Instant::now();
     let outputs = model.execute(inputs.clone())?;
@@ -407,11 +414,73 @@ fn run(
             file.display()
         );
     }
-    say!(out, "ran on cpu in {:.3} ms", elapsed.as_secs_f64() * 1e3);
+    let place = match &adapter {
+        Some(adapter) => format!("gpu {adapter} and cpu"),
+        None => "cpu".to_string(),
+    };
+    say!(
+        out,
+        "ran on {place} in {:.3} ms",
+        elapsed.as_secs_f64() * 1e3
+    );
     if let Some(n) = bench {
         bench_model(out, &mut model, &inputs, n, warmup)?;
     }
     Ok(())
+}
+
+/// The GPU backend a `.pte`'s `EtMetalBackend` delegates run on, after
+/// checking `device` finds an adapter; `None` when nothing is delegated
+/// (the program runs on the CPU kernels whatever the device).
+fn gpu_backend(path: &Path, device: Device) -> Result<Option<Arc<MetalBackend>>> {
+    let choice = match device {
+        Device::Auto | Device::Cpu => None,
+        Device::Metal => Some(DeviceChoice::Metal),
+        Device::Vulkan => Some(DeviceChoice::Vulkan),
+        Device::Dx12 => Some(DeviceChoice::Dx12),
+    };
+    let pte = etmetal::is_pte(path)?;
+    let delegated = if pte {
+        let file = PteFile::load(path)?;
+        file.program
+            .execution_plan
+            .iter()
+            .flat_map(|p| &p.delegates)
+            .filter(|d| d.id == etmetal_metal_runtime::BACKEND_ID)
+            .count()
+    } else {
+        0
+    };
+    if delegated == 0 {
+        if let Some(choice) = choice {
+            let why = if pte {
+                "has no GPU delegates and runs"
+            } else {
+                "is a .pt2 archive, interpreted"
+            };
+            eprintln!(
+                "etmetal: warning: {} {why} on the cpu (--device {} is not used)",
+                path.display(),
+                choice.name()
+            );
+        }
+        return Ok(None);
+    }
+    let needs_gpu = |why: String| {
+        Error::unsupported(format!(
+            "{} delegates {delegated} partition(s) to {}, which needs a GPU ({why}); \
+             compile with --backend cpu to run on the CPU",
+            path.display(),
+            etmetal_metal_runtime::BACKEND_ID
+        ))
+    };
+    let choice = match (device, choice) {
+        (Device::Cpu, _) => return Err(needs_gpu("--device cpu was given".into())),
+        (_, Some(choice)) => choice,
+        _ => DeviceChoice::Auto,
+    };
+    select_adapter(choice).map_err(|e| needs_gpu(e.message().to_string()))?;
+    Ok(Some(Arc::new(MetalBackend::new(choice))))
 }
 
 fn bench_model(

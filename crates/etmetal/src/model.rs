@@ -37,8 +37,13 @@ impl Model {
     /// Load a `.pte` (method `forward`) or a `.pt2` archive; the format is
     /// told by the file's content, not its name.
     pub fn load(path: &Path) -> Result<Model> {
+        Model::load_with(path, etmetal_runtime::LoadOptions::default())
+    }
+
+    /// [`Model::load`] with `options` for a `.pte` (its delegate backends).
+    pub fn load_with(path: &Path, options: etmetal_runtime::LoadOptions) -> Result<Model> {
         let program = if is_pte(path)? {
-            let program = etmetal_runtime::Program::load(path)?;
+            let program = etmetal_runtime::Program::load(path)?.with_options(options);
             let method = program
                 .method("forward")
                 .map_err(|e| e.context(path.display().to_string()))?;

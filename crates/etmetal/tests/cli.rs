@@ -126,15 +126,6 @@ fn bad_input_exits_2_with_one_line() {
             ],
             "input 0",
         ),
-        (
-            vec![
-                "run".into(),
-                fixture("mlp.pt2").display().to_string(),
-                "--device".into(),
-                "metal".into(),
-            ],
-            "cpu only",
-        ),
     ];
     for (args, needle) in cases {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -144,6 +135,30 @@ fn bad_input_exits_2_with_one_line() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
         assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
     }
+}
+
+#[test]
+fn gpu_device_for_a_pt2_warns_and_runs_on_the_cpu() {
+    let out = scratch("pt2-gpu");
+    let model = fixture("mlp.pt2");
+    let res = etmetal(&[
+        "run",
+        model.to_str().unwrap(),
+        "--device",
+        "metal",
+        "--output-dir",
+        out.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert!(res.status.success(), "{stderr}");
+    assert_eq!(
+        stderr.trim_end(),
+        format!(
+            "etmetal: warning: {} is a .pt2 archive, interpreted on the cpu (--device metal is not used)",
+            model.display()
+        )
+    );
+    assert!(String::from_utf8_lossy(&res.stdout).contains("ran on cpu in"));
 }
 
 #[test]
