@@ -292,6 +292,10 @@ pub enum Op {
         value: Scalar,
         dtype: DType,
     },
+    /// `[inputs…]` → `[outputs…]`: a call of delegate `index` of the
+    /// program (ExecuTorch's `executorch_call_delegate`): what a backend
+    /// took out of the graph. Only compile and runtime plumbing see it.
+    Delegate { index: usize },
     /// `[]` → `[y]`: `arange(start, end, step)`.
     Arange {
         start: Scalar,

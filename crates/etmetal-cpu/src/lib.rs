@@ -370,6 +370,9 @@ fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
             ctx.arity(0, 0)?;
             one(create::arange(*start, *end, *step, *dtype)?)
         }
+        Op::Delegate { index } => Err(Error::unsupported(format!(
+            "delegate call {index} is run by its backend, not by a CPU kernel"
+        ))),
     }
 }
 

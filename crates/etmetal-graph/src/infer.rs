@@ -838,6 +838,9 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             Ok(vec![(x.dtype, shape)])
         }
         Op::Full { shape, dtype, .. } => Ok(vec![(*dtype, shape.clone())]),
+        Op::Delegate { index } => Err(Error::internal(format!(
+            "delegate call {index}: its outputs are declared by the backend, not inferred"
+        ))),
         Op::Arange {
             start,
             end,

@@ -1,10 +1,14 @@
-//! `etmetal compile --backend cpu`: lower a graph to an ExecuTorch `.pte`
-//! of portable-kernel calls that ExecuTorch's own runtime runs.
+//! `etmetal compile`: lower a graph to an ExecuTorch `.pte`.
 //!
-//! Pipeline: decompose everything → [`to_portable`] → dead-code elimination
-//! → memory planning (one arena, `mem_id` 1) → one `forward` plan with one
-//! chain of `KernelCall`s (kernel calls from `etmetal_pte::kernels::encode`)
-//! → constants stored once in the constant segment → [`etmetal_pte::serialize`].
+//! Pipeline: with the Metal backend, decompose all but the ops the backend
+//! takes whole → partition → [`preprocess`] each partition into a delegate
+//! payload (its weights into named data) → replace each partition by one
+//! delegate-call node. Then, for what stays on the CPU: decompose everything
+//! → [`to_portable`] → dead-code elimination → memory planning (one arena,
+//! `mem_id` 1) → one `forward` plan with one chain of `KernelCall`s (from
+//! `etmetal_pte::kernels::encode`) and `DelegateCall`s → constants stored
+//! once in the constant segment → [`etmetal_pte::serialize`]. With the CPU
+//! backend the file runs in ExecuTorch's own runtime.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -12,12 +16,50 @@ use std::path::Path;
 use etmetal_core::{DType, Error, Op, Result, Scalar};
 use etmetal_graph::plan::plan_memory;
 use etmetal_graph::portable::to_portable;
-use etmetal_graph::{Graph, InputKind, OutputKind, ValueId};
+use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
+use etmetal_metal::partitioner::{ops_to_not_decompose, partition, PartitionOptions, Step};
+use etmetal_metal::preprocess::{preprocess, PreprocessOptions};
 use etmetal_pte::kernels::{encode, kernel_outputs, CallArg, TensorMeta};
 use etmetal_pte::{
-    AllocationDetails, Chain, ContainerMetadata, EValue, ExecutionPlan, Instruction, KernelCall,
-    Operator, Program, Segment, SubsegmentOffsets, Tensor as PteTensor, TensorShapeDynamism,
+    AllocationDetails, BackendDelegate, BackendDelegateDataReference, Chain, ContainerMetadata,
+    DataLocation, DelegateCall, EValue, ExecutionPlan, Instruction, KernelCall, Operator, Program,
+    Segment, SubsegmentOffsets, Tensor as PteTensor, TensorShapeDynamism,
 };
+
+/// Where the compiled program runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    /// GPU partitions through the Metal delegate, the rest on CPU kernels.
+    #[default]
+    Metal,
+    /// ExecuTorch portable kernels only.
+    Cpu,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct CompileOptions {
+    pub backend: Backend,
+    pub partition: PartitionOptions,
+    pub preprocess: PreprocessOptions,
+}
+
+/// One delegated partition of a compiled program, for reports.
+#[derive(Clone, Debug)]
+pub struct PartitionReport {
+    pub nodes: usize,
+    pub kernels: usize,
+    pub dispatches: usize,
+    pub payload_bytes: usize,
+}
+
+/// A compiled program and what went where.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    pub pte: Vec<u8>,
+    pub partitions: Vec<PartitionReport>,
+    /// Nodes left on the CPU: `(node, op, reason)`.
+    pub cpu_nodes: Vec<(String, String, String)>,
+}
 
 /// Import the `.pt2` at `path` and compile it with [`compile_cpu`].
 pub fn compile_pt2_cpu(path: &Path) -> Result<Vec<u8>> {
@@ -27,12 +69,103 @@ pub fn compile_pt2_cpu(path: &Path) -> Result<Vec<u8>> {
 
 /// The bytes of a `.pte` computing `graph` with ExecuTorch portable kernels.
 pub fn compile_cpu(graph: &Graph) -> Result<Vec<u8>> {
+    let options = CompileOptions {
+        backend: Backend::Cpu,
+        ..CompileOptions::default()
+    };
+    Ok(compile(graph, &options, &mut |_| {})?.pte)
+}
+
+/// Compile `graph`; `progress` hears one line per partition compiled.
+pub fn compile(
+    graph: &Graph,
+    options: &CompileOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Compiled> {
     let mut g = graph.clone();
+    check_signature(&g)?;
+    let mut delegates = vec![];
+    let mut reports = vec![];
+    let mut cpu_nodes = vec![];
+    if options.backend == Backend::Metal {
+        etmetal_graph::decompose(&mut g, &ops_to_not_decompose);
+        etmetal_graph::eliminate_dead_code(&mut g);
+        let parts = partition(&g, &options.partition)?;
+        for (i, reason) in &parts.cpu_nodes {
+            let node = &g.nodes[*i];
+            cpu_nodes.push((node.name.clone(), node.op.name(), reason.clone()));
+        }
+        for p in &parts.partitions {
+            let pre = preprocess(&g, p, &options.preprocess)
+                .map_err(|e| e.context(format!("partition {} of the Metal backend", p.tag())))?;
+            let payload = pre.payload.encode();
+            progress(&format!(
+                "partition {}: {} nodes → {} kernels, {} dispatches",
+                p.tag(),
+                p.nodes.len(),
+                pre.payload.kernels.len(),
+                pre.payload.dispatches.len()
+            ));
+            reports.push(PartitionReport {
+                nodes: p.nodes.len(),
+                kernels: pre.payload.kernels.len(),
+                dispatches: pre.payload.dispatches.len(),
+                payload_bytes: payload.len(),
+            });
+            delegates.push(DelegateData {
+                payload,
+                named_data: pre.named_data,
+            });
+        }
+        g = with_delegate_calls(&g, &parts.partitions, &parts.steps);
+    }
     etmetal_graph::decompose(&mut g, &|_| false);
     to_portable(&mut g)?;
     etmetal_graph::eliminate_dead_code(&mut g);
-    check_signature(&g)?;
+    Ok(Compiled {
+        pte: write_program(&g, delegates)?,
+        partitions: reports,
+        cpu_nodes,
+    })
+}
 
+/// `g` with each partition replaced by one [`Op::Delegate`] node, nodes in
+/// the partitioner's schedule.
+fn with_delegate_calls(
+    g: &Graph,
+    partitions: &[etmetal_metal::partitioner::Partition],
+    steps: &[Step],
+) -> Graph {
+    let mut out = g.clone();
+    out.nodes = steps
+        .iter()
+        .map(|step| match *step {
+            Step::Cpu(i) => g.nodes[i].clone(),
+            Step::Delegate(id) => {
+                let p = &partitions[id];
+                Node {
+                    name: format!("executorch_call_delegate_{id}"),
+                    target: "executorch_call_delegate".into(),
+                    op: Op::Delegate { index: id },
+                    inputs: p.inputs.iter().copied().map(Some).collect(),
+                    outputs: p.outputs.clone(),
+                }
+            }
+        })
+        .collect();
+    out
+}
+
+/// Serialize `g` (portable ops and delegate calls) with its delegates'
+/// payloads and named data.
+/// A compiled partition as the `.pte` stores it.
+struct DelegateData {
+    payload: Vec<u8>,
+    named_data: Vec<(String, Vec<u8>)>,
+}
+
+fn write_program(g: &Graph, delegates: Vec<DelegateData>) -> Result<Vec<u8>> {
+    let mut g = g.clone();
     // Kernels that write more than the op (norm statistics, pool indices)
     // get scratch tensors, planned like any value but dead after the call.
     let mut kernel_outs: Vec<Vec<ValueId>> = Vec::with_capacity(g.nodes.len());
@@ -65,9 +198,6 @@ pub fn compile_cpu(graph: &Graph) -> Result<Vec<u8>> {
     let mut operators: Vec<Operator> = vec![];
     let mut instructions = Vec::with_capacity(g.nodes.len());
     for (node, outs) in g.nodes.iter().zip(&kernel_outs) {
-        let meta = |v: ValueId| -> TensorMeta { (g.value(v).dtype, g.value(v).shape.clone()) };
-        let in_metas: Vec<Option<TensorMeta>> = node.inputs.iter().map(|s| s.map(meta)).collect();
-        let out_metas: Vec<TensorMeta> = outs.iter().map(|v| meta(*v)).collect();
         let at = |e: Error| {
             e.context(format!(
                 "node `{}` ({}, {})",
@@ -76,6 +206,23 @@ pub fn compile_cpu(graph: &Graph) -> Result<Vec<u8>> {
                 node.target
             ))
         };
+        if let Op::Delegate { index } = node.op {
+            let mut args = Vec::with_capacity(node.inputs.len() + outs.len());
+            for i in 0..node.inputs.len() {
+                args.push(b.slot(&node.inputs, i).map_err(at)?);
+            }
+            for i in 0..outs.len() {
+                args.push(b.out(outs, i).map_err(at)?);
+            }
+            instructions.push(Instruction::DelegateCall(DelegateCall {
+                delegate_index: index as i32,
+                args,
+            }));
+            continue;
+        }
+        let meta = |v: ValueId| -> TensorMeta { (g.value(v).dtype, g.value(v).shape.clone()) };
+        let in_metas: Vec<Option<TensorMeta>> = node.inputs.iter().map(|s| s.map(meta)).collect();
+        let out_metas: Vec<TensorMeta> = outs.iter().map(|v| meta(*v)).collect();
         let call = encode(&node.op, &in_metas, &out_metas).map_err(at)?;
         let op = Operator {
             name: call.name,
@@ -107,6 +254,25 @@ pub fn compile_cpu(graph: &Graph) -> Result<Vec<u8>> {
     let buffers: Vec<&[u8]> = b.constants.iter().map(|v| g.constants[v].bytes()).collect();
     let (data, offsets) = etmetal_pte::constant_segment(&buffers);
     let arena = i64::try_from(plan.size).map_err(|_| Error::limit("arena over i64 bytes"))?;
+    let mut segments = vec![Segment::new(data)];
+    let mut backend_delegates = vec![];
+    let mut named = vec![];
+    for DelegateData {
+        payload,
+        named_data,
+    } in delegates
+    {
+        backend_delegates.push(BackendDelegate {
+            id: etmetal_metal::BACKEND_ID.into(),
+            processed: BackendDelegateDataReference {
+                location: DataLocation::Segment,
+                index: segments.len() as u32,
+            },
+            compile_specs: vec![etmetal_metal::compile_spec::method_name_spec("forward")],
+        });
+        segments.push(Segment::new(payload));
+        named.extend(named_data);
+    }
     let execution_plan = ExecutionPlan {
         name: "forward".into(),
         container_meta_type: Some(container_meta(inputs.len(), outputs.len())),
@@ -120,11 +286,11 @@ pub fn compile_cpu(graph: &Graph) -> Result<Vec<u8>> {
             stacktrace: None,
         }],
         operators,
-        delegates: vec![],
+        delegates: backend_delegates,
         non_const_buffer_sizes: vec![0, arena],
         non_const_buffer_device: None,
     };
-    let program = Program {
+    let mut program = Program {
         version: 0,
         execution_plan: vec![execution_plan],
         constant_segment: Some(SubsegmentOffsets {
@@ -133,8 +299,24 @@ pub fn compile_cpu(graph: &Graph) -> Result<Vec<u8>> {
         }),
         ..Program::default()
     };
-    etmetal_pte::serialize(&program, &[Segment::new(data)])
+    for (key, bytes) in named {
+        // a weight read by several partitions is stored once
+        if !program.named_data.iter().any(|n| n.key == key) {
+            etmetal_pte::add_named_data(
+                &mut program,
+                &mut segments,
+                &key,
+                bytes,
+                WEIGHT_ALIGNMENT,
+            )?;
+        }
+    }
+    etmetal_pte::serialize(&program, &segments)
 }
+
+/// Named data (GPU weights) is page-aligned in the file (Apple's 16 KiB
+/// pages) so a runtime can map it without copying.
+const WEIGHT_ALIGNMENT: u64 = 16 << 10;
 
 /// What the `.pte` cannot express: mutated buffers and inputs, parameters
 /// without data.

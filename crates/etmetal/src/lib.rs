@@ -9,7 +9,7 @@
 //! ExecuTorch portable-kernel calls.
 
 pub mod compile;
-mod eval;
+pub mod eval;
 mod model;
 
 pub use model::{is_pte, Model};

@@ -6,7 +6,7 @@
 use etmetal_core::{Error, Result};
 
 use super::{Buffers, Place};
-use crate::payload::{gpu_bytes, Dispatch, ARENA_ALIGN};
+use crate::payload::{Dispatch, ARENA_ALIGN};
 
 pub(crate) struct ArenaPlan {
     /// `(arena, offset)` of each buffer; `None` for weights.
@@ -49,7 +49,7 @@ pub(crate) fn plan(buffers: &Buffers, dispatches: &[Dispatch]) -> Result<ArenaPl
     let mut size = 0u64;
     for b in order {
         let desc = &buffers.list[b];
-        let bytes = gpu_bytes(desc.dtype, desc.numel())?.next_multiple_of(ARENA_ALIGN);
+        let bytes = desc.gpu_bytes()?.next_multiple_of(ARENA_ALIGN);
         live.retain(|&(_, l, _, _)| l >= first[b]);
         live.sort_by_key(|&(_, _, o, _)| o);
         // lowest gap that fits between the live ranges

@@ -20,6 +20,7 @@ pub(crate) struct KernelBuilder<'a> {
     /// Buffers in binding order.
     pub bindings: Vec<BufferIdx>,
     functions: String,
+    /// Helpers included whether or not the generated text names them.
     helpers: Vec<&'static str>,
 }
 
@@ -69,6 +70,8 @@ impl<'a> KernelBuilder<'a> {
         }
     }
 
+    /// Include helper `name` of [`pointwise::HELPERS`] (those the
+    /// generated text calls are included anyway).
     pub fn uses(&mut self, helper: &'static str) {
         if !self.helpers.contains(&helper) {
             self.helpers.push(helper);
@@ -116,7 +119,6 @@ impl<'a> KernelBuilder<'a> {
     pub fn store_pair(&mut self, buf: BufferIdx, w: &str, lo: &str, hi: &str) -> String {
         let b = self.binding(buf);
         if self.buffers.list[buf].dtype == DType::BF16 {
-            self.uses("rbf16");
             format!(
                 "b{b}[{w}] = (bitcast<u32>(rbf16({lo})) >> 16u) | (bitcast<u32>(rbf16({hi})) & 0xffff0000u);"
             )
@@ -177,9 +179,7 @@ impl<'a> KernelBuilder<'a> {
             }
             Kind::Unary(op, x) => {
                 let a = self.emit(f, x, idx)?;
-                let mut uses = vec![];
-                let e = pointwise::unary(*op, &a, v.dtype, &mut uses)?;
-                uses.into_iter().for_each(|h| self.uses(h));
+                let e = pointwise::unary(*op, &a, v.dtype)?;
                 pointwise::round_to(e, v.dtype)
             }
             Kind::Binary { op, compute, a, b } => {
@@ -187,9 +187,7 @@ impl<'a> KernelBuilder<'a> {
                 let xb = self.emit(f, b, idx)?;
                 let ca = pointwise::cast(&xa, a.dtype, *compute);
                 let cb = pointwise::cast(&xb, b.dtype, *compute);
-                let mut uses = vec![];
-                let e = pointwise::binary(*op, &ca, &cb, *compute, &mut uses)?;
-                uses.into_iter().for_each(|h| self.uses(h));
+                let e = pointwise::binary(*op, &ca, &cb, *compute)?;
                 let e = if op.is_predicate() {
                     e
                 } else {
@@ -406,7 +404,9 @@ impl<'a> KernelBuilder<'a> {
         }
         s.push('\n');
         for (name, code) in pointwise::HELPERS {
-            if self.helpers.contains(name) {
+            let call = format!("{name}(");
+            if self.helpers.contains(name) || self.functions.contains(&call) || main.contains(&call)
+            {
                 s.push_str(code);
                 s.push('\n');
             }

@@ -94,6 +94,19 @@ impl BufferDesc {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+
+    /// The dtype the payload declares: 16-bit float intermediates are f32.
+    pub fn payload_dtype(&self) -> DType {
+        if self.storage == Storage::F32 {
+            DType::F32
+        } else {
+            self.dtype
+        }
+    }
+
+    pub fn gpu_bytes(&self) -> Result<u64> {
+        payload::gpu_bytes(self.payload_dtype(), self.numel())
+    }
 }
 
 #[derive(Default)]
@@ -675,7 +688,7 @@ impl<'g> Lowering<'g> {
         let mut buffers = vec![];
         let mut inputs = vec![];
         for (i, b) in self.buffers.list.iter().enumerate() {
-            let bytes = payload::gpu_bytes(b.dtype, b.numel())?;
+            let bytes = b.gpu_bytes()?;
             let r = &mut self.requirements;
             r.max_storage_buffer_binding_size = r.max_storage_buffer_binding_size.max(bytes);
             r.max_buffer_size = r.max_buffer_size.max(bytes);

@@ -16,7 +16,8 @@ pub(crate) fn compute_type(dtype: DType) -> &'static str {
     }
 }
 
-/// Helper functions the expressions call; a kernel includes those it uses.
+/// Helper functions the expressions call; a kernel includes those whose
+/// name it calls.
 pub(crate) const HELPERS: &[(&str, &str)] = &[
     (
         "erf_",
@@ -145,14 +146,8 @@ pub(crate) fn round_to(x: String, dtype: DType) -> String {
     }
 }
 
-/// `op(x)` computed in the type of `dtype`; the helpers it calls are
-/// pushed to `uses`.
-pub(crate) fn unary(
-    op: UnaryOp,
-    x: &str,
-    dtype: DType,
-    uses: &mut Vec<&'static str>,
-) -> Result<String> {
+/// `op(x)` computed in the type of `dtype` (it may call [`HELPERS`]).
+pub(crate) fn unary(op: UnaryOp, x: &str, dtype: DType) -> Result<String> {
     let float = dtype.is_float();
     let int = compute_type(dtype) == "i32";
     let unsupported = || {
@@ -165,31 +160,21 @@ pub(crate) fn unary(
         UnaryOp::Relu if float => format!("max({x}, 0.0)"),
         UnaryOp::Relu if int => format!("max({x}, 0i)"),
         UnaryOp::Gelu { tanh: false } if float => {
-            uses.push("erf_");
             format!("(0.5 * {x} * (1.0 + erf_({x} * 0.70710678118654752)))")
         }
-        UnaryOp::Gelu { tanh: true } if float => {
-            uses.push("tanh_");
-            format!(
-                "(0.5 * {x} * (1.0 + tanh_(0.79788456080286536 * ({x} + 0.044715 * {x} * {x} * {x}))))"
-            )
-        }
+        UnaryOp::Gelu { tanh: true } if float => format!(
+            "(0.5 * {x} * (1.0 + tanh_(0.79788456080286536 * ({x} + 0.044715 * {x} * {x} * {x}))))"
+        ),
         UnaryOp::Silu if float => format!("({x} / (1.0 + exp(-{x})))"),
         UnaryOp::Sigmoid if float => format!("(1.0 / (1.0 + exp(-{x})))"),
-        UnaryOp::Tanh if float => {
-            uses.push("tanh_");
-            format!("tanh_({x})")
-        }
+        UnaryOp::Tanh if float => format!("tanh_({x})"),
         UnaryOp::Exp if float => format!("exp({x})"),
         UnaryOp::Log if float => format!("log({x})"),
         UnaryOp::Sqrt if float => format!("sqrt({x})"),
         UnaryOp::Rsqrt if float => format!("inverseSqrt({x})"),
         UnaryOp::Sin if float => format!("sin({x})"),
         UnaryOp::Cos if float => format!("cos({x})"),
-        UnaryOp::Erf if float => {
-            uses.push("erf_");
-            format!("erf_({x})")
-        }
+        UnaryOp::Erf if float => format!("erf_({x})"),
         UnaryOp::Reciprocal if float => format!("(1.0 / {x})"),
         UnaryOp::Floor if float => format!("floor({x})"),
         UnaryOp::Ceil if float => format!("ceil({x})"),
@@ -223,7 +208,6 @@ pub(crate) fn unary(
             } else if exponent == 0.5 {
                 format!("sqrt({x})")
             } else {
-                uses.push("powf_");
                 format!("powf_({x}, {})", float_literal(exponent))
             }
         }
@@ -239,13 +223,7 @@ pub(crate) fn unary(
 }
 
 /// `a op b` with both operands computed as `compute`.
-pub(crate) fn binary(
-    op: BinaryOp,
-    a: &str,
-    b: &str,
-    compute: DType,
-    uses: &mut Vec<&'static str>,
-) -> Result<String> {
+pub(crate) fn binary(op: BinaryOp, a: &str, b: &str, compute: DType) -> Result<String> {
     let ty = compute_type(compute);
     let float = ty == "f32";
     let int = ty == "i32";
@@ -258,25 +236,13 @@ pub(crate) fn binary(
         BinaryOp::Mul if !boolean => format!("({a} * {b})"),
         BinaryOp::Div if float => format!("({a} / {b})"),
         BinaryOp::FloorDiv if float => format!("floor({a} / {b})"),
-        BinaryOp::FloorDiv if int => {
-            uses.push("floordiv_i");
-            format!("floordiv_i({a}, {b})")
-        }
+        BinaryOp::FloorDiv if int => format!("floordiv_i({a}, {b})"),
         BinaryOp::TruncDiv if float => format!("trunc({a} / {b})"),
         BinaryOp::TruncDiv if int => format!("({a} / {b})"),
         BinaryOp::Remainder if float => format!("({a} - {b} * floor({a} / {b}))"),
-        BinaryOp::Remainder if int => {
-            uses.push("rem_i");
-            format!("rem_i({a}, {b})")
-        }
-        BinaryOp::Pow if float => {
-            uses.push("powf_");
-            format!("powf_({a}, {b})")
-        }
-        BinaryOp::Pow if int => {
-            uses.push("pow_i");
-            format!("pow_i({a}, {b})")
-        }
+        BinaryOp::Remainder if int => format!("rem_i({a}, {b})"),
+        BinaryOp::Pow if float => format!("powf_({a}, {b})"),
+        BinaryOp::Pow if int => format!("pow_i({a}, {b})"),
         BinaryOp::Maximum if !boolean => format!("max({a}, {b})"),
         BinaryOp::Minimum if !boolean => format!("min({a}, {b})"),
         BinaryOp::Maximum => format!("({a} || {b})"),

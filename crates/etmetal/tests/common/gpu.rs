@@ -1,0 +1,217 @@
+//! Harness of the GPU op tests: a graph (often one node) compiled with the
+//! Metal backend in `whole` mode (so every node runs on the GPU), run from
+//! the `.pte` through the etmetal runtime on this machine's adapter, and
+//! compared with the CPU kernels on the same inputs.
+#![allow(dead_code)] // each test file uses part of it
+
+use std::sync::{Arc, OnceLock};
+
+use etmetal::compile::{compile, CompileOptions};
+use etmetal_core::{DType, Op, Tensor};
+use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
+use etmetal_metal::partitioner::{PartitionMode, PartitionOptions};
+use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
+use etmetal_runtime::{BackendRegistry, LoadOptions, Program};
+
+/// One backend (one device) for every test of the process. No adapter is a
+/// failure with a hint, not a skip.
+pub fn backend() -> Arc<MetalBackend> {
+    static BACKEND: OnceLock<Arc<MetalBackend>> = OnceLock::new();
+    BACKEND
+        .get_or_init(|| {
+            if let Err(e) = select_adapter(DeviceChoice::Auto) {
+                panic!(
+                    "GPU tests need an adapter: {e}. On Debian/Ubuntu: \
+                     apt-get install mesa-vulkan-drivers libvulkan1 (Mesa lavapipe)"
+                );
+            }
+            Arc::new(MetalBackend::new(DeviceChoice::Auto))
+        })
+        .clone()
+}
+
+/// The `.pte` of `graph` with every node delegated (`--partition whole`).
+pub fn compile_whole(graph: &Graph) -> Vec<u8> {
+    let options = CompileOptions {
+        partition: PartitionOptions {
+            mode: PartitionMode::Whole,
+            ..PartitionOptions::default()
+        },
+        ..CompileOptions::default()
+    };
+    compile(graph, &options, &mut |_| {})
+        .unwrap_or_else(|e| panic!("compile: {e}"))
+        .pte
+}
+
+/// Run a `.pte` with the GPU backend registered.
+pub fn run_pte(pte: Vec<u8>, inputs: Vec<Tensor>) -> Vec<Tensor> {
+    let mut backends = BackendRegistry::new();
+    backends.register(backend()).unwrap();
+    let options = LoadOptions {
+        backends,
+        ..LoadOptions::default()
+    };
+    let program = Program::from_bytes(&pte)
+        .unwrap_or_else(|e| panic!("load: {e}"))
+        .with_options(options);
+    let mut method = program
+        .method("forward")
+        .unwrap_or_else(|e| panic!("method: {e}"));
+    method
+        .execute(inputs)
+        .unwrap_or_else(|e| panic!("execute: {e}"))
+}
+
+/// Deterministic values in [-1, 1) (xorshift), as `dtype`.
+pub fn random(dtype: DType, shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_f32(DType::F32, shape, &values)
+        .unwrap()
+        .cast(dtype)
+        .unwrap()
+}
+
+/// Integers in `0..high` as int64.
+pub fn random_indices(shape: &[usize], high: i64, seed: u64) -> Tensor {
+    let r = random(DType::F32, shape, seed);
+    let v: Vec<i64> = r
+        .to_f32_vec()
+        .iter()
+        .map(|x| (((x + 1.0) / 2.0) * high as f32) as i64 % high)
+        .collect();
+    Tensor::from_i64(DType::I64, shape, &v).unwrap()
+}
+
+/// A graph around one op; inputs are user inputs, weights constants, and
+/// inputs may be read through a permute (a non-contiguous view).
+pub struct OpCase {
+    graph: Graph,
+    slots: Vec<Option<ValueId>>,
+    inputs: Vec<Tensor>,
+    op: Op,
+}
+
+impl OpCase {
+    pub fn new(op: Op) -> OpCase {
+        OpCase {
+            graph: Graph::default(),
+            slots: vec![],
+            inputs: vec![],
+            op,
+        }
+    }
+
+    pub fn input(mut self, t: Tensor) -> OpCase {
+        let v = self.user_input(&t);
+        self.slots.push(Some(v));
+        self
+    }
+
+    /// The op reads `permute(t, dims)`: `t` is what the caller passes.
+    pub fn input_permuted(mut self, t: Tensor, dims: &[usize]) -> OpCase {
+        let v = self.user_input(&t);
+        let shape: Vec<usize> = dims.iter().map(|&d| t.shape()[d]).collect();
+        let y = self
+            .graph
+            .add_value(format!("p{}", self.slots.len()), t.dtype(), shape);
+        self.graph.nodes.push(Node {
+            name: format!("permute{}", self.slots.len()),
+            target: "test".into(),
+            op: Op::Permute {
+                dims: dims.to_vec(),
+            },
+            inputs: vec![Some(v)],
+            outputs: vec![y],
+        });
+        self.slots.push(Some(y));
+        self
+    }
+
+    pub fn weight(mut self, t: Tensor) -> OpCase {
+        let name = format!("w{}", self.slots.len());
+        let v = self.graph.add_constant(name.clone(), t);
+        self.graph
+            .inputs
+            .push((v, InputKind::Parameter { fqn: name }));
+        self.slots.push(Some(v));
+        self
+    }
+
+    pub fn absent(mut self) -> OpCase {
+        self.slots.push(None);
+        self
+    }
+
+    fn user_input(&mut self, t: &Tensor) -> ValueId {
+        let v = self.graph.add_value(
+            format!("x{}", self.inputs.len()),
+            t.dtype(),
+            t.shape().to_vec(),
+        );
+        self.graph.inputs.push((v, InputKind::User));
+        self.inputs.push(t.clone());
+        v
+    }
+
+    /// The graph and its user inputs.
+    pub fn build(mut self) -> (Graph, Vec<Tensor>) {
+        let mut node = Node {
+            name: "op".into(),
+            target: "test".into(),
+            op: self.op.clone(),
+            inputs: self.slots.clone(),
+            outputs: vec![],
+        };
+        let outs = etmetal_graph::infer::infer(&self.graph, &node)
+            .unwrap_or_else(|e| panic!("infer: {e}"));
+        for (k, (dtype, shape)) in outs.into_iter().enumerate() {
+            let v = self.graph.add_value(format!("y{k}"), dtype, shape);
+            node.outputs.push(v);
+            self.graph.outputs.push((v, OutputKind::User));
+        }
+        self.graph.nodes.push(node);
+        (self.graph, self.inputs)
+    }
+
+    /// GPU and CPU agree within `tol` (absolute and relative).
+    pub fn check(self, tol: f32) {
+        let what = format!("{:?}", self.op);
+        let (graph, inputs) = self.build();
+        check_graph(&graph, inputs, tol, &what);
+    }
+}
+
+/// `graph` on the GPU matches the CPU kernels on `inputs`.
+pub fn check_graph(graph: &Graph, inputs: Vec<Tensor>, tol: f32, what: &str) {
+    let expected = etmetal::eval::run_graph(graph, inputs.clone())
+        .unwrap_or_else(|e| panic!("{what}: CPU reference: {e}"));
+    let got = run_pte(compile_whole(graph), inputs);
+    assert_eq!(got.len(), expected.len(), "{what}: output count");
+    for (k, (g, e)) in got.iter().zip(&expected).enumerate() {
+        assert_close(g, e, tol, &format!("{what} output {k}"));
+    }
+}
+
+pub fn assert_close(got: &Tensor, expected: &Tensor, tol: f32, what: &str) {
+    assert_eq!(got.dtype(), expected.dtype(), "{what}: dtype");
+    assert_eq!(got.shape(), expected.shape(), "{what}: shape");
+    if !expected.dtype().is_float() {
+        assert_eq!(got.to_i64_vec(), expected.to_i64_vec(), "{what}: values");
+        return;
+    }
+    let (g, e) = (got.to_f32_vec(), expected.to_f32_vec());
+    for (i, (a, b)) in g.iter().zip(&e).enumerate() {
+        let ok = (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= tol + tol * b.abs();
+        assert!(ok, "{what}: element {i}: GPU {a} vs CPU {b} (tol {tol})");
+    }
+}
