@@ -133,3 +133,92 @@ fn cli_exits_2_with_one_line_on_every_corpus_file() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn mlp_pte() -> Vec<u8> {
+    etmetal::compile::compile_pt2_cpu(&fixture("mlp.pt2")).unwrap()
+}
+
+#[test]
+fn wrong_inputs_name_the_index_expected_and_got() {
+    use etmetal_core::{DType, ErrorKind, Tensor};
+    let program = etmetal_runtime::Program::from_bytes(&mlp_pte()).unwrap();
+    let mut method = program.method("forward").unwrap();
+    let good = etmetal_core::npy::read(&fixture("mlp.input_0.npy")).unwrap();
+    let zeros = |dtype, shape: &[usize]| Tensor::zeros(dtype, shape).unwrap();
+    for (inputs, want) in [
+        (vec![], "takes 1 input(s), 0 given"),
+        (
+            vec![good.clone(), good.clone()],
+            "takes 1 input(s), 2 given",
+        ),
+        (
+            vec![zeros(DType::I64, &[2, 8])],
+            "input 0: expected float32 [2, 8], got int64 [2, 8]",
+        ),
+        (
+            vec![zeros(DType::F32, &[3, 8])],
+            "input 0: expected float32 [2, 8], got float32 [3, 8]",
+        ),
+        (
+            vec![zeros(DType::F32, &[16])],
+            "input 0: expected float32 [2, 8], got float32 [16]",
+        ),
+    ] {
+        let e = method.execute(inputs).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+        assert!(e.to_string().contains(want), "`{e}` lacks `{want}`");
+    }
+    // A refused call leaves the method usable.
+    let out = method.execute(vec![good]).unwrap();
+    let want = etmetal_core::npy::read(&fixture("mlp.output_0.npy")).unwrap();
+    assert_eq!(out[0].shape(), want.shape());
+}
+
+#[test]
+fn cli_run_names_a_wrong_npy_input() {
+    let dir = std::env::temp_dir().join(format!("etmetal-wrong-input-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let pte = dir.join("mlp.pte");
+    std::fs::write(&pte, mlp_pte()).unwrap();
+    let wide = etmetal_core::Tensor::zeros(etmetal_core::DType::F32, &[3, 8]).unwrap();
+    let wide_path = dir.join("wide.npy");
+    etmetal_core::npy::write(&wide_path, &wide).unwrap();
+    // The same bytes declared column-major: a layout etmetal does not take.
+    let mut fortran = std::fs::read(fixture("mlp.input_0.npy")).unwrap();
+    let (from, to) = (b"'fortran_order': False", b"'fortran_order': True ");
+    let at = fortran.windows(from.len()).position(|w| w == from).unwrap();
+    fortran[at..at + to.len()].copy_from_slice(to);
+    let fortran_path = dir.join("fortran.npy");
+    std::fs::write(&fortran_path, fortran).unwrap();
+    for (inputs, want) in [
+        (
+            vec![&wide_path],
+            "input 0: expected float32 [2, 8], got float32 [3, 8]".to_string(),
+        ),
+        (
+            vec![&wide_path, &wide_path],
+            "takes 1 input(s), 2 given".to_string(),
+        ),
+        (vec![&fortran_path], "Fortran order".to_string()),
+    ] {
+        let list: Vec<String> = inputs.iter().map(|p| p.display().to_string()).collect();
+        let out = Command::new(env!("CARGO_BIN_EXE_etmetal"))
+            .arg("run")
+            .arg(&pte)
+            .args(["--inputs", &list.join(","), "--output-dir"])
+            .arg(dir.join("out"))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(&want), "`{stderr}` lacks `{want}`");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
