@@ -106,7 +106,8 @@ impl GpuDelegate {
         let device = &gpu.device;
         let limits = &gpu.limits;
         let mut buffers = Vec::new();
-        let mut by_key: HashMap<&str, usize> = HashMap::new();
+        // Weight key -> (buffer, bytes), so a weight is uploaded once.
+        let mut by_key: HashMap<&str, (usize, u64)> = HashMap::new();
         let mut ranges = Vec::with_capacity(payload.buffers.len());
         let new_buffer = |buffers: &mut Vec<wgpu::Buffer>, b: wgpu::Buffer| {
             counters.buffers.fetch_add(1, Ordering::Relaxed);
@@ -147,7 +148,14 @@ impl GpuDelegate {
                 },
                 Location::Weight { key } => {
                     let buffer = match by_key.get(key.as_str()) {
-                        Some(&i) => i,
+                        Some(&(i, bytes)) if bytes == size => i,
+                        Some(&(_, bytes)) => {
+                            return Err(Error::format(format!(
+                                "weight `{}` takes {size} bytes of named data `{key}`, \
+                                 another buffer of that key {bytes}",
+                                b.name
+                            )))
+                        }
                         None => {
                             let what = || format!("weight `{}` (named data `{key}`)", b.name);
                             let data = named_data.get(key).map_err(|e| e.context(what()))?;
@@ -176,7 +184,7 @@ impl GpuDelegate {
                                 })
                             })?;
                             let i = new_buffer(&mut buffers, buffer);
-                            by_key.insert(key, i);
+                            by_key.insert(key, (i, size));
                             i
                         }
                     };
@@ -188,6 +196,19 @@ impl GpuDelegate {
                 }
             };
             ranges.push(range);
+        }
+
+        // Inputs are written with `write_buffer`, which weights do not allow.
+        if let Some((k, &id)) = payload
+            .inputs
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| !matches!(payload.buffers[id].location, Location::Arena { .. }))
+        {
+            return Err(Error::format(format!(
+                "EtMetalBackend payload: input {k} (`{}`) is not an arena buffer",
+                payload.buffers[id].name
+            )));
         }
 
         let mut pipelines = Vec::with_capacity(payload.kernels.len());

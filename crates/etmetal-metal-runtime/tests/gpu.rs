@@ -440,6 +440,24 @@ fn load_errors_name_their_cause() {
     let e = b.init(&payload.encode(), &[], &short).err().unwrap();
     assert!(e.to_string().contains("named data `p.w`): 20 bytes"), "{e}");
 
+    let mut alias = payload.clone();
+    alias.buffers[4].shape = vec![5];
+    let e = b.init(&alias.encode(), &[], &named).err().unwrap();
+    assert!(
+        e.to_string()
+            .contains("`w_again` takes 20 bytes of named data `p.w`"),
+        "{e}"
+    );
+
+    let mut weight_input = payload.clone();
+    weight_input.inputs = vec![1];
+    let e = b.init(&weight_input.encode(), &[], &named).err().unwrap();
+    assert!(
+        e.to_string()
+            .contains("input 0 (`w`) is not an arena buffer"),
+        "{e}"
+    );
+
     let mut broken = payload.clone();
     broken.kernels[0].wgsl = broken.kernels[0].wgsl.replace("b[i % 3u]", "b[i % 3u] + q");
     let e = b.init(&broken.encode(), &[], &named).err().unwrap();
