@@ -18,6 +18,7 @@ use etmetal_graph::plan::plan_memory;
 use etmetal_graph::portable::to_portable;
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
 use etmetal_metal::partitioner::{ops_to_not_decompose, partition, PartitionOptions, Step};
+use etmetal_metal::payload::Payload;
 use etmetal_metal::preprocess::{preprocess, PreprocessOptions};
 use etmetal_pte::kernels::{encode, kernel_outputs, CallArg, TensorMeta};
 use etmetal_pte::{
@@ -46,9 +47,11 @@ pub struct CompileOptions {
 /// One delegated partition of a compiled program, for reports.
 #[derive(Clone, Debug)]
 pub struct PartitionReport {
-    pub nodes: usize,
-    pub kernels: usize,
-    pub dispatches: usize,
+    /// `tag0`, `tag1`, … as ExecuTorch tags delegated nodes.
+    pub tag: String,
+    /// The delegated nodes' names.
+    pub nodes: Vec<String>,
+    pub payload: Payload,
     pub payload_bytes: usize,
 }
 
@@ -107,9 +110,9 @@ pub fn compile(
                 pre.payload.dispatches.len()
             ));
             reports.push(PartitionReport {
-                nodes: p.nodes.len(),
-                kernels: pre.payload.kernels.len(),
-                dispatches: pre.payload.dispatches.len(),
+                tag: p.tag(),
+                nodes: p.nodes.iter().map(|&i| g.nodes[i].name.clone()).collect(),
+                payload: pre.payload,
                 payload_bytes: payload.len(),
             });
             delegates.push(DelegateData {

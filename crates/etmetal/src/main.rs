@@ -7,9 +7,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use etmetal::compile::{self, CompileOptions};
 use etmetal::Model;
 use etmetal_core::{npy, Error, Result, Tensor};
 use etmetal_graph::{InputKind, OutputKind};
+use etmetal_metal::partitioner::{PartitionMode, PartitionOptions};
+use etmetal_metal::payload::{gpu_bytes, Location, Payload};
 use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
 use etmetal_pte::{DataLocation, EValue, Instruction, PteFile};
 
@@ -35,10 +38,18 @@ enum Device {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Backend {
-    /// ExecuTorch portable-kernel calls (runs in ExecuTorch's runtime too).
-    Cpu,
-    /// The GPU delegate (not in this build yet).
+    /// GPU partitions through the EtMetalBackend delegate, the rest on CPU kernels.
     Metal,
+    /// ExecuTorch portable-kernel calls only (runs in ExecuTorch's runtime too).
+    Cpu,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Partition {
+    /// Delegate what the GPU takes; the rest runs on CPU kernels between partitions.
+    Auto,
+    /// The whole graph must go to the GPU, else an error lists every node it does not take.
+    Whole,
 }
 
 #[derive(Subcommand)]
@@ -50,9 +61,18 @@ enum Command {
         /// The `.pte` to write.
         #[arg(short, long)]
         output: PathBuf,
-        /// What executes the program. Only `cpu` exists in this build.
-        #[arg(long, value_enum, default_value = "cpu")]
+        /// What executes the program.
+        #[arg(long, value_enum, default_value = "metal")]
         backend: Backend,
+        /// How the Metal backend partitions the graph.
+        #[arg(long, value_enum, default_value = "auto")]
+        partition: Partition,
+        /// Keep an op off the GPU, by its name in `inspect` (`sdpa`, `add`); repeatable.
+        #[arg(long = "skip-op", value_name = "OP")]
+        skip_ops: Vec<String>,
+        /// Write each GPU kernel's `.wgsl` and its MSL translation (`.metal`) into DIR.
+        #[arg(long, value_name = "DIR")]
+        emit_msl: Option<PathBuf>,
     },
     /// Show a program: inputs, outputs, weights and ops (`.pt2`), or the
     /// execution plan, operators, delegates, segments and arenas (`.pte`).
@@ -103,7 +123,27 @@ fn main() -> ExitCode {
             model,
             output,
             backend,
-        } => compile(&mut out, &model, &output, backend),
+            partition,
+            skip_ops,
+            emit_msl,
+        } => {
+            let options = CompileOptions {
+                backend: match backend {
+                    Backend::Metal => compile::Backend::Metal,
+                    Backend::Cpu => compile::Backend::Cpu,
+                },
+                partition: PartitionOptions {
+                    mode: match partition {
+                        Partition::Auto => PartitionMode::Auto,
+                        Partition::Whole => PartitionMode::Whole,
+                    },
+                    skip_ops,
+                    ..PartitionOptions::default()
+                },
+                ..CompileOptions::default()
+            };
+            compile_cmd(&mut out, &model, &output, &options, emit_msl.as_deref())
+        }
         Command::Inspect { model } => inspect(&mut out, &model),
         Command::Run {
             model,
@@ -148,22 +188,57 @@ fn human_bytes(n: usize) -> String {
     }
 }
 
-fn compile(out: &mut String, path: &Path, output: &Path, backend: Backend) -> Result<()> {
-    if backend != Backend::Cpu {
-        return Err(Error::unsupported(
-            "backend metal is not in this build yet: use --backend cpu",
-        ));
-    }
+fn compile_cmd(
+    out: &mut String,
+    path: &Path,
+    output: &Path,
+    options: &CompileOptions,
+    emit_msl: Option<&Path>,
+) -> Result<()> {
     let start = Instant::now();
-    let bytes = etmetal::compile::compile_pt2_cpu(path)?;
-    std::fs::write(output, &bytes).map_err(|e| Error::io(output.display(), e))?;
+    let graph = etmetal_graph::load_pt2(path)?;
+    // progress goes to stderr as it happens; the summary to stdout
+    let compiled = compile::compile(&graph, options, &mut |line| eprintln!("etmetal: {line}"))
+        .map_err(|e| e.context(format!("compiling {}", path.display())))?;
+    std::fs::write(output, &compiled.pte).map_err(|e| Error::io(output.display(), e))?;
     say!(
         out,
         "wrote {} ({}) in {:.0} ms",
         output.display(),
-        human_bytes(bytes.len()),
+        human_bytes(compiled.pte.len()),
         start.elapsed().as_secs_f64() * 1e3
     );
+    if options.backend == compile::Backend::Metal {
+        let kernels: usize = compiled
+            .partitions
+            .iter()
+            .map(|p| p.payload.kernels.len())
+            .sum();
+        let delegated: usize = compiled.partitions.iter().map(|p| p.nodes.len()).sum();
+        say!(
+            out,
+            "EtMetalBackend: {} partition(s), {delegated} node(s), {kernels} kernel(s); {} node(s) on the cpu",
+            compiled.partitions.len(),
+            compiled.cpu_nodes.len()
+        );
+        for (node, op, reason) in &compiled.cpu_nodes {
+            say!(out, "  cpu: `{node}` ({op}): {reason}");
+        }
+    }
+    if let Some(dir) = emit_msl {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir.display(), e))?;
+        let mut files = 0;
+        for p in &compiled.partitions {
+            for k in &p.payload.kernels {
+                for (ext, text) in [("wgsl", &k.wgsl), ("metal", &k.msl)] {
+                    let file = dir.join(format!("{}_{}.{ext}", p.tag, k.name));
+                    std::fs::write(&file, text).map_err(|e| Error::io(file.display(), e))?;
+                    files += 1;
+                }
+            }
+        }
+        say!(out, "wrote {files} kernel sources to {}", dir.display());
+    }
     Ok(())
 }
 
@@ -235,6 +310,37 @@ fn inspect_graph(out: &mut String, graph: &etmetal_graph::Graph) -> Result<()> {
     Ok(())
 }
 
+/// An EtMetalBackend payload: its kernels with the ops fused into each,
+/// their dispatches and the memory they use.
+fn inspect_payload(out: &mut String, payload: &Payload) {
+    let arena: u64 = payload.arenas.iter().sum();
+    let weights: u64 = payload
+        .buffers
+        .iter()
+        .filter(|b| matches!(b.location, Location::Weight { .. }))
+        .map(|b| gpu_bytes(b.dtype, b.shape.iter().product()).unwrap_or(0))
+        .sum();
+    say!(
+        out,
+        "    {} kernels, {} dispatches, arena {}, weights {}",
+        payload.kernels.len(),
+        payload.dispatches.len(),
+        human_bytes(arena as usize),
+        human_bytes(weights as usize)
+    );
+    for d in &payload.dispatches {
+        let k = &payload.kernels[d.kernel];
+        let [x, y, z] = d.workgroups;
+        let [wx, wy, wz] = k.workgroup_size;
+        say!(
+            out,
+            "      {}  [{}]  workgroups {x}x{y}x{z} of {wx}x{wy}x{wz}",
+            k.name,
+            k.ops.join(", ")
+        );
+    }
+}
+
 fn inspect_pte(out: &mut String, file: &PteFile) -> Result<()> {
     let program = &file.program;
     say!(out, "segments:");
@@ -262,7 +368,7 @@ fn inspect_pte(out: &mut String, file: &PteFile) -> Result<()> {
             nd.segment_index
         );
     }
-    for plan in &program.execution_plan {
+    for (p, plan) in program.execution_plan.iter().enumerate() {
         say!(out, "method `{}`:", plan.name);
         let tensor = |v: &i32| match plan.values.get(*v as usize) {
             Some(EValue::Tensor(t)) => format!("{v}: {} {:?}", t.scalar_type, t.sizes),
@@ -320,6 +426,9 @@ fn inspect_pte(out: &mut String, file: &PteFile) -> Result<()> {
                 human_bytes(size),
                 specs.join(", ")
             );
+            if d.id == etmetal_metal::BACKEND_ID {
+                inspect_payload(out, &Payload::decode(file.delegate_data(p, i)?)?);
+            }
         }
         for (c, chain) in plan.chains.iter().enumerate() {
             say!(

@@ -215,15 +215,158 @@ fn compiled_pte_runs_and_inspects() {
     ] {
         assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
     }
+}
+
+/// Largest absolute difference between an output and the fixture's.
+fn worst_error(out: &Path, expected: &str) -> f64 {
+    let got = etmetal_core::npy::read(out).unwrap().to_f64_vec();
+    let want = etmetal_core::npy::read(&fixture(expected))
+        .unwrap()
+        .to_f64_vec();
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn metal_compile_runs_on_the_gpu_inspects_and_emits_msl() {
+    let dir = scratch("metal");
+    let pte = dir.join("mlp.pte");
+    let msl = dir.join("msl");
     let res = etmetal(&[
         "compile",
         fixture("mlp.pt2").to_str().unwrap(),
         "-o",
         pte.to_str().unwrap(),
-        "--backend",
-        "metal",
+        "--emit-msl",
+        msl.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    assert!(
+        stdout.contains("EtMetalBackend: 1 partition(s)"),
+        "{stdout}"
+    );
+    let metal: Vec<_> = std::fs::read_dir(&msl)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "metal"))
+        .collect();
+    assert!(!metal.is_empty());
+    for file in &metal {
+        let text = std::fs::read_to_string(file).unwrap();
+        assert!(text.contains("kernel void"), "{}", file.display());
+        assert!(
+            !text.contains("fake"),
+            "placeholder bindings in {}",
+            file.display()
+        );
+        assert!(file.with_extension("wgsl").exists());
+    }
+    let out = dir.join("out");
+    let res = etmetal(&[
+        "run",
+        pte.to_str().unwrap(),
+        "--inputs",
+        fixture("mlp.input_0.npy").to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    assert!(String::from_utf8_lossy(&res.stdout).contains("ran on gpu"));
+    let worst = worst_error(&out.join("output_0.npy"), "mlp.output_0.npy");
+    assert!(worst < 1e-5, "largest error {worst}");
+    let res = etmetal(&["inspect", pte.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    for needle in [
+        "delegate 0: EtMetalBackend",
+        "kernels,",
+        "workgroups",
+        "named data",
+    ] {
+        assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
+    }
+}
+
+#[test]
+fn partition_modes_and_skipped_ops() {
+    let dir = scratch("partition");
+    let pte = dir.join("m.pte");
+    // mobile_block has a transposed convolution, which the GPU does not take
+    let res = etmetal(&[
+        "compile",
+        fixture("mobile_block.pt2").to_str().unwrap(),
+        "-o",
+        pte.to_str().unwrap(),
+        "--partition",
+        "whole",
     ]);
     assert_eq!(res.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert!(
+        stderr.contains("conv_transpose2d") && stderr.contains("transposed"),
+        "{stderr}"
+    );
+    // auto: GPU, CPU and GPU again, with the right numbers
+    let res = etmetal(&[
+        "compile",
+        fixture("mobile_block.pt2").to_str().unwrap(),
+        "-o",
+        pte.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(stdout.contains("cpu: `conv_transpose2d`"), "{stdout}");
+    let out = dir.join("out");
+    let res = etmetal(&[
+        "run",
+        pte.to_str().unwrap(),
+        "--inputs",
+        fixture("mobile_block.input_0.npy").to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    for k in 0..3 {
+        let worst = worst_error(
+            &out.join(format!("output_{k}.npy")),
+            &format!("mobile_block.output_{k}.npy"),
+        );
+        assert!(worst < 1e-4, "output {k}: largest error {worst}");
+    }
+    let res = etmetal(&[
+        "compile",
+        fixture("mlp.pt2").to_str().unwrap(),
+        "-o",
+        pte.to_str().unwrap(),
+        "--skip-op",
+        "linear",
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(stdout.contains("`linear` is in skip_ops"), "{stdout}");
 }
 
 #[test]

@@ -9,7 +9,7 @@ use etmetal_core::{BinaryOp, DType, Op, ReduceOp, Scalar, UnaryOp};
 const TOL: f32 = 1e-5;
 
 #[test]
-fn unary_ops_f32_and_bf16() {
+fn unary_ops_f32_bf16_f16() {
     for (k, u) in [
         UnaryOp::Relu,
         UnaryOp::Gelu { tanh: false },
@@ -38,6 +38,9 @@ fn unary_ops_f32_and_bf16() {
         OpCase::new(Op::Unary(u))
             .input(random(DType::BF16, &[5, 3], k as u64))
             .check(1e-2);
+        OpCase::new(Op::Unary(u))
+            .input(random(DType::F16, &[7], k as u64))
+            .check(1e-3);
     }
 }
 

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::fmt::Write;
 
-use etmetal_core::{DType, Error, Result};
+use etmetal_core::{DType, Error, Op, Result};
 
 use super::expr::{GatherAt, Kind, LazyRef};
 use super::pointwise::{self, compute_type};
@@ -22,6 +22,8 @@ pub(crate) struct KernelBuilder<'a> {
     functions: String,
     /// Helpers included whether or not the generated text names them.
     helpers: Vec<&'static str>,
+    /// Pointwise ops inlined from lazy values, for the kernel's op list.
+    fused: Vec<String>,
 }
 
 /// The statements of one function being emitted, with its memo of values
@@ -56,6 +58,7 @@ impl<'a> KernelBuilder<'a> {
             bindings: vec![],
             functions: String::new(),
             helpers: vec![],
+            fused: vec![],
         }
     }
 
@@ -90,7 +93,7 @@ impl<'a> KernelBuilder<'a> {
             Storage::Packed16 if desc.dtype == DType::BF16 => {
                 format!("bitcast<f32>((b{b}[({e}) >> 1u] >> ((({e}) & 1u) * 16u)) << 16u)")
             }
-            Storage::Packed16 => format!("unpack2x16float(b{b}[({e}) >> 1u])[({e}) & 1u]"),
+            Storage::Packed16 => format!("f16dec(b{b}[({e}) >> 1u] >> ((({e}) & 1u) * 16u))"),
         }
     }
 
@@ -123,7 +126,7 @@ impl<'a> KernelBuilder<'a> {
                 "b{b}[{w}] = (bitcast<u32>(rbf16({lo})) >> 16u) | (bitcast<u32>(rbf16({hi})) & 0xffff0000u);"
             )
         } else {
-            format!("b{b}[{w}] = pack2x16float(vec2<f32>({lo}, {hi}));")
+            format!("b{b}[{w}] = f16enc({lo}) | (f16enc({hi}) << 16u);")
         }
     }
 
@@ -158,6 +161,15 @@ impl<'a> KernelBuilder<'a> {
             return Ok(name.clone());
         }
         let ty = compute_type(v.dtype);
+        let op = match &v.kind {
+            Kind::Unary(u, _) => Some(Op::Unary(*u).name()),
+            Kind::Binary { op, .. } => Some(Op::Binary(*op).name()),
+            Kind::Where(..) => Some("where".to_string()),
+            _ => None,
+        };
+        if let Some(op) = op.filter(|o| !self.fused.contains(o)) {
+            self.fused.push(op);
+        }
         let expr = match &v.kind {
             Kind::Load(buf) => {
                 let n = v.shape.iter().product::<usize>().max(1);
@@ -381,6 +393,7 @@ impl<'a> KernelBuilder<'a> {
         Built {
             wgsl: self.module(main),
             bindings: self.bindings,
+            fused: self.fused,
         }
     }
 
@@ -403,13 +416,18 @@ impl<'a> KernelBuilder<'a> {
             );
         }
         s.push('\n');
-        for (name, code) in pointwise::HELPERS {
-            let call = format!("{name}(");
-            if self.helpers.contains(name) || self.functions.contains(&call) || main.contains(&call)
-            {
-                s.push_str(code);
-                s.push('\n');
+        // helpers the code calls; a helper may call one listed before it
+        let mut text = format!("{}{main}", self.functions);
+        let mut included = vec![];
+        for (name, code) in pointwise::HELPERS.iter().rev() {
+            if self.helpers.contains(name) || text.contains(&format!("{name}(")) {
+                text.push_str(code);
+                included.push(*code);
             }
+        }
+        for code in included.into_iter().rev() {
+            s.push_str(code);
+            s.push('\n');
         }
         s.push_str(&self.functions);
         s.push_str(main);
@@ -421,6 +439,8 @@ impl<'a> KernelBuilder<'a> {
 pub(crate) struct Built {
     pub wgsl: String,
     pub bindings: Vec<BufferIdx>,
+    /// Pointwise ops inlined into it.
+    pub fused: Vec<String>,
 }
 
 /// Row-major linear index of `idx` in `shape`.

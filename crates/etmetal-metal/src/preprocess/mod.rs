@@ -438,9 +438,9 @@ impl<'g> Lowering<'g> {
         }
         let groups = (items as u64).div_ceil(u64::from(FLAT_WORKGROUP));
         let workgroups = grid(groups, self.options.max_workgroups_per_dim)?;
-        let ops = vec![self.op_label()];
+        // named by the pointwise ops it inlines (`copy` when it only moves data)
         let built = kb.finish(&main);
-        self.add_dispatch(built, ops, [FLAT_WORKGROUP, 1, 1], workgroups, 0)
+        self.add_dispatch(built, vec![], [FLAT_WORKGROUP, 1, 1], workgroups, 0)
     }
 
     pub(crate) fn op_label(&self) -> String {
@@ -457,7 +457,20 @@ impl<'g> Lowering<'g> {
         workgroups: [u32; 3],
         workgroup_storage: u32,
     ) -> Result<()> {
-        let Built { wgsl, bindings } = built;
+        let Built {
+            wgsl,
+            bindings,
+            fused,
+        } = built;
+        let mut ops = ops;
+        for f in fused {
+            if !ops.contains(&f) {
+                ops.push(f);
+            }
+        }
+        if ops.is_empty() {
+            ops.push("copy".into());
+        }
         let access: Vec<Access> = bindings.iter().map(|&b| self.buffers.access(b)).collect();
         let kernel = match self.kernels.iter().position(|k| k.wgsl == wgsl) {
             Some(i) => i,

@@ -42,7 +42,38 @@ pub(crate) const HELPERS: &[(&str, &str)] = &[
     ),
     (
         "rf16",
-        "fn rf16(x: f32) -> f32 { return unpack2x16float(pack2x16float(vec2<f32>(x, 0.0))).x; }\n",
+        // Round to the nearest float16 (ties to even) without f16 shader
+        // support: mantissa to 10 bits, subnormals to 2^-24, overflow to inf.
+        "fn rf16(x: f32) -> f32 {\n\
+         \x20 let u = bitcast<u32>(x);\n\
+         \x20 if ((u & 0x7f800000u) == 0x7f800000u) { return x; }\n\
+         \x20 if (abs(x) < 6.103515625e-05) { return round(x * 16777216.0) / 16777216.0; }\n\
+         \x20 let r = bitcast<f32>((u + 0xfffu + ((u >> 13u) & 1u)) & 0xffffe000u);\n\
+         \x20 if (abs(r) > 65504.0) { return bitcast<f32>((u & 0x80000000u) | 0x7f800000u); }\n\
+         \x20 return r;\n}\n",
+    ),
+    (
+        "f16dec",
+        // float16 bits (low 16 of `h`) to f32.
+        "fn f16dec(h: u32) -> f32 {\n\
+         \x20 let s = (h & 0x8000u) << 16u;\n\
+         \x20 let e = (h >> 10u) & 0x1fu;\n\
+         \x20 let m = h & 0x3ffu;\n\
+         \x20 if (e == 0u) { return select(1.0, -1.0, s != 0u) * f32(m) * 5.9604644775390625e-08; }\n\
+         \x20 if (e == 31u) { return bitcast<f32>(s | 0x7f800000u | (m << 13u)); }\n\
+         \x20 return bitcast<f32>(s | ((e + 112u) << 23u) | (m << 13u));\n}\n",
+    ),
+    (
+        "f16enc",
+        // f32 to float16 bits, rounded to nearest even.
+        "fn f16enc(x: f32) -> u32 {\n\
+         \x20 let v = rf16(x);\n\
+         \x20 let u = bitcast<u32>(v);\n\
+         \x20 let s = (u >> 16u) & 0x8000u;\n\
+         \x20 if (v != v) { return s | 0x7e00u; }\n\
+         \x20 if (abs(v) > 65504.0) { return s | 0x7c00u; }\n\
+         \x20 if (abs(v) < 6.103515625e-05) { return s | u32(abs(v) * 16777216.0); }\n\
+         \x20 return s | ((((u >> 23u) & 0xffu) - 112u) << 10u) | ((u >> 13u) & 0x3ffu);\n}\n",
     ),
     (
         "powf_",
