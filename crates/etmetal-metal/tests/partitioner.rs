@@ -268,7 +268,14 @@ fn not_decomposed_set_covers_every_op_of_add_relu() {
     assert!(graph.constants.contains_key(&p.partitions[0].constants[0]));
     // and what the backend does not take is decomposed
     assert!(!ops_to_not_decompose(&Op::Identity));
-    assert!(!ops_to_not_decompose(&Op::CumSum { dim: 0 }));
+    assert!(!ops_to_not_decompose(&Op::Convolution {
+        stride: vec![1],
+        padding: vec![0],
+        dilation: vec![1],
+        transposed: true,
+        output_padding: vec![0],
+        groups: 1
+    }));
     assert!(ops_to_not_decompose(&Op::Linear));
     assert!(ops_to_not_decompose(&Op::Sdpa {
         is_causal: true,

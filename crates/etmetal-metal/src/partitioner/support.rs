@@ -59,6 +59,12 @@ pub fn op_supported(op: &Op) -> Result<(), String> {
         Op::MaxPool { kernel, .. } | Op::AvgPool { kernel, .. } => spatial(kernel.len(), "pooling"),
         Op::AdaptiveAvgPool { output_size } => spatial(output_size.len(), "adaptive pooling"),
         _ => Ok(()),
+    }?;
+    // the attribute conditions above give the better reasons; this is the rest
+    if crate::preprocess::lowers(op) {
+        Ok(())
+    } else {
+        Err(format!("{} has no GPU kernel yet", op.name()))
     }
 }
 
