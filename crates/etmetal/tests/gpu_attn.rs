@@ -1,0 +1,265 @@
+//! GPU norms, attention, top-k, cumsum and advanced indexing against the
+//! CPU kernels, on this machine's adapter (shapes kept small for lavapipe).
+
+mod common;
+
+use common::gpu::{random, random_indices, OpCase};
+use etmetal_core::{DType, Op, Tensor};
+
+const TOL: f32 = 1e-5;
+const BF16_TOL: f32 = 1e-2;
+
+/// `random` shifted into `[lo, lo + 2)` (variances, ties, …).
+fn shifted(dtype: DType, shape: &[usize], seed: u64, lo: f32) -> Tensor {
+    let v: Vec<f32> = random(DType::F32, shape, seed)
+        .to_f32_vec()
+        .iter()
+        .map(|x| x + 1.0 + lo)
+        .collect();
+    Tensor::from_f32(dtype, shape, &v).unwrap()
+}
+
+fn ints(shape: &[usize], v: &[i64]) -> Tensor {
+    Tensor::from_i64(DType::I64, shape, v).unwrap()
+}
+
+#[test]
+fn layer_norm_f32_bf16_permuted_and_without_affine() {
+    let ln = |nd| Op::LayerNorm {
+        normalized_dims: nd,
+        eps: 1e-5,
+    };
+    OpCase::new(ln(2))
+        .input(random(DType::F32, &[3, 5, 7], 1))
+        .weight(random(DType::F32, &[5, 7], 2))
+        .weight(random(DType::F32, &[5, 7], 3))
+        .check(TOL);
+    OpCase::new(ln(1))
+        .input(random(DType::BF16, &[4, 1, 130], 4))
+        .weight(random(DType::BF16, &[130], 5))
+        .weight(random(DType::BF16, &[130], 6))
+        .check(BF16_TOL);
+    OpCase::new(ln(1))
+        .input_permuted(random(DType::F32, &[9, 2, 3], 7), &[1, 2, 0])
+        .check(TOL);
+    OpCase::new(ln(1))
+        .input(random(DType::F32, &[2, 1], 8))
+        .absent()
+        .weight(random(DType::F32, &[1], 9))
+        .check(TOL);
+}
+
+#[test]
+fn rms_norm_default_and_given_eps() {
+    for (dtype, tol) in [(DType::F32, TOL), (DType::BF16, BF16_TOL)] {
+        OpCase::new(Op::RmsNorm {
+            normalized_dims: 1,
+            eps: None,
+        })
+        .input(random(dtype, &[6, 33], 10))
+        .weight(random(dtype, &[33], 11))
+        .check(tol);
+    }
+    OpCase::new(Op::RmsNorm {
+        normalized_dims: 2,
+        eps: Some(1e-3),
+    })
+    .input_permuted(random(DType::F32, &[5, 3, 4], 12), &[2, 0, 1])
+    .check(TOL);
+}
+
+#[test]
+fn group_norm_and_batch_norm() {
+    OpCase::new(Op::GroupNorm {
+        groups: 2,
+        eps: 1e-5,
+    })
+    .input(random(DType::F32, &[2, 4, 3, 5], 13))
+    .weight(random(DType::F32, &[4], 14))
+    .weight(random(DType::F32, &[4], 15))
+    .check(TOL);
+    OpCase::new(Op::GroupNorm {
+        groups: 3,
+        eps: 1e-5,
+    })
+    .input(random(DType::BF16, &[1, 6, 7], 16))
+    .check(BF16_TOL);
+    for (dtype, tol) in [(DType::F32, TOL), (DType::BF16, BF16_TOL)] {
+        OpCase::new(Op::BatchNorm { eps: 1e-5 })
+            .input(random(dtype, &[2, 3, 4, 5], 17))
+            .weight(random(dtype, &[3], 18))
+            .weight(random(dtype, &[3], 19))
+            .weight(random(dtype, &[3], 20))
+            .weight(shifted(dtype, &[3], 21, 0.1))
+            .check(tol);
+    }
+    OpCase::new(Op::BatchNorm { eps: 1e-3 })
+        .input_permuted(random(DType::F32, &[5, 2, 3], 22), &[1, 2, 0])
+        .absent()
+        .absent()
+        .weight(random(DType::F32, &[3], 23))
+        .weight(shifted(DType::F32, &[3], 24, 0.1))
+        .check(TOL);
+}
+
+fn sdpa(is_causal: bool, scale: Option<f64>, enable_gqa: bool) -> Op {
+    Op::Sdpa {
+        is_causal,
+        scale,
+        enable_gqa,
+    }
+}
+
+#[test]
+fn attention_prefill_causal_and_scaled() {
+    // several query blocks and key tiles, causal
+    OpCase::new(sdpa(true, None, false))
+        .input(random(DType::F32, &[2, 70, 16], 30))
+        .input(random(DType::F32, &[2, 70, 16], 31))
+        .input(random(DType::F32, &[2, 70, 12], 32))
+        .check(TOL);
+    // L != S, explicit scale, k/v broadcast over heads, odd sizes
+    OpCase::new(sdpa(false, Some(0.3), false))
+        .input(random(DType::F32, &[1, 3, 11, 5], 33))
+        .input(random(DType::F32, &[1, 1, 67, 5], 34))
+        .input(random(DType::F32, &[1, 1, 67, 3], 35))
+        .check(TOL);
+    OpCase::new(sdpa(true, None, false))
+        .input(random(DType::BF16, &[2, 9, 8], 36))
+        .input(random(DType::BF16, &[2, 9, 8], 37))
+        .input(random(DType::BF16, &[2, 9, 8], 38))
+        .check(BF16_TOL);
+}
+
+#[test]
+fn attention_decode_gqa_and_long_keys() {
+    // one query row, 1600 keys, 4 query heads sharing 2 kv heads
+    OpCase::new(sdpa(false, None, true))
+        .input(random(DType::F32, &[1, 4, 1, 32], 40))
+        .input(random(DType::F32, &[1, 2, 1600, 32], 41))
+        .input(random(DType::F32, &[1, 2, 1600, 32], 42))
+        .check(TOL);
+    // head dims of 256 and 130 (several output columns per invocation)
+    OpCase::new(sdpa(false, None, false))
+        .input(random(DType::F32, &[1, 3, 256], 43))
+        .input(random(DType::F32, &[1, 5, 256], 44))
+        .input(random(DType::F32, &[1, 5, 130], 45))
+        .check(TOL);
+}
+
+#[test]
+fn attention_masks_and_strided_inputs() {
+    // bool mask broadcast over batch and heads, one row fully masked (zeros)
+    let mut keep: Vec<i64> = random_indices(&[6, 9], 2, 50).to_i64_vec();
+    keep[9..18].iter_mut().for_each(|k| *k = 0);
+    let mask = Tensor::from_i64(DType::Bool, &[6, 9], &keep).unwrap();
+    OpCase::new(sdpa(false, None, false))
+        .input(random(DType::F32, &[2, 2, 6, 4], 51))
+        .input(random(DType::F32, &[2, 2, 9, 4], 52))
+        .input(random(DType::F32, &[2, 2, 9, 4], 53))
+        .input(mask)
+        .check(TOL);
+    // additive float mask per head; q and k read through permutes
+    // ([N, L, H, E] → [N, H, L, E], as after a projection)
+    OpCase::new(sdpa(false, None, false))
+        .input_permuted(random(DType::F32, &[2, 5, 3, 8], 54), &[0, 2, 1, 3])
+        .input_permuted(random(DType::F32, &[2, 7, 3, 8], 55), &[0, 2, 1, 3])
+        .input(random(DType::F32, &[2, 3, 7, 8], 56))
+        .input(random(DType::F32, &[3, 5, 7], 57))
+        .check(TOL);
+}
+
+#[test]
+fn topk_largest_smallest_and_ties() {
+    for (k, dim, largest) in [(3, 1, true), (1, 0, false), (5, 1, false), (12, 1, true)] {
+        OpCase::new(Op::TopK {
+            k,
+            dim,
+            largest,
+            sorted: true,
+        })
+        .input(random(DType::F32, &[5, 12], 60 + k as u64))
+        .check(0.0);
+    }
+    // many ties: lower indices first, as the CPU kernel
+    let ties = random_indices(&[4, 3, 20], 4, 61).cast(DType::F32).unwrap();
+    for largest in [true, false] {
+        OpCase::new(Op::TopK {
+            k: 7,
+            dim: 2,
+            largest,
+            sorted: true,
+        })
+        .input(ties.clone())
+        .check(0.0);
+    }
+    OpCase::new(Op::TopK {
+        k: 2,
+        dim: 0,
+        largest: true,
+        sorted: true,
+    })
+    .input_permuted(random(DType::BF16, &[3, 70, 2], 62), &[1, 2, 0])
+    .check(0.0);
+}
+
+#[test]
+fn topk_puts_nan_first_when_largest() {
+    let x = Tensor::from_f32(
+        DType::F32,
+        &[2, 4],
+        &[1.0, f32::NAN, -2.0, 3.0, -0.0, 0.0, f32::NEG_INFINITY, 0.0],
+    )
+    .unwrap();
+    for largest in [true, false] {
+        OpCase::new(Op::TopK {
+            k: 3,
+            dim: 1,
+            largest,
+            sorted: true,
+        })
+        .input(x.clone())
+        .check(0.0);
+    }
+}
+
+#[test]
+fn cumsum_f32_bf16_and_long_rows() {
+    OpCase::new(Op::CumSum { dim: 1 })
+        .input(random(DType::F32, &[3, 7, 2], 70))
+        .check(1e-5);
+    OpCase::new(Op::CumSum { dim: 0 })
+        .input(random(DType::F32, &[1000, 2], 71))
+        .check(1e-4);
+    OpCase::new(Op::CumSum { dim: 0 })
+        .input_permuted(random(DType::BF16, &[4, 6], 73), &[1, 0])
+        .check(BF16_TOL);
+}
+
+#[test]
+fn advanced_indexing() {
+    let x = random(DType::F32, &[4, 5, 6], 80);
+    // one index tensor on dim 0
+    OpCase::new(Op::Index)
+        .input(x.clone())
+        .input(ints(&[2, 3], &[0, 3, -1, 2, 2, 1]))
+        .check(0.0);
+    // adjacent indexed dims 1, 2 broadcast together; dim 0 kept
+    OpCase::new(Op::Index)
+        .input(x.clone())
+        .absent()
+        .input(ints(&[3, 1], &[4, 0, -2]))
+        .input(ints(&[2], &[5, 1]))
+        .check(0.0);
+    // dims 0 and 2 (not adjacent): the broadcast dims come first
+    OpCase::new(Op::Index)
+        .input_permuted(x, &[2, 0, 1])
+        .input(ints(&[3], &[5, 0, 2]))
+        .absent()
+        .input(ints(&[3], &[1, 4, 0]))
+        .check(0.0);
+    OpCase::new(Op::Index)
+        .input(random_indices(&[7, 3], 100, 81))
+        .input(ints(&[4], &[6, 0, 6, 3]))
+        .check(0.0);
+}
