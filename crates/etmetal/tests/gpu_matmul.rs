@@ -1,0 +1,210 @@
+//! GPU matrix products, convolutions and pooling against the CPU kernels:
+//! odd sizes, size-1 dims, 1-D operands, broadcast batches, permuted
+//! (non-contiguous) inputs, every tile shape of the GEMM, f32 and bf16.
+
+mod common;
+
+use common::gpu::{random, OpCase};
+use etmetal_core::{DType, Op};
+
+const F: DType = DType::F32;
+const BF: DType = DType::BF16;
+const TOL: f32 = 1e-5;
+const BF_TOL: f32 = 1e-2;
+
+#[test]
+fn matmul_shapes_follow_torch_matmul() {
+    let cases: &[(&[usize], &[usize])] = &[
+        (&[5, 7], &[7, 3]),
+        (&[70, 33], &[33, 65]),
+        (&[7], &[7]),
+        (&[7], &[2, 7, 3]),
+        (&[2, 5, 7], &[7]),
+        (&[2, 1, 5, 7], &[3, 7, 4]),
+        (&[3, 4, 1], &[1, 6]),
+        // skinny tiles: one row, one column
+        (&[1, 130], &[130, 200]),
+        (&[90, 21], &[21, 2]),
+        // the 128×128 tile
+        (&[520, 8], &[8, 515]),
+    ];
+    for (i, (a, b)) in cases.iter().enumerate() {
+        OpCase::new(Op::MatMul)
+            .input(random(F, a, 2 * i as u64))
+            .input(random(F, b, 2 * i as u64 + 1))
+            .check(TOL);
+    }
+}
+
+#[test]
+fn matmul_reads_permuted_operands_and_bf16() {
+    // [20, 9] @ [3, 9, 17], both read through transposes
+    OpCase::new(Op::MatMul)
+        .input_permuted(random(F, &[9, 20], 1), &[1, 0])
+        .input_permuted(random(F, &[3, 17, 9], 2), &[0, 2, 1])
+        .check(TOL);
+    OpCase::new(Op::MatMul)
+        .input(random(BF, &[2, 6, 35], 3))
+        .input_permuted(random(BF, &[2, 19, 35], 4), &[0, 2, 1])
+        .check(BF_TOL);
+}
+
+#[test]
+fn addmm_applies_alpha_beta_and_broadcast_bias() {
+    let cases: &[(f64, f64, &[usize])] = &[
+        (0.5, 2.0, &[3]),
+        (1.0, 1.0, &[40, 1]),
+        (1.0, -1.5, &[40, 3]),
+        (0.0, 1.0, &[3]),
+    ];
+    for (i, &(beta, alpha, bias)) in cases.iter().enumerate() {
+        let m = if bias.len() == 2 { 40 } else { 4 };
+        let seed = 10 * i as u64;
+        OpCase::new(Op::Addmm { beta, alpha })
+            .input(random(F, bias, seed))
+            .input(random(F, &[m, 5], seed + 1))
+            .input(random(F, &[5, 3], seed + 2))
+            .check(TOL);
+    }
+}
+
+#[test]
+fn linear_with_and_without_bias() {
+    OpCase::new(Op::Linear)
+        .input(random(F, &[2, 3, 8], 1))
+        .weight(random(F, &[40, 8], 2))
+        .weight(random(F, &[40], 3))
+        .check(TOL);
+    OpCase::new(Op::Linear)
+        .input(random(F, &[1, 64], 4))
+        .weight(random(F, &[300, 64], 5))
+        .absent()
+        .check(TOL);
+    OpCase::new(Op::Linear)
+        .input_permuted(random(F, &[33, 6], 6), &[1, 0])
+        .weight(random(F, &[1, 33], 7))
+        .weight(random(F, &[1], 8))
+        .check(TOL);
+    OpCase::new(Op::Linear)
+        .input(random(BF, &[3, 33], 9))
+        .weight(random(BF, &[20, 33], 10))
+        .weight(random(BF, &[20], 11))
+        .check(BF_TOL);
+}
+
+fn conv(stride: &[usize], padding: &[usize], dilation: &[usize], groups: usize) -> Op {
+    Op::Convolution {
+        stride: stride.to_vec(),
+        padding: padding.to_vec(),
+        dilation: dilation.to_vec(),
+        transposed: false,
+        output_padding: vec![0; stride.len()],
+        groups,
+    }
+}
+
+#[test]
+fn convolution_direct_and_implicit_gemm() {
+    // depthwise 2-D (direct kernel), stride, padding and dilation per dim
+    OpCase::new(conv(&[1, 2], &[1, 0], &[1, 2], 3))
+        .input(random(F, &[2, 3, 9, 11], 1))
+        .weight(random(F, &[3, 1, 3, 2], 2))
+        .weight(random(F, &[3], 3))
+        .check(TOL);
+    // 1-D, two groups of 8 output channels (implicit GEMM), no bias
+    OpCase::new(conv(&[2], &[1], &[1], 2))
+        .input(random(F, &[1, 4, 17], 4))
+        .weight(random(F, &[16, 2, 3], 5))
+        .absent()
+        .check(TOL);
+    // 2-D 3×3 "same" convolution (implicit GEMM)
+    OpCase::new(conv(&[1, 1], &[1, 1], &[1, 1], 1))
+        .input(random(F, &[2, 5, 8, 7], 6))
+        .weight(random(F, &[12, 5, 3, 3], 7))
+        .weight(random(F, &[12], 8))
+        .check(TOL);
+    // channels-last input read through a permute, grouped, dilated
+    OpCase::new(conv(&[2, 1], &[0, 2], &[1, 3], 2))
+        .input_permuted(random(F, &[2, 9, 7, 6], 9), &[0, 3, 1, 2])
+        .weight(random(F, &[20, 3, 2, 3], 10))
+        .weight(random(F, &[20], 11))
+        .check(TOL);
+    // 1-D pointwise convolution in bf16 (direct), depthwise multiplier 2
+    OpCase::new(conv(&[1], &[0], &[1], 1))
+        .input(random(BF, &[2, 6, 9], 12))
+        .weight(random(BF, &[4, 6, 1], 13))
+        .weight(random(BF, &[4], 14))
+        .check(BF_TOL);
+    OpCase::new(conv(&[1], &[2], &[1], 4))
+        .input(random(F, &[1, 4, 9], 15))
+        .weight(random(F, &[8, 1, 5], 16))
+        .absent()
+        .check(TOL);
+}
+
+#[test]
+fn max_pool_dilation_padding_and_ceil_mode() {
+    for ceil_mode in [false, true] {
+        let pool = |kernel: &[usize], stride: &[usize], padding: &[usize], dilation: &[usize]| {
+            Op::MaxPool {
+                kernel: kernel.to_vec(),
+                stride: stride.to_vec(),
+                padding: padding.to_vec(),
+                dilation: dilation.to_vec(),
+                ceil_mode,
+                with_indices: false,
+            }
+        };
+        OpCase::new(pool(&[3, 2], &[2, 1], &[1, 1], &[2, 1]))
+            .input(random(F, &[2, 3, 9, 8], 1))
+            .check(0.0);
+        OpCase::new(pool(&[3], &[2], &[1], &[1]))
+            .input_permuted(random(F, &[10, 3], 2), &[1, 0])
+            .check(0.0);
+        OpCase::new(pool(&[2, 2], &[2, 2], &[0, 0], &[1, 1]))
+            .input(random(BF, &[1, 2, 5, 7], 3))
+            .check(0.0);
+    }
+}
+
+#[test]
+fn avg_pool_divisor_rules() {
+    for ceil_mode in [false, true] {
+        for count_include_pad in [false, true] {
+            for divisor_override in [None, Some(5)] {
+                let pool = |kernel: &[usize], stride: &[usize], padding: &[usize]| Op::AvgPool {
+                    kernel: kernel.to_vec(),
+                    stride: stride.to_vec(),
+                    padding: padding.to_vec(),
+                    ceil_mode,
+                    count_include_pad,
+                    divisor_override,
+                };
+                OpCase::new(pool(&[3], &[2], &[1]))
+                    .input(random(F, &[3, 10], 1))
+                    .check(TOL);
+                OpCase::new(pool(&[3, 2], &[2, 2], &[1, 1]))
+                    .input(random(F, &[2, 2, 7, 9], 2))
+                    .check(TOL);
+            }
+        }
+    }
+}
+
+#[test]
+fn adaptive_avg_pool_windows() {
+    let cases: &[(&[usize], &[usize], DType)] = &[
+        (&[1, 2, 7, 5], &[3, 2], F),
+        (&[2, 3, 10], &[4], BF),
+        (&[2, 3, 6, 6], &[1, 1], F),
+        (&[1, 3, 5], &[7], F),
+    ];
+    for (i, &(shape, output_size, dtype)) in cases.iter().enumerate() {
+        let tol = if dtype == BF { BF_TOL } else { TOL };
+        OpCase::new(Op::AdaptiveAvgPool {
+            output_size: output_size.to_vec(),
+        })
+        .input(random(dtype, shape, i as u64))
+        .check(tol);
+    }
+}
