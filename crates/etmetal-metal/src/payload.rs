@@ -164,10 +164,17 @@ impl GpuRepr {
 /// multiple of 4, at least 4 so empty tensors still bind).
 pub fn gpu_bytes(dtype: DType, numel: usize) -> Result<u64> {
     let n = numel as u64;
-    let bytes = match GpuRepr::of(dtype)? {
-        GpuRepr::Packed16 => n.div_ceil(2) * 4,
-        _ => n * 4,
+    let words = match GpuRepr::of(dtype)? {
+        GpuRepr::Packed16 => n.div_ceil(2),
+        _ => n,
     };
+    // Checked: a payload's shape may be anything up to usize::MAX elements.
+    let bytes = words.checked_mul(4).ok_or_else(|| {
+        Error::limit(format!(
+            "{numel} {} elements take more than u64::MAX bytes on the GPU",
+            dtype.name()
+        ))
+    })?;
     Ok(bytes.max(4))
 }
 

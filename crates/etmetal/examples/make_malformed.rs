@@ -837,6 +837,12 @@ fn payload_cases(c: &mut Corpus) {
         "shape overflows",
     );
     c.add(
+        "payload/gpu_bytes_overflow.emtl",
+        json(&|v| v["buffers"][0]["shape"] = json!([1u64 << 62])),
+        "Limit",
+        "more than u64::MAX bytes",
+    );
+    c.add(
         "payload/binding_count.emtl",
         json(&|v| v["dispatches"][0]["buffers"] = json!([0, 1])),
         "Format",
