@@ -15,7 +15,8 @@ def pytest_addoption(parser):
         "--etmetal-format",
         choices=("pt2", "pte"),
         default="pt2",
-        help="run the .pt2 directly, or compile it to .pte (--backend cpu) first",
+        help="run the .pt2 directly, or compile it to .pte (--backend cpu) first "
+        "(test_gpu.py always compiles with --backend metal and runs on the GPU)",
     )
 
 
@@ -30,3 +31,8 @@ def etmetal(request) -> Runner:
             returncode=4,
         )
     return Runner(binary, request.config.getoption("--etmetal-format"))
+
+
+@pytest.fixture(scope="session")
+def etmetal_gpu(etmetal) -> Runner:
+    return Runner(etmetal.binary, "gpu")

@@ -39,10 +39,18 @@ def to_npy(t: torch.Tensor) -> np.ndarray:
     return (t.float() if t.dtype == torch.bfloat16 else t).contiguous().numpy()
 
 
+# How a run goes: the program file it runs, `compile` flags, `run --device`.
+FORMATS = {
+    "pt2": (None, "cpu"),  # the .pt2 interpreted on CPU kernels
+    "pte": (["--backend", "cpu"], "cpu"),  # compiled to portable kernels
+    "gpu": (["--backend", "metal"], "auto"),  # GPU partitions + CPU fallback
+}
+
+
 @dataclass
 class Runner:
     binary: Path
-    fmt: str  # "pt2" or "pte"
+    fmt: str  # a key of FORMATS
 
     def _exec(self, args: list[str]) -> subprocess.CompletedProcess:
         cmd = [str(self.binary), *args]
@@ -56,11 +64,14 @@ class Runner:
         `work`); read back every output_<i>.npy it writes."""
         work.mkdir(parents=True, exist_ok=True)
         program = pt2
-        if self.fmt == "pte":
+        compile_flags, device = FORMATS[self.fmt]
+        compiled = ""
+        if compile_flags is not None:
             program = pt2.with_suffix(".pte")
-            p = self._exec(["compile", str(pt2), "-o", str(program), "--backend", "cpu"])
+            p = self._exec(["compile", str(pt2), "-o", str(program), *compile_flags])
             if p.returncode != 0:
                 return Result(p.args, p.returncode, p.stdout, p.stderr, [])
+            compiled = p.stdout
         paths = []
         for i, t in enumerate(inputs):
             path = work / f"input_{i}.npy"
@@ -68,7 +79,7 @@ class Runner:
             paths.append(str(path))
         assert not any("," in p for p in paths), f"--inputs is comma-separated; bad work dir {work}"
         out_dir = work / "out"
-        args = ["run", str(program), "--output-dir", str(out_dir), "--device", "cpu"]
+        args = ["run", str(program), "--output-dir", str(out_dir), "--device", device]
         if paths:
             args[2:2] = ["--inputs", ",".join(paths)]
         p = self._exec(args)
@@ -76,4 +87,4 @@ class Runner:
         if p.returncode == 0:
             while (out_dir / f"output_{len(outputs)}.npy").exists():
                 outputs.append(np.load(out_dir / f"output_{len(outputs)}.npy"))
-        return Result(p.args, p.returncode, p.stdout, p.stderr, outputs)
+        return Result(p.args, p.returncode, compiled + p.stdout, p.stderr, outputs)
