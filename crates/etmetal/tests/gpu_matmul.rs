@@ -5,7 +5,7 @@
 mod common;
 
 use common::gpu::{random, OpCase};
-use etmetal_core::{DType, Op};
+use etmetal_core::{DType, Op, Tensor};
 
 const F: DType = DType::F32;
 const BF: DType = DType::BF16;
@@ -163,6 +163,11 @@ fn max_pool_dilation_padding_and_ceil_mode() {
             .check(0.0);
         OpCase::new(pool(&[2, 2], &[2, 2], &[0, 0], &[1, 1]))
             .input(random(BF, &[1, 2, 5, 7], 3))
+            .check(0.0);
+        // NaN wins its windows, as in PyTorch
+        let v = [1.0, f32::NAN, 3.0, 0.5, 2.0, 7.0, f32::NAN, -1.0, 4.0];
+        OpCase::new(pool(&[3], &[2], &[1], &[1]))
+            .input(Tensor::from_f32(F, &[1, 9], &v).unwrap())
             .check(0.0);
     }
 }

@@ -386,7 +386,13 @@ fn pool(lw: &mut Lowering, node: &Node, kind: Pool) -> Result<()> {
     }
     let mut kb = KernelBuilder::new(&lw.buffers);
     kb.value_fn(&x, "vx")?;
-    let mut s = entry(FLAT_WORKGROUP);
+    let mut s = String::new();
+    if let Pool::Max(_) = kind {
+        s.push_str(
+            "fn is_nan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }\n",
+        );
+    }
+    s.push_str(&entry(FLAT_WORKGROUP));
     let _ = writeln!(
         s,
         "  let e = {FLAT_GROUP} * {FLAT_WORKGROUP}u + lid;\n  if (e >= {total}u) {{ return; }}\n\
@@ -437,8 +443,9 @@ fn pool(lw: &mut Lowering, node: &Node, kind: Pool) -> Result<()> {
     let (init, body) = match &kind {
         Pool::Max(_) => (
             float_literal(f64::NEG_INFINITY),
-            // NaN wins and stays, as in PyTorch
-            "if (acc == acc && (v > acc || v != v)) { acc = v; }",
+            // NaN wins and stays, as in PyTorch; tested on the bits, as
+            // drivers may fold `v != v` to false
+            "if (!is_nan(acc) && (v > acc || is_nan(v))) { acc = v; }",
         ),
         _ => ("0.0".to_string(), "acc = acc + v;"),
     };
