@@ -94,8 +94,10 @@ enum Command {
         /// Where to write output_0.npy, output_1.npy, ...
         #[arg(long, default_value = ".")]
         output_dir: PathBuf,
-        /// Where a `.pte`'s GPU delegates run: `auto` picks Metal, then a
-        /// discrete GPU, then any adapter. Everything else runs on the cpu.
+        /// Where GPU work runs: `auto` picks Metal, then a discrete GPU, then
+        /// any adapter, and falls back to the cpu (with a warning) when there
+        /// is none. A `.pt2` is compiled in memory for the GPU first; `cpu`
+        /// interprets it. What the GPU does not take runs on the cpu.
         #[arg(long, value_enum, default_value = "auto", env = "ETMETAL_DEVICE")]
         device: Device,
         /// Execute N times after the warm-up runs and print latency figures.
@@ -116,6 +118,11 @@ macro_rules! say {
 }
 
 fn main() -> ExitCode {
+    // Mesa's Vulkan drivers print a line on stderr when XDG_RUNTIME_DIR is
+    // unset (a headless server); our errors are one line, so give them one.
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir());
+    }
     let cli = Cli::parse();
     let mut out = String::new();
     let result = match cli.command {
@@ -496,16 +503,24 @@ fn run(
     bench: Option<usize>,
     warmup: usize,
 ) -> Result<()> {
-    let gpu = gpu_backend(path, device)?;
+    let pte = etmetal::is_pte(path)?;
+    let delegated = if pte { gpu_delegates(path)? } else { 0 };
+    let gpu = gpu_backend(path, pte, delegated, device)?;
     let mut options = etmetal_runtime::LoadOptions::default();
     if let Some(backend) = &gpu {
         options.backends.register(backend.clone())?;
     }
-    let mut model = Model::load_with(path, options)?;
+    let mut model = match (&gpu, pte) {
+        // a .pt2 on a GPU: compiled in memory with the Metal backend first
+        (Some(_), false) => {
+            let graph = etmetal_graph::load_pt2(path)?;
+            let compiled = compile::compile(&graph, &CompileOptions::default(), &mut |_| {})
+                .map_err(|e| e.context(format!("compiling {}", path.display())))?;
+            Model::from_pte_bytes(&compiled.pte, options)?
+        }
+        _ => Model::load_with(path, options)?,
+    };
     let adapter = gpu.and_then(|b| b.device()).map(|d| d.description());
-    if let Some(adapter) = &adapter {
-        eprintln!("etmetal: GPU adapter: {adapter}");
-    }
     let inputs = load_inputs(&model, input_paths)?;
     let start = Instant::now();
     let outputs = model.execute(inputs.clone())?;
@@ -538,58 +553,75 @@ fn run(
     Ok(())
 }
 
-/// The GPU backend a `.pte`'s `EtMetalBackend` delegates run on, after
-/// checking `device` finds an adapter; `None` when nothing is delegated
-/// (the program runs on the CPU kernels whatever the device).
-fn gpu_backend(path: &Path, device: Device) -> Result<Option<Arc<MetalBackend>>> {
+/// How many `EtMetalBackend` delegates the `.pte` at `path` holds.
+fn gpu_delegates(path: &Path) -> Result<usize> {
+    let file = PteFile::load(path)?;
+    Ok(file
+        .program
+        .execution_plan
+        .iter()
+        .flat_map(|p| &p.delegates)
+        .filter(|d| d.id == etmetal_metal_runtime::BACKEND_ID)
+        .count())
+}
+
+/// The GPU backend a run uses, after checking `device` finds an adapter;
+/// `None` runs on the CPU kernels: a `.pte` with no GPU delegates, a `.pt2`
+/// with `--device cpu` or, with `auto`, no adapter (one warning line). A
+/// `.pt2` with a GPU is compiled in memory for it.
+fn gpu_backend(
+    path: &Path,
+    pte: bool,
+    delegated: usize,
+    device: Device,
+) -> Result<Option<Arc<MetalBackend>>> {
     let choice = match device {
-        Device::Auto | Device::Cpu => None,
-        Device::Metal => Some(DeviceChoice::Metal),
-        Device::Vulkan => Some(DeviceChoice::Vulkan),
-        Device::Dx12 => Some(DeviceChoice::Dx12),
+        Device::Cpu => return cpu_only(path, pte, delegated, "--device cpu was given"),
+        Device::Auto => DeviceChoice::Auto,
+        Device::Metal => DeviceChoice::Metal,
+        Device::Vulkan => DeviceChoice::Vulkan,
+        Device::Dx12 => DeviceChoice::Dx12,
     };
-    let pte = etmetal::is_pte(path)?;
-    let delegated = if pte {
-        let file = PteFile::load(path)?;
-        file.program
-            .execution_plan
-            .iter()
-            .flat_map(|p| &p.delegates)
-            .filter(|d| d.id == etmetal_metal_runtime::BACKEND_ID)
-            .count()
-    } else {
-        0
-    };
-    if delegated == 0 {
-        if let Some(choice) = choice {
-            let why = if pte {
-                "has no GPU delegates and runs"
-            } else {
-                "is a .pt2 archive, interpreted"
-            };
+    if pte && delegated == 0 {
+        if device != Device::Auto {
             eprintln!(
-                "etmetal: warning: {} {why} on the cpu (--device {} is not used)",
+                "etmetal: warning: {} has no GPU delegates and runs on the cpu (--device {} is not used)",
                 path.display(),
                 choice.name()
             );
         }
         return Ok(None);
     }
-    let needs_gpu = |why: String| {
-        Error::unsupported(format!(
-            "{} delegates {delegated} partition(s) to {}, which needs a GPU ({why}); \
-             compile with --backend cpu to run on the CPU",
-            path.display(),
-            etmetal_metal_runtime::BACKEND_ID
-        ))
-    };
-    let choice = match (device, choice) {
-        (Device::Cpu, _) => return Err(needs_gpu("--device cpu was given".into())),
-        (_, Some(choice)) => choice,
-        _ => DeviceChoice::Auto,
-    };
-    select_adapter(choice).map_err(|e| needs_gpu(e.message().to_string()))?;
-    Ok(Some(Arc::new(MetalBackend::new(choice))))
+    match select_adapter(choice) {
+        Ok(_) => Ok(Some(Arc::new(MetalBackend::new(choice)))),
+        Err(e) if device == Device::Auto => cpu_only(path, pte, delegated, e.message()),
+        Err(e) => Err(e),
+    }
+}
+
+/// No GPU for this run: fine for a `.pt2` (interpreted on the CPU, with a
+/// warning), an error for a `.pte` whose delegates need one.
+fn cpu_only(
+    path: &Path,
+    pte: bool,
+    delegated: usize,
+    why: &str,
+) -> Result<Option<Arc<MetalBackend>>> {
+    if !pte {
+        if !why.starts_with("--device cpu") {
+            eprintln!("etmetal: warning: no GPU ({why}); running on the cpu");
+        }
+        return Ok(None);
+    }
+    if delegated == 0 {
+        return Ok(None);
+    }
+    Err(Error::unsupported(format!(
+        "{} delegates {delegated} partition(s) to {}, which needs a GPU ({why}); \
+         compile with --backend cpu to run on the CPU",
+        path.display(),
+        etmetal_metal_runtime::BACKEND_ID
+    )))
 }
 
 fn bench_model(

@@ -60,6 +60,19 @@ impl Model {
         Ok(Model { program })
     }
 
+    /// A `.pte` program held in memory (method `forward`), e.g. one just
+    /// compiled from a `.pt2`.
+    pub fn from_pte_bytes(bytes: &[u8], options: etmetal_runtime::LoadOptions) -> Result<Model> {
+        let program = etmetal_runtime::Program::from_bytes(bytes)?.with_options(options);
+        let method = program.method("forward")?;
+        Ok(Model {
+            program: Program::Pte {
+                program,
+                method: Box::new(method),
+            },
+        })
+    }
+
     /// The graph of a `.pt2` program.
     pub fn graph(&self) -> Option<&Graph> {
         match &self.program {

@@ -138,27 +138,41 @@ fn bad_input_exits_2_with_one_line() {
 }
 
 #[test]
-fn gpu_device_for_a_pt2_warns_and_runs_on_the_cpu() {
+fn a_pt2_runs_on_the_gpu_or_where_asked() {
     let out = scratch("pt2-gpu");
     let model = fixture("mlp.pt2");
-    let res = etmetal(&[
-        "run",
-        model.to_str().unwrap(),
-        "--device",
-        "metal",
-        "--output-dir",
-        out.to_str().unwrap(),
-    ]);
+    let run = |device: &str| {
+        etmetal(&[
+            "run",
+            model.to_str().unwrap(),
+            "--device",
+            device,
+            "--inputs",
+            fixture("mlp.input_0.npy").to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+        ])
+    };
+    // compiled in memory for the adapter this machine has
+    let res = run("auto");
     let stderr = String::from_utf8_lossy(&res.stderr);
     assert!(res.status.success(), "{stderr}");
-    assert_eq!(
-        stderr.trim_end(),
-        format!(
-            "etmetal: warning: {} is a .pt2 archive, interpreted on the cpu (--device metal is not used)",
-            model.display()
-        )
-    );
+    assert!(String::from_utf8_lossy(&res.stdout).contains("ran on gpu"));
+    assert!(worst_error(&out.join("output_0.npy"), "mlp.output_0.npy") < 1e-5);
+    let res = run("cpu");
+    assert!(res.status.success());
     assert!(String::from_utf8_lossy(&res.stdout).contains("ran on cpu in"));
+    assert!(
+        res.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    // an adapter kind this machine does not have is an error, not a fallback
+    let res = run("metal");
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(2), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("metal"), "{stderr}");
 }
 
 #[test]
