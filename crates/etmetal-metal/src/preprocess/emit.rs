@@ -20,8 +20,6 @@ pub(crate) struct KernelBuilder<'a> {
     /// Buffers in binding order.
     pub bindings: Vec<BufferIdx>,
     functions: String,
-    /// Helpers included whether or not the generated text names them.
-    helpers: Vec<&'static str>,
     /// Pointwise ops inlined from lazy values, for the kernel's op list.
     fused: Vec<String>,
 }
@@ -57,7 +55,6 @@ impl<'a> KernelBuilder<'a> {
             buffers,
             bindings: vec![],
             functions: String::new(),
-            helpers: vec![],
             fused: vec![],
         }
     }
@@ -70,14 +67,6 @@ impl<'a> KernelBuilder<'a> {
                 self.bindings.push(buf);
                 self.bindings.len() - 1
             }
-        }
-    }
-
-    /// Include helper `name` of [`pointwise::HELPERS`] (those the
-    /// generated text calls are included anyway).
-    pub fn uses(&mut self, helper: &'static str) {
-        if !self.helpers.contains(&helper) {
-            self.helpers.push(helper);
         }
     }
 
@@ -420,7 +409,7 @@ impl<'a> KernelBuilder<'a> {
         let mut text = format!("{}{main}", self.functions);
         let mut included = vec![];
         for (name, code) in pointwise::HELPERS.iter().rev() {
-            if self.helpers.contains(name) || text.contains(&format!("{name}(")) {
+            if text.contains(&format!("{name}(")) {
                 text.push_str(code);
                 included.push(*code);
             }

@@ -170,13 +170,9 @@ pub fn preprocess(
     partition: &Partition,
     options: &PreprocessOptions,
 ) -> Result<Preprocessed> {
-    if let Some((buffer, _)) = partition.mutated_buffers.first() {
-        return Err(Error::unsupported(format!(
-            "partition {}: buffer `{}` is mutated; state on the GPU is not compiled yet",
-            partition.id,
-            graph.value(*buffer).name
-        )));
-    }
+    // A mutated buffer is an input of the partition and its new value an
+    // output (the partitioner never takes it as a weight): the method keeps
+    // the state and writes it back after the chain.
     let mut lw = Lowering::new(graph, partition, options)?;
     for &n in &partition.nodes {
         let node = graph
@@ -213,8 +209,6 @@ pub(crate) struct Lowering<'g> {
     current: String,
 }
 
-// Until every template is written, some accessors have no caller.
-#[allow(dead_code)]
 impl<'g> Lowering<'g> {
     fn new(
         graph: &'g Graph,

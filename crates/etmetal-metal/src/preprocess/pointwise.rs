@@ -161,8 +161,8 @@ pub(crate) fn cast(x: &str, from: DType, to: DType) -> String {
     };
     // narrow integer dtypes wrap like PyTorch's casts
     match to {
-        DType::U8 => format!("({v} & 255i)"),
-        DType::I8 => format!("((({v} & 255i) ^ 128i) - 128i)"),
+        DType::U8 => format!("(({v}) & 255i)"),
+        DType::I8 => format!("(((({v}) & 255i) ^ 128i) - 128i)"),
         _ => round_to(v, to),
     }
 }

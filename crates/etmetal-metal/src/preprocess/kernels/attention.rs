@@ -11,10 +11,9 @@ use etmetal_core::shape::broadcast_shapes;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
-use super::norm::cast_to;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::LazyRef;
-use crate::preprocess::pointwise::float_literal;
+use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::Lowering;
 
 /// Keys per tile, one per invocation of the workgroup.
@@ -216,9 +215,8 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
          \x20 if (lid < {bq}u) {{ alpha[lid] = select(0.0, 1.0 / l, l > 0.0); }}\n\
          \x20 workgroupBarrier();\n"
     ));
-    let y = cast_to(
-        &mut kb,
-        &format!("acc[r * {cp}u + ci] * alpha[r]"),
+    let y = cast(
+        &format!("(acc[r * {cp}u + ci] * alpha[r])"),
         DType::F32,
         out_dtype,
     );

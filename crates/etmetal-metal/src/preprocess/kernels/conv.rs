@@ -11,13 +11,13 @@
 
 use std::fmt::Write;
 
-use etmetal_core::{Error, Op, Result};
+use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
-use super::matmul::{reshaped, to_dtype, Gemm};
+use super::matmul::{reshaped, Gemm};
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::LazyRef;
-use crate::preprocess::pointwise::float_literal;
+use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::Lowering;
 
 pub(super) fn takes(op: &Op) -> bool {
@@ -232,7 +232,7 @@ fn convolution(
                 kb.value_fn(b, "vbias")?;
                 value = "v + vbias(co)".into();
             }
-            let value = to_dtype(kb, &value, out_dtype);
+            let value = cast(&format!("({value})"), DType::F32, out_dtype);
             let store = kb.store(out, "e", &value)?;
             let _ = writeln!(
                 s,
@@ -278,7 +278,7 @@ fn convolution(
         kb.value_fn(b, "vbias")?;
         value = "acc + vbias(co)".into();
     }
-    let value = to_dtype(&mut kb, &value, out_dtype);
+    let value = cast(&format!("({value})"), DType::F32, out_dtype);
     let store = kb.store(out, "e", &value)?;
     let _ = writeln!(s, "  {store}\n}}");
     let built = kb.finish(&s);
@@ -496,7 +496,7 @@ fn pool(lw: &mut Lowering, node: &Node, kind: Pool) -> Result<()> {
             format!("acc / f32({})", terms.join(" * "))
         }
     };
-    let value = to_dtype(&mut kb, &result, out_dtype);
+    let value = cast(&format!("({result})"), DType::F32, out_dtype);
     let store = kb.store(out, "e", &value)?;
     let _ = writeln!(s, "  {store}\n}}");
     let built = kb.finish(&s);

@@ -180,7 +180,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             };
         }
         let e = linear(&["bt".into(), "r".into(), "c".into()], &[gemm.batch, m, n]);
-        let value = to_dtype(kb, &value, out_dtype);
+        let value = cast(&format!("({value})"), DType::F32, out_dtype);
         let store = kb.store(out, "e", &value)?;
         let _ = writeln!(
             fns,
@@ -188,17 +188,6 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         );
         Ok(fns)
     })
-}
-
-/// The f32 expression `v` as a value of `dtype` (rounded to 16-bit floats
-/// where PyTorch stores them), with the helper that rounding calls.
-pub(super) fn to_dtype(kb: &mut KernelBuilder, v: &str, dtype: DType) -> String {
-    match dtype {
-        DType::BF16 => kb.uses("rbf16"),
-        DType::F16 => kb.uses("rf16"),
-        _ => {}
-    }
-    cast(&format!("({v})"), DType::F32, dtype)
 }
 
 /// `x` with the same elements in row-major order under `shape` (a load of

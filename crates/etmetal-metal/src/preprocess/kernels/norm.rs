@@ -221,7 +221,7 @@ fn row_norm(lw: &mut Lowering, node: &Node, n: RowNorm) -> Result<()> {
         float_literal(n.eps)
     ));
     let at = format!("row * {cols}u + c");
-    let y = cast_to(&mut kb, &y, DType::F32, out_dtype);
+    let y = cast(&y, DType::F32, out_dtype);
     let store = kb.store(out, &at, &y)?;
     main.push_str(&col_loop(
         cols,
@@ -237,17 +237,6 @@ fn row_norm(lw: &mut Lowering, node: &Node, n: RowNorm) -> Result<()> {
         workgroups,
         ROW_WORKGROUP * 4,
     )
-}
-
-/// `x` (computed as `from`) cast to `to`, with the rounding helper the
-/// cast calls added to the kernel.
-pub(super) fn cast_to(kb: &mut KernelBuilder, x: &str, from: DType, to: DType) -> String {
-    match to {
-        DType::BF16 => kb.uses("rbf16"),
-        DType::F16 => kb.uses("rf16"),
-        _ => {}
-    }
-    cast(x, from, to)
 }
 
 /// `(x - mean[c]) / sqrt(var[c] + eps) * weight[c] + bias[c]` as a lazy

@@ -12,7 +12,6 @@ use etmetal_core::shape::broadcast_shapes;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
-use super::norm::cast_to;
 use super::rows::{as_rows, row_head, ROW_WORKGROUP};
 use crate::preprocess::emit::{
     entry, grid, linear, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP,
@@ -107,8 +106,7 @@ fn topk(lw: &mut Lowering, node: &Node, k: usize, dim: usize, largest: bool) -> 
     );
     main.push_str(&entry(ROW_WORKGROUP));
     main.push_str(&row_head(rows));
-    let value = cast_to(
-        &mut kb,
+    let value = cast(
         &cast("x(row, pj)", x.dtype, vdtype),
         vdtype,
         lw.buffers.list[values].dtype,
@@ -163,7 +161,7 @@ fn cumsum(lw: &mut Lowering, node: &Node, dim: usize) -> Result<()> {
     let mut kb = KernelBuilder::new(&lw.buffers);
     kb.value_fn(&rows_x, "x")?;
     let read = cast("x(row, c)", x.dtype, acc_dtype);
-    let y = cast_to(&mut kb, "run", acc_dtype, out_dtype);
+    let y = cast("run", acc_dtype, out_dtype);
     let store = kb.store(out, "at", &y)?;
     let seg = cols.div_ceil(ROW_WORKGROUP as usize).max(1);
     let mut main = format!("var<workgroup> sh: array<{acc}, {ROW_WORKGROUP}>;\n");
