@@ -6,6 +6,7 @@ pub mod infer;
 pub mod ir;
 pub mod plan;
 pub mod portable;
+pub mod precision;
 pub mod pt2;
 mod rewrite;
 
