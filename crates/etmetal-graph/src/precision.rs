@@ -75,7 +75,7 @@ mod tests {
         assert_eq!(g.value(x).dtype, DType::BF16);
         assert_eq!(g.value(idx).dtype, DType::I64);
         assert_eq!(g.constants[&w].dtype(), DType::BF16);
-        assert_eq!(g.constants[&w].to_f32_vec(), [0.100_097_66, 2.0]);
+        assert_eq!(g.constants[&w].to_f32_vec(), [0.100_097_656, 2.0]);
         assert!(matches!(
             g.nodes[0].op,
             Op::Full {
