@@ -25,6 +25,13 @@ pub trait DelegateHandle: Send {
     /// lists them). Output tensors are replaced in `args`; the method copies
     /// them back into its planned memory (their dtype and shape must stay).
     fn execute(&mut self, args: &mut [DelegateArg]) -> Result<()>;
+
+    /// Put any state the delegate keeps across executes (device-resident
+    /// mutable buffers) back to its initial value; stateless delegates
+    /// have nothing to do.
+    fn reset_state(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The program's named data (weights a delegate payload refers to by key).

@@ -268,6 +268,21 @@ impl Method {
         self.values.arena_bytes()
     }
 
+    /// Put every mutable buffer (a KV cache, a step counter) back to the
+    /// initial value the file stores, as a freshly loaded method has it;
+    /// state otherwise carries from one [`Method::execute`] to the next.
+    pub fn reset_state(&mut self) -> Result<()> {
+        self.values.reset_state()?;
+        for step in &mut self.steps {
+            if let Step::Delegate { id, handle, .. } = step {
+                handle
+                    .reset_state()
+                    .map_err(|e| e.context(format!("resetting delegate `{id}`")))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Run the method. Inputs must match [`Method::input_specs`] in count,
     /// dtype and shape; float32 given for a bfloat16 input is rounded.
     pub fn execute(&mut self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>> {

@@ -29,6 +29,40 @@ pub(crate) struct Values {
     slots: Vec<Slot>,
     /// Indexed by `memory_id`; entry 0 (ExecuTorch's constant placeholder) is empty.
     arenas: Vec<Vec<u8>>,
+    /// Planned tensors with an initial value (mutable buffers: state kept
+    /// in the arena across executes), written at load and by [`Values::reset_state`].
+    initial: Vec<(usize, Tensor)>,
+}
+
+/// The initial value of a planned tensor with data: offset `data_buffer_idx`
+/// of mutable data segment `mutable_data_segments_idx` (the verifier
+/// checked both are in range).
+fn mutable_initial(file: &PteFile, t: &etmetal_pte::Tensor, what: &str) -> Result<Tensor> {
+    let m = t
+        .extra_tensor_info
+        .as_ref()
+        .map_or(0, |e| e.mutable_data_segments_idx);
+    let seg = usize::try_from(m)
+        .ok()
+        .and_then(|m| file.program.mutable_data_segments.get(m))
+        .ok_or_else(|| Error::format(format!("{what}: mutable data segment {m} does not exist")))?;
+    let offset = seg
+        .offsets
+        .get(t.data_buffer_idx as usize)
+        .and_then(|&o| usize::try_from(o).ok())
+        .ok_or_else(|| {
+            Error::format(format!(
+                "{what}: mutable data offset {} does not exist",
+                t.data_buffer_idx
+            ))
+        })?;
+    let nbytes = etmetal_pte::verify::tensor_nbytes(t, what)? as usize;
+    let bytes = file
+        .segment(seg.segment_index as usize)?
+        .get(offset..offset.saturating_add(nbytes))
+        .ok_or_else(|| Error::format(format!("{what}: initial value outside its segment")))?;
+    let shape: Vec<usize> = t.sizes.iter().map(|&s| s.max(0) as usize).collect();
+    Tensor::from_bytes(t.scalar_type, &shape, bytes)
 }
 
 /// Allocate zeroed memory without aborting when the system refuses.
@@ -97,7 +131,29 @@ impl Values {
             .enumerate()
             .map(|(v, value)| Values::slot(file, plan, v, value, max_arena_bytes))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Values { slots, arenas })
+        let mut initial = vec![];
+        for (v, value) in p.values.iter().enumerate() {
+            if let EValue::Tensor(t) = value {
+                if t.allocation_info.is_some() && t.data_buffer_idx > 0 {
+                    initial.push((v, mutable_initial(file, t, &format!("value {v}"))?));
+                }
+            }
+        }
+        let mut values = Values {
+            slots,
+            arenas,
+            initial,
+        };
+        values.reset_state()?;
+        Ok(values)
+    }
+
+    /// Write every mutable buffer's initial value back.
+    pub fn reset_state(&mut self) -> Result<()> {
+        let initial = std::mem::take(&mut self.initial);
+        let done = initial.iter().try_for_each(|(v, t)| self.write(*v, t));
+        self.initial = initial;
+        done
     }
 
     /// `max_bytes` bounds an unplanned tensor, allocated when it is given
@@ -148,13 +204,8 @@ impl Values {
                 Place::Unplanned(None)
             }
             (None, _) => Place::Constant(file.constant_tensor(plan, v)?),
-            (Some(_), idx) if idx > 0 => {
-                return Err(Error::unsupported(format!(
-                    "{}: mutable buffer with initial data",
-                    at()
-                )))
-            }
-            // The reader checked memory_id and that the bytes fit the buffer.
+            // The reader checked memory_id and that the bytes fit the buffer;
+            // an initial value (data_buffer_idx > 0) is written by `new`.
             (Some(a), _) => Place::Arena {
                 memory: a.memory_id as usize,
                 offset: a.memory_offset() as usize,

@@ -169,6 +169,17 @@ struct DelegateData {
 
 fn write_program(g: &Graph, delegates: Vec<DelegateData>) -> Result<Vec<u8>> {
     let mut g = g.clone();
+    // Mutated buffers are planned, not constant, and live to the end of the
+    // chain, where their new value is copied in.
+    let mutated = mutated_buffers(&g)?;
+    let mut initial = HashMap::new();
+    for &(buffer, _) in &mutated {
+        if let Some(t) = g.constants.remove(&buffer) {
+            initial.insert(buffer, t);
+        }
+        let fqn = g.value(buffer).name.clone();
+        g.outputs.push((buffer, OutputKind::BufferMutation { fqn }));
+    }
     // Kernels that write more than the op (norm statistics, pool indices)
     // get scratch tensors, planned like any value but dead after the call.
     let mut kernel_outs: Vec<Vec<ValueId>> = Vec::with_capacity(g.nodes.len());
@@ -190,9 +201,11 @@ fn write_program(g: &Graph, delegates: Vec<DelegateData>) -> Result<Vec<u8>> {
     let mut b = PlanBuilder {
         graph: &g,
         plan: &plan,
+        initial: &initial,
         values: vec![],
         ids: HashMap::new(),
         constants: vec![],
+        mutable: vec![],
     };
     let inputs: Vec<i32> = g
         .user_inputs()
@@ -249,6 +262,25 @@ fn write_program(g: &Graph, delegates: Vec<DelegateData>) -> Result<Vec<u8>> {
             args,
         }));
     }
+    for &(buffer, new) in &mutated {
+        let op = Operator {
+            name: "aten::copy_".into(),
+            overload: String::new(),
+        };
+        let op_index = match operators.iter().position(|o| *o == op) {
+            Some(i) => i,
+            None => {
+                operators.push(op);
+                operators.len() - 1
+            }
+        };
+        let (dst, src) = (b.tensor(buffer)?, b.tensor(new)?);
+        let non_blocking = b.push(EValue::Bool(false));
+        instructions.push(Instruction::KernelCall(KernelCall {
+            op_index: op_index as i32,
+            args: vec![dst, src, non_blocking, dst],
+        }));
+    }
     let outputs: Vec<i32> = g
         .user_outputs()
         .map(|v| b.tensor(v))
@@ -258,6 +290,16 @@ fn write_program(g: &Graph, delegates: Vec<DelegateData>) -> Result<Vec<u8>> {
     let (data, offsets) = etmetal_pte::constant_segment(&buffers);
     let arena = i64::try_from(plan.size).map_err(|_| Error::limit("arena over i64 bytes"))?;
     let mut segments = vec![Segment::new(data)];
+    let mut mutable_data_segments = vec![];
+    if !b.mutable.is_empty() {
+        let states: Vec<&[u8]> = b.mutable.iter().map(|v| initial[v].bytes()).collect();
+        let (data, offsets) = etmetal_pte::constant_segment(&states);
+        mutable_data_segments.push(SubsegmentOffsets {
+            segment_index: segments.len() as u32,
+            offsets,
+        });
+        segments.push(Segment::new(data));
+    }
     let mut backend_delegates = vec![];
     let mut named = vec![];
     for DelegateData {
@@ -300,6 +342,7 @@ fn write_program(g: &Graph, delegates: Vec<DelegateData>) -> Result<Vec<u8>> {
             segment_index: 0,
             offsets,
         }),
+        mutable_data_segments,
         ..Program::default()
     };
     for (key, bytes) in named {
@@ -321,17 +364,18 @@ fn write_program(g: &Graph, delegates: Vec<DelegateData>) -> Result<Vec<u8>> {
 /// pages) so a runtime can map it without copying.
 const WEIGHT_ALIGNMENT: u64 = 16 << 10;
 
-/// What the `.pte` cannot express: mutated buffers and inputs, parameters
-/// without data.
+/// What the `.pte` cannot express: mutated user inputs, mutated buffers
+/// without an initial value, parameters without data.
 fn check_signature(g: &Graph) -> Result<()> {
     for (v, kind) in &g.outputs {
-        if *kind != OutputKind::User {
+        if let OutputKind::UserInputMutation { input_name } = kind {
             return Err(Error::unsupported(format!(
-                "output `{}` is a {kind:?}: state mutation is not compiled to .pte yet",
+                "output `{}` mutates user input `{input_name}`: only buffers keep state in a .pte",
                 g.value(*v).name
             )));
         }
     }
+    mutated_buffers(g)?;
     for (v, kind) in &g.inputs {
         if *kind != InputKind::User && !g.constants.contains_key(v) {
             return Err(Error::invalid_input(format!(
@@ -341,6 +385,51 @@ fn check_signature(g: &Graph) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `(buffer, new value)` of each buffer mutation of `g`'s signature.
+///
+/// ExecuTorch's encoding, which the `.pte` follows (checked against EXIR
+/// 1.5.1 `to_executorch()` with `InitializedMutableBufferPass`): the buffer
+/// is a planned tensor (`allocation_info`, alive for the whole method, so
+/// its bytes persist across executes) that also names its initial value
+/// (`data_buffer_idx > 0`: an offset of `mutable_data_segments[0]`, a
+/// segment of its own laid out like the constant segment, copied into the
+/// arena at method load), and the chain ends with one `aten::copy_` (overload "",
+/// args `self, src, non_blocking, out=self`) per buffer writing the new
+/// value back. Without that pass EXIR leaves `data_buffer_idx` 0 (initial
+/// state meaningless); etmetal always keeps the initial value.
+fn mutated_buffers(g: &Graph) -> Result<Vec<(ValueId, ValueId)>> {
+    let mut out = vec![];
+    for (new, kind) in &g.outputs {
+        let OutputKind::BufferMutation { fqn } = kind else {
+            continue;
+        };
+        let buffer = g
+            .inputs
+            .iter()
+            .find_map(|(v, k)| match k {
+                InputKind::Buffer { fqn: f, .. } if f == fqn => Some(*v),
+                _ => None,
+            })
+            .ok_or_else(|| {
+                Error::invalid_input(format!("buffer `{fqn}` is mutated but not an input"))
+            })?;
+        if !g.constants.contains_key(&buffer) {
+            return Err(Error::invalid_input(format!(
+                "mutated buffer `{fqn}` has no initial value"
+            )));
+        }
+        let (b, n) = (g.value(buffer), g.value(*new));
+        if (b.dtype, &b.shape) != (n.dtype, &n.shape) {
+            return Err(Error::shape(format!(
+                "buffer `{fqn}` is {} {:?}, its new value {} {:?}",
+                b.dtype, b.shape, n.dtype, n.shape
+            )));
+        }
+        out.push((buffer, *new));
+    }
+    Ok(out)
 }
 
 /// Dtype and shape of the tensors node `i`'s kernel writes beyond the node's outputs.
@@ -393,10 +482,14 @@ fn scratch_metas(g: &Graph, i: usize) -> Result<Vec<TensorMeta>> {
 struct PlanBuilder<'a> {
     graph: &'a Graph,
     plan: &'a etmetal_graph::plan::MemoryPlan,
+    /// Initial values of mutated buffers (planned tensors with constant data).
+    initial: &'a HashMap<ValueId, etmetal_core::Tensor>,
     values: Vec<EValue>,
     ids: HashMap<ValueId, i32>,
     /// Constant values in constant-segment order (`data_buffer_idx` - 1).
     constants: Vec<ValueId>,
+    /// Mutated buffers in mutable-segment order (`data_buffer_idx` - 1).
+    mutable: Vec<ValueId>,
 }
 
 impl PlanBuilder<'_> {
@@ -438,7 +531,13 @@ impl PlanBuilder<'_> {
                 memory_offset_low: offset as u32,
                 memory_offset_high: (offset >> 32) as u32,
             };
-            (0, Some(details))
+            let data = if self.initial.contains_key(&v) {
+                self.mutable.push(v);
+                self.mutable.len() as u32
+            } else {
+                0
+            };
+            (data, Some(details))
         };
         let t = PteTensor {
             scalar_type: info.dtype,
@@ -600,13 +699,20 @@ mod tests {
     }
 
     #[test]
-    fn state_mutation_is_refused() {
+    fn input_mutation_and_buffer_without_data_are_refused() {
         let mut g = Graph::default();
         let x = g.add_value("x", DType::F32, vec![2]);
         g.inputs.push((x, InputKind::User));
-        g.outputs
-            .push((x, OutputKind::BufferMutation { fqn: "b".into() }));
+        g.outputs.push((
+            x,
+            OutputKind::UserInputMutation {
+                input_name: "x".into(),
+            },
+        ));
         let e = compile_cpu(&g).unwrap_err().to_string();
-        assert!(e.contains("mutation"), "{e}");
+        assert!(e.contains("mutates user input"), "{e}");
+        g.outputs[0].1 = OutputKind::BufferMutation { fqn: "b".into() };
+        let e = compile_cpu(&g).unwrap_err().to_string();
+        assert!(e.contains("not an input"), "{e}");
     }
 }

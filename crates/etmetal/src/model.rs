@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use etmetal_core::{check_inputs, Error, Result, Tensor, TensorSpec};
-use etmetal_graph::{Graph, OutputKind};
+use etmetal_graph::{Graph, InputKind, OutputKind, ValueId};
 use etmetal_pte::PteFile;
 
 enum Program {
@@ -19,6 +19,9 @@ enum Program {
 /// A program ready to run on the CPU.
 pub struct Model {
     program: Program,
+    /// A `.pt2`'s mutated buffers and their initial values: the graph's
+    /// constant holds the current state, replaced after each execute.
+    graph_state: Vec<(ValueId, Tensor)>,
 }
 
 /// Whether `path` holds an ExecuTorch program (`ET??` at bytes 4..8; the
@@ -57,7 +60,17 @@ impl Model {
             etmetal_graph::eliminate_dead_code(&mut graph);
             Program::Graph(graph)
         };
-        Ok(Model { program })
+        let graph_state = match &program {
+            Program::Graph(g) => mutated_buffers(g)
+                .into_iter()
+                .filter_map(|(b, _)| g.constants.get(&b).map(|t| (b, t.clone())))
+                .collect(),
+            Program::Pte { .. } => vec![],
+        };
+        Ok(Model {
+            program,
+            graph_state,
+        })
     }
 
     /// A `.pte` program held in memory (method `forward`), e.g. one just
@@ -70,6 +83,7 @@ impl Model {
                 program,
                 method: Box::new(method),
             },
+            graph_state: vec![],
         })
     }
 
@@ -108,16 +122,55 @@ impl Model {
             Program::Graph(graph) => {
                 let inputs = check_inputs(&graph_inputs(graph), inputs)?;
                 let all = crate::eval::run_graph(graph, inputs)?;
-                Ok(all
-                    .into_iter()
-                    .zip(&graph.outputs)
-                    .filter(|(_, (_, kind))| *kind == OutputKind::User)
-                    .map(|(t, _)| t)
-                    .collect())
+                let mutated = mutated_buffers(graph);
+                let mut user = vec![];
+                for (t, (v, kind)) in all.into_iter().zip(graph.outputs.clone()) {
+                    match kind {
+                        OutputKind::User => user.push(t),
+                        OutputKind::BufferMutation { .. } => {
+                            if let Some((b, _)) = mutated.iter().find(|(_, new)| *new == v) {
+                                graph.constants.insert(*b, t);
+                            }
+                        }
+                        OutputKind::UserInputMutation { .. } => {}
+                    }
+                }
+                Ok(user)
             }
             Program::Pte { method, .. } => method.execute(inputs),
         }
     }
+
+    /// Put every mutated buffer (KV caches, counters) back to its initial
+    /// value; otherwise state carries from one [`Model::execute`] to the next.
+    pub fn reset_state(&mut self) -> Result<()> {
+        match &mut self.program {
+            Program::Graph(graph) => {
+                for (b, t) in &self.graph_state {
+                    graph.constants.insert(*b, t.clone());
+                }
+                Ok(())
+            }
+            Program::Pte { method, .. } => method.reset_state(),
+        }
+    }
+}
+
+/// `(buffer input, new value output)` of each buffer mutation of `graph`.
+fn mutated_buffers(graph: &Graph) -> Vec<(ValueId, ValueId)> {
+    graph
+        .outputs
+        .iter()
+        .filter_map(|(new, kind)| {
+            let OutputKind::BufferMutation { fqn } = kind else {
+                return None;
+            };
+            graph.inputs.iter().find_map(|(v, k)| match k {
+                InputKind::Buffer { fqn: f, .. } if f == fqn => Some((*v, *new)),
+                _ => None,
+            })
+        })
+        .collect()
 }
 
 fn graph_inputs(graph: &Graph) -> Vec<TensorSpec> {

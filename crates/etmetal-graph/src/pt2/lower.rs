@@ -1129,6 +1129,95 @@ impl<'m> Lowerer<'m> {
                 }
                 self.finish(c, Op::Cat { dim }, unsqueezed)
             }
+            // The functional forms of buffer updates (what `run_decompositions`
+            // makes of `copy_`, slice assignment, `index_copy_`, `index_put_`),
+            // as selects and `where`: ops every backend has.
+            ("copy", "default") => {
+                let x = self.t(c, "self")?;
+                let src = self.t(c, "src")?;
+                let v = self.broadcast_to(c, src, &self.shape(x), self.dtype(x))?;
+                self.finish(c, Op::Identity, vec![Some(v)])
+            }
+            ("slice_scatter", "default") => {
+                let x = self.t(c, "self")?;
+                let src = self.t(c, "src")?;
+                let shape = self.shape(x);
+                let (dim, n) = self.sized_dim(c, "dim", 0, &shape)?;
+                let step = usize::try_from(a.int("step", 1)?)
+                    .ok()
+                    .filter(|&s| s > 0)
+                    .ok_or_else(|| Error::format("slice_scatter step must be positive"))?;
+                let (start, end) = Self::clamp_range(a.opt_int("start")?, a.opt_int("end")?, n);
+                // position j of the dim takes source row (j - start) / step
+                let rows: Vec<i64> = (0..n)
+                    .map(|j| (j.saturating_sub(start) / step) as i64)
+                    .collect();
+                let hit: Vec<i64> = (0..n)
+                    .map(|j| i64::from(j >= start && j < end && (j - start) % step == 0))
+                    .collect();
+                let rows = Tensor::from_i64(DType::I64, &[n], &rows)?;
+                let rows = self.graph.add_constant(format!("{}.rows", c.name), rows);
+                let mut mask_shape = vec![1; shape.len()];
+                mask_shape[dim] = n;
+                let mask = Tensor::from_i64(DType::Bool, &mask_shape, &hit)?;
+                let mask = self.graph.add_constant(format!("{}.mask", c.name), mask);
+                let src = self.cast_to(c, src, self.dtype(x))?;
+                let placed = self.emit1(c, Op::IndexSelect { dim }, vec![Some(src), Some(rows)])?;
+                self.finish(c, Op::Where, vec![Some(mask), Some(placed), Some(x)])
+            }
+            ("index_copy", "default") => {
+                let x = self.t(c, "self")?;
+                let dim = self.dim(c, "dim", 0, self.rank(x))?;
+                let index = self.t(c, "index")?;
+                let source = self.t(c, "source")?;
+                self.scatter_rows(c, x, dim, index, source)
+            }
+            ("index_put", "default") => {
+                if a.bool("accumulate", false)? {
+                    return Err(Error::unsupported("index_put with accumulate=True"));
+                }
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let names = a.tensor_names("indices")?;
+                let mut given = names
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(d, n)| n.map(|n| (d, n)));
+                let (dim, index) = match (given.next(), given.next()) {
+                    (Some((d, n)), None) if d < shape.len() => (d, self.lookup(n)?),
+                    _ => {
+                        return Err(Error::unsupported(
+                            "index_put with other than one index tensor",
+                        ))
+                    }
+                };
+                if self.rank(index) > 1 || self.dtype(index) == DType::Bool {
+                    return Err(Error::unsupported(
+                        "index_put with a boolean or multi-dimensional index",
+                    ));
+                }
+                // negative indices count from the end
+                let n = self.constant(c, "n", Scalar::Int(shape[dim] as i64), self.dtype(index))?;
+                let index = self.emit1(
+                    c,
+                    Op::Binary(BinaryOp::Remainder),
+                    vec![Some(index), Some(n)],
+                )?;
+                let k = self.shape(index).first().copied().unwrap_or(1);
+                let mut rows_shape = shape.clone();
+                rows_shape[dim] = k;
+                let values = self.t(c, "values")?;
+                let values = if self.rank(index) == 0 {
+                    // a 0-d index drops the dim: broadcast without it, then put it back
+                    let mut dropped = shape.clone();
+                    dropped.remove(dim);
+                    let v = self.broadcast_to(c, values, &dropped, self.dtype(x))?;
+                    self.emit1(c, Op::Reshape { shape: rows_shape }, vec![Some(v)])?
+                } else {
+                    self.broadcast_to(c, values, &rows_shape, self.dtype(x))?
+                };
+                self.scatter_rows(c, x, dim, index, values)
+            }
             ("index_select", "default") => {
                 let x = self.t(c, "self")?;
                 let dim = self.dim(c, "dim", 0, self.rank(x))?;
@@ -1269,6 +1358,92 @@ impl<'m> Lowerer<'m> {
             }
             _ => Err(unknown()),
         }
+    }
+
+    /// `v` as `dtype` (no node when it already is).
+    fn cast_to(&mut self, c: &Ctx, v: ValueId, dtype: DType) -> Result<ValueId> {
+        if self.dtype(v) == dtype {
+            return Ok(v);
+        }
+        self.emit1(c, Op::Cast { dtype }, vec![Some(v)])
+    }
+
+    /// `v` broadcast to `shape` and cast to `dtype`.
+    fn broadcast_to(
+        &mut self,
+        c: &Ctx,
+        v: ValueId,
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<ValueId> {
+        let v = self.cast_to(c, v, dtype)?;
+        if self.shape(v) == shape {
+            return Ok(v);
+        }
+        let shape = shape.to_vec();
+        self.emit1(c, Op::Expand { shape }, vec![Some(v)])
+    }
+
+    /// `x` with row `index[m]` of dim `dim` replaced by row `m` of `rows`
+    /// (`index_copy`): a one-hot match of each position against the index,
+    /// the matching row gathered, `where` the position was named.
+    fn scatter_rows(
+        &mut self,
+        c: &Ctx,
+        x: ValueId,
+        dim: usize,
+        index: ValueId,
+        rows: ValueId,
+    ) -> Result<()> {
+        let shape = self.shape(x);
+        let n = shape[dim];
+        let k = self.shape(index).first().copied().unwrap_or(1);
+        if self.rank(index) > 1 || self.shape(rows).get(dim) != Some(&k) {
+            return Err(Error::shape(format!(
+                "index {:?} and source {:?} for dim {dim} of {shape:?}",
+                self.shape(index),
+                self.shape(rows)
+            )));
+        }
+        let rows = self.cast_to(c, rows, self.dtype(x))?;
+        let index = self.cast_to(c, index, DType::I64)?;
+        let index = self.emit1(c, Op::Reshape { shape: vec![k, 1] }, vec![Some(index)])?;
+        let positions = (0..n as i64).collect::<Vec<_>>();
+        let positions = Tensor::from_i64(DType::I64, &[1, n], &positions)?;
+        let positions = self
+            .graph
+            .add_constant(format!("{}.positions", c.name), positions);
+        let hits = self.emit1(
+            c,
+            Op::Binary(BinaryOp::Eq),
+            vec![Some(index), Some(positions)],
+        )?;
+        let any = Op::Reduce {
+            op: ReduceOp::Any,
+            dims: vec![0],
+            keepdim: false,
+        };
+        let named = self.emit1(c, any, vec![Some(hits)])?;
+        // the source row of each position: sum over m of m * [index[m] == j]
+        let ms = Tensor::from_i64(DType::I64, &[k, 1], &(0..k as i64).collect::<Vec<_>>())?;
+        let ms = self.graph.add_constant(format!("{}.rows", c.name), ms);
+        let hits = self.cast_to(c, hits, DType::I64)?;
+        let weighted = self.emit1(c, Op::Binary(BinaryOp::Mul), vec![Some(hits), Some(ms)])?;
+        let sum = Op::Reduce {
+            op: ReduceOp::Sum,
+            dims: vec![0],
+            keepdim: false,
+        };
+        let source_row = self.emit1(c, sum, vec![Some(weighted)])?;
+        let gathered = self.emit1(
+            c,
+            Op::IndexSelect { dim },
+            vec![Some(rows), Some(source_row)],
+        )?;
+        let mut mask_shape = vec![1; shape.len()];
+        mask_shape[dim] = n;
+        let mask = self.emit1(c, Op::Reshape { shape: mask_shape }, vec![Some(named)])?;
+        self.finish(c, Op::Where, vec![Some(mask), Some(gathered), Some(x)])
     }
 
     fn unary_identity(&mut self, c: &Ctx, arg: &str) -> Result<()> {

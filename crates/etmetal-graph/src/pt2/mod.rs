@@ -61,6 +61,10 @@ fn str_field<'a>(v: &'a Value, key: &str) -> Result<&'a str> {
 
 /// The value name an input/output `Argument` refers to (`as_tensor`).
 fn arg_tensor_name(arg: &Value) -> Result<&str> {
+    // buffer/parameter inputs and buffer mutations hold a bare `TensorArgument`
+    if let Some(name) = arg.get("name").and_then(Value::as_str) {
+        return Ok(name);
+    }
     match union(arg)? {
         ("as_tensor", t) => str_field(t, "name"),
         (tag, _) => Err(Error::unsupported(format!(

@@ -665,6 +665,13 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
         ("alias_copy" | "detach_copy" | "lift_fresh_copy", "out") => {
             one(Op::Identity, vec![Some(a.tensor(0)?)], vec![a.tensor(1)?])
         }
+        // (self, src, non_blocking, out = self): EXIR's write-back of a
+        // mutated buffer at the end of the chain; the copy takes self's dtype
+        ("copy_", "") => one(
+            Op::Cast { dtype: a.dtype(3)? },
+            vec![Some(a.tensor(1)?)],
+            vec![a.tensor(3)?],
+        ),
 
         // ---- reductions
         // (self, dim?, keepdim, dtype?, out)

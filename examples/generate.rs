@@ -1,0 +1,190 @@
+//! A small decoder loop on a compiled `.pte` whose `forward(tokens, input_pos)`
+//! takes one token (`tokens` int64 `[1, 1]`, `input_pos` int64 `[1]`), keeps
+//! its KV cache in mutable buffers and returns logits `[1, 1, vocab]`:
+//! prefill of a prompt token by token, then greedy decode, with tokens/s.
+//!
+//! ```text
+//! cargo run --release -p etmetal --example generate -- MODEL.pte [--device auto|cpu]
+//!     [--prompt 1,2,3] [--tokens N]
+//! cargo run --release -p etmetal --example generate -- MODEL.pte --replay DIR --steps N
+//! ```
+//! `--replay` runs any stateful program step by step: it reads
+//! `DIR/step{k}_input{i}.npy` and writes `DIR/step{k}_output{i}.npy` for
+//! `k < N`, all through one loaded method (what the parity suite compares
+//! with eager PyTorch at every step).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use etmetal::Model;
+use etmetal_core::{npy, DType, Error, Result, Tensor};
+use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
+
+struct Args {
+    model: PathBuf,
+    gpu: bool,
+    prompt: Vec<i64>,
+    tokens: usize,
+    replay: Option<(PathBuf, usize)>,
+}
+
+fn parse_args() -> Result<Args> {
+    let bad = |m: String| Error::invalid_input(m);
+    let mut it = std::env::args().skip(1);
+    let mut model = None;
+    let mut args = Args {
+        model: PathBuf::new(),
+        gpu: true,
+        prompt: vec![1, 2, 3, 4],
+        tokens: 32,
+        replay: None,
+    };
+    let mut replay_dir = None;
+    let mut steps = 1;
+    while let Some(a) = it.next() {
+        let mut value = || it.next().ok_or_else(|| bad(format!("{a} needs a value")));
+        match a.as_str() {
+            "--device" => match value()?.as_str() {
+                "auto" => args.gpu = true,
+                "cpu" => args.gpu = false,
+                d => return Err(bad(format!("--device {d}: auto or cpu"))),
+            },
+            "--prompt" => {
+                args.prompt = value()?
+                    .split(',')
+                    .map(|t| t.trim().parse().map_err(|_| bad(format!("token `{t}`"))))
+                    .collect::<Result<_>>()?
+            }
+            "--tokens" => {
+                args.tokens = value()?
+                    .parse()
+                    .map_err(|_| bad("--tokens: a count".into()))?
+            }
+            "--replay" => replay_dir = Some(PathBuf::from(value()?)),
+            "--steps" => {
+                steps = value()?
+                    .parse()
+                    .map_err(|_| bad("--steps: a count".into()))?
+            }
+            _ if model.is_none() && !a.starts_with('-') => model = Some(PathBuf::from(&a)),
+            _ => return Err(bad(format!("unexpected argument `{a}`"))),
+        }
+    }
+    args.model = model.ok_or_else(|| bad("usage: generate MODEL.pte [options]".into()))?;
+    args.replay = replay_dir.map(|d| (d, steps));
+    if args.prompt.is_empty() {
+        return Err(bad("--prompt is empty".into()));
+    }
+    Ok(args)
+}
+
+fn load(path: &Path, gpu: bool) -> Result<Model> {
+    let mut options = etmetal_runtime::LoadOptions::default();
+    if gpu {
+        match select_adapter(DeviceChoice::Auto) {
+            Ok((_, adapter)) => {
+                eprintln!("generate: GPU adapter {}", adapter.get_info().name);
+                options
+                    .backends
+                    .register(Arc::new(MetalBackend::new(DeviceChoice::Auto)))?;
+            }
+            Err(e) => eprintln!("generate: no GPU ({}), running on the cpu", e.message()),
+        }
+    }
+    Model::load_with(path, options)
+}
+
+fn replay(model: &mut Model, dir: &Path, steps: usize) -> Result<()> {
+    let n_inputs = model.inputs().len();
+    for k in 0..steps {
+        let inputs = (0..n_inputs)
+            .map(|i| npy::read(&dir.join(format!("step{k}_input{i}.npy"))))
+            .collect::<Result<Vec<_>>>()?;
+        let outputs = model
+            .execute(inputs)
+            .map_err(|e| e.context(format!("step {k}")))?;
+        for (i, t) in outputs.iter().enumerate() {
+            npy::write(&dir.join(format!("step{k}_output{i}.npy")), t)?;
+        }
+    }
+    Ok(())
+}
+
+/// Index of the largest of the last position's logits.
+fn argmax_last(logits: &Tensor) -> Result<i64> {
+    let vocab = *logits
+        .shape()
+        .last()
+        .ok_or_else(|| Error::shape("logits are 0-d"))?;
+    let values = logits.to_f64_vec();
+    let last = values
+        .get(values.len().saturating_sub(vocab)..)
+        .filter(|l| !l.is_empty())
+        .ok_or_else(|| Error::shape("no logits"))?;
+    let best = last
+        .iter()
+        .enumerate()
+        .fold(0, |b, (i, &x)| if x > last[b] { i } else { b });
+    Ok(best as i64)
+}
+
+fn step(model: &mut Model, token: i64, pos: i64) -> Result<i64> {
+    let inputs = vec![
+        Tensor::from_i64(DType::I64, &[1, 1], &[token])?,
+        Tensor::from_i64(DType::I64, &[1], &[pos])?,
+    ];
+    let outputs = model
+        .execute(inputs)
+        .map_err(|e| e.context(format!("position {pos}")))?;
+    argmax_last(outputs.first().ok_or_else(|| Error::shape("no output"))?)
+}
+
+fn generate(model: &mut Model, prompt: &[i64], tokens: usize) -> Result<()> {
+    let t0 = Instant::now();
+    let mut next = 0;
+    for (pos, &t) in prompt.iter().enumerate() {
+        next = step(model, t, pos as i64)?;
+    }
+    let prefill = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut out = vec![next];
+    for k in 1..tokens {
+        next = step(model, next, (prompt.len() + k - 1) as i64)?;
+        out.push(next);
+    }
+    let decode = t1.elapsed().as_secs_f64();
+    let list: Vec<String> = out.iter().map(i64::to_string).collect();
+    println!("tokens: {}", list.join(" "));
+    println!(
+        "prefill: {} tokens in {:.3} s ({:.1} tokens/s)",
+        prompt.len(),
+        prefill,
+        prompt.len() as f64 / prefill
+    );
+    println!(
+        "decode: {} tokens in {:.3} s ({:.1} tokens/s)",
+        tokens.saturating_sub(1),
+        decode,
+        tokens.saturating_sub(1) as f64 / decode.max(1e-9)
+    );
+    Ok(())
+}
+
+fn main() {
+    let result = parse_args().and_then(|args| {
+        let mut model = load(&args.model, args.gpu)?;
+        match &args.replay {
+            Some((dir, steps)) => replay(&mut model, dir, *steps),
+            None => generate(&mut model, &args.prompt, args.tokens),
+        }
+    });
+    if let Err(e) = result {
+        eprintln!("generate: {e}");
+        std::process::exit(if e.kind() == etmetal_core::ErrorKind::Internal {
+            1
+        } else {
+            2
+        });
+    }
+}
