@@ -8,8 +8,10 @@
 use etmetal_core::{BinaryOp, DType, Error, Op, Result, Scalar, UnaryOp};
 use etmetal_graph::Node;
 
-use super::rows::{as_f32, as_rows, col_loop, row_head, shared, tree_reduce, ROW_WORKGROUP};
-use crate::preprocess::emit::{entry, grid, KernelBuilder};
+use super::rows::{
+    as_f32, as_rows, col_loop, dispatch_rows, row_head, shared, tree_reduce, ROW_WORKGROUP,
+};
+use crate::preprocess::emit::{entry, KernelBuilder};
 use crate::preprocess::expr::{Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::Lowering;
@@ -228,15 +230,7 @@ fn row_norm(lw: &mut Lowering, node: &Node, n: RowNorm) -> Result<()> {
         &format!("    let f = {};\n    {store}\n", n.feature),
     ));
     main.push_str("}\n");
-    let workgroups = grid(n.rows as u64, lw.options.max_workgroups_per_dim)?;
-    let ops = vec![lw.op_label()];
-    lw.add_dispatch(
-        kb.finish(&main),
-        ops,
-        [ROW_WORKGROUP, 1, 1],
-        workgroups,
-        ROW_WORKGROUP * 4,
-    )
+    dispatch_rows(lw, kb.finish(&main), n.rows, ROW_WORKGROUP * 4)
 }
 
 /// `(x - mean[c]) / sqrt(var[c] + eps) * weight[c] + bias[c]` as a lazy

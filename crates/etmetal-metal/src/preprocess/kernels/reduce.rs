@@ -5,8 +5,10 @@
 use etmetal_core::{DType, Error, Op, ReduceOp, Result};
 use etmetal_graph::Node;
 
-use super::rows::{as_f32, as_rows, col_loop, row_head, shared, tree_reduce, ROW_WORKGROUP};
-use crate::preprocess::emit::{entry, grid, linear, unravel, Built, KernelBuilder};
+use super::rows::{
+    as_f32, as_rows, col_loop, dispatch_rows, row_head, shared, tree_reduce, ROW_WORKGROUP,
+};
+use crate::preprocess::emit::{entry, linear, unravel, KernelBuilder};
 use crate::preprocess::pointwise::{cast, compute_type, float_literal};
 use crate::preprocess::Lowering;
 
@@ -82,7 +84,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             }
             let store = kb.store(out, "row", &cast(&total, acc_dtype, out_dtype))?;
             main.push_str(&format!("  if (lid == 0u) {{ {store} }}\n}}\n"));
-            dispatch_rows(lw, kb.finish(&main), rows, acc_ty)
+            dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
         }
         Op::Var {
             dims, correction, ..
@@ -119,7 +121,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
                 &cast(&format!("(total / {divisor})"), DType::F32, out_dtype),
             )?;
             main.push_str(&format!("  if (lid == 0u) {{ {store} }}\n}}\n"));
-            dispatch_rows(lw, kb.finish(&main), rows, "f32")
+            dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
         }
         Op::ArgReduce { max, dim, .. } => {
             let reduced = dim.map_or(all.clone(), |d| vec![d]);
@@ -135,18 +137,6 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             other.name()
         ))),
     }
-}
-
-fn dispatch_rows(lw: &mut Lowering, built: Built, rows: usize, shared_ty: &str) -> Result<()> {
-    let workgroups = grid(rows as u64, lw.options.max_workgroups_per_dim)?;
-    let bytes = ROW_WORKGROUP
-        * if shared_ty == "f32" || shared_ty == "i32" {
-            4
-        } else {
-            8
-        };
-    let ops = vec![lw.op_label()];
-    lw.add_dispatch(built, ops, [ROW_WORKGROUP, 1, 1], workgroups, bytes)
 }
 
 /// argmax/argmin (first index of the extreme value, as PyTorch), with the
@@ -200,15 +190,7 @@ fn arg_reduce(
         stores.push_str(&kb.store(values, "row", &cast("rv[0]", value_dtype, vd))?);
     }
     main.push_str(&format!("  if (lid == 0u) {{ {stores} }}\n}}\n"));
-    let workgroups = grid(rows as u64, lw.options.max_workgroups_per_dim)?;
-    let ops = vec![lw.op_label()];
-    lw.add_dispatch(
-        kb.finish(&main),
-        ops,
-        [ROW_WORKGROUP, 1, 1],
-        workgroups,
-        ROW_WORKGROUP * 8,
-    )
+    dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 8)
 }
 
 fn softmax(
@@ -257,7 +239,7 @@ fn softmax(
         &format!("    let at = {at};\n    {store}\n"),
     ));
     main.push_str("}\n");
-    dispatch_rows(lw, kb.finish(&main), rows, "f32")
+    dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
 }
 
 fn zero(ty: &str) -> String {

@@ -3,7 +3,10 @@
 //! its invocations stride over the columns and combine their partial
 //! results through workgroup memory (no subgroup size is assumed).
 
-use etmetal_core::DType;
+use etmetal_core::{DType, Result};
+
+use crate::preprocess::emit::{grid, Built};
+use crate::preprocess::Lowering;
 
 use crate::preprocess::expr::{Kind, Lazy, LazyRef};
 
@@ -73,4 +76,17 @@ pub(crate) fn row_head(rows: usize) -> String {
 
 pub(crate) fn col_loop(cols: usize, body: &str) -> String {
     format!("  for (var c = lid; c < {cols}u; c = c + {ROW_WORKGROUP}u) {{\n{body}  }}\n")
+}
+
+/// Dispatch a row kernel: one workgroup a row, `storage` bytes of
+/// workgroup memory.
+pub(crate) fn dispatch_rows(
+    lw: &mut Lowering,
+    built: Built,
+    rows: usize,
+    storage: u32,
+) -> Result<()> {
+    let workgroups = grid(rows as u64, lw.options.max_workgroups_per_dim)?;
+    let ops = vec![lw.op_label()];
+    lw.add_dispatch(built, ops, [ROW_WORKGROUP, 1, 1], workgroups, storage)
 }

@@ -12,7 +12,7 @@ use etmetal_core::shape::broadcast_shapes;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
-use super::rows::{as_rows, row_head, ROW_WORKGROUP};
+use super::rows::{as_rows, dispatch_rows, row_head, ROW_WORKGROUP};
 use crate::preprocess::emit::{
     entry, grid, linear, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP,
 };
@@ -137,15 +137,7 @@ fn topk(lw: &mut Lowering, node: &Node, k: usize, dim: usize, largest: bool) -> 
          \x20 }}\n}}\n",
         half = ROW_WORKGROUP / 2
     ));
-    let workgroups = grid(rows as u64, lw.options.max_workgroups_per_dim)?;
-    let ops = vec![lw.op_label()];
-    lw.add_dispatch(
-        kb.finish(&main),
-        ops,
-        [ROW_WORKGROUP, 1, 1],
-        workgroups,
-        ROW_WORKGROUP * 8,
-    )
+    dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 8)
 }
 
 fn cumsum(lw: &mut Lowering, node: &Node, dim: usize) -> Result<()> {
@@ -179,15 +171,7 @@ fn cumsum(lw: &mut Lowering, node: &Node, dim: usize) -> Result<()> {
          \x20 for (var c = c0; c < c1; c = c + 1u) {{\n\
          \x20   run = run + {read};\n    let at = {at};\n    {store}\n  }}\n}}\n"
     ));
-    let workgroups = grid(rows as u64, lw.options.max_workgroups_per_dim)?;
-    let ops = vec![lw.op_label()];
-    lw.add_dispatch(
-        kb.finish(&main),
-        ops,
-        [ROW_WORKGROUP, 1, 1],
-        workgroups,
-        ROW_WORKGROUP * 4,
-    )
+    dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
 }
 
 /// `x[i0, i1, …]`: the index tensors broadcast to B; B replaces the
