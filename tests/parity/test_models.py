@@ -63,3 +63,25 @@ def test_decoder_kv_cache_steps(kind, dtype, backend, etmetal, tmp_path):
             err = np.abs(got.astype(np.float64) - want) - tol * np.abs(want)
             assert (err <= tol).all(), (
                 f"{kind} {dtype} {backend}: step {k} differs by up to {np.abs(got - want).max():.3g}\n{p.stdout}")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_decoder_cpu_pte_keeps_state_in_executorch(kind, etmetal, tmp_path):
+    """etmetal's `--backend cpu` file with buffer mutations runs in
+    ExecuTorch's own runtime, whose planned memory carries the cache."""
+    from executorch.runtime import Runtime
+
+    model = decoder(kind)
+    inputs = [(torch.tensor([[t]]), torch.tensor([k])) for k, t in enumerate([5, 9, 2, 7, 11, 3])]
+    ep = torch.export.export(copy.deepcopy(model), inputs[0]).run_decompositions({})
+    pt2, pte = tmp_path / f"{kind}.pt2", tmp_path / f"{kind}.pte"
+    torch.export.save(ep, pt2)
+    p = subprocess.run([str(etmetal.binary), "compile", str(pt2), "-o", str(pte), "--backend", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    program = Runtime.get().load_program(pte.read_bytes())  # kept alive while the method runs
+    method = program.load_method("forward")
+    with torch.no_grad():
+        for k, step in enumerate(inputs):
+            got, want = method.execute(step)[0], model(*step)
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), f"step {k}: {(got - want).abs().max()}"
