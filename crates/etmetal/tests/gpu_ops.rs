@@ -173,6 +173,34 @@ fn reductions_over_any_dims() {
 }
 
 #[test]
+fn nan_wins_max_min_and_arg_reductions() {
+    let mut values = random(DType::F32, &[3, 70], 21).to_f32_vec();
+    values[5] = f32::NAN;
+    values[70 + 69] = f32::NAN;
+    values[140 + 3] = f32::NAN;
+    values[140 + 40] = f32::NAN;
+    let x = etmetal_core::Tensor::from_f32(DType::F32, &[3, 70], &values).unwrap();
+    for op in [ReduceOp::Max, ReduceOp::Min] {
+        OpCase::new(Op::Reduce {
+            op,
+            dims: vec![1],
+            keepdim: false,
+        })
+        .input(x.clone())
+        .check(0.0);
+    }
+    for max in [true, false] {
+        OpCase::new(Op::ArgReduce {
+            max,
+            dim: Some(1),
+            keepdim: false,
+        })
+        .input(x.clone())
+        .check(0.0);
+    }
+}
+
+#[test]
 fn softmax_and_log_softmax() {
     let x = random(DType::F32, &[4, 3, 129], 12);
     for (dim, log) in [(2, false), (1, true), (0, false)] {

@@ -20,6 +20,20 @@ pub(crate) fn compute_type(dtype: DType) -> &'static str {
 /// name it calls.
 pub(crate) const HELPERS: &[(&str, &str)] = &[
     (
+        "is_nan",
+        // On the bits: drivers that fold `x != x` to false (lavapipe) lose NaN.
+        "fn is_nan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }\n",
+    ),
+    (
+        "max_nan",
+        // max/min with NaN winning, as PyTorch's amax/amin and max pooling.
+        "fn max_nan(a: f32, b: f32) -> f32 { return select(max(a, b), a + b, is_nan(a) || is_nan(b)); }\n",
+    ),
+    (
+        "min_nan",
+        "fn min_nan(a: f32, b: f32) -> f32 { return select(min(a, b), a + b, is_nan(a) || is_nan(b)); }\n",
+    ),
+    (
         "erf_",
         // Abramowitz & Stegun 7.1.26 refined (max error 1.2e-7).
         "fn erf_(x: f32) -> f32 {\n\

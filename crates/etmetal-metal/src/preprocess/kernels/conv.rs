@@ -387,11 +387,6 @@ fn pool(lw: &mut Lowering, node: &Node, kind: Pool) -> Result<()> {
     let mut kb = KernelBuilder::new(&lw.buffers);
     kb.value_fn(&x, "vx")?;
     let mut s = String::new();
-    if let Pool::Max(_) = kind {
-        s.push_str(
-            "fn is_nan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }\n",
-        );
-    }
     s.push_str(&entry(FLAT_WORKGROUP));
     let _ = writeln!(
         s,

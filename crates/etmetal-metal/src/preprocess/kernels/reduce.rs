@@ -51,6 +51,12 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             let (init, combine): (String, fn(&str, &str) -> String) = match op {
                 ReduceOp::Sum | ReduceOp::Mean => (zero(acc_ty), |a, b| format!("({a} + {b})")),
                 ReduceOp::Prod => (one(acc_ty), |a, b| format!("({a} * {b})")),
+                ReduceOp::Max if acc_ty == "f32" => {
+                    (lowest(acc_ty), |a, b| format!("max_nan({a}, {b})"))
+                }
+                ReduceOp::Min if acc_ty == "f32" => {
+                    (highest(acc_ty), |a, b| format!("min_nan({a}, {b})"))
+                }
                 ReduceOp::Max | ReduceOp::Any => (lowest(acc_ty), |a, b| format!("max({a}, {b})")),
                 ReduceOp::Min | ReduceOp::All => (highest(acc_ty), |a, b| format!("min({a}, {b})")),
             };
@@ -160,7 +166,20 @@ fn arg_reduce(
     let mut kb = KernelBuilder::new(&lw.buffers);
     kb.value_fn(&rows_x, "x")?;
     let better = if max { ">" } else { "<" };
-    let mut main = shared("rv", ty);
+    // (v, i) beats the best so far (b, j): NaN wins (first NaN), then the
+    // extreme value, then the lower index; 0xffffffff marks "none yet".
+    let nan_rule = if ty == "f32" {
+        "  let vn = is_nan(v); let bn = is_nan(b);\n  if (vn || bn) { return vn && (!bn || i < j); }\n"
+    } else {
+        ""
+    };
+    let mut main = format!(
+        "fn beats(v: {ty}, i: u32, b: {ty}, j: u32) -> bool {{\n\
+         \x20 if (i == 0xffffffffu) {{ return false; }}\n\
+         \x20 if (j == 0xffffffffu) {{ return true; }}\n\
+         {nan_rule}  return v {better} b || (v == b && i < j);\n}}\n\n"
+    );
+    main.push_str(&shared("rv", ty));
     main.push_str(&shared("ri", "u32"));
     main.push_str(&entry(ROW_WORKGROUP));
     main.push_str(&row_head(rows));
@@ -171,14 +190,14 @@ fn arg_reduce(
     let read = cast("x(row, c)", x.dtype, value_dtype);
     main.push_str(&col_loop(
         cols,
-        &format!("    let v = {read};\n    if (bi == 0xffffffffu || v {better} bv) {{ bv = v; bi = c; }}\n"),
+        &format!("    let v = {read};\n    if (beats(v, c, bv, bi)) {{ bv = v; bi = c; }}\n"),
     ));
     main.push_str(&format!(
         "  rv[lid] = bv;\n  ri[lid] = bi;\n  workgroupBarrier();\n\
          \x20 for (var s = {half}u; s > 0u; s = s >> 1u) {{\n\
          \x20   if (lid < s) {{\n\
          \x20     let ov = rv[lid + s]; let oi = ri[lid + s];\n\
-         \x20     if (oi != 0xffffffffu && (ri[lid] == 0xffffffffu || ov {better} rv[lid] || (ov == rv[lid] && oi < ri[lid]))) {{ rv[lid] = ov; ri[lid] = oi; }}\n\
+         \x20     if (beats(ov, oi, rv[lid], ri[lid])) {{ rv[lid] = ov; ri[lid] = oi; }}\n\
          \x20   }}\n    workgroupBarrier();\n  }}\n",
         half = ROW_WORKGROUP / 2
     ));
