@@ -5,6 +5,10 @@ set -euo pipefail
 venv="${ETMETAL_VENV:-$HOME/.cache/etmetal/venv}"
 stamp="$venv/.etmetal-ready-torch2.15.0-et1.5.1"
 if [ -f "$stamp" ]; then
+  # maturin (builds the python/ package) came later than the stamp
+  if [ ! -x "$venv/bin/maturin" ]; then
+    "$venv/bin/python" -m pip install -q "maturin>=1.5,<2" >&2
+  fi
   echo "$venv"
   exit 0
 fi
@@ -12,6 +16,6 @@ echo "setup-python: creating venv at $venv (torch 2.15.0, executorch 1.5.1; a fe
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip >&2
 "$venv/bin/python" -m pip install -q \
-  torch==2.15.0 executorch==1.5.1 numpy pytest >&2
+  torch==2.15.0 executorch==1.5.1 numpy pytest "maturin>=1.5,<2" >&2
 touch "$stamp"
 echo "$venv"

@@ -32,6 +32,11 @@ cargo test --workspace --quiet
 step "cargo build --release"
 cargo build --release --quiet -p etmetal
 cargo build --release --quiet -p etmetal-pte --example roundtrip
+cargo build --release --quiet -p etmetal --example generate
+step "python package (maturin develop --release into the venv)"
+# Its own Cargo workspace (python/); the target dir persists so rebuilds are incremental.
+VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" CARGO_TARGET_DIR="$HOME/.cache/etmetal/target-python" \
+    "$venv/bin/maturin" develop --release --quiet --manifest-path python/Cargo.toml
 step "parity suite"
 ETMETAL_BIN="$CARGO_TARGET_DIR/release/etmetal" bash scripts/run-parity.sh "$venv"
 step "all tests passed"

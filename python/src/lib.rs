@@ -1,0 +1,361 @@
+//! `etmetal._etmetal`: the Rust half of the `etmetal` Python package.
+//!
+//! The compiler half works on `.pt2` bytes (what `torch.export.save`
+//! writes; the Python half first rewrites ExecuTorch's edge-dialect targets
+//! to the ATen targets the importer reads), so the decisions are the ones
+//! `etmetal compile` makes: [`ops_taken`] for `ops_to_not_decompose`,
+//! [`partition`] for the partitioner's tags, [`preprocess`] for the
+//! delegate payload and its named data. The runtime half is [`Program`] /
+//! [`Method`] over `etmetal-runtime` with the GPU backend chosen as
+//! `etmetal run --device` chooses it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use etmetal_core::{DType, Error, ErrorKind, Tensor};
+use etmetal_graph::{Graph, OutputKind};
+use etmetal_metal::compile_spec;
+use etmetal_metal::partitioner::{self, Partition, PartitionMode, PartitionOptions};
+use etmetal_metal::preprocess::PreprocessOptions;
+use etmetal_metal_runtime::{describe, select_adapter, DeviceChoice, MetalBackend, BACKEND_ID};
+use etmetal_pte::CompileSpec;
+use etmetal_runtime::LoadOptions;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+/// Wrong inputs and malformed files are `ValueError`; the rest (unsupported
+/// ops, device failures, bugs) `RuntimeError`. The message names what failed.
+fn py_err(e: Error) -> PyErr {
+    match e.kind() {
+        ErrorKind::InvalidInput | ErrorKind::Format => PyValueError::new_err(e.to_string()),
+        _ => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+/// The source (FX) node a graph node comes from: importer and decompositions
+/// name every node `<fx name>.<suffix>`, and FX names have no dots.
+fn fx_name(node_name: &str) -> &str {
+    node_name.split('.').next().unwrap_or(node_name)
+}
+
+fn import(pt2: &[u8], origin: &str) -> PyResult<Graph> {
+    etmetal_graph::import_pt2(pt2, origin).map_err(py_err)
+}
+
+/// The graph as `etmetal compile` partitions it: everything the backend does
+/// not take whole decomposed, dead code removed.
+fn decomposed_for_backend(pt2: &[u8], origin: &str) -> PyResult<Graph> {
+    let mut g = import(pt2, origin)?;
+    etmetal_graph::decompose(&mut g, &partitioner::ops_to_not_decompose);
+    etmetal_graph::eliminate_dead_code(&mut g);
+    Ok(g)
+}
+
+/// For each source node of the (ATen-dialect) program: whether the backend
+/// takes every node it imports to whole (`ops_to_not_decompose`) and would
+/// delegate them (within the support table's limits, not in `skip_ops`).
+#[pyfunction]
+fn ops_taken(pt2: &[u8], skip_ops: Vec<String>) -> PyResult<Vec<(String, bool)>> {
+    let g = import(pt2, "ops_to_not_decompose program")?;
+    let limits = partitioner::DeviceLimits::default();
+    let mut out: Vec<(String, bool)> = vec![];
+    let mut row: HashMap<&str, usize> = HashMap::new();
+    for node in &g.nodes {
+        let name = fx_name(&node.name);
+        let keep = partitioner::ops_to_not_decompose(&node.op)
+            && !skip_ops.contains(&node.op.name())
+            && partitioner::supports(&g, node, &limits).is_ok();
+        let i = *row.entry(name).or_insert_with(|| {
+            out.push((name.to_string(), true));
+            out.len() - 1
+        });
+        out[i].1 &= keep;
+    }
+    Ok(out)
+}
+
+fn partition_options(mode: &str, skip_ops: Vec<String>) -> PyResult<PartitionOptions> {
+    let mode = match mode {
+        "auto" => PartitionMode::Auto,
+        "whole" => PartitionMode::Whole,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "partition mode `{other}`: expected `auto` or `whole`"
+            )))
+        }
+    };
+    Ok(PartitionOptions {
+        mode,
+        skip_ops,
+        ..PartitionOptions::default()
+    })
+}
+
+/// `(fx node name, partition id or None, op, reason it stays on the CPU)`.
+type NodeDecision = (String, Option<usize>, String, String);
+
+/// The partitioner's decision for every node of the decomposed graph.
+#[pyfunction]
+fn partition(pt2: &[u8], mode: &str, skip_ops: Vec<String>) -> PyResult<Vec<NodeDecision>> {
+    let options = partition_options(mode, skip_ops)?;
+    let g = decomposed_for_backend(pt2, "edge program")?;
+    let parts = partitioner::partition(&g, &options).map_err(py_err)?;
+    let mut out: Vec<_> = g
+        .nodes
+        .iter()
+        .zip(&parts.node_partition)
+        .map(|(node, p)| {
+            (
+                fx_name(&node.name).to_string(),
+                *p,
+                node.op.name(),
+                String::new(),
+            )
+        })
+        .collect();
+    for (i, reason) in parts.cpu_nodes {
+        if let Some(row) = out.get_mut(i) {
+            row.3 = reason;
+        }
+    }
+    Ok(out)
+}
+
+/// One named-data entry: its key and bytes.
+type NamedBytes<'py> = (String, Bound<'py, PyBytes>);
+
+/// The delegate payload of one lowered partition (a whole edge program)
+/// and its named data `(key, GPU bytes)`. Delegate inputs and outputs are
+/// the program's user inputs and outputs in signature order, as ExecuTorch's
+/// delegate call passes them.
+#[pyfunction]
+fn preprocess<'py>(
+    py: Python<'py>,
+    pt2: &[u8],
+) -> PyResult<(Bound<'py, PyBytes>, Vec<NamedBytes<'py>>)> {
+    let g = decomposed_for_backend(pt2, "partition program")?;
+    let mut p = whole_partition(&g).map_err(py_err)?;
+    p.inputs = g.user_inputs().collect();
+    p.outputs = g
+        .outputs
+        .iter()
+        .filter(|(_, kind)| *kind == OutputKind::User)
+        .map(|(v, _)| *v)
+        .collect();
+    let pre = etmetal_metal::preprocess::preprocess(&g, &p, &PreprocessOptions::default())
+        .map_err(|e| py_err(e.context(format!("{BACKEND_ID} preprocess"))))?;
+    let named = pre
+        .named_data
+        .iter()
+        .map(|(k, bytes)| (k.clone(), PyBytes::new(py, bytes)))
+        .collect();
+    Ok((PyBytes::new(py, &pre.payload.encode()), named))
+}
+
+/// The one partition of a program the partitioner tagged as a whole.
+fn whole_partition(g: &Graph) -> etmetal_core::Result<Partition> {
+    let options = PartitionOptions {
+        mode: PartitionMode::Whole,
+        ..PartitionOptions::default()
+    };
+    let mut parts = partitioner::partition(g, &options)?;
+    match parts.partitions.len() {
+        1 => Ok(parts.partitions.remove(0)),
+        n => Err(Error::unsupported(format!(
+            "the lowered program makes {n} partitions, expected exactly one"
+        ))),
+    }
+}
+
+/// `(key, value)` of the compile spec naming `method`.
+#[pyfunction]
+fn method_name_spec<'py>(py: Python<'py>, method: &str) -> (String, Bound<'py, PyBytes>) {
+    let spec = compile_spec::method_name_spec(method);
+    (spec.key, PyBytes::new(py, &spec.value))
+}
+
+/// The method name among `(key, value)` compile specs; a `RuntimeError`
+/// ("Could not find method name …") when there is none, as ExecuTorch's
+/// backends raise it.
+#[pyfunction]
+fn method_name(specs: Vec<(String, Vec<u8>)>) -> PyResult<String> {
+    let specs: Vec<CompileSpec> = specs
+        .into_iter()
+        .map(|(key, value)| CompileSpec { key, value })
+        .collect();
+    compile_spec::method_name(&specs).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
+fn device_choice(device: &str) -> PyResult<Option<DeviceChoice>> {
+    Ok(Some(match device {
+        "cpu" => return Ok(None),
+        "auto" => DeviceChoice::Auto,
+        "metal" => DeviceChoice::Metal,
+        "vulkan" => DeviceChoice::Vulkan,
+        "dx12" => DeviceChoice::Dx12,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "device `{other}`: expected auto, metal, vulkan, dx12 or cpu"
+            )))
+        }
+    }))
+}
+
+/// A loaded `.pte`. Its `EtMetalBackend` delegates run on the GPU the device
+/// choice finds; a file without them runs on the CPU kernels.
+#[pyclass(module = "etmetal._etmetal", frozen)]
+struct Program {
+    program: etmetal_runtime::Program,
+    device: String,
+}
+
+#[pymethods]
+impl Program {
+    /// `device`: `auto`, `metal`, `vulkan`, `dx12` or `cpu`, as
+    /// `etmetal run --device`. A file with GPU delegates and no adapter (or
+    /// `cpu`) is an error, as in the CLI.
+    #[new]
+    #[pyo3(signature = (path, device = "auto"))]
+    fn new(path: &str, device: &str) -> PyResult<Program> {
+        let choice = device_choice(device)?;
+        let program = etmetal_runtime::Program::load(path).map_err(py_err)?;
+        let delegated = program
+            .file()
+            .program
+            .execution_plan
+            .iter()
+            .flat_map(|p| &p.delegates)
+            .filter(|d| d.id == BACKEND_ID)
+            .count();
+        if delegated == 0 {
+            return Ok(Program {
+                program,
+                device: "cpu".into(),
+            });
+        }
+        let needs_gpu = |why: &str| {
+            PyRuntimeError::new_err(format!(
+                "{path} delegates {delegated} partition(s) to {BACKEND_ID}, which needs a GPU ({why})"
+            ))
+        };
+        let choice = choice.ok_or_else(|| needs_gpu("device `cpu` was given"))?;
+        let (_, adapter) = select_adapter(choice).map_err(|e| needs_gpu(e.message()))?;
+        let mut options = LoadOptions::default();
+        options
+            .backends
+            .register(Arc::new(MetalBackend::new(choice)))
+            .map_err(py_err)?;
+        Ok(Program {
+            program: program.with_options(options),
+            device: describe(&adapter.get_info()),
+        })
+    }
+
+    /// `cpu`, or the GPU adapter the delegates run on.
+    #[getter]
+    fn device(&self) -> &str {
+        &self.device
+    }
+
+    fn method_names(&self) -> Vec<String> {
+        self.program
+            .method_names()
+            .into_iter()
+            .map(String::from)
+            .collect()
+    }
+
+    /// Prepare method `name` (its delegates load on the device now).
+    fn method(&self, name: &str) -> PyResult<Method> {
+        let method = self.program.method(name).map_err(py_err)?;
+        Ok(Method {
+            name: name.to_string(),
+            method: Mutex::new(method),
+        })
+    }
+}
+
+/// A tensor crossing the boundary: `(dtype name, shape, bytes)`, C order.
+type RawTensor<'py> = (String, Vec<usize>, Bound<'py, PyBytes>);
+
+#[pyclass(module = "etmetal._etmetal", frozen)]
+struct Method {
+    name: String,
+    method: Mutex<etmetal_runtime::Method>,
+}
+
+#[pymethods]
+impl Method {
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `(dtype name, shape)` of each input.
+    fn input_specs(&self) -> PyResult<Vec<(String, Vec<usize>)>> {
+        let m = self.lock()?;
+        Ok(m.input_specs()
+            .into_iter()
+            .map(|s| (s.dtype.name().to_string(), s.shape))
+            .collect())
+    }
+
+    /// Run on `(dtype name, shape, bytes)` inputs; outputs the same way.
+    fn execute<'py>(
+        &self,
+        py: Python<'py>,
+        inputs: Vec<(String, Vec<usize>, Vec<u8>)>,
+    ) -> PyResult<Vec<RawTensor<'py>>> {
+        let tensors = inputs
+            .iter()
+            .enumerate()
+            .map(|(i, (dtype, shape, data))| {
+                let dt = DType::from_name(dtype).ok_or_else(|| {
+                    PyValueError::new_err(format!("input {i}: dtype `{dtype}` is not supported"))
+                })?;
+                Tensor::from_bytes(dt, shape, data)
+                    .map_err(|e| py_err(e.context(format!("input {i}"))))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let outputs = {
+            let mut guard = self.lock()?;
+            let m: &mut etmetal_runtime::Method = &mut guard;
+            py.detach(|| m.execute(tensors)).map_err(py_err)?
+        };
+        Ok(outputs
+            .iter()
+            .map(|t| {
+                (
+                    t.dtype().name().to_string(),
+                    t.shape().to_vec(),
+                    PyBytes::new(py, t.bytes()),
+                )
+            })
+            .collect())
+    }
+}
+
+impl Method {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, etmetal_runtime::Method>> {
+        self.method.lock().map_err(|_| {
+            PyRuntimeError::new_err(format!(
+                "method `{}` failed in another thread and is unusable",
+                self.name
+            ))
+        })
+    }
+}
+
+#[pymodule]
+fn _etmetal(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("BACKEND_ID", BACKEND_ID)?;
+    m.add_function(wrap_pyfunction!(ops_taken, m)?)?;
+    m.add_function(wrap_pyfunction!(partition, m)?)?;
+    m.add_function(wrap_pyfunction!(preprocess, m)?)?;
+    m.add_function(wrap_pyfunction!(method_name_spec, m)?)?;
+    m.add_function(wrap_pyfunction!(method_name, m)?)?;
+    m.add_class::<Program>()?;
+    m.add_class::<Method>()?;
+    Ok(())
+}

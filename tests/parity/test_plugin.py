@@ -1,0 +1,251 @@
+"""The Python plug-in (`python/`, importable as `etmetal`): EtMetalPartitioner
+and EtMetalBackend inside ExecuTorch's `to_edge_transform_and_lower`, and
+`etmetal.load`. Mirrors the tests of ExecuTorch's own Metal backend
+(partitioning, ops_to_not_decompose, compile specs), then lowers every zoo
+module through ExecuTorch and runs the `.pte` with `etmetal.load` and with
+`etmetal run` on this machine's GPU adapter, against eager PyTorch.
+
+`scripts/test.sh` builds the package into the venv (maturin); without it
+this file fails at import, it never skips.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from executorch.exir import to_edge_transform_and_lower
+from executorch.exir.backend.compile_spec_schema import CompileSpec
+from torch.export import export
+
+import etmetal as etm  # the fixture `etmetal` is the CLI runner
+import zoo
+from etmetal import EtMetalBackend, EtMetalPartitioner
+from runner import to_npy
+from test_parity import compare
+
+FORWARD = [EtMetalBackend.generate_method_name_compile_spec("forward")]
+
+
+def partition_result(module: torch.nn.Module, inputs: tuple):
+    ep = export(module, inputs, strict=True)
+    result = EtMetalPartitioner(FORWARD).partition(ep)
+    assert hasattr(result, "tagged_exported_program") and hasattr(result, "partition_tags")
+    return result
+
+
+def call_tags(result) -> list:
+    """The delegation tag of every call_function node (None: untagged)."""
+    return [n.meta.get("delegation_tag") for n in result.tagged_exported_program.graph.nodes if n.op == "call_function"]
+
+
+class Add(torch.nn.Module):
+    def forward(self, x, y):
+        return x + y
+
+
+def test_simple_add_is_one_partition():
+    result = partition_result(Add(), (torch.randn(2, 3), torch.randn(2, 3)))
+    tags = call_tags(result)
+    assert tags and None not in tags and len(set(tags)) == 1, tags
+    assert list(result.partition_tags) == [tags[0]]
+    assert result.partition_tags[tags[0]].backend_id == "EtMetalBackend"
+
+
+def test_linear_is_fully_partitioned_with_its_weights():
+    result = partition_result(torch.nn.Linear(10, 5), (torch.randn(2, 10),))
+    tags = call_tags(result)
+    assert tags and None not in tags and len(set(tags)) == 1, tags
+    ep = result.tagged_exported_program
+    params = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in ep.graph_signature.inputs_to_parameters]
+    assert len(params) == 2 and all(n.meta.get("delegation_tag") == tags[0] for n in params)
+
+
+class ReluAddOne(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.relu(x + 1.0)
+
+
+def test_ops_to_not_decompose_is_every_op_the_backend_takes():
+    ep = export(ReluAddOne(), (torch.randn(2, 3),), strict=True)
+    ops, check = EtMetalPartitioner(FORWARD).ops_to_not_decompose(ep)
+    assert isinstance(ops, list) and check is None
+    calls = {n.target for n in ep.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
+    assert set(ops) == calls
+
+
+def test_ops_to_not_decompose_leaves_out_what_the_gpu_refuses():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ConvTranspose1d(2, 2, 3))
+    ep = export(Reshaped(m), (torch.randn(2, 8),), strict=True)
+    ops, _ = EtMetalPartitioner(FORWARD).ops_to_not_decompose(ep)
+    names = {str(o) for o in ops}
+    assert "aten.linear.default" in names
+    assert not any("conv" in n for n in names), names
+
+
+def test_method_name_compile_spec():
+    spec = EtMetalBackend.generate_method_name_compile_spec("forward")
+    assert isinstance(spec, CompileSpec)
+    assert spec.key == "method_name" and spec.value == b"forward"
+    assert EtMetalBackend.method_name_from_compile_specs([spec]) == "forward"
+
+
+def test_method_name_round_trips_and_is_found_among_others():
+    spec = EtMetalBackend.generate_method_name_compile_spec("my_custom_method")
+    assert EtMetalBackend.method_name_from_compile_specs([spec]) == "my_custom_method"
+    specs = [CompileSpec("other_key", b"other_value"), spec, CompileSpec("another_key", b"\xff\x00")]
+    assert EtMetalBackend.method_name_from_compile_specs(specs) == "my_custom_method"
+
+
+def test_missing_method_name_is_a_runtime_error():
+    with pytest.raises(RuntimeError, match="Could not find method name"):
+        EtMetalBackend.method_name_from_compile_specs([CompileSpec("other_key", b"other_value")])
+
+
+def test_skip_op_and_whole_mode_compile_specs():
+    x = (torch.randn(2, 3), torch.randn(2, 3))
+    ep = export(Add(), x, strict=True)
+    skip = EtMetalPartitioner(FORWARD + [EtMetalBackend.generate_skip_op_compile_spec("add")])
+    result = skip.partition(ep)
+    assert call_tags(result) == [None] and result.partition_tags == {}
+    whole = EtMetalPartitioner(FORWARD + [EtMetalBackend.generate_partition_compile_spec("whole"), EtMetalBackend.generate_skip_op_compile_spec("add")])
+    with pytest.raises(RuntimeError, match="add"):
+        whole.partition(export(Add(), x, strict=True))
+
+
+# ------------------------------------------------ the zoo through ExecuTorch
+
+
+def lower(module: torch.nn.Module, inputs: tuple):
+    ep = export(module, inputs)
+    return to_edge_transform_and_lower(ep, partitioner=[EtMetalPartitioner(FORWARD)]).to_executorch()
+
+
+def plan_summary(et) -> tuple[int, list[str]]:
+    """(EtMetalBackend delegates, portable operator names) of the lowered program."""
+    plan = et.executorch_program.execution_plan[0]
+    delegates = [d.id for d in plan.delegates]
+    assert set(delegates) <= {"EtMetalBackend"}, delegates
+    return len(delegates), [op.name for op in plan.operators]
+
+
+@pytest.fixture(scope="module")
+def add_pte(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plugin") / "add.pte"
+    path.write_bytes(lower(Add(), (torch.randn(2, 3), torch.randn(2, 3))).buffer)
+    return path
+
+
+def cli_run(binary, pte, inputs, work) -> tuple[subprocess.CompletedProcess, list[np.ndarray]]:
+    paths = []
+    for i, t in enumerate(inputs):
+        paths.append(str(work / f"input_{i}.npy"))
+        np.save(paths[-1], to_npy(t))
+    out = work / "out"
+    cmd = [str(binary), "run", str(pte), "--device", "auto", "--output-dir", str(out)]
+    if paths:
+        cmd += ["--inputs", ",".join(paths)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    outputs = []
+    while p.returncode == 0 and (out / f"output_{len(outputs)}.npy").exists():
+        outputs.append(np.load(out / f"output_{len(outputs)}.npy"))
+    return p, outputs
+
+
+def cli_partitions(binary, ep, work) -> int:
+    """How many partitions `etmetal compile --backend metal` makes of `ep`."""
+    pt2 = work / "cli.pt2"
+    torch.export.save(ep, pt2)
+    p = subprocess.run([str(binary), "compile", str(pt2), "-o", str(work / "cli.pte")], capture_output=True, text=True, timeout=300)
+    m = re.search(r"EtMetalBackend: (\d+) partition\(s\)", p.stdout)
+    assert p.returncode == 0 and m, f"etmetal compile failed:\n{p.stderr}{p.stdout}"
+    return int(m.group(1))
+
+
+def check_outputs(where, got, want, atol, rtol):
+    assert len(got) == len(want), f"{where}: {len(got)} outputs, eager has {len(want)}"
+    problems = [f"output {i}: {m}" for i, (g, w) in enumerate(zip(got, want)) if (m := compare(g, w, atol, rtol))]
+    assert not problems, f"{where}\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "case,dtype",
+    [pytest.param(c, d, id=f"{c.name}-{d}") for c in zoo.CASES for d in c.dtypes],
+)
+def test_zoo_lowered_by_executorch_runs_in_etmetal(case, dtype, etmetal, tmp_path):
+    module, inputs = zoo.instantiate(case, dtype)
+    want = zoo.eager_outputs(module, inputs)
+    et = lower(module, inputs)
+    delegates, cpu_ops = plan_summary(et)
+    pte = tmp_path / f"{case.name}.pte"
+    pte.write_bytes(et.buffer)
+    where = f"{case.name} [{dtype}]: {delegates} EtMetalBackend delegate(s), cpu ops {cpu_ops}"
+    # the same decisions as the CLI: delegates exactly when `etmetal compile` makes partitions
+    cli_parts = cli_partitions(etmetal.binary, export(module, inputs), tmp_path)
+    assert (delegates > 0) == (cli_parts > 0), f"{where}; etmetal compile makes {cli_parts} partition(s)"
+    atol, rtol = case.tolerance(dtype)
+
+    program = etm.load(pte)
+    if delegates:
+        assert program.device != "cpu", f"{where}: delegates but no GPU"
+    check_outputs(f"{where}, etmetal.load", program.forward(*inputs), want, atol, rtol)
+
+    p, outputs = cli_run(etmetal.binary, pte, inputs, tmp_path)
+    assert p.returncode == 0, f"{where}\netmetal run failed:\n{p.stderr}"
+    if delegates:
+        assert "ran on gpu" in p.stdout, f"{where}\n{p.stdout}"
+    check_outputs(f"{where}, etmetal run", outputs, want, atol, rtol)
+
+
+class Reshaped(torch.nn.Module):
+    """linear on [2, 8], then `inner` on [2, 2, 4]."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.relu(self.inner(self.lin(x).reshape(2, 2, 4)))
+
+
+def test_unsupported_op_falls_back_to_portable_cpu_kernels(etmetal, tmp_path):
+    # transposed convolution has no GPU kernel: the linear and relu are
+    # delegated, the convolution is an ExecuTorch portable kernel call
+    torch.manual_seed(0)
+    module = Reshaped(torch.nn.ConvTranspose1d(2, 3, 3)).eval()
+    x = torch.randn(2, 8)
+    want = zoo.eager_outputs(module, (x,))
+    et = lower(module, (x,))
+    delegates, cpu_ops = plan_summary(et)
+    assert delegates >= 1 and "aten::convolution" in cpu_ops, (delegates, cpu_ops)
+    pte = tmp_path / "fallback.pte"
+    pte.write_bytes(et.buffer)
+    program = etm.load(pte)
+    assert program.device != "cpu"
+    check_outputs("fallback, etmetal.load", program.forward(x), want, 1e-5, 1e-5)
+    p, outputs = cli_run(etmetal.binary, pte, (x,), tmp_path)
+    assert p.returncode == 0 and "ran on gpu" in p.stdout, p.stderr
+    check_outputs("fallback, etmetal run", outputs, want, 1e-5, 1e-5)
+
+
+def test_load_api(add_pte):
+    pte = add_pte
+    program = etm.load(pte)
+    assert program.method_names == ["forward"]
+    method = program.method("forward")
+    assert method.input_specs() == [("float32", [2, 3]), ("float32", [2, 3])]
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((2, 3), np.float32)
+    (out,) = method(a, torch.from_numpy(b))  # numpy and torch mix
+    assert isinstance(out, np.ndarray) and np.array_equal(out, a + b)
+    with pytest.raises(ValueError, match="input 0"):
+        program.forward(np.ones((3, 3), np.float32), b)
+    with pytest.raises(ValueError, match="no method `decode`"):
+        program.method("decode")
+    with pytest.raises(RuntimeError, match="needs a GPU"):
+        etm.load(pte, device="cpu")
+    with pytest.raises(ValueError, match="device `tpu`"):
+        etm.load(pte, device="tpu")
