@@ -4,10 +4,11 @@
 set -euo pipefail
 venv="${ETMETAL_VENV:-$HOME/.cache/etmetal/venv}"
 stamp="$venv/.etmetal-ready-torch2.15.0-et1.5.1"
+# Tools added after the stamp was first written: installed into old venvs too.
+extras=("maturin>=1.5,<2" pytest-xdist)
 if [ -f "$stamp" ]; then
-  # maturin (builds the python/ package) came later than the stamp
-  if [ ! -x "$venv/bin/maturin" ]; then
-    "$venv/bin/python" -m pip install -q "maturin>=1.5,<2" >&2
+  if [ ! -x "$venv/bin/maturin" ] || ! "$venv/bin/python" -c "import xdist" 2>/dev/null; then
+    "$venv/bin/python" -m pip install -q "${extras[@]}" >&2
   fi
   echo "$venv"
   exit 0
@@ -16,6 +17,6 @@ echo "setup-python: creating venv at $venv (torch 2.15.0, executorch 1.5.1; a fe
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip >&2
 "$venv/bin/python" -m pip install -q \
-  torch==2.15.0 executorch==1.5.1 numpy pytest "maturin>=1.5,<2" >&2
+  torch==2.15.0 executorch==1.5.1 numpy pytest "${extras[@]}" >&2
 touch "$stamp"
 echo "$venv"

@@ -27,16 +27,20 @@ step "cargo fmt --check"
 cargo fmt --all -- --check
 step "cargo clippy"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
-step "cargo test --workspace"
-cargo test --workspace --quiet
-step "cargo build --release"
-cargo build --release --quiet -p etmetal
-cargo build --release --quiet -p etmetal-pte --example roundtrip
-cargo build --release --quiet -p etmetal --example generate
-step "python package (maturin develop --release into the venv)"
-# Its own Cargo workspace (python/); the target dir persists so rebuilds are incremental.
-VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" CARGO_TARGET_DIR="$HOME/.cache/etmetal/target-python" \
-    "$venv/bin/maturin" develop --release --quiet --manifest-path python/Cargo.toml
+# One optimised profile (`ci`, with overflow and debug-assertion checks) for
+# the unit tests, the binary, the examples and the Python package, so each
+# crate is compiled once.
+step "cargo test --workspace (profile ci)"
+cargo test --workspace --quiet --profile ci
+step "cargo build (profile ci): etmetal, examples"
+cargo build --quiet --profile ci -p etmetal --bin etmetal --example generate
+cargo build --quiet --profile ci -p etmetal-pte --example roundtrip
+step "python package (maturin develop into the venv)"
+# python/ is its own Cargo workspace; same target dir and profile as above.
+VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
+    "$venv/bin/maturin" develop --quiet --profile ci --manifest-path python/Cargo.toml
 step "parity suite"
-ETMETAL_BIN="$CARGO_TARGET_DIR/release/etmetal" bash scripts/run-parity.sh "$venv"
+bin="$CARGO_TARGET_DIR/ci"
+ETMETAL_BIN="$bin/etmetal" ETMETAL_GENERATE="$bin/examples/generate" \
+    ETMETAL_PTE_ROUNDTRIP="$bin/examples/roundtrip" bash scripts/run-parity.sh "$venv"
 step "all tests passed"
