@@ -55,11 +55,46 @@ fn scoped<T>(gpu: &GpuDevice, what: impl FnOnce() -> String, f: impl FnOnce() ->
     ];
     match errors.into_iter().flatten().next() {
         None => Ok(out),
-        Some(e @ wgpu::Error::OutOfMemory { .. }) => {
-            Err(Error::limit(format!("{}: GPU out of memory: {e}", what())))
-        }
-        Some(e) => Err(Error::internal(format!("{}: {e}", what()))),
+        Some(wgpu::Error::OutOfMemory { source }) => Err(Error::limit(format!(
+            "{}: GPU out of memory: {}",
+            what(),
+            one_line(&source.to_string())
+        ))),
+        // wgpu's `Display` is only "Validation Error"; the description says what.
+        Some(
+            wgpu::Error::Validation { description, .. } | wgpu::Error::Internal { description, .. },
+        ) => Err(Error::internal(format!(
+            "{}: {}",
+            what(),
+            one_line(&description)
+        ))),
     }
+}
+
+/// A multi-line wgpu message (shader diagnostics) on one line.
+fn one_line(text: &str) -> String {
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    lines.join(" ")
+}
+
+/// Workgroup memory of a kernel as WebGPU counts it (each `var<workgroup>`
+/// rounded up to 16 bytes), or `None` if its WGSL does not parse.
+fn workgroup_bytes(wgsl: &str) -> Option<u64> {
+    let module = naga::front::wgsl::parse_str(wgsl).ok()?;
+    let mut layouter = naga::proc::Layouter::default();
+    layouter.update(module.to_ctx()).ok()?;
+    Some(
+        module
+            .global_variables
+            .iter()
+            .filter(|(_, g)| g.space == naga::AddressSpace::WorkGroup)
+            .map(|(_, g)| u64::from(layouter[g.ty].size).next_multiple_of(16))
+            .sum(),
+    )
 }
 
 /// A tensor's place on the GPU: a buffer and the range bound.
@@ -222,6 +257,19 @@ impl GpuDelegate {
                     k.bindings.len(),
                     limits.max_storage_buffers_per_shader_stage
                 )));
+            }
+            // wgpu does not check workgroup memory against the limit, and a
+            // software adapter runs any amount; a GPU's driver would refuse
+            // or misbehave, so refuse here. WGSL that does not parse is left
+            // to wgpu, which reports it with its diagnostics.
+            if let Some(bytes) = workgroup_bytes(&k.wgsl) {
+                if bytes > limits.max_compute_workgroup_storage_size.into() {
+                    return Err(Error::limit(format!(
+                        "kernel `{}` uses {bytes} bytes of workgroup memory, the GPU's \
+                         max_compute_workgroup_storage_size = {}",
+                        k.name, limits.max_compute_workgroup_storage_size
+                    )));
+                }
             }
             let (layout, pipeline) = scoped(
                 &gpu,

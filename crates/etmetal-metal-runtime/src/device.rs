@@ -191,26 +191,27 @@ fn check(
     Ok(())
 }
 
-/// Per field, the larger of two requirements.
-pub(crate) fn union(a: &Requirements, b: &Requirements) -> Requirements {
-    Requirements {
-        max_storage_buffer_binding_size: a
-            .max_storage_buffer_binding_size
-            .max(b.max_storage_buffer_binding_size),
-        max_buffer_size: a.max_buffer_size.max(b.max_buffer_size),
-        max_storage_buffers_per_shader_stage: a
-            .max_storage_buffers_per_shader_stage
-            .max(b.max_storage_buffers_per_shader_stage),
-        max_compute_workgroup_storage_size: a
-            .max_compute_workgroup_storage_size
-            .max(b.max_compute_workgroup_storage_size),
-        max_compute_invocations_per_workgroup: a
-            .max_compute_invocations_per_workgroup
-            .max(b.max_compute_invocations_per_workgroup),
-        max_compute_workgroups_per_dimension: a
-            .max_compute_workgroups_per_dimension
-            .max(b.max_compute_workgroups_per_dimension),
-        shader_f16: a.shader_f16 || b.shader_f16,
+/// `limits` and `features` lowered to what `cap` offers.
+fn apply_cap(limits: &mut wgpu::Limits, features: &mut wgpu::Features, cap: &Requirements) {
+    let l = limits;
+    l.max_storage_buffer_binding_size = l
+        .max_storage_buffer_binding_size
+        .min(cap.max_storage_buffer_binding_size);
+    l.max_buffer_size = l.max_buffer_size.min(cap.max_buffer_size);
+    l.max_storage_buffers_per_shader_stage = l
+        .max_storage_buffers_per_shader_stage
+        .min(cap.max_storage_buffers_per_shader_stage);
+    l.max_compute_workgroup_storage_size = l
+        .max_compute_workgroup_storage_size
+        .min(cap.max_compute_workgroup_storage_size);
+    l.max_compute_invocations_per_workgroup = l
+        .max_compute_invocations_per_workgroup
+        .min(cap.max_compute_invocations_per_workgroup);
+    l.max_compute_workgroups_per_dimension = l
+        .max_compute_workgroups_per_dimension
+        .min(cap.max_compute_workgroups_per_dimension);
+    if !cap.shader_f16 {
+        features.remove(wgpu::Features::SHADER_F16);
     }
 }
 
@@ -218,10 +219,27 @@ impl GpuDevice {
     /// Open the adapter `choice` selects with the limits `req` asks for
     /// (wgpu's defaults where it asks for less, never beyond the adapter's).
     pub fn open(choice: DeviceChoice, req: &Requirements) -> Result<Arc<GpuDevice>> {
+        GpuDevice::open_capped(choice, req, None)
+    }
+
+    /// [`GpuDevice::open`] on an adapter taken to offer at most `cap`, as a
+    /// smaller GPU would: the device is opened with no more than `cap`, and
+    /// a `req` beyond it fails as it would on that GPU.
+    pub fn open_capped(
+        choice: DeviceChoice,
+        req: &Requirements,
+        cap: Option<&Requirements>,
+    ) -> Result<Arc<GpuDevice>> {
         let (instance, adapter) = select_adapter(choice)?;
         let info = adapter.get_info();
-        let available = adapter.limits();
-        check(req, &available, adapter.features(), &describe(&info))?;
+        let mut available = adapter.limits();
+        let mut features = adapter.features();
+        let mut name = describe(&info);
+        if let Some(cap) = cap {
+            apply_cap(&mut available, &mut features, cap);
+            name.push_str(" with capped limits");
+        }
+        check(req, &available, features, &name)?;
         let mut limits = wgpu::Limits::default().or_worse_values_from(&available);
         limits.max_storage_buffer_binding_size = limits
             .max_storage_buffer_binding_size

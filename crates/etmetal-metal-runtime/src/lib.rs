@@ -43,6 +43,8 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 pub struct MetalBackend {
     choice: DeviceChoice,
     timeout: Duration,
+    /// At most what devices are opened with (see `with_limit_cap`).
+    cap: Option<Requirements>,
     device: Mutex<Option<Arc<GpuDevice>>>,
     counters: Arc<delegate::Counters>,
 }
@@ -53,9 +55,18 @@ impl MetalBackend {
         MetalBackend {
             choice,
             timeout: DEFAULT_TIMEOUT,
+            cap: None,
             device: Mutex::new(None),
             counters: Arc::default(),
         }
+    }
+
+    /// Take the adapter to offer at most `cap` (limits, and shader-f16 only
+    /// if `cap.shader_f16`), as a smaller GPU would: a delegate needing more
+    /// fails at load naming the limit, what it needs and what is offered.
+    pub fn with_limit_cap(mut self, cap: Requirements) -> MetalBackend {
+        self.cap = Some(cap);
+        self
     }
 
     /// Fail an execute the GPU has not finished after `timeout`.
@@ -86,10 +97,10 @@ impl MetalBackend {
             return Ok(d.clone());
         }
         let want = match slot.as_ref() {
-            Some(d) => device::union(&d.requested, req),
+            Some(d) => d.requested.union(req),
             None => req.clone(),
         };
-        let d = GpuDevice::open(self.choice, &want)?;
+        let d = GpuDevice::open_capped(self.choice, &want, self.cap.as_ref())?;
         *slot = Some(d.clone());
         Ok(d)
     }

@@ -129,6 +129,32 @@ impl Default for Requirements {
     }
 }
 
+impl Requirements {
+    /// Per field, the larger of the two: what a device must offer to load
+    /// delegates needing `self` and `other`.
+    pub fn union(&self, other: &Requirements) -> Requirements {
+        Requirements {
+            max_storage_buffer_binding_size: self
+                .max_storage_buffer_binding_size
+                .max(other.max_storage_buffer_binding_size),
+            max_buffer_size: self.max_buffer_size.max(other.max_buffer_size),
+            max_storage_buffers_per_shader_stage: self
+                .max_storage_buffers_per_shader_stage
+                .max(other.max_storage_buffers_per_shader_stage),
+            max_compute_workgroup_storage_size: self
+                .max_compute_workgroup_storage_size
+                .max(other.max_compute_workgroup_storage_size),
+            max_compute_invocations_per_workgroup: self
+                .max_compute_invocations_per_workgroup
+                .max(other.max_compute_invocations_per_workgroup),
+            max_compute_workgroups_per_dimension: self
+                .max_compute_workgroups_per_dimension
+                .max(other.max_compute_workgroups_per_dimension),
+            shader_f16: self.shader_f16 || other.shader_f16,
+        }
+    }
+}
+
 /// How a host dtype is stored in a GPU buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GpuRepr {
