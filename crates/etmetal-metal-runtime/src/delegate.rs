@@ -537,8 +537,10 @@ impl GpuDelegate {
             }
             Err(e) => return Err(Error::internal(format!("waiting for the GPU: {e}"))),
         }
-        // The map callback runs during the poll that saw the work finish.
-        match rx.try_recv() {
+        // The map callbacks run in the poll that saw the work finish, which
+        // may be another thread's poll of the shared device (taken before
+        // this thread's poll returned, run after), so wait for them.
+        match rx.recv_timeout(self.timeout) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 return Err(Error::internal(format!("reading the outputs back: {e}")));
