@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 use std::num::NonZeroU64;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use etmetal_core::{Error, Result};
@@ -23,11 +23,26 @@ pub struct GpuStats {
     pub submits: u64,
 }
 
+/// GPU time of one dispatch in a profiled execute, from timestamp queries
+/// written at the start and end of its compute pass.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DispatchTime {
+    /// The kernel's name in the payload (`k3_matmul_add_relu`).
+    pub kernel: String,
+    /// The graph ops fused into the kernel.
+    pub ops: Vec<String>,
+    pub seconds: f64,
+}
+
 #[derive(Default)]
 pub(crate) struct Counters {
     pipelines: AtomicU64,
     buffers: AtomicU64,
     submits: AtomicU64,
+    /// Whether executes write timestamps around every dispatch.
+    pub(crate) profiling: AtomicBool,
+    /// Dispatch times of profiled executes not yet taken, in execution order.
+    pub(crate) times: Mutex<Vec<DispatchTime>>,
 }
 
 impl Counters {
@@ -105,6 +120,98 @@ struct Range {
     size: u64,
 }
 
+/// Timestamp queries around every dispatch (two per dispatch, in query
+/// sets of at most `QUERY_SET_MAX_QUERIES`), resolved and read back with
+/// the outputs.
+struct Profiler {
+    sets: Vec<wgpu::QuerySet>,
+    resolve: wgpu::Buffer,
+    readback: wgpu::Buffer,
+    /// Nanoseconds per timestamp tick.
+    period_ns: f64,
+}
+
+impl Profiler {
+    const PER_SET: u32 = wgpu::QUERY_SET_MAX_QUERIES;
+
+    fn new(gpu: &GpuDevice, dispatches: usize) -> Profiler {
+        let queries = 2 * dispatches as u64;
+        let per_set = u64::from(Self::PER_SET);
+        let sets = (0..queries.div_ceil(per_set))
+            .map(|i| {
+                gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
+                    label: Some("etmetal dispatch timestamps"),
+                    ty: wgpu::QueryType::Timestamp,
+                    count: (queries - i * per_set).min(per_set) as u32,
+                })
+            })
+            .collect();
+        // A full set resolves to 32 KiB, a multiple of the 256-byte alignment.
+        let bytes = (queries * u64::from(wgpu::QUERY_SIZE)).max(8);
+        let buffer = |label, usage| {
+            gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: bytes,
+                usage,
+                mapped_at_creation: false,
+            })
+        };
+        Profiler {
+            sets,
+            resolve: buffer(
+                "timestamp resolve",
+                wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            ),
+            readback: buffer(
+                "timestamp read-back",
+                wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            ),
+            period_ns: f64::from(gpu.queue.get_timestamp_period()),
+        }
+    }
+
+    /// The pass timestamp writes of dispatch `d`.
+    fn writes(&self, d: usize) -> wgpu::ComputePassTimestampWrites<'_> {
+        let q = 2 * d as u32;
+        wgpu::ComputePassTimestampWrites {
+            query_set: &self.sets[(q / Self::PER_SET) as usize],
+            beginning_of_pass_write_index: Some(q % Self::PER_SET),
+            end_of_pass_write_index: Some(q % Self::PER_SET + 1),
+        }
+    }
+
+    fn resolve(&self, encoder: &mut wgpu::CommandEncoder) {
+        for (i, set) in self.sets.iter().enumerate() {
+            let offset = i as u64 * u64::from(Self::PER_SET * wgpu::QUERY_SIZE);
+            encoder.resolve_query_set(set, 0..set.count(), &self.resolve, offset);
+        }
+        encoder.copy_buffer_to_buffer(&self.resolve, 0, &self.readback, 0, self.resolve.size());
+    }
+
+    /// Seconds per dispatch from the mapped read-back buffer.
+    fn seconds(&self) -> Result<Vec<f64>> {
+        let view = self
+            .readback
+            .get_mapped_range(..)
+            .map_err(|e| Error::internal(format!("reading the GPU timestamps back: {e}")))?;
+        let ticks: Vec<u64> = view
+            .chunks_exact(8)
+            .map(|c| {
+                let mut b = [0; 8];
+                b.copy_from_slice(c);
+                u64::from_le_bytes(b)
+            })
+            .collect();
+        drop(view);
+        self.readback.unmap();
+        // A GPU may write an end below its start (a counter reset); 0 then.
+        Ok(ticks
+            .chunks_exact(2)
+            .map(|p| p[1].saturating_sub(p[0]) as f64 * self.period_ns * 1e-9)
+            .collect())
+    }
+}
+
 struct Output {
     /// Payload buffer id.
     id: usize,
@@ -126,6 +233,8 @@ pub(crate) struct GpuDelegate {
     bind_groups: Vec<wgpu::BindGroup>,
     outputs: Vec<Output>,
     staging: wgpu::Buffer,
+    /// Made at the first profiled execute (on a device with timestamp queries).
+    profiler: Option<Profiler>,
     /// Set when an execute timed out with the read-back still pending.
     stuck: bool,
 }
@@ -410,6 +519,7 @@ impl GpuDelegate {
             bind_groups,
             outputs,
             staging,
+            profiler: None,
             stuck: false,
         })
     }
@@ -467,6 +577,20 @@ impl GpuDelegate {
         }
         let inputs = self.gpu_inputs(args)?;
         let gpu = self.gpu.clone();
+        let profile = self.counters.profiling.load(Ordering::Relaxed)
+            && gpu
+                .device
+                .features()
+                .contains(wgpu::Features::TIMESTAMP_QUERY);
+        if profile && self.profiler.is_none() {
+            let n = self.payload.dispatches.len();
+            self.profiler = Some(scoped(
+                &gpu,
+                || format!("creating timestamp queries for {n} dispatches"),
+                || Profiler::new(&gpu, n),
+            )?);
+        }
+        let profiler = self.profiler.as_ref().filter(|_| profile);
         for (&id, bytes) in self.payload.inputs.iter().zip(&inputs) {
             let r = self.ranges[id];
             gpu.queue
@@ -489,16 +613,34 @@ impl GpuDelegate {
                         .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                             label: Some("etmetal delegate"),
                         });
-                {
-                    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                        label: Some("etmetal delegate"),
-                        timestamp_writes: None,
-                    });
-                    for (d, dispatch) in self.payload.dispatches.iter().enumerate() {
-                        let [x, y, z] = dispatch.workgroups;
-                        pass.set_pipeline(&self.pipelines[dispatch.kernel]);
-                        pass.set_bind_group(0, &self.bind_groups[d], &[]);
-                        pass.dispatch_workgroups(x, y, z);
+                let record = |pass: &mut wgpu::ComputePass, d: usize| {
+                    let dispatch = &self.payload.dispatches[d];
+                    let [x, y, z] = dispatch.workgroups;
+                    pass.set_pipeline(&self.pipelines[dispatch.kernel]);
+                    pass.set_bind_group(0, &self.bind_groups[d], &[]);
+                    pass.dispatch_workgroups(x, y, z);
+                };
+                match profiler {
+                    None => {
+                        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                            label: Some("etmetal delegate"),
+                            timestamp_writes: None,
+                        });
+                        (0..self.payload.dispatches.len()).for_each(|d| record(&mut pass, d));
+                    }
+                    // Pass-boundary timestamps need only TIMESTAMP_QUERY
+                    // (Apple GPUs have no timestamps inside passes), so a
+                    // profiled execute gives each dispatch its own pass.
+                    Some(p) => {
+                        for d in 0..self.payload.dispatches.len() {
+                            let mut pass =
+                                encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                                    label: Some("etmetal delegate (profiled)"),
+                                    timestamp_writes: Some(p.writes(d)),
+                                });
+                            record(&mut pass, d);
+                        }
+                        p.resolve(&mut encoder);
                     }
                 }
                 for o in &self.outputs {
@@ -515,6 +657,11 @@ impl GpuDelegate {
         )?;
         self.counters.submits.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel();
+        if let Some(p) = profiler {
+            let tx = tx.clone();
+            p.readback
+                .map_async(wgpu::MapMode::Read, .., move |r| drop(tx.send(r)));
+        }
         self.staging
             .map_async(wgpu::MapMode::Read, .., move |r| drop(tx.send(r)));
         let polled = gpu.device.poll(wgpu::PollType::Wait {
@@ -540,17 +687,39 @@ impl GpuDelegate {
         // The map callbacks run in the poll that saw the work finish, which
         // may be another thread's poll of the shared device (taken before
         // this thread's poll returned, run after), so wait for them.
-        match rx.recv_timeout(self.timeout) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                return Err(Error::internal(format!("reading the outputs back: {e}")));
+        let maps = 1 + usize::from(profiler.is_some());
+        for _ in 0..maps {
+            match rx.recv_timeout(self.timeout) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    return Err(Error::internal(format!("reading the outputs back: {e}")));
+                }
+                Err(_) => {
+                    self.stuck = true;
+                    return Err(Error::internal(
+                        "the GPU finished but the outputs were not mapped",
+                    ));
+                }
             }
-            Err(_) => {
-                self.stuck = true;
-                return Err(Error::internal(
-                    "the GPU finished but the outputs were not mapped",
-                ));
-            }
+        }
+        if let Some(p) = profiler {
+            let times =
+                p.seconds()?
+                    .into_iter()
+                    .zip(&self.payload.dispatches)
+                    .map(|(seconds, d)| {
+                        let k = &self.payload.kernels[d.kernel];
+                        DispatchTime {
+                            kernel: k.name.clone(),
+                            ops: k.ops.clone(),
+                            seconds,
+                        }
+                    });
+            self.counters
+                .times
+                .lock()
+                .map_err(|_| Error::internal("the GPU timing lock is poisoned"))?
+                .extend(times);
         }
         let result = {
             let view = self

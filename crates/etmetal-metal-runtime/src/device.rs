@@ -257,11 +257,13 @@ impl GpuDevice {
         limits.max_compute_workgroups_per_dimension = limits
             .max_compute_workgroups_per_dimension
             .max(req.max_compute_workgroups_per_dimension);
-        let required_features = if req.shader_f16 {
+        let mut required_features = if req.shader_f16 {
             wgpu::Features::SHADER_F16
         } else {
             wgpu::Features::empty()
         };
+        // Timestamps cost nothing unless written; profiled executes use them.
+        required_features |= adapter.features() & wgpu::Features::TIMESTAMP_QUERY;
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("etmetal"),
             required_features,

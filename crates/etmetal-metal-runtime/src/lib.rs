@@ -24,6 +24,7 @@
 mod delegate;
 mod device;
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,7 +33,7 @@ use etmetal_metal::payload::{Payload, Requirements};
 use etmetal_pte::CompileSpec;
 use etmetal_runtime::{Backend, DelegateHandle, NamedData};
 
-pub use delegate::GpuStats;
+pub use delegate::{DispatchTime, GpuStats};
 pub use device::{describe, select_adapter, DeviceChoice, GpuDevice};
 pub use etmetal_metal::BACKEND_ID;
 
@@ -73,6 +74,34 @@ impl MetalBackend {
     pub fn with_timeout(mut self, timeout: Duration) -> MetalBackend {
         self.timeout = timeout;
         self
+    }
+
+    /// Time every dispatch of later executes with GPU timestamp queries,
+    /// where the device has them (see [`MetalBackend::take_dispatch_times`]),
+    /// or stop. A profiled execute gives each dispatch a compute pass of its
+    /// own, so it runs slightly slower than a plain one.
+    pub fn set_profiling(&self, on: bool) {
+        self.counters.profiling.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether the device has the timestamp queries profiling needs (false
+    /// before the first delegate opens it).
+    pub fn can_profile(&self) -> bool {
+        self.device().is_some_and(|d| {
+            d.device
+                .features()
+                .contains(wgpu::Features::TIMESTAMP_QUERY)
+        })
+    }
+
+    /// The dispatch times of profiled executes since the last call, in
+    /// execution order (empty without profiling or timestamp queries).
+    pub fn take_dispatch_times(&self) -> Vec<DispatchTime> {
+        self.counters
+            .times
+            .lock()
+            .map(|mut t| std::mem::take(&mut *t))
+            .unwrap_or_default()
     }
 
     /// Counters over every delegate this backend loaded and ran.

@@ -244,11 +244,10 @@ fn affine_over_weights_and_load_once() {
     assert_eq!(after.submits, 2);
 }
 
-#[test]
-fn two_dispatches_chain_through_an_intermediate_and_share_a_pipeline() {
-    let shape = [3, 5];
+/// Two dispatches of one kernel `y = (x*2+1)*2+1` through an intermediate.
+fn chain_payload(shape: [usize; 2]) -> Payload {
     let add_one = elementwise("f32", 15, "x[i] * 2.0 + 1.0", "");
-    let payload = Payload {
+    Payload {
         buffers: vec![
             arena("x", DType::F32, &shape, 0, 0),
             arena("t", DType::F32, &shape, 0, 256),
@@ -264,7 +263,13 @@ fn two_dispatches_chain_through_an_intermediate_and_share_a_pipeline() {
         outputs: vec![2],
         arenas: vec![512, 60],
         requirements: Requirements::default(),
-    };
+    }
+}
+
+#[test]
+fn two_dispatches_chain_through_an_intermediate_and_share_a_pipeline() {
+    let shape = [3, 5];
+    let payload = chain_payload(shape);
     let x: Vec<f32> = (0..15).map(|i| i as f32 - 7.0).collect();
     let b = backend();
     let mut h = b.init(&payload.encode(), &[], &Named::new()).unwrap();
@@ -277,6 +282,52 @@ fn two_dispatches_chain_through_an_intermediate_and_share_a_pipeline() {
     let want: Vec<f32> = x.iter().map(|v| (v * 2.0 + 1.0) * 2.0 + 1.0).collect();
     assert_eq!(output(&a, 0).to_f32_vec(), want);
     assert_eq!(output(&a, 0).shape(), shape);
+}
+
+#[test]
+fn profiled_executes_time_every_dispatch_and_compute_the_same() {
+    let shape = [3, 5];
+    let payload = chain_payload(shape);
+    let x = Tensor::from_f32(
+        DType::F32,
+        &shape,
+        &(0..15).map(|i| i as f32).collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let plain = run_once(&payload, &Named::new(), std::slice::from_ref(&x));
+    let b = backend();
+    let mut h = b.init(&payload.encode(), &[], &Named::new()).unwrap();
+    let mut a = args(std::slice::from_ref(&x), &payload);
+    h.execute(&mut a).unwrap();
+    assert!(b.take_dispatch_times().is_empty(), "not profiling yet");
+    b.set_profiling(true);
+    for _ in 0..3 {
+        let mut a = args(std::slice::from_ref(&x), &payload);
+        h.execute(&mut a).unwrap();
+        assert_eq!(output(&a, 0).to_f32_vec(), plain.to_f32_vec());
+    }
+    let times = b.take_dispatch_times();
+    if b.can_profile() {
+        assert_eq!(times.len(), 6, "two dispatches a run, three runs");
+        for t in &times {
+            assert_eq!(
+                (t.kernel.as_str(), t.ops.as_slice()),
+                ("k0_mul_add", &["k0_mul_add".to_string()][..])
+            );
+            assert!(t.seconds.is_finite() && t.seconds >= 0.0, "{t:?}");
+        }
+    } else {
+        assert!(
+            times.is_empty(),
+            "no timestamp queries, no times: {times:?}"
+        );
+    }
+    assert!(b.take_dispatch_times().is_empty(), "taken once");
+    b.set_profiling(false);
+    let mut a = args(std::slice::from_ref(&x), &payload);
+    h.execute(&mut a).unwrap();
+    assert_eq!(output(&a, 0).to_f32_vec(), plain.to_f32_vec());
+    assert!(b.take_dispatch_times().is_empty(), "profiling off again");
 }
 
 #[test]

@@ -106,6 +106,10 @@ enum Command {
         /// Warm-up executions before timing (with --bench).
         #[arg(long, default_value_t = 1, value_name = "W")]
         warmup: usize,
+        /// Also write the --bench figures (latencies, per-kernel GPU times,
+        /// peak memory) to FILE as JSON.
+        #[arg(long, value_name = "FILE", requires = "bench")]
+        bench_json: Option<PathBuf>,
     },
 }
 
@@ -159,14 +163,18 @@ fn main() -> ExitCode {
             device,
             bench,
             warmup,
+            bench_json,
         } => run(
             &mut out,
             &model,
             &inputs,
             &output_dir,
             device,
-            bench,
-            warmup,
+            bench.map(|runs| Bench {
+                runs,
+                warmup,
+                json: bench_json,
+            }),
         ),
     };
     // A closed pipe (`etmetal inspect m.pte | head`) is not an error.
@@ -500,8 +508,7 @@ fn run(
     input_paths: &[PathBuf],
     output_dir: &Path,
     device: Device,
-    bench: Option<usize>,
-    warmup: usize,
+    bench: Option<Bench>,
 ) -> Result<()> {
     let pte = etmetal::is_pte(path)?;
     let delegated = if pte { gpu_delegates(path)? } else { 0 };
@@ -520,7 +527,11 @@ fn run(
         }
         _ => Model::load_with(path, options)?,
     };
-    let adapter = gpu.and_then(|b| b.device()).map(|d| d.description());
+    let load_peak = bench.as_ref().and_then(|_| peak_rss());
+    let adapter = gpu
+        .as_ref()
+        .and_then(|b| b.device())
+        .map(|d| d.description());
     let inputs = load_inputs(&model, input_paths)?;
     let start = Instant::now();
     let outputs = model.execute(inputs.clone())?;
@@ -547,8 +558,18 @@ fn run(
         "ran on {place} in {:.3} ms",
         elapsed.as_secs_f64() * 1e3
     );
-    if let Some(n) = bench {
-        bench_model(out, &mut model, &inputs, n, warmup)?;
+    if let Some(bench) = bench {
+        let report = bench_model(out, &mut model, &inputs, &bench, gpu.as_deref())?;
+        if let Some(file) = &bench.json {
+            let mut json = report;
+            json["model"] = path.display().to_string().into();
+            json["device"] = place.into();
+            json["peak_rss_after_load_bytes"] = load_peak.into();
+            json["peak_rss_bytes"] = peak_rss().into();
+            let text = serde_json::to_string_pretty(&json)
+                .map_err(|e| Error::internal(format!("writing the bench JSON: {e}")))?;
+            std::fs::write(file, text + "\n").map_err(|e| Error::io(file.display(), e))?;
+        }
     }
     Ok(())
 }
@@ -624,13 +645,43 @@ fn cpu_only(
     )))
 }
 
+/// `run --bench`: how many timed and warm-up executes, where to write JSON.
+struct Bench {
+    runs: usize,
+    warmup: usize,
+    json: Option<PathBuf>,
+}
+
+/// The `q` quantile (nearest rank) of sorted `v`.
+fn quantile(v: &[f64], q: f64) -> f64 {
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// The process's peak resident set so far, in bytes (Linux `VmHWM`; `None`
+/// where /proc is absent).
+fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
+    kib.trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .map(|k| k * 1024)
+}
+
+/// Time `bench.runs` executes after `bench.warmup`; then, where the GPU has
+/// timestamp queries, as many profiled executes for per-kernel GPU times
+/// (apart, since a profiled execute gives each dispatch its own pass).
+/// Prints the figures and returns them as JSON.
 fn bench_model(
     out: &mut String,
     model: &mut Model,
     inputs: &[Tensor],
-    n: usize,
-    warmup: usize,
-) -> Result<()> {
+    bench: &Bench,
+    gpu: Option<&MetalBackend>,
+) -> Result<serde_json::Value> {
+    let (n, warmup) = (bench.runs, bench.warmup);
     if n == 0 {
         return Err(Error::invalid_input("--bench needs at least one run"));
     }
@@ -643,13 +694,97 @@ fn bench_model(
         model.execute(inputs.to_vec())?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
     }
-    times.sort_by(f64::total_cmp);
-    let pick = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+    let mut sorted = times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let (median, p90) = (quantile(&sorted, 0.5), quantile(&sorted, 0.9));
     say!(
         out,
-        "bench: {n} runs after {warmup} warm-up: median {:.3} ms, p90 {:.3} ms",
-        pick(0.5),
-        pick(0.9)
+        "bench: {n} runs after {warmup} warm-up: median {median:.3} ms, p90 {p90:.3} ms"
     );
-    Ok(())
+    let gpu_json = match gpu {
+        Some(g) if g.can_profile() => gpu_profile(out, model, inputs, n, g)?,
+        Some(_) => {
+            let why = "the GPU adapter has no timestamp queries";
+            say!(out, "bench: no per-kernel GPU times: {why}");
+            serde_json::json!({ "unavailable": why })
+        }
+        None => serde_json::Value::Null,
+    };
+    Ok(serde_json::json!({
+        "runs": n,
+        "warmup": warmup,
+        "latency_ms": {
+            "median": median,
+            "p90": p90,
+            "min": sorted[0],
+            "mean": times.iter().sum::<f64>() / n as f64,
+        },
+        "times_ms": times,
+        "gpu": gpu_json,
+    }))
+}
+
+/// `n` profiled executes: per dispatch (in execution order) its median GPU
+/// time, printed one line each with its share of the median GPU total.
+fn gpu_profile(
+    out: &mut String,
+    model: &mut Model,
+    inputs: &[Tensor],
+    n: usize,
+    gpu: &MetalBackend,
+) -> Result<serde_json::Value> {
+    gpu.take_dispatch_times();
+    gpu.set_profiling(true);
+    let mut runs = Vec::with_capacity(n);
+    let mut result = Ok(());
+    for _ in 0..n {
+        result = model.execute(inputs.to_vec()).map(drop);
+        if result.is_err() {
+            break;
+        }
+        runs.push(gpu.take_dispatch_times());
+    }
+    gpu.set_profiling(false);
+    result?;
+    let per_run = runs[0].len();
+    if let Some(r) = runs.iter().find(|r| r.len() != per_run) {
+        return Err(Error::internal(format!(
+            "profiled executes ran {per_run} and {} dispatches",
+            r.len()
+        )));
+    }
+    let median_of = |f: &dyn Fn(&[etmetal_metal_runtime::DispatchTime]) -> f64| {
+        let mut v: Vec<f64> = runs.iter().map(|r| f(r) * 1e3).collect();
+        v.sort_by(f64::total_cmp);
+        quantile(&v, 0.5)
+    };
+    let total = median_of(&|r| r.iter().map(|t| t.seconds).sum());
+    say!(
+        out,
+        "bench: GPU time {total:.3} ms median over {n} profiled runs, {per_run} dispatches:"
+    );
+    let mut kernels = Vec::with_capacity(per_run);
+    for (d, first) in runs[0].iter().enumerate() {
+        let ms = median_of(&|r| r[d].seconds);
+        let share = if total > 0.0 { ms / total } else { 0.0 };
+        say!(
+            out,
+            "  {:<40} {:>10.4} ms {:>5.1}%  [{}]",
+            first.kernel,
+            ms,
+            share * 100.0,
+            first.ops.join(", ")
+        );
+        kernels.push(serde_json::json!({
+            "kernel": first.kernel,
+            "ops": first.ops,
+            "median_ms": ms,
+            "share": share,
+        }));
+    }
+    Ok(serde_json::json!({
+        "profiled_runs": n,
+        "total_ms_median": total,
+        "dispatches": kernels,
+    }))
 }
