@@ -72,6 +72,7 @@ pub fn op_supported(op: &Op) -> Result<(), String> {
 /// `Err` holds the reason it stays on the CPU.
 pub fn supports(graph: &Graph, node: &Node, limits: &DeviceLimits) -> Result<(), String> {
     op_supported(&node.op)?;
+    fits_i32(&node.op)?;
     let info = |id: etmetal_graph::ValueId| {
         graph
             .values
@@ -91,6 +92,15 @@ pub fn supports(graph: &Graph, node: &Node, limits: &DeviceLimits) -> Result<(),
     for (i, v) in ins.iter().enumerate() {
         if let Some(v) = v {
             storable(v, limits).map_err(|e| format!("input {i}: {e}"))?;
+            let id = node.inputs[i].expect("present slot");
+            if let Some(data) = graph.constants.get(&id).filter(|t| t.dtype() == DType::I64) {
+                if data.to_i64_vec().iter().any(|&x| i32::try_from(x).is_err()) {
+                    return Err(format!(
+                        "input {i} `{}` holds int64 values beyond the GPU's 32-bit integers",
+                        v.name
+                    ));
+                }
+            }
             if v.dtype == DType::I64 && !moves_bytes(&node.op) {
                 return Err(format!(
                     "input {i} `{}` is int64 (WGSL has no 64-bit integers)",
@@ -154,7 +164,8 @@ fn storable(v: &ValueInfo, limits: &DeviceLimits) -> Result<(), String> {
 }
 
 /// Ops whose kernels copy or write elements without arithmetic on them, so
-/// int64 travels as two 32-bit words.
+/// int64 can travel narrowed to i32 (checked where values enter the GPU:
+/// inputs at each execute, weights and constants at compile).
 fn moves_bytes(op: &Op) -> bool {
     matches!(
         op,
@@ -177,6 +188,27 @@ fn moves_bytes(op: &Op) -> bool {
             | Op::Full { .. }
             | Op::Arange { .. }
     )
+}
+
+/// Integer constants the kernels bake in must fit the GPU's 32-bit integers.
+fn fits_i32(op: &Op) -> Result<(), String> {
+    let scalars = match op {
+        Op::Full { value, .. } => vec![*value],
+        Op::Arange {
+            start, end, step, ..
+        } => vec![*start, *end, *step],
+        _ => vec![],
+    };
+    for s in scalars {
+        if let Scalar::Int(v) = s {
+            if i32::try_from(v).is_err() {
+                return Err(format!(
+                    "integer constant {v} does not fit the GPU's 32-bit integers"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Outputs that hold int64 indices written by a float kernel.
@@ -467,6 +499,32 @@ mod tests {
             (DType::I64, &[]),
         );
         assert!(int_sum.is_err());
+    }
+
+    #[test]
+    fn integer_constants_must_fit_32_bits() {
+        let full = |v: i64| Op::Full {
+            shape: vec![2],
+            value: Scalar::Int(v),
+            dtype: DType::I64,
+        };
+        assert_eq!(fits_i32(&full(-5)), Ok(()));
+        assert!(fits_i32(&full(i64::MIN)).unwrap_err().contains("32-bit"));
+        let mut g = Graph::default();
+        let w = g.add_constant(
+            "w",
+            etmetal_core::Tensor::from_i64(DType::I64, &[2], &[1, 1 << 40]).unwrap(),
+        );
+        let y = g.add_value("y", DType::I64, vec![2]);
+        let node = Node {
+            name: "copy".into(),
+            target: "t".into(),
+            op: Op::Identity,
+            inputs: vec![Some(w)],
+            outputs: vec![y],
+        };
+        let err = supports(&g, &node, &DeviceLimits::default()).unwrap_err();
+        assert!(err.contains("beyond the GPU's 32-bit"), "{err}");
     }
 
     #[test]
