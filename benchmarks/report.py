@@ -1,0 +1,210 @@
+"""Write BENCHMARKS.md (and ratios.png where matplotlib imports) from
+benchmarks/results/{gpu,cpu}.json. Run through `run.py report`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+PNG = HERE / "ratios.png"
+# H200 SXM leads from the datasheet (plain f32, dense bf16 tensor cores, HBM3e).
+PEAK = {"f32": 67e12, "bf16": 990e12}
+PEAK_BW = 4.8e12
+
+
+def load(name):
+    p = RESULTS / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def f(v, digits=3):
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}" if abs(v) >= 10 ** -digits or v == 0 else f"{v:.1e}"
+    return str(v)
+
+
+def mib(n):
+    return "–" if n is None else f"{n / 2**20:.1f}"
+
+
+def table(head, rows):
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def op_rows(gpu):
+    rows, ratios = [], []
+    for o in gpu["ops"]:
+        if "error" in o:
+            rows.append([o["op"], o["dtype"], "error: " + o["error"].splitlines()[-1][:120]] + [""] * 8)
+            continue
+        k, t = o["etmetal_kernel_ms"], o["torch_ms"]
+        r = ratio(k, t)
+        memory_bound = o["op"].startswith("sdpa_1x")
+        if memory_bound:
+            rate = lambda ms: None if ms is None else o["bytes"] / (ms * 1e-3) / 1e9  # noqa: E731
+            peak = lambda ms: None if ms is None else o["bytes"] / (ms * 1e-3) / PEAK_BW  # noqa: E731
+            unit = "GB/s"
+        else:
+            rate = lambda ms: None if ms is None else o["flops"] / (ms * 1e-3) / 1e12  # noqa: E731
+            peak = lambda ms: None if ms is None else o["flops"] / (ms * 1e-3) / PEAK[o["dtype"]]  # noqa: E731
+            unit = "TFLOP/s"
+        rows.append([o["op"], o["dtype"], f(t), f(k), f(r, 2), f"{f(rate(k), 1)} / {f(rate(t), 1)} {unit}",
+                     f(None if peak(k) is None else 100 * peak(k), 1), f(o["etmetal_e2e_ms"]), o["dispatches"],
+                     f(o["err"], 1)])
+        if r is not None:
+            ratios.append((f"{o['op']} {o['dtype']}", r))
+    return rows, ratios
+
+
+def model_rows(gpu):
+    rows, ratios = [], []
+    for m in gpu["models"]:
+        if "error" in m:
+            rows.append([m["model"], m["dtype"], "error: " + m["error"].splitlines()[-1][:120]] + [""] * 8)
+            continue
+        r = ratio(m["etmetal_e2e_ms"], m["torch_e2e_ms"])
+        top = m["top_kernels"][0] if m["top_kernels"] else None
+        rows.append([m["model"], m["dtype"], mib(m["weight_bytes"]), f(m["torch_ms"]), f(m["torch_e2e_ms"]),
+                     f(m["etmetal_kernel_ms"]), f(m["etmetal_e2e_ms"]), f(r, 2), m["dispatches"],
+                     "–" if top is None else f"{top['kernel']} {100 * top['share']:.0f}%", f(m["err"], 1)])
+        if r is not None:
+            ratios.append((f"{m['model']} {m['dtype']}", r))
+    return rows, ratios
+
+
+def chart(op_ratios, model_ratios):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    items = [(n, r, "op (GPU kernel time)") for n, r in op_ratios] + \
+            [(n, r, "model (end to end)") for n, r in model_ratios]
+    fig, ax = plt.subplots(figsize=(9, 0.28 * len(items) + 1.5))
+    colours = {"op (GPU kernel time)": "tab:blue", "model (end to end)": "tab:orange"}
+    ax.barh([n for n, _, _ in items], [r for _, r, _ in items], color=[colours[k] for _, _, k in items])
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+    ax.set_xlabel("etmetal time / PyTorch eager CUDA time (log; < 1 is faster)")
+    ax.set_title("etmetal vs PyTorch on one H200")
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in colours.items()], loc="lower right")
+    fig.tight_layout()
+    fig.savefig(PNG, dpi=110)
+    return True
+
+
+def main():
+    gpu, cpu = load("gpu"), load("cpu")
+    md = ["# etmetal benchmarks", "",
+          "Written by `python3 benchmarks/run.py report` from `benchmarks/results/*.json`; do not edit by hand. "
+          "How each figure is taken: `benchmarks/README.md`. One run of each; ratios are etmetal time over the "
+          "other's (below 1: etmetal is faster).", ""]
+    op_ratios = model_ratios = []
+    if gpu:
+        mach = gpu["machine"]
+        md += ["## GPU: etmetal (wgpu over Vulkan) vs PyTorch eager CUDA", "",
+               f"Machine: {mach['gpu']} ({mach['sms']} SMs; nvidia-smi: {mach['nvidia_smi']}), "
+               f"{mach['cores']} cores of {mach['cpu']}; PyTorch {mach['torch']} (CUDA {mach['cuda']}). "
+               f"etmetal adapter: {next((o['adapter'] for o in gpu['ops'] if 'adapter' in o), '–')}. "
+               f"{gpu['runs']} timed runs after {gpu['warmup']} warm-ups (PyTorch: 5x the runs).", ""]
+        rows, op_ratios = op_rows(gpu)
+        md += ["### Ops", "",
+               "PyTorch: CUDA events around each call, operands on the GPU, TF32 off. etmetal kernel: sum of "
+               "the GPU timestamps of every dispatch, median over the profiled runs. etmetal end to end: one "
+               "`Method::execute` (host inputs up, dispatches, outputs read back), which PyTorch's column "
+               "does not include. Peak: the datasheet's 67 TFLOP/s f32, 990 TFLOP/s dense bf16, 4.8 TB/s. "
+               "err: ‖etmetal − ref‖/‖ref‖, ref in f64 (f32 rows) or f32 (bf16 rows) from the same inputs. "
+               f"bmm runs {4} batches.", "",
+               table(["op", "dtype", "PyTorch ms", "etmetal kernel ms", "ratio", "rate etmetal / PyTorch",
+                      "etmetal % of peak", "etmetal e2e ms", "dispatches", "err"], rows), ""]
+        rows, model_ratios = model_rows(gpu)
+        md += ["### Models (batch 1)", "",
+               "Zoo modules of `tests/parity/zoo.py` at the sizes in `benchmarks/run.py` (sequence 128, "
+               "56x56 images). PyTorch GPU: CUDA events, inputs already on the GPU; PyTorch e2e: host "
+               "inputs to the GPU, forward, outputs back to the host (wall clock), the same work an etmetal "
+               "execute does; ratio = etmetal e2e / PyTorch e2e. err against PyTorch's output on the GPU. "
+               "torch.compile was not measured.", "",
+               table(["model", "dtype", "weights MiB", "PyTorch GPU ms", "PyTorch e2e ms", "etmetal kernel ms",
+                      "etmetal e2e ms", "ratio", "dispatches", "top kernel", "err"], rows), ""]
+        gaps = sorted(op_ratios + model_ratios, key=lambda x: -x[1])[:3]
+        md += ["### Largest gaps to PyTorch", ""] + [f"- {n}: {r:.1f}x PyTorch's time" for n, r in gaps] + [""]
+        mem = [[m["model"], m["dtype"], mib(m["weight_bytes"]), mib(m["peak_rss_after_load"]), mib(m["peak_rss"])]
+               for m in gpu["models"] if "error" not in m]
+        md += ["### Host memory of the GPU runs", "",
+               "Peak RSS (VmHWM) of the `etmetal run` process after load and at the end, MiB.", "",
+               table(["model", "dtype", "weights", "peak RSS after load", "peak RSS"], mem), ""]
+    else:
+        md += ["## GPU", "", "Not run: no `results/gpu.json`.", ""]
+    if cpu:
+        mach = cpu["machine"]
+        md += ["## CPU: etmetal's CPU path vs ExecuTorch's runtime", "",
+               f"Machine: {mach['cores']} cores of {mach['cpu']}; PyTorch {mach['torch']} with the pip "
+               f"`executorch` runtime. {cpu['threads']} threads for both (RAYON_NUM_THREADS; XNNPACK's pool "
+               f"defaults to the cores). etmetal: `compile --backend cpu` + `run --device cpu --bench`; "
+               f"ExecuTorch: `executorch.runtime` `Method.execute` from Python, wall clock. Median of "
+               f"{cpu['runs']} after {cpu['warmup']} warm-ups. Models in f32, batch 1. The machine is a shared "
+               f"2-core development box (other builds may run meanwhile): treat these as rough.", ""]
+        rows = []
+        for m in cpu["models"]:
+            def et(kind):
+                return f(m.get(f"et_{kind}_ms")) if f"et_{kind}_ms" in m else \
+                    "error: " + m.get(f"et_{kind}_error", "?")[:80]
+            rows.append([m["model"], f(m["etmetal_ms"]), et("portable"), et("xnnpack"),
+                         f(ratio(m["etmetal_ms"], m.get("et_portable_ms")), 2),
+                         f(ratio(m["etmetal_ms"], m.get("et_xnnpack_ms")), 2), f(m["etmetal_err"], 1)])
+        md += [table(["model", "etmetal ms", "ET portable ms", "ET XNNPACK ms", "vs portable", "vs XNNPACK",
+                      "etmetal err"], rows), ""]
+        rows = [[m["model"], f(m["compile_s_etmetal_cpu"]), f(m["compile_s_etmetal_metal"]),
+                 f(m["compile_s_et_portable"]), f(m["compile_s_et_xnnpack"]),
+                 f(ratio(m["compile_s_et_xnnpack"], m["compile_s_etmetal_metal"]), 1)] for m in cpu["models"]]
+        md += ["### Compile time", "",
+               "Seconds from the same f32 `.pt2`: `etmetal compile` (a process, wall clock) vs ExecuTorch "
+               "`torch.export.load` + `to_edge(...)` or `to_edge_transform_and_lower(..., XnnpackPartitioner)` "
+               "+ `to_executorch()` (in one Python process, torch already imported).", "",
+               table(["model", "etmetal cpu s", "etmetal metal s", "ET portable s", "ET XNNPACK s",
+                      "XNNPACK / etmetal metal"], rows), ""]
+        rows = [[m["model"], mib(m["weight_bytes"]), mib(m["peak_rss_after_load"]), mib(m["peak_rss"]),
+                 f(ratio(m["peak_rss"], m["weight_bytes"]), 1)] for m in cpu["models"]]
+        md += ["### Memory (CPU path)", "",
+               "Peak RSS (VmHWM) of `etmetal run --device cpu`, MiB, against the model's weight bytes. "
+               "The process's own baseline (binary, allocator) is a few MiB, so small models read high.", "",
+               table(["model", "weights", "peak RSS after load", "peak RSS", "peak / weights"], rows), ""]
+    else:
+        md += ["## CPU", "", "Not run: no `results/cpu.json`.", ""]
+    if gpu and chart(op_ratios, model_ratios):
+        md += ["## Chart", "", "![etmetal / PyTorch time ratios](benchmarks/ratios.png)", ""]
+    elif PNG.exists():
+        md += ["## Chart", "", "![etmetal / PyTorch time ratios](benchmarks/ratios.png) (from the last run "
+               "that had matplotlib)", ""]
+    else:
+        md += ["## Chart", "", "No chart: matplotlib did not import where the report ran.", ""]
+    md += ["## Reproduce", "", "```",
+           "export CARGO_TARGET_DIR=target && cargo build --release -p etmetal",
+           "mkdir -p .bench && cp target/release/etmetal .bench/ && strip .bench/etmetal",
+           "python benchmarks/run.py prepare   # torch 2.15 + executorch venv (scripts/setup-python.sh)",
+           "python benchmarks/run.py cpu",
+           "# on the GPU machine, with .bench/ and the Vulkan loader there:",
+           "python3 benchmarks/run.py gpu && python3 benchmarks/run.py report",
+           "```", ""]
+    (REPO / "BENCHMARKS.md").write_text("\n".join(md))
+    print(f"wrote {REPO / 'BENCHMARKS.md'}")
+
+
+if __name__ == "__main__":
+    main()
