@@ -36,7 +36,7 @@ step "cargo build (profile ci): etmetal, examples"
 cargo build --quiet --profile ci -p etmetal --bin etmetal --example generate
 cargo build --quiet --profile ci -p etmetal-pte --example roundtrip
 step "python package (maturin develop into the venv)"
-# python/ is its own Cargo workspace; same target dir and profile as above.
+# python/ is a workspace member: same lock, features, target dir and profile.
 VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
     "$venv/bin/maturin" develop --quiet --profile ci --manifest-path python/Cargo.toml
 step "parity suite"
