@@ -9,7 +9,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand, ValueEnum};
 use etmetal::compile::{self, CompileOptions};
 use etmetal::Model;
-use etmetal_core::{npy, Error, Result, Tensor};
+use etmetal_core::{npy, DType, Error, Result, Tensor};
 use etmetal_graph::{InputKind, OutputKind};
 use etmetal_metal::partitioner::{PartitionMode, PartitionOptions};
 use etmetal_metal::payload::{gpu_bytes, Location, Payload};
@@ -45,6 +45,13 @@ enum Backend {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum FloatDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Partition {
     /// Delegate what the GPU takes; the rest runs on CPU kernels between partitions.
     Auto,
@@ -73,6 +80,10 @@ enum Command {
         /// Write each GPU kernel's `.wgsl` and its MSL translation (`.metal`) into DIR.
         #[arg(long, value_name = "DIR")]
         emit_msl: Option<PathBuf>,
+        /// Compute in this float dtype: float32 inputs, weights and outputs
+        /// become bf16 or f16 (as `module.to(dtype)` in PyTorch).
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: FloatDtype,
     },
     /// Show a program: inputs, outputs, weights and ops (`.pt2`), or the
     /// execution plan, operators, delegates, segments and arenas (`.pte`).
@@ -137,6 +148,7 @@ fn main() -> ExitCode {
             partition,
             skip_ops,
             emit_msl,
+            dtype,
         } => {
             let options = CompileOptions {
                 backend: match backend {
@@ -153,7 +165,19 @@ fn main() -> ExitCode {
                 },
                 ..CompileOptions::default()
             };
-            compile_cmd(&mut out, &model, &output, &options, emit_msl.as_deref())
+            let dtype = match dtype {
+                FloatDtype::F32 => DType::F32,
+                FloatDtype::Bf16 => DType::BF16,
+                FloatDtype::F16 => DType::F16,
+            };
+            compile_cmd(
+                &mut out,
+                &model,
+                &output,
+                &options,
+                dtype,
+                emit_msl.as_deref(),
+            )
         }
         Command::Inspect { model } => inspect(&mut out, &model),
         Command::Run {
@@ -208,10 +232,12 @@ fn compile_cmd(
     path: &Path,
     output: &Path,
     options: &CompileOptions,
+    dtype: DType,
     emit_msl: Option<&Path>,
 ) -> Result<()> {
     let start = Instant::now();
-    let graph = etmetal_graph::load_pt2(path)?;
+    let mut graph = etmetal_graph::load_pt2(path)?;
+    etmetal_graph::precision::convert_floats(&mut graph, dtype)?;
     // progress goes to stderr as it happens; the summary to stdout
     let compiled = compile::compile(&graph, options, &mut |line| eprintln!("etmetal: {line}"))
         .map_err(|e| e.context(format!("compiling {}", path.display())))?;

@@ -313,6 +313,46 @@ fn metal_compile_runs_on_the_gpu_inspects_and_emits_msl() {
 }
 
 #[test]
+fn dtype_bf16_compiles_a_float32_model_in_bfloat16() {
+    let dir = scratch("dtype");
+    let pte = dir.join("mlp_bf16.pte");
+    let res = etmetal(&[
+        "compile",
+        fixture("mlp.pt2").to_str().unwrap(),
+        "-o",
+        pte.to_str().unwrap(),
+        "--dtype",
+        "bf16",
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let out = dir.join("out");
+    let res = etmetal(&[
+        "run",
+        pte.to_str().unwrap(),
+        "--inputs",
+        fixture("mlp.input_0.npy").to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    assert!(stdout.contains("output_0: bfloat16"), "{stdout}");
+    let worst = worst_error(&out.join("output_0.npy"), "mlp.output_0.npy");
+    assert!(
+        worst > 0.0 && worst < 5e-2,
+        "largest error {worst} against float32"
+    );
+}
+
+#[test]
 fn partition_modes_and_skipped_ops() {
     let dir = scratch("partition");
     let pte = dir.join("m.pte");
