@@ -2,6 +2,7 @@
 //! once at load; an execute writes the inputs, records every dispatch into
 //! one compute pass, submits once and reads the outputs back.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -526,7 +527,7 @@ impl GpuDelegate {
 
     /// Check the call's arguments against the payload (every one a tensor
     /// of the dtype and shape of its buffer) and return the inputs' GPU bytes.
-    fn gpu_inputs(&self, args: &[DelegateArg]) -> Result<Vec<Vec<u8>>> {
+    fn gpu_inputs<'a>(&self, args: &'a [DelegateArg]) -> Result<Vec<Cow<'a, [u8]>>> {
         let (ni, no) = (self.payload.inputs.len(), self.payload.outputs.len());
         if args.len() != ni + no {
             return Err(Error::invalid_input(format!(
@@ -594,7 +595,7 @@ impl GpuDelegate {
         for (&id, bytes) in self.payload.inputs.iter().zip(&inputs) {
             let r = self.ranges[id];
             gpu.queue
-                .write_buffer(&self.buffers[r.buffer], r.offset, bytes);
+                .write_buffer(&self.buffers[r.buffer], r.offset, &bytes[..]);
         }
         let index = scoped(
             &gpu,

@@ -146,8 +146,11 @@ fn affine() -> (Payload, Named) {
         arenas: vec![512],
         requirements: Requirements::default(),
     };
-    let f32s =
-        |v: &[f32]| to_gpu(&Tensor::from_f32(DType::F32, &[v.len()], v).unwrap(), "w").unwrap();
+    let f32s = |v: &[f32]| {
+        to_gpu(&Tensor::from_f32(DType::F32, &[v.len()], v).unwrap(), "w")
+            .unwrap()
+            .into_owned()
+    };
     let named = HashMap::from([
         ("p.w".to_string(), f32s(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])),
         ("p.b".to_string(), f32s(&[0.5, -1.0, 10.0])),

@@ -21,6 +21,8 @@
 //!   i32 (checked when written), bool/u8/i8 widened to one u32 an element,
 //!   f16/bf16 packed two a u32 (the host bytes, padded to 4).
 
+use std::borrow::Cow;
+
 use etmetal_core::{DType, Error, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -204,12 +206,18 @@ pub fn gpu_bytes(dtype: DType, numel: usize) -> Result<u64> {
     Ok(bytes.max(4))
 }
 
-/// The GPU bytes of a host tensor; `what` names it in the error raised when
-/// an int64 value does not fit in i32.
-pub fn to_gpu(tensor: &Tensor, what: &str) -> Result<Vec<u8>> {
+/// The GPU bytes of a host tensor, borrowed when the host layout already is
+/// the GPU's (f32, i32, and 16-bit floats of even length); `what` names it
+/// in the error raised when an int64 value does not fit in i32.
+pub fn to_gpu<'t>(tensor: &'t Tensor, what: &str) -> Result<Cow<'t, [u8]>> {
     let bytes = tensor.bytes();
-    let mut out = Vec::with_capacity(gpu_bytes(tensor.dtype(), tensor.numel())? as usize);
-    match GpuRepr::of(tensor.dtype())? {
+    let size = gpu_bytes(tensor.dtype(), tensor.numel())? as usize;
+    let repr = GpuRepr::of(tensor.dtype())?;
+    if matches!(repr, GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16) && bytes.len() == size {
+        return Ok(Cow::Borrowed(bytes));
+    }
+    let mut out = Vec::with_capacity(size);
+    match repr {
         GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16 => out.extend_from_slice(bytes),
         GpuRepr::I64AsI32 => {
             for (i, chunk) in bytes.chunks_exact(8).enumerate() {
@@ -230,8 +238,8 @@ pub fn to_gpu(tensor: &Tensor, what: &str) -> Result<Vec<u8>> {
             }
         }
     }
-    out.resize(gpu_bytes(tensor.dtype(), tensor.numel())? as usize, 0);
-    Ok(out)
+    out.resize(size, 0);
+    Ok(Cow::Owned(out))
 }
 
 /// The host tensor of GPU bytes `bytes` (at least [`gpu_bytes`] long).
@@ -245,22 +253,29 @@ pub fn from_gpu(bytes: &[u8], dtype: DType, shape: &[usize]) -> Result<Tensor> {
             dtype.name()
         )));
     }
-    let words = || bytes[..numel * 4].chunks_exact(4);
     let word = |c: &[u8]| i32::from_le_bytes(c.try_into().expect("4-byte chunk"));
-    let host: Vec<u8> = match GpuRepr::of(dtype)? {
-        GpuRepr::F32 | GpuRepr::I32 => bytes[..numel * 4].to_vec(),
-        GpuRepr::Packed16 => bytes[..numel * 2].to_vec(),
-        GpuRepr::I64AsI32 => words()
-            .flat_map(|c| (word(c) as i64).to_le_bytes())
-            .collect(),
-        GpuRepr::Widened => words()
-            .map(|c| match dtype {
-                DType::Bool => (word(c) != 0) as u8,
-                _ => word(c) as u8,
-            })
-            .collect(),
-    };
-    Tensor::from_bytes(dtype, shape, &host)
+    match GpuRepr::of(dtype)? {
+        // the same layout: one copy straight into the tensor
+        GpuRepr::F32 | GpuRepr::I32 => Tensor::from_bytes(dtype, shape, &bytes[..numel * 4]),
+        GpuRepr::Packed16 => Tensor::from_bytes(dtype, shape, &bytes[..numel * 2]),
+        GpuRepr::I64AsI32 => {
+            let mut t = Tensor::zeros(dtype, shape)?;
+            for (dst, src) in t.bytes_mut().chunks_exact_mut(8).zip(bytes.chunks_exact(4)) {
+                dst.copy_from_slice(&(word(src) as i64).to_le_bytes());
+            }
+            Ok(t)
+        }
+        GpuRepr::Widened => {
+            let mut t = Tensor::zeros(dtype, shape)?;
+            for (dst, src) in t.bytes_mut().iter_mut().zip(bytes.chunks_exact(4)) {
+                *dst = match dtype {
+                    DType::Bool => (word(src) != 0) as u8,
+                    _ => word(src) as u8,
+                };
+            }
+            Ok(t)
+        }
+    }
 }
 
 impl Payload {
@@ -511,7 +526,7 @@ mod tests {
             .contains("input 0"));
         let b = Tensor::from_bytes(DType::Bool, &[3], &[1, 0, 1]).unwrap();
         let g = to_gpu(&b, "m").unwrap();
-        assert_eq!(g, [1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]);
+        assert_eq!(g[..], [1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]);
         assert_eq!(from_gpu(&g, DType::Bool, &[3]).unwrap().bytes(), [1, 0, 1]);
         let h = Tensor::from_f32(DType::BF16, &[3], &[1.0, -2.0, 0.5]).unwrap();
         let g = to_gpu(&h, "h").unwrap();
@@ -521,6 +536,9 @@ mod tests {
             [1.0, -2.0, 0.5]
         );
         let i8s = Tensor::from_bytes(DType::I8, &[1], &[0xff]).unwrap();
-        assert_eq!(to_gpu(&i8s, "c").unwrap(), [0xff; 4]);
+        assert_eq!(to_gpu(&i8s, "c").unwrap()[..], [0xff; 4]);
+        // f32 of the GPU's layout is not copied
+        let f = Tensor::from_f32(DType::F32, &[2], &[1.0, 2.0]).unwrap();
+        assert!(matches!(to_gpu(&f, "f").unwrap(), Cow::Borrowed(_)));
     }
 }

@@ -22,8 +22,9 @@ pub enum DelegateArg {
 /// A delegate ready to run (made once at method load).
 pub trait DelegateHandle: Send {
     /// Run with the call's arguments (inputs, then outputs, as the program
-    /// lists them). Output tensors are replaced in `args`; the method copies
-    /// them back into its planned memory (their dtype and shape must stay).
+    /// lists them). Output tensors are replaced in `args` by new tensors; the
+    /// method copies those back into its planned memory (their dtype and
+    /// shape must stay) and skips the arguments left as they were passed.
     fn execute(&mut self, args: &mut [DelegateArg]) -> Result<()>;
 
     /// Put any state the delegate keeps across executes (device-resident

@@ -333,12 +333,20 @@ impl Method {
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
+                // what the delegate did not replace (its inputs) needs no copy back
+                let passed: Vec<Option<*const u8>> = call
+                    .iter()
+                    .map(|a| match a {
+                        DelegateArg::Tensor(t) => Some(t.bytes().as_ptr()),
+                        _ => None,
+                    })
+                    .collect();
                 handle
                     .execute(&mut call)
                     .map_err(|e| e.context(format!("delegate `{id}`")))?;
-                for (&v, arg) in args.iter().zip(&call) {
+                for ((&v, arg), before) in args.iter().zip(&call).zip(&passed) {
                     if let DelegateArg::Tensor(t) = arg {
-                        if !values.is_constant(v) {
+                        if *before != Some(t.bytes().as_ptr()) && !values.is_constant(v) {
                             values
                                 .write(v, t)
                                 .map_err(|e| e.context(format!("delegate `{id}` output")))?;

@@ -99,7 +99,9 @@ fn scale(n: usize) -> (Payload, Named) {
         },
     };
     let w: Vec<f32> = (0..n).map(|i| i as f32).collect();
-    let w = to_gpu(&Tensor::from_f32(DType::F32, &[n], &w).unwrap(), "w").unwrap();
+    let w = to_gpu(&Tensor::from_f32(DType::F32, &[n], &w).unwrap(), "w")
+        .unwrap()
+        .into_owned();
     (payload, HashMap::from([("p.w".to_string(), w)]))
 }
 

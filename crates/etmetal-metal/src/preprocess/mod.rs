@@ -271,7 +271,8 @@ impl<'g> Lowering<'g> {
                 };
                 Lazy::new(info.dtype, vec![], Kind::Literal(value))
             } else {
-                let bytes = payload::to_gpu(tensor, &format!("weight `{}`", info.name))?;
+                let bytes =
+                    payload::to_gpu(tensor, &format!("weight `{}`", info.name))?.into_owned();
                 lw.named_data.push((info.name.clone(), bytes));
                 let buf = lw.add_buffer(BufferDesc {
                     name: info.name.clone(),
