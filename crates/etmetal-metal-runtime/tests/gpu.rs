@@ -11,9 +11,8 @@ use etmetal_metal::payload::{
 };
 use etmetal_metal_runtime::{describe, select_adapter, DeviceChoice, GpuStats, MetalBackend};
 use etmetal_pte::{
-    AllocationDetails, BackendDelegate, BackendDelegateDataReference, BackendDelegateInlineData,
-    Chain, DataLocation, DelegateCall, EValue, ExecutionPlan, Instruction, Program, Segment,
-    Tensor as PteTensor, TensorShapeDynamism,
+    BackendDelegate, BackendDelegateDataReference, BackendDelegateInlineData, Chain, DataLocation,
+    DelegateCall, EValue, ExecutionPlan, Instruction, Program, Segment,
 };
 use etmetal_runtime::{Backend, DelegateArg, LoadOptions};
 
@@ -519,22 +518,7 @@ fn load_errors_name_their_cause() {
 }
 
 fn pte_tensor(dtype: DType, sizes: &[i32], offset: u32) -> EValue {
-    EValue::Tensor(PteTensor {
-        scalar_type: dtype,
-        storage_offset: 0,
-        sizes: sizes.to_vec(),
-        dim_order: (0..sizes.len() as u8).collect(),
-        requires_grad: false,
-        data_buffer_idx: 0,
-        allocation_info: Some(AllocationDetails {
-            memory_id: 1,
-            memory_offset_low: offset,
-            memory_offset_high: 0,
-        }),
-        layout: 0,
-        shape_dynamism: TensorShapeDynamism::Static,
-        extra_tensor_info: None,
-    })
+    EValue::Tensor(etmetal_pte::Tensor::planned(dtype, sizes, 1, offset.into()))
 }
 
 /// A `.pte` whose one instruction is the affine delegate, weights in its

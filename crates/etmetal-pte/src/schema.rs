@@ -95,6 +95,41 @@ pub struct Tensor {
     pub extra_tensor_info: Option<ExtraTensorInfo>,
 }
 
+impl Tensor {
+    /// A static tensor in the default dim order: its data in the constant
+    /// (or mutable-data) segment when `data_buffer_idx > 0`, and/or planned
+    /// memory when `allocation_info` is given.
+    pub fn contiguous(
+        scalar_type: DType,
+        sizes: Vec<i32>,
+        data_buffer_idx: u32,
+        allocation_info: Option<AllocationDetails>,
+    ) -> Tensor {
+        Tensor {
+            scalar_type,
+            storage_offset: 0,
+            dim_order: (0..sizes.len() as u8).collect(),
+            sizes,
+            requires_grad: false,
+            data_buffer_idx,
+            allocation_info,
+            layout: 0,
+            shape_dynamism: TensorShapeDynamism::Static,
+            extra_tensor_info: None,
+        }
+    }
+
+    /// A static tensor at `offset` of planned memory `memory_id`.
+    pub fn planned(scalar_type: DType, sizes: &[i32], memory_id: u32, offset: u64) -> Tensor {
+        let details = AllocationDetails {
+            memory_id,
+            memory_offset_low: offset as u32,
+            memory_offset_high: (offset >> 32) as u32,
+        };
+        Tensor::contiguous(scalar_type, sizes.to_vec(), 0, Some(details))
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AllocationDetails {
     pub memory_id: u32,

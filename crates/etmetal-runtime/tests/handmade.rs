@@ -3,29 +3,14 @@
 
 use etmetal_core::{DType, ErrorKind, Tensor};
 use etmetal_pte::{
-    AllocationDetails, Chain, EValue, ExecutionPlan, FreeCall, Instruction, JumpFalseCall,
-    KernelCall, MoveCall, Operator, Program as Fb, TensorShapeDynamism,
+    Chain, EValue, ExecutionPlan, FreeCall, Instruction, JumpFalseCall, KernelCall, MoveCall,
+    Operator, Program as Fb,
 };
 use etmetal_runtime::Program;
 
 /// A planned tensor at `offset` of memory 1.
 fn planned(dtype: DType, sizes: &[i32], offset: u32) -> EValue {
-    EValue::Tensor(etmetal_pte::Tensor {
-        scalar_type: dtype,
-        storage_offset: 0,
-        sizes: sizes.to_vec(),
-        dim_order: (0..sizes.len() as u8).collect(),
-        requires_grad: false,
-        data_buffer_idx: 0,
-        allocation_info: Some(AllocationDetails {
-            memory_id: 1,
-            memory_offset_low: offset,
-            memory_offset_high: 0,
-        }),
-        layout: 0,
-        shape_dynamism: TensorShapeDynamism::Static,
-        extra_tensor_info: None,
-    })
+    EValue::Tensor(etmetal_pte::Tensor::planned(dtype, sizes, 1, offset.into()))
 }
 
 fn kernel(op_index: i32, args: &[i32]) -> Instruction {

@@ -24,7 +24,7 @@ use etmetal_pte::kernels::{encode, kernel_outputs, CallArg, TensorMeta};
 use etmetal_pte::{
     AllocationDetails, BackendDelegate, BackendDelegateDataReference, Chain, ContainerMetadata,
     DataLocation, DelegateCall, EValue, ExecutionPlan, Instruction, KernelCall, Operator, Program,
-    Segment, SubsegmentOffsets, Tensor as PteTensor, TensorShapeDynamism,
+    Segment, SubsegmentOffsets, Tensor as PteTensor,
 };
 
 /// Where the compiled program runs.
@@ -539,18 +539,7 @@ impl PlanBuilder<'_> {
             };
             (data, Some(details))
         };
-        let t = PteTensor {
-            scalar_type: info.dtype,
-            storage_offset: 0,
-            dim_order: (0..info.shape.len() as u8).collect(),
-            sizes,
-            requires_grad: false,
-            data_buffer_idx,
-            allocation_info,
-            layout: 0,
-            shape_dynamism: TensorShapeDynamism::Static,
-            extra_tensor_info: None,
-        };
+        let t = PteTensor::contiguous(info.dtype, sizes, data_buffer_idx, allocation_info);
         let i = self.push(EValue::Tensor(t));
         self.ids.insert(v, i);
         Ok(i)
