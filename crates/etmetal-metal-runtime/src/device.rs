@@ -191,28 +191,34 @@ fn check(
     Ok(())
 }
 
-/// `limits` and `features` lowered to what `cap` offers.
-fn apply_cap(limits: &mut wgpu::Limits, features: &mut wgpu::Features, cap: &Requirements) {
+/// Set each limit a payload states to `pick` of the device's value and
+/// `req`'s: `u64::min` lowers a device to a cap, `u64::max` raises a request
+/// to what the payload needs.
+fn merge_limits(limits: &mut wgpu::Limits, req: &Requirements, pick: fn(u64, u64) -> u64) {
+    // the u32 limits come back as u32: min and max of two u32s fit
+    let pick32 = |a: u32, b: u32| pick(a.into(), b.into()) as u32;
     let l = limits;
-    l.max_storage_buffer_binding_size = l
-        .max_storage_buffer_binding_size
-        .min(cap.max_storage_buffer_binding_size);
-    l.max_buffer_size = l.max_buffer_size.min(cap.max_buffer_size);
-    l.max_storage_buffers_per_shader_stage = l
-        .max_storage_buffers_per_shader_stage
-        .min(cap.max_storage_buffers_per_shader_stage);
-    l.max_compute_workgroup_storage_size = l
-        .max_compute_workgroup_storage_size
-        .min(cap.max_compute_workgroup_storage_size);
-    l.max_compute_invocations_per_workgroup = l
-        .max_compute_invocations_per_workgroup
-        .min(cap.max_compute_invocations_per_workgroup);
-    l.max_compute_workgroups_per_dimension = l
-        .max_compute_workgroups_per_dimension
-        .min(cap.max_compute_workgroups_per_dimension);
-    if !cap.shader_f16 {
-        features.remove(wgpu::Features::SHADER_F16);
-    }
+    l.max_storage_buffer_binding_size = pick(
+        l.max_storage_buffer_binding_size,
+        req.max_storage_buffer_binding_size,
+    );
+    l.max_buffer_size = pick(l.max_buffer_size, req.max_buffer_size);
+    l.max_storage_buffers_per_shader_stage = pick32(
+        l.max_storage_buffers_per_shader_stage,
+        req.max_storage_buffers_per_shader_stage,
+    );
+    l.max_compute_workgroup_storage_size = pick32(
+        l.max_compute_workgroup_storage_size,
+        req.max_compute_workgroup_storage_size,
+    );
+    l.max_compute_invocations_per_workgroup = pick32(
+        l.max_compute_invocations_per_workgroup,
+        req.max_compute_invocations_per_workgroup,
+    );
+    l.max_compute_workgroups_per_dimension = pick32(
+        l.max_compute_workgroups_per_dimension,
+        req.max_compute_workgroups_per_dimension,
+    );
 }
 
 impl GpuDevice {
@@ -236,27 +242,15 @@ impl GpuDevice {
         let mut features = adapter.features();
         let mut name = describe(&info);
         if let Some(cap) = cap {
-            apply_cap(&mut available, &mut features, cap);
+            merge_limits(&mut available, cap, u64::min);
+            if !cap.shader_f16 {
+                features.remove(wgpu::Features::SHADER_F16);
+            }
             name.push_str(" with capped limits");
         }
         check(req, &available, features, &name)?;
         let mut limits = wgpu::Limits::default().or_worse_values_from(&available);
-        limits.max_storage_buffer_binding_size = limits
-            .max_storage_buffer_binding_size
-            .max(req.max_storage_buffer_binding_size);
-        limits.max_buffer_size = limits.max_buffer_size.max(req.max_buffer_size);
-        limits.max_storage_buffers_per_shader_stage = limits
-            .max_storage_buffers_per_shader_stage
-            .max(req.max_storage_buffers_per_shader_stage);
-        limits.max_compute_workgroup_storage_size = limits
-            .max_compute_workgroup_storage_size
-            .max(req.max_compute_workgroup_storage_size);
-        limits.max_compute_invocations_per_workgroup = limits
-            .max_compute_invocations_per_workgroup
-            .max(req.max_compute_invocations_per_workgroup);
-        limits.max_compute_workgroups_per_dimension = limits
-            .max_compute_workgroups_per_dimension
-            .max(req.max_compute_workgroups_per_dimension);
+        merge_limits(&mut limits, req, u64::max);
         let mut required_features = if req.shader_f16 {
             wgpu::Features::SHADER_F16
         } else {
