@@ -120,15 +120,10 @@ impl Lazy {
         }
     }
 
-    /// The buffers it reads, each once, in first-read order.
-    pub fn buffers(&self, out: &mut Vec<BufferIdx>) {
+    /// The lazy values it reads, in order.
+    fn children(&self) -> Vec<&LazyRef> {
         match &self.kind {
-            Kind::Load(b) => {
-                if !out.contains(b) {
-                    out.push(*b)
-                }
-            }
-            Kind::Literal(_) | Kind::Iota { .. } => {}
+            Kind::Load(_) | Kind::Literal(_) | Kind::Iota { .. } => vec![],
             Kind::Unary(_, x)
             | Kind::Cast(x)
             | Kind::Permute(x, _)
@@ -138,42 +133,26 @@ impl Lazy {
             | Kind::Select { x, .. }
             | Kind::Pad { x, .. }
             | Kind::Triangle { x, .. }
-            | Kind::Repeat(x) => x.buffers(out),
-            Kind::Binary { a, b, .. } => {
-                a.buffers(out);
-                b.buffers(out);
-            }
-            Kind::Where(c, a, b) => {
-                c.buffers(out);
-                a.buffers(out);
-                b.buffers(out);
-            }
-            Kind::Cat(parts, _) => parts.iter().for_each(|p| p.buffers(out)),
-            Kind::Gather { src, index, .. } => {
-                src.buffers(out);
-                index.buffers(out);
+            | Kind::Repeat(x) => vec![x],
+            Kind::Binary { a, b, .. } => vec![a, b],
+            Kind::Where(c, a, b) => vec![c, a, b],
+            Kind::Cat(parts, _) => parts.iter().collect(),
+            Kind::Gather { src, index, .. } => vec![src, index],
+        }
+    }
+
+    /// The buffers it reads, each once, in first-read order.
+    pub fn buffers(&self, out: &mut Vec<BufferIdx>) {
+        if let Kind::Load(b) = self.kind {
+            if !out.contains(&b) {
+                out.push(b)
             }
         }
+        self.children().into_iter().for_each(|c| c.buffers(out));
     }
 
     /// Number of tree nodes (a bound on the WGSL a kernel inlines).
     pub fn size(&self) -> usize {
-        1 + match &self.kind {
-            Kind::Load(_) | Kind::Literal(_) | Kind::Iota { .. } => 0,
-            Kind::Unary(_, x)
-            | Kind::Cast(x)
-            | Kind::Permute(x, _)
-            | Kind::Expand(x)
-            | Kind::Reshape(x)
-            | Kind::Slice { x, .. }
-            | Kind::Select { x, .. }
-            | Kind::Pad { x, .. }
-            | Kind::Triangle { x, .. }
-            | Kind::Repeat(x) => x.size(),
-            Kind::Binary { a, b, .. } => a.size() + b.size(),
-            Kind::Where(c, a, b) => c.size() + a.size() + b.size(),
-            Kind::Cat(parts, _) => parts.iter().map(|p| p.size()).sum(),
-            Kind::Gather { src, index, .. } => src.size() + index.size(),
-        }
+        1 + self.children().into_iter().map(|c| c.size()).sum::<usize>()
     }
 }
