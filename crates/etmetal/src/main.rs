@@ -536,22 +536,28 @@ fn run(
     device: Device,
     bench: Option<Bench>,
 ) -> Result<()> {
-    let pte = etmetal::is_pte(path)?;
-    let delegated = if pte { gpu_delegates(path)? } else { 0 };
-    let gpu = gpu_backend(path, pte, delegated, device)?;
+    // a .pte is loaded once: its delegates decide the backend it runs with
+    let pte = match etmetal::is_pte(path)? {
+        true => Some(etmetal_runtime::Program::load(path)?),
+        false => None,
+    };
+    let delegated = pte.as_ref().map_or(0, |p| gpu_delegates(p.file()));
+    let gpu = gpu_backend(path, pte.is_some(), delegated, device)?;
     let mut options = etmetal_runtime::LoadOptions::default();
     if let Some(backend) = &gpu {
         options.backends.register(backend.clone())?;
     }
-    let mut model = match (&gpu, pte) {
+    let mut model = match (pte, &gpu) {
+        (Some(program), _) => Model::from_pte_program(program, options)
+            .map_err(|e| e.context(path.display().to_string()))?,
         // a .pt2 on a GPU: compiled in memory with the Metal backend first
-        (Some(_), false) => {
+        (None, Some(_)) => {
             let graph = etmetal_graph::load_pt2(path)?;
             let compiled = compile::compile(&graph, &CompileOptions::default(), &mut |_| {})
                 .map_err(|e| e.context(format!("compiling {}", path.display())))?;
             Model::from_pte_bytes(&compiled.pte, options)?
         }
-        _ => Model::load_with(path, options)?,
+        (None, None) => Model::load_with(path, options)?,
     };
     let load_peak = bench.as_ref().and_then(|_| peak_rss());
     let adapter = gpu
@@ -600,16 +606,14 @@ fn run(
     Ok(())
 }
 
-/// How many `EtMetalBackend` delegates the `.pte` at `path` holds.
-fn gpu_delegates(path: &Path) -> Result<usize> {
-    let file = PteFile::load(path)?;
-    Ok(file
-        .program
+/// How many `EtMetalBackend` delegates `file` holds.
+fn gpu_delegates(file: &PteFile) -> usize {
+    file.program
         .execution_plan
         .iter()
         .flat_map(|p| &p.delegates)
         .filter(|d| d.id == etmetal_metal_runtime::BACKEND_ID)
-        .count())
+        .count()
 }
 
 /// The GPU backend a run uses, after checking `device` finds an adapter;

@@ -45,30 +45,19 @@ impl Model {
 
     /// [`Model::load`] with `options` for a `.pte` (its delegate backends).
     pub fn load_with(path: &Path, options: etmetal_runtime::LoadOptions) -> Result<Model> {
-        let program = if is_pte(path)? {
-            let program = etmetal_runtime::Program::load(path)?.with_options(options);
-            let method = program
-                .method("forward")
-                .map_err(|e| e.context(path.display().to_string()))?;
-            Program::Pte {
-                program,
-                method: Box::new(method),
-            }
-        } else {
-            let mut graph = etmetal_graph::load_pt2(path)?;
-            etmetal_graph::decompose(&mut graph, &|_| false);
-            etmetal_graph::eliminate_dead_code(&mut graph);
-            Program::Graph(graph)
-        };
-        let graph_state = match &program {
-            Program::Graph(g) => mutated_buffers(g)
-                .into_iter()
-                .filter_map(|(b, _)| g.constants.get(&b).map(|t| (b, t.clone())))
-                .collect(),
-            Program::Pte { .. } => vec![],
-        };
+        if is_pte(path)? {
+            return Model::from_pte_program(etmetal_runtime::Program::load(path)?, options)
+                .map_err(|e| e.context(path.display().to_string()));
+        }
+        let mut graph = etmetal_graph::load_pt2(path)?;
+        etmetal_graph::decompose(&mut graph, &|_| false);
+        etmetal_graph::eliminate_dead_code(&mut graph);
+        let graph_state = mutated_buffers(&graph)
+            .into_iter()
+            .filter_map(|(b, _)| graph.constants.get(&b).map(|t| (b, t.clone())))
+            .collect();
         Ok(Model {
-            program,
+            program: Program::Graph(graph),
             graph_state,
         })
     }
@@ -76,7 +65,15 @@ impl Model {
     /// A `.pte` program held in memory (method `forward`), e.g. one just
     /// compiled from a `.pt2`.
     pub fn from_pte_bytes(bytes: &[u8], options: etmetal_runtime::LoadOptions) -> Result<Model> {
-        let program = etmetal_runtime::Program::from_bytes(bytes)?.with_options(options);
+        Model::from_pte_program(etmetal_runtime::Program::from_bytes(bytes)?, options)
+    }
+
+    /// An already loaded `.pte` program (method `forward`), run with `options`.
+    pub fn from_pte_program(
+        program: etmetal_runtime::Program,
+        options: etmetal_runtime::LoadOptions,
+    ) -> Result<Model> {
+        let program = program.with_options(options);
         let method = program.method("forward")?;
         Ok(Model {
             program: Program::Pte {
