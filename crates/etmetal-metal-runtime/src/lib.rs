@@ -109,6 +109,21 @@ impl MetalBackend {
         self.counters.stats()
     }
 
+    /// The largest tensor a delegate may bind on this backend's adapter
+    /// (its storage-binding and buffer-size limits, within the cap): what
+    /// the compiler may give the GPU when compiling for this adapter.
+    pub fn max_binding_bytes(&self) -> Result<u64> {
+        let (_, adapter) = select_adapter(self.choice)?;
+        let limits = adapter.limits();
+        let mut bytes = limits
+            .max_storage_buffer_binding_size
+            .min(limits.max_buffer_size);
+        if let Some(cap) = &self.cap {
+            bytes = bytes.min(cap.max_storage_buffer_binding_size);
+        }
+        Ok(bytes)
+    }
+
     /// The device delegates currently load on (none before the first).
     pub fn device(&self) -> Option<Arc<GpuDevice>> {
         self.device.lock().ok().and_then(|d| d.clone())

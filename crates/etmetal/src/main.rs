@@ -11,7 +11,7 @@ use etmetal::compile::{self, CompileOptions};
 use etmetal::Model;
 use etmetal_core::{npy, DType, Error, Result, Tensor};
 use etmetal_graph::{InputKind, OutputKind};
-use etmetal_metal::partitioner::{PartitionMode, PartitionOptions};
+use etmetal_metal::partitioner::{DeviceLimits, PartitionMode, PartitionOptions};
 use etmetal_metal::payload::{gpu_bytes, Location, Payload};
 use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
 use etmetal_pte::{DataLocation, EValue, Instruction, PteFile};
@@ -84,6 +84,12 @@ enum Command {
         /// become bf16 or f16 (as `module.to(dtype)` in PyTorch).
         #[arg(long, value_enum, default_value = "f32")]
         dtype: FloatDtype,
+        /// Largest tensor the GPU takes (bytes, or with a K, M or G suffix):
+        /// wgpu's storage-binding limit, 128M on every adapter; big GPUs
+        /// offer more (the H200 about 4G). Larger tensors stay on the CPU;
+        /// a file compiled above 128M needs a GPU that offers it.
+        #[arg(long, value_name = "SIZE", default_value = "128M", value_parser = parse_size)]
+        max_buffer: u64,
     },
     /// Show a program: inputs, outputs, weights and ops (`.pt2`), or the
     /// execution plan, operators, delegates, segments and arenas (`.pte`).
@@ -149,6 +155,7 @@ fn main() -> ExitCode {
             skip_ops,
             emit_msl,
             dtype,
+            max_buffer,
         } => {
             let options = CompileOptions {
                 backend: match backend {
@@ -161,7 +168,10 @@ fn main() -> ExitCode {
                         Partition::Whole => PartitionMode::Whole,
                     },
                     skip_ops,
-                    ..PartitionOptions::default()
+                    limits: DeviceLimits {
+                        max_buffer_bytes: max_buffer,
+                        ..DeviceLimits::default()
+                    },
                 },
                 ..CompileOptions::default()
             };
@@ -551,9 +561,19 @@ fn run(
         (Some(program), _) => Model::from_pte_program(program, options)
             .map_err(|e| e.context(path.display().to_string()))?,
         // a .pt2 on a GPU: compiled in memory with the Metal backend first
-        (None, Some(_)) => {
+        (None, Some(backend)) => {
             let graph = etmetal_graph::load_pt2(path)?;
-            let compiled = compile::compile(&graph, &CompileOptions::default(), &mut |_| {})
+            let for_adapter = CompileOptions {
+                partition: PartitionOptions {
+                    limits: DeviceLimits {
+                        max_buffer_bytes: backend.max_binding_bytes()?,
+                        ..DeviceLimits::default()
+                    },
+                    ..PartitionOptions::default()
+                },
+                ..CompileOptions::default()
+            };
+            let compiled = compile::compile(&graph, &for_adapter, &mut |_| {})
                 .map_err(|e| e.context(format!("compiling {}", path.display())))?;
             Model::from_pte_bytes(&compiled.pte, options)?
         }
@@ -673,6 +693,22 @@ fn cpu_only(
         path.display(),
         etmetal_metal_runtime::BACKEND_ID
     )))
+}
+
+/// `--max-buffer`'s value: bytes, or K/M/G (binary multiples) of them.
+fn parse_size(text: &str) -> std::result::Result<u64, String> {
+    let (digits, shift) = match text.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&text[..i], 10),
+        Some((i, 'M' | 'm')) => (&text[..i], 20),
+        Some((i, 'G' | 'g')) => (&text[..i], 30),
+        _ => (text, 0),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1 << shift))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("`{text}` is not a size such as 134217728, 128M or 4G"))
 }
 
 /// `run --bench`: how many timed and warm-up executes, where to write JSON.

@@ -424,6 +424,53 @@ fn partition_modes_and_skipped_ops() {
 }
 
 #[test]
+fn max_buffer_keeps_larger_tensors_on_the_cpu() {
+    let dir = scratch("max_buffer");
+    let pte = dir.join("m.pte");
+    let compile = |size: &str| {
+        etmetal(&[
+            "compile",
+            fixture("mlp.pt2").to_str().unwrap(),
+            "-o",
+            pte.to_str().unwrap(),
+            "--max-buffer",
+            size,
+        ])
+    };
+    let res = compile("1x");
+    assert_eq!(res.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&res.stderr).contains("not a size"));
+    // fc1's weight is [16, 8] f32 = 512 bytes: over a 256-byte limit
+    let res = compile("256");
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(
+        stdout.contains("`p_fc1_weight` of shape [16, 8] exceeds the 256 byte buffer limit"),
+        "{stdout}"
+    );
+    let out = dir.join("out");
+    let res = etmetal(&[
+        "run",
+        pte.to_str().unwrap(),
+        "--inputs",
+        fixture("mlp.input_0.npy").to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let worst = worst_error(&out.join("output_0.npy"), "mlp.output_0.npy");
+    assert!(worst < 1e-5, "largest error {worst}");
+}
+
+#[test]
 fn inspect_shows_delegates_it_cannot_run() {
     let pte = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../etmetal-pte/tests/fixtures/xnnpack_linear.pte");
