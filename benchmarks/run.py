@@ -17,9 +17,11 @@ warm-ups; f32 runs with TF32 off. Inputs are random (never zeros or ones).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,7 +36,6 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests" / "parity"))
-import zoo  # noqa: E402  (the parity suite's modules, at bench sizes below)
 
 WORK = REPO / ".bench"  # ignored: models, binary, scratch
 RESULTS = HERE / "results"
@@ -93,18 +94,46 @@ def op_cases():
     return cases
 
 
+def full_decoder(llama: bool) -> nn.Module:
+    """The KV-cache decoders of tests/parity/models/decoders.py at full size:
+    Llama-style 1024 wide, 8 layers, GQA 16/4 heads, 32k vocabulary; GPT-2
+    small's shape (768 wide, 12 layers, 12 heads, 50257 tokens). Weights
+    scaled as the parity suite's `decoder()` does, so logits stay O(1)."""
+    from models.decoders import Decoder
+
+    if llama:
+        m = Decoder(llama=True, vocab=32000, dim=1024, heads=16, kv_heads=4, layers=8, max_len=DECODE_LEN)
+    else:
+        m = Decoder(llama=False, vocab=50257, dim=768, heads=12, layers=12, max_len=DECODE_LEN)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(1.0 / max(1, p.shape[-1] // 8) ** 0.5)
+    return m
+
+
+PREFILL, DECODE_LEN = 128, 256
+
+
 def model_cases():
-    """name -> (module maker, input maker(generator)); zoo modules at batch 1, bench sizes."""
-    seq = 128
-    ids = lambda vocab: lambda g: (torch.randint(0, vocab, (1, seq), generator=g),)  # noqa: E731
+    """name -> (module maker, input maker(generator)): the real-models zoo
+    (tests/parity/models/) at the issue's full sizes, batch 1. Decoders run
+    twice: a prefill of 128 tokens and one decode step at position 128."""
+    from models.audio import whisper_tiny
+    from models.cnn import MobileNetV2, ResNet
+    from models.encoders import bert_base, bert_inputs
+
+    image = lambda g: (torch.randn(1, 3, 224, 224, generator=g),)  # noqa: E731
+    tokens = lambda vocab, n, first: lambda g: (  # noqa: E731
+        torch.randint(0, vocab, (1, n), generator=g), torch.arange(first, first + n))
     return {
-        "bert_encoder": (lambda: zoo.BertEncoder("none", vocab=2048, d=256, heads=4, max_pos=seq),
-                         lambda g: (torch.randint(0, 2048, (1, seq), generator=g), torch.ones(1, seq, dtype=torch.bool))),
-        "gpt2_block": (lambda: zoo.Gpt2Block(vocab=2048, d=256, heads=4, max_pos=seq), ids(2048)),
-        "llama_block": (lambda: zoo.LlamaBlock("sdpa", d=256, heads=4, kv_heads=2, ffn=704),
-                        lambda g: (torch.randn(1, seq, 256, generator=g),)),
-        "resnet_basic_block": (lambda: zoo.BasicBlock(64, 64, 1), lambda g: (torch.randn(1, 64, 56, 56, generator=g),)),
-        "mobilenetv2_block": (lambda: zoo.InvertedResidual(32, 6, 1), lambda g: (torch.randn(1, 32, 56, 56, generator=g),)),
+        "resnet18": (ResNet, image),
+        "mobilenet_v2": (MobileNetV2, image),
+        "bert_base": (bert_base, lambda g: bert_inputs(g, batch=1, vocab=30522)),
+        "whisper_tiny_encoder": (whisper_tiny, lambda g: (torch.randn(1, 80, 3000, generator=g),)),
+        "llama_prefill128": (lambda: full_decoder(True), tokens(32000, PREFILL, 0)),
+        "llama_decode": (lambda: full_decoder(True), tokens(32000, 1, PREFILL)),
+        "gpt_prefill128": (lambda: full_decoder(False), tokens(50257, PREFILL, 0)),
+        "gpt_decode": (lambda: full_decoder(False), tokens(50257, 1, PREFILL)),
     }
 
 
@@ -214,6 +243,13 @@ def cuda_time_ms(fn, runs=RUNS * 5, warmup=WARMUP * 2) -> float:
     return median(times)
 
 
+def runs_for(first_ms: float, budget_ms=20_000) -> tuple[int, int]:
+    """Timed runs and warm-ups for a case whose first run took `first_ms`:
+    the usual counts, fewer where they would take over `budget_ms`."""
+    runs = max(3, min(RUNS, int(budget_ms / max(first_ms, 1e-3))))
+    return runs, min(WARMUP, max(1, runs // 4))
+
+
 def wall_time_ms(fn, runs=RUNS, warmup=WARMUP) -> float:
     for _ in range(warmup):
         fn()
@@ -229,13 +265,29 @@ def wall_time_ms(fn, runs=RUNS, warmup=WARMUP) -> float:
 
 
 def export_save(module, xs, path: Path):
-    ep = torch.export.export(module, xs)
+    """`torch.export.export` as users call it, then `run_decompositions({})`,
+    which turns in-place buffer updates (the decoders' KV caches) into buffer
+    mutations as ExecuTorch's `to_edge` does; no op is decomposed."""
+    ep = torch.export.export(copy.deepcopy(module), xs).run_decompositions({})
     torch.export.save(ep, str(path))
     return ep
 
 
+SUMMARY = re.compile(r"EtMetalBackend: (\d+) partition\(s\), (\d+) node\(s\), (\d+) kernel\(s\); (\d+) node\(s\) on the cpu")
+
+
+def compile_for_gpu(pt2: Path, pte: Path) -> dict:
+    """`etmetal compile` for the H200 (tensors up to 2 GiB on the GPU): seconds and the delegation summary."""
+    t = time.perf_counter()
+    r = sh([binary(), "compile", pt2, "-o", pte, "--max-buffer", "2G"])
+    secs = time.perf_counter() - t
+    m = SUMMARY.search(r.stdout)
+    parts, nodes, kernels, cpu = (int(x) for x in m.groups()) if m else (0, 0, 0, -1)
+    return {"compile_s": secs, "partitions": parts, "delegated_nodes": nodes, "kernels": kernels, "cpu_nodes": cpu}
+
+
 def prepare(args):
-    """Export every op and model (.pt2), compile each for the GPU (.pte), into .bench/."""
+    """Export every op (.pt2) and compile it for the GPU (.pte); export the f32 models for the CPU rows."""
     (WORK / "ops").mkdir(parents=True, exist_ok=True)
     (WORK / "models").mkdir(parents=True, exist_ok=True)
     for name in op_cases():
@@ -244,19 +296,14 @@ def prepare(args):
             module, xs = make_op(name, dt)
             pt2 = WORK / "ops" / f"{name}.{dt}.pt2"
             export_save(module, xs, pt2)
-            sh([binary(), "compile", pt2, "-o", pt2.with_suffix(".pte")])
+            compile_for_gpu(pt2, pt2.with_suffix(".pte"))
             pt2.unlink()  # the GPU machine needs the .pte only
+    # Models are exported where they run: full-size .pte files are too big
+    # to carry to the GPU machine. The CPU rows take these f32 exports.
+    (WORK / "pt2").mkdir(exist_ok=True)
     for name in model_cases():
-        for dt in DTYPES:
-            module, xs = make_model(name, dt)
-            pt2 = WORK / "models" / f"{name}.{dt}.pt2"
-            export_save(module, xs, pt2)
-            sh([binary(), "compile", pt2, "-o", pt2.with_suffix(".pte")])
-            if dt == "f32":  # the CPU rows' input, kept apart: the GPU machine needs no .pt2
-                (WORK / "pt2").mkdir(exist_ok=True)
-                pt2.rename(WORK / "pt2" / pt2.name)
-            else:
-                pt2.unlink()
+        module, xs = make_model(name, "f32")
+        export_save(module, xs, WORK / "pt2" / f"{name}.f32.pt2")
     print(f"prepared {WORK}")
 
 
@@ -288,9 +335,12 @@ def et_lower(pt2: Path, xnnpack: bool) -> tuple[bytes, float]:
 def et_bench(pte_bytes: bytes, xs) -> tuple[float, torch.Tensor]:
     from executorch.runtime import Runtime
 
-    method = Runtime.get().load_program(pte_bytes).load_method("forward")
+    program = Runtime.get().load_program(pte_bytes)  # kept alive while the method runs
+    method = program.load_method("forward")
     run = lambda: method.execute(list(xs))  # noqa: E731
-    return wall_time_ms(run), run()[0]
+    t = time.perf_counter()
+    out = run()[0]
+    return wall_time_ms(run, *runs_for((time.perf_counter() - t) * 1e3)), out
 
 
 def cpu(args):
@@ -312,8 +362,10 @@ def cpu(args):
                 "--backend", backend], env=env)
             row[f"compile_s_etmetal_{backend}"] = time.perf_counter() - t
         inputs = write_inputs(xs, WORK / "inputs" / name)
-        b = etmetal_bench(cpu_pte, inputs, "cpu", env=env)
-        row.update(etmetal_ms=b["latency_ms"]["median"], etmetal_err=rel_err(b["output_0"], want),
+        first = etmetal_bench(cpu_pte, inputs, "cpu", runs=1, warmup=0, env=env)["latency_ms"]["median"]
+        runs, warmup = runs_for(first)
+        b = etmetal_bench(cpu_pte, inputs, "cpu", runs=runs, warmup=warmup, env=env)
+        row.update(runs=runs, etmetal_ms=b["latency_ms"]["median"], etmetal_err=rel_err(b["output_0"], want),
                    peak_rss_after_load=b["peak_rss_after_load_bytes"], peak_rss=b["peak_rss_bytes"])
         for kind, xnn in (("portable", False), ("xnnpack", True)):
             data, secs = et_lower(pt2, xnn)
@@ -365,20 +417,41 @@ def gpu_op(name: str, dt: str, scratch: Path) -> dict:
             "err": rel_err(b["output_0"], ref), "adapter": b["device"]}
 
 
+def torch_compiled_ms(m, xs) -> dict:
+    """`torch.compile` (default mode) of `m`: the first call's seconds (compilation) and the CUDA-event median."""
+    try:
+        cm = torch.compile(m)
+        t = time.perf_counter()
+        cm(*xs)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t
+        return {"torch_compile_ms": cuda_time_ms(lambda: cm(*xs)), "torch_compile_first_s": first}
+    except Exception as e:  # a compile failure is a figure, not a crash
+        return {"torch_compile_error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def gpu_model(name: str, dt: str, scratch: Path) -> dict:
     module, xs = make_model(name, dt)
+    pt2, pte = scratch / f"{name}.{dt}.pt2", scratch / f"{name}.{dt}.pte"
+    export_save(module, xs, pt2)
+    compiled = compile_for_gpu(pt2, pte)
+    pt2.unlink()
     cuda_xs = tuple(x.cuda() for x in xs)
     m = module.cuda()
     with torch.no_grad():
+        # decoders write the same cache slot every call, so outputs repeat
         want = as_tuple(m(*cuda_xs))[0]
         torch_ms = cuda_time_ms(lambda: m(*cuda_xs))
         # what a caller sees: inputs up, run, outputs down
         torch_e2e = wall_time_ms(lambda: [o.cpu() for o in as_tuple(m(*(x.cuda() for x in xs)))])
-    b = etmetal_bench(WORK / "models" / f"{name}.{dt}.pte", write_inputs(xs, scratch / name), "auto")
+        compiled_torch = torch_compiled_ms(copy.deepcopy(m), cuda_xs)
+    b = etmetal_bench(pte, write_inputs(xs, scratch / name), "auto")
+    pte.unlink()
     gpu = b.get("gpu") or {}
     top = sorted(gpu.get("dispatches", []), key=lambda k: -k["median_ms"])[:3]
     return {"model": name, "dtype": dt, "weight_bytes": weight_bytes(module), "torch_ms": torch_ms,
-            "torch_e2e_ms": torch_e2e, "etmetal_e2e_ms": b["latency_ms"]["median"],
+            "torch_e2e_ms": torch_e2e, **compiled_torch, **compiled,
+            "etmetal_e2e_ms": b["latency_ms"]["median"],
             "etmetal_kernel_ms": gpu.get("total_ms_median"), "dispatches": len(gpu.get("dispatches", [])),
             "top_kernels": [{"kernel": k["kernel"], "ms": k["median_ms"], "share": k["share"]} for k in top],
             "peak_rss": b["peak_rss_bytes"], "peak_rss_after_load": b["peak_rss_after_load_bytes"],
@@ -397,11 +470,12 @@ def gpu(args):
         except json.JSONDecodeError:
             continue
         done[(row.get("op") or row.get("model"), row["dtype"])] = row
+    wanted = lambda name: not args.only or any(name.startswith(p) for p in args.only.split(","))  # noqa: E731
     with tempfile.TemporaryDirectory() as d:
         for name in op_cases():
             for dt in DTYPES:
-                if (name, dt) in done:
-                    ops.append(done[name, dt])
+                if (name, dt) in done or not wanted(name):
+                    ops.extend([done[name, dt]] if (name, dt) in done else [])
                     continue
                 try:
                     ops.append(gpu_op(name, dt, Path(d)))
@@ -410,8 +484,8 @@ def gpu(args):
                 print(json.dumps(ops[-1]), flush=True)
         for name in model_cases():
             for dt in DTYPES:
-                if (name, dt) in done:
-                    models.append(done[name, dt])
+                if (name, dt) in done or not wanted(name):
+                    models.extend([done[name, dt]] if (name, dt) in done else [])
                     continue
                 try:
                     models.append(gpu_model(name, dt, Path(d)))
@@ -430,6 +504,7 @@ if __name__ == "__main__":
     ap.add_argument("step", choices=["prepare", "cpu", "gpu", "report"])
     ap.add_argument("--out", help="gpu: where to write the JSON (default results/gpu.json)")
     ap.add_argument("--resume", help="gpu: keep the rows of this earlier run's log, measure the rest")
+    ap.add_argument("--only", help="gpu: measure only the ops/models whose names start with one of these (comma-separated)")
     a = ap.parse_args()
     if a.step == "report":
         import report
