@@ -92,6 +92,93 @@ fn linear_with_and_without_bias() {
         .check(BF_TOL);
 }
 
+/// Every tile shape of the GEMM, with sizes straddling the tile edges
+/// (1, 63, 64, 65, 127, 129, 257), k not a multiple of the slice depth or
+/// of 4, and tiles that need no bounds checks (m, n, k multiples of the
+/// tile).
+#[test]
+fn gemm_tiles_cover_their_edges() {
+    let cases: &[(usize, usize, usize)] = &[
+        // rows ≤ 16: the matrix-vector tile
+        (1, 63, 65),
+        (2, 17, 257),
+        (16, 9, 16),
+        // columns ≤ 16
+        (63, 64, 1),
+        (257, 5, 3),
+        // the 32×32 tile, exact (no checks) and overhanging
+        (64, 16, 64),
+        (128, 32, 128),
+        (65, 5, 127),
+        (127, 7, 129),
+        (257, 3, 64),
+    ];
+    for (i, &(m, k, n)) in cases.iter().enumerate() {
+        OpCase::new(Op::MatMul)
+            .input(random(F, &[m, k], 3 * i as u64))
+            .input(random(F, &[k, n], 3 * i as u64 + 1))
+            .check(TOL);
+    }
+}
+
+#[test]
+fn gemm_64_tile_exact_and_overhanging() {
+    // enough workgroups for 64×64 tiles: 32 batches of 2×4 exact tiles
+    // (k = 32: two full slices), then 16 of 5×5 overhanging ones
+    OpCase::new(Op::MatMul)
+        .input(random(F, &[32, 128, 32], 1))
+        .input(random(F, &[32, 32, 256], 2))
+        .check(TOL);
+    OpCase::new(Op::MatMul)
+        .input(random(F, &[16, 257, 3], 3))
+        .input_permuted(random(F, &[16, 257, 3], 4), &[0, 2, 1])
+        .check(TOL);
+}
+
+#[test]
+fn gemm_big_tile_broadcast_transposed_and_16_bit() {
+    // 64 batches of 129×129 (2×2 overhanging 128×128 tiles: enough
+    // workgroups for the big tile), B broadcast over the batch
+    OpCase::new(Op::MatMul)
+        .input(random(F, &[64, 129, 3], 1))
+        .input(random(F, &[1, 3, 129], 2))
+        .check(TOL);
+    // both operands read through transposes, k = 9 (one full slice of 8 and
+    // one of 1)
+    OpCase::new(Op::MatMul)
+        .input_permuted(random(F, &[64, 9, 130], 3), &[0, 2, 1])
+        .input_permuted(random(F, &[64, 129, 9], 4), &[0, 2, 1])
+        .check(TOL);
+    OpCase::new(Op::MatMul)
+        .input(random(BF, &[64, 129, 3], 5))
+        .input_permuted(random(BF, &[64, 129, 3], 6), &[0, 2, 1])
+        .check(BF_TOL);
+}
+
+#[test]
+fn gemm_epilogue_bias_alpha_beta_and_16_bit_linear() {
+    OpCase::new(Op::Linear)
+        .input(random(F, &[65, 33], 1))
+        .weight(random(F, &[127, 33], 2))
+        .weight(random(F, &[127], 3))
+        .check(TOL);
+    OpCase::new(Op::Addmm {
+        beta: -0.5,
+        alpha: 1.5,
+    })
+    .input(random(F, &[64, 1], 4))
+    .input(random(F, &[64, 20], 5))
+    .input_permuted(random(F, &[129, 20], 6), &[1, 0])
+    .check(TOL);
+    for (dtype, seed) in [(BF, 7), (DType::F16, 10)] {
+        OpCase::new(Op::Linear)
+            .input(random(dtype, &[63, 21], seed))
+            .weight(random(dtype, &[129, 21], seed + 1))
+            .weight(random(dtype, &[129], seed + 2))
+            .check(BF_TOL);
+    }
+}
+
 fn conv(stride: &[usize], padding: &[usize], dilation: &[usize], groups: usize) -> Op {
     Op::Convolution {
         stride: stride.to_vec(),

@@ -4,9 +4,13 @@
 //! Operands are lazy views, so `weight.T`, permutes and expands are index
 //! arithmetic in the tile loads. Each workgroup computes a `bm × bn` tile
 //! of one batch's output; `k` is walked in `bk`-deep slices staged in
-//! workgroup memory, and each invocation keeps a `tm × tn` block of
-//! accumulators (f32) in registers. The bias and `alpha`/`beta` are applied
-//! in the store (the epilogue). [`super::conv`] reuses [`Gemm`] for
+//! workgroup memory (two stages, the next slice read into registers while
+//! the current one is multiplied), and each invocation keeps a `tm × tn`
+//! block of accumulators (f32) in registers, reading the staged slices as
+//! `vec4`s. The tile is the largest of 128×128, 64×64 and 32×32 that still
+//! gives a large GPU enough workgroups, or a 16-wide one for skinny
+//! products. The bias and `alpha`/`beta` are applied in the store (the
+//! epilogue; 16-bit outputs are rounded there). [`super::conv`] reuses [`Gemm`] for
 //! convolution as an implicit GEMM.
 
 use std::fmt::Write;
@@ -248,54 +252,46 @@ impl Tile {
     fn threads(&self) -> usize {
         (self.bm / self.tm) * (self.bn / self.tn)
     }
+
+    /// Vector width of an invocation's rows (columns): its `tm` rows are
+    /// `tm / wm` runs of `wm` adjacent rows, read from workgroup memory as
+    /// one `vec4` (or scalar) each.
+    fn widths(&self) -> (usize, usize) {
+        let w = |t: usize| if t.is_multiple_of(4) { 4 } else { 1 };
+        (w(self.tm), w(self.tn))
+    }
+
+    /// Words of one stage of the staged A and B slices.
+    fn stage_words(&self) -> (usize, usize) {
+        (self.bk * self.bm, self.bk * self.bn)
+    }
 }
+
+/// Workgroups below which a tile is too big to fill a large GPU (an H200
+/// runs two 256-invocation 128×128 workgroups on each of its 132 units).
+/// Measured there in one run: 4096³ is fastest on 128×128 tiles (24.0 ms;
+/// 128×64: 29.1, 64×64: 35.1), 1024³ on 64×64 (0.113 ms; 128×128: 0.166),
+/// 512³ on 32×32 (0.034 ms; 64×64: 0.040).
+const FILL: u64 = 256;
 
 impl Gemm {
     fn tile(&self) -> Tile {
         let (m, n) = (self.m, self.n);
-        if m >= 512 && n >= 512 {
-            Tile {
-                bm: 128,
-                bn: 128,
-                bk: 8,
-                tm: 8,
-                tn: 8,
-            }
-        } else if m <= 16 && n > m {
+        let groups =
+            |bm: usize, bn: usize| (m.div_ceil(bm) * n.div_ceil(bn)) as u64 * self.batch as u64;
+        let t = |bm, bn, bk, tm, tn| Tile { bm, bn, bk, tm, tn };
+        if m <= 16 && n > m {
             // matrix-vector-like: few rows, many columns per workgroup
-            Tile {
-                bm: 16,
-                bn: 64,
-                bk: 32,
-                tm: 1,
-                tn: 4,
-            }
+            t(16, 64, 16, 1, 4)
         } else if n <= 16 && m > n {
-            Tile {
-                bm: 64,
-                bn: 16,
-                bk: 32,
-                tm: 4,
-                tn: 1,
-            }
+            t(64, 16, 16, 4, 1)
+        } else if m >= 128 && n >= 128 && groups(128, 128) >= FILL {
+            t(128, 128, 8, 8, 8)
+        } else if groups(64, 64) >= FILL {
+            t(64, 64, 16, 8, 4)
         } else {
-            Tile {
-                bm: 64,
-                bn: 64,
-                bk: 16,
-                tm: 4,
-                tn: 4,
-            }
+            t(32, 32, 16, 4, 4)
         }
-    }
-
-    /// Shared-array row lengths: one word of padding where the tile is
-    /// written with k fastest, so those stores spread over the banks.
-    fn strides(&self, t: &Tile) -> (usize, usize) {
-        (
-            t.bm + usize::from(self.a_k_fast),
-            t.bn + usize::from(self.b_k_fast),
-        )
     }
 
     /// Validate and append the kernel: `fns` emits the operand and store
@@ -316,22 +312,44 @@ impl Gemm {
         let tiles = self.m.div_ceil(t.bm) as u64 * self.n.div_ceil(t.bn) as u64;
         let groups = tiles * self.batch as u64;
         let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
-        let (sa, sb) = self.strides(&t);
-        let storage = (4 * t.bk * (sa + sb)) as u32;
+        let (sa, sb) = t.stage_words();
+        // two stages: the next slice is written while this one is read
+        let storage = (2 * 4 * (sa + sb)) as u32;
         let ops = vec![lw.op_label()];
         lw.add_dispatch(built, ops, [t.threads() as u32, 1, 1], workgroups, storage)
     }
 
+    /// The kernel's main. Invocation `(ty, tx)` owns rows
+    /// `g·(bm·wm/tm) + ty·wm + i` and columns `h·(bn·wn/tn) + tx·wn + j`, so
+    /// its reads of a staged k-row are `tm/wm + tn/wn` vector loads shared
+    /// by neighbours (broadcasts, no bank conflicts). Slices of k are staged
+    /// in two alternating halves of workgroup memory (A transposed: k-major)
+    /// and the next slice's global reads are issued into registers before
+    /// the current one is multiplied, so one barrier per slice suffices and
+    /// memory latency hides behind the FMAs.
     fn main(&self, t: &Tile) -> String {
         let Tile { bm, bn, bk, tm, tn } = *t;
         let threads = t.threads();
-        let (sa, sb) = self.strides(t);
+        let (wm, wn) = t.widths();
         let (m, n, k) = (self.m, self.n, self.k);
         let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
-        let (rs, cs) = (bm / tm, bn / tn);
+        let (gm, gn) = (tm / wm, tn / wn);
+        // rows (columns) between an invocation's runs, and vectors per k-row
+        let (rg, cg) = (bm / gm, bn / gn);
+        let (va, vb) = (bm / wm, bn / wn);
+        let (sa, sb) = t.stage_words();
+        let vty = |w: usize| if w == 4 { "vec4<f32>" } else { "f32" };
+        let lane = |x: &str, w: usize, i: usize| {
+            if w == 4 {
+                format!("{x}[{i}]")
+            } else {
+                x.to_string()
+            }
+        };
+        let nt = k.div_ceil(bk);
         let mut s = String::new();
-        let _ = writeln!(s, "var<workgroup> ta: array<f32, {}>;", bk * sa);
-        let _ = writeln!(s, "var<workgroup> tb: array<f32, {}>;", bk * sb);
+        let _ = writeln!(s, "var<workgroup> ta: array<{}, {}>;", vty(wm), 2 * sa / wm);
+        let _ = writeln!(s, "var<workgroup> tb: array<{}, {}>;", vty(wn), 2 * sb / wn);
         let _ = writeln!(
             s,
             "@compute @workgroup_size({threads})\n\
@@ -343,92 +361,187 @@ impl Gemm {
             "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
              \x20 let bt = g / {}u;\n  let tile = g % {}u;\n\
              \x20 let m0 = (tile / {tiles_n}u) * {bm}u;\n  let n0 = (tile % {tiles_n}u) * {bn}u;\n\
-             \x20 let tx = lid % {cs}u;\n  let ty = lid / {cs}u;",
+             \x20 let tx = lid % {}u;\n  let ty = lid / {}u;",
             tiles_m * tiles_n * self.batch,
             tiles_m * tiles_n,
             tiles_m * tiles_n,
+            bn / tn,
+            bn / tn,
         );
         for i in 0..tm {
-            for j in 0..tn {
-                let _ = writeln!(s, "  var c{i}_{j} = 0.0;");
+            for h in 0..gn {
+                let _ = writeln!(s, "  var c{i}_{h} = {}(0.0);", vty(wn));
             }
         }
-        let _ = writeln!(s, "  for (var k0 = 0u; k0 < {k}u; k0 = k0 + {bk}u) {{");
-        // stage A[m0.., k0..] as ta[kk * sa + r] and B[k0.., n0..] as tb[kk * sb + c]
-        let fill =
-            |s: &mut String, total: usize, r: String, kk: String, read: String, dst: String| {
+        // the elements of a slice each invocation reads: element
+        // e = lid + j·threads of the tile, walked k-fastest when the operand
+        // is adjacent along k (coalesced reads)
+        let per_a = bm * bk / threads;
+        let per_b = bn * bk / threads;
+        let coords = |e: &str, k_fast: bool, len: usize| -> (String, String) {
+            if k_fast {
+                (format!("({e}) / {bk}u"), format!("({e}) % {bk}u"))
+            } else {
+                (format!("({e}) % {len}u"), format!("({e}) / {len}u"))
+            }
+        };
+        // bounds checks only where the tile can overhang
+        let check = |idx: &str, len: usize, tile: usize| -> Option<(String, String)> {
+            (!len.is_multiple_of(tile)).then(|| {
+                (
+                    format!("{idx} < {len}u"),
+                    format!("min({idx}, {}u)", len - 1),
+                )
+            })
+        };
+        let read = |s: &mut String, k0: &str| {
+            for j in 0..per_a {
+                let (r, kk) = coords(&format!("lid + {}u", j * threads), self.a_k_fast, bm);
+                let gr = format!("(m0 + {r})");
+                let gk = format!("({k0} + {kk})");
                 let _ = writeln!(
                     s,
-                    "    for (var e = lid; e < {total}u; e = e + {threads}u) {{\n\
-                 \x20     let r = {r};\n      let kk = {kk};\n{read}\n      {dst}\n    }}"
+                    "    {}",
+                    guarded(
+                        &format!("pa{j}"),
+                        "ga",
+                        &[
+                            ("bt".into(), None),
+                            (gr.clone(), check(&gr, m, bm)),
+                            (gk.clone(), check(&gk, k, bk))
+                        ]
+                    )
                 );
-            };
-        let (ar, ak) = if self.a_k_fast {
-            (format!("e / {bk}u"), format!("e % {bk}u"))
-        } else {
-            (format!("e % {bm}u"), format!("e / {bm}u"))
-        };
-        fill(
-            &mut s,
-            bm * bk,
-            ar,
-            ak,
-            format!(
-                "      let gr = m0 + r;\n      let gk = k0 + kk;\n\
-                 \x20     let v = select(0.0, ga(bt, min(gr, {}u), min(gk, {}u)), gr < {m}u && gk < {k}u);",
-                m - 1,
-                k.max(1) - 1
-            ),
-            format!("ta[kk * {sa}u + r] = v;"),
-        );
-        let (bc, bkk) = if self.b_k_fast {
-            (format!("e / {bk}u"), format!("e % {bk}u"))
-        } else {
-            (format!("e % {bn}u"), format!("e / {bn}u"))
-        };
-        fill(
-            &mut s,
-            bn * bk,
-            bc,
-            bkk,
-            format!(
-                "      let gc = n0 + r;\n      let gk = k0 + kk;\n\
-                 \x20     let v = select(0.0, gb(bt, min(gk, {}u), min(gc, {}u)), gc < {n}u && gk < {k}u);",
-                k.max(1) - 1,
-                n - 1
-            ),
-            format!("tb[kk * {sb}u + r] = v;"),
-        );
-        let _ = writeln!(s, "    workgroupBarrier();");
-        let _ = writeln!(s, "    for (var kk = 0u; kk < {bk}u; kk = kk + 1u) {{");
-        for i in 0..tm {
-            let _ = writeln!(s, "      let a{i} = ta[kk * {sa}u + ty + {}u];", rs * i);
-        }
-        for j in 0..tn {
-            let _ = writeln!(s, "      let b{j} = tb[kk * {sb}u + tx + {}u];", cs * j);
-        }
-        for i in 0..tm {
-            for j in 0..tn {
-                let _ = writeln!(s, "      c{i}_{j} = fma(a{i}, b{j}, c{i}_{j});");
             }
-        }
-        let _ = writeln!(s, "    }}\n    workgroupBarrier();\n  }}");
-        for i in 0..tm {
-            let _ = writeln!(s, "  let r{i} = m0 + ty + {}u;", rs * i);
-        }
-        for j in 0..tn {
-            let _ = writeln!(s, "  let q{j} = n0 + tx + {}u;", cs * j);
-        }
-        for i in 0..tm {
-            for j in 0..tn {
+            for j in 0..per_b {
+                let (c, kk) = coords(&format!("lid + {}u", j * threads), self.b_k_fast, bn);
+                let gc = format!("(n0 + {c})");
+                let gk = format!("({k0} + {kk})");
                 let _ = writeln!(
                     s,
-                    "  if (r{i} < {m}u && q{j} < {n}u) {{ gstore(bt, r{i}, q{j}, c{i}_{j}); }}"
+                    "    {}",
+                    guarded(
+                        &format!("pb{j}"),
+                        "gb",
+                        &[
+                            ("bt".into(), None),
+                            (gk.clone(), check(&gk, k, bk)),
+                            (gc.clone(), check(&gc, n, bn))
+                        ]
+                    )
+                );
+            }
+        };
+        let write = |s: &mut String, stage: &str| {
+            for (name, per, k_fast, len, w, v, arr) in [
+                ("pa", per_a, self.a_k_fast, bm, wm, va, "ta"),
+                ("pb", per_b, self.b_k_fast, bn, wn, vb, "tb"),
+            ] {
+                for j in 0..per {
+                    let (r, kk) = coords(&format!("lid + {}u", j * threads), k_fast, len);
+                    let at = format!("{stage} * {}u + ({kk}) * {v}u + ({r}) / {w}u", v * bk);
+                    let dst = if w == 4 {
+                        format!("{arr}[{at}][({r}) % 4u]")
+                    } else {
+                        format!("{arr}[{at}]")
+                    };
+                    let _ = writeln!(s, "    {dst} = {name}{j};");
+                }
+            }
+        };
+        if nt > 0 {
+            for j in 0..per_a {
+                let _ = writeln!(s, "  var pa{j} = 0.0;");
+            }
+            for j in 0..per_b {
+                let _ = writeln!(s, "  var pb{j} = 0.0;");
+            }
+            s.push_str("  {\n");
+            read(&mut s, "0u");
+            write(&mut s, "0u");
+            s.push_str("  }\n  workgroupBarrier();\n");
+            let _ = writeln!(s, "  for (var t = 0u; t < {nt}u; t = t + 1u) {{");
+            s.push_str("    let cur = t & 1u;\n    let more = t + 1u < ");
+            let _ = writeln!(s, "{nt}u;\n    if (more) {{");
+            read(&mut s, &format!("(t + 1u) * {bk}u"));
+            s.push_str("    }\n");
+            let _ = writeln!(
+                s,
+                "    let oa = cur * {}u + ty;\n    let ob = cur * {}u + tx;",
+                va * bk,
+                vb * bk
+            );
+            for kk in 0..bk {
+                s.push_str("    {\n");
+                for g in 0..gm {
+                    let _ = writeln!(s, "    let a{g} = ta[oa + {}u];", kk * va + g * rg / wm);
+                }
+                for h in 0..gn {
+                    let _ = writeln!(s, "    let b{h} = tb[ob + {}u];", kk * vb + h * cg / wn);
+                }
+                for i in 0..tm {
+                    let a = lane(&format!("a{}", i / wm), wm, i % wm);
+                    let a = if wn == 4 {
+                        format!("vec4<f32>({a})")
+                    } else {
+                        a
+                    };
+                    for h in 0..gn {
+                        let _ = writeln!(s, "    c{i}_{h} = fma({a}, b{h}, c{i}_{h});");
+                    }
+                }
+                s.push_str("    }\n");
+            }
+            s.push_str("    if (more) {\n");
+            write(&mut s, "(1u - cur)");
+            s.push_str("    }\n    workgroupBarrier();\n  }\n");
+        }
+        for i in 0..tm {
+            let _ = writeln!(
+                s,
+                "  let r{i} = m0 + ty * {wm}u + {}u;",
+                (i / wm) * rg + i % wm
+            );
+        }
+        for j in 0..tn {
+            let _ = writeln!(
+                s,
+                "  let q{j} = n0 + tx * {wn}u + {}u;",
+                (j / wn) * cg + j % wn
+            );
+        }
+        for i in 0..tm {
+            for j in 0..tn {
+                let v = lane(&format!("c{i}_{}", j / wn), wn, j % wn);
+                let _ = writeln!(
+                    s,
+                    "  if (r{i} < {m}u && q{j} < {n}u) {{ gstore(bt, r{i}, q{j}, {v}); }}"
                 );
             }
         }
         s.push_str("}\n");
         s
+    }
+}
+
+/// `dst = f(args)` with each checked argument clamped into range for the
+/// call and the value 0 where any is out of range.
+fn guarded(dst: &str, f: &str, args: &[(String, Option<(String, String)>)]) -> String {
+    let conds: Vec<&str> = args
+        .iter()
+        .filter_map(|(_, c)| c.as_ref().map(|c| c.0.as_str()))
+        .collect();
+    let call = format!(
+        "{f}({})",
+        args.iter()
+            .map(|(a, c)| c.as_ref().map_or(a.as_str(), |c| c.1.as_str()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if conds.is_empty() {
+        format!("{dst} = {call};")
+    } else {
+        format!("{dst} = select(0.0, {call}, {});", conds.join(" && "))
     }
 }
 
@@ -554,6 +667,32 @@ pub(super) mod tests {
                 "{name}: no GEMM kernel"
             );
         }
+    }
+
+    #[test]
+    fn tiles_follow_the_shape() {
+        let tile = |batch, m, n| {
+            let g = super::Gemm {
+                batch,
+                m,
+                n,
+                k: 64,
+                a_k_fast: true,
+                b_k_fast: false,
+            };
+            let t = g.tile();
+            // every invocation stages whole elements of both slices
+            assert_eq!((t.bm * t.bk) % t.threads(), 0);
+            assert_eq!((t.bn * t.bk) % t.threads(), 0);
+            assert!(2 * 4 * (t.bm + t.bn) * t.bk <= 16384, "{t:?}");
+            (t.bm, t.bn)
+        };
+        assert_eq!(tile(1, 4096, 4096), (128, 128));
+        assert_eq!(tile(64, 129, 129), (128, 128));
+        assert_eq!(tile(1, 1024, 1024), (64, 64));
+        assert_eq!(tile(1, 512, 512), (32, 32));
+        assert_eq!(tile(1, 1, 4096), (16, 64));
+        assert_eq!(tile(1, 4096, 3), (64, 16));
     }
 
     #[test]
