@@ -96,20 +96,21 @@ fn parse_args() -> Result<Args> {
     Ok(args)
 }
 
-fn load(path: &Path, gpu: bool) -> Result<Model> {
+/// The model and, when it runs on a GPU, its backend (for its counters).
+fn load(path: &Path, gpu: bool) -> Result<(Model, Option<Arc<MetalBackend>>)> {
     let mut options = etmetal_runtime::LoadOptions::default();
     if gpu {
         match select_adapter(DeviceChoice::Auto) {
             Ok((_, adapter)) => {
                 eprintln!("generate: GPU adapter {}", adapter.get_info().name);
-                options
-                    .backends
-                    .register(Arc::new(MetalBackend::new(DeviceChoice::Auto)))?;
+                let backend = Arc::new(MetalBackend::new(DeviceChoice::Auto));
+                options.backends.register(backend.clone())?;
+                return Ok((Model::load_with(path, options)?, Some(backend)));
             }
             Err(e) => eprintln!("generate: no GPU ({}), running on the cpu", e.message()),
         }
     }
-    Model::load_with(path, options)
+    Ok((Model::load_with(path, options)?, None))
 }
 
 fn replay(model: &mut Model, dir: &Path, steps: usize, repeat: usize) -> Result<()> {
@@ -189,7 +190,12 @@ fn prefill_len(model: &Model) -> Result<Option<usize>> {
     }
 }
 
-fn generate(model: &mut Model, prompt: &[i64], tokens: usize) -> Result<()> {
+fn generate(
+    model: &mut Model,
+    gpu: Option<&MetalBackend>,
+    prompt: &[i64],
+    tokens: usize,
+) -> Result<()> {
     let t0 = Instant::now();
     let mut next = 0;
     let one_call = prefill_len(model)? == Some(prompt.len());
@@ -211,6 +217,7 @@ fn generate(model: &mut Model, prompt: &[i64], tokens: usize) -> Result<()> {
     }
     let prefill = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
+    let before = gpu.map(MetalBackend::stats);
     let mut out = vec![next];
     for k in 1..tokens {
         next = step(model, next, (prompt.len() + k - 1) as i64)?;
@@ -236,12 +243,20 @@ fn generate(model: &mut Model, prompt: &[i64], tokens: usize) -> Result<()> {
         decode,
         tokens.saturating_sub(1) as f64 / decode.max(1e-9)
     );
+    if let (Some(gpu), Some(before), n @ 1..) = (gpu, before, tokens.saturating_sub(1)) {
+        let after = gpu.stats();
+        println!(
+            "decode: per step {} B written to the GPU, {} B read back",
+            (after.bytes_uploaded - before.bytes_uploaded) / n as u64,
+            (after.bytes_read_back - before.bytes_read_back) / n as u64
+        );
+    }
     Ok(())
 }
 
 fn main() {
     let result = parse_args().and_then(|args| {
-        let mut model = load(&args.model, args.gpu)?;
+        let (mut model, gpu) = load(&args.model, args.gpu)?;
         match &args.replay {
             Some((dir, steps)) => replay(&mut model, dir, *steps, args.repeat),
             None => {
@@ -257,7 +272,7 @@ fn main() {
                     }
                     _ => args.prompt.clone(),
                 };
-                generate(&mut model, &prompt, args.tokens)
+                generate(&mut model, gpu.as_deref(), &prompt, args.tokens)
             }
         }
     });

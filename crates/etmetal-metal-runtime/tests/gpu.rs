@@ -8,6 +8,7 @@ use std::sync::Arc;
 use etmetal_core::{DType, ErrorKind, Tensor};
 use etmetal_metal::payload::{
     to_gpu, Access, Buffer, Dispatch, Kernel, Location, Payload, Requirements, VERSION_MAJOR,
+    VERSION_MINOR,
 };
 use etmetal_metal_runtime::{describe, select_adapter, DeviceChoice, GpuStats, MetalBackend};
 use etmetal_pte::{
@@ -487,7 +488,7 @@ fn load_errors_name_their_cause() {
     let e = b.init(&bytes, &[], &named).err().unwrap();
     assert!(
         e.to_string()
-            .contains(&format!("version {}.0", VERSION_MAJOR + 1)),
+            .contains(&format!("version {}.{VERSION_MINOR}", VERSION_MAJOR + 1)),
         "{e}"
     );
 

@@ -421,6 +421,14 @@ fn inspect_payload(out: &mut String, payload: &Payload) {
         human_bytes(arena as usize),
         human_bytes(weights as usize)
     );
+    if !payload.state.is_empty() {
+        let state: Vec<String> = payload
+            .state
+            .iter()
+            .map(|s| format!("{} (input {})", s.fqn, s.input))
+            .collect();
+        say!(out, "    state kept on the GPU: {}", state.join(", "));
+    }
     for d in &payload.dispatches {
         let k = &payload.kernels[d.kernel];
         let [x, y, z] = d.workgroups;
