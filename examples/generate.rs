@@ -1,17 +1,23 @@
 //! A small decoder loop on a compiled `.pte` whose `forward(tokens, input_pos)`
 //! takes one token (`tokens` int64 `[1, 1]`, `input_pos` int64 `[1]`), keeps
 //! its KV cache in mutable buffers and returns logits `[1, 1, vocab]`:
-//! prefill of a prompt token by token, then greedy decode, with tokens/s.
+//! prefill of the prompt, then greedy decode, with tokens/s. When the file
+//! has a `prefill` method (`tokens [1, P]`, `input_pos [P]`, compiled with
+//! `etmetal compile decode.pt2 --method prefill=prefill.pt2`), the prompt
+//! of P tokens is prefilled in one call; otherwise token by token.
 //!
 //! ```text
 //! cargo run --release -p etmetal --example generate -- MODEL.pte [--device auto|cpu]
 //!     [--prompt 1,2,3] [--tokens N]
-//! cargo run --release -p etmetal --example generate -- MODEL.pte --replay DIR --steps N
+//! cargo run --release -p etmetal --example generate -- MODEL.pte --replay DIR --steps N [--repeat R]
 //! ```
 //! `--replay` runs any stateful program step by step: it reads
-//! `DIR/step{k}_input{i}.npy` and writes `DIR/step{k}_output{i}.npy` for
-//! `k < N`, all through one loaded method (what the parity suite compares
-//! with eager PyTorch at every step).
+//! `DIR/step{k}_input{i}.npy` (and the method's name from
+//! `DIR/step{k}_method.txt`, `forward` without it) and writes
+//! `DIR/step{k}_output{i}.npy` for `k < N`, all through one loaded model
+//! (what the parity suite compares with eager PyTorch at every step). With
+//! `--repeat R` the state is reset and the steps run again, R times in
+//! all, run r > 0 writing `DIR/run{r}_step{k}_output{i}.npy`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -25,8 +31,11 @@ struct Args {
     model: PathBuf,
     gpu: bool,
     prompt: Vec<i64>,
+    /// Whether `--prompt` was given (else the prompt fits the prefill method).
+    prompt_given: bool,
     tokens: usize,
     replay: Option<(PathBuf, usize)>,
+    repeat: usize,
 }
 
 fn parse_args() -> Result<Args> {
@@ -37,8 +46,10 @@ fn parse_args() -> Result<Args> {
         model: PathBuf::new(),
         gpu: true,
         prompt: vec![1, 2, 3, 4],
+        prompt_given: false,
         tokens: 32,
         replay: None,
+        repeat: 1,
     };
     let mut replay_dir = None;
     let mut steps = 1;
@@ -51,6 +62,7 @@ fn parse_args() -> Result<Args> {
                 d => return Err(bad(format!("--device {d}: auto or cpu"))),
             },
             "--prompt" => {
+                args.prompt_given = true;
                 args.prompt = value()?
                     .split(',')
                     .map(|t| t.trim().parse().map_err(|_| bad(format!("token `{t}`"))))
@@ -67,6 +79,11 @@ fn parse_args() -> Result<Args> {
                     .parse()
                     .map_err(|_| bad("--steps: a count".into()))?
             }
+            "--repeat" => {
+                args.repeat = value()?
+                    .parse()
+                    .map_err(|_| bad("--repeat: a count".into()))?
+            }
             _ if model.is_none() && !a.starts_with('-') => model = Some(PathBuf::from(&a)),
             _ => return Err(bad(format!("unexpected argument `{a}`"))),
         }
@@ -79,33 +96,49 @@ fn parse_args() -> Result<Args> {
     Ok(args)
 }
 
-fn load(path: &Path, gpu: bool) -> Result<Model> {
+/// The model and, when it runs on a GPU, its backend (for its counters).
+fn load(path: &Path, gpu: bool) -> Result<(Model, Option<Arc<MetalBackend>>)> {
     let mut options = etmetal_runtime::LoadOptions::default();
     if gpu {
         match select_adapter(DeviceChoice::Auto) {
             Ok((_, adapter)) => {
                 eprintln!("generate: GPU adapter {}", adapter.get_info().name);
-                options
-                    .backends
-                    .register(Arc::new(MetalBackend::new(DeviceChoice::Auto)))?;
+                let backend = Arc::new(MetalBackend::new(DeviceChoice::Auto));
+                options.backends.register(backend.clone())?;
+                return Ok((Model::load_with(path, options)?, Some(backend)));
             }
             Err(e) => eprintln!("generate: no GPU ({}), running on the cpu", e.message()),
         }
     }
-    Model::load_with(path, options)
+    Ok((Model::load_with(path, options)?, None))
 }
 
-fn replay(model: &mut Model, dir: &Path, steps: usize) -> Result<()> {
-    let n_inputs = model.inputs().len();
-    for k in 0..steps {
-        let inputs = (0..n_inputs)
-            .map(|i| npy::read(&dir.join(format!("step{k}_input{i}.npy"))))
-            .collect::<Result<Vec<_>>>()?;
-        let outputs = model
-            .execute(inputs)
-            .map_err(|e| e.context(format!("step {k}")))?;
-        for (i, t) in outputs.iter().enumerate() {
-            npy::write(&dir.join(format!("step{k}_output{i}.npy")), t)?;
+fn replay(model: &mut Model, dir: &Path, steps: usize, repeat: usize) -> Result<()> {
+    for r in 0..repeat {
+        if r > 0 {
+            model.reset_state()?;
+        }
+        let run = if r == 0 {
+            String::new()
+        } else {
+            format!("run{r}_")
+        };
+        for k in 0..steps {
+            let file = dir.join(format!("step{k}_method.txt"));
+            let method = match std::fs::read_to_string(&file) {
+                Ok(name) => name.trim().to_string(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => "forward".to_string(),
+                Err(e) => return Err(Error::io(file.display(), e)),
+            };
+            let inputs = (0..model.method_inputs(&method)?.len())
+                .map(|i| npy::read(&dir.join(format!("step{k}_input{i}.npy"))))
+                .collect::<Result<Vec<_>>>()?;
+            let outputs = model
+                .execute_method(&method, inputs)
+                .map_err(|e| e.context(format!("step {k} (method `{method}`)")))?;
+            for (i, t) in outputs.iter().enumerate() {
+                npy::write(&dir.join(format!("{run}step{k}_output{i}.npy")), t)?;
+            }
         }
     }
     Ok(())
@@ -140,14 +173,51 @@ fn step(model: &mut Model, token: i64, pos: i64) -> Result<i64> {
     argmax_last(outputs.first().ok_or_else(|| Error::shape("no output"))?)
 }
 
-fn generate(model: &mut Model, prompt: &[i64], tokens: usize) -> Result<()> {
+/// The prompt length the `prefill` method takes (its `tokens` are `[1, P]`).
+fn prefill_len(model: &Model) -> Result<Option<usize>> {
+    if !model.has_method("prefill") {
+        return Ok(None);
+    }
+    match model
+        .method_inputs("prefill")?
+        .first()
+        .map(|s| s.shape.as_slice())
+    {
+        Some(&[1, p]) => Ok(Some(p)),
+        other => Err(Error::shape(format!(
+            "method `prefill` takes tokens of shape {other:?}, not [1, P]"
+        ))),
+    }
+}
+
+fn generate(
+    model: &mut Model,
+    gpu: Option<&MetalBackend>,
+    prompt: &[i64],
+    tokens: usize,
+) -> Result<()> {
     let t0 = Instant::now();
     let mut next = 0;
-    for (pos, &t) in prompt.iter().enumerate() {
-        next = step(model, t, pos as i64)?;
+    let one_call = prefill_len(model)? == Some(prompt.len());
+    if one_call {
+        let n = prompt.len();
+        let positions: Vec<i64> = (0..n as i64).collect();
+        let inputs = vec![
+            Tensor::from_i64(DType::I64, &[1, n], prompt)?,
+            Tensor::from_i64(DType::I64, &[n], &positions)?,
+        ];
+        let outputs = model
+            .execute_method("prefill", inputs)
+            .map_err(|e| e.context("prefill"))?;
+        next = argmax_last(outputs.first().ok_or_else(|| Error::shape("no output"))?)?;
+    } else {
+        for (pos, &t) in prompt.iter().enumerate() {
+            next = step(model, t, pos as i64)?;
+        }
     }
     let prefill = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
+    let before = gpu.map(MetalBackend::stats);
     let mut out = vec![next];
     for k in 1..tokens {
         next = step(model, next, (prompt.len() + k - 1) as i64)?;
@@ -157,10 +227,15 @@ fn generate(model: &mut Model, prompt: &[i64], tokens: usize) -> Result<()> {
     let list: Vec<String> = out.iter().map(i64::to_string).collect();
     println!("tokens: {}", list.join(" "));
     println!(
-        "prefill: {} tokens in {:.3} s ({:.1} tokens/s)",
+        "prefill: {} tokens in {:.3} s ({:.1} tokens/s, {})",
         prompt.len(),
         prefill,
-        prompt.len() as f64 / prefill
+        prompt.len() as f64 / prefill,
+        if one_call {
+            "one call of `prefill`"
+        } else {
+            "token by token"
+        }
     );
     println!(
         "decode: {} tokens in {:.3} s ({:.1} tokens/s)",
@@ -168,15 +243,37 @@ fn generate(model: &mut Model, prompt: &[i64], tokens: usize) -> Result<()> {
         decode,
         tokens.saturating_sub(1) as f64 / decode.max(1e-9)
     );
+    if let (Some(gpu), Some(before), n @ 1..) = (gpu, before, tokens.saturating_sub(1)) {
+        let after = gpu.stats();
+        println!(
+            "decode: per step {} B written to the GPU, {} B read back",
+            (after.bytes_uploaded - before.bytes_uploaded) / n as u64,
+            (after.bytes_read_back - before.bytes_read_back) / n as u64
+        );
+    }
     Ok(())
 }
 
 fn main() {
     let result = parse_args().and_then(|args| {
-        let mut model = load(&args.model, args.gpu)?;
+        let (mut model, gpu) = load(&args.model, args.gpu)?;
         match &args.replay {
-            Some((dir, steps)) => replay(&mut model, dir, *steps),
-            None => generate(&mut model, &args.prompt, args.tokens),
+            Some((dir, steps)) => replay(&mut model, dir, *steps, args.repeat),
+            None => {
+                // without --prompt, a prompt the prefill method takes whole
+                let prompt = match prefill_len(&model)? {
+                    Some(p) if !args.prompt_given => (0..p as i64).map(|k| 1 + k % 16).collect(),
+                    Some(p) if args.prompt.len() != p => {
+                        eprintln!(
+                            "generate: the prompt has {} tokens, `prefill` takes {p}: prefilling token by token",
+                            args.prompt.len()
+                        );
+                        args.prompt.clone()
+                    }
+                    _ => args.prompt.clone(),
+                };
+                generate(&mut model, gpu.as_deref(), &prompt, args.tokens)
+            }
         }
     });
     if let Err(e) = result {

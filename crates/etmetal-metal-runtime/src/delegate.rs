@@ -1,6 +1,9 @@
 //! One loaded delegate: weights, arenas, pipelines and bind groups made
 //! once at load; an execute writes the inputs, records every dispatch into
-//! one compute pass, submits once and reads the outputs back.
+//! one compute pass, submits once and reads the outputs back. Mutable
+//! buffers the payload marks as [`payload::State`] stay in the arena across
+//! executes: written only when the method passes their host value, updated
+//! by a GPU copy at the end of each execute, read back only on request.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -22,6 +25,11 @@ pub struct GpuStats {
     pub pipelines_created: u64,
     pub buffers_allocated: u64,
     pub submits: u64,
+    /// Bytes written to the GPU by executes (delegate inputs, resident state
+    /// when the host copy is newer); weights at load are not counted.
+    pub bytes_uploaded: u64,
+    /// Bytes copied back from the GPU (outputs, state read on request).
+    pub bytes_read_back: u64,
 }
 
 /// GPU time of one dispatch in a profiled execute, from timestamp queries
@@ -40,6 +48,8 @@ pub(crate) struct Counters {
     pipelines: AtomicU64,
     buffers: AtomicU64,
     submits: AtomicU64,
+    uploaded: AtomicU64,
+    read_back: AtomicU64,
     /// Whether executes write timestamps around every dispatch.
     pub(crate) profiling: AtomicBool,
     /// Dispatch times of profiled executes not yet taken, in execution order.
@@ -52,6 +62,8 @@ impl Counters {
             pipelines_created: self.pipelines.load(Ordering::Relaxed),
             buffers_allocated: self.buffers.load(Ordering::Relaxed),
             submits: self.submits.load(Ordering::Relaxed),
+            bytes_uploaded: self.uploaded.load(Ordering::Relaxed),
+            bytes_read_back: self.read_back.load(Ordering::Relaxed),
         }
     }
 }
@@ -233,6 +245,8 @@ pub(crate) struct GpuDelegate {
     pipelines: Vec<wgpu::ComputePipeline>,
     bind_groups: Vec<wgpu::BindGroup>,
     outputs: Vec<Output>,
+    /// `(input range, new value range)` of each payload state, by input index.
+    state: HashMap<usize, (Range, Range)>,
     staging: wgpu::Buffer,
     /// Made at the first profiled execute (on a device with timestamp queries).
     profiler: Option<Profiler>,
@@ -341,6 +355,32 @@ impl GpuDelegate {
                 }
             };
             ranges.push(range);
+        }
+
+        // Each resident state gets a GPU buffer of its own (a copy within one
+        // buffer is not allowed), which its input binds instead of the arena.
+        for st in &payload.state {
+            let id = payload.inputs[st.input];
+            let size = ranges[id].size;
+            let buffer = scoped(
+                &gpu,
+                || format!("allocating state `{}` ({size} bytes)", st.fqn),
+                || {
+                    device.create_buffer(&wgpu::BufferDescriptor {
+                        label: Some(&st.fqn),
+                        size,
+                        usage: wgpu::BufferUsages::STORAGE
+                            | wgpu::BufferUsages::COPY_DST
+                            | wgpu::BufferUsages::COPY_SRC,
+                        mapped_at_creation: false,
+                    })
+                },
+            )?;
+            ranges[id] = Range {
+                buffer: new_buffer(&mut buffers, buffer),
+                offset: 0,
+                size,
+            };
         }
 
         // Inputs are written with `write_buffer`, which weights do not allow.
@@ -478,6 +518,14 @@ impl GpuDelegate {
             bind_groups.push(group);
         }
 
+        let state = payload
+            .state
+            .iter()
+            .map(|st| {
+                let input = ranges[payload.inputs[st.input]];
+                (st.input, (input, ranges[st.new_value]))
+            })
+            .collect();
         let mut staging_size = 0;
         let outputs: Vec<Output> = payload
             .outputs
@@ -519,6 +567,7 @@ impl GpuDelegate {
             pipelines,
             bind_groups,
             outputs,
+            state,
             staging,
             profiler: None,
             stuck: false,
@@ -526,8 +575,9 @@ impl GpuDelegate {
     }
 
     /// Check the call's arguments against the payload (every one a tensor
-    /// of the dtype and shape of its buffer) and return the inputs' GPU bytes.
-    fn gpu_inputs<'a>(&self, args: &'a [DelegateArg]) -> Result<Vec<Cow<'a, [u8]>>> {
+    /// of the dtype and shape of its buffer, or `Resident` for state) and
+    /// return the GPU bytes of the inputs to write.
+    fn gpu_inputs<'a>(&self, args: &'a [DelegateArg]) -> Result<Vec<Option<Cow<'a, [u8]>>>> {
         let (ni, no) = (self.payload.inputs.len(), self.payload.outputs.len());
         if args.len() != ni + no {
             return Err(Error::invalid_input(format!(
@@ -544,6 +594,10 @@ impl GpuDelegate {
                 ("output", k - ni)
             };
             let b = &self.payload.buffers[id];
+            if k < ni && self.state.contains_key(&k) && matches!(arg, DelegateArg::Resident) {
+                inputs.push(None);
+                continue;
+            }
             let DelegateArg::Tensor(t) = arg else {
                 return Err(Error::invalid_input(format!(
                     "delegate {what} {index} (`{}`): expected a tensor, got {arg:?}",
@@ -561,10 +615,10 @@ impl GpuDelegate {
                 )));
             }
             if k < ni {
-                inputs.push(payload::to_gpu(
+                inputs.push(Some(payload::to_gpu(
                     t,
                     &format!("delegate input {k} (`{}`)", b.name),
-                )?);
+                )?));
             }
         }
         Ok(inputs)
@@ -593,9 +647,13 @@ impl GpuDelegate {
         }
         let profiler = self.profiler.as_ref().filter(|_| profile);
         for (&id, bytes) in self.payload.inputs.iter().zip(&inputs) {
+            let Some(bytes) = bytes else { continue };
             let r = self.ranges[id];
             gpu.queue
                 .write_buffer(&self.buffers[r.buffer], r.offset, &bytes[..]);
+            self.counters
+                .uploaded
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
         }
         let index = scoped(
             &gpu,
@@ -644,6 +702,16 @@ impl GpuDelegate {
                         p.resolve(&mut encoder);
                     }
                 }
+                // the new state becomes the next execute's input, on the GPU
+                for (input, new) in self.state.values() {
+                    encoder.copy_buffer_to_buffer(
+                        &self.buffers[new.buffer],
+                        new.offset,
+                        &self.buffers[input.buffer],
+                        input.offset,
+                        input.size,
+                    );
+                }
                 for o in &self.outputs {
                     encoder.copy_buffer_to_buffer(
                         &self.buffers[o.range.buffer],
@@ -657,52 +725,11 @@ impl GpuDelegate {
             },
         )?;
         self.counters.submits.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel();
-        if let Some(p) = profiler {
-            let tx = tx.clone();
-            p.readback
-                .map_async(wgpu::MapMode::Read, .., move |r| drop(tx.send(r)));
-        }
-        self.staging
-            .map_async(wgpu::MapMode::Read, .., move |r| drop(tx.send(r)));
-        let polled = gpu.device.poll(wgpu::PollType::Wait {
-            submission_index: Some(index),
-            timeout: Some(self.timeout),
-        });
-        if let Some(e) = gpu.take_uncaptured() {
-            self.stuck = true;
-            return Err(Error::internal(format!("GPU error while running: {e}")));
-        }
-        match polled {
-            Ok(_) => {}
-            Err(wgpu::PollError::Timeout) => {
-                self.stuck = true;
-                return Err(Error::limit(format!(
-                    "the GPU did not finish the delegate's {} dispatches within {:?}",
-                    self.payload.dispatches.len(),
-                    self.timeout
-                )));
-            }
-            Err(e) => return Err(Error::internal(format!("waiting for the GPU: {e}"))),
-        }
-        // The map callbacks run in the poll that saw the work finish, which
-        // may be another thread's poll of the shared device (taken before
-        // this thread's poll returned, run after), so wait for them.
-        let maps = 1 + usize::from(profiler.is_some());
-        for _ in 0..maps {
-            match rx.recv_timeout(self.timeout) {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    return Err(Error::internal(format!("reading the outputs back: {e}")));
-                }
-                Err(_) => {
-                    self.stuck = true;
-                    return Err(Error::internal(
-                        "the GPU finished but the outputs were not mapped",
-                    ));
-                }
-            }
-        }
+        let staged = self.outputs.iter().map(|o| o.range.size).sum::<u64>();
+        self.counters.read_back.fetch_add(staged, Ordering::Relaxed);
+        let mut mapped = vec![&self.staging];
+        mapped.extend(profiler.map(|p| &p.readback));
+        Self::wait_mapped(&gpu, self.timeout, &mut self.stuck, index, &mapped)?;
         if let Some(p) = profiler {
             let times =
                 p.seconds()?
@@ -739,10 +766,124 @@ impl GpuDelegate {
         self.staging.unmap();
         result
     }
+
+    /// Map `buffers` for reading once submission `index` is done, waiting at
+    /// most `timeout`; `stuck` is set when the GPU did not finish (the
+    /// delegate then refuses later executes).
+    fn wait_mapped(
+        gpu: &GpuDevice,
+        timeout: Duration,
+        stuck: &mut bool,
+        index: wgpu::SubmissionIndex,
+        buffers: &[&wgpu::Buffer],
+    ) -> Result<()> {
+        let (tx, rx) = mpsc::channel();
+        for b in buffers {
+            let tx = tx.clone();
+            b.map_async(wgpu::MapMode::Read, .., move |r| drop(tx.send(r)));
+        }
+        let polled = gpu.device.poll(wgpu::PollType::Wait {
+            submission_index: Some(index),
+            timeout: Some(timeout),
+        });
+        if let Some(e) = gpu.take_uncaptured() {
+            *stuck = true;
+            return Err(Error::internal(format!("GPU error while running: {e}")));
+        }
+        match polled {
+            Ok(_) => {}
+            Err(wgpu::PollError::Timeout) => {
+                *stuck = true;
+                return Err(Error::limit(format!(
+                    "the GPU did not finish the delegate's work within {timeout:?}"
+                )));
+            }
+            Err(e) => return Err(Error::internal(format!("waiting for the GPU: {e}"))),
+        }
+        // The map callbacks run in the poll that saw the work finish, which
+        // may be another thread's poll of the shared device (taken before
+        // this thread's poll returned, run after), so wait for them.
+        for _ in buffers {
+            match rx.recv_timeout(timeout) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    return Err(Error::internal(format!("reading the outputs back: {e}")));
+                }
+                Err(_) => {
+                    *stuck = true;
+                    return Err(Error::internal(
+                        "the GPU finished but the outputs were not mapped",
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Read resident state input `input` back from the arena.
+    fn read_state(&mut self, input: usize) -> Result<etmetal_core::Tensor> {
+        if self.stuck {
+            return Err(Error::internal(
+                "a previous execute of this delegate timed out on the GPU; load the program again",
+            ));
+        }
+        let Some(&(range, _)) = self.state.get(&input) else {
+            return Err(Error::invalid_input(format!(
+                "EtMetalBackend delegate input {input} is not resident state"
+            )));
+        };
+        let gpu = self.gpu.clone();
+        let (readback, index) = scoped(
+            &gpu,
+            || format!("reading state input {input} back"),
+            || {
+                let readback = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("state read-back"),
+                    size: range.size,
+                    usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                });
+                let mut encoder =
+                    gpu.device
+                        .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                            label: Some("etmetal state read-back"),
+                        });
+                encoder.copy_buffer_to_buffer(
+                    &self.buffers[range.buffer],
+                    range.offset,
+                    &readback,
+                    0,
+                    range.size,
+                );
+                let index = gpu.queue.submit([encoder.finish()]);
+                (readback, index)
+            },
+        )?;
+        self.counters.submits.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .read_back
+            .fetch_add(range.size, Ordering::Relaxed);
+        Self::wait_mapped(&gpu, self.timeout, &mut self.stuck, index, &[&readback])?;
+        let b = &self.payload.buffers[self.payload.inputs[input]];
+        let view = readback
+            .get_mapped_range(..)
+            .map_err(|e| Error::internal(format!("reading state back: {e}")))?;
+        payload::from_gpu(&view, b.dtype, &b.shape)
+    }
 }
 
 impl DelegateHandle for GpuDelegate {
     fn execute(&mut self, args: &mut [DelegateArg]) -> Result<()> {
         GpuDelegate::execute(self, args)
+    }
+
+    fn resident_args(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.state.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    fn read_state(&mut self, position: usize) -> Result<etmetal_core::Tensor> {
+        GpuDelegate::read_state(self, position)
     }
 }

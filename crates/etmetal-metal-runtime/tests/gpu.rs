@@ -8,6 +8,7 @@ use std::sync::Arc;
 use etmetal_core::{DType, ErrorKind, Tensor};
 use etmetal_metal::payload::{
     to_gpu, Access, Buffer, Dispatch, Kernel, Location, Payload, Requirements, VERSION_MAJOR,
+    VERSION_MINOR,
 };
 use etmetal_metal_runtime::{describe, select_adapter, DeviceChoice, GpuStats, MetalBackend};
 use etmetal_pte::{
@@ -107,6 +108,7 @@ fn unary(
         outputs: vec![1],
         arenas: vec![512],
         requirements: Requirements::default(),
+        state: vec![],
     }
 }
 
@@ -144,6 +146,7 @@ fn affine() -> (Payload, Named) {
         outputs: vec![3],
         arenas: vec![512],
         requirements: Requirements::default(),
+        state: vec![],
     };
     let f32s = |v: &[f32]| {
         to_gpu(&Tensor::from_f32(DType::F32, &[v.len()], v).unwrap(), "w")
@@ -226,7 +229,9 @@ fn affine_over_weights_and_load_once() {
         GpuStats {
             pipelines_created: 1,
             buffers_allocated: 4,
-            submits: 0
+            submits: 0,
+            bytes_uploaded: 0,
+            bytes_read_back: 0,
         }
     );
     assert!(b.device().is_some());
@@ -244,6 +249,9 @@ fn affine_over_weights_and_load_once() {
     assert_eq!(after.pipelines_created, loaded.pipelines_created);
     assert_eq!(after.buffers_allocated, loaded.buffers_allocated);
     assert_eq!(after.submits, 2);
+    // each execute writes the 2x3 f32 input and reads the 2x3 output back
+    assert_eq!(after.bytes_uploaded, 2 * 24);
+    assert_eq!(after.bytes_read_back, 2 * 24);
 }
 
 /// Two dispatches of one kernel `y = (x*2+1)*2+1` through an intermediate.
@@ -265,6 +273,7 @@ fn chain_payload(shape: [usize; 2]) -> Payload {
         outputs: vec![2],
         arenas: vec![512, 60],
         requirements: Requirements::default(),
+        state: vec![],
     }
 }
 
@@ -479,7 +488,7 @@ fn load_errors_name_their_cause() {
     let e = b.init(&bytes, &[], &named).err().unwrap();
     assert!(
         e.to_string()
-            .contains(&format!("version {}.0", VERSION_MAJOR + 1)),
+            .contains(&format!("version {}.{VERSION_MINOR}", VERSION_MAJOR + 1)),
         "{e}"
     );
 

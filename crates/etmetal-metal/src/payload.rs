@@ -14,6 +14,12 @@
 //! - Delegate inputs are written into their arena ranges, every
 //!   [`Dispatch`] is recorded in order into one compute pass of one command
 //!   buffer, outputs are copied out of the arena.
+//! - A [`State`] (a mutable buffer, such as a KV cache, that only this
+//!   delegate reads and writes) stays on the GPU across executes: its input
+//!   is written only when the caller passes a host value (the first execute,
+//!   after a reset or after another method changed it), and its new value is
+//!   copied into the input's range at the end of the command buffer instead
+//!   of being read back.
 //! - A kernel binds its buffers at `@group(0) @binding(i)`, i in the order
 //!   of [`Dispatch::buffers`]; shapes are baked into the WGSL, so there are
 //!   no uniforms.
@@ -29,7 +35,8 @@ use serde::{Deserialize, Serialize};
 pub const MAGIC: &[u8; 4] = b"EMTL";
 /// Bumped when a reader of the previous major version would misread.
 pub const VERSION_MAJOR: u16 = 1;
-pub const VERSION_MINOR: u16 = 0;
+/// 1.1: [`Payload::state`].
+pub const VERSION_MINOR: u16 = 1;
 
 /// Offsets of arena ranges are multiples of this (wgpu's default and the
 /// largest `min_storage_buffer_offset_alignment` of real adapters).
@@ -52,6 +59,21 @@ pub struct Payload {
     /// Byte size of each arena buffer.
     pub arenas: Vec<u64>,
     pub requirements: Requirements,
+    /// Mutable buffers kept on the GPU across executes (payload 1.1).
+    #[serde(default)]
+    pub state: Vec<State>,
+}
+
+/// A mutable buffer the delegate keeps resident: delegate input `input`
+/// holds its current value, and arena buffer `new_value` (not a delegate
+/// output) its value after the execute, copied into the input's range last.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    /// The buffer's fully qualified name in the module (`layers.0.k_cache`).
+    pub fqn: String,
+    /// Index into [`Payload::inputs`].
+    pub input: usize,
+    pub new_value: BufferId,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -355,6 +377,25 @@ impl Payload {
                 return Err(bad(format!("output {k} is not an arena buffer")));
             }
         }
+        for (k, st) in self.state.iter().enumerate() {
+            let what = format!("state {k} `{}`", st.fqn);
+            let &id = self
+                .inputs
+                .get(st.input)
+                .ok_or_else(|| bad(format!("{what}: input {} does not exist", st.input)))?;
+            let (old, new) = (buffer(id, &what)?, buffer(st.new_value, &what)?);
+            if !matches!(new.location, Location::Arena { .. })
+                || (old.dtype, &old.shape) != (new.dtype, &new.shape)
+            {
+                return Err(bad(format!(
+                    "{what}: new value `{}` is not an arena buffer of the input's dtype and shape",
+                    new.name
+                )));
+            }
+            if self.state[..k].iter().any(|o| o.input == st.input) {
+                return Err(bad(format!("{what}: input {} is state twice", st.input)));
+            }
+        }
         for (d, dispatch) in self.dispatches.iter().enumerate() {
             let kernel = self.kernels.get(dispatch.kernel).ok_or_else(|| {
                 bad(format!(
@@ -396,6 +437,23 @@ impl Payload {
             }
         }
         Ok(())
+    }
+
+    /// Keep the mutable buffer `fqn` on the GPU: delegate input `input`
+    /// holds it, and output `output` (its new value) stops being an output.
+    pub fn keep_resident(&mut self, fqn: &str, input: usize, output: usize) -> Result<()> {
+        if input >= self.inputs.len() || output >= self.outputs.len() {
+            return Err(Error::internal(format!(
+                "state `{fqn}`: input {input} or output {output} is not in the payload"
+            )));
+        }
+        let new_value = self.outputs.remove(output);
+        self.state.push(State {
+            fqn: fqn.to_string(),
+            input,
+            new_value,
+        });
+        self.verify()
     }
 
     /// Names of the weights the payload needs from the named data.
@@ -467,6 +525,7 @@ mod tests {
             outputs: vec![1],
             arenas: vec![256],
             requirements: Requirements::default(),
+            state: vec![],
         }
     }
 
@@ -482,7 +541,10 @@ mod tests {
         let mut bytes = sample().encode();
         bytes[4..6].copy_from_slice(&(VERSION_MAJOR + 1).to_le_bytes());
         let e = Payload::decode(&bytes).unwrap_err();
-        assert!(e.message().contains("version 2.0"), "{e}");
+        assert!(
+            e.message().contains(&format!("version 2.{VERSION_MINOR}")),
+            "{e}"
+        );
         let mut minor = sample().encode();
         minor[6..8].copy_from_slice(&7u16.to_le_bytes());
         assert!(Payload::decode(&minor).is_ok());

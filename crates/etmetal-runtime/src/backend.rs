@@ -15,6 +15,10 @@ pub enum DelegateArg {
     Int(i64),
     Double(f64),
     Bool(bool),
+    /// A mutable buffer the delegate keeps resident (see
+    /// [`DelegateHandle::resident_args`]) whose device copy is current: no
+    /// host value is passed.
+    Resident,
     /// `Null` and the list kinds, which delegates do not take.
     Other,
 }
@@ -32,6 +36,23 @@ pub trait DelegateHandle: Send {
     /// have nothing to do.
     fn reset_state(&mut self) -> Result<()> {
         Ok(())
+    }
+
+    /// Argument positions (inputs) of the mutable buffers this delegate
+    /// keeps on its device across executes, writing their new value there
+    /// itself. The method then passes [`DelegateArg::Resident`] at such a
+    /// position while the device copy is current, and the buffer's host
+    /// value (written into the device copy) after a reset or when another
+    /// method changed the state; no other instruction may touch the buffer.
+    fn resident_args(&self) -> Vec<usize> {
+        vec![]
+    }
+
+    /// The current device value of the resident buffer at argument `position`.
+    fn read_state(&mut self, position: usize) -> Result<Tensor> {
+        Err(Error::internal(format!(
+            "the delegate keeps no state at argument {position}"
+        )))
     }
 }
 

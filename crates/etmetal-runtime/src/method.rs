@@ -1,6 +1,12 @@
 //! A loaded method: its values, and chain 0's instructions prepared once
 //! (kernel calls decoded into ops, scalar operands made tensors, delegates
 //! initialised), then run by [`Method::execute`].
+//!
+//! Mutable buffers (planned tensors with an initial value) are the method's
+//! state. A delegate may keep one on its device ([`DelegateHandle::resident_args`]):
+//! the method then tracks which copy is current, so the host copy is
+//! written into the device only after a reset or [`Method::write_state`],
+//! and read back only by [`Method::read_state`].
 
 use std::collections::BTreeMap;
 
@@ -33,6 +39,9 @@ enum Step {
         id: String,
         handle: Box<dyn DelegateHandle>,
         args: Vec<usize>,
+        /// `(argument position, index into Method::states)` of the mutable
+        /// buffers this delegate keeps resident.
+        resident: Vec<(usize, usize)>,
     },
     Move {
         from: usize,
@@ -46,10 +55,21 @@ enum Step {
     Free,
 }
 
+/// One mutable buffer of the method.
+struct State {
+    value: usize,
+    fqn: Option<String>,
+    /// `(step, argument position)` of the delegate keeping it resident.
+    keeper: Option<(usize, usize)>,
+    /// Whether the keeper's device copy is current (the host copy is not).
+    on_device: bool,
+}
+
 pub struct Method {
     name: String,
     values: Values,
     steps: Vec<Step>,
+    states: Vec<State>,
     inputs: Vec<(usize, TensorSpec)>,
     outputs: Vec<(usize, TensorSpec)>,
 }
@@ -168,6 +188,7 @@ impl Method {
                         id: d.id.clone(),
                         handle,
                         args,
+                        resident: vec![],
                     }
                 }
                 Instruction::MoveCall(m) => {
@@ -195,10 +216,22 @@ impl Method {
         }
         let outs: Vec<usize> = outputs.iter().map(|(v, _)| *v).collect();
         check_reads(&unwritten, &outs, chain.instructions.len())?;
+        let mut states: Vec<State> = values
+            .states()
+            .map(|(value, fqn)| State {
+                value,
+                fqn: fqn.map(str::to_string),
+                keeper: None,
+                on_device: false,
+            })
+            .collect();
+        let io: Vec<usize> = inputs.iter().chain(&outputs).map(|(v, _)| *v).collect();
+        resident_state(&mut steps, &mut states, &io)?;
         Ok(Method {
             name: p.name.clone(),
             values,
             steps,
+            states,
             inputs,
             outputs,
         })
@@ -273,11 +306,60 @@ impl Method {
     /// state otherwise carries from one [`Method::execute`] to the next.
     pub fn reset_state(&mut self) -> Result<()> {
         self.values.reset_state()?;
+        self.states.iter_mut().for_each(|s| s.on_device = false);
         for step in &mut self.steps {
             if let Step::Delegate { id, handle, .. } = step {
                 handle
                     .reset_state()
                     .map_err(|e| e.context(format!("resetting delegate `{id}`")))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Fully qualified names of the mutable buffers (`layers.0.k_cache`) the
+    /// file names, which [`Method::read_state`] and [`Method::write_state`] use.
+    pub fn state_names(&self) -> Vec<&str> {
+        self.states
+            .iter()
+            .filter_map(|s| s.fqn.as_deref())
+            .collect()
+    }
+
+    /// The current value of every named mutable buffer; state a delegate
+    /// keeps on its device is read back from it (and stays there).
+    pub fn read_state(&mut self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::with_capacity(self.states.len());
+        for s in &self.states {
+            let Some(fqn) = &s.fqn else { continue };
+            let t = match s.keeper {
+                Some((step, position)) if s.on_device => {
+                    let Step::Delegate { id, handle, .. } = &mut self.steps[step] else {
+                        return Err(Error::internal(format!(
+                            "state `{fqn}` is kept by a non-delegate"
+                        )));
+                    };
+                    handle.read_state(position).map_err(|e| {
+                        e.context(format!("reading state `{fqn}` from delegate `{id}`"))
+                    })?
+                }
+                _ => self.values.read(s.value)?,
+            };
+            out.push((fqn.clone(), t));
+        }
+        Ok(out)
+    }
+
+    /// Set the named mutable buffers of `state` that this method has (others
+    /// are skipped), as another method of the program left them; a delegate
+    /// keeping one resident takes the new value at the next execute.
+    pub fn write_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        for (fqn, t) in state {
+            if let Some(s) = self.states.iter_mut().find(|s| s.fqn.as_ref() == Some(fqn)) {
+                self.values
+                    .write(s.value, t)
+                    .map_err(|e| e.context(format!("method `{}` state `{fqn}`", self.name)))?;
+                s.on_device = false;
             }
         }
         Ok(())
@@ -314,16 +396,27 @@ impl Method {
     /// Run instruction `pc`; the next instruction's index.
     fn step(&mut self, pc: usize) -> Result<usize> {
         let values = &mut self.values;
+        let states = &mut self.states;
         match &mut self.steps[pc] {
             Step::Kernel { name, ops } => {
                 for o in ops.iter() {
                     run_op(values, o).map_err(|e| e.context(format!("kernel {name}")))?;
                 }
             }
-            Step::Delegate { id, handle, args } => {
+            Step::Delegate {
+                id,
+                handle,
+                args,
+                resident,
+            } => {
                 let mut call = args
                     .iter()
-                    .map(|&v| {
+                    .enumerate()
+                    .map(|(k, &v)| {
+                        let kept = resident.iter().find(|(p, _)| *p == k);
+                        if kept.is_some_and(|&(_, s)| states[s].on_device) {
+                            return Ok(DelegateArg::Resident);
+                        }
                         Ok(match values.get(v)? {
                             Slot::Tensor(_) => DelegateArg::Tensor(values.read(v)?),
                             Slot::Value(EValue::Int(i)) => DelegateArg::Int(*i),
@@ -344,6 +437,9 @@ impl Method {
                 handle
                     .execute(&mut call)
                     .map_err(|e| e.context(format!("delegate `{id}`")))?;
+                resident
+                    .iter()
+                    .for_each(|&(_, s)| states[s].on_device = true);
                 for ((&v, arg), before) in args.iter().zip(&call).zip(&passed) {
                     if let DelegateArg::Tensor(t) = arg {
                         if *before != Some(t.bytes().as_ptr()) && !values.is_constant(v) {
@@ -391,6 +487,70 @@ fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
     let results = etmetal_cpu::execute(&o.op, &refs, &o.specs)?;
     for (&v, t) in o.outputs.iter().zip(&results) {
         values.write(v, t)?;
+    }
+    Ok(())
+}
+
+/// Ask each delegate which mutable buffers it keeps resident, and check
+/// that nothing else (another instruction, the method's inputs or outputs)
+/// touches them, since their host copy goes stale.
+fn resident_state(steps: &mut [Step], states: &mut [State], io: &[usize]) -> Result<()> {
+    let mut kept = vec![];
+    for (k, step) in steps.iter_mut().enumerate() {
+        let Step::Delegate {
+            id,
+            handle,
+            args,
+            resident,
+        } = step
+        else {
+            continue;
+        };
+        for position in handle.resident_args() {
+            let v = *args.get(position).ok_or_else(|| {
+                Error::format(format!(
+                    "instruction {k}: delegate `{id}` keeps argument {position} resident, \
+                     but the call has {} arguments",
+                    args.len()
+                ))
+            })?;
+            let s = states
+                .iter()
+                .position(|s| s.value == v && s.keeper.is_none())
+                .ok_or_else(|| {
+                    Error::format(format!(
+                        "instruction {k}: delegate `{id}` keeps value {v} resident, which is not \
+                         a mutable buffer (or is kept by another delegate)"
+                    ))
+                })?;
+            states[s].keeper = Some((k, position));
+            resident.push((position, s));
+            kept.push((v, k, position));
+        }
+    }
+    for (v, keeper, position) in kept {
+        let touched = io.contains(&v)
+            || steps.iter().enumerate().any(|(k, step)| match step {
+                Step::Kernel { ops, .. } => ops.iter().any(|o| {
+                    o.outputs.contains(&v)
+                        || o.inputs
+                            .iter()
+                            .any(|i| matches!(i, Some(Operand::Value(x)) if *x == v))
+                }),
+                Step::Delegate { args, .. } => args
+                    .iter()
+                    .enumerate()
+                    .any(|(p, &a)| a == v && (k, p) != (keeper, position)),
+                Step::Move { from, to } => *from == v || *to == v,
+                Step::JumpFalse { cond, .. } => *cond == v,
+                Step::Free => false,
+            });
+        if touched {
+            return Err(Error::format(format!(
+                "instruction {keeper}: a delegate keeps mutable buffer value {v} on its device, \
+                 but other instructions or the method's inputs/outputs use it"
+            )));
+        }
     }
     Ok(())
 }

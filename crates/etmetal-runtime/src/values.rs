@@ -32,6 +32,8 @@ pub(crate) struct Values {
     /// Planned tensors with an initial value (mutable buffers: state kept
     /// in the arena across executes), written at load and by [`Values::reset_state`].
     initial: Vec<(usize, Tensor)>,
+    /// The fully qualified name of each `initial` entry, where the file gives one.
+    fqns: Vec<Option<String>>,
 }
 
 /// The initial value of a planned tensor with data: offset `data_buffer_idx`
@@ -132,10 +134,17 @@ impl Values {
             .map(|(v, value)| Values::slot(file, plan, v, value, max_arena_bytes))
             .collect::<Result<Vec<_>>>()?;
         let mut initial = vec![];
+        let mut fqns = vec![];
         for (v, value) in p.values.iter().enumerate() {
             if let EValue::Tensor(t) = value {
                 if t.allocation_info.is_some() && t.data_buffer_idx > 0 {
                     initial.push((v, mutable_initial(file, t, &format!("value {v}"))?));
+                    fqns.push(
+                        t.extra_tensor_info
+                            .as_ref()
+                            .map(|e| e.fully_qualified_name.clone())
+                            .filter(|n| !n.is_empty()),
+                    );
                 }
             }
         }
@@ -143,9 +152,18 @@ impl Values {
             slots,
             arenas,
             initial,
+            fqns,
         };
         values.reset_state()?;
         Ok(values)
+    }
+
+    /// The mutable buffers: value index and fully qualified name (if any).
+    pub fn states(&self) -> impl Iterator<Item = (usize, Option<&str>)> {
+        self.initial
+            .iter()
+            .zip(&self.fqns)
+            .map(|((v, _), n)| (*v, n.as_deref()))
     }
 
     /// Write every mutable buffer's initial value back.

@@ -751,6 +751,7 @@ fn valid_payload() -> Payload {
         outputs: vec![2],
         arenas: vec![512],
         requirements: Requirements::default(),
+        state: vec![],
     }
 }
 

@@ -9,6 +9,16 @@
 //! `etmetal_pte::kernels::encode`) and `DelegateCall`s → constants stored
 //! once in the constant segment → [`etmetal_pte::serialize`]. With the CPU
 //! backend the file runs in ExecuTorch's own runtime.
+//!
+//! [`compile_methods`] writes several methods (ExecuTorch's
+//! `to_edge({"forward": decode, "prefill": prefill})`), each its own
+//! execution plan. Mutable buffers are laid out as ExecuTorch's
+//! `share_mutable_buffers=True` does: planned memory `mem_id` 2, one range
+//! per fully qualified name at the same offset in every method, the name in
+//! `extra_tensor_info`, the initial value stored once. A mutable buffer that
+//! only one GPU partition reads and writes is kept on the GPU: the
+//! partition's payload lists it as [`etmetal_metal::payload::State`], its new
+//! value is no delegate output and the chain has no `copy_` for it.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -23,8 +33,8 @@ use etmetal_metal::preprocess::{preprocess, PreprocessOptions};
 use etmetal_pte::kernels::{encode, kernel_outputs, CallArg, TensorMeta};
 use etmetal_pte::{
     AllocationDetails, BackendDelegate, BackendDelegateDataReference, Chain, ContainerMetadata,
-    DataLocation, DelegateCall, EValue, ExecutionPlan, Instruction, KernelCall, Operator, Program,
-    Segment, SubsegmentOffsets, Tensor as PteTensor,
+    DataLocation, DelegateCall, EValue, ExecutionPlan, ExtraTensorInfo, Instruction, KernelCall,
+    Operator, Program, Segment, SubsegmentOffsets, Tensor as PteTensor,
 };
 
 /// Where the compiled program runs.
@@ -44,7 +54,7 @@ pub struct CompileOptions {
     pub preprocess: PreprocessOptions,
 }
 
-/// One delegated partition of a compiled program, for reports.
+/// One delegated partition of a compiled method, for reports.
 #[derive(Clone, Debug)]
 pub struct PartitionReport {
     /// `tag0`, `tag1`, … as ExecuTorch tags delegated nodes.
@@ -55,13 +65,22 @@ pub struct PartitionReport {
     pub payload_bytes: usize,
 }
 
-/// A compiled program and what went where.
+/// A compiled program and what went where, per method.
 #[derive(Clone, Debug)]
 pub struct Compiled {
     pub pte: Vec<u8>,
+    pub methods: Vec<MethodReport>,
+}
+
+/// What went where in one method.
+#[derive(Clone, Debug)]
+pub struct MethodReport {
+    pub name: String,
     pub partitions: Vec<PartitionReport>,
     /// Nodes left on the CPU: `(node, op, reason)`.
     pub cpu_nodes: Vec<(String, String, String)>,
+    /// Fully qualified names of the mutable buffers kept on the GPU.
+    pub resident_state: Vec<String>,
 }
 
 /// Import the `.pt2` at `path` and compile it with [`compile_cpu`].
@@ -79,31 +98,102 @@ pub fn compile_cpu(graph: &Graph) -> Result<Vec<u8>> {
     Ok(compile(graph, &options, &mut |_| {})?.pte)
 }
 
-/// Compile `graph`; `progress` hears one line per partition compiled.
+/// Compile `graph` as method `forward`; `progress` hears one line per
+/// partition compiled.
 pub fn compile(
     graph: &Graph,
     options: &CompileOptions,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Compiled> {
+    compile_methods(&[("forward", graph)], options, progress)
+}
+
+/// Compile each `(name, graph)` as one method of one program. Mutable
+/// buffers of the same fully qualified name are one state: they must agree
+/// in dtype, shape and initial value.
+pub fn compile_methods(
+    methods: &[(&str, &Graph)],
+    options: &CompileOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Compiled> {
+    if methods.is_empty() {
+        return Err(Error::invalid_input("a program needs at least one method"));
+    }
+    let mut lowered = Vec::with_capacity(methods.len());
+    let mut reports = Vec::with_capacity(methods.len());
+    for (k, (name, graph)) in methods.iter().enumerate() {
+        if name.is_empty() || methods[..k].iter().any(|(n, _)| n == name) {
+            return Err(Error::invalid_input(format!(
+                "method name `{name}` is empty or given twice"
+            )));
+        }
+        let (l, r) = lower(name, graph, options, progress)
+            .map_err(|e| e.context(format!("method `{name}`")))?;
+        lowered.push(l);
+        reports.push(r);
+    }
+    Ok(Compiled {
+        pte: write_program(&lowered)?,
+        methods: reports,
+    })
+}
+
+/// One method ready to serialize: portable ops and delegate calls.
+struct Lowered {
+    name: String,
+    graph: Graph,
+    delegates: Vec<DelegateData>,
+    /// Mutable buffers a delegate keeps on the GPU (no `copy_` write-back).
+    resident: Vec<ValueId>,
+}
+
+fn lower(
+    name: &str,
+    graph: &Graph,
+    options: &CompileOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Lowered, MethodReport)> {
     let mut g = graph.clone();
     check_signature(&g)?;
     let mut delegates = vec![];
     let mut reports = vec![];
     let mut cpu_nodes = vec![];
+    let mut resident = vec![];
+    let mut resident_state = vec![];
     if options.backend == Backend::Metal {
         etmetal_graph::decompose(&mut g, &ops_to_not_decompose);
         etmetal_graph::eliminate_dead_code(&mut g);
-        let parts = partition(&g, &options.partition)?;
+        let mut parts = partition(&g, &options.partition)?;
         for (i, reason) in &parts.cpu_nodes {
             let node = &g.nodes[*i];
             cpu_nodes.push((node.name.clone(), node.op.name(), reason.clone()));
         }
-        for p in &parts.partitions {
-            let pre = preprocess(&g, p, &options.preprocess)
+        let kept = resident_buffers(&g, &parts)?;
+        for (id, p) in parts.partitions.iter_mut().enumerate() {
+            let mut pre = preprocess(&g, p, &options.preprocess)
                 .map_err(|e| e.context(format!("partition {} of the Metal backend", p.tag())))?;
+            for &(part, buffer, new) in &kept {
+                if part != id {
+                    continue;
+                }
+                let fqn = buffer_fqn(&g, buffer)?;
+                let input = p.inputs.iter().position(|&v| v == buffer);
+                let output = p.outputs.iter().position(|&v| v == new);
+                let (Some(input), Some(output)) = (input, output) else {
+                    return Err(Error::internal(format!(
+                        "state `{fqn}` is not an input and output of partition {}",
+                        p.tag()
+                    )));
+                };
+                pre.payload.keep_resident(&fqn, input, output)?;
+                p.outputs.remove(output);
+                g.outputs.retain(|(v, _)| *v != new);
+                resident.push(buffer);
+                resident_state.push(fqn);
+            }
             let payload = pre.payload.encode();
             progress(&format!(
-                "partition {}: {} nodes → {} kernels, {} dispatches",
+                "{name}: partition {}: {} nodes → {} kernels, {} dispatches",
                 p.tag(),
                 p.nodes.len(),
                 pre.payload.kernels.len(),
@@ -125,11 +215,76 @@ pub fn compile(
     etmetal_graph::decompose(&mut g, &|_| false);
     to_portable(&mut g)?;
     etmetal_graph::eliminate_dead_code(&mut g);
-    Ok(Compiled {
-        pte: write_program(&g, delegates)?,
-        partitions: reports,
-        cpu_nodes,
-    })
+    Ok((
+        Lowered {
+            name: name.to_string(),
+            graph: g,
+            delegates,
+            resident,
+        },
+        MethodReport {
+            name: name.to_string(),
+            partitions: reports,
+            cpu_nodes,
+            resident_state,
+        },
+    ))
+}
+
+/// `(partition, buffer, new value)` of each mutated buffer that one
+/// partition reads and writes and nothing else touches: no CPU node or
+/// other partition reads the buffer or its new value, neither is a user
+/// output. That partition can keep it on the GPU.
+fn resident_buffers(
+    g: &Graph,
+    parts: &etmetal_metal::partitioner::Partitioning,
+) -> Result<Vec<(usize, ValueId, ValueId)>> {
+    let user_outputs: Vec<ValueId> = g.user_outputs().collect();
+    let mut out = vec![];
+    for (buffer, new) in mutated_buffers(g)? {
+        let readers: Vec<usize> = parts
+            .partitions
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.inputs.contains(&buffer) || p.inputs.contains(&new))
+            .map(|(i, _)| i)
+            .collect();
+        let on_cpu = parts.cpu_nodes.iter().any(|(i, _)| {
+            g.nodes[*i]
+                .inputs
+                .iter()
+                .flatten()
+                .any(|&v| v == buffer || v == new)
+        });
+        let Some(part) = parts
+            .partitions
+            .iter()
+            .position(|p| p.outputs.contains(&new))
+        else {
+            continue;
+        };
+        if readers == [part]
+            && !on_cpu
+            && !user_outputs.contains(&buffer)
+            && !user_outputs.contains(&new)
+        {
+            out.push((part, buffer, new));
+        }
+    }
+    Ok(out)
+}
+
+/// The fully qualified name of buffer input `v` (`layers.0.k_cache`).
+fn buffer_fqn(g: &Graph, v: ValueId) -> Result<String> {
+    g.inputs
+        .iter()
+        .find_map(|(x, k)| match k {
+            InputKind::Buffer { fqn, .. } if *x == v => Some(fqn.clone()),
+            _ => None,
+        })
+        .ok_or_else(|| {
+            Error::internal(format!("value `{}` is not a buffer input", g.value(v).name))
+        })
 }
 
 /// `g` with each partition replaced by one [`Op::Delegate`] node, nodes in
@@ -159,29 +314,196 @@ fn with_delegate_calls(
     out
 }
 
-/// Serialize `g` (portable ops and delegate calls) with its delegates'
-/// payloads and named data.
 /// A compiled partition as the `.pte` stores it.
 struct DelegateData {
     payload: Vec<u8>,
     named_data: Vec<(String, Vec<u8>)>,
 }
 
-fn write_program(g: &Graph, delegates: Vec<DelegateData>) -> Result<Vec<u8>> {
-    let mut g = g.clone();
-    // Mutated buffers are planned, not constant, and live to the end of the
-    // chain, where their new value is copied in.
-    let mutated = mutated_buffers(&g)?;
-    let mut initial = HashMap::new();
-    for &(buffer, _) in &mutated {
-        if let Some(t) = g.constants.remove(&buffer) {
-            initial.insert(buffer, t);
-        }
-        let fqn = g.value(buffer).name.clone();
-        g.outputs.push((buffer, OutputKind::BufferMutation { fqn }));
+/// One mutable buffer of the program, shared by name between methods.
+struct SharedState {
+    fqn: String,
+    initial: etmetal_core::Tensor,
+    /// Offset in planned memory 2.
+    offset: u64,
+}
+
+/// What the methods of one program share: the constant segment (a
+/// constant of the same name and bytes is stored once), the mutable
+/// buffers and the segments.
+struct ProgramParts {
+    constants: Vec<etmetal_core::Tensor>,
+    /// Constant name → indices into `constants`.
+    by_name: HashMap<String, Vec<usize>>,
+    state: Vec<SharedState>,
+    segments: Vec<Segment<'static>>,
+}
+
+impl ProgramParts {
+    /// `data_buffer_idx` of constant `v` of `g`.
+    fn constant(&mut self, g: &Graph, v: ValueId) -> Result<u32> {
+        let name = &g.value(v).name;
+        let t = &g.constants[&v];
+        let same = self.by_name.get(name).and_then(|ids| {
+            ids.iter().copied().find(|&i| {
+                self.constants[i].dtype() == t.dtype() && self.constants[i].bytes() == t.bytes()
+            })
+        });
+        let i = match same {
+            Some(i) => i,
+            None => {
+                self.constants.push(t.clone());
+                self.by_name
+                    .entry(name.clone())
+                    .or_default()
+                    .push(self.constants.len() - 1);
+                self.constants.len() - 1
+            }
+        };
+        Ok(i as u32 + 1)
     }
+
+    /// Add the mutable buffers of `l` (by fully qualified name) and return
+    /// value → index into `state`.
+    fn add_state(&mut self, l: &Lowered) -> Result<HashMap<ValueId, usize>> {
+        let g = &l.graph;
+        let mut buffers: Vec<ValueId> = mutated_buffers(g)?.into_iter().map(|(b, _)| b).collect();
+        buffers.extend(&l.resident);
+        let mut map = HashMap::new();
+        for b in buffers {
+            let fqn = buffer_fqn(g, b)?;
+            let initial = g.constants.get(&b).ok_or_else(|| {
+                Error::invalid_input(format!("mutated buffer `{fqn}` has no initial value"))
+            })?;
+            let i = match self.state.iter().position(|s| s.fqn == fqn) {
+                Some(i) => {
+                    let s = &self.state[i];
+                    if s.initial.dtype() != initial.dtype()
+                        || s.initial.shape() != initial.shape()
+                        || s.initial.bytes() != initial.bytes()
+                    {
+                        return Err(Error::invalid_input(format!(
+                            "buffer `{fqn}` is {} {:?} in method `{}` but {} {:?} (or another \
+                             initial value) in an earlier method: methods share buffers by name",
+                            initial.dtype(),
+                            initial.shape(),
+                            l.name,
+                            s.initial.dtype(),
+                            s.initial.shape()
+                        )));
+                    }
+                    i
+                }
+                None => {
+                    let offset = self.state.last().map_or(Ok(0), |s| {
+                        (s.offset + s.initial.nbytes() as u64)
+                            .checked_next_multiple_of(etmetal_graph::plan::ALIGNMENT)
+                            .ok_or_else(|| Error::limit("mutable buffers exceed u64 bytes"))
+                    })?;
+                    self.state.push(SharedState {
+                        fqn,
+                        initial: initial.clone(),
+                        offset,
+                    });
+                    self.state.len() - 1
+                }
+            };
+            map.insert(b, i);
+        }
+        Ok(map)
+    }
+
+    /// Bytes of planned memory 2 (every mutable buffer).
+    fn state_bytes(&self) -> u64 {
+        self.state
+            .last()
+            .map_or(0, |s| s.offset + s.initial.nbytes() as u64)
+    }
+}
+
+/// Serialize the methods (portable ops and delegate calls) with their
+/// delegates' payloads and named data.
+fn write_program(methods: &[Lowered]) -> Result<Vec<u8>> {
+    let mut parts = ProgramParts {
+        constants: vec![],
+        by_name: HashMap::new(),
+        state: vec![],
+        // the constant segment comes first; its bytes are known at the end
+        segments: vec![Segment::new(vec![])],
+    };
+    let states = methods
+        .iter()
+        .map(|l| parts.add_state(l))
+        .collect::<Result<Vec<_>>>()?;
+    let mut mutable_data_segments = vec![];
+    if !parts.state.is_empty() {
+        let initial: Vec<&[u8]> = parts.state.iter().map(|s| s.initial.bytes()).collect();
+        let (data, offsets) = etmetal_pte::constant_segment(&initial);
+        mutable_data_segments.push(SubsegmentOffsets {
+            segment_index: parts.segments.len() as u32,
+            offsets,
+        });
+        parts.segments.push(Segment::new(data));
+    }
+    let mut named = vec![];
+    let mut execution_plan = Vec::with_capacity(methods.len());
+    for (l, state) in methods.iter().zip(&states) {
+        let plan = write_plan(l, state, &mut parts, &mut named)
+            .map_err(|e| e.context(format!("method `{}`", l.name)))?;
+        execution_plan.push(plan);
+    }
+    let buffers: Vec<&[u8]> = parts.constants.iter().map(|t| t.bytes()).collect();
+    let (data, offsets) = etmetal_pte::constant_segment(&buffers);
+    parts.segments[0] = Segment::new(data);
+    let mut program = Program {
+        version: 0,
+        execution_plan,
+        constant_segment: Some(SubsegmentOffsets {
+            segment_index: 0,
+            offsets,
+        }),
+        mutable_data_segments,
+        ..Program::default()
+    };
+    let mut segments = parts.segments;
+    for (key, bytes) in named {
+        // a weight read by several partitions (or methods) is stored once
+        match program.named_data.iter().position(|n| n.key == key) {
+            None => {
+                etmetal_pte::add_named_data(
+                    &mut program,
+                    &mut segments,
+                    &key,
+                    bytes,
+                    WEIGHT_ALIGNMENT,
+                )?;
+            }
+            Some(i) => {
+                let seg = &segments[program.named_data[i].segment_index as usize];
+                if seg.data.as_ref() != bytes.as_slice() {
+                    return Err(Error::invalid_input(format!(
+                        "weight `{key}` differs between partitions or methods"
+                    )));
+                }
+            }
+        }
+    }
+    etmetal_pte::serialize(&program, &segments)
+}
+
+/// The execution plan of one method; its delegate payloads go to
+/// `parts.segments`, their weights to `named`.
+fn write_plan(
+    l: &Lowered,
+    state: &HashMap<ValueId, usize>,
+    parts: &mut ProgramParts,
+    named: &mut Vec<(String, Vec<u8>)>,
+) -> Result<ExecutionPlan> {
+    let g = &l.graph;
+    let mutated = mutated_buffers(g)?;
     // Kernels that write more than the op (norm statistics, pool indices)
     // get scratch tensors, planned like any value but dead after the call.
+    let mut g = g.clone();
     let mut kernel_outs: Vec<Vec<ValueId>> = Vec::with_capacity(g.nodes.len());
     let mut scratch = Vec::new();
     for i in 0..g.nodes.len() {
@@ -196,16 +518,17 @@ fn write_program(g: &Graph, delegates: Vec<DelegateData>) -> Result<Vec<u8>> {
         }
         kernel_outs.push(outs);
     }
+    // mutable buffers keep their initial value in `constants`, so this
+    // plans memory 1 without them; they live in memory 2
     let plan = plan_memory(&g, &scratch)?;
 
     let mut b = PlanBuilder {
         graph: &g,
         plan: &plan,
-        initial: &initial,
+        state,
+        parts,
         values: vec![],
         ids: HashMap::new(),
-        constants: vec![],
-        mutable: vec![],
     };
     let inputs: Vec<i32> = g
         .user_inputs()
@@ -286,40 +609,33 @@ fn write_program(g: &Graph, delegates: Vec<DelegateData>) -> Result<Vec<u8>> {
         .map(|v| b.tensor(v))
         .collect::<Result<_>>()?;
 
-    let buffers: Vec<&[u8]> = b.constants.iter().map(|v| g.constants[v].bytes()).collect();
-    let (data, offsets) = etmetal_pte::constant_segment(&buffers);
     let arena = i64::try_from(plan.size).map_err(|_| Error::limit("arena over i64 bytes"))?;
-    let mut segments = vec![Segment::new(data)];
-    let mut mutable_data_segments = vec![];
-    if !b.mutable.is_empty() {
-        let states: Vec<&[u8]> = b.mutable.iter().map(|v| initial[v].bytes()).collect();
-        let (data, offsets) = etmetal_pte::constant_segment(&states);
-        mutable_data_segments.push(SubsegmentOffsets {
-            segment_index: segments.len() as u32,
-            offsets,
-        });
-        segments.push(Segment::new(data));
+    let mut non_const_buffer_sizes = vec![0, arena];
+    if !state.is_empty() {
+        let bytes = b.parts.state_bytes();
+        non_const_buffer_sizes
+            .push(i64::try_from(bytes).map_err(|_| Error::limit("state over i64 bytes"))?);
     }
     let mut backend_delegates = vec![];
-    let mut named = vec![];
     for DelegateData {
         payload,
         named_data,
-    } in delegates
+    } in &l.delegates
     {
+        let segments = &mut b.parts.segments;
         backend_delegates.push(BackendDelegate {
             id: etmetal_metal::BACKEND_ID.into(),
             processed: BackendDelegateDataReference {
                 location: DataLocation::Segment,
                 index: segments.len() as u32,
             },
-            compile_specs: vec![etmetal_metal::compile_spec::method_name_spec("forward")],
+            compile_specs: vec![etmetal_metal::compile_spec::method_name_spec(&l.name)],
         });
-        segments.push(Segment::new(payload));
-        named.extend(named_data);
+        segments.push(Segment::new(payload.clone()));
+        named.extend(named_data.iter().cloned());
     }
-    let execution_plan = ExecutionPlan {
-        name: "forward".into(),
+    Ok(ExecutionPlan {
+        name: l.name.clone(),
         container_meta_type: Some(container_meta(inputs.len(), outputs.len())),
         values: b.values,
         inputs: inputs.clone(),
@@ -332,32 +648,9 @@ fn write_program(g: &Graph, delegates: Vec<DelegateData>) -> Result<Vec<u8>> {
         }],
         operators,
         delegates: backend_delegates,
-        non_const_buffer_sizes: vec![0, arena],
+        non_const_buffer_sizes,
         non_const_buffer_device: None,
-    };
-    let mut program = Program {
-        version: 0,
-        execution_plan: vec![execution_plan],
-        constant_segment: Some(SubsegmentOffsets {
-            segment_index: 0,
-            offsets,
-        }),
-        mutable_data_segments,
-        ..Program::default()
-    };
-    for (key, bytes) in named {
-        // a weight read by several partitions is stored once
-        if !program.named_data.iter().any(|n| n.key == key) {
-            etmetal_pte::add_named_data(
-                &mut program,
-                &mut segments,
-                &key,
-                bytes,
-                WEIGHT_ALIGNMENT,
-            )?;
-        }
-    }
-    etmetal_pte::serialize(&program, &segments)
+    })
 }
 
 /// Named data (GPU weights) is page-aligned in the file (Apple's 16 KiB
@@ -482,14 +775,11 @@ fn scratch_metas(g: &Graph, i: usize) -> Result<Vec<TensorMeta>> {
 struct PlanBuilder<'a> {
     graph: &'a Graph,
     plan: &'a etmetal_graph::plan::MemoryPlan,
-    /// Initial values of mutated buffers (planned tensors with constant data).
-    initial: &'a HashMap<ValueId, etmetal_core::Tensor>,
+    /// Mutable buffers → index into `parts.state` (and the mutable segment).
+    state: &'a HashMap<ValueId, usize>,
+    parts: &'a mut ProgramParts,
     values: Vec<EValue>,
     ids: HashMap<ValueId, i32>,
-    /// Constant values in constant-segment order (`data_buffer_idx` - 1).
-    constants: Vec<ValueId>,
-    /// Mutated buffers in mutable-segment order (`data_buffer_idx` - 1).
-    mutable: Vec<ValueId>,
 }
 
 impl PlanBuilder<'_> {
@@ -519,27 +809,29 @@ impl PlanBuilder<'_> {
                     info.name, info.shape
                 ))
             })?;
-        let (data_buffer_idx, allocation_info) = if self.graph.constants.contains_key(&v) {
-            self.constants.push(v);
-            (self.constants.len() as u32, None)
+        let at = |memory_id: u32, offset: u64| AllocationDetails {
+            memory_id,
+            memory_offset_low: offset as u32,
+            memory_offset_high: (offset >> 32) as u32,
+        };
+        let t = if let Some(&i) = self.state.get(&v) {
+            let s = &self.parts.state[i];
+            let mut t =
+                PteTensor::contiguous(info.dtype, sizes, i as u32 + 1, Some(at(2, s.offset)));
+            t.extra_tensor_info = Some(ExtraTensorInfo {
+                fully_qualified_name: s.fqn.clone(),
+                ..ExtraTensorInfo::default()
+            });
+            t
+        } else if self.graph.constants.contains_key(&v) {
+            let idx = self.parts.constant(self.graph, v)?;
+            PteTensor::contiguous(info.dtype, sizes, idx, None)
         } else {
             let offset = *self.plan.offsets.get(&v).ok_or_else(|| {
                 Error::internal(format!("value `{}` has no planned memory", info.name))
             })?;
-            let details = AllocationDetails {
-                memory_id: 1,
-                memory_offset_low: offset as u32,
-                memory_offset_high: (offset >> 32) as u32,
-            };
-            let data = if self.initial.contains_key(&v) {
-                self.mutable.push(v);
-                self.mutable.len() as u32
-            } else {
-                0
-            };
-            (data, Some(details))
+            PteTensor::contiguous(info.dtype, sizes, 0, Some(at(1, offset)))
         };
-        let t = PteTensor::contiguous(info.dtype, sizes, data_buffer_idx, allocation_info);
         let i = self.push(EValue::Tensor(t));
         self.ids.insert(v, i);
         Ok(i)

@@ -63,8 +63,12 @@ enum Partition {
 enum Command {
     /// Compile a `.pt2` archive into an ExecuTorch `.pte` program.
     Compile {
-        /// A `.pt2` archive written by `torch.export.save`.
+        /// A `.pt2` archive written by `torch.export.save`: method `forward`.
         model: PathBuf,
+        /// Another method of the same module, NAME=FILE.pt2 (`prefill=prefill.pt2`);
+        /// repeatable. Buffers of the same name are one state in all methods.
+        #[arg(long = "method", value_name = "NAME=FILE")]
+        methods: Vec<String>,
         /// The `.pte` to write.
         #[arg(short, long)]
         output: PathBuf,
@@ -102,8 +106,11 @@ enum Command {
     /// NumPy has no bfloat16: bf16 outputs are written as float32, and a
     /// float32 .npy given for a bf16 (or float16) input is rounded to it.
     Run {
-        /// A `.pt2` archive or a `.pte` program (method `forward`).
+        /// A `.pt2` archive or a `.pte` program.
         model: PathBuf,
+        /// The method of a `.pte` to run.
+        #[arg(long, default_value = "forward")]
+        method: String,
         /// Comma-separated .npy files, one per user input, in order.
         /// Without it every input is all ones of its declared shape.
         #[arg(long, value_delimiter = ',')]
@@ -149,6 +156,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Compile {
             model,
+            methods,
             output,
             backend,
             partition,
@@ -183,6 +191,7 @@ fn main() -> ExitCode {
             compile_cmd(
                 &mut out,
                 &model,
+                &methods,
                 &output,
                 &options,
                 dtype,
@@ -192,6 +201,7 @@ fn main() -> ExitCode {
         Command::Inspect { model } => inspect(&mut out, &model),
         Command::Run {
             model,
+            method,
             inputs,
             output_dir,
             device,
@@ -201,6 +211,7 @@ fn main() -> ExitCode {
         } => run(
             &mut out,
             &model,
+            &method,
             &inputs,
             &output_dir,
             device,
@@ -237,20 +248,40 @@ fn human_bytes(n: usize) -> String {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn compile_cmd(
     out: &mut String,
     path: &Path,
+    extra: &[String],
     output: &Path,
     options: &CompileOptions,
     dtype: DType,
     emit_msl: Option<&Path>,
 ) -> Result<()> {
     let start = Instant::now();
-    let mut graph = etmetal_graph::load_pt2(path)?;
-    etmetal_graph::precision::convert_floats(&mut graph, dtype)?;
+    let mut files = vec![("forward".to_string(), path.to_path_buf())];
+    for m in extra {
+        let (name, file) = m
+            .split_once('=')
+            .ok_or_else(|| Error::invalid_input(format!("--method {m}: expected NAME=FILE.pt2")))?;
+        files.push((name.to_string(), PathBuf::from(file)));
+    }
+    let mut graphs = Vec::with_capacity(files.len());
+    for (name, file) in &files {
+        let mut graph = etmetal_graph::load_pt2(file)?;
+        etmetal_graph::precision::convert_floats(&mut graph, dtype)
+            .map_err(|e| e.context(format!("method `{name}` ({})", file.display())))?;
+        graphs.push(graph);
+    }
+    let methods: Vec<(&str, &etmetal_graph::Graph)> = files
+        .iter()
+        .zip(&graphs)
+        .map(|((name, _), g)| (name.as_str(), g))
+        .collect();
     // progress goes to stderr as it happens; the summary to stdout
-    let compiled = compile::compile(&graph, options, &mut |line| eprintln!("etmetal: {line}"))
-        .map_err(|e| e.context(format!("compiling {}", path.display())))?;
+    let compiled =
+        compile::compile_methods(&methods, options, &mut |line| eprintln!("etmetal: {line}"))
+            .map_err(|e| e.context(format!("compiling {}", path.display())))?;
     std::fs::write(output, &compiled.pte).map_err(|e| Error::io(output.display(), e))?;
     say!(
         out,
@@ -259,32 +290,53 @@ fn compile_cmd(
         human_bytes(compiled.pte.len()),
         start.elapsed().as_secs_f64() * 1e3
     );
-    if options.backend == compile::Backend::Metal {
-        let kernels: usize = compiled
-            .partitions
-            .iter()
-            .map(|p| p.payload.kernels.len())
-            .sum();
-        let delegated: usize = compiled.partitions.iter().map(|p| p.nodes.len()).sum();
+    for m in compiled
+        .methods
+        .iter()
+        .filter(|_| options.backend == compile::Backend::Metal)
+    {
+        let kernels: usize = m.partitions.iter().map(|p| p.payload.kernels.len()).sum();
+        let delegated: usize = m.partitions.iter().map(|p| p.nodes.len()).sum();
+        // a one-method program keeps the summary it always had
+        let method = match compiled.methods.len() {
+            1 => String::new(),
+            _ => format!("method `{}`: ", m.name),
+        };
         say!(
             out,
-            "EtMetalBackend: {} partition(s), {delegated} node(s), {kernels} kernel(s); {} node(s) on the cpu",
-            compiled.partitions.len(),
-            compiled.cpu_nodes.len()
+            "{method}EtMetalBackend: {} partition(s), {delegated} node(s), {kernels} kernel(s); {} node(s) on the cpu",
+            m.partitions.len(),
+            m.cpu_nodes.len()
         );
-        for (node, op, reason) in &compiled.cpu_nodes {
+        if !m.resident_state.is_empty() {
+            say!(
+                out,
+                "  state kept on the GPU: {}",
+                m.resident_state.join(", ")
+            );
+        }
+        for (node, op, reason) in &m.cpu_nodes {
             say!(out, "  cpu: `{node}` ({op}): {reason}");
         }
     }
     if let Some(dir) = emit_msl {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir.display(), e))?;
         let mut files = 0;
-        for p in &compiled.partitions {
-            for k in &p.payload.kernels {
-                for (ext, text) in [("wgsl", &k.wgsl), ("metal", &k.msl)] {
-                    let file = dir.join(format!("{}_{}.{ext}", p.tag, k.name));
-                    std::fs::write(&file, text).map_err(|e| Error::io(file.display(), e))?;
-                    files += 1;
+        let one = compiled.methods.len() == 1;
+        for m in &compiled.methods {
+            // with several methods, each file name starts with its method's
+            let prefix = if one {
+                String::new()
+            } else {
+                format!("{}_", m.name)
+            };
+            for p in &m.partitions {
+                for k in &p.payload.kernels {
+                    for (ext, text) in [("wgsl", &k.wgsl), ("metal", &k.msl)] {
+                        let file = dir.join(format!("{prefix}{}_{}.{ext}", p.tag, k.name));
+                        std::fs::write(&file, text).map_err(|e| Error::io(file.display(), e))?;
+                        files += 1;
+                    }
                 }
             }
         }
@@ -379,6 +431,14 @@ fn inspect_payload(out: &mut String, payload: &Payload) {
         human_bytes(arena as usize),
         human_bytes(weights as usize)
     );
+    if !payload.state.is_empty() {
+        let state: Vec<String> = payload
+            .state
+            .iter()
+            .map(|s| format!("{} (input {})", s.fqn, s.input))
+            .collect();
+        say!(out, "    state kept on the GPU: {}", state.join(", "));
+    }
     for d in &payload.dispatches {
         let k = &payload.kernels[d.kernel];
         let [x, y, z] = d.workgroups;
@@ -516,9 +576,13 @@ fn describe(plan: &etmetal_pte::ExecutionPlan, ins: &Instruction) -> String {
     }
 }
 
-fn load_inputs(model: &Model, paths: &[PathBuf]) -> Result<Vec<Tensor>> {
+fn load_inputs(model: &Model, method: &str, paths: &[PathBuf]) -> Result<Vec<Tensor>> {
     if paths.is_empty() {
-        return model.ones_inputs();
+        return model
+            .method_inputs(method)?
+            .iter()
+            .map(etmetal_core::TensorSpec::ones)
+            .collect();
     }
     paths.iter().map(|p| npy::read(p)).collect()
 }
@@ -538,9 +602,11 @@ fn summary(t: &Tensor) -> String {
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run(
     out: &mut String,
     path: &Path,
+    method: &str,
     input_paths: &[PathBuf],
     output_dir: &Path,
     device: Device,
@@ -584,9 +650,9 @@ fn run(
         .as_ref()
         .and_then(|b| b.device())
         .map(|d| d.description());
-    let inputs = load_inputs(&model, input_paths)?;
+    let inputs = load_inputs(&model, method, input_paths)?;
     let start = Instant::now();
-    let outputs = model.execute(inputs.clone())?;
+    let outputs = model.execute_method(method, inputs.clone())?;
     let elapsed = start.elapsed();
     std::fs::create_dir_all(output_dir).map_err(|e| Error::io(output_dir.display(), e))?;
     for (i, t) in outputs.iter().enumerate() {
@@ -611,7 +677,7 @@ fn run(
         elapsed.as_secs_f64() * 1e3
     );
     if let Some(bench) = bench {
-        let report = bench_model(out, &mut model, &inputs, &bench, gpu.as_deref())?;
+        let report = bench_model(out, &mut model, method, &inputs, &bench, gpu.as_deref())?;
         if let Some(file) = &bench.json {
             let mut json = report;
             json["model"] = path.display().to_string().into();
@@ -743,6 +809,7 @@ fn peak_rss() -> Option<u64> {
 fn bench_model(
     out: &mut String,
     model: &mut Model,
+    method: &str,
     inputs: &[Tensor],
     bench: &Bench,
     gpu: Option<&MetalBackend>,
@@ -752,12 +819,12 @@ fn bench_model(
         return Err(Error::invalid_input("--bench needs at least one run"));
     }
     for _ in 0..warmup {
-        model.execute(inputs.to_vec())?;
+        model.execute_method(method, inputs.to_vec())?;
     }
     let mut times = Vec::with_capacity(n);
     for _ in 0..n {
         let start = Instant::now();
-        model.execute(inputs.to_vec())?;
+        model.execute_method(method, inputs.to_vec())?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
     }
     let mut sorted = times.clone();
@@ -768,7 +835,7 @@ fn bench_model(
         "bench: {n} runs after {warmup} warm-up: median {median:.3} ms, p90 {p90:.3} ms"
     );
     let gpu_json = match gpu {
-        Some(g) if g.can_profile() => gpu_profile(out, model, inputs, n, g)?,
+        Some(g) if g.can_profile() => gpu_profile(out, model, method, inputs, n, g)?,
         Some(_) => {
             let why = "the GPU adapter has no timestamp queries";
             say!(out, "bench: no per-kernel GPU times: {why}");
@@ -795,6 +862,7 @@ fn bench_model(
 fn gpu_profile(
     out: &mut String,
     model: &mut Model,
+    method: &str,
     inputs: &[Tensor],
     n: usize,
     gpu: &MetalBackend,
@@ -804,7 +872,7 @@ fn gpu_profile(
     let mut runs = Vec::with_capacity(n);
     let mut result = Ok(());
     for _ in 0..n {
-        result = model.execute(inputs.to_vec()).map(drop);
+        result = model.execute_method(method, inputs.to_vec()).map(drop);
         if result.is_err() {
             break;
         }

@@ -1,5 +1,12 @@
 //! A loaded program, from a `.pt2` archive (evaluated node by node on the
 //! CPU kernels) or a `.pte` file (run by `etmetal-runtime`).
+//!
+//! A `.pte` may hold several methods (`forward` and `prefill` of one
+//! decoder): all are loaded, and their mutable buffers of the same fully
+//! qualified name are one state. When a call switches methods, the state
+//! the previous method left (read back from the GPU where a delegate kept
+//! it) is handed to the next one (uploaded again by its delegates at their
+//! next execute); calls of one method move no state.
 
 use std::path::Path;
 
@@ -11,8 +18,10 @@ enum Program {
     Graph(Graph),
     Pte {
         program: etmetal_runtime::Program,
-        // boxed: a prepared method is much larger than a graph
-        method: Box<etmetal_runtime::Method>,
+        /// In the file's order; `forward` is among them.
+        methods: Vec<etmetal_runtime::Method>,
+        /// The method that ran last, which holds the current state.
+        last: Option<usize>,
     },
 }
 
@@ -62,26 +71,75 @@ impl Model {
         })
     }
 
-    /// A `.pte` program held in memory (method `forward`), e.g. one just
-    /// compiled from a `.pt2`.
+    /// A `.pte` program held in memory (every method; `forward` is
+    /// required), e.g. one just compiled from a `.pt2`.
     pub fn from_pte_bytes(bytes: &[u8], options: etmetal_runtime::LoadOptions) -> Result<Model> {
         Model::from_pte_program(etmetal_runtime::Program::from_bytes(bytes)?, options)
     }
 
-    /// An already loaded `.pte` program (method `forward`), run with `options`.
+    /// An already loaded `.pte` program (every method; `forward` is
+    /// required), run with `options`.
     pub fn from_pte_program(
         program: etmetal_runtime::Program,
         options: etmetal_runtime::LoadOptions,
     ) -> Result<Model> {
         let program = program.with_options(options);
-        let method = program.method("forward")?;
+        if !program.method_names().contains(&"forward") {
+            // the error names the methods there are
+            program.method("forward")?;
+        }
+        let methods = program
+            .method_names()
+            .into_iter()
+            .map(|name| program.method(name))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Model {
             program: Program::Pte {
                 program,
-                method: Box::new(method),
+                methods,
+                last: None,
             },
             graph_state: vec![],
         })
+    }
+
+    /// The program's method names (a `.pt2` has only `forward`).
+    pub fn method_names(&self) -> Vec<&str> {
+        match &self.program {
+            Program::Graph(_) => vec!["forward"],
+            Program::Pte { methods, .. } => methods.iter().map(|m| m.name()).collect(),
+        }
+    }
+
+    pub fn has_method(&self, name: &str) -> bool {
+        self.method_names().contains(&name)
+    }
+
+    /// The inputs of method `name`.
+    pub fn method_inputs(&self, name: &str) -> Result<Vec<TensorSpec>> {
+        match &self.program {
+            Program::Graph(g) if name == "forward" => Ok(graph_inputs(g)),
+            Program::Pte { methods, .. } => Ok(methods[self.method_index(name)?].input_specs()),
+            Program::Graph(_) => Err(self.no_method(name)),
+        }
+    }
+
+    fn method_index(&self, name: &str) -> Result<usize> {
+        match &self.program {
+            Program::Pte { methods, .. } => methods
+                .iter()
+                .position(|m| m.name() == name)
+                .ok_or_else(|| self.no_method(name)),
+            Program::Graph(_) if name == "forward" => Ok(0),
+            Program::Graph(_) => Err(self.no_method(name)),
+        }
+    }
+
+    fn no_method(&self, name: &str) -> Error {
+        Error::invalid_input(format!(
+            "no method `{name}` in the program (methods: {})",
+            self.method_names().join(", ")
+        ))
     }
 
     /// The graph of a `.pt2` program.
@@ -100,11 +158,10 @@ impl Model {
         }
     }
 
+    /// The inputs of `forward`.
     pub fn inputs(&self) -> Vec<TensorSpec> {
-        match &self.program {
-            Program::Graph(g) => graph_inputs(g),
-            Program::Pte { method, .. } => method.input_specs(),
-        }
+        self.method_inputs("forward")
+            .expect("a loaded model has a forward method")
     }
 
     /// All-ones inputs of the declared shapes and dtypes.
@@ -112,9 +169,16 @@ impl Model {
         self.inputs().iter().map(TensorSpec::ones).collect()
     }
 
-    /// Run the program and return its user outputs in order. Inputs are
+    /// Run `forward` and return its user outputs in order. Inputs are
     /// checked first (count, dtype, shape; float32 rounds into bf16/f16).
     pub fn execute(&mut self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        self.execute_method("forward", inputs)
+    }
+
+    /// Run method `name` (as [`Model::execute`] runs `forward`) on the
+    /// state every method of the model shares.
+    pub fn execute_method(&mut self, name: &str, inputs: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        let index = self.method_index(name)?;
         match &mut self.program {
             Program::Graph(graph) => {
                 let inputs = check_inputs(&graph_inputs(graph), inputs)?;
@@ -134,12 +198,22 @@ impl Model {
                 }
                 Ok(user)
             }
-            Program::Pte { method, .. } => method.execute(inputs),
+            Program::Pte { methods, last, .. } => {
+                if let Some(prev) = last.filter(|&p| p != index) {
+                    let state = methods[prev].read_state()?;
+                    methods[index].write_state(&state)?;
+                }
+                // a failed execute may have left the state half written, in
+                // this method: it stays the holder either way
+                *last = Some(index);
+                methods[index].execute(inputs)
+            }
         }
     }
 
-    /// Put every mutated buffer (KV caches, counters) back to its initial
-    /// value; otherwise state carries from one [`Model::execute`] to the next.
+    /// Put every mutated buffer (KV caches, counters) of every method back
+    /// to its initial value; otherwise state carries from one execute to the
+    /// next.
     pub fn reset_state(&mut self) -> Result<()> {
         match &mut self.program {
             Program::Graph(graph) => {
@@ -148,7 +222,10 @@ impl Model {
                 }
                 Ok(())
             }
-            Program::Pte { method, .. } => method.reset_state(),
+            Program::Pte { methods, last, .. } => {
+                *last = None;
+                methods.iter_mut().try_for_each(|m| m.reset_state())
+            }
         }
     }
 }

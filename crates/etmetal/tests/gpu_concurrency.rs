@@ -20,7 +20,10 @@ use etmetal_runtime::{BackendRegistry, LoadOptions, Program};
 fn mlp_pte() -> Vec<u8> {
     let graph = etmetal_graph::load_pt2(&fixture("mlp.pt2")).unwrap();
     let c = compile(&graph, &CompileOptions::default(), &mut |_| {}).unwrap();
-    assert!(!c.partitions.is_empty(), "mlp: nothing went to the GPU");
+    assert!(
+        !c.methods[0].partitions.is_empty(),
+        "mlp: nothing went to the GPU"
+    );
     c.pte
 }
 

@@ -97,6 +97,7 @@ fn scale(n: usize) -> (Payload, Named) {
             max_compute_invocations_per_workgroup: 64,
             ..Requirements::default()
         },
+        state: vec![],
     };
     let w: Vec<f32> = (0..n).map(|i| i as f32).collect();
     let w = to_gpu(&Tensor::from_f32(DType::F32, &[n], &w).unwrap(), "w")
@@ -397,11 +398,11 @@ fn fixture(name: &str) -> PathBuf {
 fn compiled(name: &str) -> (Vec<u8>, Requirements) {
     let graph = etmetal_graph::load_pt2(&fixture(&format!("{name}.pt2"))).unwrap();
     let c = compile(&graph, &CompileOptions::default(), &mut |_| {}).unwrap();
-    assert!(!c.partitions.is_empty(), "{name}: nothing went to the GPU");
-    let need = c
-        .partitions
+    let parts = &c.methods[0].partitions;
+    assert!(!parts.is_empty(), "{name}: nothing went to the GPU");
+    let need = parts
         .iter()
-        .fold(c.partitions[0].payload.requirements.clone(), |a, p| {
+        .fold(parts[0].payload.requirements.clone(), |a, p| {
             a.union(&p.payload.requirements)
         });
     (c.pte, need)

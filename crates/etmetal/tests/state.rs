@@ -1,12 +1,18 @@
 //! Buffer mutations compiled to a `.pte`: the state persists across
 //! executes of one loaded method, starts from the buffer's value in the
-//! file, and `reset_state` restores it (CPU backend; the GPU path is in the
-//! parity suite's decoder tests).
+//! file, and `reset_state` restores it; methods of one program share it by
+//! name; on the GPU it stays resident (the decoders with a KV cache are in
+//! the parity suite).
 
-use etmetal::compile::compile_cpu;
+use std::sync::Arc;
+
+use etmetal::compile::{compile_cpu, compile_methods, Backend, CompileOptions};
+use etmetal::Model;
 use etmetal_core::{BinaryOp, DType, Op, Tensor};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind};
+use etmetal_metal_runtime::{DeviceChoice, GpuStats, MetalBackend};
 use etmetal_pte::Instruction;
+use etmetal_runtime::LoadOptions;
 
 /// `acc += x; return acc * 2` with `acc` a registered buffer starting at `[1, 2]`.
 fn accumulator() -> Graph {
@@ -75,4 +81,157 @@ fn buffer_state_persists_across_executes_and_resets() {
     let mut fresh = program.method("forward").unwrap();
     assert_eq!(run(&mut fresh), [22.0, 44.0]);
     assert_eq!(run(&mut method), [42.0, 84.0]);
+}
+
+/// `forward` and `again` (the same graph) in one program, for `backend`.
+fn two_methods(backend: Backend) -> etmetal::compile::Compiled {
+    let g = accumulator();
+    let options = CompileOptions {
+        backend,
+        ..CompileOptions::default()
+    };
+    compile_methods(&[("forward", &g), ("again", &g)], &options, &mut |_| {}).unwrap()
+}
+
+/// The outputs of `calls` (method, x) on a fresh model, with a reset after
+/// the first half; and the GPU counters after each call when `gpu` is given.
+fn run_calls(
+    pte: &[u8],
+    gpu: Option<Arc<MetalBackend>>,
+    calls: &[(&str, [f32; 2])],
+) -> (Vec<Vec<f64>>, Vec<GpuStats>) {
+    let mut options = LoadOptions::default();
+    if let Some(g) = &gpu {
+        options.backends.register(g.clone()).unwrap();
+    }
+    let mut model = Model::from_pte_bytes(pte, options).unwrap();
+    let (mut outs, mut stats) = (vec![], vec![]);
+    for (k, (method, x)) in calls.iter().enumerate() {
+        if k == calls.len() / 2 {
+            model.reset_state().unwrap();
+        }
+        let x = Tensor::from_f32(DType::F32, &[2], x).unwrap();
+        outs.push(model.execute_method(method, vec![x]).unwrap()[0].to_f64_vec());
+        stats.extend(gpu.as_ref().map(|g| g.stats()));
+    }
+    (outs, stats)
+}
+
+#[test]
+fn methods_share_state_by_name() {
+    let compiled = two_methods(Backend::Cpu);
+    let file = etmetal_pte::parse(&compiled.pte).unwrap();
+    // as share_mutable_buffers=True: planned memory 2, named, one initial value
+    assert_eq!(file.program.execution_plan.len(), 2);
+    for plan in &file.program.execution_plan {
+        assert_eq!(plan.non_const_buffer_sizes.len(), 3, "{}", plan.name);
+        let state: Vec<_> = plan
+            .values
+            .iter()
+            .filter_map(|v| match v {
+                etmetal_pte::EValue::Tensor(t)
+                    if t.data_buffer_idx > 0 && t.allocation_info.is_some() =>
+                {
+                    Some(t)
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(state.len(), 1, "{}", plan.name);
+        assert_eq!(state[0].allocation_info.as_ref().unwrap().memory_id, 2);
+        assert_eq!(
+            state[0]
+                .extra_tensor_info
+                .as_ref()
+                .unwrap()
+                .fully_qualified_name,
+            "acc"
+        );
+    }
+    // offset 0 is ExecuTorch's placeholder, then the one shared value
+    assert_eq!(file.program.mutable_data_segments[0].offsets.len(), 2);
+    let calls = [
+        ("forward", [10.0, 20.0]),
+        ("again", [1.0, 1.0]),
+        ("again", [1.0, 1.0]),
+        ("forward", [10.0, 20.0]),
+    ];
+    // one method run alone: each call sees the state the previous one left
+    let program = etmetal_runtime::Program::from_bytes(&compiled.pte).unwrap();
+    let mut alone = program.method("forward").unwrap();
+    let mut expected = vec![];
+    for (_, x) in &calls[..2] {
+        let x = Tensor::from_f32(DType::F32, &[2], x).unwrap();
+        expected.push(alone.execute(vec![x]).unwrap()[0].to_f64_vec());
+    }
+    let (outs, _) = run_calls(&compiled.pte, None, &calls);
+    assert_eq!(outs[..2], expected[..]);
+    // after the reset, `again` starts from the initial value as forward did
+    let first_again = run_calls(
+        &compiled.pte,
+        None,
+        &[("again", [1.0, 1.0]), ("forward", [0.0, 0.0])],
+    )
+    .0;
+    assert_eq!(outs[2], first_again[0]);
+}
+
+#[test]
+fn gpu_keeps_state_resident_and_matches_the_cpu() {
+    let gpu = two_methods(Backend::Metal);
+    for m in &gpu.methods {
+        assert_eq!(m.resident_state, ["acc"], "{}", m.name);
+    }
+    let file = etmetal_pte::parse(&gpu.pte).unwrap();
+    for plan in &file.program.execution_plan {
+        // no write-back copy_: the delegate updates the state itself
+        assert!(
+            plan.operators.iter().all(|o| o.name != "aten::copy_"),
+            "{}: {:?}",
+            plan.name,
+            plan.operators
+        );
+    }
+    let calls = [
+        ("forward", [10.0, 20.0]),
+        ("forward", [1.0, 2.0]),
+        ("forward", [3.0, -4.0]),
+        ("again", [5.0, 6.0]),
+        ("forward", [10.0, 20.0]),
+        ("forward", [1.0, 2.0]),
+        ("forward", [3.0, -4.0]),
+        ("again", [5.0, 6.0]),
+    ];
+    let (want, _) = run_calls(&two_methods(Backend::Cpu).pte, None, &calls);
+    let backend = Arc::new(MetalBackend::new(DeviceChoice::Auto));
+    let (got, stats) = run_calls(&gpu.pte, Some(backend), &calls);
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        for (a, b) in g.iter().zip(w) {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "call {k}: {g:?} vs {w:?}"
+            );
+        }
+    }
+    // bytes per call: x and y are 8 bytes each, so is the state
+    let delta = |k: usize, f: fn(&GpuStats) -> u64| f(&stats[k]) - f(&stats[k - 1]);
+    let up = |k| delta(k, |s| s.bytes_uploaded);
+    let back = |k| delta(k, |s| s.bytes_read_back);
+    assert_eq!(
+        stats[0].bytes_uploaded, 16,
+        "first call: x and the initial state"
+    );
+    assert_eq!(stats[0].bytes_read_back, 8, "first call: y only");
+    for k in [1, 2, 5, 6] {
+        assert_eq!(
+            (up(k), back(k)),
+            (8, 8),
+            "call {k}: the state stays on the GPU"
+        );
+    }
+    // a switch reads forward's state back once and `again` uploads it
+    assert_eq!((up(3), back(3)), (16, 16), "switch to `again`");
+    // after reset_state the initial value is uploaded again
+    assert_eq!((up(4), back(4)), (16, 8), "first call after the reset");
+    assert_eq!(got[4], got[0]);
 }

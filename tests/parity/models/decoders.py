@@ -107,7 +107,7 @@ class Decoder(nn.Module):
     `index_copy_` cache updates. `llama=False` (GPT): learned positions,
     layer norm, GELU MLP, multi-head attention, slice-assigned cache."""
 
-    def __init__(self, llama: bool, vocab=64, dim=32, heads=4, kv_heads=2, layers=2, max_len=48):
+    def __init__(self, llama: bool, vocab=64, dim=32, heads=4, kv_heads=2, layers=2, max_len=160):
         super().__init__()
         self.llama = llama
         self.tok = nn.Embedding(vocab, dim)

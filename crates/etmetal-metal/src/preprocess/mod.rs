@@ -737,6 +737,7 @@ impl<'g> Lowering<'g> {
             outputs,
             arenas: arenas.sizes,
             requirements: self.requirements,
+            state: vec![],
         };
         Ok(Preprocessed {
             payload,
