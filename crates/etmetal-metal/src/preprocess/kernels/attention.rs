@@ -16,9 +16,11 @@
 //!   q/k chunks used. More than [`SLICE_COLS`] output columns are split
 //!   over workgroups (the scores are recomputed per slice).
 //! * Decode (at most [`DECODE_ROWS`] query rows): a workgroup takes one
-//!   query row; its invocations score one key each per chunk of
-//!   [`DECODE_CHUNK`] keys, max and sum are tree reductions in workgroup
-//!   memory, and the invocations share the output columns.
+//!   query row; its invocations score one key each (vec4 reads of q from
+//!   workgroup memory and of k) per chunk of [`DECODE_CHUNK`] keys, max
+//!   and sum are tree reductions in workgroup memory, and the invocations
+//!   share the output vec4s (several invocations a vec4 for small head
+//!   dims, each taking part of the keys, added up at the end).
 //! * Either grid, when small, splits the keys over workgroups
 //!   (flash-decoding, see [`key_split`]): each split writes its partial
 //!   max, sum and unnormalised output, and a combine kernel merges them.
@@ -404,28 +406,14 @@ fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
     for r in 0..4 {
         main.extend((0..cpt).map(|c| format!("  var {} = vec4<f32>();\n", o(r, c))));
     }
-    // a vec4 of `at(col)` for columns d..d+3 (zeros past `n`)
-    let vec4 = |at: &dyn Fn(&str) -> String, n: usize, exact: bool| -> String {
-        let comps: Vec<String> = (0..4)
-            .map(|c| {
-                if exact {
-                    at(&format!("d + {c}u"))
-                } else {
-                    let col = format!("min(d + {c}u, {}u)", n - 1);
-                    format!("select(0.0, {}, d + {c}u < {n}u)", at(&col))
-                }
-            })
-            .collect();
-        format!("vec4<f32>({})", comps.join(", "))
-    };
     let exact_e = e % CHUNK == 0;
-    let qv = vec4(
+    let qv = vec4_at(
         &|col| a.q_at(&format!("min(i0 + r, {}u)", l - 1), col),
         e,
         exact_e,
     );
-    let kv = vec4(&|col| a.k_at("kr", col), e, exact_e);
-    let vv = vec4(&|col| a.v_at("kr", col), ev, 4 * c4 * slices == ev);
+    let kv = vec4_at(&|col| a.k_at("kr", col), e, exact_e);
+    let vv = vec4_at(&|col| a.v_at("kr", col), ev, 4 * c4 * slices == ev);
     let smax = s.max(1) - 1;
     // scores of the tile: q and k staged a chunk of the head dim at a time
     main.push_str(&format!(
@@ -584,6 +572,23 @@ fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
     }
 }
 
+/// `vec4<f32>(at(d), at(d + 1u), …)`: columns `d`… (a u32 named `d` in
+/// the WGSL) of a row of `n`, zeros past the end unless `exact` (every
+/// vec4 read is whole).
+fn vec4_at(at: &dyn Fn(&str) -> String, n: usize, exact: bool) -> String {
+    let comps: Vec<String> = (0..4)
+        .map(|c| {
+            if exact {
+                at(&format!("d + {c}u"))
+            } else {
+                let col = format!("min(d + {c}u, {}u)", n - 1);
+                format!("select(0.0, {}, d + {c}u < {n}u)", at(&col))
+            }
+        })
+        .collect();
+    format!("vec4<f32>({})", comps.join(", "))
+}
+
 /// The decode kernel (see the module docs).
 fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     let Geometry { l, s, e, ev, .. } = a.g;
@@ -593,16 +598,20 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     let total = a.nb * l * nsplit;
     let split = a.split(lw, nsplit);
     let mut kb = a.builder(lw)?;
-    // invocations share the columns: `cw` a column group, `parts` groups
-    // each taking every `parts`-th key
-    let cw = ev.next_power_of_two().min(wg);
+    let (e4, c4) = (e.div_ceil(4), ev.div_ceil(4));
+    // invocations share the output vec4s: `cw` a column group, `parts`
+    // groups each taking every `parts`-th key
+    let cw = c4.next_power_of_two().min(wg);
     let parts = wg / cw;
-    let ncols = ev.div_ceil(cw);
+    let ncols = c4.div_ceil(cw);
 
     let mut main = format!(
-        "var<workgroup> qs: array<f32, {e}>;\nvar<workgroup> ps: array<f32, {DECODE_CHUNK}>;\n"
+        "var<workgroup> qs: array<vec4<f32>, {e4}>;\nvar<workgroup> ps: array<f32, {DECODE_CHUNK}>;\n"
     );
     main.push_str(&shared("red", "f32"));
+    if parts > 1 {
+        main.push_str(&format!("var<workgroup> red4: array<vec4<f32>, {wg}>;\n"));
+    }
     main.push_str(&entry(ROW_WORKGROUP));
     let kend = if a.is_causal {
         format!("min(min({s}u, kbeg + {span}u), i + 1u)")
@@ -614,24 +623,25 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
          \x20 let sp = g0 % {nsplit}u;\n  let g1 = g0 / {nsplit}u;\n\
          \x20 let i = g1 % {l}u;\n  let b = g1 / {l}u;\n{}\
          \x20 let kbeg = sp * {span}u;\n  let kend = {kend};\n\
-         \x20 for (var t = lid; t < {e}u; t = t + {wg}u) {{ qs[t] = {}; }}\n\
+         \x20 for (var t = lid; t < {e4}u; t = t + {wg}u) {{ let d = 4u * t; qs[t] = {}; }}\n\
          \x20 workgroupBarrier();\n\
          \x20 let cc = lid % {cw}u;\n  let part = lid / {cw}u;\n\
          \x20 var m = {ninf};\n  var l = 0.0;\n",
         a.batch_lets(),
-        a.q_at("i", "t")
+        vec4_at(&|col| a.q_at("i", col), e, e % 4 == 0)
     ));
-    main.extend((0..ncols).map(|c| format!("  var o{c} = 0.0;\n")));
+    main.extend((0..ncols).map(|c| format!("  var o{c} = vec4<f32>();\n")));
     main.push_str(&format!(
         "  for (var c0 = kbeg; c0 < kend; c0 = c0 + {DECODE_CHUNK}u) {{\n    var cmax = {ninf};\n"
     ));
+    let kv = vec4_at(&|col| a.k_at("kr", col), e, e % 4 == 0);
     for kk in 0..DECODE_CHUNK / wg {
         let j = format!("(c0 + lid + {}u)", kk * wg);
-        let kread = a.k_at(&format!("min({j}, {}u)", s.max(1) - 1), "t");
         let fix = a.score("x", "i", &j, &format!("{j} < kend"));
         main.push_str(&format!(
-            "    {{\n      var x = 0.0;\n\
-             \x20     for (var t = 0u; t < {e}u; t = t + 1u) {{ x = x + qs[t] * {kread}; }}\n"
+            "    {{\n      let kr = min({j}, {}u);\n      var x = 0.0;\n\
+             \x20     for (var t = 0u; t < {e4}u; t = t + 1u) {{ let d = 4u * t; x = x + dot(qs[t], {kv}); }}\n",
+            s.max(1) - 1
         ));
         main.extend(fix.lines().map(|line| format!("      {line}\n")));
         main.push_str(&format!(
@@ -657,31 +667,37 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     main.extend((0..ncols).map(|c| format!("    o{c} = o{c} * a;\n")));
     main.push_str(&format!(
         "    let nk = min({DECODE_CHUNK}u, kend - c0);\n\
-         \x20   for (var j = part; j < nk; j = j + {parts}u) {{\n      let p = ps[j];\n"
+         \x20   for (var j = part; j < nk; j = j + {parts}u) {{\n      let p = ps[j];\n      let kr = c0 + j;\n"
     ));
+    let vv = vec4_at(&|col| a.v_at("kr", col), ev, ev % 4 == 0);
     for c in 0..ncols {
-        let col = format!("min(cc + {}u, {}u)", c * cw, ev - 1);
         main.push_str(&format!(
-            "      o{c} = o{c} + p * {};\n",
-            a.v_at("c0 + j", &col)
+            "      {{ let d = 4u * min(cc + {}u, {}u); o{c} = o{c} + p * {vv}; }}\n",
+            c * cw,
+            c4 - 1
         ));
     }
     main.push_str("    }\n    workgroupBarrier();\n  }\n");
     if parts > 1 {
-        // one column each (cw ≥ ev): add the parts' sums
+        // one vec4 each (cw ≥ c4): add the parts' sums
         let terms: Vec<String> = (0..parts)
-            .map(|p| format!("red[cc + {}u]", p * cw))
+            .map(|p| format!("red4[cc + {}u]", p * cw))
             .collect();
         main.push_str(&format!(
-            "  red[lid] = o0;\n  workgroupBarrier();\n  o0 = {};\n",
+            "  red4[lid] = o0;\n  workgroupBarrier();\n  o0 = {};\n",
             terms.join(" + ")
         ));
     }
     main.push_str("  let inv = select(0.0, 1.0 / l, l > 0.0);\n  if (part == 0u) {\n");
     for c in 0..ncols {
-        let col = format!("cc + {}u", c * cw);
-        let store = a.store_col(&mut kb, &split, "i", &col, &format!("o{c}"))?;
-        main.push_str(&format!("    if ({col} < {ev}u) {{ {store} }}\n"));
+        for (k, comp) in ["x", "y", "z", "w"].iter().enumerate() {
+            let col = format!("(cc + {}u) * 4u + {k}u", c * cw);
+            let store = a.store_col(&mut kb, &split, "i", &col, &format!("o{c}.{comp}"))?;
+            main.push_str(&format!(
+                "    if (cc + {}u < {c4}u && {col} < {ev}u) {{ {store} }}\n",
+                c * cw
+            ));
+        }
     }
     let stats = a.store_stats(&mut kb, &split, "i")?;
     if !stats.is_empty() {
@@ -689,7 +705,8 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     }
     main.push_str("  }\n}\n");
     let workgroups = grid(total as u64, lw.options.max_workgroups_per_dim)?;
-    let storage = (4 * (e + DECODE_CHUNK + wg)) as u32;
+    let red4 = if parts > 1 { 16 * wg } else { 0 };
+    let storage = (16 * e4 + 4 * (DECODE_CHUNK + wg) + red4) as u32;
     lw.add_dispatch(
         kb.finish(&main),
         vec![lw.op_label()],
