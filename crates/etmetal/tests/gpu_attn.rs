@@ -169,6 +169,117 @@ fn attention_masks_and_strided_inputs() {
         .check(TOL);
 }
 
+/// q `[heads, l, d]` (k/v `[heads / rep, s, d or dv]`) of `dtype`, checked
+/// against the CPU kernel.
+fn attention_case(op: Op, dtype: DType, heads: usize, l: usize, s: usize, d: usize, dv: usize) {
+    let tol = if dtype == DType::F32 { TOL } else { BF16_TOL };
+    let seed = (heads * 1000 + l * 100 + s * 10 + d + dv) as u64;
+    let kv = if matches!(
+        op,
+        Op::Sdpa {
+            enable_gqa: true,
+            ..
+        }
+    ) {
+        2
+    } else {
+        heads
+    };
+    OpCase::new(op)
+        .input(random(dtype, &[1, heads, l, d], seed))
+        .input(random(dtype, &[1, kv, s, d], seed + 1))
+        .input(random(dtype, &[1, kv, s, dv], seed + 2))
+        .check(tol);
+}
+
+#[test]
+fn attention_lengths_off_the_tiles() {
+    // query blocks of 32/64 rows, key tiles of 32, decode up to 4 rows
+    for (l, s) in [(1, 7), (7, 33), (33, 65), (65, 130), (130, 33), (3, 129)] {
+        for causal in [false, true] {
+            attention_case(sdpa(causal, None, false), DType::F32, 2, l, s, 16, 16);
+        }
+    }
+    // causal with more queries than keys (later rows see every key)
+    attention_case(sdpa(true, None, false), DType::F32, 2, 40, 20, 8, 8);
+}
+
+#[test]
+fn attention_head_dims_up_to_256() {
+    // q in registers (16, 64), re-read per tile (80, 128, 256), output
+    // columns over two slices (256, 200)
+    for d in [16, 64, 80, 128, 256] {
+        attention_case(sdpa(false, None, false), DType::F32, 1, 33, 40, d, d);
+        attention_case(sdpa(false, None, false), DType::F32, 1, 2, 40, d, d);
+    }
+    attention_case(sdpa(true, None, false), DType::F32, 1, 20, 20, 128, 200);
+    attention_case(sdpa(false, Some(0.2), false), DType::F32, 1, 1, 150, 7, 67);
+}
+
+#[test]
+fn attention_one_query_many_keys_and_gqa() {
+    // keys split over workgroups and combined
+    attention_case(sdpa(false, None, false), DType::F32, 3, 1, 700, 64, 64);
+    attention_case(sdpa(false, None, true), DType::F32, 6, 1, 700, 16, 16);
+    attention_case(sdpa(true, None, true), DType::F32, 6, 37, 37, 16, 16);
+    attention_case(sdpa(false, None, true), DType::F32, 4, 9, 300, 32, 32);
+    // bf16 and f16 in, computed in f32, rounded on store
+    attention_case(sdpa(true, None, false), DType::BF16, 2, 65, 65, 64, 64);
+    attention_case(sdpa(false, None, false), DType::BF16, 2, 1, 300, 64, 64);
+    attention_case(sdpa(false, None, false), DType::F16, 2, 5, 40, 16, 16);
+}
+
+#[test]
+fn attention_wide_grids_do_not_split() {
+    // 256 and more workgroups: one pass over the keys each
+    OpCase::new(sdpa(false, None, false))
+        .input(random(DType::F32, &[16, 16, 5, 8], 90))
+        .input(random(DType::F32, &[16, 16, 9, 8], 91))
+        .input(random(DType::F32, &[16, 16, 9, 8], 92))
+        .check(TOL);
+    OpCase::new(sdpa(true, None, false))
+        .input(random(DType::F32, &[128, 66, 4], 93))
+        .input(random(DType::F32, &[128, 70, 4], 94))
+        .input(random(DType::F32, &[128, 70, 4], 95))
+        .check(TOL);
+    OpCase::new(sdpa(false, None, false))
+        .input(random(DType::F32, &[300, 2, 4], 96))
+        .input(random(DType::F32, &[300, 200, 4], 97))
+        .input(random(DType::F32, &[300, 200, 4], 98))
+        .check(TOL);
+}
+
+#[test]
+fn attention_fully_masked_rows_are_zero() {
+    // bool masks with rows of no key, prefill and split decode
+    for (l, s) in [(40, 50), (1, 700), (3, 20)] {
+        let mut keep = random_indices(&[2, l, s], 2, 100 + l as u64).to_i64_vec();
+        keep[..s].iter_mut().for_each(|k| *k = 0);
+        if l > 1 {
+            keep[(2 * l - 1) * s..].iter_mut().for_each(|k| *k = 0);
+        }
+        let mask = Tensor::from_i64(DType::Bool, &[2, 1, l, s], &keep).unwrap();
+        OpCase::new(sdpa(false, None, false))
+            .input(random(DType::F32, &[2, 3, l, 16], 101))
+            .input(random(DType::F32, &[2, 3, s, 16], 102))
+            .input(random(DType::F32, &[2, 3, s, 16], 103))
+            .input(mask)
+            .check(TOL);
+    }
+    // an additive mask of −∞ over a whole row, broadcast over heads
+    let mut bias = random(DType::F32, &[37, 45], 104).to_f32_vec();
+    bias[5 * 45..6 * 45]
+        .iter_mut()
+        .for_each(|b| *b = f32::NEG_INFINITY);
+    let bias = Tensor::from_f32(DType::F32, &[37, 45], &bias).unwrap();
+    OpCase::new(sdpa(false, None, false))
+        .input(random(DType::F32, &[2, 37, 16], 105))
+        .input(random(DType::F32, &[2, 45, 16], 106))
+        .input(random(DType::F32, &[2, 45, 16], 107))
+        .input(bias)
+        .check(TOL);
+}
+
 #[test]
 fn topk_largest_smallest_and_ties() {
     for (k, dim, largest) in [(3, 1, true), (1, 0, false), (5, 1, false), (12, 1, true)] {

@@ -1,27 +1,50 @@
-//! Scaled dot-product attention as one fused kernel with an online softmax
-//! (flash-attention style). A workgroup takes one batch·head and a block of
-//! up to [`BLOCK_Q`] query rows (kept in workgroup memory) and walks the
-//! keys in tiles of [`TILE`]: each invocation scores one key against every
-//! row of the block, the row statistics (running max and sum, f32) are
-//! updated once per tile, and each invocation accumulates a few output
-//! columns for every row. Decode (one query row) uses a block of one row.
+//! Scaled dot-product attention as fused flash-attention kernels: scores
+//! never reach memory, softmax is online (running max and sum per row,
+//! f32), the output is normalised once at the end. No subgroup size is
+//! assumed: invocations share data through workgroup memory only, and
+//! each kernel stays within the default 16 KiB of it.
+//!
+//! * Prefill (more than [`DECODE_ROWS`] query rows): a workgroup takes one
+//!   batch·head and [`BLOCK_ROWS`] query rows and walks the keys in tiles
+//!   (see [`Tiling`]). Per tile, q and k rows are staged a [`CHUNK`] of
+//!   the head dim at a time as vec4s and each invocation accumulates a
+//!   small register block of scores (4 rows × 4 keys, or 2 × 2); the
+//!   scaled, masked scores go to workgroup memory, where one invocation a
+//!   row updates the row's running max and sum; then each invocation adds
+//!   P·V for its block of 4 rows × a few vec4 output columns, held in
+//!   registers across the tiles, from the V tile staged in the memory the
+//!   q/k chunks used. More than [`SLICE_COLS`] output columns are split
+//!   over workgroups (the scores are recomputed per slice).
+//! * Decode (at most [`DECODE_ROWS`] query rows): a workgroup takes one
+//!   query row; its invocations score one key each (vec4 reads of q from
+//!   workgroup memory and of k) per chunk of [`DECODE_CHUNK`] keys, max
+//!   and sum are tree reductions in workgroup memory, and the invocations
+//!   share the output vec4s (several invocations a vec4 for small head
+//!   dims, each taking part of the keys, added up at the end).
+//! * Either grid, when small, splits the keys over workgroups
+//!   (flash-decoding, see [`key_split`]): each split writes its partial
+//!   max, sum and unnormalised output, and a combine kernel merges them.
+//!
 //! As the CPU kernel, a row whose every key is masked gives zeros.
 
 use etmetal_core::shape::broadcast_shapes;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
-use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP};
+use super::rows::{shared, tree_reduce, ROW_WORKGROUP};
+use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::LazyRef;
 use crate::preprocess::pointwise::{cast, float_literal};
-use crate::preprocess::Lowering;
+use crate::preprocess::{BufferIdx, Lowering};
 
-/// Keys per tile, one per invocation of the workgroup.
-const TILE: usize = 64;
-/// Query rows a workgroup takes at most.
-const BLOCK_Q: usize = 8;
 /// The largest head dim (of q/k and of v) the kernel takes.
 pub(crate) const MAX_HEAD_DIM: usize = 256;
+/// Query rows up to which the decode kernel is used.
+const DECODE_ROWS: usize = 4;
+/// Keys a decode workgroup scores at once (two per invocation).
+const DECODE_CHUNK: usize = 2 * ROW_WORKGROUP as usize;
+/// Workgroups below which the keys are split (a few per SM of a large GPU).
+const TARGET_GROUPS: usize = 256;
 
 pub(super) fn takes(op: &Op) -> bool {
     matches!(op, Op::Sdpa { .. })
@@ -49,6 +72,21 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             "an explicit mask cannot be combined with is_causal",
         ));
     }
+    if let Some(m) = &mask {
+        let full: Vec<usize> = [&g.batch[..], &[g.l, g.s]].concat();
+        if broadcast_shapes(&m.shape, &full).ok().as_deref() != Some(&full[..]) {
+            return Err(Error::invalid_input(format!(
+                "mask of shape {:?} does not broadcast to {full:?}",
+                m.shape
+            )));
+        }
+        if m.dtype != DType::Bool && !m.dtype.is_float() {
+            return Err(Error::invalid_input(format!(
+                "mask dtype {} must be bool or floating point",
+                m.dtype
+            )));
+        }
+    }
     let out = lw.output_buffer(node, 0)?;
     let desc = &lw.buffers.list[out];
     let expected: Vec<usize> = [&g.batch[..], &[g.l, g.ev]].concat();
@@ -58,184 +96,668 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             desc.dtype, desc.shape
         )));
     }
-    let out_dtype = desc.dtype;
-    let scale = scale.unwrap_or(1.0 / (g.e as f64).sqrt());
-    let (l, s, e, ev) = (g.l, g.s, g.e, g.ev);
-    let bq = l.min(BLOCK_Q);
-    let blocks = l.div_ceil(bq);
-    let nb: usize = g.batch.iter().product();
-    let cp = ev.div_ceil(TILE);
+    let a = Attn {
+        out_dtype: desc.dtype,
+        nb: g.batch.iter().product(),
+        scale: float_literal(scale.unwrap_or(1.0 / (g.e as f64).sqrt())),
+        g,
+        q,
+        k,
+        v,
+        mask,
+        is_causal,
+        out,
+    };
+    if a.g.l <= DECODE_ROWS {
+        decode(lw, &a)
+    } else {
+        prefill(lw, &a)
+    }
+}
 
-    let mut kb = KernelBuilder::new(&lw.buffers);
-    kb.value_fn(&q, "q")?;
-    kb.value_fn(&k, "k")?;
-    kb.value_fn(&v, "v")?;
-    if let Some(m) = &mask {
-        kb.value_fn(m, "mask")?;
+/// One attention being lowered.
+struct Attn {
+    g: Geometry,
+    q: LazyRef,
+    k: LazyRef,
+    v: LazyRef,
+    mask: Option<LazyRef>,
+    is_causal: bool,
+    /// The scale, as a WGSL literal.
+    scale: String,
+    out: BufferIdx,
+    out_dtype: DType,
+    /// Batch·heads.
+    nb: usize,
+}
+
+/// The partial results of a key split: `n` splits of each row, each
+/// `[output columns…, max, sum]`.
+struct Split {
+    part: BufferIdx,
+    n: usize,
+}
+
+impl Attn {
+    /// A kernel builder with `q`, `k`, `v` (and `mask`) value functions.
+    fn builder<'b>(&self, lw: &'b Lowering) -> Result<KernelBuilder<'b>> {
+        let mut kb = KernelBuilder::new(&lw.buffers);
+        kb.value_fn(&self.q, "q")?;
+        kb.value_fn(&self.k, "k")?;
+        kb.value_fn(&self.v, "v")?;
+        if let Some(m) = &self.mask {
+            kb.value_fn(m, "mask")?;
+        }
+        Ok(kb)
     }
-    let ninf = float_literal(f64::NEG_INFINITY);
-    let mut main = format!(
-        "var<workgroup> qs: array<f32, {}>;\n\
-         var<workgroup> ps: array<f32, {}>;\n\
-         var<workgroup> alpha: array<f32, {bq}>;\n",
-        bq * e,
-        bq * TILE
-    );
-    main.push_str(&entry(TILE as u32));
-    main.push_str(&format!(
-        "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
-         \x20 let b = g / {blocks}u;\n  let i0 = (g % {blocks}u) * {bq}u;\n",
-        nb * blocks
-    ));
-    // the batch index of each operand (broadcast dims read 0, GQA heads share)
-    let bidx = unravel("b", &g.batch);
-    for (d, name) in bidx.iter().enumerate() {
-        main.push_str(&format!("  let bi{d} = {name};\n"));
+
+    /// `bi0, bi1, …`: the batch index of the flat batch·head `b`.
+    fn batch_lets(&self) -> String {
+        unravel("b", &self.g.batch)
+            .iter()
+            .enumerate()
+            .map(|(d, name)| format!("  let bi{d} = {name};\n"))
+            .collect()
     }
-    let batch_of = |shape: &[usize], rep: usize| -> Vec<String> {
-        let lead = g.batch.len() - (shape.len() - 2);
+
+    /// The batch arguments of an operand of `shape` (broadcast dims read
+    /// 0; with GQA, `rep` query heads share a head).
+    fn batch_args(&self, shape: &[usize], rep: usize) -> Vec<String> {
+        let nbat = self.g.batch.len();
+        let lead = nbat - (shape.len() - 2);
         (0..shape.len() - 2)
             .map(|d| {
                 let full = lead + d;
                 if shape[d] == 1 {
                     "0u".to_string()
-                } else if rep > 1 && full + 1 == g.batch.len() {
+                } else if rep > 1 && full + 1 == nbat {
                     format!("bi{full} / {rep}u")
                 } else {
                     format!("bi{full}")
                 }
             })
             .collect()
-    };
-    let call = |name: &str, batch: &[String], row: &str, col: &str| {
-        let mut args = batch.to_vec();
+    }
+
+    fn read(&self, name: &str, x: &LazyRef, rep: usize, row: &str, col: &str) -> String {
+        let mut args = self.batch_args(&x.shape, rep);
         args.push(row.into());
         args.push(col.into());
         format!("{name}({})", args.join(", "))
-    };
-    let qcall = call(
-        "q",
-        &batch_of(&q.shape, 1),
-        &format!("min(i0 + r, {}u)", l - 1),
-        "e",
-    );
-    let kcall = call(
-        "k",
-        &batch_of(&k.shape, g.rep),
-        &format!("min(j, {}u)", s.max(1) - 1),
-        "e",
-    );
-    let vcall = call("v", &batch_of(&v.shape, g.rep), "t0 + jj", "c");
-    main.push_str(&format!(
-        "  for (var t = lid; t < {}u; t = t + {TILE}u) {{\n\
-         \x20   let r = t / {e}u; let e = t % {e}u;\n    qs[t] = {qcall};\n  }}\n\
-         \x20 workgroupBarrier();\n",
-        bq * e
-    ));
-    let kend = if is_causal {
-        format!("min({s}u, i0 + {bq}u)")
-    } else {
-        format!("{s}u")
-    };
-    main.push_str(&format!(
-        "  var m = {ninf};\n  var l = 0.0;\n  var acc: array<f32, {}>;\n\
-         \x20 let kend = {kend};\n\
-         \x20 for (var t0 = 0u; t0 < kend; t0 = t0 + {TILE}u) {{\n\
-         \x20   let j = t0 + lid;\n    var sc: array<f32, {bq}>;\n\
-         \x20   for (var e = 0u; e < {e}u; e = e + 1u) {{\n\
-         \x20     let kv = {kcall};\n\
-         \x20     for (var r = 0u; r < {bq}u; r = r + 1u) {{ sc[r] = sc[r] + qs[r * {e}u + e] * kv; }}\n\
-         \x20   }}\n\
-         \x20   for (var r = 0u; r < {bq}u; r = r + 1u) {{\n\
-         \x20     let i = i0 + r;\n      var x = sc[r] * {};\n      var keep = j < kend;\n",
-        bq * cp,
-        float_literal(scale)
-    ));
-    if is_causal {
-        main.push_str("      keep = keep && j <= i;\n");
     }
-    if let Some(m) = &mask {
-        let full: Vec<String> = (0..g.batch.len())
-            .map(|d| format!("bi{d}"))
-            .chain([
-                format!("min(i, {}u)", l - 1),
-                format!("min(j, {}u)", s.max(1) - 1),
-            ])
-            .collect();
-        let lead = full.len() - m.shape.len();
-        let args: Vec<String> = m
-            .shape
-            .iter()
-            .enumerate()
-            .map(|(d, &n)| {
-                if n == 1 {
-                    "0u".into()
-                } else {
-                    full[lead + d].clone()
-                }
-            })
-            .collect();
-        let at = format!("mask({})", args.join(", "));
-        match m.dtype {
-            DType::Bool => main.push_str(&format!("      keep = keep && {at};\n")),
-            d if d.is_float() => main.push_str(&format!("      x = x + {at};\n")),
-            d => {
-                return Err(Error::invalid_input(format!(
-                    "mask dtype {d} must be bool or floating point"
-                )))
+
+    fn q_at(&self, row: &str, col: &str) -> String {
+        self.read("q", &self.q, 1, row, col)
+    }
+
+    fn k_at(&self, row: &str, col: &str) -> String {
+        self.read("k", &self.k, self.g.rep, row, col)
+    }
+
+    fn v_at(&self, row: &str, col: &str) -> String {
+        self.read("v", &self.v, self.g.rep, row, col)
+    }
+
+    /// Statements turning the dot product in var `x` of query row `i`
+    /// (< L) and key `j` into its score: scaled, masked (−∞ where
+    /// dropped), `valid` saying the key is in range.
+    fn score(&self, x: &str, i: &str, j: &str, valid: &str) -> String {
+        let mut s = format!("{x} = {x} * {};\n", self.scale);
+        let mut keep = valid.to_string();
+        if self.is_causal {
+            keep = format!("{keep} && {j} <= {i}");
+        }
+        if let Some(m) = &self.mask {
+            let full: Vec<String> = (0..self.g.batch.len())
+                .map(|d| format!("bi{d}"))
+                .chain([i.to_string(), j.to_string()])
+                .collect();
+            let lead = full.len() - m.shape.len();
+            let args: Vec<String> = m
+                .shape
+                .iter()
+                .enumerate()
+                .map(|(d, &n)| {
+                    if n == 1 {
+                        "0u".into()
+                    } else {
+                        full[lead + d].clone()
+                    }
+                })
+                .collect();
+            let at = format!("mask({})", args.join(", "));
+            if m.dtype == DType::Bool {
+                keep = format!("{keep} && {at}");
+            } else {
+                s.push_str(&format!("{x} = {x} + {at};\n"));
             }
+        }
+        s.push_str(&format!(
+            "{x} = select({}, {x}, {keep});\n",
+            float_literal(f64::NEG_INFINITY)
+        ));
+        s
+    }
+
+    /// A statement writing the unnormalised output `acc` of row `row`,
+    /// column `col`: normalised by `inv` into the output, or as a partial
+    /// of split `sp`.
+    fn store_col(
+        &self,
+        kb: &mut KernelBuilder,
+        split: &Option<Split>,
+        row: &str,
+        col: &str,
+        acc: &str,
+    ) -> Result<String> {
+        let (l, ev) = (self.g.l, self.g.ev);
+        match split {
+            None => kb.store(
+                self.out,
+                &format!("(b * {l}u + {row}) * {ev}u + {col}"),
+                &cast(&format!("({acc} * inv)"), DType::F32, self.out_dtype),
+            ),
+            Some(sp) => kb.store(
+                sp.part,
+                &format!(
+                    "((b * {l}u + {row}) * {}u + sp) * {}u + {col}",
+                    sp.n,
+                    ev + 2
+                ),
+                acc,
+            ),
+        }
+    }
+
+    /// Statements writing a split's max `m` and sum `l` of row `row`
+    /// (none when the keys are not split).
+    fn store_stats(
+        &self,
+        kb: &mut KernelBuilder,
+        split: &Option<Split>,
+        row: &str,
+    ) -> Result<String> {
+        let ev = self.g.ev;
+        Ok(match split {
+            None => String::new(),
+            Some(_) => format!(
+                "{} {}",
+                self.store_col(kb, split, row, &format!("{ev}u"), "m")?,
+                self.store_col(kb, split, row, &format!("{}u", ev + 1), "l")?
+            ),
+        })
+    }
+
+    /// The partials buffer of `n` key splits (none for one split).
+    fn split(&self, lw: &mut Lowering, n: usize) -> Option<Split> {
+        (n > 1).then(|| {
+            let name = format!("{}.splits", lw.buffers.list[self.out].name);
+            let shape = [self.nb * self.g.l * n * (self.g.ev + 2)];
+            Split {
+                part: lw.temp(&name, DType::F32, &shape),
+                n,
+            }
+        })
+    }
+}
+
+/// How to split `tiles` tiles of `tile` keys over workgroups when only
+/// `groups` workgroups would run: `(splits, keys per split)`, enough
+/// splits for about [`TARGET_GROUPS`] workgroups, each whole tiles.
+fn key_split(groups: usize, tiles: usize, tile: usize) -> (usize, usize) {
+    let tiles = tiles.max(1);
+    let want = TARGET_GROUPS.div_ceil(groups.max(1)).clamp(1, tiles);
+    let per = tiles.div_ceil(want);
+    (tiles.div_ceil(per), per * tile)
+}
+
+/// Query rows of a prefill workgroup.
+const BLOCK_ROWS: usize = 32;
+/// Head-dim columns of q and k staged at once (4 vec4s a row).
+const CHUNK: usize = 16;
+/// vec4s a staged q/k row takes (one of padding: no bank conflicts).
+const CHUNK_STRIDE: usize = CHUNK / 4 + 1;
+/// Output columns a prefill workgroup takes at most.
+const SLICE_COLS: usize = 128;
+
+/// How a prefill workgroup's invocations share the work: scores as a
+/// grid of `rt` × `kt` invocations (each `BLOCK_ROWS / rt` rows × `bc /
+/// kt` keys), the output as `rp` × `cp` (each 4 rows × some vec4s).
+struct Tiling {
+    wg: usize,
+    bc: usize,
+    rt: usize,
+    kt: usize,
+    rp: usize,
+    cp: usize,
+}
+
+impl Tiling {
+    /// 64 invocations, 32-key tiles, 4×4 scores each for at most 64
+    /// output columns; 128 invocations, 16-key tiles, 2×2 scores for 128.
+    fn for_columns(cols: usize) -> Tiling {
+        let (wg, bc, rt, kt) = if cols <= 64 {
+            (64, 32, 8, 8)
+        } else {
+            (128, 16, 16, 8)
+        };
+        let rp = BLOCK_ROWS / 4;
+        Tiling {
+            wg,
+            bc,
+            rt,
+            kt,
+            rp,
+            cp: wg / rp,
+        }
+    }
+}
+
+/// The prefill kernel (see the module docs).
+fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
+    let Geometry { l, s, e, ev, .. } = a.g;
+    let ninf = float_literal(f64::NEG_INFINITY);
+    let br = BLOCK_ROWS;
+    let blocks = l.div_ceil(br);
+    // output vec4s of a workgroup, and the slices covering every column
+    let c4 = ev.min(SLICE_COLS).div_ceil(4);
+    let slices = ev.div_ceil(4 * c4);
+    let Tiling {
+        wg,
+        bc,
+        rt,
+        kt,
+        rp,
+        cp,
+    } = Tiling::for_columns(4 * c4);
+    let (rtt, ktt, cpt) = (br / rt, bc / kt, c4.div_ceil(cp));
+    // P is [key][row], rows padded so the score stores do not conflict
+    let pstride = br + rt;
+    let (nsplit, span) = key_split(a.nb * blocks * slices, s.div_ceil(bc), bc);
+    let total = a.nb * blocks * slices * nsplit;
+    let split = a.split(lw, nsplit);
+    let mut kb = a.builder(lw)?;
+    let region = ((br + bc) * CHUNK_STRIDE).max(bc * c4);
+
+    let mut main = format!(
+        "var<workgroup> sa: array<vec4<f32>, {region}>;\n\
+         var<workgroup> pt: array<f32, {}>;\nvar<workgroup> alpha: array<f32, {br}>;\n",
+        bc * pstride
+    );
+    main.push_str(&entry(wg as u32));
+    let kend = if a.is_causal {
+        format!("min(min({s}u, kbeg + {span}u), i0 + {br}u)")
+    } else {
+        format!("min({s}u, kbeg + {span}u)")
+    };
+    main.push_str(&format!(
+        "  let g0 = {FLAT_GROUP};\n  if (g0 >= {total}u) {{ return; }}\n\
+         \x20 let sl = g0 % {slices}u;\n  let g1 = g0 / {slices}u;\n\
+         \x20 let sp = g1 % {nsplit}u;\n  let g2 = g1 / {nsplit}u;\n\
+         \x20 let i0 = (g2 % {blocks}u) * {br}u;\n  let b = g2 / {blocks}u;\n{}\
+         \x20 let c0 = sl * {}u;\n  let kbeg = sp * {span}u;\n  let kend = {kend};\n\
+         \x20 let tr = lid % {rt}u;\n  let tk = lid / {rt}u;\n\
+         \x20 let pr = lid % {rp}u;\n  let pc = lid / {rp}u;\n\
+         \x20 var m = {ninf};\n  var l = 0.0;\n",
+        a.batch_lets(),
+        4 * c4
+    ));
+    let o = |r: usize, c: usize| format!("o{r}_{c}");
+    for r in 0..4 {
+        main.extend((0..cpt).map(|c| format!("  var {} = vec4<f32>();\n", o(r, c))));
+    }
+    let exact_e = e % CHUNK == 0;
+    let qv = vec4_at(
+        &|col| a.q_at(&format!("min(i0 + r, {}u)", l - 1), col),
+        e,
+        exact_e,
+    );
+    let kv = vec4_at(&|col| a.k_at("kr", col), e, exact_e);
+    let vv = vec4_at(&|col| a.v_at("kr", col), ev, 4 * c4 * slices == ev);
+    let smax = s.max(1) - 1;
+    // scores of the tile: q and k staged a chunk of the head dim at a time
+    main.push_str(&format!(
+        "  for (var t0 = kbeg; t0 < kend; t0 = t0 + {bc}u) {{\n"
+    ));
+    for r in 0..rtt {
+        main.extend((0..ktt).map(|k| format!("    var s{r}_{k} = 0.0;\n")));
+    }
+    main.push_str(&format!(
+        "    for (var d0 = 0u; d0 < {e}u; d0 = d0 + {CHUNK}u) {{\n\
+         \x20     for (var t = lid; t < {}u; t = t + {wg}u) {{\n\
+         \x20       let r = t / 4u;\n        let d = d0 + (t % 4u) * 4u;\n\
+         \x20       let at = r * {CHUNK_STRIDE}u + t % 4u;\n\
+         \x20       if (r < {br}u) {{\n          sa[at] = {qv};\n        }} else {{\n\
+         \x20         let key = t0 + r - {br}u;\n          let kr = min(key, {smax}u);\n\
+         \x20         sa[at] = select(vec4<f32>(), {kv}, key < kend);\n        }}\n      }}\n\
+         \x20     workgroupBarrier();\n\
+         \x20     for (var d4 = 0u; d4 < 4u; d4 = d4 + 1u) {{\n",
+        (br + bc) * 4
+    ));
+    for r in 0..rtt {
+        main.push_str(&format!(
+            "        let q{r} = sa[(tr + {}u) * {CHUNK_STRIDE}u + d4];\n",
+            r * rt
+        ));
+    }
+    for k in 0..ktt {
+        main.push_str(&format!(
+            "        let k{k} = sa[(tk + {}u) * {CHUNK_STRIDE}u + d4];\n",
+            br + k * kt
+        ));
+    }
+    for r in 0..rtt {
+        for k in 0..ktt {
+            main.push_str(&format!("        s{r}_{k} = s{r}_{k} + dot(q{r}, k{k});\n"));
+        }
+    }
+    main.push_str("      }\n      workgroupBarrier();\n    }\n");
+    // scaled and masked scores into P; the V tile into the staging memory
+    for r in 0..rtt {
+        for k in 0..ktt {
+            let key = format!("(t0 + tk + {}u)", k * kt);
+            let row = format!("min(i0 + tr + {}u, {}u)", r * rt, l - 1);
+            let x = format!("s{r}_{k}");
+            let fix = a.score(&x, &row, &key, &format!("{key} < kend"));
+            main.extend(fix.lines().map(|line| format!("    {line}\n")));
+            main.push_str(&format!(
+                "    pt[(tk + {}u) * {pstride}u + tr + {}u] = {x};\n",
+                k * kt,
+                r * rt
+            ));
         }
     }
     main.push_str(&format!(
-        "      ps[r * {TILE}u + lid] = select({ninf}, x, keep);\n    }}\n\
-         \x20   workgroupBarrier();\n\
-         \x20   if (lid < {bq}u) {{\n\
-         \x20     let o = lid * {TILE}u;\n      var mx = m;\n\
-         \x20     for (var jj = 0u; jj < {TILE}u; jj = jj + 1u) {{ mx = max(mx, ps[o + jj]); }}\n\
-         \x20     var a = 1.0;\n      var sum = 0.0;\n\
-         \x20     if (mx == {ninf}) {{\n\
-         \x20       for (var jj = 0u; jj < {TILE}u; jj = jj + 1u) {{ ps[o + jj] = 0.0; }}\n\
-         \x20     }} else {{\n\
-         \x20       a = exp(m - mx);\n\
-         \x20       for (var jj = 0u; jj < {TILE}u; jj = jj + 1u) {{\n\
-         \x20         let p = exp(ps[o + jj] - mx);\n          ps[o + jj] = p;\n          sum = sum + p;\n\
-         \x20       }}\n      }}\n\
-         \x20     l = l * a + sum;\n      m = mx;\n      alpha[lid] = a;\n    }}\n\
-         \x20   workgroupBarrier();\n\
-         \x20   let nj = min({TILE}u, kend - t0);\n\
-         \x20   for (var ci = 0u; ci < {cp}u; ci = ci + 1u) {{\n\
-         \x20     let c = lid + ci * {TILE}u;\n\
-         \x20     if (c < {ev}u) {{\n\
-         \x20       for (var r = 0u; r < {bq}u; r = r + 1u) {{ acc[r * {cp}u + ci] = acc[r * {cp}u + ci] * alpha[r]; }}\n\
-         \x20       for (var jj = 0u; jj < nj; jj = jj + 1u) {{\n\
-         \x20         let vv = {vcall};\n\
-         \x20         for (var r = 0u; r < {bq}u; r = r + 1u) {{ acc[r * {cp}u + ci] = acc[r * {cp}u + ci] + ps[r * {TILE}u + jj] * vv; }}\n\
-         \x20       }}\n      }}\n    }}\n\
-         \x20   workgroupBarrier();\n  }}\n\
-         \x20 if (lid < {bq}u) {{ alpha[lid] = select(0.0, 1.0 / l, l > 0.0); }}\n\
-         \x20 workgroupBarrier();\n"
+        "    for (var t = lid; t < {}u; t = t + {wg}u) {{\n\
+         \x20     let key = t0 + t / {c4}u;\n      let kr = min(key, {smax}u);\n\
+         \x20     let d = c0 + (t % {c4}u) * 4u;\n\
+         \x20     sa[t] = select(vec4<f32>(), {vv}, key < kend);\n    }}\n\
+         \x20   workgroupBarrier();\n",
+        bc * c4
     ));
-    let y = cast(
-        &format!("(acc[r * {cp}u + ci] * alpha[r])"),
-        DType::F32,
-        out_dtype,
-    );
-    let store = kb.store(out, &format!("(b * {l}u + i0 + r) * {ev}u + c"), &y)?;
+    // online softmax: invocation r keeps row r's running max and sum
     main.push_str(&format!(
-        "  for (var r = 0u; r < {bq}u; r = r + 1u) {{\n\
-         \x20   for (var ci = 0u; ci < {cp}u; ci = ci + 1u) {{\n\
-         \x20     let c = lid + ci * {TILE}u;\n\
-         \x20     if (i0 + r < {l}u && c < {ev}u) {{ {store} }}\n    }}\n  }}\n}}\n"
+        "    if (lid < {br}u) {{\n\
+         \x20     var mx = m;\n\
+         \x20     for (var j = 0u; j < {bc}u; j = j + 1u) {{ mx = max(mx, pt[j * {pstride}u + lid]); }}\n\
+         \x20     let ms = select(mx, 0.0, mx == {ninf});\n\
+         \x20     var sum = 0.0;\n\
+         \x20     for (var j = 0u; j < {bc}u; j = j + 1u) {{\n\
+         \x20       let p = exp(pt[j * {pstride}u + lid] - ms);\n\
+         \x20       pt[j * {pstride}u + lid] = p;\n        sum = sum + p;\n      }}\n\
+         \x20     let a = exp(m - ms);\n      l = l * a + sum;\n      m = mx;\n      alpha[lid] = a;\n\
+         \x20   }}\n    workgroupBarrier();\n"
     ));
-    let workgroups = grid((nb * blocks) as u64, lw.options.max_workgroups_per_dim)?;
-    let ops = vec![lw.op_label()];
-    let storage = 4 * (bq * e + bq * TILE + bq) as u32;
+    // the output block: rescaled, plus P·V
+    for r in 0..4 {
+        main.push_str(&format!("    let a{r} = alpha[pr + {}u];\n", r * rp));
+        main.extend((0..cpt).map(|c| format!("    {0} = {0} * a{r};\n", o(r, c))));
+    }
+    let vcol = |c: usize| {
+        if c4 % cp == 0 {
+            format!("pc + {}u", c * cp)
+        } else {
+            format!("min(pc + {}u, {}u)", c * cp, c4 - 1)
+        }
+    };
+    main.push_str(&format!(
+        "    let nj = min({bc}u, kend - t0);\n    for (var j = 0u; j < nj; j = j + 1u) {{\n"
+    ));
+    for r in 0..4 {
+        main.push_str(&format!(
+            "      let p{r} = pt[j * {pstride}u + pr + {}u];\n",
+            r * rp
+        ));
+    }
+    for c in 0..cpt {
+        main.push_str(&format!("      let v{c} = sa[j * {c4}u + {}];\n", vcol(c)));
+    }
+    for r in 0..4 {
+        for c in 0..cpt {
+            main.push_str(&format!("      {0} = {0} + p{r} * v{c};\n", o(r, c)));
+        }
+    }
+    main.push_str("    }\n    workgroupBarrier();\n  }\n");
+    // 1 / sum per row, then every invocation writes its block
+    let stats = a.store_stats(&mut kb, &split, "i0 + lid")?;
+    main.push_str(&format!(
+        "  if (lid < {br}u) {{\n    alpha[lid] = select(0.0, 1.0 / l, l > 0.0);\n"
+    ));
+    if !stats.is_empty() {
+        main.push_str(&format!(
+            "    if (sl == 0u && i0 + lid < {l}u) {{ {stats} }}\n"
+        ));
+    }
+    main.push_str("  }\n  workgroupBarrier();\n");
+    for r in 0..4 {
+        main.push_str(&format!(
+            "  {{\n    let row = pr + {}u;\n    let inv = alpha[row];\n    if (i0 + row < {l}u) {{\n",
+            r * rp
+        ));
+        for c in 0..cpt {
+            for (k, comp) in ["x", "y", "z", "w"].iter().enumerate() {
+                let col = format!("c0 + (pc + {}u) * 4u + {k}u", c * cp);
+                let store = a.store_col(
+                    &mut kb,
+                    &split,
+                    "i0 + row",
+                    &col,
+                    &format!("{}.{comp}", o(r, c)),
+                )?;
+                main.push_str(&if c4 % cp == 0 && 4 * c4 * slices == ev {
+                    format!("      {store}\n")
+                } else {
+                    format!(
+                        "      if (pc + {}u < {c4}u && {col} < {ev}u) {{ {store} }}\n",
+                        c * cp
+                    )
+                });
+            }
+        }
+        main.push_str("    }\n  }\n");
+    }
+    main.push_str("}\n");
+    let workgroups = grid(total as u64, lw.options.max_workgroups_per_dim)?;
+    let storage = (16 * region + 4 * (bc * pstride + br)) as u32;
     lw.add_dispatch(
         kb.finish(&main),
-        ops,
-        [TILE as u32, 1, 1],
+        vec![lw.op_label()],
+        [wg as u32, 1, 1],
         workgroups,
         storage,
+    )?;
+    match split {
+        Some(sp) => combine(lw, a, &sp),
+        None => Ok(()),
+    }
+}
+
+/// `vec4<f32>(at(d), at(d + 1u), …)`: columns `d`… (a u32 named `d` in
+/// the WGSL) of a row of `n`, zeros past the end unless `exact` (every
+/// vec4 read is whole).
+fn vec4_at(at: &dyn Fn(&str) -> String, n: usize, exact: bool) -> String {
+    let comps: Vec<String> = (0..4)
+        .map(|c| {
+            if exact {
+                at(&format!("d + {c}u"))
+            } else {
+                let col = format!("min(d + {c}u, {}u)", n - 1);
+                format!("select(0.0, {}, d + {c}u < {n}u)", at(&col))
+            }
+        })
+        .collect();
+    format!("vec4<f32>({})", comps.join(", "))
+}
+
+/// The decode kernel (see the module docs).
+fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
+    let Geometry { l, s, e, ev, .. } = a.g;
+    let ninf = float_literal(f64::NEG_INFINITY);
+    let wg = ROW_WORKGROUP as usize;
+    let (nsplit, span) = key_split(a.nb * l, s.div_ceil(DECODE_CHUNK), DECODE_CHUNK);
+    let total = a.nb * l * nsplit;
+    let split = a.split(lw, nsplit);
+    let mut kb = a.builder(lw)?;
+    let (e4, c4) = (e.div_ceil(4), ev.div_ceil(4));
+    // invocations share the output vec4s: `cw` a column group, `parts`
+    // groups each taking every `parts`-th key
+    let cw = c4.next_power_of_two().min(wg);
+    let parts = wg / cw;
+    let ncols = c4.div_ceil(cw);
+
+    let mut main = format!(
+        "var<workgroup> qs: array<vec4<f32>, {e4}>;\nvar<workgroup> ps: array<f32, {DECODE_CHUNK}>;\n"
+    );
+    main.push_str(&shared("red", "f32"));
+    if parts > 1 {
+        main.push_str(&format!("var<workgroup> red4: array<vec4<f32>, {wg}>;\n"));
+    }
+    main.push_str(&entry(ROW_WORKGROUP));
+    let kend = if a.is_causal {
+        format!("min(min({s}u, kbeg + {span}u), i + 1u)")
+    } else {
+        format!("min({s}u, kbeg + {span}u)")
+    };
+    main.push_str(&format!(
+        "  let g0 = {FLAT_GROUP};\n  if (g0 >= {total}u) {{ return; }}\n\
+         \x20 let sp = g0 % {nsplit}u;\n  let g1 = g0 / {nsplit}u;\n\
+         \x20 let i = g1 % {l}u;\n  let b = g1 / {l}u;\n{}\
+         \x20 let kbeg = sp * {span}u;\n  let kend = {kend};\n\
+         \x20 for (var t = lid; t < {e4}u; t = t + {wg}u) {{ let d = 4u * t; qs[t] = {}; }}\n\
+         \x20 workgroupBarrier();\n\
+         \x20 let cc = lid % {cw}u;\n  let part = lid / {cw}u;\n\
+         \x20 var m = {ninf};\n  var l = 0.0;\n",
+        a.batch_lets(),
+        vec4_at(&|col| a.q_at("i", col), e, e % 4 == 0)
+    ));
+    main.extend((0..ncols).map(|c| format!("  var o{c} = vec4<f32>();\n")));
+    main.push_str(&format!(
+        "  for (var c0 = kbeg; c0 < kend; c0 = c0 + {DECODE_CHUNK}u) {{\n    var cmax = {ninf};\n"
+    ));
+    let kv = vec4_at(&|col| a.k_at("kr", col), e, e % 4 == 0);
+    for kk in 0..DECODE_CHUNK / wg {
+        let j = format!("(c0 + lid + {}u)", kk * wg);
+        let fix = a.score("x", "i", &j, &format!("{j} < kend"));
+        main.push_str(&format!(
+            "    {{\n      let kr = min({j}, {}u);\n      var x = 0.0;\n\
+             \x20     for (var t = 0u; t < {e4}u; t = t + 1u) {{ let d = 4u * t; x = x + dot(qs[t], {kv}); }}\n",
+            s.max(1) - 1
+        ));
+        main.extend(fix.lines().map(|line| format!("      {line}\n")));
+        main.push_str(&format!(
+            "      ps[lid + {}u] = x;\n      cmax = max(cmax, x);\n    }}\n",
+            kk * wg
+        ));
+    }
+    let body = tree_reduce("red", "cmax", "tmax", &|x, y| format!("max({x}, {y})"));
+    main.extend(body.lines().map(|line| format!("  {line}\n")));
+    main.push_str(&format!(
+        "    let mx = max(m, tmax);\n    let ms = select(mx, 0.0, mx == {ninf});\n\
+         \x20   let a = exp(m - ms);\n    var psum = 0.0;\n"
+    ));
+    for kk in 0..DECODE_CHUNK / wg {
+        main.push_str(&format!(
+            "    {{ let p = exp(ps[lid + {o}u] - ms); ps[lid + {o}u] = p; psum = psum + p; }}\n",
+            o = kk * wg
+        ));
+    }
+    let body = tree_reduce("red", "psum", "tsum", &|x, y| format!("({x} + {y})"));
+    main.extend(body.lines().map(|line| format!("  {line}\n")));
+    main.push_str("    l = l * a + tsum;\n    m = mx;\n");
+    main.extend((0..ncols).map(|c| format!("    o{c} = o{c} * a;\n")));
+    main.push_str(&format!(
+        "    let nk = min({DECODE_CHUNK}u, kend - c0);\n\
+         \x20   for (var j = part; j < nk; j = j + {parts}u) {{\n      let p = ps[j];\n      let kr = c0 + j;\n"
+    ));
+    let vv = vec4_at(&|col| a.v_at("kr", col), ev, ev % 4 == 0);
+    for c in 0..ncols {
+        main.push_str(&format!(
+            "      {{ let d = 4u * min(cc + {}u, {}u); o{c} = o{c} + p * {vv}; }}\n",
+            c * cw,
+            c4 - 1
+        ));
+    }
+    main.push_str("    }\n    workgroupBarrier();\n  }\n");
+    if parts > 1 {
+        // one vec4 each (cw ≥ c4): add the parts' sums
+        let terms: Vec<String> = (0..parts)
+            .map(|p| format!("red4[cc + {}u]", p * cw))
+            .collect();
+        main.push_str(&format!(
+            "  red4[lid] = o0;\n  workgroupBarrier();\n  o0 = {};\n",
+            terms.join(" + ")
+        ));
+    }
+    main.push_str("  let inv = select(0.0, 1.0 / l, l > 0.0);\n  if (part == 0u) {\n");
+    for c in 0..ncols {
+        for (k, comp) in ["x", "y", "z", "w"].iter().enumerate() {
+            let col = format!("(cc + {}u) * 4u + {k}u", c * cw);
+            let store = a.store_col(&mut kb, &split, "i", &col, &format!("o{c}.{comp}"))?;
+            main.push_str(&format!(
+                "    if (cc + {}u < {c4}u && {col} < {ev}u) {{ {store} }}\n",
+                c * cw
+            ));
+        }
+    }
+    let stats = a.store_stats(&mut kb, &split, "i")?;
+    if !stats.is_empty() {
+        main.push_str(&format!("    if (lid == 0u) {{ {stats} }}\n"));
+    }
+    main.push_str("  }\n}\n");
+    let workgroups = grid(total as u64, lw.options.max_workgroups_per_dim)?;
+    let red4 = if parts > 1 { 16 * wg } else { 0 };
+    let storage = (16 * e4 + 4 * (DECODE_CHUNK + wg) + red4) as u32;
+    lw.add_dispatch(
+        kb.finish(&main),
+        vec![lw.op_label()],
+        [ROW_WORKGROUP, 1, 1],
+        workgroups,
+        storage,
+    )?;
+    match split {
+        Some(sp) => combine(lw, a, &sp),
+        None => Ok(()),
+    }
+}
+
+/// Merge the key splits' partials into the output: weights
+/// `exp(m_split − max)`, normalised by the weighted sums.
+fn combine(lw: &mut Lowering, a: &Attn, sp: &Split) -> Result<()> {
+    let (ev, n) = (a.g.ev, sp.n);
+    let width = ev + 2;
+    let items = a.nb * a.g.l * ev;
+    let ninf = float_literal(f64::NEG_INFINITY);
+    let mut kb = KernelBuilder::new(&lw.buffers);
+    let at = |kb: &mut KernelBuilder, col: &str| {
+        kb.load(sp.part, &format!("base + t * {width}u + {col}"))
+    };
+    let (mload, lload, oload) = (
+        at(&mut kb, &format!("{ev}u")),
+        at(&mut kb, &format!("{}u", ev + 1)),
+        at(&mut kb, "c"),
+    );
+    let y = cast("(acc * inv)", DType::F32, a.out_dtype);
+    let store = kb.store(a.out, "g", &y)?;
+    let mut main = entry(FLAT_WORKGROUP);
+    main.push_str(&format!(
+        "  let g = {FLAT_GROUP} * {FLAT_WORKGROUP}u + lid;\n  if (g >= {items}u) {{ return; }}\n\
+         \x20 let c = g % {ev}u;\n  let base = (g / {ev}u) * {}u;\n\
+         \x20 var mx = {ninf};\n\
+         \x20 for (var t = 0u; t < {n}u; t = t + 1u) {{ mx = max(mx, {mload}); }}\n\
+         \x20 let ms = select(mx, 0.0, mx == {ninf});\n  var acc = 0.0;\n  var l = 0.0;\n\
+         \x20 for (var t = 0u; t < {n}u; t = t + 1u) {{\n\
+         \x20   let w = exp({mload} - ms);\n    acc = acc + w * {oload};\n    l = l + w * {lload};\n  }}\n\
+         \x20 let inv = select(0.0, 1.0 / l, l > 0.0);\n  {store}\n}}\n",
+        n * width
+    ));
+    let groups = (items as u64).div_ceil(u64::from(FLAT_WORKGROUP));
+    let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
+    lw.add_dispatch(
+        kb.finish(&main),
+        vec![lw.op_label()],
+        [FLAT_WORKGROUP, 1, 1],
+        workgroups,
+        0,
     )
 }
 
@@ -342,6 +864,40 @@ mod tests {
             ],
         )
         .unwrap();
+        // long decode: the keys split over workgroups, then combined
+        let p = lower_one(
+            op(false, false),
+            &[
+                Some((f, &[2, 3, 1, 20])),
+                Some((f, &[2, 3, 700, 20])),
+                Some((f, &[2, 3, 700, 20])),
+                Some((f, &[2, 1, 1, 700])),
+            ],
+        )
+        .unwrap();
+        assert_eq!(p.payload.dispatches.len(), 2);
+        // prefill with q re-read per tile (head dim 80), split keys
+        let p = lower_one(
+            op(true, false),
+            &[
+                Some((f, &[1, 40, 80])),
+                Some((f, &[1, 300, 80])),
+                Some((f, &[1, 300, 80])),
+            ],
+        )
+        .unwrap();
+        assert_eq!(p.payload.dispatches.len(), 2);
+        let e = lower_one(
+            op(false, false),
+            &[
+                Some((f, &[1, 2, 3, 4])),
+                Some((f, &[1, 2, 5, 4])),
+                Some((f, &[1, 2, 5, 4])),
+                Some((f, &[3, 3, 5])),
+            ],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("broadcast"), "{e}");
         let e = lower_one(
             op(false, false),
             &[
