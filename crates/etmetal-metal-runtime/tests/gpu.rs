@@ -8,6 +8,7 @@ use std::sync::Arc;
 use etmetal_core::{DType, ErrorKind, Tensor};
 use etmetal_metal::payload::{
     to_gpu, Access, Buffer, Dispatch, Kernel, Location, Payload, Requirements, VERSION_MAJOR,
+    VERSION_MINOR,
 };
 use etmetal_metal_runtime::{describe, select_adapter, DeviceChoice, GpuStats, MetalBackend};
 use etmetal_pte::{
@@ -107,6 +108,7 @@ fn unary(
         outputs: vec![1],
         arenas: vec![512],
         requirements: Requirements::default(),
+        checks: vec![],
     }
 }
 
@@ -144,6 +146,7 @@ fn affine() -> (Payload, Named) {
         outputs: vec![3],
         arenas: vec![512],
         requirements: Requirements::default(),
+        checks: vec![],
     };
     let f32s = |v: &[f32]| {
         to_gpu(&Tensor::from_f32(DType::F32, &[v.len()], v).unwrap(), "w")
@@ -265,6 +268,7 @@ fn chain_payload(shape: [usize; 2]) -> Payload {
         outputs: vec![2],
         arenas: vec![512, 60],
         requirements: Requirements::default(),
+        checks: vec![],
     }
 }
 
@@ -479,7 +483,7 @@ fn load_errors_name_their_cause() {
     let e = b.init(&bytes, &[], &named).err().unwrap();
     assert!(
         e.to_string()
-            .contains(&format!("version {}.0", VERSION_MAJOR + 1)),
+            .contains(&format!("version {}.{VERSION_MINOR}", VERSION_MAJOR + 1)),
         "{e}"
     );
 

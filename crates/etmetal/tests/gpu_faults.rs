@@ -97,6 +97,7 @@ fn scale(n: usize) -> (Payload, Named) {
             max_compute_invocations_per_workgroup: 64,
             ..Requirements::default()
         },
+        checks: vec![],
     };
     let w: Vec<f32> = (0..n).map(|i| i as f32).collect();
     let w = to_gpu(&Tensor::from_f32(DType::F32, &[n], &w).unwrap(), "w")
