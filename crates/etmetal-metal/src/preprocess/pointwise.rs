@@ -1,7 +1,10 @@
 //! WGSL for the elementwise functions: one expression per op, in the
 //! compute types of [`compute_type`] (f32 for floats, i32 for integers,
 //! bool), following PyTorch's definitions (Python-style remainder and floor
-//! division, round half to even, `pow` of negative bases).
+//! division, round half to even, `pow` of negative bases). int64 values
+//! are computed as i32: the `*_checked` forms of its arithmetic (and of
+//! every integer division) flag a result beyond i32, or a zero divisor, in
+//! the kernel's status buffer (see `payload::Check`).
 
 use etmetal_core::{BinaryOp, DType, Error, Result, Scalar, UnaryOp};
 
