@@ -105,6 +105,13 @@ pub fn supports(graph: &Graph, node: &Node, limits: &DeviceLimits) -> Result<(),
                     ));
                 }
             }
+            if v.dtype == DType::I64 && graph.fake_constants.contains(&id) {
+                return Err(format!(
+                    "input {i} `{}` is an int64 constant whose values are not known here \
+                     (a fake tensor): they may not fit the GPU's 32-bit integers",
+                    v.name
+                ));
+            }
             if v.dtype == DType::I64 && !takes_int64(&node.op) {
                 return Err(format!(
                     "input {i} `{}` is int64 (WGSL has no 64-bit integers)",
@@ -596,6 +603,13 @@ mod tests {
         };
         let err = supports(&g, &node, &DeviceLimits::default()).unwrap_err();
         assert!(err.contains("beyond the GPU's 32-bit"), "{err}");
+        // values a fake tensor stands for are unknown: they may not fit
+        g.constants
+            .insert(w, etmetal_core::Tensor::zeros(DType::I64, &[2]).unwrap());
+        assert_eq!(supports(&g, &node, &DeviceLimits::default()), Ok(()));
+        g.fake_constants.insert(w);
+        let err = supports(&g, &node, &DeviceLimits::default()).unwrap_err();
+        assert!(err.contains("fake tensor"), "{err}");
     }
 
     #[test]
