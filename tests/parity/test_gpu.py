@@ -3,7 +3,8 @@ with `etmetal compile --backend metal` (auto partitioning: GPU partitions,
 CPU kernels for the rest) and run with `etmetal run --device auto` on this
 machine's adapter (in CI: Mesa's software Vulkan), compared with eager
 PyTorch at the zoo's tolerances. The test fails when no GPU ran a delegate
-of a module the backend takes (a silent all-CPU run would prove nothing).
+of a module the backend takes (a silent all-CPU run would prove nothing),
+and when a module the GPU takes whole leaves a node on the CPU.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import pytest
 
 import zoo
 from test_parity import compare, prepared, save
+
+# Modules with int64 arithmetic, comparisons and casts: the GPU computes
+# int64 as checked i32, so no node of theirs stays on the CPU.
+WHOLE_ON_GPU = {"int64_arithmetic", "arange_full_zeros_ones", "cumsum_float_int", "dtype_casts"}
 
 
 @pytest.mark.parametrize(
@@ -31,6 +36,8 @@ def test_gpu_parity(case, dtype, mode, etmetal_gpu, tmp_path):
     assert delegated, f"{where}\nno partition summary\n{res.describe()}"
     if int(delegated.group(1)) > 0:
         assert "ran on gpu" in res.stdout, f"{where}\ndelegates did not run on a GPU\n{res.describe()}"
+    if case.name in WHOLE_ON_GPU:
+        assert "; 0 node(s) on the cpu" in res.stdout, f"{where}\nnodes left on the cpu\n{res.stdout}"
     assert len(res.outputs) == len(want), f"{where}\n{len(res.outputs)} outputs, eager has {len(want)}\n{res.describe()}"
     atol, rtol = case.tolerance(dtype)
     problems = [f"output {i}: {m}" for i, (g, w) in enumerate(zip(res.outputs, want)) if (m := compare(g, w, atol, rtol))]

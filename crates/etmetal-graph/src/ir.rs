@@ -1,6 +1,6 @@
 //! The graph IR: typed values, nodes in topological order, the signature.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use etmetal_core::{DType, Op, Tensor};
 
@@ -67,6 +67,10 @@ pub struct Graph {
     /// Data of parameters, buffers, lifted constants and constants created
     /// by import or passes (e.g. 0-d scalars of binary ops).
     pub constants: BTreeMap<ValueId, Tensor>,
+    /// Constants whose archive held no data (fake tensors, as in the
+    /// programs ExecuTorch hands a partitioner): zeros in `constants`, so
+    /// nothing may depend on their values.
+    pub fake_constants: BTreeSet<ValueId>,
 }
 
 impl Graph {

@@ -436,6 +436,27 @@ fn short_weight_payload_is_rejected() {
 }
 
 #[test]
+fn empty_storage_is_a_fake_constant_of_zeros() {
+    // what ExecuTorch's partitioner programs hold for lifted constants
+    let mut es = entries("mlp");
+    let (_, data) = es
+        .iter_mut()
+        .find(|(n, _)| n.ends_with("data/weights/weight_0"))
+        .unwrap();
+    data.clear();
+    let g = import_pt2(&rezip(&es), "fake.pt2").unwrap();
+    let fake: Vec<&str> = g
+        .fake_constants
+        .iter()
+        .map(|&v| g.value(v).name.as_str())
+        .collect();
+    assert_eq!(fake.len(), 1, "{fake:?}");
+    let t = &g.constants[g.fake_constants.first().unwrap()];
+    assert!(t.to_f32_vec().iter().all(|&x| x == 0.0));
+    assert!(load("mlp").fake_constants.is_empty());
+}
+
+#[test]
 fn strides_outside_storage_are_rejected() {
     let bytes = edited_json("mlp", "model_weights_config.json", |v| {
         v["config"]["fc1.weight"]["tensor_meta"]["strides"][0] = serde_json::json!({"as_int": 9});

@@ -1,7 +1,9 @@
 //! One loaded delegate: weights, arenas, pipelines and bind groups made
 //! once at load; an execute writes the inputs, records every dispatch into
-//! one compute pass, submits once and reads the outputs back. Mutable
-//! buffers the payload marks as [`payload::State`] stay in the arena across
+//! one compute pass, submits once and reads the outputs back, with the
+//! status words of the payload's run-time checks (zeroed in the same
+//! command buffer): a set bit fails the execute. Mutable buffers the
+//! payload marks as [`payload::State`] stay in the arena across
 //! executes: written only when the method passes their host value, updated
 //! by a GPU copy at the end of each execute, read back only on request.
 
@@ -13,7 +15,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use etmetal_core::{Error, Result};
-use etmetal_metal::payload::{self, Access, Location, Payload};
+use etmetal_metal::payload::{self, Access, Fault, Location, Payload};
 use etmetal_runtime::{DelegateArg, DelegateHandle, NamedData};
 use wgpu::util::DeviceExt;
 
@@ -247,6 +249,8 @@ pub(crate) struct GpuDelegate {
     outputs: Vec<Output>,
     /// `(input range, new value range)` of each payload state, by input index.
     state: HashMap<usize, (Range, Range)>,
+    /// Per payload check: its status range and offset in the staging buffer.
+    statuses: Vec<(Range, u64)>,
     staging: wgpu::Buffer,
     /// Made at the first profiled execute (on a device with timestamp queries).
     profiler: Option<Profiler>,
@@ -541,6 +545,12 @@ impl GpuDelegate {
                 out
             })
             .collect();
+        let mut statuses = Vec::with_capacity(payload.checks.len());
+        for check in &payload.checks {
+            let range = ranges[check.buffer];
+            statuses.push((range, staging_size));
+            staging_size += range.size;
+        }
         let staging = scoped(
             &gpu,
             || format!("allocating the {staging_size}-byte read-back buffer"),
@@ -568,6 +578,7 @@ impl GpuDelegate {
             bind_groups,
             outputs,
             state,
+            statuses,
             staging,
             profiler: None,
             stuck: false,
@@ -672,6 +683,9 @@ impl GpuDelegate {
                         .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                             label: Some("etmetal delegate"),
                         });
+                for (r, _) in &self.statuses {
+                    encoder.clear_buffer(&self.buffers[r.buffer], r.offset, Some(r.size));
+                }
                 let record = |pass: &mut wgpu::ComputePass, d: usize| {
                     let dispatch = &self.payload.dispatches[d];
                     let [x, y, z] = dispatch.workgroups;
@@ -712,13 +726,14 @@ impl GpuDelegate {
                         input.size,
                     );
                 }
-                for o in &self.outputs {
+                let reads = self.outputs.iter().map(|o| (&o.range, o.staging_offset));
+                for (r, at) in reads.chain(self.statuses.iter().map(|(r, at)| (r, *at))) {
                     encoder.copy_buffer_to_buffer(
-                        &self.buffers[o.range.buffer],
-                        o.range.offset,
+                        &self.buffers[r.buffer],
+                        r.offset,
                         &self.staging,
-                        o.staging_offset,
-                        o.range.size,
+                        at,
+                        r.size,
                     );
                 }
                 gpu.queue.submit([encoder.finish()])
@@ -755,12 +770,16 @@ impl GpuDelegate {
                 .get_mapped_range(..)
                 .map_err(|e| Error::internal(format!("reading the outputs back: {e}")))?;
             let ni = self.payload.inputs.len();
-            self.outputs.iter().enumerate().try_for_each(|(k, o)| {
-                let b = &self.payload.buffers[o.id];
-                let start = o.staging_offset as usize;
-                let bytes = &view[start..start + o.range.size as usize];
-                args[ni + k] = DelegateArg::Tensor(payload::from_gpu(bytes, b.dtype, &b.shape)?);
-                Ok::<(), Error>(())
+            // (no `?` here: the staging buffer must be unmapped on every path)
+            self.check_statuses(&view).and_then(|()| {
+                self.outputs.iter().enumerate().try_for_each(|(k, o)| {
+                    let b = &self.payload.buffers[o.id];
+                    let start = o.staging_offset as usize;
+                    let bytes = &view[start..start + o.range.size as usize];
+                    args[ni + k] =
+                        DelegateArg::Tensor(payload::from_gpu(bytes, b.dtype, &b.shape)?);
+                    Ok::<(), Error>(())
+                })
             })
         };
         self.staging.unmap();
@@ -869,6 +888,35 @@ impl GpuDelegate {
             .get_mapped_range(..)
             .map_err(|e| Error::internal(format!("reading state back: {e}")))?;
         payload::from_gpu(&view, b.dtype, &b.shape)
+    }
+}
+
+impl GpuDelegate {
+    /// The first failed run-time check (in dispatch order) of the mapped
+    /// staging buffer `view`, as the execute's error.
+    fn check_statuses(&self, view: &[u8]) -> Result<()> {
+        for (check, (r, at)) in self.payload.checks.iter().zip(&self.statuses) {
+            let words = &view[*at as usize..(*at + r.size) as usize];
+            let failed = check.sites.iter().enumerate().find(|(i, _)| {
+                let w = i / 32 * 4;
+                let word = u32::from_le_bytes(words[w..w + 4].try_into().expect("4 bytes"));
+                word & (1 << (i % 32)) != 0
+            });
+            let Some((_, site)) = failed else { continue };
+            let kernel = &self.payload.kernels[self.payload.dispatches[check.dispatch].kernel].name;
+            return Err(match site.fault {
+                Fault::Overflow => Error::limit(format!(
+                    "int64 arithmetic in kernel {kernel} (node `{}`) overflowed the GPU's \
+                     32-bit integers; compile with --skip-op {} or --backend cpu",
+                    site.node, site.op
+                )),
+                Fault::ZeroDivision => Error::invalid_input(format!(
+                    "integer division by zero in kernel {kernel} (node `{}`)",
+                    site.node
+                )),
+            });
+        }
+        Ok(())
     }
 }
 

@@ -109,6 +109,7 @@ fn unary(
         arenas: vec![512],
         requirements: Requirements::default(),
         state: vec![],
+        checks: vec![],
     }
 }
 
@@ -147,6 +148,7 @@ fn affine() -> (Payload, Named) {
         arenas: vec![512],
         requirements: Requirements::default(),
         state: vec![],
+        checks: vec![],
     };
     let f32s = |v: &[f32]| {
         to_gpu(&Tensor::from_f32(DType::F32, &[v.len()], v).unwrap(), "w")
@@ -274,6 +276,7 @@ fn chain_payload(shape: [usize; 2]) -> Payload {
         arenas: vec![512, 60],
         requirements: Requirements::default(),
         state: vec![],
+        checks: vec![],
     }
 }
 

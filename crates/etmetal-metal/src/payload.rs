@@ -26,6 +26,11 @@
 //! - On the GPU a tensor is stored as [`GpuRepr`] says: int64 narrowed to
 //!   i32 (checked when written), bool/u8/i8 widened to one u32 an element,
 //!   f16/bf16 packed two a u32 (the host bytes, padded to 4).
+//! - Integer arithmetic the GPU computes in i32 for int64 (and integer
+//!   division) is checked as it runs: a dispatch with [`Check`]s ORs bits
+//!   into its status buffer, which the runtime zeroes before the dispatches
+//!   and reads back with the outputs; a set bit fails the execute, naming
+//!   the kernel and node, instead of returning a wrapped number.
 
 use std::borrow::Cow;
 
@@ -35,7 +40,7 @@ use serde::{Deserialize, Serialize};
 pub const MAGIC: &[u8; 4] = b"EMTL";
 /// Bumped when a reader of the previous major version would misread.
 pub const VERSION_MAJOR: u16 = 1;
-/// 1.1: [`Payload::state`].
+/// 1.1: [`Payload::state`] and [`Payload::checks`].
 pub const VERSION_MINOR: u16 = 1;
 
 /// Offsets of arena ranges are multiples of this (wgpu's default and the
@@ -62,6 +67,10 @@ pub struct Payload {
     /// Mutable buffers kept on the GPU across executes (payload 1.1).
     #[serde(default)]
     pub state: Vec<State>,
+    /// The run-time checks of dispatches that compute int64 in i32 or
+    /// divide integers (since 1.1; none in older payloads).
+    #[serde(default)]
+    pub checks: Vec<Check>,
 }
 
 /// A mutable buffer the delegate keeps resident: delegate input `input`
@@ -74,6 +83,33 @@ pub struct State {
     /// Index into [`Payload::inputs`].
     pub input: usize,
     pub new_value: BufferId,
+}
+
+/// The status buffer of one dispatch: arena words its kernel ORs bits into
+/// (`atomicOr`), bit `i` (word `i / 32`) when `sites[i]` fails.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Check {
+    pub dispatch: usize,
+    pub buffer: BufferId,
+    pub sites: Vec<Site>,
+}
+
+/// One checked operation of a kernel.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Site {
+    /// The graph node it computes.
+    pub node: String,
+    /// The node's op name, as `--skip-op` takes it.
+    pub op: String,
+    pub fault: Fault,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Fault {
+    /// A result outside the i32 range that int64 values are computed in.
+    Overflow,
+    /// An integer division or remainder by zero (an error on the CPU too).
+    ZeroDivision,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -436,6 +472,28 @@ impl Payload {
                 )));
             }
         }
+        for (c, check) in self.checks.iter().enumerate() {
+            let dispatch = self.dispatches.get(check.dispatch).ok_or_else(|| {
+                bad(format!(
+                    "check {c} is of dispatch {}, which does not exist",
+                    check.dispatch
+                ))
+            })?;
+            let b = buffer(check.buffer, &format!("check {c}"))?;
+            let words: usize = b.shape.iter().product();
+            if !matches!(b.location, Location::Arena { .. })
+                || !dispatch.buffers.contains(&check.buffer)
+                || words.saturating_mul(32) < check.sites.len()
+            {
+                return Err(bad(format!(
+                    "check {c}: status buffer `{}` is not an arena buffer of dispatch {} with a \
+                     bit for each of its {} sites",
+                    b.name,
+                    check.dispatch,
+                    check.sites.len()
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -526,6 +584,7 @@ mod tests {
             arenas: vec![256],
             requirements: Requirements::default(),
             state: vec![],
+            checks: vec![],
         }
     }
 
@@ -534,6 +593,19 @@ mod tests {
         let p = sample();
         assert_eq!(Payload::decode(&p.encode()).unwrap(), p);
         assert_eq!(p.weight_keys().collect::<Vec<_>>(), ["p0.w"]);
+    }
+
+    #[test]
+    fn version_1_0_payloads_have_no_checks() {
+        let p = sample();
+        let text = String::from_utf8(p.encode()[8..].to_vec()).unwrap();
+        let old = text.replace(",\"checks\":[]", "");
+        assert_ne!(old, text);
+        let mut bytes = MAGIC.to_vec();
+        bytes.extend_from_slice(&1u16.to_le_bytes());
+        bytes.extend_from_slice(&0u16.to_le_bytes());
+        bytes.extend_from_slice(old.as_bytes());
+        assert_eq!(Payload::decode(&bytes).unwrap(), p);
     }
 
     #[test]
@@ -570,6 +642,31 @@ mod tests {
         let mut p = sample();
         p.dispatches[0].workgroups = [0, 1, 1];
         assert!(Payload::decode(&p.encode()).is_err());
+        // a check's status buffer must be an arena buffer its dispatch binds
+        let site = Site {
+            node: "mul_2".into(),
+            op: "mul".into(),
+            fault: Fault::Overflow,
+        };
+        let mut p = sample();
+        p.checks = vec![Check {
+            dispatch: 0,
+            buffer: 1,
+            sites: vec![site.clone()],
+        }];
+        assert_eq!(Payload::decode(&p.encode()).unwrap(), p);
+        // `y` has 6 words, 192 bits
+        for (dispatch, buffer, sites) in [(3, 1, 1), (0, 0, 1), (0, 1, 193)] {
+            p.checks = vec![Check {
+                dispatch,
+                buffer,
+                sites: vec![site.clone(); sites],
+            }];
+            assert!(Payload::decode(&p.encode())
+                .unwrap_err()
+                .message()
+                .contains("check 0"));
+        }
     }
 
     #[test]

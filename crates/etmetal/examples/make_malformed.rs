@@ -752,6 +752,7 @@ fn valid_payload() -> Payload {
         arenas: vec![512],
         requirements: Requirements::default(),
         state: vec![],
+        checks: vec![],
     }
 }
 
@@ -780,7 +781,7 @@ fn payload_cases(c: &mut Corpus) {
         "`EMTL` magic",
     );
     let mut newer = valid.clone();
-    newer[4..6].copy_from_slice(&2u16.to_le_bytes());
+    newer[4..8].copy_from_slice(&[2, 0, 0, 0]); // version 2.0
     c.add(
         "payload/major_version_2.emtl",
         newer,

@@ -98,6 +98,7 @@ fn scale(n: usize) -> (Payload, Named) {
             ..Requirements::default()
         },
         state: vec![],
+        checks: vec![],
     };
     let w: Vec<f32> = (0..n).map(|i| i as f32).collect();
     let w = to_gpu(&Tensor::from_f32(DType::F32, &[n], &w).unwrap(), "w")

@@ -137,7 +137,14 @@ impl Archive {
 
     /// Load the tensor `fqn` described by the payload config `config_path`
     /// (in folder `dir`), or `None` when the config does not list it.
-    pub fn payload_tensor(&self, dir: &str, config: &Value, fqn: &str) -> Result<Option<Tensor>> {
+    /// The tensor `fqn` of a payload config, and whether it is fake (no
+    /// storage bytes for a non-empty tensor: zeros).
+    pub fn payload_tensor(
+        &self,
+        dir: &str,
+        config: &Value,
+        fqn: &str,
+    ) -> Result<Option<(Tensor, bool)>> {
         let Some(entry) = config.get("config").and_then(|c| c.get(fqn)) else {
             return Ok(None);
         };
@@ -167,8 +174,9 @@ impl Archive {
                 "{what}: payload `{file}` is missing from the archive"
             ))
         })?;
+        let fake = storage.is_empty() && sizes.iter().product::<usize>() > 0;
         strided_tensor(dtype, &sizes, &strides, offset, storage)
-            .map(Some)
+            .map(|t| Some((t, fake)))
             .map_err(|e| e.context(format!("{what} (`{file}`)")))
     }
 }

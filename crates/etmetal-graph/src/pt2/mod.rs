@@ -153,8 +153,9 @@ impl Payloads {
         })
     }
 
-    /// The data of `fqn`, from the weights config or else the constants one.
-    fn tensor(&self, archive: &Archive, fqn: &str) -> Result<etmetal_core::Tensor> {
+    /// The data of `fqn`, from the weights config or else the constants
+    /// one, and whether it is fake.
+    fn tensor(&self, archive: &Archive, fqn: &str) -> Result<(etmetal_core::Tensor, bool)> {
         for (dir, config) in [
             ("data/weights", &self.weights),
             ("data/constants", &self.constants),
@@ -243,7 +244,7 @@ fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Gra
         };
         let id = lowerer.graph.add_value(name, dtype, shape.clone());
         if let Some(fqn) = fqn {
-            let t = payloads
+            let (t, fake) = payloads
                 .tensor(archive, &fqn)
                 .with_context(|| format!("input `{name}`"))?;
             if t.dtype() != dtype || t.shape() != shape.as_slice() {
@@ -254,6 +255,9 @@ fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Gra
                 )));
             }
             lowerer.graph.constants.insert(id, t);
+            if fake {
+                lowerer.graph.fake_constants.insert(id);
+            }
         }
         lowerer.graph.inputs.push((id, kind));
         lowerer.bind_input(name, id);

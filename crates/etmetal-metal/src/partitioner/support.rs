@@ -6,9 +6,13 @@
 //! broadcast ops, reductions, softmax, norms, matmul/linear/addmm,
 //! 1-D/2-D convolution and pooling, SDPA, layout ops, embedding and
 //! gathers, where, full/arange and casts. Floats are computed in f32, bf16
-//! or f16; WGSL has no 64-bit integers, so int64 tensors are only moved
-//! (layout, indexing, casts, full/arange) or written as indices, never
-//! computed on.
+//! or f16. WGSL has no 64-bit integers, so int64 values are narrowed to
+//! i32 where they enter the GPU (inputs checked at each execute, weights
+//! and constants at compile: those beyond i32 stay on the CPU); moves,
+//! comparisons, min/max, where, casts and indexing are exact on them, and
+//! arithmetic (add, sub, mul, neg, abs, division, sum, prod, cumsum) runs
+//! in i32 with a check per operation that fails the execute on a result
+//! beyond i32 instead of wrapping.
 
 use etmetal_core::{BinaryOp, DType, Op, ReduceOp, Scalar, UnaryOp};
 use etmetal_graph::{Graph, Node, ValueInfo};
@@ -101,7 +105,14 @@ pub fn supports(graph: &Graph, node: &Node, limits: &DeviceLimits) -> Result<(),
                     ));
                 }
             }
-            if v.dtype == DType::I64 && !moves_bytes(&node.op) {
+            if v.dtype == DType::I64 && graph.fake_constants.contains(&id) {
+                return Err(format!(
+                    "input {i} `{}` is an int64 constant whose values are not known here \
+                     (a fake tensor): they may not fit the GPU's 32-bit integers",
+                    v.name
+                ));
+            }
+            if v.dtype == DType::I64 && !takes_int64(&node.op) {
                 return Err(format!(
                     "input {i} `{}` is int64 (WGSL has no 64-bit integers)",
                     v.name
@@ -114,14 +125,14 @@ pub fn supports(graph: &Graph, node: &Node, limits: &DeviceLimits) -> Result<(),
         if v.shape.contains(&0) {
             return Err(format!("output {i} is empty ({:?})", v.shape));
         }
-        if v.dtype == DType::I64 && !moves_bytes(&node.op) && !is_index_output(&node.op, i) {
+        if v.dtype == DType::I64 && !takes_int64(&node.op) && !is_index_output(&node.op, i) {
             return Err(format!(
                 "output {i} `{}` is int64 (WGSL has no 64-bit integers)",
                 v.name
             ));
         }
     }
-    dtypes_taken(&node.op, &ins, limits)
+    dtypes_taken(&node.op, &ins, outs.first().map(|v| v.dtype), limits)
 }
 
 /// The storage dtypes of GPU buffers.
@@ -163,13 +174,19 @@ fn storable(v: &ValueInfo, limits: &DeviceLimits) -> Result<(), String> {
     }
 }
 
-/// Ops whose kernels copy or write elements without arithmetic on them, so
-/// int64 can travel narrowed to i32 (checked where values enter the GPU:
-/// inputs at each execute, weights and constants at compile).
-fn moves_bytes(op: &Op) -> bool {
+/// Ops that take int64 values narrowed to i32: those that move them, and
+/// the elementwise ops and reductions whose int64 forms the kernels compute
+/// exactly or with run-time checks ([`dtypes_taken`] narrows these down).
+fn takes_int64(op: &Op) -> bool {
     matches!(
         op,
         Op::Identity
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Reduce { .. }
+            | Op::ArgReduce { .. }
+            | Op::ReduceWithIndices { .. }
+            | Op::CumSum { .. }
             | Op::Cast { .. }
             | Op::Where
             | Op::Reshape { .. }
@@ -278,8 +295,18 @@ fn same_float(ins: &[Option<&ValueInfo>], slots: std::ops::Range<usize>) -> Resu
     Ok(())
 }
 
+/// int32, and int64 computed as i32.
+fn is_int_lane(d: DType) -> bool {
+    matches!(d, DType::I32 | DType::I64)
+}
+
 /// The per-op dtype and size conditions.
-fn dtypes_taken(op: &Op, ins: &[Option<&ValueInfo>], limits: &DeviceLimits) -> Result<(), String> {
+fn dtypes_taken(
+    op: &Op,
+    ins: &[Option<&ValueInfo>],
+    out_dtype: Option<DType>,
+    limits: &DeviceLimits,
+) -> Result<(), String> {
     let all = 0..ins.len();
     match op {
         Op::Unary(u) => {
@@ -291,13 +318,14 @@ fn dtypes_taken(op: &Op, ins: &[Option<&ValueInfo>], limits: &DeviceLimits) -> R
                 | UnaryOp::Sign
                 | UnaryOp::Clamp { .. }
                 | UnaryOp::LogicalNot
-                    if x.dtype == DType::I32 || x.dtype == DType::Bool =>
+                    if is_int_lane(x.dtype) || x.dtype == DType::Bool =>
                 {
                     Ok(())
                 }
                 UnaryOp::LogicalNot => Ok(()),
+                // exact on int64 narrowed to i32: sign extension commutes
                 UnaryOp::BitwiseNot => match x.dtype {
-                    DType::I32 | DType::Bool => Ok(()),
+                    DType::I32 | DType::I64 | DType::Bool => Ok(()),
                     d => Err(format!("bitwise_not of {}", d.name())),
                 },
                 _ => float(x, 0),
@@ -306,11 +334,15 @@ fn dtypes_taken(op: &Op, ins: &[Option<&ValueInfo>], limits: &DeviceLimits) -> R
         Op::Binary(b) if is_bitwise(*b) => {
             for slot in 0..2 {
                 let v = required(ins, slot)?;
-                if !matches!(v.dtype, DType::I32 | DType::Bool) {
+                if !matches!(v.dtype, DType::I32 | DType::I64 | DType::Bool) {
                     return Err(format!("bitwise op on {} input {slot}", v.dtype.name()));
                 }
             }
             Ok(())
+        }
+        // int64 powers would wrap in i32 unchecked
+        Op::Binary(BinaryOp::Pow) if out_dtype == Some(DType::I64) => {
+            Err("int64 pow (no overflow-checked GPU kernel)".into())
         }
         Op::Where => match required(ins, 0)?.dtype {
             DType::Bool => Ok(()),
@@ -320,9 +352,24 @@ fn dtypes_taken(op: &Op, ins: &[Option<&ValueInfo>], limits: &DeviceLimits) -> R
             )),
         },
         Op::Reduce {
-            op: ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Prod,
-            ..
+            op: ReduceOp::Mean, ..
         } => float(required(ins, 0)?, 0),
+        // integer sums and products accumulate in i32 (int64 ones checked);
+        // a float summed into integers has no kernel
+        Op::Reduce {
+            op: ReduceOp::Sum | ReduceOp::Prod,
+            ..
+        }
+        | Op::CumSum { .. } => {
+            let x = required(ins, 0)?;
+            match out_dtype {
+                Some(d) if x.dtype.is_float() && !d.is_float() => {
+                    Err(format!("a {} sum of {} input", d.name(), x.dtype.name()))
+                }
+                _ if is_int_lane(x.dtype) || x.dtype == DType::Bool => Ok(()),
+                _ => float(x, 0),
+            }
+        }
         Op::Reduce {
             op: ReduceOp::Max | ReduceOp::Min,
             ..
@@ -330,7 +377,7 @@ fn dtypes_taken(op: &Op, ins: &[Option<&ValueInfo>], limits: &DeviceLimits) -> R
         | Op::ArgReduce { .. }
         | Op::ReduceWithIndices { .. } => {
             let x = required(ins, 0)?;
-            if x.dtype == DType::I32 {
+            if is_int_lane(x.dtype) {
                 Ok(())
             } else {
                 float(x, 0)
@@ -463,10 +510,31 @@ mod tests {
     }
 
     #[test]
-    fn int64_moves_but_is_not_computed_on() {
+    fn int64_is_computed_on_where_exact_or_checked() {
         let i64s: &[(DType, &[usize])] = &[(DType::I64, &[3]), (DType::I64, &[3])];
-        let err = verdict(Op::Binary(BinaryOp::Add), i64s, (DType::I64, &[3])).unwrap_err();
-        assert!(err.contains("int64"), "{err}");
+        for b in [
+            BinaryOp::Add,
+            BinaryOp::Mul,
+            BinaryOp::FloorDiv,
+            BinaryOp::Remainder,
+            BinaryOp::Maximum,
+            BinaryOp::BitwiseAnd,
+        ] {
+            let v = verdict(Op::Binary(b), i64s, (DType::I64, &[3]));
+            assert_eq!(v, Ok(()), "{b:?}");
+        }
+        assert_eq!(
+            verdict(Op::Binary(BinaryOp::Le), i64s, (DType::Bool, &[3])),
+            Ok(())
+        );
+        let pow = verdict(Op::Binary(BinaryOp::Pow), i64s, (DType::I64, &[3]));
+        assert!(pow.unwrap_err().contains("pow"));
+        let exp = verdict(Op::Unary(UnaryOp::Exp), &[(DType::I64, &[3])], (F32, &[3]));
+        assert!(exp.unwrap_err().contains("int64"));
+        for u in [UnaryOp::Neg, UnaryOp::Abs, UnaryOp::Sign] {
+            let v = verdict(Op::Unary(u), &[(DType::I64, &[3])], (DType::I64, &[3]));
+            assert_eq!(v, Ok(()), "{u:?}");
+        }
         let emb = verdict(
             Op::Embedding,
             &[(F32, &[10, 4]), (DType::I64, &[3])],
@@ -489,16 +557,26 @@ mod tests {
             (DType::I64, &[]),
         );
         assert_eq!(argmax, Ok(()));
-        let int_sum = verdict(
-            Op::Reduce {
-                op: ReduceOp::Sum,
-                dims: vec![],
-                keepdim: false,
-            },
-            &[(DType::I32, &[4])],
-            (DType::I64, &[]),
+        let sum = |x: DType, out: DType| {
+            verdict(
+                Op::Reduce {
+                    op: ReduceOp::Sum,
+                    dims: vec![],
+                    keepdim: false,
+                },
+                &[(x, &[4])],
+                (out, &[]),
+            )
+        };
+        assert_eq!(sum(DType::I32, DType::I64), Ok(()));
+        assert_eq!(sum(DType::Bool, DType::I64), Ok(()));
+        assert!(sum(F32, DType::I64).unwrap_err().contains("int64 sum"));
+        let cumsum = verdict(
+            Op::CumSum { dim: 0 },
+            &[(DType::I64, &[4])],
+            (DType::I64, &[4]),
         );
-        assert!(int_sum.is_err());
+        assert_eq!(cumsum, Ok(()));
     }
 
     #[test]
@@ -525,6 +603,13 @@ mod tests {
         };
         let err = supports(&g, &node, &DeviceLimits::default()).unwrap_err();
         assert!(err.contains("beyond the GPU's 32-bit"), "{err}");
+        // values a fake tensor stands for are unknown: they may not fit
+        g.constants
+            .insert(w, etmetal_core::Tensor::zeros(DType::I64, &[2]).unwrap());
+        assert_eq!(supports(&g, &node, &DeviceLimits::default()), Ok(()));
+        g.fake_constants.insert(w);
+        let err = supports(&g, &node, &DeviceLimits::default()).unwrap_err();
+        assert!(err.contains("fake tensor"), "{err}");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Arena planning: every non-weight buffer gets an aligned range of one
 //! arena, reused by buffers whose lifetimes (first to last dispatch that
 //! binds them) do not overlap. Delegate inputs are live from the start,
-//! outputs to the end.
+//! outputs to the end, status buffers throughout.
 
 use etmetal_core::{Error, Result};
 
@@ -34,6 +34,11 @@ pub(crate) fn plan(buffers: &Buffers, dispatches: &[Dispatch]) -> Result<ArenaPl
             Place::Input(_) => first[b] = 0,
             Place::Output(_) => {
                 first[b] = first[b].min(end);
+                last[b] = end;
+            }
+            // zeroed before the first dispatch, read after the last
+            Place::Status => {
+                first[b] = 0;
                 last[b] = end;
             }
             _ => {}

@@ -10,7 +10,7 @@ use etmetal_core::{DType, Error, Op, Result};
 use super::expr::{GatherAt, Kind, LazyRef};
 use super::pointwise::{self, compute_type};
 use super::{BufferIdx, Buffers, Storage};
-use crate::payload::Access;
+use crate::payload::{Access, Fault, Site};
 
 /// Elements handled by one invocation of a flat kernel's workgroup.
 pub(crate) const FLAT_WORKGROUP: u32 = 256;
@@ -22,6 +22,8 @@ pub(crate) struct KernelBuilder<'a> {
     functions: String,
     /// Pointwise ops inlined from lazy values, for the kernel's op list.
     fused: Vec<String>,
+    /// Run-time checks, bit `i` of the status buffer for `sites[i]`.
+    sites: Vec<Site>,
 }
 
 /// The statements of one function being emitted, with its memo of values
@@ -56,7 +58,26 @@ impl<'a> KernelBuilder<'a> {
             bindings: vec![],
             functions: String::new(),
             fused: vec![],
+            sites: vec![],
         }
+    }
+
+    /// The status bit of a check of `node` (op `op`) for `fault`; the
+    /// kernel binds its status buffer (named `st`) last.
+    pub fn site(&mut self, node: &str, op: &str, fault: Fault) -> u32 {
+        let site = Site {
+            node: node.to_string(),
+            op: op.to_string(),
+            fault,
+        };
+        let i = match self.sites.iter().position(|s| *s == site) {
+            Some(i) => i,
+            None => {
+                self.sites.push(site);
+                self.sites.len() - 1
+            }
+        };
+        i as u32
     }
 
     /// The binding index of `buf`, adding it on first use.
@@ -180,7 +201,10 @@ impl<'a> KernelBuilder<'a> {
             }
             Kind::Unary(op, x) => {
                 let a = self.emit(f, x, idx)?;
-                let e = pointwise::unary(*op, &a, v.dtype)?;
+                let name = Op::Unary(*op).name();
+                let e = pointwise::unary_checked(*op, &a, v.dtype, &mut |fault| {
+                    self.site(node_of(v), &name, fault)
+                })?;
                 pointwise::round_to(e, v.dtype)
             }
             Kind::Binary { op, compute, a, b } => {
@@ -188,7 +212,10 @@ impl<'a> KernelBuilder<'a> {
                 let xb = self.emit(f, b, idx)?;
                 let ca = pointwise::cast(&xa, a.dtype, *compute);
                 let cb = pointwise::cast(&xb, b.dtype, *compute);
-                let e = pointwise::binary(*op, &ca, &cb, *compute)?;
+                let name = Op::Binary(*op).name();
+                let e = pointwise::binary_checked(*op, &ca, &cb, *compute, &mut |fault| {
+                    self.site(node_of(v), &name, fault)
+                })?;
                 let e = if op.is_predicate() {
                     e
                 } else {
@@ -207,7 +234,9 @@ impl<'a> KernelBuilder<'a> {
             }
             Kind::Cast(x) => {
                 let a = self.emit(f, x, idx)?;
-                pointwise::cast(&a, x.dtype, v.dtype)
+                pointwise::cast_checked(&a, x.dtype, v.dtype, &mut |fault| {
+                    self.site(node_of(v), "cast", fault)
+                })
             }
             Kind::Permute(x, dims) => {
                 let mut inner = vec![String::new(); dims.len()];
@@ -383,6 +412,7 @@ impl<'a> KernelBuilder<'a> {
             wgsl: self.module(main),
             bindings: self.bindings,
             fused: self.fused,
+            sites: self.sites,
         }
     }
 
@@ -402,6 +432,13 @@ impl<'a> KernelBuilder<'a> {
             let _ = writeln!(
                 s,
                 "@group(0) @binding({i}) var<storage, {access}> b{i}: array<{elem}>;"
+            );
+        }
+        if !self.sites.is_empty() {
+            let _ = writeln!(
+                s,
+                "@group(0) @binding({}) var<storage, read_write> st: array<atomic<u32>>;",
+                self.bindings.len()
             );
         }
         s.push('\n');
@@ -430,6 +467,14 @@ pub(crate) struct Built {
     pub bindings: Vec<BufferIdx>,
     /// Pointwise ops inlined into it.
     pub fused: Vec<String>,
+    /// Its run-time checks; with any, a status buffer binds after
+    /// `bindings`.
+    pub sites: Vec<Site>,
+}
+
+/// The node a check of `v` names.
+fn node_of(v: &LazyRef) -> &str {
+    v.node.as_deref().unwrap_or("(unnamed)")
 }
 
 /// Row-major linear index of `idx` in `shape`.

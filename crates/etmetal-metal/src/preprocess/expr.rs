@@ -12,7 +12,7 @@ use std::rc::Rc;
 
 use etmetal_core::{BinaryOp, DType, Scalar, UnaryOp};
 
-use super::BufferIdx;
+use super::{pointwise, BufferIdx};
 
 pub(crate) type LazyRef = Rc<Lazy>;
 
@@ -21,6 +21,9 @@ pub(crate) struct Lazy {
     pub dtype: DType,
     pub shape: Vec<usize>,
     pub kind: Kind,
+    /// The graph node it is the value of, which a run-time check of its
+    /// integer arithmetic names (none for a template's own sub-values).
+    pub node: Option<String>,
 }
 
 /// How the element at a logical index of an [`Lazy`] is computed. Children
@@ -102,7 +105,35 @@ pub(crate) enum GatherAt {
 
 impl Lazy {
     pub fn new(dtype: DType, shape: Vec<usize>, kind: Kind) -> LazyRef {
-        Rc::new(Lazy { dtype, shape, kind })
+        Rc::new(Lazy {
+            dtype,
+            shape,
+            kind,
+            node: None,
+        })
+    }
+
+    /// The value of graph node `node`.
+    pub fn of_node(dtype: DType, shape: Vec<usize>, kind: Kind, node: &str) -> LazyRef {
+        Rc::new(Lazy {
+            dtype,
+            shape,
+            kind,
+            node: Some(node.to_string()),
+        })
+    }
+
+    /// Whether reading it runs integer arithmetic checked at run time
+    /// (int64 computed in i32, integer division), so the kernel that
+    /// inlines it binds a status buffer.
+    pub fn has_checks(&self) -> bool {
+        let here = match &self.kind {
+            Kind::Unary(op, _) => pointwise::checks_unary(*op, self.dtype),
+            Kind::Binary { op, compute, .. } => pointwise::checks_binary(*op, *compute),
+            Kind::Cast(x) => pointwise::checks_cast(x.dtype, self.dtype),
+            _ => false,
+        };
+        here || self.children().into_iter().any(|c| c.has_checks())
     }
 
     /// Whether reading it costs only index arithmetic and loads (no math

@@ -25,7 +25,9 @@ use etmetal_core::{DType, Error, Op, Result, Scalar};
 use etmetal_graph::{Graph, Node, ValueId};
 
 use crate::partitioner::Partition;
-use crate::payload::{self, Access, Dispatch, GpuRepr, Kernel, Location, Payload, Requirements};
+use crate::payload::{
+    self, Access, Check, Dispatch, GpuRepr, Kernel, Location, Payload, Requirements,
+};
 use emit::{entry, grid, unravel, Built, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use expr::{Kind, Lazy, LazyRef};
 
@@ -78,6 +80,8 @@ pub(crate) enum Place {
     Output(usize),
     Weight(String),
     Temp,
+    /// A dispatch's status words (see [`payload::Check`]).
+    Status,
 }
 
 #[derive(Clone, Debug)]
@@ -203,6 +207,7 @@ pub(crate) struct Lowering<'g> {
     outputs: Vec<ValueId>,
     kernels: Vec<Kernel>,
     pub dispatches: Vec<Dispatch>,
+    checks: Vec<Check>,
     named_data: Vec<(String, Vec<u8>)>,
     requirements: Requirements,
     /// The node being lowered, for dispatch records.
@@ -224,6 +229,7 @@ impl<'g> Lowering<'g> {
             outputs: partition.outputs.clone(),
             kernels: vec![],
             dispatches: vec![],
+            checks: vec![],
             named_data: vec![],
             requirements: Requirements {
                 max_storage_buffers_per_shader_stage: 1,
@@ -454,9 +460,26 @@ impl<'g> Lowering<'g> {
     ) -> Result<()> {
         let Built {
             wgsl,
-            bindings,
+            mut bindings,
             fused,
+            sites,
         } = built;
+        if !sites.is_empty() {
+            let dispatch = self.dispatches.len();
+            let buffer = self.add_buffer(BufferDesc {
+                name: format!("status of dispatch {dispatch}"),
+                dtype: DType::I32,
+                shape: vec![sites.len().div_ceil(32)],
+                storage: Storage::I32,
+                place: Place::Status,
+            });
+            bindings.push(buffer);
+            self.checks.push(Check {
+                dispatch,
+                buffer,
+                sites,
+            });
+        }
         let mut ops = ops;
         for f in fused {
             if !ops.contains(&f) {
@@ -634,7 +657,7 @@ impl<'g> Lowering<'g> {
         };
         match kind {
             Some(kind) => {
-                let lazy = Lazy::new(dtype, shape, kind);
+                let lazy = Lazy::of_node(dtype, shape, kind, &node.name);
                 let lazy = self.bound_fusion(out, lazy)?;
                 self.values.insert(out, lazy);
             }
@@ -649,9 +672,10 @@ impl<'g> Lowering<'g> {
     fn bound_fusion(&mut self, v: ValueId, lazy: LazyRef) -> Result<LazyRef> {
         let mut reads = vec![];
         lazy.buffers(&mut reads);
-        // one binding is the output of the kernel that inlines it
-        if reads.len() + 1 > self.options.max_bindings || lazy.size() > self.options.max_fused_size
-        {
+        // one binding is the output of the kernel that inlines it, one its
+        // status buffer when it has checks
+        let bindings = reads.len() + 1 + usize::from(lazy.has_checks());
+        if bindings > self.options.max_bindings || lazy.size() > self.options.max_fused_size {
             return self.materialize_value(v, lazy);
         }
         Ok(lazy)
@@ -738,6 +762,7 @@ impl<'g> Lowering<'g> {
             arenas: arenas.sizes,
             requirements: self.requirements,
             state: vec![],
+            checks: self.checks,
         };
         Ok(Preprocessed {
             payload,

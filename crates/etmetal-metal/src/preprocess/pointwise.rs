@@ -1,9 +1,14 @@
 //! WGSL for the elementwise functions: one expression per op, in the
 //! compute types of [`compute_type`] (f32 for floats, i32 for integers,
 //! bool), following PyTorch's definitions (Python-style remainder and floor
-//! division, round half to even, `pow` of negative bases).
+//! division, round half to even, `pow` of negative bases). int64 values
+//! are computed as i32: the `*_checked` forms of its arithmetic (and of
+//! every integer division) flag a result beyond i32, or a zero divisor, in
+//! the kernel's status buffer (see `payload::Check`).
 
 use etmetal_core::{BinaryOp, DType, Error, Result, Scalar, UnaryOp};
+
+use crate::payload::Fault;
 
 /// The WGSL type a value of `dtype` is computed in.
 pub(crate) fn compute_type(dtype: DType) -> &'static str {
@@ -110,6 +115,72 @@ pub(crate) const HELPERS: &[(&str, &str)] = &[
         "fn rem_i(a: i32, b: i32) -> i32 {\n\
          \x20 let r = a % b;\n\
          \x20 return select(r, r + b, (r != 0) && ((r < 0) != (b < 0)));\n}\n",
+    ),
+    (
+        "flag_",
+        // Report a failed check: bit `bit` of the kernel's status buffer.
+        "fn flag_(bit: u32) { atomicOr(&st[bit >> 5u], 1u << (bit & 31u)); }\n",
+    ),
+    // Checked i32 arithmetic for int64 values: wrapping through u32 (no
+    // signed-overflow UB in any backend), flagging a result beyond i32.
+    (
+        "add_ck",
+        "fn add_ck(a: i32, b: i32, bit: u32) -> i32 {\n\
+         \x20 let r = bitcast<i32>(bitcast<u32>(a) + bitcast<u32>(b));\n\
+         \x20 if (((a ^ r) & (b ^ r)) < 0i) { flag_(bit); }\n\
+         \x20 return r;\n}\n",
+    ),
+    (
+        "sub_ck",
+        "fn sub_ck(a: i32, b: i32, bit: u32) -> i32 {\n\
+         \x20 let r = bitcast<i32>(bitcast<u32>(a) - bitcast<u32>(b));\n\
+         \x20 if (((a ^ b) & (a ^ r)) < 0i) { flag_(bit); }\n\
+         \x20 return r;\n}\n",
+    ),
+    (
+        "mul_ck",
+        // Without overflow r / a == b; with it r differs from a * b by a
+        // nonzero multiple of 2^32 > |a|, so the quotient differs, except
+        // -1 * MIN, whose quotient wraps back to MIN.
+        "fn mul_ck(a: i32, b: i32, bit: u32) -> i32 {\n\
+         \x20 let r = bitcast<i32>(bitcast<u32>(a) * bitcast<u32>(b));\n\
+         \x20 if (a != 0i && (r / a != b || (a == -1i && b == (-2147483647i - 1i)))) { flag_(bit); }\n\
+         \x20 return r;\n}\n",
+    ),
+    (
+        "neg_ck",
+        "fn neg_ck(a: i32, bit: u32) -> i32 {\n\
+         \x20 if (a == (-2147483647i - 1i)) { flag_(bit); }\n\
+         \x20 return bitcast<i32>(0u - bitcast<u32>(a));\n}\n",
+    ),
+    (
+        "abs_ck",
+        "fn abs_ck(a: i32, bit: u32) -> i32 {\n\
+         \x20 if (a == (-2147483647i - 1i)) { flag_(bit); }\n\
+         \x20 return select(a, bitcast<i32>(0u - bitcast<u32>(a)), a < 0i);\n}\n",
+    ),
+    (
+        "quot_ck",
+        // The dividend, after checking that the quotient MIN / -1 = 2^31
+        // is not asked for.
+        "fn quot_ck(a: i32, b: i32, bit: u32) -> i32 {\n\
+         \x20 if (a == (-2147483647i - 1i) && b == -1i) { flag_(bit); }\n\
+         \x20 return a;\n}\n",
+    ),
+    (
+        "nz_ck",
+        // The divisor, after checking it is not zero.
+        "fn nz_ck(b: i32, bit: u32) -> i32 {\n\
+         \x20 if (b == 0i) { flag_(bit); }\n\
+         \x20 return b;\n}\n",
+    ),
+    (
+        "f2i_ck",
+        // float to int64 truncates toward zero; NaN and values beyond
+        // i32 are flagged.
+        "fn f2i_ck(x: f32, bit: u32) -> i32 {\n\
+         \x20 if (!(x >= -2147483648.0 && x < 2147483648.0)) { flag_(bit); }\n\
+         \x20 return i32(x);\n}\n",
     ),
     (
         "pow_i",
@@ -235,7 +306,15 @@ pub(crate) fn unary(op: UnaryOp, x: &str, dtype: DType) -> Result<String> {
             format!("select({x} * {}, {x}, {x} > 0.0)", float_literal(slope))
         }
         UnaryOp::Clamp { min, max } if float || int => {
-            let lit = |v: f64| literal(Scalar::Float(v), dtype);
+            // integer values lie in i32, so a bound beyond clamps as i32's end
+            let bound = |v: f64| {
+                if int {
+                    v.clamp(i32::MIN.into(), i32::MAX.into())
+                } else {
+                    v
+                }
+            };
+            let lit = |v: f64| literal(Scalar::Float(bound(v)), dtype);
             let mut e = x.to_string();
             if let Some(lo) = min {
                 e = format!("max({e}, {})", lit(lo)?);
@@ -326,4 +405,84 @@ pub(crate) fn binary(op: BinaryOp, a: &str, b: &str, compute: DType) -> Result<S
             )))
         }
     })
+}
+
+/// Whether `op` computed as `compute` is checked at run time: int64
+/// add/sub/mul/division for results beyond i32, every integer division and
+/// remainder for a zero divisor.
+pub(crate) fn checks_binary(op: BinaryOp, compute: DType) -> bool {
+    match op {
+        BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul => compute == DType::I64,
+        BinaryOp::FloorDiv | BinaryOp::TruncDiv | BinaryOp::Remainder => {
+            compute_type(compute) == "i32"
+        }
+        _ => false,
+    }
+}
+
+/// Whether `op` of an int64 value is checked (negating i32::MIN).
+pub(crate) fn checks_unary(op: UnaryOp, dtype: DType) -> bool {
+    dtype == DType::I64 && matches!(op, UnaryOp::Neg | UnaryOp::Abs)
+}
+
+/// Whether a cast is checked: floats to int64 beyond i32.
+pub(crate) fn checks_cast(from: DType, to: DType) -> bool {
+    to == DType::I64 && from.is_float()
+}
+
+/// [`binary`] with the checks of [`checks_binary`]; `bit(fault)` gives
+/// each check its status bit.
+pub(crate) fn binary_checked(
+    op: BinaryOp,
+    a: &str,
+    b: &str,
+    compute: DType,
+    bit: &mut dyn FnMut(Fault) -> u32,
+) -> Result<String> {
+    if !checks_binary(op, compute) {
+        return binary(op, a, b, compute);
+    }
+    Ok(match op {
+        BinaryOp::Add => format!("add_ck({a}, {b}, {}u)", bit(Fault::Overflow)),
+        BinaryOp::Sub => format!("sub_ck({a}, {b}, {}u)", bit(Fault::Overflow)),
+        BinaryOp::Mul => format!("mul_ck({a}, {b}, {}u)", bit(Fault::Overflow)),
+        _ => {
+            let divisor = format!("nz_ck({b}, {}u)", bit(Fault::ZeroDivision));
+            // int32 quotients wrap as PyTorch's; int64 ones must fit
+            let dividend = if compute == DType::I64 && op != BinaryOp::Remainder {
+                format!("quot_ck({a}, {b}, {}u)", bit(Fault::Overflow))
+            } else {
+                a.to_string()
+            };
+            binary(op, &dividend, &divisor, compute)?
+        }
+    })
+}
+
+/// [`unary`] with the check of [`checks_unary`].
+pub(crate) fn unary_checked(
+    op: UnaryOp,
+    x: &str,
+    dtype: DType,
+    bit: &mut dyn FnMut(Fault) -> u32,
+) -> Result<String> {
+    match op {
+        _ if !checks_unary(op, dtype) => unary(op, x, dtype),
+        UnaryOp::Neg => Ok(format!("neg_ck({x}, {}u)", bit(Fault::Overflow))),
+        _ => Ok(format!("abs_ck({x}, {}u)", bit(Fault::Overflow))),
+    }
+}
+
+/// [`cast`] with the check of [`checks_cast`].
+pub(crate) fn cast_checked(
+    x: &str,
+    from: DType,
+    to: DType,
+    bit: &mut dyn FnMut(Fault) -> u32,
+) -> String {
+    if checks_cast(from, to) {
+        format!("f2i_ck({x}, {}u)", bit(Fault::Overflow))
+    } else {
+        cast(x, from, to)
+    }
 }

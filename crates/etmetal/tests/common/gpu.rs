@@ -11,7 +11,7 @@ use etmetal_core::{DType, Op, Tensor};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
 use etmetal_metal::partitioner::{PartitionMode, PartitionOptions};
 use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
-use etmetal_runtime::{BackendRegistry, LoadOptions, Program};
+use etmetal_runtime::{BackendRegistry, LoadOptions, Method, Program};
 
 /// One backend (one device) for every test of the process. No adapter is a
 /// failure with a hint, not a skip.
@@ -44,21 +44,24 @@ pub fn compile_whole(graph: &Graph) -> Vec<u8> {
         .pte
 }
 
-/// Run a `.pte` with the GPU backend registered.
-pub fn run_pte(pte: Vec<u8>, inputs: Vec<Tensor>) -> Vec<Tensor> {
+/// The `forward` method of a `.pte`, with the GPU backend registered.
+pub fn load_method(pte: &[u8]) -> Method {
     let mut backends = BackendRegistry::new();
     backends.register(backend()).unwrap();
     let options = LoadOptions {
         backends,
         ..LoadOptions::default()
     };
-    let program = Program::from_bytes(&pte)
+    Program::from_bytes(pte)
         .unwrap_or_else(|e| panic!("load: {e}"))
-        .with_options(options);
-    let mut method = program
+        .with_options(options)
         .method("forward")
-        .unwrap_or_else(|e| panic!("method: {e}"));
-    method
+        .unwrap_or_else(|e| panic!("method: {e}"))
+}
+
+/// Run a `.pte` with the GPU backend registered.
+pub fn run_pte(pte: Vec<u8>, inputs: Vec<Tensor>) -> Vec<Tensor> {
+    load_method(&pte)
         .execute(inputs)
         .unwrap_or_else(|e| panic!("execute: {e}"))
 }

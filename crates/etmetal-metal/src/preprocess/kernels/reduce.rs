@@ -6,8 +6,9 @@ use etmetal_core::{DType, Error, Op, ReduceOp, Result};
 use etmetal_graph::Node;
 
 use super::rows::{
-    as_f32, as_rows, col_loop, dispatch_rows, row_head, shared, tree_reduce, ROW_WORKGROUP,
+    as_f32, as_rows, col_loop, dispatch_rows, row_head, shared, tree_reduce, Combine, ROW_WORKGROUP,
 };
+use crate::payload::Fault;
 use crate::preprocess::emit::{entry, linear, unravel, KernelBuilder};
 use crate::preprocess::pointwise::{cast, compute_type, float_literal};
 use crate::preprocess::Lowering;
@@ -48,25 +49,41 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             let ty = compute_type(acc_dtype);
             let acc_ty = if ty == "bool" { "i32" } else { ty };
             let acc_dtype = if ty == "bool" { DType::I32 } else { acc_dtype };
-            let (init, combine): (String, fn(&str, &str) -> String) = match op {
-                ReduceOp::Sum | ReduceOp::Mean => (zero(acc_ty), |a, b| format!("({a} + {b})")),
-                ReduceOp::Prod => (one(acc_ty), |a, b| format!("({a} * {b})")),
-                ReduceOp::Max if acc_ty == "f32" => {
-                    (lowest(acc_ty), |a, b| format!("max_nan({a}, {b})"))
-                }
-                ReduceOp::Min if acc_ty == "f32" => {
-                    (highest(acc_ty), |a, b| format!("min_nan({a}, {b})"))
-                }
-                ReduceOp::Max | ReduceOp::Any => (lowest(acc_ty), |a, b| format!("max({a}, {b})")),
-                ReduceOp::Min | ReduceOp::All => (highest(acc_ty), |a, b| format!("min({a}, {b})")),
-            };
-            let init = match op {
-                ReduceOp::Any => "0i".to_string(),
-                ReduceOp::All => "1i".to_string(),
-                _ => init,
-            };
             let mut kb = KernelBuilder::new(&lw.buffers);
             kb.value_fn(&rows_x, "x")?;
+            // int64 sums and products accumulate in i32, every step checked
+            let checked = acc_dtype == DType::I64 && matches!(op, ReduceOp::Sum | ReduceOp::Prod);
+            let bit = if checked {
+                kb.site(&node.name, &node.op.name(), Fault::Overflow)
+            } else {
+                0
+            };
+            let (init, combine): (String, Combine) = match op {
+                ReduceOp::Sum if checked => (
+                    zero(acc_ty),
+                    Box::new(move |a, b| format!("add_ck({a}, {b}, {bit}u)")),
+                ),
+                ReduceOp::Prod if checked => (
+                    one(acc_ty),
+                    Box::new(move |a, b| format!("mul_ck({a}, {b}, {bit}u)")),
+                ),
+                ReduceOp::Sum | ReduceOp::Mean => {
+                    (zero(acc_ty), Box::new(|a, b| format!("({a} + {b})")))
+                }
+                ReduceOp::Prod => (one(acc_ty), Box::new(|a, b| format!("({a} * {b})"))),
+                ReduceOp::Max if acc_ty == "f32" => (
+                    lowest(acc_ty),
+                    Box::new(|a, b| format!("max_nan({a}, {b})")),
+                ),
+                ReduceOp::Min if acc_ty == "f32" => (
+                    highest(acc_ty),
+                    Box::new(|a, b| format!("min_nan({a}, {b})")),
+                ),
+                ReduceOp::Max => (lowest(acc_ty), Box::new(|a, b| format!("max({a}, {b})"))),
+                ReduceOp::Min => (highest(acc_ty), Box::new(|a, b| format!("min({a}, {b})"))),
+                ReduceOp::Any => ("0i".into(), Box::new(|a, b| format!("max({a}, {b})"))),
+                ReduceOp::All => ("1i".into(), Box::new(|a, b| format!("min({a}, {b})"))),
+            };
             let read = match op {
                 ReduceOp::Any | ReduceOp::All => cast(
                     &cast("x(row, c)", x.dtype, DType::Bool),
@@ -287,5 +304,83 @@ fn highest(ty: &str) -> String {
         float_literal(f64::INFINITY)
     } else {
         "2147483647i".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::norm::tests::lower_one;
+    use crate::payload::{Fault, Site};
+    use etmetal_core::{BinaryOp, DType, Op, ReduceOp, UnaryOp};
+
+    /// The sites of the only check of a one-node payload.
+    fn sites(op: Op, inputs: &[Option<(DType, &[usize])>]) -> Vec<Site> {
+        let p = lower_one(op, inputs).unwrap().payload;
+        match &p.checks[..] {
+            [] => vec![],
+            [c] => {
+                let d = &p.dispatches[c.dispatch];
+                // the status buffer binds last, read_write
+                assert_eq!(d.buffers.last(), Some(&c.buffer));
+                c.sites.clone()
+            }
+            more => panic!("{} checks", more.len()),
+        }
+    }
+
+    fn site(op: &str, fault: Fault) -> Site {
+        Site {
+            node: "n".into(),
+            op: op.into(),
+            fault,
+        }
+    }
+
+    #[test]
+    fn int64_arithmetic_is_checked_and_exact_ops_are_not() {
+        let l: Option<(DType, &[usize])> = Some((DType::I64, &[3, 5]));
+        let i: Option<(DType, &[usize])> = Some((DType::I32, &[3, 5]));
+        let f: Option<(DType, &[usize])> = Some((DType::F32, &[3, 5]));
+        let bin = |b| Op::Binary(b);
+        assert_eq!(
+            sites(bin(BinaryOp::Mul), &[l, l]),
+            [site("mul", Fault::Overflow)]
+        );
+        assert_eq!(
+            sites(bin(BinaryOp::FloorDiv), &[l, l]),
+            [
+                site("floor_div", Fault::ZeroDivision),
+                site("floor_div", Fault::Overflow)
+            ]
+        );
+        // int32 wraps as PyTorch's, but still may not divide by zero
+        assert_eq!(sites(bin(BinaryOp::Add), &[i, i]), []);
+        assert_eq!(
+            sites(bin(BinaryOp::Remainder), &[i, i]),
+            [site("remainder", Fault::ZeroDivision)]
+        );
+        for exact in [BinaryOp::Le, BinaryOp::Maximum, BinaryOp::Eq] {
+            assert_eq!(sites(bin(exact), &[l, l]), [], "{exact:?}");
+        }
+        assert_eq!(
+            sites(Op::Unary(UnaryOp::Neg), &[l]),
+            [site("neg", Fault::Overflow)]
+        );
+        assert_eq!(sites(Op::Unary(UnaryOp::Sign), &[l]), []);
+        assert_eq!(
+            sites(Op::Cast { dtype: DType::I64 }, &[f]),
+            [site("cast", Fault::Overflow)]
+        );
+        assert_eq!(sites(Op::Cast { dtype: DType::F32 }, &[l]), []);
+        let sum = Op::Reduce {
+            op: ReduceOp::Sum,
+            dims: vec![1],
+            keepdim: false,
+        };
+        assert_eq!(sites(sum, &[l]), [site("reduce_sum", Fault::Overflow)]);
+        assert_eq!(
+            sites(Op::CumSum { dim: 0 }, &[i]),
+            [site("cum_sum", Fault::Overflow)]
+        );
     }
 }

@@ -40,6 +40,9 @@ pub(crate) fn as_f32(x: LazyRef) -> LazyRef {
     }
 }
 
+/// How two partial results combine: a WGSL expression of two operands.
+pub(crate) type Combine = Box<dyn Fn(&str, &str) -> String>;
+
 /// Declaration of a workgroup array for the tree reduction.
 pub(crate) fn shared(name: &str, ty: &str) -> String {
     format!("var<workgroup> {name}: array<{ty}, {ROW_WORKGROUP}>;\n")

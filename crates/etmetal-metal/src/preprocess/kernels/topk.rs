@@ -12,7 +12,8 @@ use etmetal_core::shape::broadcast_shapes;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
-use super::rows::{as_rows, dispatch_rows, row_head, ROW_WORKGROUP};
+use super::rows::{as_rows, dispatch_rows, row_head, Combine, ROW_WORKGROUP};
+use crate::payload::Fault;
 use crate::preprocess::emit::{
     entry, grid, linear, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP,
 };
@@ -152,6 +153,13 @@ fn cumsum(lw: &mut Lowering, node: &Node, dim: usize) -> Result<()> {
     };
     let mut kb = KernelBuilder::new(&lw.buffers);
     kb.value_fn(&rows_x, "x")?;
+    // int64 sums accumulate in i32, every step checked
+    let add: Combine = if out_dtype == DType::I64 {
+        let bit = kb.site(&node.name, &node.op.name(), Fault::Overflow);
+        Box::new(move |a, b| format!("add_ck({a}, {b}, {bit}u)"))
+    } else {
+        Box::new(|a, b| format!("{a} + {b}"))
+    };
     let read = cast("x(row, c)", x.dtype, acc_dtype);
     let y = cast("run", acc_dtype, out_dtype);
     let store = kb.store(out, "at", &y)?;
@@ -162,14 +170,17 @@ fn cumsum(lw: &mut Lowering, node: &Node, dim: usize) -> Result<()> {
     main.push_str(&format!(
         "  let c0 = min(lid * {seg}u, {cols}u);\n  let c1 = min(c0 + {seg}u, {cols}u);\n\
          \x20 var local: {acc} = {zero};\n\
-         \x20 for (var c = c0; c < c1; c = c + 1u) {{ local = local + {read}; }}\n\
+         \x20 for (var c = c0; c < c1; c = c + 1u) {{ local = {local}; }}\n\
          \x20 sh[lid] = local;\n  workgroupBarrier();\n\
          \x20 for (var o = 1u; o < {ROW_WORKGROUP}u; o = o << 1u) {{\n\
          \x20   let add = select({zero}, sh[max(lid, o) - o], lid >= o);\n\
-         \x20   workgroupBarrier();\n    sh[lid] = sh[lid] + add;\n    workgroupBarrier();\n  }}\n\
+         \x20   workgroupBarrier();\n    sh[lid] = {scan};\n    workgroupBarrier();\n  }}\n\
          \x20 var run = select({zero}, sh[max(lid, 1u) - 1u], lid > 0u);\n\
          \x20 for (var c = c0; c < c1; c = c + 1u) {{\n\
-         \x20   run = run + {read};\n    let at = {at};\n    {store}\n  }}\n}}\n"
+         \x20   run = {run};\n    let at = {at};\n    {store}\n  }}\n}}\n",
+        local = add("local", &read),
+        scan = add("sh[lid]", "add"),
+        run = add("run", &read),
     ));
     dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
 }
