@@ -1,5 +1,8 @@
 //! Matrix products — `matmul` (1-D operands, batch broadcasting; mm, bmm),
-//! `addmm` and `linear` — as one register-tiled GEMM kernel ([`Gemm`]).
+//! `addmm` and `linear` — as one register-tiled GEMM kernel ([`Gemm`]), or,
+//! for at most 8 rows per batch against a `k`-contiguous right operand (a
+//! decode step's linear layers), a matrix-vector kernel ([`Gemv`]) that
+//! reads the weight once in coalesced 4-element chunks.
 //!
 //! Operands are lazy views, so `weight.T`, permutes and expands are index
 //! arithmetic in the tile loads. Each workgroup computes a `bm × bn` tile
@@ -10,8 +13,8 @@
 //! `vec4`s. The tile is the largest of 128×128, 64×64 and 32×32 that still
 //! gives a large GPU enough workgroups, or a 16-wide one for skinny
 //! products. The bias and `alpha`/`beta` are applied in the store (the
-//! epilogue; 16-bit outputs are rounded there). [`super::conv`] reuses [`Gemm`] for
-//! convolution as an implicit GEMM.
+//! epilogue; 16-bit outputs are rounded there). [`super::conv`] reuses
+//! [`Gemm`] for convolution as an implicit GEMM.
 
 use std::fmt::Write;
 
@@ -19,10 +22,10 @@ use etmetal_core::shape::broadcast_shapes;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
-use crate::preprocess::emit::{grid, linear, unravel, Built, KernelBuilder, FLAT_GROUP};
+use crate::preprocess::emit::{entry, grid, linear, unravel, Built, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::{Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, float_literal};
-use crate::preprocess::Lowering;
+use crate::preprocess::{BufferIdx, Lowering};
 
 pub(super) fn takes(op: &Op) -> bool {
     matches!(op, Op::MatMul | Op::Addmm { .. } | Op::Linear)
@@ -142,33 +145,14 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         )));
     }
 
-    let gemm = Gemm {
-        batch: batch.iter().product(),
-        m,
-        n,
-        k,
-        a_k_fast: !is_transpose(&a),
-        b_k_fast: is_transpose(&b),
+    let batches: usize = batch.iter().product();
+    let at = |bt: &str, rest: &[&str]| -> String {
+        let mut idx = unravel(bt, &batch);
+        idx.extend(rest.iter().map(|s| s.to_string()));
+        idx.join(", ")
     };
-    gemm.lower(lw, |kb| {
-        kb.value_fn(&a, "va")?;
-        kb.value_fn(&b, "vb")?;
-        let at = |bt: &str, rest: &[&str]| -> String {
-            let mut idx = unravel(bt, &batch);
-            idx.extend(rest.iter().map(|s| s.to_string()));
-            idx.join(", ")
-        };
-        let mut fns = String::new();
-        let _ = writeln!(
-            fns,
-            "fn ga(bt: u32, r: u32, k: u32) -> f32 {{ return va({}); }}",
-            at("bt", &["r", "k"])
-        );
-        let _ = writeln!(
-            fns,
-            "fn gb(bt: u32, k: u32, c: u32) -> f32 {{ return vb({}); }}",
-            at("bt", &["k", "c"])
-        );
+    // the store: bias, alpha/beta and rounding to the output dtype
+    let epilogue = |kb: &mut KernelBuilder| -> Result<String> {
         let mut value = if alpha == 1.0 {
             "v".to_string()
         } else {
@@ -183,15 +167,137 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
                 format!("{} * {read} + {value}", float_literal(beta))
             };
         }
-        let e = linear(&["bt".into(), "r".into(), "c".into()], &[gemm.batch, m, n]);
+        let e = linear(&["bt".into(), "r".into(), "c".into()], &[batches, m, n]);
         let value = cast(&format!("({value})"), DType::F32, out_dtype);
         let store = kb.store(out, "e", &value)?;
+        Ok(format!(
+            "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {store}\n}}\n\n"
+        ))
+    };
+
+    if m <= GEMV_ROWS && is_transpose(&b) {
+        let gemv = Gemv {
+            batch: batches,
+            m,
+            n,
+            k,
+        };
+        return gemv.lower(lw, |kb| {
+            let mut fns = chunk_reader(kb, &a, "xa", &batch, false)?;
+            fns.push_str(&chunk_reader(kb, &b, "xb", &batch, true)?);
+            fns.push_str(&epilogue(kb)?);
+            Ok(fns)
+        });
+    }
+    let gemm = Gemm {
+        batch: batches,
+        m,
+        n,
+        k,
+        a_k_fast: !is_transpose(&a),
+        b_k_fast: is_transpose(&b),
+    };
+    gemm.lower(lw, |kb| {
+        kb.value_fn(&a, "va")?;
+        kb.value_fn(&b, "vb")?;
+        let mut fns = String::new();
         let _ = writeln!(
             fns,
-            "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {store}\n}}\n"
+            "fn ga(bt: u32, r: u32, k: u32) -> f32 {{ return va({}); }}",
+            at("bt", &["r", "k"])
         );
+        let _ = writeln!(
+            fns,
+            "fn gb(bt: u32, k: u32, c: u32) -> f32 {{ return vb({}); }}",
+            at("bt", &["k", "c"])
+        );
+        fns.push_str(&epilogue(kb)?);
         Ok(fns)
     })
+}
+
+/// Emit `fn name(bt: u32, j: u32, k: u32) -> vec4<f32>`: elements `k … k+3`
+/// (`k` a multiple of 4, zeros past the end) of row `j` of a product's
+/// `[batch…, rows, K]` left operand `x`, or of column `j` of its
+/// `[batch…, K, cols]` right operand (`column`). A contiguous run of a
+/// buffer is read in one vector load, anything else element by element.
+fn chunk_reader(
+    kb: &mut KernelBuilder,
+    x: &LazyRef,
+    name: &str,
+    batch: &[usize],
+    column: bool,
+) -> Result<String> {
+    let r = x.shape.len();
+    let kdim = x.shape[if column { r - 2 } else { r - 1 }];
+    let idx = |k: &str| -> Vec<String> {
+        let mut idx = unravel("bt", batch);
+        if column {
+            idx.extend([k.to_string(), "j".to_string()]);
+        } else {
+            idx.extend(["j".to_string(), k.to_string()]);
+        }
+        idx
+    };
+    let body = match k_run(x, &idx("k")) {
+        Some((buf, at, shape)) if kdim.is_multiple_of(4) => {
+            let c = format!("({}) / 4u", linear(&at, &shape));
+            format!("return {};", kb.load4(buf, &c)?)
+        }
+        _ => {
+            let f = format!("v{name}");
+            kb.value_fn(x, &f)?;
+            let lanes: Vec<String> = (0..4)
+                .map(|i| {
+                    let ki = format!("min(k + {i}u, {}u)", kdim - 1);
+                    let call = format!("{f}({})", idx(&ki).join(", "));
+                    if kdim.is_multiple_of(4) || i == 0 {
+                        call
+                    } else {
+                        format!("select(0.0, {call}, k + {i}u < {kdim}u)")
+                    }
+                })
+                .collect();
+            format!("return vec4<f32>({});", lanes.join(", "))
+        }
+    };
+    Ok(format!(
+        "fn {name}(bt: u32, j: u32, k: u32) -> vec4<f32> {{\n  {body}\n}}\n\n"
+    ))
+}
+
+/// Where `x` read at `idx` lies in a buffer, when `x` only permutes and
+/// broadcasts that buffer and the index named `k` walks its last,
+/// contiguous dim: the buffer, the index there and the shape it is read as.
+fn k_run(x: &LazyRef, idx: &[String]) -> Option<(BufferIdx, Vec<String>, Vec<usize>)> {
+    match &x.kind {
+        Kind::Load(buf) => (idx.last().map(String::as_str) == Some("k"))
+            .then(|| (*buf, idx.to_vec(), x.shape.clone())),
+        Kind::Permute(inner, dims) => {
+            let mut at = vec![String::new(); dims.len()];
+            for (i, &d) in dims.iter().enumerate() {
+                at[d] = idx[i].clone();
+            }
+            k_run(inner, &at)
+        }
+        Kind::Expand(inner) => {
+            let lead = x.shape.len() - inner.shape.len();
+            let at = inner
+                .shape
+                .iter()
+                .enumerate()
+                .map(|(d, &n)| {
+                    if n == 1 {
+                        "0u".to_string()
+                    } else {
+                        idx[lead + d].clone()
+                    }
+                })
+                .collect::<Vec<_>>();
+            k_run(inner, &at)
+        }
+        _ => None,
+    }
 }
 
 /// `x` with the same elements in row-major order under `shape` (a load of
@@ -524,6 +630,133 @@ impl Gemm {
     }
 }
 
+/// Rows (per batch) up to which a product with a `k`-contiguous right
+/// operand (a linear layer's weight) is a [`Gemv`].
+const GEMV_ROWS: usize = 8;
+
+/// Accumulators of a [`Gemv`] invocation (`rows × columns`), bounded so the
+/// workgroup's partial sums fit 16 KiB.
+const GEMV_SUMS: usize = 32;
+
+/// Workgroups a [`Gemv`] wants before it gives each fewer columns: about
+/// four 128-invocation workgroups on each of an H200's 132 units.
+const GEMV_FILL: u64 = 512;
+
+/// A matrix-vector-like product: `m ≤ 8` rows per batch times a right
+/// operand whose columns are contiguous along `k` (`[n, k]` weights). It is
+/// memory-bound on the right operand, so each element of it is read once:
+/// a workgroup owns `cols` columns and every row, its invocations stride
+/// over `k` in 4-element chunks (neighbours read neighbouring chunks: one
+/// coalesced vector load each where the operand is a buffer), keep
+/// `rows × cols` partial sums, and reduce them across the workgroup in
+/// workgroup memory. The caller's WGSL defines `xa(bt, r, k)` and
+/// `xb(bt, c, k)` (chunks, see [`chunk_reader`]) and `gstore`.
+struct Gemv {
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+}
+
+impl Gemv {
+    /// `(invocations, columns)` of a workgroup: enough invocations to cover
+    /// `k` once (at most 128), and the most columns (≤ 4) that keep enough
+    /// workgroups.
+    fn shape(&self) -> (usize, usize) {
+        let chunks = self.k.div_ceil(4).max(1);
+        let threads = chunks.next_power_of_two().clamp(32, 128);
+        let cols = [4, 2]
+            .into_iter()
+            .find(|&c| {
+                self.m * c <= GEMV_SUMS && (self.n.div_ceil(c) * self.batch) as u64 >= GEMV_FILL
+            })
+            .unwrap_or(1);
+        (threads, cols)
+    }
+
+    fn lower(
+        &self,
+        lw: &mut Lowering,
+        fns: impl FnOnce(&mut KernelBuilder) -> Result<String>,
+    ) -> Result<()> {
+        if self.m == 0 || self.n == 0 || self.batch == 0 {
+            return Ok(());
+        }
+        let (threads, cols) = self.shape();
+        let mut kb = KernelBuilder::new(&lw.buffers);
+        let main = format!("{}\n{}", fns(&mut kb)?, self.main(threads, cols));
+        let built = kb.finish(&main);
+        let groups = (self.n.div_ceil(cols) * self.batch) as u64;
+        let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
+        let storage = (4 * self.m * cols * threads) as u32;
+        let ops = vec![lw.op_label()];
+        lw.add_dispatch(built, ops, [threads as u32, 1, 1], workgroups, storage)
+    }
+
+    fn main(&self, threads: usize, cols: usize) -> String {
+        let (m, n) = (self.m, self.n);
+        let chunks = self.k.div_ceil(4);
+        let sums = m * cols;
+        let blocks = n.div_ceil(cols);
+        let mut s = String::new();
+        let _ = writeln!(s, "var<workgroup> red: array<f32, {}>;", sums * threads);
+        s.push_str(&entry(threads as u32));
+        let _ = writeln!(
+            s,
+            "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
+             \x20 let bt = g / {blocks}u;\n  let n0 = (g % {blocks}u) * {cols}u;",
+            blocks * self.batch
+        );
+        for j in 0..cols {
+            // a last block's missing columns read the last one (not stored)
+            let _ = writeln!(s, "  let c{j} = min(n0 + {j}u, {}u);", n - 1);
+        }
+        for i in 0..m {
+            for j in 0..cols {
+                let _ = writeln!(s, "  var s{i}_{j} = 0.0;");
+            }
+        }
+        let _ = writeln!(
+            s,
+            "  for (var q = lid; q < {chunks}u; q = q + {threads}u) {{\n    let k = q * 4u;"
+        );
+        for j in 0..cols {
+            let _ = writeln!(s, "    let b{j} = xb(bt, c{j}, k);");
+        }
+        for i in 0..m {
+            let _ = writeln!(s, "    let a{i} = xa(bt, {i}u, k);");
+            for j in 0..cols {
+                let _ = writeln!(s, "    s{i}_{j} = s{i}_{j} + dot(a{i}, b{j});");
+            }
+        }
+        s.push_str("  }\n");
+        for i in 0..m {
+            for j in 0..cols {
+                let _ = writeln!(s, "  red[{}u + lid] = s{i}_{j};", (i * cols + j) * threads);
+            }
+        }
+        s.push_str("  workgroupBarrier();\n");
+        // halve the partial sums of every output at once
+        let mut half = threads / 2;
+        while half >= 1 {
+            let _ = writeln!(
+                s,
+                "  for (var e = lid; e < {}u; e = e + {threads}u) {{\n\
+                 \x20   let o = (e / {half}u) * {threads}u + e % {half}u;\n\
+                 \x20   red[o] = red[o] + red[o + {half}u];\n  }}\n  workgroupBarrier();",
+                sums * half
+            );
+            half /= 2;
+        }
+        let _ = writeln!(
+            s,
+            "  if (lid < {sums}u) {{\n    let c = n0 + lid % {cols}u;\n\
+             \x20   if (c < {n}u) {{ gstore(bt, lid / {cols}u, c, red[lid * {threads}u]); }}\n  }}\n}}"
+        );
+        s
+    }
+}
+
 /// `dst = f(args)` with each checked argument clamped into range for the
 /// call and the value 0 where any is out of range.
 fn guarded(dst: &str, f: &str, args: &[(String, Option<(String, String)>)]) -> String {
@@ -693,6 +926,38 @@ pub(super) mod tests {
         assert_eq!(tile(1, 512, 512), (32, 32));
         assert_eq!(tile(1, 1, 4096), (16, 64));
         assert_eq!(tile(1, 4096, 3), (64, 16));
+    }
+
+    /// Decode-step linears (one row) are matrix-vector kernels reading the
+    /// weight in 4-element chunks, with enough workgroups for a large GPU.
+    #[test]
+    fn decode_linears_read_weight_chunks() {
+        for (dtype, k, n, chunk) in [
+            (DType::F32, 1024, 1024, Some("array<vec4<f32>>")),
+            (DType::BF16, 1024, 32000, Some("array<vec2<u32>>")),
+            (DType::F32, 1022, 2048, None),
+        ] {
+            let p = lower_one(
+                Op::Linear,
+                vec![input(dtype, &[1, k]), weight(dtype, &[n, k]), None],
+            )
+            .unwrap();
+            let (d, kernel) = p
+                .payload
+                .dispatches
+                .iter()
+                .map(|d| (d, &p.payload.kernels[d.kernel]))
+                .find(|(_, k)| k.wgsl.contains("gstore"))
+                .expect("a product kernel");
+            assert!(kernel.wgsl.contains("var<workgroup> red"), "not a GEMV");
+            if let Some(chunk) = chunk {
+                assert!(kernel.wgsl.contains(chunk), "{dtype:?} {k}: no {chunk}");
+            } else {
+                assert!(!kernel.wgsl.contains("vec4<f32>>;"), "k % 4 != 0 chunked");
+            }
+            let groups: u32 = d.workgroups.iter().product();
+            assert!(groups >= 512, "{n} columns in {groups} workgroups");
+        }
     }
 
     #[test]
