@@ -263,6 +263,48 @@ fn gemv_16_bit_weights() {
     }
 }
 
+/// Deep `k` with too few tiles is split among workgroups and the parts
+/// added by a second kernel (which applies bias, alpha/beta, rounding):
+/// 32×32 tiles, both skinny tiles, the matrix-vector kernel, batches.
+#[test]
+fn split_k_products() {
+    // 32×32 tiles, 4 splits (k = 512), bias once
+    OpCase::new(Op::Linear)
+        .input(random(F, &[40, 512], 1))
+        .weight(random(F, &[40, 512], 2))
+        .weight(random(F, &[40], 3))
+        .check(TOL);
+    OpCase::new(Op::Addmm {
+        beta: 0.5,
+        alpha: 2.0,
+    })
+    .input(random(F, &[33], 4))
+    .input(random(F, &[40, 256], 5))
+    .input(random(F, &[256, 33], 6))
+    .check(TOL);
+    // one row times a [k, n] matrix (the 16×64 tile), batched; few columns
+    // (the 64×16 tile)
+    OpCase::new(Op::MatMul)
+        .input(random(F, &[4, 1, 1024], 7))
+        .input(random(F, &[4, 1024, 30], 8))
+        .check(TOL);
+    OpCase::new(Op::MatMul)
+        .input(random(F, &[100, 1024], 9))
+        .input(random(F, &[1024, 3], 10))
+        .check(TOL);
+    // matrix-vector: 4 splits, then bf16 with 2
+    OpCase::new(Op::Linear)
+        .input(random(F, &[2, 2048], 11))
+        .weight(random(F, &[10, 2048], 12))
+        .weight(random(F, &[10], 13))
+        .check(TOL);
+    OpCase::new(Op::Linear)
+        .input(random(BF, &[1, 1024], 14))
+        .weight(random(BF, &[7, 1024], 15))
+        .weight(random(BF, &[7], 16))
+        .check(BF_TOL);
+}
+
 fn conv(stride: &[usize], padding: &[usize], dilation: &[usize], groups: usize) -> Op {
     Op::Convolution {
         stride: stride.to_vec(),
