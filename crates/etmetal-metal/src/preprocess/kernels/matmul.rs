@@ -12,7 +12,9 @@
 //! block of accumulators (f32) in registers, reading the staged slices as
 //! `vec4`s. The tile is the largest of 128×128, 64×64 and 32×32 that still
 //! gives a large GPU enough workgroups, or a 16-wide one for skinny
-//! products. The bias and `alpha`/`beta` are applied in the store (the
+//! products; when even that leaves too few workgroups and `k` is deep, `k`
+//! is split among workgroups and a second kernel adds the partial sums
+//! ([`Split`]). The bias and `alpha`/`beta` are applied in the store (the
 //! epilogue; 16-bit outputs are rounded there). [`super::conv`] reuses
 //! [`Gemm`] for convolution as an implicit GEMM.
 
