@@ -179,6 +179,132 @@ fn gemm_epilogue_bias_alpha_beta_and_16_bit_linear() {
     }
 }
 
+/// The matrix-vector path (≤ 8 rows times a `k`-contiguous right operand):
+/// rows 1, 2, 3, 8; 1, 2 and 4 columns a workgroup (n ≥ 1023 and ≥ 2045
+/// give enough workgroups for 2 and 4) with a partial last block; k a
+/// multiple of 4 (vector loads), not (element reads with a tail), and
+/// below one chunk.
+#[test]
+fn gemv_rows_columns_and_chunks() {
+    let cases: &[(usize, usize, usize)] = &[
+        (1, 1024, 65),
+        (2, 257, 31),
+        (3, 36, 1023),
+        (8, 64, 2050),
+        (1, 3, 5),
+        (8, 130, 9),
+    ];
+    for (i, &(m, k, n)) in cases.iter().enumerate() {
+        let seed = 3 * i as u64;
+        OpCase::new(Op::Linear)
+            .input(random(F, &[m, k], seed))
+            .weight(random(F, &[n, k], seed + 1))
+            .weight(random(F, &[n], seed + 2))
+            .check(TOL);
+    }
+}
+
+#[test]
+fn gemv_strided_operands_and_broadcast_batches() {
+    // the row read through a transpose, the weight a transposed input
+    // (element reads, not chunks)
+    OpCase::new(Op::Linear)
+        .input_permuted(random(F, &[40, 3], 1), &[1, 0])
+        .input_permuted(random(F, &[40, 70], 2), &[1, 0])
+        .absent()
+        .check(TOL);
+    // batched rows times a matrix: 2·3 rows
+    OpCase::new(Op::Linear)
+        .input(random(F, &[2, 3, 64], 3))
+        .weight(random(F, &[33, 64], 4))
+        .absent()
+        .check(TOL);
+    // bmm against transposed keys, both batches broadcast
+    OpCase::new(Op::MatMul)
+        .input(random(F, &[2, 1, 3, 40], 5))
+        .input_permuted(random(F, &[4, 17, 40], 6), &[0, 2, 1])
+        .check(TOL);
+    OpCase::new(Op::MatMul)
+        .input(random(F, &[5, 2, 41], 7))
+        .input_permuted(random(F, &[1, 17, 41], 8), &[0, 2, 1])
+        .check(TOL);
+    OpCase::new(Op::Addmm {
+        beta: 0.5,
+        alpha: -2.0,
+    })
+    .input(random(F, &[4, 1], 9))
+    .input(random(F, &[4, 28], 10))
+    .input_permuted(random(F, &[19, 28], 11), &[1, 0])
+    .check(TOL);
+}
+
+#[test]
+fn gemv_16_bit_weights() {
+    // bf16 chunks (two packed words a load), then f16 with k % 4 != 0
+    for (dtype, m, k, n) in [
+        (BF, 3, 64, 129),
+        (BF, 1, 256, 1100),
+        (DType::F16, 2, 66, 37),
+    ] {
+        OpCase::new(Op::Linear)
+            .input(random(dtype, &[m, k], n as u64))
+            .weight(random(dtype, &[n, k], n as u64 + 1))
+            .weight(random(dtype, &[n], n as u64 + 2))
+            .check(BF_TOL);
+    }
+    // the row read element by element, the weight in chunks: lanes of a
+    // chunk must line up with the right k
+    for dtype in [BF, DType::F16] {
+        OpCase::new(Op::Linear)
+            .input_permuted(random(dtype, &[32, 2], 1), &[1, 0])
+            .weight(random(dtype, &[45, 32], 2))
+            .absent()
+            .check(BF_TOL);
+    }
+}
+
+/// Deep `k` with too few tiles is split among workgroups and the parts
+/// added by a second kernel (which applies bias, alpha/beta, rounding):
+/// 32×32 tiles, both skinny tiles, the matrix-vector kernel, batches.
+#[test]
+fn split_k_products() {
+    // 32×32 tiles, 4 splits (k = 512), bias once
+    OpCase::new(Op::Linear)
+        .input(random(F, &[40, 512], 1))
+        .weight(random(F, &[40, 512], 2))
+        .weight(random(F, &[40], 3))
+        .check(TOL);
+    OpCase::new(Op::Addmm {
+        beta: 0.5,
+        alpha: 2.0,
+    })
+    .input(random(F, &[33], 4))
+    .input(random(F, &[40, 256], 5))
+    .input(random(F, &[256, 33], 6))
+    .check(TOL);
+    // one row times a [k, n] matrix (the 16×64 tile), batched; few columns
+    // (the 64×16 tile)
+    OpCase::new(Op::MatMul)
+        .input(random(F, &[4, 1, 1024], 7))
+        .input(random(F, &[4, 1024, 30], 8))
+        .check(TOL);
+    OpCase::new(Op::MatMul)
+        .input(random(F, &[100, 1024], 9))
+        .input(random(F, &[1024, 3], 10))
+        .check(TOL);
+    // matrix-vector: 4 splits, then bf16 with 2
+    OpCase::new(Op::Linear)
+        .input(random(F, &[2, 2048], 11))
+        .weight(random(F, &[10, 2048], 12))
+        .weight(random(F, &[10], 13))
+        .check(TOL);
+    OpCase::new(Op::Linear)
+        .input(random(BF, &[1, 1024], 14))
+        .weight(random(BF, &[7, 1024], 15))
+        .weight(random(BF, &[7], 16))
+        .check(BF_TOL);
+}
+
 fn conv(stride: &[usize], padding: &[usize], dilation: &[usize], groups: usize) -> Op {
     Op::Convolution {
         stride: stride.to_vec(),

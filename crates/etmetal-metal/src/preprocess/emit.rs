@@ -19,6 +19,8 @@ pub(crate) struct KernelBuilder<'a> {
     buffers: &'a Buffers,
     /// Buffers in binding order.
     pub bindings: Vec<BufferIdx>,
+    /// Per binding: bound as an array of 4-element chunks ([`Self::load4`]).
+    chunked: Vec<bool>,
     functions: String,
     /// Pointwise ops inlined from lazy values, for the kernel's op list.
     fused: Vec<String>,
@@ -56,6 +58,7 @@ impl<'a> KernelBuilder<'a> {
         KernelBuilder {
             buffers,
             bindings: vec![],
+            chunked: vec![],
             functions: String::new(),
             fused: vec![],
             sites: vec![],
@@ -82,13 +85,49 @@ impl<'a> KernelBuilder<'a> {
 
     /// The binding index of `buf`, adding it on first use.
     pub fn binding(&mut self, buf: BufferIdx) -> usize {
-        match self.bindings.iter().position(|b| *b == buf) {
-            Some(i) => i,
-            None => {
-                self.bindings.push(buf);
-                self.bindings.len() - 1
+        self.bind_as(buf, false)
+    }
+
+    fn bind_as(&mut self, buf: BufferIdx, chunked: bool) -> usize {
+        let found = (0..self.bindings.len())
+            .find(|&i| self.bindings[i] == buf && self.chunked[i] == chunked);
+        found.unwrap_or_else(|| {
+            self.bindings.push(buf);
+            self.chunked.push(chunked);
+            self.bindings.len() - 1
+        })
+    }
+
+    /// A `vec4<f32>` expression reading elements `4·c … 4·c + 3` of float
+    /// buffer `buf` in one load (`c` a u32 expression): the buffer is bound
+    /// as `array<vec4<f32>>`, or `array<vec2<u32>>` when 16-bit packed.
+    /// The caller ensures the chunk lies inside the buffer.
+    pub fn load4(&mut self, buf: BufferIdx, c: &str) -> Result<String> {
+        let desc = &self.buffers.list[buf];
+        let (storage, dtype, name) = (desc.storage, desc.dtype, desc.name.clone());
+        let b = self.bind_as(buf, true);
+        let unpack = match (storage, dtype) {
+            (Storage::F32, _) => return Ok(format!("b{b}[{c}]")),
+            (Storage::Packed16, DType::BF16) => {
+                "bitcast<vec4<f32>>(vec4<u32>(w.x << 16u, w.x & 0xffff0000u, w.y << 16u, w.y & 0xffff0000u))"
             }
+            (Storage::Packed16, _) => {
+                "vec4<f32>(f16dec(w.x), f16dec(w.x >> 16u), f16dec(w.y), f16dec(w.y >> 16u))"
+            }
+            (Storage::I32, _) => {
+                return Err(Error::internal(format!(
+                    "buffer `{name}` holds integers: no float chunks"
+                )))
+            }
+        };
+        let f = format!("ld4_b{b}");
+        if !self.functions.contains(&format!("fn {f}(")) {
+            let _ = write!(
+                self.functions,
+                "fn {f}(c: u32) -> vec4<f32> {{\n  let w = b{b}[c];\n  return {unpack};\n}}\n\n"
+            );
         }
+        Ok(format!("{f}({c})"))
     }
 
     /// A WGSL expression reading element `e` (a u32 expression) of `buf`
@@ -424,10 +463,12 @@ impl<'a> KernelBuilder<'a> {
                 Access::Read => "read",
                 Access::ReadWrite => "read_write",
             };
-            let elem = match desc.storage {
-                Storage::F32 => "f32",
-                Storage::I32 => "i32",
-                Storage::Packed16 => "u32",
+            let elem = match (desc.storage, self.chunked[i]) {
+                (Storage::F32, false) => "f32",
+                (Storage::F32, true) => "vec4<f32>",
+                (Storage::I32, _) => "i32",
+                (Storage::Packed16, false) => "u32",
+                (Storage::Packed16, true) => "vec2<u32>",
             };
             let _ = writeln!(
                 s,

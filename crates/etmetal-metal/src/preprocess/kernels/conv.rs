@@ -206,7 +206,7 @@ fn convolution(
             a_k_fast: true,
             b_k_fast: false,
         };
-        return gemm.lower(lw, |kb| {
+        let operands = |kb: &mut KernelBuilder| -> Result<String> {
             kb.value_fn(&w2, "vw")?;
             kb.value_fn(&x, "vx")?;
             let mut s = String::new();
@@ -227,6 +227,9 @@ fn convolution(
                 "  return select(0.0, vx(img, ci, {}), {inside});\n}}",
                 at.join(", ")
             );
+            Ok(s)
+        };
+        let store = |kb: &mut KernelBuilder| -> Result<String> {
             let mut value = "v".to_string();
             if let Some(b) = &bias {
                 kb.value_fn(b, "vbias")?;
@@ -234,14 +237,13 @@ fn convolution(
             }
             let value = cast(&format!("({value})"), DType::F32, out_dtype);
             let store = kb.store(out, "e", &value)?;
-            let _ = writeln!(
-                s,
+            Ok(format!(
                 "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n\
                  \x20 let co = bt * {cout_g}u + r;\n\
-                 \x20 let e = (c / {os}u * {cout}u + co) * {os}u + c % {os}u;\n  {store}\n}}"
-            );
-            Ok(s)
-        });
+                 \x20 let e = (c / {os}u * {cout}u + co) * {os}u + c % {os}u;\n  {store}\n}}\n"
+            ))
+        };
+        return gemm.lower(lw, operands, store);
     }
 
     // direct: one invocation per output element [n, cout, spatial…]

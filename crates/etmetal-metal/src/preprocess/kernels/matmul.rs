@@ -1,5 +1,8 @@
 //! Matrix products — `matmul` (1-D operands, batch broadcasting; mm, bmm),
-//! `addmm` and `linear` — as one register-tiled GEMM kernel ([`Gemm`]).
+//! `addmm` and `linear` — as one register-tiled GEMM kernel ([`Gemm`]), or,
+//! for at most 8 rows per batch against a `k`-contiguous right operand (a
+//! decode step's linear layers), a matrix-vector kernel ([`Gemv`]) that
+//! reads the weight once in coalesced 4-element chunks.
 //!
 //! Operands are lazy views, so `weight.T`, permutes and expands are index
 //! arithmetic in the tile loads. Each workgroup computes a `bm × bn` tile
@@ -9,9 +12,11 @@
 //! block of accumulators (f32) in registers, reading the staged slices as
 //! `vec4`s. The tile is the largest of 128×128, 64×64 and 32×32 that still
 //! gives a large GPU enough workgroups, or a 16-wide one for skinny
-//! products. The bias and `alpha`/`beta` are applied in the store (the
-//! epilogue; 16-bit outputs are rounded there). [`super::conv`] reuses [`Gemm`] for
-//! convolution as an implicit GEMM.
+//! products; when even that leaves too few workgroups and `k` is deep, `k`
+//! is split among workgroups and a second kernel adds the partial sums
+//! ([`Split`]). The bias and `alpha`/`beta` are applied in the store (the
+//! epilogue; 16-bit outputs are rounded there). [`super::conv`] reuses
+//! [`Gemm`] for convolution as an implicit GEMM.
 
 use std::fmt::Write;
 
@@ -19,10 +24,12 @@ use etmetal_core::shape::broadcast_shapes;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
-use crate::preprocess::emit::{grid, linear, unravel, Built, KernelBuilder, FLAT_GROUP};
+use crate::preprocess::emit::{
+    entry, grid, linear, unravel, Built, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP,
+};
 use crate::preprocess::expr::{Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, float_literal};
-use crate::preprocess::Lowering;
+use crate::preprocess::{BufferIdx, Lowering};
 
 pub(super) fn takes(op: &Op) -> bool {
     matches!(op, Op::MatMul | Op::Addmm { .. } | Op::Linear)
@@ -142,33 +149,14 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         )));
     }
 
-    let gemm = Gemm {
-        batch: batch.iter().product(),
-        m,
-        n,
-        k,
-        a_k_fast: !is_transpose(&a),
-        b_k_fast: is_transpose(&b),
+    let batches: usize = batch.iter().product();
+    let at = |bt: &str, rest: &[&str]| -> String {
+        let mut idx = unravel(bt, &batch);
+        idx.extend(rest.iter().map(|s| s.to_string()));
+        idx.join(", ")
     };
-    gemm.lower(lw, |kb| {
-        kb.value_fn(&a, "va")?;
-        kb.value_fn(&b, "vb")?;
-        let at = |bt: &str, rest: &[&str]| -> String {
-            let mut idx = unravel(bt, &batch);
-            idx.extend(rest.iter().map(|s| s.to_string()));
-            idx.join(", ")
-        };
-        let mut fns = String::new();
-        let _ = writeln!(
-            fns,
-            "fn ga(bt: u32, r: u32, k: u32) -> f32 {{ return va({}); }}",
-            at("bt", &["r", "k"])
-        );
-        let _ = writeln!(
-            fns,
-            "fn gb(bt: u32, k: u32, c: u32) -> f32 {{ return vb({}); }}",
-            at("bt", &["k", "c"])
-        );
+    // the store: bias, alpha/beta and rounding to the output dtype
+    let epilogue = |kb: &mut KernelBuilder| -> Result<String> {
         let mut value = if alpha == 1.0 {
             "v".to_string()
         } else {
@@ -183,15 +171,139 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
                 format!("{} * {read} + {value}", float_literal(beta))
             };
         }
-        let e = linear(&["bt".into(), "r".into(), "c".into()], &[gemm.batch, m, n]);
+        let e = linear(&["bt".into(), "r".into(), "c".into()], &[batches, m, n]);
         let value = cast(&format!("({value})"), DType::F32, out_dtype);
         let store = kb.store(out, "e", &value)?;
+        Ok(format!(
+            "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {store}\n}}\n\n"
+        ))
+    };
+
+    if m <= GEMV_ROWS && is_transpose(&b) {
+        let gemv = Gemv {
+            batch: batches,
+            m,
+            n,
+            k,
+        };
+        return gemv.lower(
+            lw,
+            |kb| {
+                let fns = chunk_reader(kb, &a, "xa", &batch, false)?;
+                Ok(fns + &chunk_reader(kb, &b, "xb", &batch, true)?)
+            },
+            epilogue,
+        );
+    }
+    let gemm = Gemm {
+        batch: batches,
+        m,
+        n,
+        k,
+        a_k_fast: !is_transpose(&a),
+        b_k_fast: is_transpose(&b),
+    };
+    let operands = |kb: &mut KernelBuilder| -> Result<String> {
+        kb.value_fn(&a, "va")?;
+        kb.value_fn(&b, "vb")?;
+        let mut fns = String::new();
         let _ = writeln!(
             fns,
-            "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {store}\n}}\n"
+            "fn ga(bt: u32, r: u32, k: u32) -> f32 {{ return va({}); }}",
+            at("bt", &["r", "k"])
+        );
+        let _ = writeln!(
+            fns,
+            "fn gb(bt: u32, k: u32, c: u32) -> f32 {{ return vb({}); }}",
+            at("bt", &["k", "c"])
         );
         Ok(fns)
-    })
+    };
+    gemm.lower(lw, operands, epilogue)
+}
+
+/// Emit `fn name(bt: u32, j: u32, k: u32) -> vec4<f32>`: elements `k … k+3`
+/// (`k` a multiple of 4, zeros past the end) of row `j` of a product's
+/// `[batch…, rows, K]` left operand `x`, or of column `j` of its
+/// `[batch…, K, cols]` right operand (`column`). A contiguous run of a
+/// buffer is read in one vector load, anything else element by element.
+fn chunk_reader(
+    kb: &mut KernelBuilder,
+    x: &LazyRef,
+    name: &str,
+    batch: &[usize],
+    column: bool,
+) -> Result<String> {
+    let r = x.shape.len();
+    let kdim = x.shape[if column { r - 2 } else { r - 1 }];
+    let idx = |k: &str| -> Vec<String> {
+        let mut idx = unravel("bt", batch);
+        if column {
+            idx.extend([k.to_string(), "j".to_string()]);
+        } else {
+            idx.extend(["j".to_string(), k.to_string()]);
+        }
+        idx
+    };
+    let body = match k_run(x, &idx("k")) {
+        Some((buf, at, shape)) if kdim.is_multiple_of(4) => {
+            let c = format!("({}) / 4u", linear(&at, &shape));
+            format!("return {};", kb.load4(buf, &c)?)
+        }
+        _ => {
+            let f = format!("v{name}");
+            kb.value_fn(x, &f)?;
+            let lanes: Vec<String> = (0..4)
+                .map(|i| {
+                    let ki = format!("min(k + {i}u, {}u)", kdim - 1);
+                    let call = format!("{f}({})", idx(&ki).join(", "));
+                    if kdim.is_multiple_of(4) || i == 0 {
+                        call
+                    } else {
+                        format!("select(0.0, {call}, k + {i}u < {kdim}u)")
+                    }
+                })
+                .collect();
+            format!("return vec4<f32>({});", lanes.join(", "))
+        }
+    };
+    Ok(format!(
+        "fn {name}(bt: u32, j: u32, k: u32) -> vec4<f32> {{\n  {body}\n}}\n\n"
+    ))
+}
+
+/// Where `x` read at `idx` lies in a buffer, when `x` only permutes and
+/// broadcasts that buffer and the index named `k` walks its last,
+/// contiguous dim: the buffer, the index there and the shape it is read as.
+fn k_run(x: &LazyRef, idx: &[String]) -> Option<(BufferIdx, Vec<String>, Vec<usize>)> {
+    match &x.kind {
+        Kind::Load(buf) => (idx.last().map(String::as_str) == Some("k"))
+            .then(|| (*buf, idx.to_vec(), x.shape.clone())),
+        Kind::Permute(inner, dims) => {
+            let mut at = vec![String::new(); dims.len()];
+            for (i, &d) in dims.iter().enumerate() {
+                at[d] = idx[i].clone();
+            }
+            k_run(inner, &at)
+        }
+        Kind::Expand(inner) => {
+            let lead = x.shape.len() - inner.shape.len();
+            let at = inner
+                .shape
+                .iter()
+                .enumerate()
+                .map(|(d, &n)| {
+                    if n == 1 {
+                        "0u".to_string()
+                    } else {
+                        idx[lead + d].clone()
+                    }
+                })
+                .collect::<Vec<_>>();
+            k_run(inner, &at)
+        }
+        _ => None,
+    }
 }
 
 /// `x` with the same elements in row-major order under `shape` (a load of
@@ -221,8 +333,9 @@ fn is_transpose(x: &LazyRef) -> bool {
 
 /// One batched product `C[bt, r, c] = Σ_k A[bt, r, k] · B[bt, k, c]` as a
 /// kernel. The caller's WGSL defines `ga(bt, r, k) -> f32`,
-/// `gb(bt, k, c) -> f32` (called with in-range indices only) and
-/// `gstore(bt, r, c, v)`.
+/// `gb(bt, k, c) -> f32` (called with in-range indices only) and, in the
+/// store's WGSL, `gstore(bt, r, c, v)`. When its tiles are too few for a
+/// large GPU and `k` is deep, `k` is split among workgroups ([`split_k`]).
 pub(super) struct Gemm {
     pub batch: usize,
     pub m: usize,
@@ -294,29 +407,35 @@ impl Gemm {
         }
     }
 
-    /// Validate and append the kernel: `fns` emits the operand and store
-    /// functions (returning their WGSL), then the tiled main follows.
+    /// Validate and append the kernel(s): `operands` and `store` emit the
+    /// operand and store functions (returning their WGSL), then the tiled
+    /// main follows.
     pub fn lower(
         &self,
         lw: &mut Lowering,
-        fns: impl FnOnce(&mut KernelBuilder) -> Result<String>,
+        operands: impl FnOnce(&mut KernelBuilder) -> Result<String>,
+        store: impl Fn(&mut KernelBuilder) -> Result<String>,
     ) -> Result<()> {
         if self.m == 0 || self.n == 0 || self.batch == 0 {
             // nothing to write
             return Ok(());
         }
         let t = self.tile();
-        let mut kb = KernelBuilder::new(&lw.buffers);
-        let main = format!("{}\n{}", fns(&mut kb)?, self.main(&t));
-        let built: Built = kb.finish(&main);
         let tiles = self.m.div_ceil(t.bm) as u64 * self.n.div_ceil(t.bn) as u64;
-        let groups = tiles * self.batch as u64;
+        let splits = split_k(tiles * self.batch as u64, FILL, self.k, t.bk * 8, t.bk);
+        let split = Split::new(lw, splits, self.batch, self.m, self.n);
+        let mut kb = KernelBuilder::new(&lw.buffers);
+        let fns = operands(&mut kb)? + &split.store(&mut kb, &store)?;
+        let main = format!("{fns}\n{}", self.main(&t, splits));
+        let built: Built = kb.finish(&main);
+        let groups = tiles * (self.batch * splits) as u64;
         let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
         let (sa, sb) = t.stage_words();
         // two stages: the next slice is written while this one is read
         let storage = (2 * 4 * (sa + sb)) as u32;
         let ops = vec![lw.op_label()];
-        lw.add_dispatch(built, ops, [t.threads() as u32, 1, 1], workgroups, storage)
+        lw.add_dispatch(built, ops, [t.threads() as u32, 1, 1], workgroups, storage)?;
+        split.sum(lw, &store)
     }
 
     /// The kernel's main. Invocation `(ty, tx)` owns rows
@@ -327,12 +446,14 @@ impl Gemm {
     /// and the next slice's global reads are issued into registers before
     /// the current one is multiplied, so one barrier per slice suffices and
     /// memory latency hides behind the FMAs.
-    fn main(&self, t: &Tile) -> String {
+    fn main(&self, t: &Tile, splits: usize) -> String {
         let Tile { bm, bn, bk, tm, tn } = *t;
         let threads = t.threads();
         let (wm, wn) = t.widths();
         let (m, n, k) = (self.m, self.n, self.k);
         let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
+        let tiles = tiles_m * tiles_n;
+        let per = tiles * self.batch;
         let (gm, gn) = (tm / wm, tn / wn);
         // rows (columns) between an invocation's runs, and vectors per k-row
         let (rg, cg) = (bm / gm, bn / gn);
@@ -346,7 +467,8 @@ impl Gemm {
                 x.to_string()
             }
         };
-        let nt = k.div_ceil(bk);
+        // k per split (a multiple of bk when split)
+        let nt = (k / splits).div_ceil(bk);
         let mut s = String::new();
         let _ = writeln!(s, "var<workgroup> ta: array<{}, {}>;", vty(wm), 2 * sa / wm);
         let _ = writeln!(s, "var<workgroup> tb: array<{}, {}>;", vty(wn), 2 * sb / wn);
@@ -359,12 +481,14 @@ impl Gemm {
         let _ = writeln!(
             s,
             "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
-             \x20 let bt = g / {}u;\n  let tile = g % {}u;\n\
+             \x20 let ks = g / {per}u;\n  let sb = g / {tiles}u;\n\
+             \x20 let bt = sb % {}u;\n  let tile = g % {tiles}u;\n\
+             \x20 let kbase = ks * {}u;\n\
              \x20 let m0 = (tile / {tiles_n}u) * {bm}u;\n  let n0 = (tile % {tiles_n}u) * {bn}u;\n\
              \x20 let tx = lid % {}u;\n  let ty = lid / {}u;",
-            tiles_m * tiles_n * self.batch,
-            tiles_m * tiles_n,
-            tiles_m * tiles_n,
+            per * splits,
+            self.batch,
+            k / splits,
             bn / tn,
             bn / tn,
         );
@@ -457,13 +581,13 @@ impl Gemm {
                 let _ = writeln!(s, "  var pb{j} = 0.0;");
             }
             s.push_str("  {\n");
-            read(&mut s, "0u");
+            read(&mut s, "kbase");
             write(&mut s, "0u");
             s.push_str("  }\n  workgroupBarrier();\n");
             let _ = writeln!(s, "  for (var t = 0u; t < {nt}u; t = t + 1u) {{");
             s.push_str("    let cur = t & 1u;\n    let more = t + 1u < ");
             let _ = writeln!(s, "{nt}u;\n    if (more) {{");
-            read(&mut s, &format!("(t + 1u) * {bk}u"));
+            read(&mut s, &format!("kbase + (t + 1u) * {bk}u"));
             s.push_str("    }\n");
             let _ = writeln!(
                 s,
@@ -515,11 +639,248 @@ impl Gemm {
                 let v = lane(&format!("c{i}_{}", j / wn), wn, j % wn);
                 let _ = writeln!(
                     s,
-                    "  if (r{i} < {m}u && q{j} < {n}u) {{ gstore(bt, r{i}, q{j}, {v}); }}"
+                    "  if (r{i} < {m}u && q{j} < {n}u) {{ gstore(sb, r{i}, q{j}, {v}); }}"
                 );
             }
         }
         s.push_str("}\n");
+        s
+    }
+}
+
+/// Ways to split `k` among workgroups when `groups` fall short of `fill`:
+/// the fewest of 2, 4, 8 that fill the GPU (else the most) whose parts are
+/// whole multiples of `align` and at least `min_depth` deep; 1 when none.
+fn split_k(groups: u64, fill: u64, k: usize, min_depth: usize, align: usize) -> usize {
+    let mut best = 1;
+    if groups >= fill {
+        return best;
+    }
+    for s in [2, 4, 8] {
+        if k.is_multiple_of(s * align) && k / s >= min_depth {
+            best = s;
+            if groups * s as u64 >= fill {
+                break;
+            }
+        }
+    }
+    best
+}
+
+/// The store side of a product split `splits` ways along `k`: each
+/// workgroup writes its partial sums to `[splits·batch, m, n]` (split-major)
+/// and a second kernel adds them up and applies the caller's store.
+struct Split {
+    parts: Option<BufferIdx>,
+    splits: usize,
+    batch: usize,
+    m: usize,
+    n: usize,
+}
+
+impl Split {
+    fn new(lw: &mut Lowering, splits: usize, batch: usize, m: usize, n: usize) -> Split {
+        let parts = (splits > 1).then(|| {
+            let name = format!("{}.split_k", lw.op_label());
+            lw.temp(&name, DType::F32, &[splits * batch, m, n])
+        });
+        Split {
+            parts,
+            splits,
+            batch,
+            m,
+            n,
+        }
+    }
+
+    /// The product kernel's `gstore(sb, r, c, v)` (`sb`: split · batch +
+    /// batch index): the caller's when not split, else a partial store.
+    fn store(
+        &self,
+        kb: &mut KernelBuilder,
+        store: &impl Fn(&mut KernelBuilder) -> Result<String>,
+    ) -> Result<String> {
+        let Some(parts) = self.parts else {
+            return store(kb);
+        };
+        let e = linear(
+            &["bt".into(), "r".into(), "c".into()],
+            &[self.splits * self.batch, self.m, self.n],
+        );
+        let write = kb.store(parts, "e", "v")?;
+        Ok(format!(
+            "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {write}\n}}\n\n"
+        ))
+    }
+
+    /// The kernel adding the partial sums up (nothing when not split).
+    fn sum(
+        &self,
+        lw: &mut Lowering,
+        store: &impl Fn(&mut KernelBuilder) -> Result<String>,
+    ) -> Result<()> {
+        let Some(parts) = self.parts else {
+            return Ok(());
+        };
+        let (m, n) = (self.m, self.n);
+        let total = self.batch * m * n;
+        let mut kb = KernelBuilder::new(&lw.buffers);
+        let mut s = store(&mut kb)?;
+        s.push_str(&entry(FLAT_WORKGROUP));
+        let part = kb.load(parts, &format!("e + p * {total}u"));
+        let _ = writeln!(
+            s,
+            "  let e = {FLAT_GROUP} * {FLAT_WORKGROUP}u + lid;\n  if (e >= {total}u) {{ return; }}\n\
+             \x20 var v = 0.0;\n\
+             \x20 for (var p = 0u; p < {}u; p = p + 1u) {{ v = v + {part}; }}\n\
+             \x20 gstore(e / {}u, (e / {n}u) % {m}u, e % {n}u, v);\n}}",
+            self.splits,
+            m * n
+        );
+        let built = kb.finish(&s);
+        let groups = (total as u64).div_ceil(u64::from(FLAT_WORKGROUP));
+        let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
+        let ops = vec![lw.op_label()];
+        lw.add_dispatch(built, ops, [FLAT_WORKGROUP, 1, 1], workgroups, 0)
+    }
+}
+
+/// Rows (per batch) up to which a product with a `k`-contiguous right
+/// operand (a linear layer's weight) is a [`Gemv`].
+const GEMV_ROWS: usize = 8;
+
+/// Accumulators of a [`Gemv`] invocation (`rows × columns`), bounded so the
+/// workgroup's partial sums fit 16 KiB.
+const GEMV_SUMS: usize = 32;
+
+/// Workgroups a [`Gemv`] wants before it gives each fewer columns: about
+/// four 128-invocation workgroups on each of an H200's 132 units.
+const GEMV_FILL: u64 = 512;
+
+/// A matrix-vector-like product: `m ≤ 8` rows per batch times a right
+/// operand whose columns are contiguous along `k` (`[n, k]` weights). It is
+/// memory-bound on the right operand, so each element of it is read once:
+/// a workgroup owns `cols` columns and every row, its invocations stride
+/// over `k` in 4-element chunks (neighbours read neighbouring chunks: one
+/// coalesced vector load each where the operand is a buffer), keep
+/// `rows × cols` partial sums, and reduce them across the workgroup in
+/// workgroup memory; too few columns for a large GPU split a deep `k`
+/// among workgroups ([`Split`]). The caller's WGSL defines `xa(bt, r, k)`
+/// and `xb(bt, c, k)` (chunks, see [`chunk_reader`]) and `gstore`.
+struct Gemv {
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+}
+
+impl Gemv {
+    /// `(invocations, columns, splits)` of a workgroup: the most columns
+    /// (≤ 4) that keep enough workgroups, `k` split when there still are too
+    /// few and each part keeps 128 invocations busy, and enough invocations
+    /// to cover a part of `k` once (at most 128).
+    fn shape(&self) -> (usize, usize, usize) {
+        let cols = [4, 2]
+            .into_iter()
+            .find(|&c| {
+                self.m * c <= GEMV_SUMS && (self.n.div_ceil(c) * self.batch) as u64 >= GEMV_FILL
+            })
+            .unwrap_or(1);
+        let groups = (self.n.div_ceil(cols) * self.batch) as u64;
+        let splits = split_k(groups, GEMV_FILL, self.k, 4 * 128, 4);
+        let chunks = (self.k / splits).div_ceil(4).max(1);
+        let threads = chunks.next_power_of_two().clamp(32, 128);
+        (threads, cols, splits)
+    }
+
+    fn lower(
+        &self,
+        lw: &mut Lowering,
+        operands: impl FnOnce(&mut KernelBuilder) -> Result<String>,
+        store: impl Fn(&mut KernelBuilder) -> Result<String>,
+    ) -> Result<()> {
+        if self.m == 0 || self.n == 0 || self.batch == 0 {
+            return Ok(());
+        }
+        let (threads, cols, splits) = self.shape();
+        let split = Split::new(lw, splits, self.batch, self.m, self.n);
+        let mut kb = KernelBuilder::new(&lw.buffers);
+        let fns = operands(&mut kb)? + &split.store(&mut kb, &store)?;
+        let main = format!("{fns}\n{}", self.main(threads, cols, splits));
+        let built = kb.finish(&main);
+        let groups = (self.n.div_ceil(cols) * self.batch * splits) as u64;
+        let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
+        let storage = (4 * self.m * cols * threads) as u32;
+        let ops = vec![lw.op_label()];
+        lw.add_dispatch(built, ops, [threads as u32, 1, 1], workgroups, storage)?;
+        split.sum(lw, &store)
+    }
+
+    fn main(&self, threads: usize, cols: usize, splits: usize) -> String {
+        let (m, n) = (self.m, self.n);
+        // k of a split (a multiple of 4 when split)
+        let depth = self.k / splits;
+        let chunks = depth.div_ceil(4);
+        let sums = m * cols;
+        let blocks = n.div_ceil(cols);
+        let mut s = String::new();
+        let _ = writeln!(s, "var<workgroup> red: array<f32, {}>;", sums * threads);
+        s.push_str(&entry(threads as u32));
+        let _ = writeln!(
+            s,
+            "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
+             \x20 let kbase = (g / {}u) * {depth}u;\n  let sb = g / {blocks}u;\n\
+             \x20 let bt = sb % {}u;\n  let n0 = (g % {blocks}u) * {cols}u;",
+            blocks * self.batch * splits,
+            blocks * self.batch,
+            self.batch
+        );
+        for j in 0..cols {
+            // a last block's missing columns read the last one (not stored)
+            let _ = writeln!(s, "  let c{j} = min(n0 + {j}u, {}u);", n - 1);
+        }
+        for i in 0..m {
+            for j in 0..cols {
+                let _ = writeln!(s, "  var s{i}_{j} = 0.0;");
+            }
+        }
+        let _ = writeln!(
+            s,
+            "  for (var q = lid; q < {chunks}u; q = q + {threads}u) {{\n    let k = kbase + q * 4u;"
+        );
+        for j in 0..cols {
+            let _ = writeln!(s, "    let b{j} = xb(bt, c{j}, k);");
+        }
+        for i in 0..m {
+            let _ = writeln!(s, "    let a{i} = xa(bt, {i}u, k);");
+            for j in 0..cols {
+                let _ = writeln!(s, "    s{i}_{j} = s{i}_{j} + dot(a{i}, b{j});");
+            }
+        }
+        s.push_str("  }\n");
+        for i in 0..m {
+            for j in 0..cols {
+                let _ = writeln!(s, "  red[{}u + lid] = s{i}_{j};", (i * cols + j) * threads);
+            }
+        }
+        s.push_str("  workgroupBarrier();\n");
+        // halve the partial sums of every output at once
+        let mut half = threads / 2;
+        while half >= 1 {
+            let _ = writeln!(
+                s,
+                "  for (var e = lid; e < {}u; e = e + {threads}u) {{\n\
+                 \x20   let o = (e / {half}u) * {threads}u + e % {half}u;\n\
+                 \x20   red[o] = red[o] + red[o + {half}u];\n  }}\n  workgroupBarrier();",
+                sums * half
+            );
+            half /= 2;
+        }
+        let _ = writeln!(
+            s,
+            "  if (lid < {sums}u) {{\n    let c = n0 + lid % {cols}u;\n\
+             \x20   if (c < {n}u) {{ gstore(sb, lid / {cols}u, c, red[lid * {threads}u]); }}\n  }}\n}}"
+        );
         s
     }
 }
@@ -693,6 +1054,102 @@ pub(super) mod tests {
         assert_eq!(tile(1, 512, 512), (32, 32));
         assert_eq!(tile(1, 1, 4096), (16, 64));
         assert_eq!(tile(1, 4096, 3), (64, 16));
+    }
+
+    /// Decode-step linears (one row) are matrix-vector kernels reading the
+    /// weight in 4-element chunks, with enough workgroups for a large GPU.
+    #[test]
+    fn decode_linears_read_weight_chunks() {
+        for (dtype, k, n, chunk) in [
+            (DType::F32, 1024, 1024, Some("array<vec4<f32>>")),
+            (DType::BF16, 1024, 32000, Some("array<vec2<u32>>")),
+            (DType::F32, 1022, 2048, None),
+        ] {
+            let p = lower_one(
+                Op::Linear,
+                vec![input(dtype, &[1, k]), weight(dtype, &[n, k]), None],
+            )
+            .unwrap();
+            let (d, kernel) = p
+                .payload
+                .dispatches
+                .iter()
+                .map(|d| (d, &p.payload.kernels[d.kernel]))
+                .find(|(_, k)| k.wgsl.contains("gstore"))
+                .expect("a product kernel");
+            assert!(kernel.wgsl.contains("var<workgroup> red"), "not a GEMV");
+            if let Some(chunk) = chunk {
+                assert!(kernel.wgsl.contains(chunk), "{dtype:?} {k}: no {chunk}");
+            } else {
+                assert!(!kernel.wgsl.contains("vec4<f32>>;"), "k % 4 != 0 chunked");
+            }
+            let groups: u32 = d.workgroups.iter().product();
+            assert!(groups >= 512, "{n} columns in {groups} workgroups");
+        }
+    }
+
+    #[test]
+    fn deep_k_is_split_when_tiles_are_few() {
+        use super::{split_k, Gemv};
+        // BERT-base linears at 128 tokens on 32×32 tiles
+        assert_eq!(split_k(96, 256, 768, 128, 16), 4);
+        assert_eq!(split_k(96, 256, 3072, 128, 16), 4);
+        assert_eq!(split_k(384, 256, 768, 128, 16), 1);
+        // parts must stay deep and whole slices
+        assert_eq!(split_k(1, 256, 256, 128, 16), 2);
+        assert_eq!(split_k(1, 256, 1000, 128, 16), 1);
+        let gemv = |n, k| {
+            Gemv {
+                batch: 1,
+                m: 1,
+                n,
+                k,
+            }
+            .shape()
+        };
+        // (invocations, columns, splits)
+        assert_eq!(gemv(64, 4096), (128, 1, 8));
+        assert_eq!(gemv(1024, 1024), (128, 2, 1));
+        assert_eq!(gemv(32000, 1024), (128, 4, 1));
+        assert_eq!(gemv(10, 2047), (128, 1, 1));
+        // the split cases of the GPU tests (gpu_matmul.rs) do split
+        let f = DType::F32;
+        let cases: Vec<(Op, Vec<Option<Operand>>)> = vec![
+            (
+                Op::Linear,
+                vec![input(f, &[40, 512]), weight(f, &[40, 512]), None],
+            ),
+            (
+                Op::MatMul,
+                vec![input(f, &[4, 1, 1024]), input(f, &[4, 1024, 30])],
+            ),
+            (
+                Op::MatMul,
+                vec![input(f, &[100, 1024]), input(f, &[1024, 3])],
+            ),
+            (
+                Op::Linear,
+                vec![input(f, &[2, 2048]), weight(f, &[10, 2048]), None],
+            ),
+            (
+                Op::Linear,
+                vec![
+                    input(DType::BF16, &[1, 1024]),
+                    weight(DType::BF16, &[7, 1024]),
+                    None,
+                ],
+            ),
+        ];
+        for (op, operands) in cases {
+            let p = lower_one(op, operands).unwrap();
+            assert!(
+                p.payload
+                    .buffers
+                    .iter()
+                    .any(|b| b.name.ends_with(".split_k")),
+                "not split"
+            );
+        }
     }
 
     #[test]
