@@ -28,8 +28,8 @@ use etmetal_graph::plan::plan_memory;
 use etmetal_graph::portable::to_portable;
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
 use etmetal_metal::partitioner::{ops_to_not_decompose, partition, PartitionOptions, Step};
-use etmetal_metal::payload::Payload;
-use etmetal_metal::preprocess::{preprocess, PreprocessOptions};
+use etmetal_metal::payload::{Location, Payload};
+use etmetal_metal::preprocess::{preprocess, PreprocessOptions, Preprocessed};
 use etmetal_pte::kernels::{encode, kernel_outputs, CallArg, TensorMeta};
 use etmetal_pte::{
     AllocationDetails, BackendDelegate, BackendDelegateDataReference, Chain, ContainerMetadata,
@@ -127,7 +127,7 @@ pub fn compile_methods(
                 "method name `{name}` is empty or given twice"
             )));
         }
-        let (l, r) = lower(name, graph, options, progress)
+        let (l, r) = lower(name, graph, options, &lowered, progress)
             .map_err(|e| e.context(format!("method `{name}`")))?;
         lowered.push(l);
         reports.push(r);
@@ -147,10 +147,13 @@ struct Lowered {
     resident: Vec<ValueId>,
 }
 
+/// Lower one method; `earlier` are the methods lowered before it, whose
+/// named data this one's weights share or step aside from.
 fn lower(
     name: &str,
     graph: &Graph,
     options: &CompileOptions,
+    earlier: &[Lowered],
     progress: &mut dyn FnMut(&str),
 ) -> Result<(Lowered, MethodReport)> {
     let mut g = graph.clone();
@@ -191,6 +194,7 @@ fn lower(
                 resident.push(buffer);
                 resident_state.push(fqn);
             }
+            rename_clashing_weights(&mut pre, name, earlier);
             let payload = pre.payload.encode();
             progress(&format!(
                 "{name}: partition {}: {} nodes → {} kernels, {} dispatches",
@@ -312,6 +316,34 @@ fn with_delegate_calls(
         })
         .collect();
     out
+}
+
+/// A weight key an earlier method stores with other bytes (a lifted
+/// constant of the same name but another shape, such as the positions of a
+/// prefill's length) gets this method's name appended, in the payload too;
+/// weights with the same key and bytes stay shared.
+fn rename_clashing_weights(pre: &mut Preprocessed, method: &str, earlier: &[Lowered]) {
+    let stored = |key: &str| {
+        earlier
+            .iter()
+            .flat_map(|l| &l.delegates)
+            .flat_map(|d| &d.named_data)
+            .find(|(k, _)| k == key)
+            .map(|(_, bytes)| bytes)
+    };
+    for (key, bytes) in &mut pre.named_data {
+        if stored(key).is_some_and(|b| b != bytes) {
+            let renamed = format!("{key}@{method}");
+            for b in &mut pre.payload.buffers {
+                if let Location::Weight { key: k } = &mut b.location {
+                    if k == key {
+                        *k = renamed.clone();
+                    }
+                }
+            }
+            *key = renamed;
+        }
+    }
 }
 
 /// A compiled partition as the `.pte` stores it.

@@ -235,3 +235,56 @@ fn gpu_keeps_state_resident_and_matches_the_cpu() {
     assert_eq!((up(4), back(4)), (16, 8), "first call after the reset");
     assert_eq!(got[4], got[0]);
 }
+
+/// `x * scale` with `scale` a constant `[s, s]` of the same name in every method.
+fn scaled(s: f32) -> Graph {
+    let mut g = Graph::default();
+    let x = g.add_value("x", DType::F32, vec![2]);
+    g.inputs.push((x, InputKind::User));
+    let scale = g.add_constant(
+        "scale",
+        Tensor::from_f32(DType::F32, &[2], &[s, s]).unwrap(),
+    );
+    let y = g.add_value("y", DType::F32, vec![2]);
+    g.nodes.push(Node {
+        name: "mul".into(),
+        target: "test".into(),
+        op: Op::Binary(BinaryOp::Mul),
+        inputs: vec![Some(x), Some(scale)],
+        outputs: vec![y],
+    });
+    g.outputs.push((y, OutputKind::User));
+    g
+}
+
+#[test]
+fn methods_keep_same_named_weights_apart_when_their_bytes_differ() {
+    // as a decoder's prefill and decode lift `positions` constants of their
+    // own lengths under one name
+    let (double, triple) = (scaled(2.0), scaled(3.0));
+    let compiled = compile_methods(
+        &[("forward", &double), ("again", &triple), ("twice", &double)],
+        &CompileOptions::default(),
+        &mut |_| {},
+    )
+    .unwrap();
+    let file = etmetal_pte::parse(&compiled.pte).unwrap();
+    let mut keys: Vec<&str> = file
+        .program
+        .named_data
+        .iter()
+        .map(|n| n.key.as_str())
+        .collect();
+    keys.sort();
+    // the same bytes under the same name are stored once
+    assert_eq!(keys, ["scale", "scale@again"]);
+    let backend = Arc::new(MetalBackend::new(DeviceChoice::Auto));
+    let mut options = LoadOptions::default();
+    options.backends.register(backend).unwrap();
+    let mut model = Model::from_pte_bytes(&compiled.pte, options).unwrap();
+    for (method, want) in [("forward", 2.0), ("again", 3.0), ("twice", 2.0)] {
+        let x = Tensor::from_f32(DType::F32, &[2], &[1.0, -4.0]).unwrap();
+        let got = model.execute_method(method, vec![x]).unwrap()[0].to_f64_vec();
+        assert_eq!(got, [want, -4.0 * want], "{method}");
+    }
+}
