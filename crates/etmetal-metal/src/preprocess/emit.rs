@@ -285,19 +285,7 @@ impl<'a> KernelBuilder<'a> {
                 return self.emit_as(f, v, key, x, &inner);
             }
             Kind::Expand(x) => {
-                let lead = v.shape.len() - x.shape.len();
-                let inner: Vec<String> = x
-                    .shape
-                    .iter()
-                    .enumerate()
-                    .map(|(d, &n)| {
-                        if n == 1 {
-                            "0u".to_string()
-                        } else {
-                            idx[lead + d].clone()
-                        }
-                    })
-                    .collect();
+                let inner = expanded_index(idx, &x.shape);
                 return self.emit_as(f, v, key, x, &inner);
             }
             Kind::Reshape(x) => {
@@ -519,6 +507,20 @@ fn node_of(v: &LazyRef) -> &str {
 }
 
 /// Row-major linear index of `idx` in `shape`.
+/// The index into a value of `shape` that an expand of it reads at `idx`
+/// (the expanded rank): leading dims dropped, broadcast dims at 0.
+pub(crate) fn expanded_index(idx: &[String], shape: &[usize]) -> Vec<String> {
+    let lead = idx.len() - shape.len();
+    shape
+        .iter()
+        .enumerate()
+        .map(|(d, &n)| match n {
+            1 => "0u".to_string(),
+            _ => idx[lead + d].clone(),
+        })
+        .collect()
+}
+
 pub(crate) fn linear(idx: &[String], shape: &[usize]) -> String {
     let mut terms = vec![];
     let mut stride = 1usize;

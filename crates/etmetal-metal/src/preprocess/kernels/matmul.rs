@@ -25,7 +25,7 @@ use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
 use crate::preprocess::emit::{
-    entry, grid, linear, unravel, Built, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP,
+    entry, expanded_index, grid, linear, unravel, Built, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP,
 };
 use crate::preprocess::expr::{Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, float_literal};
@@ -286,22 +286,7 @@ fn k_run(x: &LazyRef, idx: &[String]) -> Option<(BufferIdx, Vec<String>, Vec<usi
             }
             k_run(inner, &at)
         }
-        Kind::Expand(inner) => {
-            let lead = x.shape.len() - inner.shape.len();
-            let at = inner
-                .shape
-                .iter()
-                .enumerate()
-                .map(|(d, &n)| {
-                    if n == 1 {
-                        "0u".to_string()
-                    } else {
-                        idx[lead + d].clone()
-                    }
-                })
-                .collect::<Vec<_>>();
-            k_run(inner, &at)
-        }
+        Kind::Expand(inner) => k_run(inner, &expanded_index(idx, &inner.shape)),
         _ => None,
     }
 }
