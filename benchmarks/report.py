@@ -173,21 +173,22 @@ def main():
                f"`executorch` runtime. {cpu['threads']} threads for both (RAYON_NUM_THREADS; XNNPACK's pool "
                f"defaults to the cores). etmetal: `compile --backend cpu` + `run --device cpu --bench`; "
                f"ExecuTorch: `executorch.runtime` `Method.execute` from Python, wall clock. Median of "
-               f"{cpu['runs']} after {cpu['warmup']} warm-ups. Models in f32, batch 1. The machine is a shared "
+               f"the row's runs ({cpu['runs']} after {cpu['warmup']} warm-ups, fewer where those would take "
+               f"over 20 s). The real-models zoo at full size, f32, batch 1. The machine is a shared "
                f"2-core development box (other builds may run meanwhile): treat these as rough.", ""]
         rows = []
         for m in cpu["models"]:
             def et(kind):
                 return f(m.get(f"et_{kind}_ms")) if f"et_{kind}_ms" in m else \
                     "error: " + m.get(f"et_{kind}_error", "?")[:80]
-            rows.append([m["model"], f(m["etmetal_ms"]), et("portable"), et("xnnpack"),
+            rows.append([m["model"], m.get("runs", cpu["runs"]), f(m["etmetal_ms"]), et("portable"), et("xnnpack"),
                          f(ratio(m["etmetal_ms"], m.get("et_portable_ms")), 2),
                          f(ratio(m["etmetal_ms"], m.get("et_xnnpack_ms")), 2), f(m["etmetal_err"], 1)])
-        md += [table(["model", "etmetal ms", "ET portable ms", "ET XNNPACK ms", "vs portable", "vs XNNPACK",
+        md += [table(["model", "runs", "etmetal ms", "ET portable ms", "ET XNNPACK ms", "vs portable", "vs XNNPACK",
                       "etmetal err"], rows), ""]
         rows = [[m["model"], f(m["compile_s_etmetal_cpu"]), f(m["compile_s_etmetal_metal"]),
-                 f(m["compile_s_et_portable"]), f(m["compile_s_et_xnnpack"]),
-                 f(ratio(m["compile_s_et_xnnpack"], m["compile_s_etmetal_metal"]), 1)] for m in cpu["models"]]
+                 f(m.get("compile_s_et_portable")), f(m.get("compile_s_et_xnnpack")),
+                 f(ratio(m.get("compile_s_et_xnnpack"), m["compile_s_etmetal_metal"]), 1)] for m in cpu["models"]]
         md += ["### Compile time", "",
                "Seconds from the same f32 `.pt2`: `etmetal compile` (a process, wall clock) vs ExecuTorch "
                "`torch.export.load` + `to_edge(...)` or `to_edge_transform_and_lower(..., XnnpackPartitioner)` "

@@ -322,14 +322,15 @@ def et_lower(pt2: Path, xnnpack: bool) -> tuple[bytes, float]:
 
     t = time.perf_counter()
     ep = torch.export.load(str(pt2))
-    if xnnpack:
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    # no autograd: the lowering passes run the buffer write-backs (`copy_`) eagerly
+    with torch.no_grad():
+        if xnnpack:
+            from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
-        prog = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch()
-    else:
-        prog = to_edge(ep).to_executorch()
-    data = prog.buffer
-    return data, time.perf_counter() - t
+            prog = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch()
+        else:
+            prog = to_edge(ep).to_executorch()
+    return prog.buffer, time.perf_counter() - t
 
 
 def et_bench(pte_bytes: bytes, xs) -> tuple[float, torch.Tensor]:
@@ -343,12 +344,29 @@ def et_bench(pte_bytes: bytes, xs) -> tuple[float, torch.Tensor]:
     return wall_time_ms(run, *runs_for((time.perf_counter() - t) * 1e3)), out
 
 
+def resumed(args) -> tuple[dict, callable]:
+    """Rows of an earlier, interrupted run (`--resume`: its log of JSON
+    lines) by (case, dtype), and whether `--only` asks for a case."""
+    done = {}
+    for line in Path(args.resume).read_text().splitlines() if args.resume else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        done[(row.get("op") or row.get("model"), row.get("dtype", "f32"))] = row
+    return done, lambda name: not args.only or any(name.startswith(p) for p in args.only.split(","))
+
+
 def cpu(args):
     threads = os.cpu_count()
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
     rows = []
+    done, wanted = resumed(args)
     for name in model_cases():
+        if (name, "f32") in done or not wanted(name):
+            rows.extend([done[name, "f32"]] if (name, "f32") in done else [])
+            continue
         module, xs = make_model(name, "f32")
         pt2 = WORK / "pt2" / f"{name}.f32.pt2"
         with torch.no_grad():
@@ -368,13 +386,13 @@ def cpu(args):
         row.update(runs=runs, etmetal_ms=b["latency_ms"]["median"], etmetal_err=rel_err(b["output_0"], want),
                    peak_rss_after_load=b["peak_rss_after_load_bytes"], peak_rss=b["peak_rss_bytes"])
         for kind, xnn in (("portable", False), ("xnnpack", True)):
-            data, secs = et_lower(pt2, xnn)
-            row[f"compile_s_et_{kind}"] = secs
             try:
+                data, secs = et_lower(pt2, xnn)
+                row[f"compile_s_et_{kind}"] = secs
                 ms, got = et_bench(data, xs)
                 row[f"et_{kind}_ms"] = ms
                 row[f"et_{kind}_err"] = rel_err(got.numpy(), want)
-            except Exception as e:  # a runtime refusal is a row, not a crash
+            except Exception as e:  # a lowering or runtime refusal is a row, not a crash
                 row[f"et_{kind}_error"] = f"{type(e).__name__}: {e}"[:200]
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -462,15 +480,7 @@ def gpu(args):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     ops, models = [], []
-    # Rows of an earlier, interrupted run (its log of JSON lines) are kept.
-    done = {}
-    for line in Path(args.resume).read_text().splitlines() if args.resume else []:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        done[(row.get("op") or row.get("model"), row["dtype"])] = row
-    wanted = lambda name: not args.only or any(name.startswith(p) for p in args.only.split(","))  # noqa: E731
+    done, wanted = resumed(args)
     with tempfile.TemporaryDirectory() as d:
         for name in op_cases():
             for dt in DTYPES:
@@ -503,8 +513,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("step", choices=["prepare", "cpu", "gpu", "report"])
     ap.add_argument("--out", help="gpu: where to write the JSON (default results/gpu.json)")
-    ap.add_argument("--resume", help="gpu: keep the rows of this earlier run's log, measure the rest")
-    ap.add_argument("--only", help="gpu: measure only the ops/models whose names start with one of these (comma-separated)")
+    ap.add_argument("--resume", help="cpu/gpu: keep the rows of this earlier run's log, measure the rest")
+    ap.add_argument("--only", help="cpu/gpu: measure only the ops/models whose names start with one of these (comma-separated)")
     a = ap.parse_args()
     if a.step == "report":
         import report
