@@ -3,6 +3,7 @@ inputs and eager PyTorch outputs (.npy), so Rust tests need no Python.
 
 Run with the project venv: /root/.cache/etmetal/venv/bin/python scripts/make_fixtures.py
 """
+import copy
 import os
 import sys
 
@@ -206,6 +207,33 @@ class OpsMisc(nn.Module):
         return views, e, g, w, el, red, tv, ti, mv, mi, am, q, t, m, s, x.cumsum(1), ints, x.unbind(0)[2], i / 2
 
 
+class InPlaceState(nn.Module):
+    """In-place ops as `torch.export.export` keeps them (saved without
+    `run_decompositions`): `relu_` (torchvision's `ReLU(inplace=True)`),
+    `add_` of an intermediate, a cache buffer written by `index_copy_` and by
+    slice assignment, one of its rows scaled through a `select` view, and a
+    counter `+= 1`. STATEFUL: outputs of a second call are saved too."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.register_buffer("cache", torch.zeros(3, 6))
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x, pos):
+        h = self.relu(self.fc(x))
+        h.add_(0.5)
+        self.cache.index_copy_(1, pos, h[:, :2])
+        self.cache[:, 4:6] = h[:, 2:]
+        self.cache[0].mul_(2)
+        self.count += 1
+        return h.sum(1) + self.cache.sum(1) * self.count
+
+
+STATEFUL = {"inplace_state"}
+
+
 def fixtures():
     torch.manual_seed(0)
     yield "mlp", Mlp(), (torch.randn(2, 8),), False
@@ -223,6 +251,7 @@ def fixtures():
     ops_inputs = (torch.rand(4, 6) + 0.1, torch.tensor([0, 2, 3]))
     yield "ops_misc", OpsMisc(), ops_inputs, False
     yield "ops_misc_decomposed", OpsMisc(), ops_inputs, True
+    yield "inplace_state", InPlaceState(), (torch.randn(3, 4), torch.tensor([3, 1])), False
 
 
 def save_npy(path, t):
@@ -235,7 +264,9 @@ def save_npy(path, t):
 def main():
     os.makedirs(OUT, exist_ok=True)
     for name, module, args, decompose in fixtures():
-        ep = torch.export.export(module, args)
+        # export a copy: exporting runs nothing, but a stateful module's
+        # buffers must start from their initial values in eager below
+        ep = torch.export.export(copy.deepcopy(module), args)
         if decompose:
             ep = ep.run_decompositions()
         torch.export.save(ep, os.path.join(OUT, name + ".pt2"))
@@ -246,6 +277,9 @@ def main():
             save_npy(os.path.join(OUT, f"{name}.input_{i}.npy"), a)
         for i, o in enumerate(outs):
             save_npy(os.path.join(OUT, f"{name}.output_{i}.npy"), o)
+        if name in STATEFUL:
+            with torch.no_grad():
+                save_npy(os.path.join(OUT, f"{name}.call2.output_0.npy"), module(*args))
     total = sum(os.path.getsize(os.path.join(OUT, f)) for f in os.listdir(OUT))
     print(f"wrote fixtures: {total} bytes in {OUT}")
     if total > 1 << 20:

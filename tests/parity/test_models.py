@@ -1,9 +1,10 @@
 """Whole models (tests/parity/models/) against eager PyTorch. Stateful
 decoders keep their KV cache in registered buffers: each is exported twice
 from the same module, as ExecuTorch's multi-method programs are (`forward`:
-one token; `prefill`: PROMPT tokens; `run_decompositions({})`
+one token; `prefill`: PROMPT tokens; either `run_decompositions({})`
 functionalizes the in-place cache updates into buffer mutations, as
-`to_edge` does), compiled into one `.pte` (`--method prefill=...`) with
+`to_edge` does, or the program is saved as exported, in-place ops and all,
+and etmetal's importer functionalizes them), compiled into one `.pte` (`--method prefill=...`) with
 `--backend cpu` and `--backend metal`, and run by the `generate` example's
 `--replay` mode through ONE loaded model: prefill in one call, then STEPS
 decode steps on the cache prefill left, then `reset_state` and the same
@@ -47,12 +48,14 @@ def decoder_steps():
     return prefill, decode
 
 
-def compile_two_methods(etmetal, model, prefill, decode, tmp_path: Path, backend: str):
+def compile_two_methods(etmetal, model, prefill, decode, tmp_path: Path, backend: str,
+                        functional: bool = True):
     """`forward` (decode) and `prefill` of `model` in one `.pte`, and the
-    compile report."""
+    compile report. `functional=False` saves the exports as they are."""
     files = {}
     for name, inputs in [("forward", decode[0]), ("prefill", prefill)]:
-        ep = torch.export.export(copy.deepcopy(model), inputs).run_decompositions({})
+        ep = torch.export.export(copy.deepcopy(model), inputs)
+        ep = ep.run_decompositions({}) if functional else ep
         files[name] = tmp_path / f"{name}.pt2"
         torch.export.save(ep, files[name])
     pte = tmp_path / "decoder.pte"
@@ -64,12 +67,15 @@ def compile_two_methods(etmetal, model, prefill, decode, tmp_path: Path, backend
 
 
 @pytest.mark.parametrize("backend", ["cpu", "metal"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype,export", [(torch.float32, "functional"), (torch.bfloat16, "functional"),
+                                          (torch.float32, "as_exported")],
+                         ids=["f32", "bf16", "f32-as-exported"])
 @pytest.mark.parametrize("kind", ["llama", "gpt"])
-def test_decoder_prefill_then_decode_steps(kind, dtype, backend, etmetal, tmp_path):
+def test_decoder_prefill_then_decode_steps(kind, dtype, export, backend, etmetal, tmp_path):
     model = decoder(kind).to(dtype)
     prefill, decode = decoder_steps()
-    pte, report = compile_two_methods(etmetal, model, prefill, decode, tmp_path, backend)
+    pte, report = compile_two_methods(etmetal, model, prefill, decode, tmp_path, backend,
+                                      functional=export == "functional")
     if backend == "metal":
         # the cache lives in one partition each: it stays on the GPU
         assert report.count("state kept on the GPU") == 2, report

@@ -123,3 +123,24 @@ def test_unsupported_op_exits_2(etmetal, tmp_path):
     assert "aten.special_bessel_j0.default" in zoo.op_targets(ep)
     res = etmetal.run(save(ep, tmp_path / "bessel.pt2"), (x,), tmp_path)
     expect_bad_input(res, r"special_bessel_j0")
+
+
+def test_write_through_an_uninvertible_view_exits_2(etmetal, tmp_path):
+    """A buffer written through a `view` (which the importer cannot send the
+    write back through) is refused naming the view and the remedy, never
+    run with the buffer's old value."""
+
+    class ViewWrite(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("acc", torch.zeros(2, 3))
+
+        def forward(self, x):
+            self.acc.view(6).add_(x)
+            return self.acc * 2
+
+    x = torch.randn(6)
+    ep = torch.export.export(ViewWrite(), (x,))
+    assert "aten.add_.Tensor" in zoo.op_targets(ep)
+    res = etmetal.run(save(ep, tmp_path / "view_write.pt2"), (x,), tmp_path)
+    expect_bad_input(res, r"`view`.*run_decompositions")

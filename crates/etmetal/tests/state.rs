@@ -288,3 +288,62 @@ fn methods_keep_same_named_weights_apart_when_their_bytes_differ() {
         assert_eq!(got, [want, -4.0 * want], "{method}");
     }
 }
+
+/// The in-place fixture (scripts/make_fixtures.py: a `.pt2` saved straight
+/// from `torch.export.export`, with `relu_`, `index_copy_`, slice
+/// assignment and a write through a `select` view into its buffers) imports
+/// with both buffers as mutations, and its `.pte` for either backend gives
+/// eager PyTorch's outputs for two calls, then again after a reset.
+#[test]
+fn in_place_export_keeps_its_buffers_as_state_on_both_backends() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let graph = etmetal_graph::load_pt2(&dir.join("inplace_state.pt2")).unwrap();
+    let mutated: Vec<&OutputKind> = graph.outputs.iter().map(|(_, k)| k).collect();
+    assert_eq!(
+        mutated,
+        [
+            &OutputKind::BufferMutation {
+                fqn: "cache".into()
+            },
+            &OutputKind::BufferMutation {
+                fqn: "count".into()
+            },
+            &OutputKind::User
+        ]
+    );
+    let npy = |f: &str| etmetal_core::npy::read(&dir.join(f)).unwrap();
+    let inputs = vec![
+        npy("inplace_state.input_0.npy"),
+        npy("inplace_state.input_1.npy"),
+    ];
+    let want: Vec<Vec<f64>> = ["output_0", "call2.output_0"]
+        .iter()
+        .map(|o| npy(&format!("inplace_state.{o}.npy")).to_f64_vec())
+        .collect();
+    for backend in [Backend::Cpu, Backend::Metal] {
+        let options = CompileOptions {
+            backend,
+            ..CompileOptions::default()
+        };
+        let compiled = compile_methods(&[("forward", &graph)], &options, &mut |_| {}).unwrap();
+        let mut load = LoadOptions::default();
+        if backend == Backend::Metal {
+            let gpu = Arc::new(MetalBackend::new(DeviceChoice::Auto));
+            load.backends.register(gpu).unwrap();
+        }
+        let mut model = Model::from_pte_bytes(&compiled.pte, load).unwrap();
+        for round in 0..2 {
+            for (call, w) in want.iter().enumerate() {
+                let got = model.execute(inputs.clone()).unwrap()[0].to_f64_vec();
+                for (a, b) in got.iter().zip(w) {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                        "{backend:?} round {round} call {}: {got:?} vs {w:?}",
+                        call + 1
+                    );
+                }
+            }
+            model.reset_state().unwrap();
+        }
+    }
+}

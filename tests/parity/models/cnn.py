@@ -26,8 +26,9 @@ def random_bn(module: nn.Module) -> nn.Module:
 
 
 def conv_bn(cin, cout, k, stride=1, groups=1, act=None):
+    # activations in place, as torchvision's (`relu_`, `hardtanh_` in the export)
     layers = [nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
-    return nn.Sequential(*layers, *([act()] if act else []))
+    return nn.Sequential(*layers, *([act(inplace=True)] if act else []))
 
 
 class BasicBlock(nn.Module):
@@ -37,7 +38,9 @@ class BasicBlock(nn.Module):
         self.down = conv_bn(cin, cout, 1, stride) if stride != 1 or cin != cout else nn.Identity()
 
     def forward(self, x):
-        return F.relu(self.body(x) + self.down(x))
+        out = self.body(x)
+        out += self.down(x)  # in place, as torchvision's block
+        return F.relu(out, inplace=True)
 
 
 class ResNet(nn.Module):

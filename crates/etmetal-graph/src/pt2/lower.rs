@@ -16,6 +16,9 @@ use super::json::Args;
 use crate::infer::infer;
 use crate::ir::{Graph, Node, ValueId};
 
+mod inplace;
+pub(crate) use inplace::functional_target;
+
 /// What a source value name stands for.
 enum Bound {
     Value(ValueId),
@@ -26,6 +29,9 @@ enum Bound {
     },
     /// An output of a node that could not be lowered (already reported).
     Failed,
+    /// A tensor whose data an in-place write changed in a way etmetal does
+    /// not follow (why, in words).
+    Stale(String),
 }
 
 /// One source node being lowered.
@@ -64,6 +70,10 @@ pub(crate) struct Lowerer<'m> {
     used: HashSet<String>,
     /// Set when a node read an output of a failed node.
     hit_failed: bool,
+    /// Names that alias another's memory (see [`inplace`]).
+    views: inplace::Views,
+    /// The graph inputs' source names, in signature order.
+    placeholders: Vec<String>,
 }
 
 fn scalar_dtype(s: Scalar) -> DType {
@@ -114,11 +124,15 @@ impl<'m> Lowerer<'m> {
             meta,
             used,
             hit_failed: false,
+            views: inplace::Views::new(),
+            placeholders: vec![],
         }
     }
 
+    /// Bind graph input `name` (call in signature order, with `graph.inputs`).
     pub fn bind_input(&mut self, name: &str, id: ValueId) {
         self.names.insert(name.to_string(), Bound::Value(id));
+        self.placeholders.push(name.to_string());
     }
 
     pub fn lookup(&mut self, name: &str) -> Result<ValueId> {
@@ -131,16 +145,23 @@ impl<'m> Lowerer<'m> {
                 self.hit_failed = true;
                 Err(Error::unsupported(format!("value `{name}` comes from an unsupported node")))
             }
+            Some(Bound::Stale(why)) => Err(Error::unsupported(format!(
+                "value `{name}` is read after {why}"
+            ))),
             None => Err(Error::format(format!("value `{name}` is used before it is defined"))),
         }
     }
 
     /// Lower one node; on an unsupported node, the error says so and its
     /// outputs are marked failed. Returns `Ok(false)` when the node only
-    /// failed because an input came from a failed node.
-    pub fn lower(&mut self, c: &Ctx) -> Result<bool> {
+    /// failed because an input came from a failed node. `in_place`: `c` is
+    /// the functional form of an in-place node (see [`inplace`]).
+    pub fn lower(&mut self, c: &Ctx, in_place: bool) -> Result<bool> {
         self.hit_failed = false;
-        match self.lower_node(c) {
+        let lowered = self
+            .lower_node(c)
+            .and_then(|()| self.track_aliases(c, in_place));
+        match lowered {
             Ok(()) => {
                 // the source name goes to the last node, which gives the
                 // source output; helpers before it are `name.0`, `name.1`…
@@ -1141,29 +1162,28 @@ impl<'m> Lowerer<'m> {
             ("slice_scatter", "default") => {
                 let x = self.t(c, "self")?;
                 let src = self.t(c, "src")?;
-                let shape = self.shape(x);
-                let (dim, n) = self.sized_dim(c, "dim", 0, &shape)?;
+                let (dim, n) = self.sized_dim(c, "dim", 0, &self.shape(x))?;
                 let step = usize::try_from(a.int("step", 1)?)
                     .ok()
                     .filter(|&s| s > 0)
                     .ok_or_else(|| Error::format("slice_scatter step must be positive"))?;
                 let (start, end) = Self::clamp_range(a.opt_int("start")?, a.opt_int("end")?, n);
-                // position j of the dim takes source row (j - start) / step
-                let rows: Vec<i64> = (0..n)
-                    .map(|j| (j.saturating_sub(start) / step) as i64)
-                    .collect();
-                let hit: Vec<i64> = (0..n)
-                    .map(|j| i64::from(j >= start && j < end && (j - start) % step == 0))
-                    .collect();
-                let rows = Tensor::from_i64(DType::I64, &[n], &rows)?;
-                let rows = self.graph.add_constant(format!("{}.rows", c.name), rows);
-                let mut mask_shape = vec![1; shape.len()];
-                mask_shape[dim] = n;
-                let mask = Tensor::from_i64(DType::Bool, &mask_shape, &hit)?;
-                let mask = self.graph.add_constant(format!("{}.mask", c.name), mask);
-                let src = self.cast_to(c, src, self.dtype(x))?;
-                let placed = self.emit1(c, Op::IndexSelect { dim }, vec![Some(src), Some(rows)])?;
-                self.finish(c, Op::Where, vec![Some(mask), Some(placed), Some(x)])
+                let v = self.slice_scatter(c, x, src, dim, (start, end, step))?;
+                self.bind(c, 0, v)
+            }
+            ("select_scatter", "default") => {
+                let x = self.t(c, "self")?;
+                let src = self.t(c, "src")?;
+                let (dim, n) = self.sized_dim(c, "dim", 0, &self.shape(x))?;
+                let i = a.int("index", 0)?;
+                let index = usize::try_from(if i < 0 { i + n as i64 } else { i })
+                    .ok()
+                    .filter(|&i| i < n)
+                    .ok_or_else(|| {
+                        Error::shape(format!("select_scatter index {i} of dim {dim} of size {n}"))
+                    })?;
+                let v = self.select_scatter(c, x, src, dim, index)?;
+                self.bind(c, 0, v)
             }
             ("index_copy", "default") => {
                 let x = self.t(c, "self")?;
@@ -1382,6 +1402,67 @@ impl<'m> Lowerer<'m> {
         }
         let shape = shape.to_vec();
         self.emit1(c, Op::Expand { shape }, vec![Some(v)])
+    }
+
+    /// `x` with positions `start..end` (every `step`th) of dim `dim` taken
+    /// from the rows of `src` (`slice_scatter`): the source row of each
+    /// position gathered, `where` the slice covers it.
+    fn slice_scatter(
+        &mut self,
+        c: &Ctx,
+        x: ValueId,
+        src: ValueId,
+        dim: usize,
+        (start, end, step): (usize, usize, usize),
+    ) -> Result<ValueId> {
+        let shape = self.shape(x);
+        let n = shape[dim];
+        let hit: Vec<bool> = (0..n)
+            .map(|j| j >= start && j < end && (j - start) % step == 0)
+            .collect();
+        if !hit.contains(&true) {
+            return self.emit1(c, Op::Identity, vec![Some(x)]);
+        }
+        // position j of the dim takes source row (j - start) / step; row 0
+        // (a valid index, masked off) where the slice does not cover it
+        let rows: Vec<i64> = (0..n)
+            .map(|j| {
+                if hit[j] {
+                    ((j - start) / step) as i64
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let hit: Vec<i64> = hit.into_iter().map(i64::from).collect();
+        let rows = Tensor::from_i64(DType::I64, &[n], &rows)?;
+        let rows = self.graph.add_constant(format!("{}.rows", c.name), rows);
+        let mut mask_shape = vec![1; shape.len()];
+        mask_shape[dim] = n;
+        let mask = Tensor::from_i64(DType::Bool, &mask_shape, &hit)?;
+        let mask = self.graph.add_constant(format!("{}.mask", c.name), mask);
+        let src = self.cast_to(c, src, self.dtype(x))?;
+        let placed = self.emit1(c, Op::IndexSelect { dim }, vec![Some(src), Some(rows)])?;
+        self.emit1(c, Op::Where, vec![Some(mask), Some(placed), Some(x)])
+    }
+
+    /// `x` with position `index` of dim `dim` replaced by `src`, which lacks
+    /// that dim (`select_scatter`).
+    fn select_scatter(
+        &mut self,
+        c: &Ctx,
+        x: ValueId,
+        src: ValueId,
+        dim: usize,
+        index: usize,
+    ) -> Result<ValueId> {
+        let mut one = self.shape(x);
+        one[dim] = 1;
+        let mut dropped = one.clone();
+        dropped.remove(dim);
+        let src = self.broadcast_to(c, src, &dropped, self.dtype(x))?;
+        let src = self.emit1(c, Op::Reshape { shape: one }, vec![Some(src)])?;
+        self.slice_scatter(c, x, src, dim, (index, index + 1, 1))
     }
 
     /// `x` with row `index[m]` of dim `dim` replaced by row `m` of `rows`

@@ -16,7 +16,7 @@ use serde_json::Value;
 use crate::ir::{Graph, InputKind, OutputKind};
 use archive::Archive;
 use json::{field, short, tensor_meta, union, Args};
-use lower::{is_unsupported, Ctx, Lowerer};
+use lower::{functional_target, is_unsupported, Ctx, Lowerer};
 
 /// The torch.export serde schema major version this importer reads.
 pub const SCHEMA_MAJOR: i64 = 8;
@@ -276,10 +276,13 @@ fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Gra
         let where_ = format!("node `{name}` ({target})");
         let outputs = node_outputs(n).context(where_.clone());
         let args = Args::new(field(n, "inputs")?).context(where_.clone());
+        let functional = functional_target(&target);
         let lowered = outputs
             .and_then(|o| args.map(|a| (o, a)))
             .and_then(|(outputs, args)| {
-                lowerer.lower(&Ctx::new(name.clone(), target.clone(), args, outputs))
+                let lowered_target = functional.clone().unwrap_or_else(|| target.clone());
+                let c = Ctx::new(name.clone(), lowered_target, args, outputs);
+                lowerer.lower(&c, functional.is_some())
             });
         match lowered {
             Ok(_) => {}
@@ -295,6 +298,8 @@ fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Gra
         )));
     }
 
+    // inputs that in-place ops wrote come first, as in a functional export
+    lowerer.graph.outputs = lowerer.mutation_outputs()?;
     let out_specs = field(signature, "output_specs")?
         .as_array()
         .ok_or_else(|| Error::format("`output_specs` is not a list"))?;
