@@ -27,12 +27,82 @@ enum Bytes {
     },
 }
 
+/// `data` as 8-byte words (the tail zero-padded), filled straight from it:
+/// no zeroing pass first, which would double the work for large tensors.
+fn words_of(data: &[u8]) -> Vec<u64> {
+    let mut words = Vec::with_capacity(data.len().div_ceil(8));
+    let chunks = data.chunks_exact(8);
+    let tail = chunks.remainder();
+    words.extend(chunks.map(bytemuck::pod_read_unaligned::<u64>));
+    if !tail.is_empty() {
+        let mut last = [0u8; 8];
+        last[..tail.len()].copy_from_slice(tail);
+        words.push(u64::from_ne_bytes(last));
+    }
+    words
+}
+
 impl Bytes {
     fn as_slice(&self) -> &[u8] {
         match self {
             Bytes::Owned { words, len } => &bytemuck::cast_slice(words)[..*len],
             Bytes::Shared { data, offset, len } => &(**data).as_ref()[*offset..*offset + *len],
         }
+    }
+}
+
+/// A dtype and shape over bytes borrowed for writing: where a result goes
+/// (a value's place in a method's planned memory, another tensor's storage).
+pub struct TensorMut<'a> {
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: &'a mut [u8],
+}
+
+impl<'a> TensorMut<'a> {
+    /// `bytes` must be exactly a `dtype` tensor of `shape`.
+    pub fn new(dtype: DType, shape: &[usize], bytes: &'a mut [u8]) -> Result<TensorMut<'a>> {
+        let len = byte_len(dtype, shape)?;
+        if bytes.len() != len {
+            return Err(Error::internal(format!(
+                "{} bytes for a {dtype} tensor of shape {shape:?}, which needs {len}",
+                bytes.len()
+            )));
+        }
+        Ok(TensorMut {
+            dtype,
+            shape: shape.to_vec(),
+            bytes,
+        })
+    }
+
+    /// A view of `tensor`'s own storage.
+    pub fn of(tensor: &'a mut Tensor) -> TensorMut<'a> {
+        let (dtype, shape) = (tensor.dtype, tensor.shape.clone());
+        TensorMut {
+            dtype,
+            shape,
+            bytes: tensor.bytes_mut(),
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn numel(&self) -> usize {
+        self.bytes.len() / self.dtype.size()
+    }
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        self.bytes
+    }
+}
+
+impl std::fmt::Debug for TensorMut<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TensorMut({}, {:?})", self.dtype, self.shape)
     }
 }
 
@@ -71,16 +141,21 @@ impl Tensor {
 
     /// A tensor from raw little-endian bytes; the length must match.
     pub fn from_bytes(dtype: DType, shape: &[usize], data: &[u8]) -> Result<Tensor> {
-        let mut t = Tensor::zeros(dtype, shape)?;
-        if data.len() != t.nbytes() {
+        let len = byte_len(dtype, shape)?;
+        if data.len() != len {
             return Err(Error::format(format!(
-                "{} bytes given for a {dtype} tensor of shape {shape:?}, which needs {}",
+                "{} bytes given for a {dtype} tensor of shape {shape:?}, which needs {len}",
                 data.len(),
-                t.nbytes()
             )));
         }
-        t.bytes_mut().copy_from_slice(data);
-        Ok(t)
+        Ok(Tensor {
+            dtype,
+            shape: shape.to_vec(),
+            bytes: Bytes::Owned {
+                words: words_of(data),
+                len,
+            },
+        })
     }
 
     /// A tensor that borrows `len` bytes at `offset` of shared memory.
@@ -205,11 +280,8 @@ impl Tensor {
 
     /// Mutable bytes; shared bytes are copied into an owned buffer first.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
-        if let Bytes::Shared { .. } = self.bytes {
-            let copy = self.bytes.as_slice().to_vec();
-            let len = copy.len();
-            let mut words = vec![0u64; len.div_ceil(8)];
-            bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..len].copy_from_slice(&copy);
+        if let Bytes::Shared { len, .. } = self.bytes {
+            let words = words_of(self.bytes.as_slice());
             self.bytes = Bytes::Owned { words, len };
         }
         match &mut self.bytes {

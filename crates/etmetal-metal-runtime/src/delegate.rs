@@ -228,8 +228,6 @@ impl Profiler {
 }
 
 struct Output {
-    /// Payload buffer id.
-    id: usize,
     range: Range,
     /// Offset into the staging buffer.
     staging_offset: u64,
@@ -537,7 +535,6 @@ impl GpuDelegate {
             .map(|&id| {
                 let range = ranges[id];
                 let out = Output {
-                    id,
                     range,
                     staging_offset: staging_size,
                 };
@@ -609,23 +606,28 @@ impl GpuDelegate {
                 inputs.push(None);
                 continue;
             }
-            let DelegateArg::Tensor(t) = arg else {
-                return Err(Error::invalid_input(format!(
-                    "delegate {what} {index} (`{}`): expected a tensor, got {arg:?}",
-                    b.name
-                )));
+            let (dtype, shape) = match arg {
+                DelegateArg::Tensor(t) if k < ni => (t.dtype(), t.shape()),
+                DelegateArg::Output(t) if k >= ni => (t.dtype(), t.shape()),
+                _ => {
+                    let want = if k < ni { "a tensor" } else { "an output" };
+                    return Err(Error::invalid_input(format!(
+                        "delegate {what} {index} (`{}`): expected {want}, got {arg:?}",
+                        b.name
+                    )));
+                }
             };
-            if t.dtype() != b.dtype || t.shape() != b.shape.as_slice() {
+            if dtype != b.dtype || shape != b.shape.as_slice() {
                 return Err(Error::invalid_input(format!(
                     "delegate {what} {index} (`{}`): expected {} {:?}, got {} {:?}",
                     b.name,
                     b.dtype.name(),
                     b.shape,
-                    t.dtype().name(),
-                    t.shape()
+                    dtype.name(),
+                    shape
                 )));
             }
-            if k < ni {
+            if let DelegateArg::Tensor(t) = arg {
                 inputs.push(Some(payload::to_gpu(
                     t,
                     &format!("delegate input {k} (`{}`)", b.name),
@@ -772,14 +774,17 @@ impl GpuDelegate {
             let ni = self.payload.inputs.len();
             // (no `?` here: the staging buffer must be unmapped on every path)
             self.check_statuses(&view).and_then(|()| {
-                self.outputs.iter().enumerate().try_for_each(|(k, o)| {
-                    let b = &self.payload.buffers[o.id];
-                    let start = o.staging_offset as usize;
-                    let bytes = &view[start..start + o.range.size as usize];
-                    args[ni + k] =
-                        DelegateArg::Tensor(payload::from_gpu(bytes, b.dtype, &b.shape)?);
-                    Ok::<(), Error>(())
-                })
+                self.outputs
+                    .iter()
+                    .zip(&mut args[ni..])
+                    .try_for_each(|(o, arg)| {
+                        let start = o.staging_offset as usize;
+                        let bytes = &view[start..start + o.range.size as usize];
+                        match arg {
+                            DelegateArg::Output(out) => payload::from_gpu_into(bytes, out),
+                            _ => Err(Error::internal("delegate output argument changed")),
+                        }
+                    })
             })
         };
         self.staging.unmap();
@@ -923,6 +928,10 @@ impl GpuDelegate {
 impl DelegateHandle for GpuDelegate {
     fn execute(&mut self, args: &mut [DelegateArg]) -> Result<()> {
         GpuDelegate::execute(self, args)
+    }
+
+    fn output_count(&self) -> usize {
+        self.payload.outputs.len()
     }
 
     fn resident_args(&self) -> Vec<usize> {

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use etmetal_core::{DType, ErrorKind, Tensor};
+use etmetal_core::{DType, Error, ErrorKind, Tensor, TensorMut};
 use etmetal_metal::payload::{
     to_gpu, Access, Buffer, Dispatch, Kernel, Location, Payload, Requirements, VERSION_MAJOR,
     VERSION_MINOR,
@@ -15,7 +15,7 @@ use etmetal_pte::{
     BackendDelegate, BackendDelegateDataReference, BackendDelegateInlineData, Chain, DataLocation,
     DelegateCall, EValue, ExecutionPlan, Instruction, Program, Segment,
 };
-use etmetal_runtime::{Backend, DelegateArg, LoadOptions};
+use etmetal_runtime::{Backend, DelegateArg, DelegateHandle, LoadOptions};
 
 type Named = HashMap<String, Vec<u8>>;
 
@@ -162,33 +162,40 @@ fn affine() -> (Payload, Named) {
     (payload, named)
 }
 
-fn args(inputs: &[Tensor], payload: &Payload) -> Vec<DelegateArg> {
-    let outs = payload.outputs.iter().map(|&id| {
-        let b = &payload.buffers[id];
-        DelegateArg::Tensor(Tensor::zeros(b.dtype, &b.shape).unwrap())
-    });
-    inputs
+/// Run `h` once on `inputs`; its outputs, written in place as a method's
+/// memory would be.
+fn exec(
+    h: &mut dyn DelegateHandle,
+    inputs: &[Tensor],
+    payload: &Payload,
+) -> Result<Vec<Tensor>, Error> {
+    let mut outs: Vec<Tensor> = payload
+        .outputs
+        .iter()
+        .map(|&id| {
+            let b = &payload.buffers[id];
+            Tensor::zeros(b.dtype, &b.shape).unwrap()
+        })
+        .collect();
+    let mut a: Vec<DelegateArg> = inputs
         .iter()
         .cloned()
         .map(DelegateArg::Tensor)
-        .chain(outs)
-        .collect()
-}
-
-fn output(args: &[DelegateArg], k: usize) -> &Tensor {
-    match &args[args.len() - 1 - k] {
-        DelegateArg::Tensor(t) => t,
-        other => panic!("output is {other:?}"),
-    }
+        .chain(
+            outs.iter_mut()
+                .map(|t| DelegateArg::Output(TensorMut::of(t))),
+        )
+        .collect();
+    h.execute(&mut a)?;
+    drop(a);
+    Ok(outs)
 }
 
 /// Load `payload` and run it once on `inputs`; its (single) output.
 fn run_once(payload: &Payload, named: &Named, inputs: &[Tensor]) -> Tensor {
     let b = backend();
     let mut h = b.init(&payload.encode(), &[], named).unwrap();
-    let mut a = args(inputs, payload);
-    h.execute(&mut a).unwrap();
-    output(&a, 0).clone()
+    exec(&mut *h, inputs, payload).unwrap().remove(0)
 }
 
 #[test]
@@ -238,15 +245,10 @@ fn affine_over_weights_and_load_once() {
     );
     assert!(b.device().is_some());
     let a = Tensor::from_f32(DType::F32, &[2, 3], &[1.0, 1.0, 1.0, 2.0, -1.0, 0.0]).unwrap();
-    let mut first = args(std::slice::from_ref(&a), &payload);
-    h.execute(&mut first).unwrap();
-    assert_eq!(
-        output(&first, 0).to_f32_vec(),
-        [1.5, 1.0, 13.0, 8.5, -6.0, 10.0]
-    );
-    let mut second = args(&[a], &payload);
-    h.execute(&mut second).unwrap();
-    assert_eq!(output(&first, 0).bytes(), output(&second, 0).bytes());
+    let first = exec(&mut *h, std::slice::from_ref(&a), &payload).unwrap();
+    assert_eq!(first[0].to_f32_vec(), [1.5, 1.0, 13.0, 8.5, -6.0, 10.0]);
+    let second = exec(&mut *h, &[a], &payload).unwrap();
+    assert_eq!(first[0].bytes(), second[0].bytes());
     let after = b.stats();
     assert_eq!(after.pipelines_created, loaded.pipelines_created);
     assert_eq!(after.buffers_allocated, loaded.buffers_allocated);
@@ -288,14 +290,15 @@ fn two_dispatches_chain_through_an_intermediate_and_share_a_pipeline() {
     let b = backend();
     let mut h = b.init(&payload.encode(), &[], &Named::new()).unwrap();
     assert_eq!(b.stats().pipelines_created, 1);
-    let mut a = args(
-        &[Tensor::from_f32(DType::F32, &shape, &x).unwrap()],
-        &payload,
-    );
-    h.execute(&mut a).unwrap();
-    let want: Vec<f32> = x.iter().map(|v| (v * 2.0 + 1.0) * 2.0 + 1.0).collect();
-    assert_eq!(output(&a, 0).to_f32_vec(), want);
-    assert_eq!(output(&a, 0).shape(), shape);
+    let x = Tensor::from_f32(DType::F32, &shape, &x).unwrap();
+    let out = exec(&mut *h, std::slice::from_ref(&x), &payload).unwrap();
+    let want: Vec<f32> = x
+        .to_f32_vec()
+        .iter()
+        .map(|v| (v * 2.0 + 1.0) * 2.0 + 1.0)
+        .collect();
+    assert_eq!(out[0].to_f32_vec(), want);
+    assert_eq!(out[0].shape(), shape);
 }
 
 #[test]
@@ -311,14 +314,12 @@ fn profiled_executes_time_every_dispatch_and_compute_the_same() {
     let plain = run_once(&payload, &Named::new(), std::slice::from_ref(&x));
     let b = backend();
     let mut h = b.init(&payload.encode(), &[], &Named::new()).unwrap();
-    let mut a = args(std::slice::from_ref(&x), &payload);
-    h.execute(&mut a).unwrap();
+    exec(&mut *h, std::slice::from_ref(&x), &payload).unwrap();
     assert!(b.take_dispatch_times().is_empty(), "not profiling yet");
     b.set_profiling(true);
     for _ in 0..3 {
-        let mut a = args(std::slice::from_ref(&x), &payload);
-        h.execute(&mut a).unwrap();
-        assert_eq!(output(&a, 0).to_f32_vec(), plain.to_f32_vec());
+        let out = exec(&mut *h, std::slice::from_ref(&x), &payload).unwrap();
+        assert_eq!(out[0].to_f32_vec(), plain.to_f32_vec());
     }
     let times = b.take_dispatch_times();
     if b.can_profile() {
@@ -338,9 +339,8 @@ fn profiled_executes_time_every_dispatch_and_compute_the_same() {
     }
     assert!(b.take_dispatch_times().is_empty(), "taken once");
     b.set_profiling(false);
-    let mut a = args(std::slice::from_ref(&x), &payload);
-    h.execute(&mut a).unwrap();
-    assert_eq!(output(&a, 0).to_f32_vec(), plain.to_f32_vec());
+    let out = exec(&mut *h, std::slice::from_ref(&x), &payload).unwrap();
+    assert_eq!(out[0].to_f32_vec(), plain.to_f32_vec());
     assert!(b.take_dispatch_times().is_empty(), "profiling off again");
 }
 
@@ -375,7 +375,7 @@ fn int64_runs_as_i32_and_comes_back_int64() {
     let big = Tensor::from_i64(DType::I64, &[4], &[0, 0, 1 << 40, 0]).unwrap();
     let b = backend();
     let mut h = b.init(&payload.encode(), &[], &Named::new()).unwrap();
-    let e = h.execute(&mut args(&[big], &payload)).unwrap_err();
+    let e = exec(&mut *h, &[big], &payload).unwrap_err();
     assert!(e.to_string().contains("delegate input 0 (`x`)"), "{e}");
 }
 
@@ -395,12 +395,12 @@ fn wrong_arguments_are_named() {
     let mut h = b.init(&payload.encode(), &[], &named).unwrap();
     let good = Tensor::zeros(DType::F32, &[2, 3]).unwrap();
 
-    let e = h
-        .execute(&mut args(
-            &[Tensor::zeros(DType::I32, &[2, 3]).unwrap()],
-            &payload,
-        ))
-        .unwrap_err();
+    let e = exec(
+        &mut *h,
+        &[Tensor::zeros(DType::I32, &[2, 3]).unwrap()],
+        &payload,
+    )
+    .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput);
     let m = e.to_string();
     assert!(
@@ -408,12 +408,12 @@ fn wrong_arguments_are_named() {
         "{m}"
     );
 
-    let e = h
-        .execute(&mut args(
-            &[Tensor::zeros(DType::F32, &[3, 2]).unwrap()],
-            &payload,
-        ))
-        .unwrap_err();
+    let e = exec(
+        &mut *h,
+        &[Tensor::zeros(DType::F32, &[3, 2]).unwrap()],
+        &payload,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("got float32 [3, 2]"), "{e}");
 
     let mut too_few = vec![DelegateArg::Tensor(good.clone())];
@@ -431,15 +431,30 @@ fn wrong_arguments_are_named() {
         "{e}"
     );
 
+    let mut not_output = vec![
+        DelegateArg::Tensor(good.clone()),
+        DelegateArg::Tensor(good.clone()),
+    ];
+    let e = h.execute(&mut not_output).unwrap_err();
+    assert!(
+        e.to_string().contains("output 0 (`y`): expected an output"),
+        "{e}"
+    );
+
+    let mut wrong = Tensor::zeros(DType::F32, &[6]).unwrap();
     let mut bad_out = vec![
         DelegateArg::Tensor(good.clone()),
-        DelegateArg::Tensor(Tensor::zeros(DType::F32, &[6]).unwrap()),
+        DelegateArg::Output(TensorMut::of(&mut wrong)),
     ];
     let e = h.execute(&mut bad_out).unwrap_err();
-    assert!(e.to_string().contains("output 0 (`y`)"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("output 0 (`y`): expected float32 [2, 3], got float32 [6]"),
+        "{e}"
+    );
 
     // The handle still works after refused calls.
-    h.execute(&mut args(&[good], &payload)).unwrap();
+    exec(&mut *h, &[good], &payload).unwrap();
 }
 
 #[test]

@@ -34,7 +34,7 @@
 
 use std::borrow::Cow;
 
-use etmetal_core::{DType, Error, Result, Tensor};
+use etmetal_core::{DType, Error, Result, Tensor, TensorMut};
 use serde::{Deserialize, Serialize};
 
 pub const MAGIC: &[u8; 4] = b"EMTL";
@@ -302,38 +302,46 @@ pub fn to_gpu<'t>(tensor: &'t Tensor, what: &str) -> Result<Cow<'t, [u8]>> {
 
 /// The host tensor of GPU bytes `bytes` (at least [`gpu_bytes`] long).
 pub fn from_gpu(bytes: &[u8], dtype: DType, shape: &[usize]) -> Result<Tensor> {
-    let numel: usize = shape.iter().product();
+    let mut t = Tensor::zeros(dtype, shape)?;
+    from_gpu_into(bytes, &mut TensorMut::of(&mut t))?;
+    Ok(t)
+}
+
+/// Convert GPU bytes `bytes` (at least [`gpu_bytes`] long) into `out`, in
+/// place (a delegate output written where the method keeps it).
+pub fn from_gpu_into(bytes: &[u8], out: &mut TensorMut) -> Result<()> {
+    let (dtype, numel) = (out.dtype(), out.numel());
     let need = gpu_bytes(dtype, numel)? as usize;
     if bytes.len() < need {
         return Err(Error::internal(format!(
-            "GPU buffer of {} bytes holds less than a {} tensor of shape {shape:?} ({need} bytes)",
+            "GPU buffer of {} bytes holds less than a {} tensor of shape {:?} ({need} bytes)",
             bytes.len(),
-            dtype.name()
+            dtype.name(),
+            out.shape()
         )));
     }
     let word = |c: &[u8]| i32::from_le_bytes(c.try_into().expect("4-byte chunk"));
+    let dst = out.bytes_mut();
     match GpuRepr::of(dtype)? {
-        // the same layout: one copy straight into the tensor
-        GpuRepr::F32 | GpuRepr::I32 => Tensor::from_bytes(dtype, shape, &bytes[..numel * 4]),
-        GpuRepr::Packed16 => Tensor::from_bytes(dtype, shape, &bytes[..numel * 2]),
+        // the same layout: one copy
+        GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16 => {
+            dst.copy_from_slice(&bytes[..dst.len()]);
+        }
         GpuRepr::I64AsI32 => {
-            let mut t = Tensor::zeros(dtype, shape)?;
-            for (dst, src) in t.bytes_mut().chunks_exact_mut(8).zip(bytes.chunks_exact(4)) {
-                dst.copy_from_slice(&(word(src) as i64).to_le_bytes());
+            for (d, src) in dst.chunks_exact_mut(8).zip(bytes.chunks_exact(4)) {
+                d.copy_from_slice(&(word(src) as i64).to_le_bytes());
             }
-            Ok(t)
         }
         GpuRepr::Widened => {
-            let mut t = Tensor::zeros(dtype, shape)?;
-            for (dst, src) in t.bytes_mut().iter_mut().zip(bytes.chunks_exact(4)) {
-                *dst = match dtype {
+            for (d, src) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+                *d = match dtype {
                     DType::Bool => (word(src) != 0) as u8,
                     _ => word(src) as u8,
                 };
             }
-            Ok(t)
         }
     }
+    Ok(())
 }
 
 impl Payload {

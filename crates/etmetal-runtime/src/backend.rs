@@ -5,13 +5,16 @@ use std::sync::Arc;
 
 use std::collections::HashMap;
 
-use etmetal_core::{Error, Result, Tensor};
+use etmetal_core::{Error, Result, Tensor, TensorMut};
 use etmetal_pte::{CompileSpec, PteFile};
 
 /// One argument of a delegate call, as the method holds it.
-#[derive(Clone, Debug)]
-pub enum DelegateArg {
+#[derive(Debug)]
+pub enum DelegateArg<'a> {
+    /// An input tensor.
     Tensor(Tensor),
+    /// An output: the method's memory for it, which the delegate fills.
+    Output(TensorMut<'a>),
     Int(i64),
     Double(f64),
     Bool(bool),
@@ -26,10 +29,13 @@ pub enum DelegateArg {
 /// A delegate ready to run (made once at method load).
 pub trait DelegateHandle: Send {
     /// Run with the call's arguments (inputs, then outputs, as the program
-    /// lists them). Output tensors are replaced in `args` by new tensors; the
-    /// method copies those back into its planned memory (their dtype and
-    /// shape must stay) and skips the arguments left as they were passed.
-    fn execute(&mut self, args: &mut [DelegateArg]) -> Result<()>;
+    /// lists them). The last [`DelegateHandle::output_count`] are
+    /// [`DelegateArg::Output`]s: the delegate writes its results there, in
+    /// place (no copy of a large output through a new tensor).
+    fn execute(&mut self, args: &mut [DelegateArg<'_>]) -> Result<()>;
+
+    /// How many of the call's arguments, at its end, are outputs.
+    fn output_count(&self) -> usize;
 
     /// Put any state the delegate keeps across executes (device-resident
     /// mutable buffers) back to its initial value; stateless delegates

@@ -38,7 +38,9 @@ enum Step {
     Delegate {
         id: String,
         handle: Box<dyn DelegateHandle>,
+        /// The call's arguments: inputs, then `outputs` outputs.
         args: Vec<usize>,
+        outputs: usize,
         /// `(argument position, index into Method::states)` of the mutable
         /// buffers this delegate keeps resident.
         resident: Vec<(usize, usize)>,
@@ -184,10 +186,19 @@ impl Method {
                         .map_err(|e| at(e.context(format!("initialising delegate `{}`", d.id))))?;
                     let args: Vec<usize> = c.args.iter().map(|&a| a as usize).collect();
                     check_reads(&unwritten, &args, k)?;
+                    let outputs = handle.output_count();
+                    if outputs > args.len() {
+                        return Err(at(Error::format(format!(
+                            "delegate `{}` has {outputs} outputs but the call passes {} arguments",
+                            d.id,
+                            args.len()
+                        ))));
+                    }
                     Step::Delegate {
                         id: d.id.clone(),
                         handle,
                         args,
+                        outputs,
                         resident: vec![],
                     }
                 }
@@ -407,9 +418,11 @@ impl Method {
                 id,
                 handle,
                 args,
+                outputs,
                 resident,
             } => {
-                let mut call = args
+                let (ins, outs) = args.split_at(args.len() - *outputs);
+                let mut call = ins
                     .iter()
                     .enumerate()
                     .map(|(k, &v)| {
@@ -426,29 +439,20 @@ impl Method {
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
-                // what the delegate did not replace (its inputs) needs no copy back
-                let passed: Vec<Option<*const u8>> = call
-                    .iter()
-                    .map(|a| match a {
-                        DelegateArg::Tensor(t) => Some(t.bytes().as_ptr()),
-                        _ => None,
-                    })
-                    .collect();
+                // outputs are written where they live, not copied back
+                call.extend(
+                    values
+                        .outputs_mut(outs)
+                        .map_err(|e| e.context(format!("delegate `{id}` outputs")))?
+                        .into_iter()
+                        .map(DelegateArg::Output),
+                );
                 handle
                     .execute(&mut call)
                     .map_err(|e| e.context(format!("delegate `{id}`")))?;
                 resident
                     .iter()
                     .for_each(|&(_, s)| states[s].on_device = true);
-                for ((&v, arg), before) in args.iter().zip(&call).zip(&passed) {
-                    if let DelegateArg::Tensor(t) = arg {
-                        if *before != Some(t.bytes().as_ptr()) && !values.is_constant(v) {
-                            values
-                                .write(v, t)
-                                .map_err(|e| e.context(format!("delegate `{id}` output")))?;
-                        }
-                    }
-                }
             }
             Step::Move { from, to } => values.assign(*from, *to)?,
             Step::JumpFalse { cond, dest } => {
@@ -502,6 +506,7 @@ fn resident_state(steps: &mut [Step], states: &mut [State], io: &[usize]) -> Res
             handle,
             args,
             resident,
+            ..
         } = step
         else {
             continue;

@@ -3,7 +3,7 @@
 //! file (constants), or, when unplanned, as owned tensors; everything else
 //! is the program's `EValue`.
 
-use etmetal_core::{DType, Error, Result, Tensor};
+use etmetal_core::{DType, Error, Result, Tensor, TensorMut};
 use etmetal_pte::{EValue, PteFile, TensorDataLocation, TensorShapeDynamism};
 
 /// Where a tensor's bytes are.
@@ -315,6 +315,88 @@ impl Values {
         }
     }
 
+    /// Writable views of tensors `vs` (a delegate's outputs), in order:
+    /// their planned memory, or an unplanned value's own tensor. They must
+    /// not overlap (the planner never places values live at once together).
+    pub fn outputs_mut(&mut self, vs: &[usize]) -> Result<Vec<TensorMut<'_>>> {
+        let mut planned = vec![];
+        let mut specs = vec![];
+        for (k, &v) in vs.iter().enumerate() {
+            let t = self.tensor_slot(v)?;
+            match &t.place {
+                Place::Arena { memory, offset } => {
+                    let n = etmetal_core::shape::numel(&t.shape)? * t.dtype.size();
+                    planned.push((*memory, *offset, n, k));
+                }
+                Place::Unplanned(_) => {}
+                Place::Constant(_) => {
+                    return Err(Error::format(format!(
+                        "value {v} is a constant and cannot be written"
+                    )))
+                }
+            }
+            specs.push((t.dtype, t.shape.clone()));
+        }
+        let mut views: Vec<Option<TensorMut<'_>>> = vs.iter().map(|_| None).collect();
+        // each arena split into the outputs' ranges, in address order
+        planned.sort_unstable();
+        let mut rests: Vec<(usize, &mut [u8])> = self
+            .arenas
+            .iter_mut()
+            .map(|a| (0, a.as_mut_slice()))
+            .collect();
+        for (memory, offset, n, k) in planned {
+            let v = vs[k];
+            let Some((at, rest)) = rests.get_mut(memory) else {
+                return Err(Error::internal(format!(
+                    "value {v}: no planned memory {memory}"
+                )));
+            };
+            let skip = offset.checked_sub(*at).ok_or_else(|| {
+                Error::format(format!(
+                    "value {v} overlaps another output in planned memory {memory}"
+                ))
+            })?;
+            if skip.checked_add(n).is_none_or(|end| end > rest.len()) {
+                return Err(Error::internal(format!(
+                    "value {v} lies outside planned memory {memory}"
+                )));
+            }
+            let (mine, tail) = std::mem::take(rest)[skip..].split_at_mut(n);
+            (*at, *rest) = (offset + n, tail);
+            let (dtype, shape) = &specs[k];
+            views[k] = Some(TensorMut::new(*dtype, shape, mine)?);
+        }
+        let mut unplanned: Vec<(usize, &mut Option<Tensor>)> = self
+            .slots
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(v, slot)| match slot {
+                Slot::Tensor(TensorSlot {
+                    place: Place::Unplanned(t),
+                    ..
+                }) => Some((v, t)),
+                _ => None,
+            })
+            .collect();
+        for (k, view) in views.iter_mut().enumerate().filter(|(_, v)| v.is_none()) {
+            let (dtype, shape) = &specs[k];
+            let at = unplanned.iter().position(|(v, _)| *v == vs[k]);
+            let Some((_, t)) = at.map(|i| unplanned.swap_remove(i)) else {
+                return Err(Error::format(format!(
+                    "value {} is a delegate output twice",
+                    vs[k]
+                )));
+            };
+            let t = match t {
+                Some(t) => t,
+                None => t.insert(Tensor::zeros(*dtype, shape)?),
+            };
+            *view = Some(TensorMut::of(t));
+        }
+        Ok(views.into_iter().flatten().collect())
+    }
+
     /// `values[to] = values[from]` (a data copy for tensors).
     pub fn assign(&mut self, from: usize, to: usize) -> Result<()> {
         match self.get(from)? {
@@ -335,15 +417,5 @@ impl Values {
                 }
             }
         }
-    }
-
-    pub fn is_constant(&self, v: usize) -> bool {
-        matches!(
-            self.slots.get(v),
-            Some(Slot::Tensor(TensorSlot {
-                place: Place::Constant(_),
-                ..
-            }))
-        )
     }
 }

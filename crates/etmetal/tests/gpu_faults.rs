@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use etmetal::compile::{compile, CompileOptions};
-use etmetal_core::{npy, DType, Error, ErrorKind, Tensor};
+use etmetal_core::{npy, DType, Error, ErrorKind, Tensor, TensorMut};
 use etmetal_metal::payload::{
     to_gpu, Access, Buffer, Dispatch, Kernel, Location, Payload, Requirements, ARENA_ALIGN,
 };
@@ -111,15 +111,12 @@ fn scale(n: usize) -> (Payload, Named) {
 fn run(b: &MetalBackend, payload: &Payload, named: &Named, x: &Tensor) -> Result<Tensor, Error> {
     let mut h = b.init(&payload.encode(), &[], named)?;
     let out = &payload.buffers[payload.outputs[0]];
-    let mut args = vec![
+    let mut y = Tensor::zeros(out.dtype, &out.shape)?;
+    h.execute(&mut [
         DelegateArg::Tensor(x.clone()),
-        DelegateArg::Tensor(Tensor::zeros(out.dtype, &out.shape)?),
-    ];
-    h.execute(&mut args)?;
-    match args.pop() {
-        Some(DelegateArg::Tensor(t)) => Ok(t),
-        other => panic!("output is {other:?}"),
-    }
+        DelegateArg::Output(TensorMut::of(&mut y)),
+    ])?;
+    Ok(y)
 }
 
 /// `scale(n)` runs on `b` and computes `x * 2 + w`.
