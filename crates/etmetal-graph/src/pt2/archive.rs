@@ -4,26 +4,35 @@
 
 use std::collections::BTreeMap;
 use std::io::{Cursor, Read};
+use std::ops::Range;
+use std::sync::Arc;
 
 use etmetal_core::{DType, Error, Result, Tensor};
 use serde_json::Value;
 
 use super::json::{field, sym_ints, tensor_meta};
 
-/// Every entry of the archive, keyed by its path after the prefix folder.
+/// Bytes that tensors may borrow (the mapped file, or a decompressed entry).
+pub(crate) type Shared = Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// Every entry of the archive, keyed by its path after the prefix folder:
+/// the bytes holding it and where in them. Stored (uncompressed) entries,
+/// as torch writes weights, stay in the archive's own bytes, so a
+/// contiguous weight becomes a tensor borrowing them (no copy).
 pub(crate) struct Archive {
     pub origin: String,
-    entries: BTreeMap<String, Vec<u8>>,
+    entries: BTreeMap<String, (Shared, Range<usize>)>,
 }
 
 impl Archive {
-    pub fn open(bytes: &[u8], origin: &str) -> Result<Archive> {
+    pub fn open(bytes: Shared, origin: &str) -> Result<Archive> {
+        let data = (*bytes).as_ref();
         // torch writes archives from offset 0; detection is confused by the
         // nested zip of `data/sample_inputs/*.pt` stored inside.
         let config = zip::read::Config {
             archive_offset: zip::read::ArchiveOffset::Known(0),
         };
-        let mut zip = zip::ZipArchive::with_config(config, Cursor::new(bytes))
+        let mut zip = zip::ZipArchive::with_config(config, Cursor::new(data))
             .map_err(|e| Error::format(format!("{origin}: not a .pt2 archive (zip): {e}")))?;
         let mut prefix: Option<String> = None;
         let mut entries = BTreeMap::new();
@@ -46,10 +55,29 @@ impl Archive {
                 )));
             };
             let rel = rel.to_string();
-            let mut data = Vec::with_capacity(file.size().min(1 << 30) as usize);
-            file.read_to_end(&mut data)
-                .map_err(|e| Error::format(format!("{origin}: reading zip entry `{name}`: {e}")))?;
-            entries.insert(rel, data);
+            let reading = |e: std::io::Error| {
+                Error::format(format!("{origin}: reading zip entry `{name}`: {e}"))
+            };
+            let stored = file.compression() == zip::CompressionMethod::Stored && !file.encrypted();
+            let span = file.data_start().and_then(|start| {
+                let start = usize::try_from(start).ok()?;
+                let end = start.checked_add(usize::try_from(file.size()).ok()?)?;
+                (end <= data.len()).then_some(start..end)
+            });
+            let entry = match span.filter(|_| stored) {
+                Some(span) => {
+                    // read through the zip reader only to check the CRC
+                    std::io::copy(&mut file, &mut std::io::sink()).map_err(reading)?;
+                    (bytes.clone(), span)
+                }
+                None => {
+                    let mut v = Vec::with_capacity(file.size().min(1 << 30) as usize);
+                    file.read_to_end(&mut v).map_err(reading)?;
+                    let len = v.len();
+                    (Arc::new(v) as Shared, 0..len)
+                }
+            };
+            entries.insert(rel, entry);
         }
         Ok(Archive {
             origin: origin.to_string(),
@@ -57,8 +85,11 @@ impl Archive {
         })
     }
 
+    /// The bytes of entry `path`.
     pub fn get(&self, path: &str) -> Option<&[u8]> {
-        self.entries.get(path).map(Vec::as_slice)
+        self.entries
+            .get(path)
+            .map(|(bytes, span)| &(**bytes).as_ref()[span.clone()])
     }
 
     pub fn text(&self, path: &str) -> Option<Result<&str>> {
@@ -169,27 +200,33 @@ impl Archive {
             _ => 0,
         };
         let file = format!("{dir}/{path_name}");
-        let storage = self.get(&file).ok_or_else(|| {
-            Error::format(format!(
+        let Some((bytes, span)) = self.entries.get(&file) else {
+            return Err(Error::format(format!(
                 "{what}: payload `{file}` is missing from the archive"
-            ))
-        })?;
-        let fake = storage.is_empty() && sizes.iter().product::<usize>() > 0;
-        strided_tensor(dtype, &sizes, &strides, offset, storage)
+            )));
+        };
+        let fake = span.is_empty() && sizes.iter().product::<usize>() > 0;
+        strided_tensor(dtype, &sizes, &strides, offset, bytes, span.clone())
             .map(|t| Some((t, fake)))
             .map_err(|e| e.context(format!("{what} (`{file}`)")))
     }
 }
 
-/// Materialise `as_strided(sizes, strides, offset)` over the raw `storage`
-/// bytes as a contiguous tensor; an empty storage means a fake tensor (zeros).
+/// `as_strided(sizes, strides, offset)` over the raw storage `span` of
+/// `bytes` as a contiguous tensor: a contiguous view borrows the bytes, any
+/// other is materialised; an empty storage means a fake tensor (zeros).
 pub(crate) fn strided_tensor(
     dtype: DType,
     sizes: &[usize],
     strides: &[i64],
     offset: i64,
-    storage: &[u8],
+    bytes: &Shared,
+    span: Range<usize>,
 ) -> Result<Tensor> {
+    let storage = (**bytes)
+        .as_ref()
+        .get(span.clone())
+        .ok_or_else(|| Error::internal(format!("storage {span:?} outside its bytes")))?;
     if storage.is_empty() {
         return Tensor::zeros(dtype, sizes);
     }
@@ -213,9 +250,8 @@ pub(crate) fn strided_tensor(
         )));
     }
     let elems = storage.len() / esize;
-    let mut out = Tensor::zeros(dtype, sizes)?;
-    if out.numel() == 0 {
-        return Ok(out);
+    if sizes.contains(&0) {
+        return Tensor::zeros(dtype, sizes);
     }
     // The farthest element the view touches must lie inside the storage.
     let last = sizes
@@ -232,13 +268,12 @@ pub(crate) fn strided_tensor(
     }
     let strides: Vec<usize> = strides.iter().map(|&s| s as usize).collect();
     let offset = offset as usize;
-    let dst = out.bytes_mut();
     if etmetal_core::shape::is_contiguous(sizes, &strides) {
-        dst.copy_from_slice(&storage[offset * esize..offset * esize + dst.len()]);
-        return Ok(out);
+        return Tensor::from_shared(dtype, sizes, bytes.clone(), span.start + offset * esize);
     }
+    let mut out = Tensor::zeros(dtype, sizes)?;
     let mut index = vec![0usize; sizes.len()];
-    for chunk in dst.chunks_exact_mut(esize) {
+    for chunk in out.bytes_mut().chunks_exact_mut(esize) {
         let src: usize = offset
             + index
                 .iter()
@@ -261,30 +296,48 @@ pub(crate) fn strided_tensor(
 mod tests {
     use super::*;
 
+    /// `storage` as the middle of larger bytes, as an archive entry is.
+    fn entry(storage: &[u8]) -> (Shared, Range<usize>) {
+        let mut bytes = vec![0xAB; 4];
+        bytes.extend_from_slice(storage);
+        bytes.extend_from_slice(&[0xCD; 4]);
+        (Arc::new(bytes), 4..4 + storage.len())
+    }
+
+    fn view(sizes: &[usize], strides: &[i64], offset: i64, storage: &[u8]) -> Result<Tensor> {
+        let (bytes, span) = entry(storage);
+        strided_tensor(DType::F32, sizes, strides, offset, &bytes, span)
+    }
+
     #[test]
-    fn transposed_view_is_materialised() {
+    fn strided_views_are_materialised_and_contiguous_ones_borrowed() {
         let storage: Vec<u8> = (0..6f32 as i32)
             .flat_map(|v| (v as f32).to_le_bytes())
             .collect();
         // storage [0 1 2 3 4 5] viewed as a [3,2] transpose of a [2,3] matrix
-        let t = strided_tensor(DType::F32, &[3, 2], &[1, 3], 0, &storage).unwrap();
+        let t = view(&[3, 2], &[1, 3], 0, &storage).unwrap();
         assert_eq!(t.to_f32_vec(), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
-        let t = strided_tensor(DType::F32, &[2], &[2], 1, &storage).unwrap();
+        let t = view(&[2], &[2], 1, &storage).unwrap();
         assert_eq!(t.to_f32_vec(), vec![1.0, 3.0]);
+        // rows 1..3 of a [3, 2] matrix: contiguous, read from the entry's bytes
+        let t = view(&[2, 2], &[2, 1], 2, &storage).unwrap();
+        assert_eq!(t.to_f32_vec(), vec![2.0, 3.0, 4.0, 5.0]);
     }
 
     #[test]
     fn out_of_storage_strides_are_rejected() {
         let storage = vec![0u8; 24];
-        let e = strided_tensor(DType::F32, &[3, 2], &[1, 4], 0, &storage).unwrap_err();
+        let e = view(&[3, 2], &[1, 4], 0, &storage).unwrap_err();
         assert!(e.to_string().contains("outside the storage"), "{e}");
-        let e = strided_tensor(DType::F32, &[2], &[1], 5, &storage).unwrap_err();
+        let e = view(&[2], &[1], 5, &storage).unwrap_err();
+        assert!(e.to_string().contains("outside the storage"), "{e}");
+        let e = view(&[2, 2], &[2, 1], 3, &storage).unwrap_err();
         assert!(e.to_string().contains("outside the storage"), "{e}");
     }
 
     #[test]
     fn empty_storage_gives_zeros() {
-        let t = strided_tensor(DType::F32, &[2, 2], &[2, 1], 0, &[]).unwrap();
+        let t = view(&[2, 2], &[2, 1], 0, &[]).unwrap();
         assert_eq!(t.to_f32_vec(), vec![0.0; 4]);
     }
 }

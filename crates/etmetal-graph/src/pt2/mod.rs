@@ -8,6 +8,7 @@ mod lower;
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
+use std::sync::Arc;
 
 use etmetal_core::error::ResultExt;
 use etmetal_core::{DType, Error, Result};
@@ -21,14 +22,23 @@ use lower::{functional_target, is_unsupported, Ctx, Lowerer};
 /// The torch.export serde schema major version this importer reads.
 pub const SCHEMA_MAJOR: i64 = 8;
 
-/// Read and import a `.pt2` file.
+/// Map and import a `.pt2` file. Its weights stay in the mapping (the
+/// graph's constants borrow it), so the file must not change while the
+/// graph is alive.
 pub fn load_pt2(path: &Path) -> Result<Graph> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path.display(), e))?;
-    import_pt2(&bytes, &path.display().to_string())
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path.display(), e))?;
+    // SAFETY: the map is only read; a file truncated or rewritten meanwhile
+    // is outside what etmetal can guard against (as for `.pte` files).
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path.display(), e))?;
+    import_archive(Arc::new(map), &path.display().to_string())
 }
 
 /// Import a `.pt2` archive held in memory; `origin` names it in messages.
 pub fn import_pt2(bytes: &[u8], origin: &str) -> Result<Graph> {
+    import_archive(Arc::new(bytes.to_vec()), origin)
+}
+
+fn import_archive(bytes: archive::Shared, origin: &str) -> Result<Graph> {
     let archive = Archive::open(bytes, origin)?;
     archive.check_version()?;
     let (model_path, program) = archive.model_json()?;
