@@ -27,17 +27,19 @@ enum Bytes {
     },
 }
 
-/// `data` as 8-byte words (the tail zero-padded), filled straight from it:
-/// no zeroing pass first, which would double the work for large tensors.
+/// `data` as 8-byte words (the tail zero-padded), copied straight in: no
+/// zeroing pass first, which would double the work for large tensors.
 fn words_of(data: &[u8]) -> Vec<u64> {
-    let mut words = Vec::with_capacity(data.len().div_ceil(8));
-    let chunks = data.chunks_exact(8);
-    let tail = chunks.remainder();
-    words.extend(chunks.map(bytemuck::pod_read_unaligned::<u64>));
-    if !tail.is_empty() {
-        let mut last = [0u8; 8];
-        last[..tail.len()].copy_from_slice(tail);
-        words.push(u64::from_ne_bytes(last));
+    let n = data.len().div_ceil(8);
+    let mut words: Vec<u64> = Vec::with_capacity(n);
+    // SAFETY: the capacity holds n * 8 >= data.len() bytes; the first
+    // data.len() are copied from `data` and the rest zeroed, so all n words
+    // are initialised before the length is set.
+    unsafe {
+        let dst = words.as_mut_ptr().cast::<u8>();
+        std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len());
+        std::ptr::write_bytes(dst.add(data.len()), 0, n * 8 - data.len());
+        words.set_len(n);
     }
     words
 }
