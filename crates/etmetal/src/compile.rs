@@ -363,15 +363,16 @@ struct SharedState {
 /// What the methods of one program share: the constant segment (a
 /// constant of the same name and bytes is stored once), the mutable
 /// buffers and the segments.
-struct ProgramParts {
+struct ProgramParts<'a> {
     constants: Vec<etmetal_core::Tensor>,
     /// Constant name → indices into `constants`.
     by_name: HashMap<String, Vec<usize>>,
     state: Vec<SharedState>,
-    segments: Vec<Segment<'static>>,
+    /// Borrowing the methods' delegate payloads and weights.
+    segments: Vec<Segment<'a>>,
 }
 
-impl ProgramParts {
+impl ProgramParts<'_> {
     /// `data_buffer_idx` of constant `v` of `g`.
     fn constant(&mut self, g: &Graph, v: ValueId) -> Result<u32> {
         let name = &g.value(v).name;
@@ -512,7 +513,7 @@ fn write_program(methods: &[Lowered]) -> Result<Vec<u8>> {
             }
             Some(i) => {
                 let seg = &segments[program.named_data[i].segment_index as usize];
-                if seg.data.as_ref() != bytes.as_slice() {
+                if seg.data.as_ref() != bytes {
                     return Err(Error::invalid_input(format!(
                         "weight `{key}` differs between partitions or methods"
                     )));
@@ -525,11 +526,11 @@ fn write_program(methods: &[Lowered]) -> Result<Vec<u8>> {
 
 /// The execution plan of one method; its delegate payloads go to
 /// `parts.segments`, their weights to `named`.
-fn write_plan(
-    l: &Lowered,
+fn write_plan<'a>(
+    l: &'a Lowered,
     state: &HashMap<ValueId, usize>,
-    parts: &mut ProgramParts,
-    named: &mut Vec<(String, Vec<u8>)>,
+    parts: &mut ProgramParts<'a>,
+    named: &mut Vec<(String, &'a [u8])>,
 ) -> Result<ExecutionPlan> {
     let g = &l.graph;
     let mutated = mutated_buffers(g)?;
@@ -663,8 +664,8 @@ fn write_plan(
             },
             compile_specs: vec![etmetal_metal::compile_spec::method_name_spec(&l.name)],
         });
-        segments.push(Segment::new(payload.clone()));
-        named.extend(named_data.iter().cloned());
+        segments.push(Segment::new(payload.as_slice()));
+        named.extend(named_data.iter().map(|(k, v)| (k.clone(), v.as_slice())));
     }
     Ok(ExecutionPlan {
         name: l.name.clone(),
@@ -804,17 +805,17 @@ fn scratch_metas(g: &Graph, i: usize) -> Result<Vec<TensorMeta>> {
 }
 
 /// The values table of the plan, built as the kernel calls need entries.
-struct PlanBuilder<'a> {
+struct PlanBuilder<'a, 'p> {
     graph: &'a Graph,
     plan: &'a etmetal_graph::plan::MemoryPlan,
     /// Mutable buffers → index into `parts.state` (and the mutable segment).
     state: &'a HashMap<ValueId, usize>,
-    parts: &'a mut ProgramParts,
+    parts: &'a mut ProgramParts<'p>,
     values: Vec<EValue>,
     ids: HashMap<ValueId, i32>,
 }
 
-impl PlanBuilder<'_> {
+impl PlanBuilder<'_, '_> {
     fn push(&mut self, v: EValue) -> i32 {
         self.values.push(v);
         self.values.len() as i32 - 1
