@@ -66,6 +66,7 @@ fn dispatch(kernel: usize, buffers: &[usize], workgroups: u32) -> Dispatch {
         nodes: vec![format!("node{kernel}")],
         buffers: buffers.to_vec(),
         workgroups: [workgroups, 1, 1],
+        alternatives: vec![],
     }
 }
 

@@ -522,6 +522,7 @@ impl<'g> Lowering<'g> {
             nodes: vec![self.current.clone()],
             buffers: bindings,
             workgroups,
+            alternatives: vec![],
         });
         Ok(())
     }
