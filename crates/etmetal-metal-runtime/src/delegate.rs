@@ -1021,6 +1021,10 @@ mod tests {
 
     use super::*;
 
+    const fn needs(subgroup_size: u32, workgroup_storage: u32) -> Needs {
+        Needs::f16_16x16x16(subgroup_size, workgroup_storage)
+    }
+
     fn dispatch(kernel: usize, buffers: usize) -> Dispatch {
         Dispatch {
             kernel,
@@ -1028,18 +1032,6 @@ mod tests {
             buffers: (0..buffers).collect(),
             workgroups: [1, 1, 1],
             alternatives: vec![],
-        }
-    }
-
-    fn needs(subgroup_size: u32, workgroup_storage: u32) -> Needs {
-        Needs {
-            m: 16,
-            n: 16,
-            k: 16,
-            ab: CoopType::F16,
-            cr: CoopType::F32,
-            subgroup_size,
-            workgroup_storage,
         }
     }
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use etmetal_core::{DType, ErrorKind, Tensor};
 use etmetal_metal::payload::{
-    to_gpu, Access, Alternative, Buffer, CoopType, Dispatch, Kernel, Location, Needs, Payload,
-    Requirements, VERSION_MAJOR, VERSION_MINOR,
+    to_gpu, Access, Alternative, Buffer, Dispatch, Kernel, Location, Needs, Payload, Requirements,
+    VERSION_MAJOR, VERSION_MINOR,
 };
 use etmetal_metal_runtime::{describe, select_adapter, DeviceChoice, GpuStats, MetalBackend};
 use etmetal_pte::{
@@ -306,15 +306,7 @@ fn two_dispatches_chain_through_an_intermediate_and_share_a_pipeline() {
 /// the same with other WGSL.
 fn chain_with_alternatives() -> (Payload, Needs) {
     let mut p = chain_payload([3, 5]);
-    let needs = Needs {
-        m: 16,
-        n: 16,
-        k: 16,
-        ab: CoopType::F16,
-        cr: CoopType::F32,
-        subgroup_size: 32,
-        workgroup_storage: 0,
-    };
+    let needs = Needs::f16_16x16x16(32, 0);
     let rw = [Access::ReadWrite, Access::ReadWrite];
     p.kernels
         .push(kernel("k1_never", "not WGSL at all".into(), &rw));

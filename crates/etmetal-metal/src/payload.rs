@@ -208,6 +208,21 @@ pub enum CoopType {
 }
 
 impl Needs {
+    /// 16×16×16 f16 × f16 → f32 matrices (the configuration NVIDIA GPUs
+    /// report) in subgroups of `subgroup_size`, with `workgroup_storage`
+    /// bytes of workgroup memory.
+    pub const fn f16_16x16x16(subgroup_size: u32, workgroup_storage: u32) -> Needs {
+        Needs {
+            m: 16,
+            n: 16,
+            k: 16,
+            ab: CoopType::F16,
+            cr: CoopType::F32,
+            subgroup_size,
+            workgroup_storage,
+        }
+    }
+
     /// `16x16x16 f16->f32, subgroup 32`
     pub fn describe(&self) -> String {
         let ty = |t: CoopType| match t {
@@ -772,15 +787,7 @@ mod tests {
         let mut inner = p.dispatches[0].clone();
         inner.workgroups = [2, 1, 1];
         p.dispatches[0].alternatives = vec![Alternative {
-            needs: Needs {
-                m: 16,
-                n: 16,
-                k: 16,
-                ab: CoopType::F16,
-                cr: CoopType::F32,
-                subgroup_size: 32,
-                workgroup_storage: 32768,
-            },
+            needs: Needs::f16_16x16x16(32, 32768),
             dispatches: vec![inner],
         }];
         p
