@@ -20,21 +20,26 @@
 //! its invocations apply the portable kernel's epilogue (`gstore`: bias,
 //! alpha/beta, split-K partial sums, rounding to the output dtype).
 //!
-//! Range. f16 operands convert exactly. bf16 has f32's exponent range and
-//! 8 significant bits, f16 5 exponent bits (|x| ≤ 65504, normal from
-//! 2^-14): a bf16 value converted as it is may overflow to infinity or
-//! lose bits below 2^-14. So each row i of a bf16 A is scaled by a power of
-//! two 2^s_i before the conversion (each column j of a bf16 B by 2^t_j),
-//! and output (i, j) by 2^-(s_i + t_j) after the f32 accumulation, with
-//! `s_i = clamp(14 − E_i, −126, 126)`, `E_i = ⌊log2 max_l |A[i,l]|⌋` over
-//! the row's finite elements (found by a pre-pass at run time):
+//! Range. The tensor cores take f16: |x| ≤ 65504, normal from 2^-14, and
+//! on the H200 an f16 below 2^-14 (subnormal) is flushed to zero in these
+//! products (measured by the GPU test `coop_bf16_range_scaling_beyond_f16`,
+//! which prints whether they were kept). bf16 has f32's exponent range, so
+//! a bf16 value converted as it is may overflow to infinity, and a small
+//! f16 or bf16 value may be lost. So each row i of A (f16 or bf16) is
+//! scaled by a power of two 2^s_i before the conversion (each column j of
+//! B by 2^t_j), and output (i, j) by 2^-(s_i + t_j) after the f32
+//! accumulation, with `s_i = clamp(14 − E_i, −126, 126)`,
+//! `E_i = ⌊log2 max_l |A[i,l]|⌋` over the row's finite elements (found by
+//! a pre-pass at run time):
 //! - every scaled finite element is below 2^15, so nothing overflows,
 //!   whatever the data (±inf and NaN convert to themselves);
 //! - scaling by 2^s is exact in f32, and the conversion is exact for
-//!   elements with |x| ≥ 2^(E_i−31) (their 8 bits land on f16's grid); a
-//!   smaller one is off by at most half of f16's subnormal step,
-//!   2^(−25−s_i) ≤ 2^−39·max_l|A[i,l]| (the clamp at 126 only applies to
-//!   rows below 2^−112, whose every bf16 value converts exactly);
+//!   elements with |x| ≥ 2^(E_i−28), which become normal f16 (the 8 or 11
+//!   significant bits of bf16 or f16 fit f16's 11); a smaller one becomes an f16
+//!   subnormal, off by at most 2^(−25−s_i) ≤ 2^−39·max_l|A[i,l]|, or 0
+//!   where the GPU flushes f16 subnormals, off by less than
+//!   2^(E_i−28) ≤ 2^−28·max_l|A[i,l]| (the clamp at 126 only applies to
+//!   rows below 2^−112);
 //! - products of f16 values are exact in f32 and each is below 2^31, so
 //!   the f32 accumulation cannot overflow for any k below 2^97, and
 //!   2^-(s_i + t_j) is applied exactly (in two steps when it is outside
@@ -42,14 +47,15 @@
 //!
 //! Hence each output differs from the f32 accumulation of the exact
 //! operands (what the portable kernel computes, up to summation order) by
-//! at most `|ΔC[i,j]| ≤ k · 2^−38 · max_l|A[i,l]| · max_l|B[l,j]|`: 2^−14 of
-//! `k · 2^−24 · max_l|A[i,l]| · max_l|B[l,j]|`, the scale of that f32
-//! accumulation's own rounding error for such a row and column, and far
-//! below bf16's rounding of the output.
+//! at most `|ΔC[i,j]| ≤ k · 2^−27 · max_l|A[i,l]| · max_l|B[l,j]|` (the
+//! H200), and by at most `k · 2^−38 · …` where f16 subnormals are kept: an
+//! eighth (a 2^14th) of `k · 2^−24 · max_l|A[i,l]| · max_l|B[l,j]|`, the
+//! scale of that f32 accumulation's own rounding error for such a row and
+//! column, and below the rounding of a 16-bit output.
 //!
-//! A bf16 weight is checked at compile time: where one power of two for
-//! the whole tensor converts every element exactly (its elements span at
-//! most about 2^31), that factor is a literal and it has no pre-pass (no
+//! A weight is checked at compile time: where one power of two for the
+//! whole tensor makes every nonzero element a normal f16 (its finite
+//! elements span less than 2^29), that factor is a literal and it has no pre-pass (no
 //! conversion error at all); otherwise it is scaled per row or column at
 //! run time like any other operand. The pre-pass (one kernel per scaled
 //! operand, writing an exponent per row or column) runs only where the
@@ -57,10 +63,10 @@
 
 use std::fmt::Write;
 
-use etmetal_core::{DType, Result};
+use etmetal_core::{DType, Result, Tensor};
 
 use super::matmul::{Gemm, FILL};
-use crate::payload::{CoopType, Needs};
+use crate::payload::Needs;
 use crate::preprocess::emit::{entry, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::{Kind, LazyRef};
 use crate::preprocess::{BufferIdx, Lowering};
@@ -70,15 +76,7 @@ const SUBGROUP: usize = 32;
 
 /// What the kernel needs (its workgroup memory is filled in by
 /// `Lowering::alternative`).
-pub(super) const NEEDS: Needs = Needs {
-    m: 16,
-    n: 16,
-    k: 16,
-    ab: CoopType::F16,
-    cr: CoopType::F32,
-    subgroup_size: SUBGROUP as u32,
-    workgroup_storage: 0,
-};
+pub(super) const NEEDS: Needs = Needs::f16_16x16x16(SUBGROUP as u32, 0);
 
 /// Halves after each staged row (16 bytes: the 8 rows a matrix load reads
 /// at once start in different banks).
@@ -95,10 +93,10 @@ const PREPASS: usize = 256;
 /// How a 16-bit operand becomes f16 (see the module comment).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Range {
-    /// Every element converts exactly once scaled by 2^s: f16 (s = 0), or
-    /// a bf16 weight checked at compile time.
+    /// Every element becomes a normal f16 (or zero) exactly once scaled by
+    /// 2^s: a weight checked at compile time.
     Exact(i32),
-    /// bf16 scaled per row of A (column of B) by exponents that a pre-pass
+    /// Scaled per row of A (column of B) by exponents that a pre-pass
     /// finds at run time.
     Lines,
 }
@@ -107,17 +105,21 @@ impl Range {
     /// The range of operand `x`; `None` for operands that are not f16 or
     /// bf16 (they keep the portable kernel only).
     pub fn of(lw: &Lowering, x: &LazyRef) -> Option<Range> {
-        match x.dtype {
-            DType::F16 => Some(Range::Exact(0)),
-            DType::BF16 => Some(
-                viewed_buffer(x)
-                    .filter(|&b| lw.buffers.list[b].dtype == DType::BF16)
-                    .and_then(|b| lw.weight_bytes(b))
-                    .and_then(exact_exponent)
-                    .map_or(Range::Lines, Range::Exact),
-            ),
-            _ => None,
+        if !matches!(x.dtype, DType::F16 | DType::BF16) {
+            return None;
         }
+        let weight = viewed_buffer(x)
+            .filter(|&b| lw.buffers.list[b].dtype == x.dtype)
+            .and_then(|b| {
+                let n = lw.buffers.list[b].numel();
+                let bytes = lw.weight_bytes(b)?.get(..2 * n)?;
+                Tensor::from_bytes(x.dtype, &[n], bytes).ok()
+            });
+        Some(
+            weight
+                .and_then(|w| exact_exponent(&w.to_f32_vec()))
+                .map_or(Range::Lines, Range::Exact),
+        )
     }
 }
 
@@ -135,29 +137,30 @@ fn viewed_buffer(x: &LazyRef) -> Option<BufferIdx> {
     }
 }
 
-/// The exponent of one factor 2^s that converts every element of packed
-/// bf16 `bytes` to f16 exactly ([`scale_exponent`] of their largest finite
-/// |x|), if it does: each element's lowest set bit, scaled, must lie on
-/// f16's grid (at or above 2^-24).
-fn exact_exponent(bytes: &[u8]) -> Option<i32> {
-    let mut amax = 0u32;
-    let mut lowest = i32::MAX;
-    for c in bytes.chunks_exact(2) {
-        let bits = (u32::from(u16::from_le_bytes([c[0], c[1]])) << 16) & 0x7fff_ffff;
-        if bits == 0 || bits >= 0x7f80_0000 {
-            continue;
+/// The exponent of one factor 2^s that makes every one of `values` (f16
+/// or bf16 values) exactly a normal f16 or zero ([`scale_exponent`] of the
+/// largest finite |x|), if there is one: scaled, the smallest nonzero |x|
+/// must be at least 2^-14 (infinities and NaN aside; the significand of a
+/// 16-bit float fits a normal f16's).
+fn exact_exponent(values: &[f32]) -> Option<i32> {
+    let (mut amax, mut amin) = (0u32, u32::MAX);
+    for v in values {
+        let bits = v.to_bits() & 0x7fff_ffff;
+        if bits != 0 && bits < 0x7f80_0000 {
+            amax = amax.max(bits);
+            amin = amin.min(bits);
         }
-        amax = amax.max(bits);
-        let (field, fraction) = ((bits >> 23) as i32, (bits >> 16) & 0x7f);
-        // significand and the exponent of its last bit (subnormals: 0.f·2^-126)
-        let (significand, last) = match field {
-            0 => (fraction, -133),
-            _ => (fraction | 0x80, field - 134),
-        };
-        lowest = lowest.min(last + significand.trailing_zeros() as i32);
     }
     let s = scale_exponent(amax);
-    (lowest == i32::MAX || lowest + s >= -24).then_some(s)
+    if amin == u32::MAX {
+        return Some(s);
+    }
+    // ⌊log2 |x|⌋ of the smallest (f32 subnormals: f·2^-149)
+    let low = match amin >> 23 {
+        0 => (31 - amin.leading_zeros() as i32) - 149,
+        field => field as i32 - 127,
+    };
+    (low + s >= -14).then_some(s)
 }
 
 /// The exponent `s` of the factor 2^s for values whose largest finite |x|
@@ -368,7 +371,7 @@ fn prepass(
     } else {
         // an invocation per 4 adjacent lines and a 1/PHASES of k, the
         // phases then reduced in workgroup memory
-        const CHUNKS: usize = 16;
+        const CHUNKS: usize = 8;
         const PHASES: usize = PREPASS / CHUNKS;
         let chunks = len.div_ceil(4);
         let total = batch * chunks;
@@ -733,8 +736,8 @@ mod tests {
 
     /// Every orientation of the operands, both tiles, split k, batches,
     /// bias, f16 and bf16 of weights and activations: the tensor-core
-    /// kernels validate (naga, with MSL), and the pre-pass runs exactly
-    /// for bf16 operands that are not weights.
+    /// kernels validate (naga, with MSL), and the pre-pass runs for every
+    /// operand but weights that one factor converts exactly.
     #[test]
     fn coop_alternatives_validate_in_every_form() {
         let (h, b) = (DType::F16, DType::BF16);
@@ -745,11 +748,11 @@ mod tests {
                 vec![input(b, &[200, 72]), input(b, &[72, 130])],
                 &["range", "range", "coop"],
             ),
-            // f16: no pre-pass; the 128×128 tile (4096 rows)
+            // f16 alike; the 128×128 tile (4096 rows)
             (
                 Op::MatMul,
                 vec![input(h, &[4096, 40]), input(h, &[40, 1024])],
-                &["coop"],
+                &["range", "range", "coop"],
             ),
             // linear: a weight (exact with one factor), B k-fast, bias
             (
@@ -761,17 +764,17 @@ mod tests {
                 ],
                 &["range", "coop"],
             ),
-            // f16 linear without bias: no pre-pass at all
+            // f16 linear without bias: a weight one factor converts exactly
             (
                 Op::Linear,
                 vec![input(h, &[256, 33]), weight(h, &[48, 33]), None],
-                &["coop"],
+                &["range", "coop"],
             ),
             // split k (few tiles, deep k), batched
             (
                 Op::MatMul,
                 vec![input(h, &[2, 64, 4096]), input(h, &[2, 4096, 64])],
-                &["coop"],
+                &["range", "range", "coop"],
             ),
             (
                 Op::Addmm {
@@ -887,32 +890,36 @@ mod tests {
     /// exactly (infinities aside), none where the elements span too much.
     #[test]
     fn weights_get_one_factor_only_where_it_is_exact() {
-        let bytes = |v: &[f32]| -> Vec<u8> {
-            v.iter()
-                .flat_map(|&x| bf16::from_f32(x).to_bits().to_le_bytes())
-                .collect()
-        };
-        let exact = |v: &[f32]| exact_exponent(&bytes(v));
+        let exact = |v: &[f32]| exact_exponent(&bf(v));
         assert_eq!(exact(&[1.0, -0.75, f32::INFINITY, 0.0]), Some(14));
         assert_eq!(exact(&[1.0, 2f32.powi(-20)]), Some(14));
-        assert_eq!(exact(&[1.0, 2f32.powi(-40)]), None);
+        // scaled, 2^-14 is f16's smallest normal
+        assert_eq!(exact(&[1.0, 2f32.powi(-28)]), Some(14));
+        assert_eq!(exact(&[1.0, -(2f32.powi(-29))]), None);
         assert_eq!(exact(&[1e30, 1.0]), None);
         assert_eq!(
             exact(&[1e30, 3e25]),
             Some(scale_exponent(1e30f32.to_bits()))
         );
-        assert_eq!(
-            exact(&[f32::from_bits(0x0001_0000)]),
-            Some(126),
-            "a subnormal alone"
-        );
+        // bf16 subnormals: 2^-130 alone, and beside 2^-110
+        let (tiny, small) = (f32::from_bits(0x0001_0000), 2f32.powi(-110));
+        assert_eq!(exact(&[tiny]), Some(126));
+        assert_eq!(exact(&[small, tiny]), Some(scale_exponent(small.to_bits())));
+        assert_eq!(exact(&[1e-20, tiny]), None);
         assert_eq!(exact(&[0.0, f32::NAN]), Some(126));
+        // f16 weights: a subnormal beside 1.0 becomes normal scaled by 2^14;
+        // 1e-4 beside 65504 (scaled by 2^-1) would not
+        let h = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| f16::from_f32(x).to_f32()).collect() };
+        assert_eq!(exact_exponent(&h(&[1.0, 6e-8])), Some(14));
+        assert_eq!(exact_exponent(&h(&[65504.0, 1e-4])), None);
+        assert_eq!(exact_exponent(&h(&[65504.0, 1e-3])), Some(-1));
         // what the check admits converts exactly
         for v in [[1.0, 2f32.powi(-20), -3.5], [1e30, 3e25, -7e27]] {
             let s = exact(&v).unwrap();
             for x in bf(&v) {
                 let scaled = x * pow2(s);
                 assert_eq!(f16::from_f32(scaled).to_f32(), scaled, "{x}");
+                assert!(f16::from_f32(scaled).is_normal(), "{x}");
             }
         }
     }
