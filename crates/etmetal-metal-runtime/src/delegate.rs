@@ -6,6 +6,9 @@
 //! payload marks as [`payload::State`] stay in the arena across
 //! executes: written only when the method passes their host value, updated
 //! by a GPU copy at the end of each execute, read back only on request.
+//! Where the device meets a dispatch's [`payload::Alternative`], the
+//! alternative's dispatches run in its place (chosen once, at load; only
+//! the kernels that run are built).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -15,11 +18,11 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use etmetal_core::{Error, Result};
-use etmetal_metal::payload::{self, Access, Fault, Location, Payload};
+use etmetal_metal::payload::{self, Access, Dispatch, Fault, Location, Needs, Payload};
 use etmetal_runtime::{DelegateArg, DelegateHandle, NamedData};
 use wgpu::util::DeviceExt;
 
-use crate::device::GpuDevice;
+use crate::device::{CoopOffer, GpuDevice};
 
 /// What a backend has created on the GPU so far (all its delegates).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -32,6 +35,8 @@ pub struct GpuStats {
     pub bytes_uploaded: u64,
     /// Bytes copied back from the GPU (outputs, state read on request).
     pub bytes_read_back: u64,
+    /// Payload dispatches whose alternative runs in their place.
+    pub alternatives_chosen: u64,
 }
 
 /// GPU time of one dispatch in a profiled execute, from timestamp queries
@@ -42,6 +47,9 @@ pub struct DispatchTime {
     pub kernel: String,
     /// The graph ops fused into the kernel.
     pub ops: Vec<String>,
+    /// What the alternative it belongs to needs (`16x16x16 f16->f32,
+    /// subgroup 32`); `None` for a payload's own dispatch.
+    pub variant: Option<String>,
     pub seconds: f64,
 }
 
@@ -52,6 +60,7 @@ pub(crate) struct Counters {
     submits: AtomicU64,
     uploaded: AtomicU64,
     read_back: AtomicU64,
+    alternatives: AtomicU64,
     /// Whether executes write timestamps around every dispatch.
     pub(crate) profiling: AtomicBool,
     /// Dispatch times of profiled executes not yet taken, in execution order.
@@ -66,6 +75,7 @@ impl Counters {
             submits: self.submits.load(Ordering::Relaxed),
             bytes_uploaded: self.uploaded.load(Ordering::Relaxed),
             bytes_read_back: self.read_back.load(Ordering::Relaxed),
+            alternatives_chosen: self.alternatives.load(Ordering::Relaxed),
         }
     }
 }
@@ -227,6 +237,42 @@ impl Profiler {
     }
 }
 
+/// One dispatch as a delegate runs it: a payload dispatch, or one of the
+/// alternative chosen for it (with what that alternative needs).
+pub(crate) struct Step {
+    pub dispatch: Dispatch,
+    pub variant: Option<Needs>,
+}
+
+/// The dispatches to run: each payload dispatch, or, where `offer` meets
+/// one of its alternatives whose kernels bind at most `max_bindings`
+/// buffers, the first such alternative's dispatches.
+pub(crate) fn plan(payload: &Payload, offer: Option<&CoopOffer>, max_bindings: u32) -> Vec<Step> {
+    let mut steps = Vec::with_capacity(payload.dispatches.len());
+    for d in &payload.dispatches {
+        let chosen = d.alternatives.iter().find(|a| {
+            offer.is_some_and(|o| o.meets(&a.needs))
+                && a.dispatches
+                    .iter()
+                    .all(|x| x.buffers.len() as u64 <= u64::from(max_bindings))
+        });
+        match chosen {
+            Some(a) => steps.extend(a.dispatches.iter().map(|x| Step {
+                dispatch: x.clone(),
+                variant: Some(a.needs),
+            })),
+            None => steps.push(Step {
+                dispatch: Dispatch {
+                    alternatives: vec![],
+                    ..d.clone()
+                },
+                variant: None,
+            }),
+        }
+    }
+    steps
+}
+
 struct Output {
     range: Range,
     /// Offset into the staging buffer.
@@ -242,7 +288,10 @@ pub(crate) struct GpuDelegate {
     buffers: Vec<wgpu::Buffer>,
     /// Per payload buffer.
     ranges: Vec<Range>,
-    pipelines: Vec<wgpu::ComputePipeline>,
+    /// What runs, in order (see [`plan`]), with a bind group per step.
+    steps: Vec<Step>,
+    /// Per payload kernel; built only for kernels a step runs.
+    pipelines: Vec<Option<wgpu::ComputePipeline>>,
     bind_groups: Vec<wgpu::BindGroup>,
     outputs: Vec<Output>,
     /// `(input range, new value range)` of each payload state, by input index.
@@ -263,6 +312,7 @@ impl GpuDelegate {
         timeout: Duration,
         payload: Payload,
         named_data: &dyn NamedData,
+        alternatives: bool,
     ) -> Result<GpuDelegate> {
         let device = &gpu.device;
         let limits = &gpu.limits;
@@ -398,9 +448,20 @@ impl GpuDelegate {
             )));
         }
 
+        let offer = gpu.coop.as_ref().filter(|_| alternatives);
+        let steps = plan(&payload, offer, limits.max_storage_buffers_per_shader_stage);
+        // each payload dispatch is one portable step or its alternative's
+        let portable = steps.iter().filter(|s| s.variant.is_none()).count();
+        let chosen = (payload.dispatches.len() - portable) as u64;
+        counters.alternatives.fetch_add(chosen, Ordering::Relaxed);
         let mut pipelines = Vec::with_capacity(payload.kernels.len());
         let mut layouts = Vec::with_capacity(payload.kernels.len());
-        for k in &payload.kernels {
+        for (i, k) in payload.kernels.iter().enumerate() {
+            if !steps.iter().any(|s| s.dispatch.kernel == i) {
+                pipelines.push(None);
+                layouts.push(None);
+                continue;
+            }
             if k.bindings.len() as u64 > limits.max_storage_buffers_per_shader_stage.into() {
                 return Err(Error::limit(format!(
                     "kernel `{}` binds {} storage buffers, the GPU's \
@@ -423,9 +484,21 @@ impl GpuDelegate {
                     )));
                 }
             }
+            // (kernels of alternatives use wgpu's experimental features)
+            let alternative = steps
+                .iter()
+                .any(|s| s.dispatch.kernel == i && s.variant.is_some());
             let (layout, pipeline) = scoped(
                 &gpu,
-                || format!("building kernel `{}`", k.name),
+                || {
+                    let hint = if alternative {
+                        " of a tensor-core alternative (`--coop off` or \
+                         `MetalBackend::with_cooperative_matrix(false)` runs the portable kernels)"
+                    } else {
+                        ""
+                    };
+                    format!("building kernel `{}`{hint}", k.name)
+                },
                 || {
                     let entries: Vec<wgpu::BindGroupLayoutEntry> = k
                         .bindings
@@ -472,12 +545,12 @@ impl GpuDelegate {
                 },
             )?;
             counters.pipelines.fetch_add(1, Ordering::Relaxed);
-            layouts.push(layout);
-            pipelines.push(pipeline);
+            layouts.push(Some(layout));
+            pipelines.push(Some(pipeline));
         }
 
-        let mut bind_groups = Vec::with_capacity(payload.dispatches.len());
-        for (d, dispatch) in payload.dispatches.iter().enumerate() {
+        let mut bind_groups = Vec::with_capacity(steps.len());
+        for (d, dispatch) in steps.iter().map(|s| &s.dispatch).enumerate() {
             let kernel = &payload.kernels[dispatch.kernel];
             let label = format!("dispatch {d} (kernel `{}`)", kernel.name);
             for &id in &dispatch.buffers {
@@ -512,7 +585,9 @@ impl GpuDelegate {
                         .collect();
                     device.create_bind_group(&wgpu::BindGroupDescriptor {
                         label: Some(&label),
-                        layout: &layouts[dispatch.kernel],
+                        layout: layouts[dispatch.kernel]
+                            .as_ref()
+                            .expect("a layout for every kernel a step runs"),
                         entries: &entries,
                     })
                 },
@@ -571,6 +646,7 @@ impl GpuDelegate {
             payload,
             buffers,
             ranges,
+            steps,
             pipelines,
             bind_groups,
             outputs,
@@ -651,7 +727,7 @@ impl GpuDelegate {
                 .features()
                 .contains(wgpu::Features::TIMESTAMP_QUERY);
         if profile && self.profiler.is_none() {
-            let n = self.payload.dispatches.len();
+            let n = self.steps.len();
             self.profiler = Some(scoped(
                 &gpu,
                 || format!("creating timestamp queries for {n} dispatches"),
@@ -672,10 +748,9 @@ impl GpuDelegate {
             &gpu,
             || {
                 let kernels: Vec<&str> = self
-                    .payload
-                    .dispatches
+                    .steps
                     .iter()
-                    .map(|d| self.payload.kernels[d.kernel].name.as_str())
+                    .map(|s| self.payload.kernels[s.dispatch.kernel].name.as_str())
                     .collect();
                 format!("running kernels [{}]", kernels.join(", "))
             },
@@ -689,9 +764,12 @@ impl GpuDelegate {
                     encoder.clear_buffer(&self.buffers[r.buffer], r.offset, Some(r.size));
                 }
                 let record = |pass: &mut wgpu::ComputePass, d: usize| {
-                    let dispatch = &self.payload.dispatches[d];
+                    let dispatch = &self.steps[d].dispatch;
                     let [x, y, z] = dispatch.workgroups;
-                    pass.set_pipeline(&self.pipelines[dispatch.kernel]);
+                    let pipeline = self.pipelines[dispatch.kernel]
+                        .as_ref()
+                        .expect("a pipeline for every kernel a step runs");
+                    pass.set_pipeline(pipeline);
                     pass.set_bind_group(0, &self.bind_groups[d], &[]);
                     pass.dispatch_workgroups(x, y, z);
                 };
@@ -701,13 +779,13 @@ impl GpuDelegate {
                             label: Some("etmetal delegate"),
                             timestamp_writes: None,
                         });
-                        (0..self.payload.dispatches.len()).for_each(|d| record(&mut pass, d));
+                        (0..self.steps.len()).for_each(|d| record(&mut pass, d));
                     }
                     // Pass-boundary timestamps need only TIMESTAMP_QUERY
                     // (Apple GPUs have no timestamps inside passes), so a
                     // profiled execute gives each dispatch its own pass.
                     Some(p) => {
-                        for d in 0..self.payload.dispatches.len() {
+                        for d in 0..self.steps.len() {
                             let mut pass =
                                 encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
                                     label: Some("etmetal delegate (profiled)"),
@@ -748,18 +826,19 @@ impl GpuDelegate {
         mapped.extend(profiler.map(|p| &p.readback));
         Self::wait_mapped(&gpu, self.timeout, &mut self.stuck, index, &mapped)?;
         if let Some(p) = profiler {
-            let times =
-                p.seconds()?
-                    .into_iter()
-                    .zip(&self.payload.dispatches)
-                    .map(|(seconds, d)| {
-                        let k = &self.payload.kernels[d.kernel];
-                        DispatchTime {
-                            kernel: k.name.clone(),
-                            ops: k.ops.clone(),
-                            seconds,
-                        }
-                    });
+            let times = p
+                .seconds()?
+                .into_iter()
+                .zip(&self.steps)
+                .map(|(seconds, step)| {
+                    let k = &self.payload.kernels[step.dispatch.kernel];
+                    DispatchTime {
+                        kernel: k.name.clone(),
+                        ops: k.ops.clone(),
+                        variant: step.variant.map(|n| n.describe()),
+                        seconds,
+                    }
+                });
             self.counters
                 .times
                 .lock()
@@ -942,5 +1021,125 @@ impl DelegateHandle for GpuDelegate {
 
     fn read_state(&mut self, position: usize) -> Result<etmetal_core::Tensor> {
         GpuDelegate::read_state(self, position)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use etmetal_metal::payload::{Alternative, CoopType, Requirements};
+
+    use super::*;
+
+    const fn needs(subgroup_size: u32, workgroup_storage: u32) -> Needs {
+        Needs::f16_16x16x16(subgroup_size, workgroup_storage)
+    }
+
+    fn dispatch(kernel: usize, buffers: usize) -> Dispatch {
+        Dispatch {
+            kernel,
+            nodes: vec![],
+            buffers: (0..buffers).collect(),
+            workgroups: [1, 1, 1],
+            alternatives: vec![],
+        }
+    }
+
+    /// What the H200 reported through Vulkan (coop_probe), in part.
+    fn h200() -> CoopOffer {
+        let config = |n_size, cr_type| wgpu::CooperativeMatrixProperties {
+            m_size: 16,
+            n_size,
+            k_size: 16,
+            ab_type: wgpu::CooperativeScalarType::F16,
+            cr_type,
+            saturating_accumulation: false,
+        };
+        CoopOffer {
+            configurations: vec![
+                config(8, wgpu::CooperativeScalarType::F32),
+                config(16, wgpu::CooperativeScalarType::F16),
+                config(16, wgpu::CooperativeScalarType::F32),
+            ],
+            subgroup_min_size: 32,
+            subgroup_max_size: 32,
+            workgroup_storage: 49152,
+        }
+    }
+
+    #[test]
+    fn offers_meet_needs_by_configuration_subgroup_and_memory() {
+        let o = h200();
+        assert!(o.meets(&needs(32, 49152)));
+        assert!(!o.meets(&needs(32, 49153)), "workgroup memory");
+        assert!(!o.meets(&needs(64, 0)), "subgroup size");
+        assert!(
+            !o.meets(&Needs {
+                k: 8,
+                ..needs(32, 0)
+            }),
+            "configuration"
+        );
+        assert!(
+            !o.meets(&Needs {
+                ab: CoopType::F32,
+                ..needs(32, 0)
+            }),
+            "types"
+        );
+        // subgroups of 32 or 64 (AMD RDNA): a kernel assuming 32 may get 64
+        let varying = CoopOffer {
+            subgroup_max_size: 64,
+            ..h200()
+        };
+        assert!(!varying.meets(&needs(32, 0)));
+        // an Apple GPU's 8×8 f32 matrices do not run 16×16 kernels
+        let apple = CoopOffer {
+            configurations: vec![wgpu::CooperativeMatrixProperties {
+                m_size: 8,
+                n_size: 8,
+                k_size: 8,
+                ab_type: wgpu::CooperativeScalarType::F32,
+                cr_type: wgpu::CooperativeScalarType::F32,
+                saturating_accumulation: false,
+            }],
+            ..h200()
+        };
+        assert!(!apple.meets(&needs(32, 0)));
+    }
+
+    #[test]
+    fn the_plan_takes_the_first_alternative_met() {
+        let mut with = dispatch(0, 2);
+        with.alternatives = vec![
+            Alternative {
+                needs: needs(32, 1 << 20),
+                dispatches: vec![dispatch(1, 2)],
+            },
+            Alternative {
+                needs: needs(32, 1024),
+                dispatches: vec![dispatch(2, 3), dispatch(3, 3)],
+            },
+        ];
+        let payload = Payload {
+            buffers: vec![],
+            kernels: vec![],
+            dispatches: vec![dispatch(4, 1), with],
+            inputs: vec![],
+            outputs: vec![],
+            arenas: vec![],
+            requirements: Requirements::default(),
+            state: vec![],
+            checks: vec![],
+        };
+        let kernels =
+            |steps: &[Step]| -> Vec<usize> { steps.iter().map(|s| s.dispatch.kernel).collect() };
+        let offer = h200();
+        let steps = plan(&payload, Some(&offer), 8);
+        assert_eq!(kernels(&steps), [4, 2, 3]);
+        assert_eq!(steps[1].variant, Some(needs(32, 1024)));
+        assert!(steps.iter().all(|s| s.dispatch.alternatives.is_empty()));
+        assert_eq!(kernels(&plan(&payload, None, 8)), [4, 0]);
+        // an alternative binding more than the device allows is passed over
+        assert_eq!(kernels(&plan(&payload, Some(&offer), 2)), [4, 0]);
     }
 }

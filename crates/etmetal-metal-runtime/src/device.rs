@@ -1,9 +1,11 @@
-//! Choosing an adapter and opening a device with the limits a payload needs.
+//! Choosing an adapter and opening a device with the limits a payload needs,
+//! and with cooperative matrices where the adapter offers them and a
+//! payload has alternatives that use them ([`CoopOffer`]).
 
 use std::sync::{Arc, Mutex};
 
 use etmetal_core::{Error, Result};
-use etmetal_metal::payload::Requirements;
+use etmetal_metal::payload::{CoopType, Needs, Requirements};
 
 /// Which GPU API to run delegates on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,6 +51,12 @@ pub struct GpuDevice {
     pub limits: wgpu::Limits,
     /// What the device was opened for; a payload needing no more reuses it.
     pub requested: Requirements,
+    /// The cooperative-matrix support the device was opened with (none
+    /// unless a payload with alternatives asked and the adapter has it).
+    pub coop: Option<CoopOffer>,
+    /// Whether the adapter could give cooperative matrices (so a later
+    /// payload with alternatives gets a device opened with them).
+    adapter_coop: bool,
     /// Errors reported outside any error scope, and device loss, kept for
     /// the next check instead of wgpu's default panic.
     pub(crate) uncaptured: Arc<Mutex<Option<String>>>,
@@ -191,6 +199,65 @@ fn check(
     Ok(())
 }
 
+/// What an adapter offers payload alternatives (see
+/// `etmetal_metal::payload::Needs`): its cooperative-matrix configurations
+/// (with shader-f16 and subgroups, which the kernels also use), its
+/// subgroup sizes and workgroup memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CoopOffer {
+    pub configurations: Vec<wgpu::CooperativeMatrixProperties>,
+    pub subgroup_min_size: u32,
+    pub subgroup_max_size: u32,
+    pub workgroup_storage: u32,
+}
+
+impl CoopOffer {
+    /// Features a device needs for the alternatives' kernels.
+    const FEATURES: wgpu::Features = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
+        .union(wgpu::Features::SHADER_F16)
+        .union(wgpu::Features::SUBGROUP);
+
+    /// The adapter's offer within `cap` (none without the features, with
+    /// no configuration, or when the cap takes shader-f16 away).
+    fn of(adapter: &wgpu::Adapter, cap: Option<&Requirements>) -> Option<CoopOffer> {
+        let info = adapter.get_info();
+        let mut storage = adapter.limits().max_compute_workgroup_storage_size;
+        if let Some(cap) = cap {
+            if !cap.shader_f16 {
+                return None;
+            }
+            storage = storage.min(cap.max_compute_workgroup_storage_size);
+        }
+        let configurations = adapter.cooperative_matrix_properties();
+        let offered = adapter.features().contains(Self::FEATURES) && !configurations.is_empty();
+        offered.then_some(CoopOffer {
+            configurations,
+            subgroup_min_size: info.subgroup_min_size,
+            subgroup_max_size: info.subgroup_max_size,
+            workgroup_storage: storage,
+        })
+    }
+
+    /// Whether kernels needing `needs` run here: the configuration is
+    /// reported, every subgroup has exactly the size the kernels assume,
+    /// and their workgroup memory fits.
+    pub fn meets(&self, needs: &Needs) -> bool {
+        let ty = |t: wgpu::CooperativeScalarType| match t {
+            wgpu::CooperativeScalarType::F16 => Some(CoopType::F16),
+            wgpu::CooperativeScalarType::F32 => Some(CoopType::F32),
+            _ => None,
+        };
+        self.subgroup_min_size == needs.subgroup_size
+            && self.subgroup_max_size == needs.subgroup_size
+            && needs.workgroup_storage <= self.workgroup_storage
+            && self.configurations.iter().any(|c| {
+                (c.m_size, c.n_size, c.k_size) == (needs.m, needs.n, needs.k)
+                    && ty(c.ab_type) == Some(needs.ab)
+                    && ty(c.cr_type) == Some(needs.cr)
+            })
+    }
+}
+
 /// Set each limit a payload states to `pick` of the device's value and
 /// `req`'s: `u64::min` lowers a device to a cap, `u64::max` raises a request
 /// to what the payload needs.
@@ -225,16 +292,19 @@ impl GpuDevice {
     /// Open the adapter `choice` selects with the limits `req` asks for
     /// (wgpu's defaults where it asks for less, never beyond the adapter's).
     pub fn open(choice: DeviceChoice, req: &Requirements) -> Result<Arc<GpuDevice>> {
-        GpuDevice::open_capped(choice, req, None)
+        GpuDevice::open_capped(choice, req, None, false)
     }
 
     /// [`GpuDevice::open`] on an adapter taken to offer at most `cap`, as a
     /// smaller GPU would: the device is opened with no more than `cap`, and
-    /// a `req` beyond it fails as it would on that GPU.
+    /// a `req` beyond it fails as it would on that GPU. With `coop`, the
+    /// device is also opened with the adapter's cooperative matrices (and
+    /// its largest workgroup memory), where it has them.
     pub fn open_capped(
         choice: DeviceChoice,
         req: &Requirements,
         cap: Option<&Requirements>,
+        coop: bool,
     ) -> Result<Arc<GpuDevice>> {
         let (instance, adapter) = select_adapter(choice)?;
         let info = adapter.get_info();
@@ -258,10 +328,25 @@ impl GpuDevice {
         };
         // Timestamps cost nothing unless written; profiled executes use them.
         required_features |= adapter.features() & wgpu::Features::TIMESTAMP_QUERY;
+        let offer = CoopOffer::of(&adapter, cap);
+        let adapter_coop = offer.is_some();
+        let coop = offer.filter(|_| coop);
+        let mut experimental_features = wgpu::ExperimentalFeatures::disabled();
+        if let Some(offer) = &coop {
+            required_features |= CoopOffer::FEATURES;
+            limits.max_compute_workgroup_storage_size = offer.workgroup_storage;
+            // SAFETY: wgpu marks cooperative matrices experimental (its
+            // implementation may still have bugs). Only the kernels of
+            // payload alternatives use them; naga validated those at
+            // compile time and wgpu validates them again here, and they
+            // read and write in-bounds workgroup memory only.
+            experimental_features = unsafe { wgpu::ExperimentalFeatures::enabled() };
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("etmetal"),
             required_features,
             required_limits: limits.clone(),
+            experimental_features,
             ..Default::default()
         }))
         .map_err(|e| {
@@ -285,8 +370,17 @@ impl GpuDevice {
             info,
             limits,
             requested: req.clone(),
+            coop,
+            adapter_coop,
             uncaptured,
         }))
+    }
+
+    /// Whether a delegate needing `req`, and wanting cooperative matrices
+    /// when `coop`, is best loaded on this device (not when the adapter
+    /// could give cooperative matrices this device was opened without).
+    pub fn suits(&self, req: &Requirements, coop: bool) -> bool {
+        self.satisfies(req) && !(coop && self.adapter_coop && self.coop.is_none())
     }
 
     /// Whether a delegate needing `req` can load on this device.

@@ -34,8 +34,11 @@ use etmetal_pte::CompileSpec;
 use etmetal_runtime::{Backend, DelegateHandle, NamedData};
 
 pub use delegate::{DispatchTime, GpuStats};
-pub use device::{describe, select_adapter, DeviceChoice, GpuDevice};
+pub use device::{describe, select_adapter, CoopOffer, DeviceChoice, GpuDevice};
 pub use etmetal_metal::BACKEND_ID;
+/// The wgpu this runtime runs on (its adapter and device types appear in
+/// this crate's API).
+pub use wgpu;
 
 /// How long an execute waits for the GPU before failing.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
@@ -46,6 +49,8 @@ pub struct MetalBackend {
     timeout: Duration,
     /// At most what devices are opened with (see `with_limit_cap`).
     cap: Option<Requirements>,
+    /// Whether payload alternatives may run (see `with_cooperative_matrix`).
+    coop: bool,
     device: Mutex<Option<Arc<GpuDevice>>>,
     counters: Arc<delegate::Counters>,
 }
@@ -57,6 +62,7 @@ impl MetalBackend {
             choice,
             timeout: DEFAULT_TIMEOUT,
             cap: None,
+            coop: true,
             device: Mutex::new(None),
             counters: Arc::default(),
         }
@@ -67,6 +73,16 @@ impl MetalBackend {
     /// fails at load naming the limit, what it needs and what is offered.
     pub fn with_limit_cap(mut self, cap: Requirements) -> MetalBackend {
         self.cap = Some(cap);
+        self
+    }
+
+    /// Whether delegates may run their payload's alternatives (tensor-core
+    /// matrix products) where the device offers what they need; with
+    /// `false` every dispatch runs its portable kernel, as on a device
+    /// without them. On by default; the device is opened with cooperative
+    /// matrices only for payloads that have alternatives.
+    pub fn with_cooperative_matrix(mut self, on: bool) -> MetalBackend {
+        self.coop = on;
         self
     }
 
@@ -129,22 +145,22 @@ impl MetalBackend {
         self.device.lock().ok().and_then(|d| d.clone())
     }
 
-    /// The shared device if it meets `req`, else a new one opened for the
-    /// union of what it was opened for and `req` (delegates already loaded
-    /// keep the old one).
-    fn device_for(&self, req: &Requirements) -> Result<Arc<GpuDevice>> {
+    /// The shared device if it suits `req` (and cooperative matrices when
+    /// `coop`), else a new one opened for the union of what it was opened
+    /// for and this (delegates already loaded keep the old one).
+    fn device_for(&self, req: &Requirements, coop: bool) -> Result<Arc<GpuDevice>> {
         let mut slot = self
             .device
             .lock()
             .map_err(|_| Error::internal("the GPU device lock is poisoned"))?;
-        if let Some(d) = slot.as_ref().filter(|d| d.satisfies(req)) {
+        if let Some(d) = slot.as_ref().filter(|d| d.suits(req, coop)) {
             return Ok(d.clone());
         }
-        let want = match slot.as_ref() {
-            Some(d) => d.requested.union(req),
-            None => req.clone(),
+        let (want, coop) = match slot.as_ref() {
+            Some(d) => (d.requested.union(req), coop || d.coop.is_some()),
+            None => (req.clone(), coop),
         };
-        let d = GpuDevice::open_capped(self.choice, &want, self.cap.as_ref())?;
+        let d = GpuDevice::open_capped(self.choice, &want, self.cap.as_ref(), coop)?;
         *slot = Some(d.clone());
         Ok(d)
     }
@@ -162,13 +178,19 @@ impl Backend for MetalBackend {
         named_data: &dyn NamedData,
     ) -> Result<Box<dyn DelegateHandle>> {
         let payload = Payload::decode(processed)?;
-        let gpu = self.device_for(&payload.requirements)?;
+        let coop = self.coop
+            && payload
+                .dispatches
+                .iter()
+                .any(|d| !d.alternatives.is_empty());
+        let gpu = self.device_for(&payload.requirements, coop)?;
         Ok(Box::new(delegate::GpuDelegate::load(
             gpu,
             self.counters.clone(),
             self.timeout,
             payload,
             named_data,
+            self.coop,
         )?))
     }
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use etmetal_core::{DType, Error, ErrorKind, Tensor, TensorMut};
 use etmetal_metal::payload::{
-    to_gpu, Access, Buffer, Dispatch, Kernel, Location, Payload, Requirements, VERSION_MAJOR,
-    VERSION_MINOR,
+    to_gpu, Access, Alternative, Buffer, Dispatch, Kernel, Location, Needs, Payload, Requirements,
+    VERSION_MAJOR, VERSION_MINOR,
 };
 use etmetal_metal_runtime::{describe, select_adapter, DeviceChoice, GpuStats, MetalBackend};
 use etmetal_pte::{
@@ -66,6 +66,7 @@ fn dispatch(kernel: usize, buffers: &[usize], workgroups: u32) -> Dispatch {
         nodes: vec![format!("node{kernel}")],
         buffers: buffers.to_vec(),
         workgroups: [workgroups, 1, 1],
+        alternatives: vec![],
     }
 }
 
@@ -241,6 +242,7 @@ fn affine_over_weights_and_load_once() {
             submits: 0,
             bytes_uploaded: 0,
             bytes_read_back: 0,
+            alternatives_chosen: 0,
         }
     );
     assert!(b.device().is_some());
@@ -299,6 +301,84 @@ fn two_dispatches_chain_through_an_intermediate_and_share_a_pipeline() {
         .collect();
     assert_eq!(out[0].to_f32_vec(), want);
     assert_eq!(out[0].shape(), shape);
+}
+
+/// [`chain_payload`] whose second dispatch has two alternatives: one no
+/// device meets (4 GiB of workgroup memory) with a kernel that is not even
+/// WGSL, then one for 16×16×16 f16 matrices in subgroups of 32 computing
+/// the same with other WGSL.
+fn chain_with_alternatives() -> (Payload, Needs) {
+    let mut p = chain_payload([3, 5]);
+    let needs = Needs::f16_16x16x16(32, 0);
+    let rw = [Access::ReadWrite, Access::ReadWrite];
+    p.kernels
+        .push(kernel("k1_never", "not WGSL at all".into(), &rw));
+    let same = elementwise("f32", 15, "1.0 + 2.0 * x[i]", "");
+    p.kernels.push(kernel("k2_coop", same, &rw));
+    p.dispatches[1].alternatives = vec![
+        Alternative {
+            needs: Needs {
+                workgroup_storage: u32::MAX,
+                ..needs
+            },
+            dispatches: vec![dispatch(1, &[1, 2], 1)],
+        },
+        Alternative {
+            needs,
+            dispatches: vec![dispatch(2, &[1, 2], 1)],
+        },
+    ];
+    (p, needs)
+}
+
+/// The first alternative the device meets runs (where the adapter has
+/// 16×16 f16 matrices in subgroups of 32: an NVIDIA GPU), else the
+/// dispatch itself; kernels of alternatives that do not run are not built.
+#[test]
+fn alternatives_run_where_the_device_meets_them() {
+    let (payload, needs) = chain_with_alternatives();
+    let x: Vec<f32> = (0..15).map(|i| i as f32 - 7.0).collect();
+    let x = Tensor::from_f32(DType::F32, &[3, 5], &x).unwrap();
+    let b = backend();
+    b.set_profiling(true);
+    let mut h = b.init(&payload.encode(), &[], &Named::new()).unwrap();
+    let meets = b
+        .device()
+        .unwrap()
+        .coop
+        .as_ref()
+        .is_some_and(|o| o.meets(&needs));
+    let stats = b.stats();
+    assert_eq!(stats.alternatives_chosen, u64::from(meets));
+    assert_eq!(stats.pipelines_created, 1 + u64::from(meets));
+    let mut a = args(std::slice::from_ref(&x), &payload);
+    h.execute(&mut a).unwrap();
+    let want: Vec<f32> = x
+        .to_f32_vec()
+        .iter()
+        .map(|v| (v * 2.0 + 1.0) * 2.0 + 1.0)
+        .collect();
+    assert_eq!(output(&a, 0).to_f32_vec(), want);
+    if b.can_profile() {
+        let ran: Vec<(String, Option<String>)> = b
+            .take_dispatch_times()
+            .into_iter()
+            .map(|t| (t.kernel, t.variant))
+            .collect();
+        let second = if meets {
+            ("k2_coop".to_string(), Some(needs.describe()))
+        } else {
+            ("k0_mul_add".to_string(), None)
+        };
+        assert_eq!(ran, [("k0_mul_add".to_string(), None), second]);
+    }
+    // turned off, the payload's own dispatches run
+    let plain = backend().with_cooperative_matrix(false);
+    let mut h = plain.init(&payload.encode(), &[], &Named::new()).unwrap();
+    assert_eq!(plain.stats().alternatives_chosen, 0);
+    let mut a = args(std::slice::from_ref(&x), &payload);
+    h.execute(&mut a).unwrap();
+    assert_eq!(output(&a, 0).to_f32_vec(), want);
 }
 
 #[test]

@@ -31,6 +31,13 @@
 //!   into its status buffer, which the runtime zeroes before the dispatches
 //!   and reads back with the outputs; a set bit fails the execute, naming
 //!   the kernel and node, instead of returning a wrapped number.
+//! - A dispatch may carry [`Alternative`]s (payload 1.2): dispatches that
+//!   compute the same result faster on a device offering what the
+//!   alternative [`Needs`] (a cooperative-matrix configuration). The runtime
+//!   runs the first alternative its device meets in the dispatch's place,
+//!   else the dispatch itself, the portable form every device runs. Kernels
+//!   that only alternatives use are built only where an alternative is
+//!   chosen; buffers they bind are planned as live at the dispatch.
 
 use std::borrow::Cow;
 
@@ -40,8 +47,9 @@ use serde::{Deserialize, Serialize};
 pub const MAGIC: &[u8; 4] = b"EMTL";
 /// Bumped when a reader of the previous major version would misread.
 pub const VERSION_MAJOR: u16 = 1;
-/// 1.1: [`Payload::state`] and [`Payload::checks`].
-pub const VERSION_MINOR: u16 = 1;
+/// 1.1: [`Payload::state`] and [`Payload::checks`]; 1.2:
+/// [`Dispatch::alternatives`].
+pub const VERSION_MINOR: u16 = 2;
 
 /// Offsets of arena ranges are multiples of this (wgpu's default and the
 /// largest `min_storage_buffer_offset_alignment` of real adapters).
@@ -159,6 +167,78 @@ pub struct Dispatch {
     pub nodes: Vec<String>,
     pub buffers: Vec<BufferId>,
     pub workgroups: [u32; 3],
+    /// Faster forms of this dispatch for devices that offer more, in order
+    /// of preference (payload 1.2; none in older payloads). Their own
+    /// dispatches have no alternatives.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub alternatives: Vec<Alternative>,
+}
+
+/// Dispatches that replace one dispatch, writing what it writes, on a
+/// device that offers [`Alternative::needs`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Alternative {
+    pub needs: Needs,
+    pub dispatches: Vec<Dispatch>,
+}
+
+/// What an [`Alternative`]'s kernels need beyond the payload's
+/// [`Requirements`]: a cooperative-matrix configuration the adapter reports
+/// (`C[m×n] += A[m×k]·B[k×n]` in one subgroup, the kernels also use
+/// `shader-f16` and the subgroup builtins), subgroups of exactly
+/// `subgroup_size` invocations (each subgroup of a workgroup owns its own
+/// tiles), and workgroup memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Needs {
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    /// Element type of A and B.
+    pub ab: CoopType,
+    /// Element type of C and the result.
+    pub cr: CoopType,
+    pub subgroup_size: u32,
+    pub workgroup_storage: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum CoopType {
+    F16,
+    F32,
+}
+
+impl Needs {
+    /// 16×16×16 f16 × f16 → f32 matrices (the configuration NVIDIA GPUs
+    /// report) in subgroups of `subgroup_size`, with `workgroup_storage`
+    /// bytes of workgroup memory.
+    pub const fn f16_16x16x16(subgroup_size: u32, workgroup_storage: u32) -> Needs {
+        Needs {
+            m: 16,
+            n: 16,
+            k: 16,
+            ab: CoopType::F16,
+            cr: CoopType::F32,
+            subgroup_size,
+            workgroup_storage,
+        }
+    }
+
+    /// `16x16x16 f16->f32, subgroup 32`
+    pub fn describe(&self) -> String {
+        let ty = |t: CoopType| match t {
+            CoopType::F16 => "f16",
+            CoopType::F32 => "f32",
+        };
+        format!(
+            "{}x{}x{} {}->{}, subgroup {}",
+            self.m,
+            self.n,
+            self.k,
+            ty(self.ab),
+            ty(self.cr),
+            self.subgroup_size
+        )
+    }
 }
 
 /// What the device must offer; the runtime requests these limits and
@@ -441,43 +521,25 @@ impl Payload {
             }
         }
         for (d, dispatch) in self.dispatches.iter().enumerate() {
-            let kernel = self.kernels.get(dispatch.kernel).ok_or_else(|| {
-                bad(format!(
-                    "dispatch {d} uses kernel {}, which does not exist",
-                    dispatch.kernel
-                ))
-            })?;
-            if kernel.bindings.len() != dispatch.buffers.len() {
-                return Err(bad(format!(
-                    "dispatch {d} binds {} buffers to kernel `{}`, which has {} bindings",
-                    dispatch.buffers.len(),
-                    kernel.name,
-                    kernel.bindings.len()
-                )));
-            }
-            for (&id, access) in dispatch.buffers.iter().zip(&kernel.bindings) {
-                let b = buffer(id, &format!("dispatch {d}"))?;
-                let writable = matches!(b.location, Location::Arena { .. });
-                if (*access == Access::ReadWrite) != writable {
+            self.verify_dispatch(dispatch, &format!("dispatch {d}"))?;
+            for (a, alt) in dispatch.alternatives.iter().enumerate() {
+                let what = format!("dispatch {d} alternative {a}");
+                let n = alt.needs;
+                let sizes = [n.m, n.n, n.k].iter().all(|s| [8, 16].contains(s));
+                if !sizes || !(4..=128).contains(&n.subgroup_size) || alt.dispatches.is_empty() {
                     return Err(bad(format!(
-                        "dispatch {d} binds `{}` as {access:?}, but arena buffers bind read_write \
-                         and weights read-only",
-                        b.name
+                        "{what} needs {} with {} dispatches, which no device offers",
+                        n.describe(),
+                        alt.dispatches.len()
                     )));
                 }
-            }
-            if dispatch.workgroups.contains(&0)
-                || dispatch
-                    .workgroups
-                    .iter()
-                    .any(|&w| w > self.requirements.max_compute_workgroups_per_dimension)
-            {
-                return Err(bad(format!(
-                    "dispatch {d} (`{}`) has workgroup counts {:?} outside 1..={}",
-                    kernel.name,
-                    dispatch.workgroups,
-                    self.requirements.max_compute_workgroups_per_dimension
-                )));
+                for (i, inner) in alt.dispatches.iter().enumerate() {
+                    let what = format!("{what} dispatch {i}");
+                    if !inner.alternatives.is_empty() {
+                        return Err(bad(format!("{what} has alternatives of its own")));
+                    }
+                    self.verify_dispatch(inner, &what)?;
+                }
             }
         }
         for (c, check) in self.checks.iter().enumerate() {
@@ -492,15 +554,63 @@ impl Payload {
             if !matches!(b.location, Location::Arena { .. })
                 || !dispatch.buffers.contains(&check.buffer)
                 || words.saturating_mul(32) < check.sites.len()
+                || !dispatch.alternatives.is_empty()
             {
                 return Err(bad(format!(
-                    "check {c}: status buffer `{}` is not an arena buffer of dispatch {} with a \
-                     bit for each of its {} sites",
+                    "check {c}: status buffer `{}` is not an arena buffer of dispatch {} (one \
+                     without alternatives) with a bit for each of its {} sites",
                     b.name,
                     check.dispatch,
                     check.sites.len()
                 )));
             }
+        }
+        Ok(())
+    }
+
+    /// A dispatch's kernel, bindings and workgroup counts; `what` names it.
+    fn verify_dispatch(&self, dispatch: &Dispatch, what: &str) -> Result<()> {
+        let bad = |m: String| Error::format(format!("EtMetalBackend payload: {what} {m}"));
+        let kernel = self.kernels.get(dispatch.kernel).ok_or_else(|| {
+            bad(format!(
+                "uses kernel {}, which does not exist",
+                dispatch.kernel
+            ))
+        })?;
+        if kernel.bindings.len() != dispatch.buffers.len() {
+            return Err(bad(format!(
+                "binds {} buffers to kernel `{}`, which has {} bindings",
+                dispatch.buffers.len(),
+                kernel.name,
+                kernel.bindings.len()
+            )));
+        }
+        for (&id, access) in dispatch.buffers.iter().zip(&kernel.bindings) {
+            let b = self
+                .buffers
+                .get(id)
+                .ok_or_else(|| bad(format!("refers to buffer {id}, which does not exist")))?;
+            let writable = matches!(b.location, Location::Arena { .. });
+            if (*access == Access::ReadWrite) != writable {
+                return Err(bad(format!(
+                    "binds `{}` as {access:?}, but arena buffers bind read_write and weights \
+                     read-only",
+                    b.name
+                )));
+            }
+        }
+        if dispatch.workgroups.contains(&0)
+            || dispatch
+                .workgroups
+                .iter()
+                .any(|&w| w > self.requirements.max_compute_workgroups_per_dimension)
+        {
+            return Err(bad(format!(
+                "(`{}`) has workgroup counts {:?} outside 1..={}",
+                kernel.name,
+                dispatch.workgroups,
+                self.requirements.max_compute_workgroups_per_dimension
+            )));
         }
         Ok(())
     }
@@ -586,6 +696,7 @@ mod tests {
                 nodes: vec!["mul".into()],
                 buffers: vec![0, 1],
                 workgroups: [1, 1, 1],
+                alternatives: vec![],
             }],
             inputs: vec![],
             outputs: vec![1],
@@ -675,6 +786,75 @@ mod tests {
                 .message()
                 .contains("check 0"));
         }
+    }
+
+    /// `sample` with an alternative to its dispatch: the same kernel, on a
+    /// device offering 16×16×16 f16 matrices.
+    fn with_alternative() -> Payload {
+        let mut p = sample();
+        let mut inner = p.dispatches[0].clone();
+        inner.workgroups = [2, 1, 1];
+        p.dispatches[0].alternatives = vec![Alternative {
+            needs: Needs::f16_16x16x16(32, 32768),
+            dispatches: vec![inner],
+        }];
+        p
+    }
+
+    #[test]
+    fn alternatives_round_trip_and_older_payloads_have_none() {
+        let p = with_alternative();
+        assert_eq!(Payload::decode(&p.encode()).unwrap(), p);
+        // a 1.1 payload: no `alternatives` key at all
+        let text = String::from_utf8(sample().encode()[8..].to_vec()).unwrap();
+        assert!(!text.contains("alternatives"));
+        let mut bytes = MAGIC.to_vec();
+        bytes.extend_from_slice(&1u16.to_le_bytes());
+        bytes.extend_from_slice(&1u16.to_le_bytes());
+        bytes.extend_from_slice(text.as_bytes());
+        assert_eq!(Payload::decode(&bytes).unwrap(), sample());
+    }
+
+    #[test]
+    fn bad_alternatives_are_format_errors() {
+        let fails = |p: Payload, what: &str| {
+            let e = Payload::decode(&p.encode()).unwrap_err();
+            assert!(e.message().contains(what), "{e}");
+        };
+        let mut p = with_alternative();
+        p.dispatches[0].alternatives[0].dispatches[0].kernel = 5;
+        fails(p, "dispatch 0 alternative 0 dispatch 0 uses kernel 5");
+        let mut p = with_alternative();
+        p.dispatches[0].alternatives[0].dispatches[0].buffers = vec![0, 7];
+        fails(p, "refers to buffer 7");
+        let mut p = with_alternative();
+        p.dispatches[0].alternatives[0].dispatches[0].workgroups = [1, 0, 1];
+        fails(p, "workgroup counts");
+        let mut p = with_alternative();
+        p.dispatches[0].alternatives[0].needs.k = 12;
+        fails(p, "which no device offers");
+        let mut p = with_alternative();
+        p.dispatches[0].alternatives[0].needs.subgroup_size = 0;
+        fails(p, "which no device offers");
+        let mut p = with_alternative();
+        p.dispatches[0].alternatives[0].dispatches.clear();
+        fails(p, "with 0 dispatches");
+        let mut p = with_alternative();
+        let nested = p.dispatches[0].clone();
+        p.dispatches[0].alternatives[0].dispatches[0] = nested;
+        fails(p, "has alternatives of its own");
+        // the checks of a dispatch with alternatives would not run
+        let mut p = with_alternative();
+        p.checks = vec![Check {
+            dispatch: 0,
+            buffer: 1,
+            sites: vec![Site {
+                node: "n".into(),
+                op: "add".into(),
+                fault: Fault::Overflow,
+            }],
+        }];
+        fails(p, "without alternatives");
     }
 
     #[test]

@@ -746,6 +746,7 @@ fn valid_payload() -> Payload {
             nodes: vec!["mul".into()],
             buffers: vec![0, 1, 2],
             workgroups: [1, 1, 1],
+            alternatives: vec![],
         }],
         inputs: vec![0],
         outputs: vec![2],
@@ -867,6 +868,60 @@ fn payload_cases(c: &mut Corpus) {
         json(&|v| v["buffers"][0]["dtype"] = json!("float128")),
         "Format",
         "float128",
+    );
+    // payload 1.2: a dispatch with an alternative (edited after it is set)
+    let alternative = |edit: &dyn Fn(&mut Value)| {
+        json(&|v| {
+            let mut inner = v["dispatches"][0].clone();
+            inner["workgroups"] = json!([2, 1, 1]);
+            v["dispatches"][0]["alternatives"] = json!([{
+                "needs": {"m": 16, "n": 16, "k": 16, "ab": "F16", "cr": "F32",
+                          "subgroup_size": 32, "workgroup_storage": 32768},
+                "dispatches": [inner],
+            }]);
+            edit(v)
+        })
+    };
+    let mut add = |name: &str, edit: &dyn Fn(&mut Value), want: &str| {
+        c.add(
+            &format!("payload/{name}.emtl"),
+            alternative(edit),
+            "Format",
+            want,
+        )
+    };
+    add(
+        "alternative_kernel_index",
+        &|v| v["dispatches"][0]["alternatives"][0]["dispatches"][0]["kernel"] = json!(9),
+        "alternative 0 dispatch 0 uses kernel 9",
+    );
+    add(
+        "alternative_buffer_index",
+        &|v| v["dispatches"][0]["alternatives"][0]["dispatches"][0]["buffers"][0] = json!(23),
+        "refers to buffer 23",
+    );
+    add(
+        "alternative_nested",
+        &|v| {
+            let outer = v["dispatches"][0].clone();
+            v["dispatches"][0]["alternatives"][0]["dispatches"][0] = outer;
+        },
+        "has alternatives of its own",
+    );
+    add(
+        "alternative_matrix_size",
+        &|v| v["dispatches"][0]["alternatives"][0]["needs"]["k"] = json!(12),
+        "which no device offers",
+    );
+    add(
+        "alternative_matrix_type",
+        &|v| v["dispatches"][0]["alternatives"][0]["needs"]["ab"] = json!("F64"),
+        "F64",
+    );
+    add(
+        "alternative_empty",
+        &|v| v["dispatches"][0]["alternatives"][0]["dispatches"] = json!([]),
+        "with 0 dispatches",
     );
 }
 

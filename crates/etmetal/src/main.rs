@@ -36,6 +36,16 @@ enum Device {
     Cpu,
 }
 
+/// Whether GPU delegates may run the tensor-core (cooperative-matrix)
+/// forms of their matrix products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Coop {
+    /// Where the GPU offers what they need (16×16 f16 matrices, subgroups of 32).
+    Auto,
+    /// Never: every kernel runs its portable form.
+    Off,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Backend {
     /// GPU partitions through the EtMetalBackend delegate, the rest on CPU kernels.
@@ -124,6 +134,10 @@ enum Command {
         /// interprets it. What the GPU does not take runs on the cpu.
         #[arg(long, value_enum, default_value = "auto", env = "ETMETAL_DEVICE")]
         device: Device,
+        /// Tensor-core forms of f16/bf16 matrix products (payload
+        /// alternatives): `auto` runs them where the GPU offers them.
+        #[arg(long, value_enum, default_value = "auto", env = "ETMETAL_COOP")]
+        coop: Coop,
         /// Execute N times after the warm-up runs and print latency figures.
         #[arg(long, value_name = "N")]
         bench: Option<usize>,
@@ -205,6 +219,7 @@ fn main() -> ExitCode {
             inputs,
             output_dir,
             device,
+            coop,
             bench,
             warmup,
             bench_json,
@@ -214,7 +229,7 @@ fn main() -> ExitCode {
             &method,
             &inputs,
             &output_dir,
-            device,
+            (device, coop),
             bench.map(|runs| Bench {
                 runs,
                 warmup,
@@ -439,16 +454,31 @@ fn inspect_payload(out: &mut String, payload: &Payload) {
             .collect();
         say!(out, "    state kept on the GPU: {}", state.join(", "));
     }
-    for d in &payload.dispatches {
+    let dispatch = |out: &mut String, d: &etmetal_metal::payload::Dispatch, indent: &str| {
         let k = &payload.kernels[d.kernel];
         let [x, y, z] = d.workgroups;
         let [wx, wy, wz] = k.workgroup_size;
         say!(
             out,
-            "      {}  [{}]  workgroups {x}x{y}x{z} of {wx}x{wy}x{wz}",
+            "{indent}{}  [{}]  workgroups {x}x{y}x{z} of {wx}x{wy}x{wz}",
             k.name,
             k.ops.join(", ")
         );
+    };
+    for d in &payload.dispatches {
+        dispatch(out, d, "      ");
+        for a in &d.alternatives {
+            say!(
+                out,
+                "        or, where the GPU has cooperative matrices {} and {} bytes of \
+                 workgroup memory:",
+                a.needs.describe(),
+                a.needs.workgroup_storage
+            );
+            for inner in &a.dispatches {
+                dispatch(out, inner, "          ");
+            }
+        }
     }
 }
 
@@ -609,7 +639,7 @@ fn run(
     method: &str,
     input_paths: &[PathBuf],
     output_dir: &Path,
-    device: Device,
+    (device, coop): (Device, Coop),
     bench: Option<Bench>,
 ) -> Result<()> {
     // a .pte is loaded once: its delegates decide the backend it runs with
@@ -618,7 +648,7 @@ fn run(
         false => None,
     };
     let delegated = pte.as_ref().map_or(0, |p| gpu_delegates(p.file()));
-    let gpu = gpu_backend(path, pte.is_some(), delegated, device)?;
+    let gpu = gpu_backend(path, pte.is_some(), delegated, device, coop)?;
     let mut options = etmetal_runtime::LoadOptions::default();
     if let Some(backend) = &gpu {
         options.backends.register(backend.clone())?;
@@ -711,6 +741,7 @@ fn gpu_backend(
     pte: bool,
     delegated: usize,
     device: Device,
+    coop: Coop,
 ) -> Result<Option<Arc<MetalBackend>>> {
     let choice = match device {
         Device::Cpu => return cpu_only(path, pte, delegated, "--device cpu was given"),
@@ -730,7 +761,9 @@ fn gpu_backend(
         return Ok(None);
     }
     match select_adapter(choice) {
-        Ok(_) => Ok(Some(Arc::new(MetalBackend::new(choice)))),
+        Ok(_) => Ok(Some(Arc::new(
+            MetalBackend::new(choice).with_cooperative_matrix(coop == Coop::Auto),
+        ))),
         Err(e) if device == Device::Auto => cpu_only(path, pte, delegated, e.message()),
         Err(e) => Err(e),
     }
@@ -901,9 +934,13 @@ fn gpu_profile(
     for (d, first) in runs[0].iter().enumerate() {
         let ms = median_of(&|r| r[d].seconds);
         let share = if total > 0.0 { ms / total } else { 0.0 };
+        let variant = first
+            .variant
+            .as_ref()
+            .map_or(String::new(), |v| format!("  (alternative: {v})"));
         say!(
             out,
-            "  {:<40} {:>10.4} ms {:>5.1}%  [{}]",
+            "  {:<40} {:>10.4} ms {:>5.1}%  [{}]{variant}",
             first.kernel,
             ms,
             share * 100.0,
@@ -911,6 +948,7 @@ fn gpu_profile(
         );
         kernels.push(serde_json::json!({
             "kernel": first.kernel,
+            "variant": first.variant,
             "ops": first.ops,
             "median_ms": ms,
             "share": share,

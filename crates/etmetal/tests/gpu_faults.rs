@@ -85,6 +85,7 @@ fn scale(n: usize) -> (Payload, Named) {
             nodes: vec!["mul".into(), "add".into()],
             buffers: vec![0, 1, 2],
             workgroups: [groups.min(1024), groups.div_ceil(1024), 1],
+            alternatives: vec![],
         }],
         inputs: vec![0],
         outputs: vec![2],

@@ -1,11 +1,16 @@
 //! GPU matrix products, convolutions and pooling against the CPU kernels:
 //! odd sizes, size-1 dims, 1-D operands, broadcast batches, permuted
-//! (non-contiguous) inputs, every tile shape of the GEMM, f32 and bf16.
+//! (non-contiguous) inputs, every tile shape of the GEMM, f32 and bf16,
+//! and the tensor-core alternative of f16/bf16 products.
 
 mod common;
 
-use common::gpu::{random, OpCase};
+use std::sync::Arc;
+
+use common::gpu::{assert_close, compile_whole, random, run_pte, OpCase};
 use etmetal_core::{DType, Op, Tensor};
+use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
+use etmetal_runtime::{BackendRegistry, LoadOptions, Program};
 
 const F: DType = DType::F32;
 const BF: DType = DType::BF16;
@@ -425,4 +430,244 @@ fn adaptive_avg_pool_windows() {
         .input(random(dtype, shape, i as u64))
         .check(tol);
     }
+}
+
+// ------------------------------------------------ tensor-core alternative
+//
+// f16/bf16 products of at least 2^18 multiply-adds with m, n ≥ 32 also get
+// a cooperative-matrix form (etmetal-metal's `kernels/coop.rs`), which runs
+// where the adapter offers 16×16×16 f16 matrices with f32 accumulators in
+// subgroups of 32 (NVIDIA through Vulkan) and the portable kernel runs
+// elsewhere (lavapipe). These cases run on whichever this machine has.
+
+const H: DType = DType::F16;
+
+/// Whether this machine's adapter offers what the tensor-core kernels
+/// need, read from the adapter itself (not through the runtime's choice).
+fn adapter_offers_coop() -> bool {
+    use etmetal_metal_runtime::wgpu;
+    let (_, adapter) = select_adapter(DeviceChoice::Auto).unwrap();
+    let info = adapter.get_info();
+    let features = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
+        | wgpu::Features::SHADER_F16
+        | wgpu::Features::SUBGROUP;
+    adapter.features().contains(features)
+        && (info.subgroup_min_size, info.subgroup_max_size) == (32, 32)
+        && adapter.limits().max_compute_workgroup_storage_size >= 32768
+        && adapter.cooperative_matrix_properties().iter().any(|c| {
+            (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
+                && c.ab_type == wgpu::CooperativeScalarType::F16
+                && c.cr_type == wgpu::CooperativeScalarType::F32
+        })
+}
+
+/// The alternative is chosen exactly where the adapter offers it, and
+/// computes what the CPU does; turned off, the portable kernel runs.
+#[test]
+fn coop_alternative_runs_where_the_adapter_offers_it() {
+    let (graph, inputs) = OpCase::new(Op::MatMul)
+        .input(random(BF, &[256, 256], 1))
+        .input(random(BF, &[256, 256], 2))
+        .build();
+    let expected = etmetal::eval::run_graph(&graph, inputs.clone()).unwrap();
+    let pte = compile_whole(&graph);
+    let offered = adapter_offers_coop();
+    for on in [true, false] {
+        let gpu = Arc::new(MetalBackend::new(DeviceChoice::Auto).with_cooperative_matrix(on));
+        let mut backends = BackendRegistry::new();
+        backends.register(gpu.clone()).unwrap();
+        let options = LoadOptions {
+            backends,
+            ..LoadOptions::default()
+        };
+        let mut method = Program::from_bytes(&pte)
+            .unwrap()
+            .with_options(options)
+            .method("forward")
+            .unwrap();
+        assert_eq!(
+            gpu.stats().alternatives_chosen,
+            u64::from(on && offered),
+            "coop {on}, adapter offers it: {offered}"
+        );
+        let got = method.execute(inputs.clone()).unwrap();
+        assert_close(&got[0], &expected[0], BF_TOL, &format!("coop {on}"));
+    }
+}
+
+/// Tile edges (m, n not multiples of the tile or of 4), k tails (not a
+/// multiple of the 32-deep slice, nor of 4), exact tiles, f16 and bf16.
+#[test]
+fn coop_tile_edges_and_k_tails() {
+    let cases: &[(usize, usize, usize)] = &[
+        (200, 72, 130),
+        (129, 33, 257),
+        (256, 512, 256),
+        (97, 1000, 65),
+        (64, 3, 2000),
+    ];
+    for (i, &(m, k, n)) in cases.iter().enumerate() {
+        for dtype in [BF, H] {
+            let seed = 10 * i as u64;
+            OpCase::new(Op::MatMul)
+                .input(random(dtype, &[m, k], seed))
+                .input(random(dtype, &[k, n], seed + 1))
+                .check(BF_TOL);
+        }
+    }
+}
+
+/// The 128×128 tile, both operands read through transposes (A along m,
+/// B along k), batches with and without broadcasting.
+#[test]
+fn coop_big_tile_transposes_and_batches() {
+    OpCase::new(Op::MatMul)
+        .input(random(H, &[2048, 40], 1))
+        .input(random(H, &[40, 2048], 2))
+        .check(BF_TOL);
+    for dtype in [BF, H] {
+        OpCase::new(Op::MatMul)
+            .input_permuted(random(dtype, &[200, 300], 3), &[1, 0])
+            .input_permuted(random(dtype, &[261, 200], 4), &[1, 0])
+            .check(BF_TOL);
+    }
+    OpCase::new(Op::MatMul)
+        .input(random(BF, &[4, 100, 64], 5))
+        .input(random(BF, &[4, 64, 90], 6))
+        .check(BF_TOL);
+    OpCase::new(Op::MatMul)
+        .input(random(BF, &[1, 100, 64], 7))
+        .input_permuted(random(BF, &[3, 90, 64], 8), &[0, 2, 1])
+        .check(BF_TOL);
+}
+
+/// The epilogue after the tensor cores: bias, alpha/beta, split-k partial
+/// sums; and the implicit-GEMM convolution.
+#[test]
+fn coop_epilogue_bias_alpha_beta_split_k_and_convolution() {
+    OpCase::new(Op::Linear)
+        .input(random(BF, &[3, 100, 64], 1))
+        .weight(random(BF, &[96, 64], 2))
+        .weight(random(BF, &[96], 3))
+        .check(BF_TOL);
+    OpCase::new(Op::Addmm {
+        beta: 0.5,
+        alpha: 2.0,
+    })
+    .input(random(H, &[130], 4))
+    .input(random(H, &[70, 90], 5))
+    .input(random(H, &[90, 130], 6))
+    .check(BF_TOL);
+    // few tiles, deep k: split among workgroups, a second kernel adds
+    OpCase::new(Op::MatMul)
+        .input(random(H, &[2, 64, 4096], 7))
+        .input(random(H, &[2, 4096, 64], 8))
+        .check(BF_TOL);
+    OpCase::new(conv(&[1, 1], &[1, 1], &[1, 1], 1))
+        .input(random(BF, &[2, 16, 20, 20], 9))
+        .weight(random(BF, &[64, 16, 3, 3], 10))
+        .weight(random(BF, &[64], 11))
+        .check(BF_TOL);
+}
+
+/// `x` scaled row by row (`row_scale(i)`), as `dtype`.
+fn scaled(
+    dtype: DType,
+    shape: [usize; 2],
+    seed: u64,
+    scale: impl Fn(usize, usize) -> f32,
+) -> Tensor {
+    let base = random(DType::F32, &shape, seed).to_f32_vec();
+    let v: Vec<f32> = base
+        .iter()
+        .enumerate()
+        .map(|(e, x)| x * scale(e / shape[1], e % shape[1]))
+        .collect();
+    Tensor::from_f32(DType::F32, &shape, &v)
+        .unwrap()
+        .cast(dtype)
+        .unwrap()
+}
+
+/// bf16 far outside f16's range, and rows and columns of very different
+/// magnitudes in one operand (1e6 and 1e-25 rows, 1e-6 and 1e20 columns,
+/// values straddling 65504, an infinity): every output within 1% of the
+/// CPU's, relative to the sizes of its own terms, so a scale per tensor
+/// (which flushes the small rows) fails here. (Outputs stay f32-normal:
+/// GPUs flush f32 subnormals.)
+#[test]
+fn coop_bf16_range_scaling_beyond_f16() {
+    let (m, k, n) = (128, 96, 128);
+    let mut a = scaled(BF, [m, k], 1, |r, _| if r < 64 { 1e6 } else { 1e-25 });
+    let b = scaled(BF, [k, n], 2, |_, c| if c < 64 { 1e-6 } else { 1e20 });
+    let mut av = a.to_f32_vec();
+    av[3 * k + 5] = 65504.0;
+    av[3 * k + 6] = 65520.0;
+    av[4 * k + 5] = -70000.0;
+    av[5 * k + 7] = f32::INFINITY;
+    a = Tensor::from_f32(DType::F32, &[m, k], &av)
+        .unwrap()
+        .cast(BF)
+        .unwrap();
+    let (graph, inputs) = OpCase::new(Op::MatMul)
+        .input(a.clone())
+        .input(b.clone())
+        .build();
+    let expected = etmetal::eval::run_graph(&graph, inputs.clone()).unwrap()[0].to_f32_vec();
+    let got = run_pte(compile_whole(&graph), inputs)[0].to_f32_vec();
+    let (av, bv) = (a.to_f32_vec(), b.to_f32_vec());
+    for i in 0..m {
+        for j in 0..n {
+            let terms: f64 = (0..k)
+                .map(|l| (av[i * k + l] as f64 * bv[l * n + j] as f64).abs())
+                .sum();
+            let (g, e) = (got[i * n + j], expected[i * n + j]);
+            let ok = (g.is_nan() && e.is_nan())
+                || g == e
+                || ((g - e).abs() as f64) <= 1e-2 * (e.abs() as f64) + 1e-5 * terms;
+            assert!(ok, "[{i}, {j}]: GPU {g} vs CPU {e} (terms {terms:e})");
+        }
+    }
+    // elements 2^29-2^37 below their row's largest, which alone meets
+    // zeros: the output is their sum, within the module's bound
+    // k·2^-27·max|A[i,:]|·max|B[:,j]| (exact where f16 subnormals are kept)
+    let (m, k, n) = (64, 64, 64);
+    let a = scaled(BF, [m, k], 5, |_, l| {
+        if l == 0 {
+            1.0
+        } else {
+            2f32.powi(-29 - (l % 9) as i32)
+        }
+    });
+    let b = scaled(BF, [k, n], 6, |l, _| if l == 0 { 0.0 } else { 1.0 });
+    let (graph, inputs) = OpCase::new(Op::MatMul)
+        .input(a.clone())
+        .input(b.clone())
+        .build();
+    let expected = etmetal::eval::run_graph(&graph, inputs.clone()).unwrap()[0].to_f32_vec();
+    let got = run_pte(compile_whole(&graph), inputs)[0].to_f32_vec();
+    let (av, bv) = (a.to_f32_vec(), b.to_f32_vec());
+    let mut kept = true;
+    for i in 0..m {
+        let ra = (0..k).fold(0f32, |x, l| x.max(av[i * k + l].abs()));
+        for j in 0..n {
+            let cb = (0..k).fold(0f32, |x, l| x.max(bv[l * n + j].abs()));
+            let (g, e) = (got[i * n + j], expected[i * n + j]);
+            let bound = k as f32 * 2f32.powi(-27) * ra * cb;
+            assert!((g - e).abs() <= bound, "[{i}, {j}]: GPU {g} vs CPU {e}");
+            kept &= (g - e).abs() <= 1e-2 * e.abs();
+        }
+    }
+    eprintln!("f16 subnormals kept by the products: {kept}");
+    // f16 near its own limits (scaled like bf16)
+    OpCase::new(Op::MatMul)
+        .input(scaled(H, [64, 80], 3, |r, _| {
+            if r % 2 == 0 {
+                60000.0
+            } else {
+                1e-4
+            }
+        }))
+        .input(scaled(H, [80, 96], 4, |_, _| 1e-3))
+        .check(BF_TOL);
 }

@@ -1,7 +1,8 @@
 //! Arena planning: every non-weight buffer gets an aligned range of one
 //! arena, reused by buffers whose lifetimes (first to last dispatch that
 //! binds them) do not overlap. Delegate inputs are live from the start,
-//! outputs to the end, status buffers throughout.
+//! outputs to the end, status buffers throughout; what a dispatch's
+//! alternatives bind is live at that dispatch.
 
 use etmetal_core::{Error, Result};
 
@@ -20,7 +21,11 @@ pub(crate) fn plan(buffers: &Buffers, dispatches: &[Dispatch]) -> Result<ArenaPl
     let mut first = vec![usize::MAX; n];
     let mut last = vec![0usize; n];
     for (d, dispatch) in dispatches.iter().enumerate() {
-        for &b in &dispatch.buffers {
+        let alternatives = dispatch.alternatives.iter().flat_map(|a| &a.dispatches);
+        for &b in std::iter::once(dispatch)
+            .chain(alternatives)
+            .flat_map(|x| &x.buffers)
+        {
             first[b] = first[b].min(d);
             last[b] = last[b].max(d);
         }

@@ -26,6 +26,8 @@ pub(crate) struct KernelBuilder<'a> {
     fused: Vec<String>,
     /// Run-time checks, bit `i` of the status buffer for `sites[i]`.
     sites: Vec<Site>,
+    /// WGSL extensions the kernel enables (`f16`).
+    extensions: Vec<&'static str>,
 }
 
 /// The statements of one function being emitted, with its memo of values
@@ -62,6 +64,14 @@ impl<'a> KernelBuilder<'a> {
             functions: String::new(),
             fused: vec![],
             sites: vec![],
+            extensions: vec![],
+        }
+    }
+
+    /// Enable WGSL extension `name` (`enable name;` heads the module).
+    pub fn enable(&mut self, name: &'static str) {
+        if !self.extensions.contains(&name) {
+            self.extensions.push(name);
         }
     }
 
@@ -440,11 +450,15 @@ impl<'a> KernelBuilder<'a> {
             bindings: self.bindings,
             fused: self.fused,
             sites: self.sites,
+            tag: None,
         }
     }
 
     fn module(&self, main: &str) -> String {
         let mut s = String::new();
+        for ext in &self.extensions {
+            let _ = writeln!(s, "enable {ext};");
+        }
         for (i, &buf) in self.bindings.iter().enumerate() {
             let desc = &self.buffers.list[buf];
             let access = match self.buffers.access(buf) {
@@ -499,6 +513,17 @@ pub(crate) struct Built {
     /// Its run-time checks; with any, a status buffer binds after
     /// `bindings`.
     pub sites: Vec<Site>,
+    /// Appended to the kernel's name (`k7_mat_mul_coop`).
+    pub tag: Option<&'static str>,
+}
+
+impl Built {
+    pub fn tagged(self, tag: &'static str) -> Built {
+        Built {
+            tag: Some(tag),
+            ..self
+        }
+    }
 }
 
 /// The node a check of `v` names.

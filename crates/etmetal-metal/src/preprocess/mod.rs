@@ -26,7 +26,8 @@ use etmetal_graph::{Graph, Node, ValueId};
 
 use crate::partitioner::Partition;
 use crate::payload::{
-    self, Access, Check, Dispatch, GpuRepr, Kernel, Location, Payload, Requirements,
+    self, Access, Alternative, Check, Dispatch, GpuRepr, Kernel, Location, Needs, Payload,
+    Requirements,
 };
 use emit::{entry, grid, unravel, Built, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use expr::{Kind, Lazy, LazyRef};
@@ -210,6 +211,9 @@ pub(crate) struct Lowering<'g> {
     checks: Vec<Check>,
     named_data: Vec<(String, Vec<u8>)>,
     requirements: Requirements,
+    /// While an alternative is built ([`Lowering::alternative`]): the
+    /// workgroup memory its kernels need (kept out of `requirements`).
+    alternative_storage: Option<u32>,
     /// The node being lowered, for dispatch records.
     current: String,
 }
@@ -239,6 +243,7 @@ impl<'g> Lowering<'g> {
                 max_buffer_size: 4,
                 ..Requirements::default()
             },
+            alternative_storage: None,
             current: String::new(),
         };
         for &n in &partition.nodes {
@@ -292,6 +297,17 @@ impl<'g> Lowering<'g> {
             lw.values.insert(v, lazy);
         }
         Ok(lw)
+    }
+
+    /// The GPU bytes of weight buffer `buf` (none for other buffers).
+    pub fn weight_bytes(&self, buf: BufferIdx) -> Option<&[u8]> {
+        let Place::Weight(key) = &self.buffers.list[buf].place else {
+            return None;
+        };
+        self.named_data
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, bytes)| bytes.as_slice())
     }
 
     pub fn add_buffer(&mut self, desc: BufferDesc) -> BufferIdx {
@@ -463,8 +479,16 @@ impl<'g> Lowering<'g> {
             mut bindings,
             fused,
             sites,
+            tag,
         } = built;
+        let coop = self.alternative_storage.is_some();
         if !sites.is_empty() {
+            if coop {
+                // an alternative would skip the base dispatch's checks
+                return Err(Error::internal(
+                    "a kernel of an alternative has run-time checks",
+                ));
+            }
             let dispatch = self.dispatches.len();
             let buffer = self.add_buffer(BufferDesc {
                 name: format!("status of dispatch {dispatch}"),
@@ -493,9 +517,12 @@ impl<'g> Lowering<'g> {
         let kernel = match self.kernels.iter().position(|k| k.wgsl == wgsl) {
             Some(i) => i,
             None => {
-                let name = format!("k{}_{}", self.kernels.len(), ops.join("_"));
+                let mut name = format!("k{}_{}", self.kernels.len(), ops.join("_"));
+                if let Some(tag) = tag {
+                    name = format!("{name}_{tag}");
+                }
                 let writable: Vec<bool> = access.iter().map(|a| *a == Access::ReadWrite).collect();
-                let msl = validate::validate_and_translate(&name, &wgsl, &writable)?;
+                let msl = validate::validate_and_translate(&name, &wgsl, &writable, coop)?;
                 self.kernels.push(Kernel {
                     name,
                     ops,
@@ -508,20 +535,74 @@ impl<'g> Lowering<'g> {
                 self.kernels.len() - 1
             }
         };
-        let r = &mut self.requirements;
-        r.max_storage_buffers_per_shader_stage = r
-            .max_storage_buffers_per_shader_stage
-            .max(bindings.len() as u32);
-        r.max_compute_invocations_per_workgroup = r
-            .max_compute_invocations_per_workgroup
-            .max(workgroup_size.iter().product());
-        r.max_compute_workgroup_storage_size =
-            r.max_compute_workgroup_storage_size.max(workgroup_storage);
+        match &mut self.alternative_storage {
+            Some(storage) => *storage = (*storage).max(workgroup_storage),
+            None => {
+                let r = &mut self.requirements;
+                r.max_storage_buffers_per_shader_stage = r
+                    .max_storage_buffers_per_shader_stage
+                    .max(bindings.len() as u32);
+                r.max_compute_invocations_per_workgroup = r
+                    .max_compute_invocations_per_workgroup
+                    .max(workgroup_size.iter().product());
+                r.max_compute_workgroup_storage_size =
+                    r.max_compute_workgroup_storage_size.max(workgroup_storage);
+            }
+        }
         self.dispatches.push(Dispatch {
             kernel,
             nodes: vec![self.current.clone()],
             buffers: bindings,
             workgroups,
+            alternatives: vec![],
+        });
+        Ok(())
+    }
+
+    /// Give dispatch `d` an alternative for devices meeting `needs`: the
+    /// dispatches `build` adds (after `d`, which it must not outlive). Its
+    /// kernels may use cooperative matrices and subgroup builtins, bind at
+    /// most `max_bindings` buffers and stay within the default invocation
+    /// count; their workgroup memory goes into the needs, not into the
+    /// payload's requirements.
+    pub fn alternative(
+        &mut self,
+        d: usize,
+        needs: Needs,
+        build: impl FnOnce(&mut Lowering) -> Result<()>,
+    ) -> Result<()> {
+        let start = self.dispatches.len();
+        if d >= start || self.alternative_storage.is_some() {
+            return Err(Error::internal(format!(
+                "an alternative to dispatch {d} of {start} (or inside another)"
+            )));
+        }
+        self.alternative_storage = Some(0);
+        let built = build(self);
+        let storage = self.alternative_storage.take().unwrap_or(0);
+        built?;
+        let dispatches: Vec<Dispatch> = self.dispatches.drain(start..).collect();
+        let limits = Requirements::default();
+        for inner in &dispatches {
+            let k = &self.kernels[inner.kernel];
+            if inner.buffers.len() > self.options.max_bindings
+                || k.workgroup_size.iter().product::<u32>()
+                    > limits.max_compute_invocations_per_workgroup
+            {
+                return Err(Error::internal(format!(
+                    "kernel `{}` of an alternative binds {} buffers in workgroups of {:?}",
+                    k.name,
+                    inner.buffers.len(),
+                    k.workgroup_size
+                )));
+            }
+        }
+        self.dispatches[d].alternatives.push(Alternative {
+            needs: Needs {
+                workgroup_storage: storage,
+                ..needs
+            },
+            dispatches,
         });
         Ok(())
     }

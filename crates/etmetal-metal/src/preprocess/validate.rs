@@ -1,17 +1,26 @@
 //! Every generated kernel is parsed and validated by naga at compile time,
 //! and translated to MSL with a real binding map (binding i → buffer slot
 //! i), so the Metal path never meets a kernel that was not checked here.
+//!
+//! Kernels of an alternative (see `payload::Alternative`) may also use
+//! cooperative matrices and subgroup builtins. naga writes MSL for them too,
+//! but its `coop_mat16x16` becomes `simdgroup_half16x16`, a type Metal does
+//! not have (Apple GPUs have 8×8 simdgroup matrices): that MSL is stored
+//! for inspection and is not valid Metal; such an alternative is never
+//! chosen on an Apple GPU, which reports no 16×16 configuration.
 
 use etmetal_core::{Error, Result};
 use naga::back::msl;
 use naga::valid::{Capabilities, ValidationFlags, Validator};
 
 /// The MSL of `wgsl` (entry point `main`, `bindings` storage buffers), or
-/// an error naming `kernel` with naga's diagnostic.
+/// an error naming `kernel` with naga's diagnostic; `coop` allows
+/// cooperative matrices and subgroup builtins.
 pub(crate) fn validate_and_translate(
     kernel: &str,
     wgsl: &str,
     bindings: &[bool],
+    coop: bool,
 ) -> Result<String> {
     let module = naga::front::wgsl::parse_str(wgsl).map_err(|e| {
         Error::internal(format!(
@@ -19,7 +28,11 @@ pub(crate) fn validate_and_translate(
             e.emit_to_string(wgsl)
         ))
     })?;
-    let info = Validator::new(ValidationFlags::all(), Capabilities::SHADER_FLOAT16)
+    let mut capabilities = Capabilities::SHADER_FLOAT16;
+    if coop {
+        capabilities |= Capabilities::COOPERATIVE_MATRIX | Capabilities::SUBGROUP;
+    }
+    let info = Validator::new(ValidationFlags::all(), capabilities)
         .validate(&module)
         .map_err(|e| {
             Error::internal(format!(

@@ -14,7 +14,8 @@ use std::fmt::Write;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
-use super::matmul::{reshaped, Gemm};
+use super::coop::Range;
+use super::matmul::{reshaped, Gemm, Reads};
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::LazyRef;
 use crate::preprocess::pointwise::{cast, float_literal};
@@ -205,8 +206,11 @@ fn convolution(
             k: cin_g * ks,
             a_k_fast: true,
             b_k_fast: false,
+            coop: Range::of(lw, &w2)
+                .zip(Range::of(lw, &x))
+                .map(|(a, b)| [a, b]),
         };
-        let operands = |kb: &mut KernelBuilder| -> Result<String> {
+        let operands = |kb: &mut KernelBuilder, reads: Reads| -> Result<String> {
             kb.value_fn(&w2, "vw")?;
             kb.value_fn(&x, "vx")?;
             let mut s = String::new();
@@ -227,6 +231,9 @@ fn convolution(
                 "  return select(0.0, vx(img, ci, {}), {inside});\n}}",
                 at.join(", ")
             );
+            if reads == Reads::Chunks {
+                s.push_str(&gemm.element_chunks());
+            }
             Ok(s)
         };
         let store = |kb: &mut KernelBuilder| -> Result<String> {

@@ -16,7 +16,9 @@
 //! is split among workgroups and a second kernel adds the partial sums
 //! ([`Split`]). The bias and `alpha`/`beta` are applied in the store (the
 //! epilogue; 16-bit outputs are rounded there). [`super::conv`] reuses
-//! [`Gemm`] for convolution as an implicit GEMM.
+//! [`Gemm`] for convolution as an implicit GEMM. Products of f16 or bf16
+//! operands large enough also get a tensor-core form ([`super::coop`]) as a
+//! payload alternative, which the runtime runs where the device offers it.
 
 use std::fmt::Write;
 
@@ -24,6 +26,7 @@ use etmetal_core::shape::broadcast_shapes;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
+use super::coop::{self, Range};
 use crate::preprocess::emit::{
     entry, expanded_index, grid, linear, unravel, Built, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP,
 };
@@ -202,8 +205,15 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         k,
         a_k_fast: !is_transpose(&a),
         b_k_fast: is_transpose(&b),
+        coop: Range::of(lw, &a)
+            .zip(Range::of(lw, &b))
+            .map(|(x, y)| [x, y]),
     };
-    let operands = |kb: &mut KernelBuilder| -> Result<String> {
+    let operands = |kb: &mut KernelBuilder, reads: Reads| -> Result<String> {
+        if reads == Reads::Chunks {
+            let fns = chunk_reader(kb, &a, "ca", &batch, !gemm.a_k_fast)?;
+            return Ok(fns + &chunk_reader(kb, &b, "cb", &batch, gemm.b_k_fast)?);
+        }
         kb.value_fn(&a, "va")?;
         kb.value_fn(&b, "vb")?;
         let mut fns = String::new();
@@ -317,10 +327,10 @@ fn is_transpose(x: &LazyRef) -> bool {
 }
 
 /// One batched product `C[bt, r, c] = Σ_k A[bt, r, k] · B[bt, k, c]` as a
-/// kernel. The caller's WGSL defines `ga(bt, r, k) -> f32`,
-/// `gb(bt, k, c) -> f32` (called with in-range indices only) and, in the
-/// store's WGSL, `gstore(bt, r, c, v)`. When its tiles are too few for a
-/// large GPU and `k` is deep, `k` is split among workgroups ([`split_k`]).
+/// kernel. The caller's WGSL reads the operands as [`Reads`] asks and, in
+/// the store's WGSL, defines `gstore(bt, r, c, v)`. When its tiles are too
+/// few for a large GPU and `k` is deep, `k` is split among workgroups
+/// ([`split_k`]).
 pub(super) struct Gemm {
     pub batch: usize,
     pub m: usize,
@@ -333,6 +343,22 @@ pub(super) struct Gemm {
     /// B's elements along k are adjacent (e.g. a `[n, k]` weight read as
     /// its transpose).
     pub b_k_fast: bool,
+    /// How each operand becomes f16 for the tensor-core alternative
+    /// ([`coop`]); `None`: the portable kernel only.
+    pub coop: Option<[Range; 2]>,
+}
+
+/// What the operand functions a GEMM kernel calls are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Reads {
+    /// `ga(bt, r, k) -> f32` and `gb(bt, k, c) -> f32`, called with
+    /// in-range indices only.
+    Elements,
+    /// `ca(bt, j, q) -> vec4<f32>` and `cb(bt, j, q)`: the four elements
+    /// from `q` (a multiple of 4) along the operand's contiguous dim (k
+    /// where `a_k_fast`/`b_k_fast`, else A's rows or B's columns), `j`
+    /// the other index; zeros past the end of that dim.
+    Chunks,
 }
 
 /// Tile sizes: a workgroup computes `bm × bn` outputs, `(bm/tm)·(bn/tn)`
@@ -370,7 +396,7 @@ impl Tile {
 /// Measured there in one run: 4096³ is fastest on 128×128 tiles (24.0 ms;
 /// 128×64: 29.1, 64×64: 35.1), 1024³ on 64×64 (0.113 ms; 128×128: 0.166),
 /// 512³ on 32×32 (0.034 ms; 64×64: 0.040).
-const FILL: u64 = 256;
+pub(super) const FILL: u64 = 256;
 
 impl Gemm {
     fn tile(&self) -> Tile {
@@ -392,13 +418,14 @@ impl Gemm {
         }
     }
 
-    /// Validate and append the kernel(s): `operands` and `store` emit the
-    /// operand and store functions (returning their WGSL), then the tiled
-    /// main follows.
+    /// Validate and append the kernel(s): `operands` (asked for
+    /// [`Reads::Elements`], and [`Reads::Chunks`] for the tensor-core
+    /// alternative) and `store` emit the operand and store functions
+    /// (returning their WGSL), then the tiled main follows.
     pub fn lower(
         &self,
         lw: &mut Lowering,
-        operands: impl FnOnce(&mut KernelBuilder) -> Result<String>,
+        operands: impl Fn(&mut KernelBuilder, Reads) -> Result<String>,
         store: impl Fn(&mut KernelBuilder) -> Result<String>,
     ) -> Result<()> {
         if self.m == 0 || self.n == 0 || self.batch == 0 {
@@ -410,7 +437,7 @@ impl Gemm {
         let splits = split_k(tiles * self.batch as u64, FILL, self.k, t.bk * 8, t.bk);
         let split = Split::new(lw, splits, self.batch, self.m, self.n);
         let mut kb = KernelBuilder::new(&lw.buffers);
-        let fns = operands(&mut kb)? + &split.store(&mut kb, &store)?;
+        let fns = operands(&mut kb, Reads::Elements)? + &split.store(&mut kb, &store)?;
         let main = format!("{fns}\n{}", self.main(&t, splits));
         let built: Built = kb.finish(&main);
         let groups = tiles * (self.batch * splits) as u64;
@@ -419,8 +446,45 @@ impl Gemm {
         // two stages: the next slice is written while this one is read
         let storage = (2 * 4 * (sa + sb)) as u32;
         let ops = vec![lw.op_label()];
+        let d = lw.dispatches.len();
         lw.add_dispatch(built, ops, [t.threads() as u32, 1, 1], workgroups, storage)?;
+        if coop::worth(self) {
+            // the same partial sums or outputs, from the same split of k
+            lw.alternative(d, coop::NEEDS, |lw| {
+                coop::lower(lw, self, splits, &|kb| operands(kb, Reads::Chunks), &|kb| {
+                    split.store(kb, &store)
+                })
+            })?;
+        }
         split.sum(lw, &store)
+    }
+
+    /// `ca`/`cb` ([`Reads::Chunks`]) as four calls of `ga`/`gb`, for
+    /// operands with no faster chunk reader.
+    pub fn element_chunks(&self) -> String {
+        let chunk = |name: &str, call: &dyn Fn(&str) -> String, len: usize| {
+            let lanes: Vec<String> = (0..4)
+                .map(|l| {
+                    let q = format!("min(q + {l}u, {}u)", len - 1);
+                    format!("select(0.0, {}, q + {l}u < {len}u)", call(&q))
+                })
+                .collect();
+            format!(
+                "fn {name}(bt: u32, j: u32, q: u32) -> vec4<f32> {{\n  return vec4<f32>({});\n}}\n\n",
+                lanes.join(", ")
+            )
+        };
+        let a = if self.a_k_fast {
+            chunk("ca", &|q| format!("ga(bt, j, {q})"), self.k)
+        } else {
+            chunk("ca", &|q| format!("ga(bt, {q}, j)"), self.m)
+        };
+        let b = if self.b_k_fast {
+            chunk("cb", &|q| format!("gb(bt, {q}, j)"), self.k)
+        } else {
+            chunk("cb", &|q| format!("gb(bt, j, {q})"), self.n)
+        };
+        a + &b
     }
 
     /// The kernel's main. Invocation `(ty, tx)` owns rows
@@ -1025,6 +1089,7 @@ pub(super) mod tests {
                 k: 64,
                 a_k_fast: true,
                 b_k_fast: false,
+                coop: None,
             };
             let t = g.tile();
             // every invocation stages whole elements of both slices

@@ -6,6 +6,7 @@
 
 mod attention;
 mod conv;
+mod coop;
 mod matmul;
 mod norm;
 mod reduce;

@@ -1,0 +1,977 @@
+//! The tensor-core form of a [`Gemm`] with 16-bit operands: a payload
+//! alternative (see `payload::Alternative`) for devices whose subgroups
+//! multiply 16×16 f16 matrices into f32 (wgpu's `wgpu_cooperative_matrix`,
+//! `coop_mat16x16`: NVIDIA tensor cores through Vulkan). The runtime runs
+//! it where the adapter reports that configuration, and the portable
+//! kernel everywhere else.
+//!
+//! Kernel. A workgroup computes a `bm × bn` tile (128×128 in 8 subgroups
+//! of 64×32, or 64×64 in 4 subgroups of 32×32, chosen by workgroup count
+//! as the portable tiles are) over 32-deep slices of k. Slices are staged
+//! in workgroup memory as f16 in two alternating stages, each operand laid
+//! out along its contiguous dim in memory (rows padded by 8 halves so the
+//! matrix loads of a subgroup hit distinct banks), and the next slice is
+//! read into registers in 4-element chunks while the current one is
+//! multiplied: one barrier per slice. Each subgroup (`subgroup_id`) keeps
+//! its 16×16 f32 accumulators as cooperative matrices; the kernel assumes
+//! subgroups of exactly 32 invocations, so the runtime takes it only where
+//! the adapter's subgroup size is fixed at 32. At the end a subgroup
+//! stores its accumulators one at a time to workgroup memory, from where
+//! its invocations apply the portable kernel's epilogue (`gstore`: bias,
+//! alpha/beta, split-K partial sums, rounding to the output dtype).
+//!
+//! Range. The tensor cores take f16: |x| ≤ 65504, normal from 2^-14, and
+//! on the H200 an f16 below 2^-14 (subnormal) is flushed to zero in these
+//! products (measured by the GPU test `coop_bf16_range_scaling_beyond_f16`,
+//! which prints whether they were kept). bf16 has f32's exponent range, so
+//! a bf16 value converted as it is may overflow to infinity, and a small
+//! f16 or bf16 value may be lost. So each row i of A (f16 or bf16) is
+//! scaled by a power of two 2^s_i before the conversion (each column j of
+//! B by 2^t_j), and output (i, j) by 2^-(s_i + t_j) after the f32
+//! accumulation, with `s_i = clamp(14 − E_i, −126, 126)`,
+//! `E_i = ⌊log2 max_l |A[i,l]|⌋` over the row's finite elements (found by
+//! a pre-pass at run time):
+//! - every scaled finite element is below 2^15, so nothing overflows,
+//!   whatever the data (±inf and NaN convert to themselves);
+//! - scaling by 2^s is exact in f32, and the conversion is exact for
+//!   elements with |x| ≥ 2^(E_i−28), which become normal f16 (the 8 or 11
+//!   significant bits of bf16 or f16 fit f16's 11); a smaller one becomes an f16
+//!   subnormal, off by at most 2^(−25−s_i) ≤ 2^−39·max_l|A[i,l]|, or 0
+//!   where the GPU flushes f16 subnormals, off by less than
+//!   2^(E_i−28) ≤ 2^−28·max_l|A[i,l]| (the clamp at 126 only applies to
+//!   rows below 2^−112);
+//! - products of f16 values are exact in f32 and each is below 2^31, so
+//!   the f32 accumulation cannot overflow for any k below 2^97, and
+//!   2^-(s_i + t_j) is applied exactly (in two steps when it is outside
+//!   f32's normal range).
+//!
+//! Hence each output differs from the f32 accumulation of the exact
+//! operands (what the portable kernel computes, up to summation order) by
+//! at most `|ΔC[i,j]| ≤ k · 2^−27 · max_l|A[i,l]| · max_l|B[l,j]|` (the
+//! H200), and by at most `k · 2^−38 · …` where f16 subnormals are kept: an
+//! eighth (a 2^14th) of `k · 2^−24 · max_l|A[i,l]| · max_l|B[l,j]|`, the
+//! scale of that f32 accumulation's own rounding error for such a row and
+//! column, and below the rounding of a 16-bit output.
+//!
+//! A weight is checked at compile time: where one power of two for the
+//! whole tensor makes every nonzero element a normal f16 (its finite
+//! elements span less than 2^29), that factor is a literal and it has no pre-pass (no
+//! conversion error at all); otherwise it is scaled per row or column at
+//! run time like any other operand. The pre-pass (one kernel per scaled
+//! operand, writing an exponent per row or column) runs only where the
+//! alternative does.
+
+use std::fmt::Write;
+
+use etmetal_core::{DType, Result, Tensor};
+
+use super::matmul::{Gemm, FILL};
+use crate::payload::Needs;
+use crate::preprocess::emit::{entry, KernelBuilder, FLAT_GROUP};
+use crate::preprocess::expr::{Kind, LazyRef};
+use crate::preprocess::{BufferIdx, Lowering};
+
+/// Invocations of a subgroup the kernel is written for.
+const SUBGROUP: usize = 32;
+
+/// What the kernel needs (its workgroup memory is filled in by
+/// `Lowering::alternative`).
+pub(super) const NEEDS: Needs = Needs::f16_16x16x16(SUBGROUP as u32, 0);
+
+/// Halves after each staged row (16 bytes: the 8 rows a matrix load reads
+/// at once start in different banks).
+const PAD: usize = 8;
+
+/// Multiply-adds (batch·m·n·k) below which a product keeps the portable
+/// kernel only: the range pre-pass and its dispatches would cost more
+/// than the tensor cores save.
+const MIN_WORK: usize = 1 << 18;
+
+/// Invocations of a pre-pass workgroup.
+const PREPASS: usize = 256;
+
+/// How a 16-bit operand becomes f16 (see the module comment).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Range {
+    /// Every element becomes a normal f16 (or zero) exactly once scaled by
+    /// 2^s: a weight checked at compile time.
+    Exact(i32),
+    /// Scaled per row of A (column of B) by exponents that a pre-pass
+    /// finds at run time.
+    Lines,
+}
+
+impl Range {
+    /// The range of operand `x`; `None` for operands that are not f16 or
+    /// bf16 (they keep the portable kernel only).
+    pub fn of(lw: &Lowering, x: &LazyRef) -> Option<Range> {
+        if !matches!(x.dtype, DType::F16 | DType::BF16) {
+            return None;
+        }
+        let weight = viewed_buffer(x)
+            .filter(|&b| lw.buffers.list[b].dtype == x.dtype)
+            .and_then(|b| {
+                let n = lw.buffers.list[b].numel();
+                let bytes = lw.weight_bytes(b)?.get(..2 * n)?;
+                Tensor::from_bytes(x.dtype, &[n], bytes).ok()
+            });
+        Some(
+            weight
+                .and_then(|w| exact_exponent(&w.to_f32_vec()))
+                .map_or(Range::Lines, Range::Exact),
+        )
+    }
+}
+
+/// The buffer `x` only reads through layout ops.
+fn viewed_buffer(x: &LazyRef) -> Option<BufferIdx> {
+    match &x.kind {
+        Kind::Load(b) => Some(*b),
+        Kind::Permute(x, _)
+        | Kind::Expand(x)
+        | Kind::Reshape(x)
+        | Kind::Slice { x, .. }
+        | Kind::Select { x, .. }
+        | Kind::Repeat(x) => viewed_buffer(x),
+        _ => None,
+    }
+}
+
+/// The exponent of one factor 2^s that makes every one of `values` (f16
+/// or bf16 values) exactly a normal f16 or zero ([`scale_exponent`] of the
+/// largest finite |x|), if there is one: scaled, the smallest nonzero |x|
+/// must be at least 2^-14 (infinities and NaN aside; the significand of a
+/// 16-bit float fits a normal f16's).
+fn exact_exponent(values: &[f32]) -> Option<i32> {
+    let (mut amax, mut amin) = (0u32, u32::MAX);
+    for v in values {
+        let bits = v.to_bits() & 0x7fff_ffff;
+        if bits != 0 && bits < 0x7f80_0000 {
+            amax = amax.max(bits);
+            amin = amin.min(bits);
+        }
+    }
+    let s = scale_exponent(amax);
+    if amin == u32::MAX {
+        return Some(s);
+    }
+    // ⌊log2 |x|⌋ of the smallest (f32 subnormals: f·2^-149)
+    let low = match amin >> 23 {
+        0 => (31 - amin.leading_zeros() as i32) - 149,
+        field => field as i32 - 127,
+    };
+    (low + s >= -14).then_some(s)
+}
+
+/// The exponent `s` of the factor 2^s for values whose largest finite |x|
+/// has f32 bits `amax`: scaled, every one is below 2^15. The pre-pass
+/// computes the same in WGSL (`expo` in [`HELPERS`]).
+pub(super) fn scale_exponent(amax: u32) -> i32 {
+    let e = (amax >> 23) as i32 - 127;
+    (14 - e).clamp(-126, 126)
+}
+
+/// WGSL of the scheme: the exponent of the largest |x| with bits `bits`,
+/// 2^s for `s` in −126..=127, and `v·2^-(sa + sb)`, exact unless the
+/// result itself is beyond f32 (one factor at a time when their product
+/// is not a normal f32: both then shrink, or both grow).
+const HELPERS: &str = "fn expo(bits: u32) -> i32 {
+  return clamp(14 - (i32(bits >> 23u) - 127), -126, 126);
+}
+
+fn pow2(s: i32) -> f32 {
+  return bitcast<f32>(u32(s + 127) << 23u);
+}
+
+fn unscale(v: f32, sa: i32, sb: i32) -> f32 {
+  let e = -(sa + sb);
+  if (e >= -126 && e <= 127) { return v * pow2(e); }
+  return (v * pow2(-sa)) * pow2(-sb);
+}
+
+fn finite_bits(v: vec4<f32>) -> vec4<u32> {
+  let b = bitcast<vec4<u32>>(v) & vec4<u32>(0x7fffffffu);
+  return select(vec4<u32>(0u), b, b < vec4<u32>(0x7f800000u));
+}
+
+";
+
+/// Tile of the kernel: a workgroup computes `bm × bn`, each of its
+/// subgroups `wm × wn` (16×16 accumulators), over `bk`-deep slices of k.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Tile {
+    pub bm: usize,
+    pub bn: usize,
+    wm: usize,
+    wn: usize,
+    bk: usize,
+}
+
+impl Tile {
+    fn subgroups(&self) -> usize {
+        (self.bm / self.wm) * (self.bn / self.wn)
+    }
+
+    fn threads(&self) -> usize {
+        self.subgroups() * SUBGROUP
+    }
+}
+
+/// The tile for `gemm`: 128×128 where that still gives a large GPU
+/// enough workgroups, else 64×64.
+pub(super) fn tile(gemm: &Gemm) -> Tile {
+    let groups = |b: usize| (gemm.m.div_ceil(b) * gemm.n.div_ceil(b)) as u64 * gemm.batch as u64;
+    if gemm.m >= 128 && gemm.n >= 128 && groups(128) >= FILL {
+        Tile {
+            bm: 128,
+            bn: 128,
+            wm: 64,
+            wn: 32,
+            bk: 32,
+        }
+    } else {
+        Tile {
+            bm: 64,
+            bn: 64,
+            wm: 32,
+            wn: 32,
+            bk: 32,
+        }
+    }
+}
+
+/// Whether `gemm` gets the tensor-core alternative: both operands have a
+/// [`Range`], the tiles are not skinny, and there is work enough.
+pub(super) fn worth(gemm: &Gemm) -> bool {
+    gemm.coop.is_some()
+        && gemm.m >= 32
+        && gemm.n >= 32
+        && gemm.k > 0
+        && gemm.batch * gemm.m * gemm.n * gemm.k >= MIN_WORK
+}
+
+/// One operand's slice of k in workgroup memory: `len` rows (columns) of
+/// the tile by `bk`, laid out k-fastest when the operand is contiguous
+/// along k, else `len`-fastest.
+struct Stage {
+    len: usize,
+    bk: usize,
+    k_fast: bool,
+}
+
+impl Stage {
+    fn pitch(&self) -> usize {
+        if self.k_fast {
+            self.bk + PAD
+        } else {
+            self.len + PAD
+        }
+    }
+
+    /// Halves of one stage.
+    fn size(&self) -> usize {
+        if self.k_fast {
+            self.len * self.pitch()
+        } else {
+            self.bk * self.pitch()
+        }
+    }
+
+    /// Offset of element `i` (row of A, column of B) at depth `kk`.
+    fn at(&self, i: &str, kk: &str) -> String {
+        if self.k_fast {
+            format!("({i}) * {}u + {kk}", self.pitch())
+        } else {
+            format!("({kk}) * {}u + {i}", self.pitch())
+        }
+    }
+
+    /// Bytes of both stages as WebGPU counts them.
+    fn bytes(&self) -> usize {
+        (2 * self.size() * 2).next_multiple_of(16)
+    }
+}
+
+/// One operand of the product as the kernels see it.
+struct Operand<'a> {
+    /// `a` or `b`: names its staging array `t{name}`, registers `p{name}j`.
+    name: &'static str,
+    /// Its chunk reader (`ca`, `cb`).
+    reader: &'static str,
+    /// Rows of A or columns of B.
+    len: usize,
+    k: usize,
+    batch: usize,
+    /// Elements along k are adjacent (the chunk reader walks k).
+    k_fast: bool,
+    range: Range,
+    /// The pre-pass's exponents (one per `batch × len` line) for
+    /// [`Range::Lines`].
+    exps: Option<BufferIdx>,
+    stage: &'a Stage,
+}
+
+impl Operand<'_> {
+    /// The WGSL i32 exponent of line `i` (a u32 expression, in range).
+    fn exponent(&self, kb: &mut KernelBuilder, i: &str) -> String {
+        match (self.range, self.exps) {
+            (_, Some(exps)) => kb.load(exps, &format!("bt * {}u + {i}", self.len)),
+            (Range::Exact(s), _) => format!("{s}i"),
+            // (a pre-pass makes `exps` for every `Lines` operand)
+            (Range::Lines, None) => "0i".into(),
+        }
+    }
+
+    fn scaled(&self) -> bool {
+        self.range != Range::Exact(0)
+    }
+}
+
+/// Add the pre-pass writing the exponent of each line (row of A, column
+/// of B; `batch × len` of them) of operand `o`, read through its chunk
+/// reader, which `reader` emits; returns the buffer it writes.
+fn prepass(
+    lw: &mut Lowering,
+    o: &Operand,
+    reader: &dyn Fn(&mut KernelBuilder) -> Result<String>,
+) -> Result<BufferIdx> {
+    let (len, k, batch) = (o.len, o.k, o.batch);
+    let name = format!("{}.exponents_{}", lw.op_label(), o.name);
+    let exps = lw.temp(&name, DType::I32, &[batch * len]);
+    let mut kb = KernelBuilder::new(&lw.buffers);
+    let fns = reader(&mut kb)?;
+    // a maximum per invocation: of its chunks (k-fast), or of 4 lines
+    let red = if o.k_fast { "u32" } else { "vec4<u32>" };
+    let mut s = format!("{fns}{HELPERS}var<workgroup> red: array<{red}, {PREPASS}>;\n\n");
+    s.push_str(&entry(PREPASS as u32));
+    let groups = if o.k_fast {
+        // a workgroup per line, its invocations striding over k in chunks
+        let store = kb.store(exps, "g", "expo(red[0])")?;
+        let _ = writeln!(
+            s,
+            "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
+             \x20 let bt = g / {len}u;\n  var mx = vec4<u32>(0u);\n\
+             \x20 for (var q = lid * 4u; q < {k}u; q = q + {}u) {{\n\
+             \x20   mx = max(mx, finite_bits({}(bt, g % {len}u, q)));\n  }}\n\
+             \x20 red[lid] = max(max(mx.x, mx.y), max(mx.z, mx.w));\n  workgroupBarrier();",
+            batch * len,
+            4 * PREPASS,
+            o.reader
+        );
+        let mut half = PREPASS / 2;
+        while half >= 1 {
+            let _ = writeln!(
+                s,
+                "  if (lid < {half}u) {{ red[lid] = max(red[lid], red[lid + {half}u]); }}\n  workgroupBarrier();"
+            );
+            half /= 2;
+        }
+        let _ = writeln!(s, "  if (lid == 0u) {{ {store} }}\n}}");
+        batch * len
+    } else {
+        // an invocation per 4 adjacent lines and a 1/PHASES of k, the
+        // phases then reduced in workgroup memory
+        const CHUNKS: usize = 8;
+        const PHASES: usize = PREPASS / CHUNKS;
+        let chunks = len.div_ceil(4);
+        let total = batch * chunks;
+        let _ = writeln!(
+            s,
+            "  let c = {FLAT_GROUP} * {CHUNKS}u + lid % {CHUNKS}u;\n  let phase = lid / {CHUNKS}u;\n\
+             \x20 let live = c < {total}u;\n  let cc = min(c, {}u);\n\
+             \x20 let bt = cc / {chunks}u;\n  let i = (cc % {chunks}u) * 4u;\n  var mx = vec4<u32>(0u);\n\
+             \x20 for (var kk = phase; kk < {k}u; kk = kk + {PHASES}u) {{\n\
+             \x20   mx = max(mx, finite_bits({}(bt, kk, i)));\n  }}",
+            total - 1,
+            o.reader
+        );
+        s.push_str("  red[lid] = mx;\n  workgroupBarrier();\n");
+        let mut half = PHASES / 2;
+        while half >= 1 {
+            let _ = writeln!(
+                s,
+                "  if (phase < {half}u) {{ red[lid] = max(red[lid], red[lid + {}u]); }}\n  workgroupBarrier();",
+                half * CHUNKS
+            );
+            half /= 2;
+        }
+        s.push_str("  if (live && phase == 0u) {\n");
+        for l in 0..4 {
+            let store = kb.store(
+                exps,
+                &format!("bt * {len}u + i + {l}u"),
+                &format!("expo(red[lid][{l}])"),
+            )?;
+            let _ = writeln!(s, "    if (i + {l}u < {len}u) {{ {store} }}");
+        }
+        s.push_str("  }\n}\n");
+        total.div_ceil(CHUNKS)
+    };
+    let built = kb.finish(&s).tagged("range");
+    let workgroups =
+        crate::preprocess::emit::grid(groups as u64, lw.options.max_workgroups_per_dim)?;
+    let ops = vec![lw.op_label()];
+    lw.add_dispatch(
+        built,
+        ops,
+        [PREPASS as u32, 1, 1],
+        workgroups,
+        (PREPASS * 16) as u32,
+    )?;
+    Ok(exps)
+}
+
+/// Build the alternative's dispatches for `gemm` (already lowered as the
+/// portable dispatch, split `splits` ways along k): a pre-pass for each
+/// operand scaled at run time, then the tensor-core kernel. `chunks` emits
+/// the `ca`/`cb` chunk readers (see `Reads::Chunks`), `store` `gstore`.
+pub(super) fn lower(
+    lw: &mut Lowering,
+    gemm: &Gemm,
+    splits: usize,
+    chunks: &dyn Fn(&mut KernelBuilder) -> Result<String>,
+    store: &dyn Fn(&mut KernelBuilder) -> Result<String>,
+) -> Result<()> {
+    let Some([ra, rb]) = gemm.coop else {
+        return Ok(());
+    };
+    let t = tile(gemm);
+    let (sa, sb) = stages(gemm, &t);
+    let operand = |name, reader, len, k_fast, range, stage| Operand {
+        name,
+        reader,
+        len,
+        k: gemm.k,
+        batch: gemm.batch,
+        k_fast,
+        range,
+        exps: None,
+        stage,
+    };
+    let mut operands = [
+        operand("a", "ca", gemm.m, gemm.a_k_fast, ra, &sa),
+        operand("b", "cb", gemm.n, gemm.b_k_fast, rb, &sb),
+    ];
+    for o in &mut operands {
+        if o.range == Range::Lines {
+            o.exps = Some(prepass(lw, o, chunks)?);
+        }
+    }
+    let mut kb = KernelBuilder::new(&lw.buffers);
+    kb.enable("f16");
+    kb.enable("wgpu_cooperative_matrix");
+    let fns = chunks(&mut kb)? + &store(&mut kb)? + HELPERS;
+    let main = kernel(&mut kb, gemm, &t, splits, &operands);
+    let built = kb.finish(&format!("{fns}{main}")).tagged("coop");
+    let storage = sa.bytes() + sb.bytes() + t.subgroups() * 256 * 4;
+    let tiles = (gemm.m.div_ceil(t.bm) * gemm.n.div_ceil(t.bn)) as u64;
+    let groups = tiles * (gemm.batch * splits) as u64;
+    let workgroups = crate::preprocess::emit::grid(groups, lw.options.max_workgroups_per_dim)?;
+    let ops = vec![lw.op_label()];
+    let threads = t.threads() as u32;
+    lw.add_dispatch(built, ops, [threads, 1, 1], workgroups, storage as u32)
+}
+
+fn stages(gemm: &Gemm, t: &Tile) -> (Stage, Stage) {
+    (
+        Stage {
+            len: t.bm,
+            bk: t.bk,
+            k_fast: gemm.a_k_fast,
+        },
+        Stage {
+            len: t.bn,
+            bk: t.bk,
+            k_fast: gemm.b_k_fast,
+        },
+    )
+}
+
+/// The kernel's main (see the module comment).
+fn kernel(
+    kb: &mut KernelBuilder,
+    gemm: &Gemm,
+    t: &Tile,
+    splits: usize,
+    operands: &[Operand; 2],
+) -> String {
+    let Tile { bm, bn, wm, wn, bk } = *t;
+    let (m, n, k) = (gemm.m, gemm.n, gemm.k);
+    let threads = t.threads();
+    let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
+    let tiles = tiles_m * tiles_n;
+    let per = tiles * gemm.batch;
+    let depth = k / splits;
+    let nt = depth.div_ceil(bk);
+    let (fm, fnn) = (wm / 16, wn / 16);
+    let [oa, ob] = operands;
+    let (sa, sb) = (oa.stage, ob.stage);
+    let mut s = String::new();
+    let _ = writeln!(s, "var<workgroup> ta: array<f16, {}>;", 2 * sa.size());
+    let _ = writeln!(s, "var<workgroup> tb: array<f16, {}>;", 2 * sb.size());
+    let _ = writeln!(s, "var<workgroup> tc: array<f32, {}>;", t.subgroups() * 256);
+    let _ = writeln!(
+        s,
+        "@compute @workgroup_size({threads})\n\
+         fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, \
+         @builtin(local_invocation_index) lid: u32, @builtin(subgroup_id) sg: u32, \
+         @builtin(subgroup_invocation_id) sl: u32) {{"
+    );
+    let _ = writeln!(
+        s,
+        "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
+         \x20 let ks = g / {per}u;\n  let sb = g / {tiles}u;\n\
+         \x20 let bt = sb % {}u;\n  let tile = g % {tiles}u;\n\
+         \x20 let kbase = ks * {depth}u;\n\
+         \x20 let m0 = (tile / {tiles_n}u) * {bm}u;\n  let n0 = (tile % {tiles_n}u) * {bn}u;\n\
+         \x20 let wr = (sg / {}u) * {wm}u;\n  let wc = (sg % {}u) * {wn}u;",
+        per * splits,
+        gemm.batch,
+        bn / wn,
+        bn / wn,
+    );
+    for i in 0..fm {
+        for j in 0..fnn {
+            let _ = writeln!(s, "  var c{i}_{j} = coop_mat16x16<f32, C>();");
+        }
+    }
+    let origin = |o: &Operand| if o.name == "a" { "m0" } else { "n0" };
+    let per_thread = |o: &Operand| o.stage.len * bk / 4 / threads;
+    // chunk j of an operand's slice: (index along m/n, depth) of its
+    // first element; the chunk runs along k when the operand is k-fast,
+    // else along m/n
+    let chunk = |o: &Operand, j: usize| -> (String, String) {
+        let c = format!("(lid + {}u)", j * threads);
+        let len = o.stage.len;
+        if o.k_fast {
+            (
+                format!("{c} / {}u", bk / 4),
+                format!("({c} % {}u) * 4u", bk / 4),
+            )
+        } else {
+            (
+                format!("({c} % {}u) * 4u", len / 4),
+                format!("{c} / {}u", len / 4),
+            )
+        }
+    };
+    for o in operands {
+        for j in 0..per_thread(o) {
+            let _ = writeln!(s, "  var p{}{j}: vec4<f16>;", o.name);
+            if !o.scaled() {
+                continue;
+            }
+            // the factors of the chunk's line(s), the same in every slice
+            let (i, _) = chunk(o, j);
+            let mut line = |l: usize| {
+                let at = format!("min({} + {i} + {l}u, {}u)", origin(o), o.len - 1);
+                format!("pow2({})", o.exponent(kb, &at))
+            };
+            let f = if o.k_fast {
+                line(0)
+            } else {
+                format!(
+                    "vec4<f32>({})",
+                    (0..4).map(line).collect::<Vec<_>>().join(", ")
+                )
+            };
+            let _ = writeln!(s, "  let f{}{j} = {f};", o.name);
+        }
+    }
+    let read = |s: &mut String, k0: &str| {
+        for o in operands {
+            for j in 0..per_thread(o) {
+                let (i, kk) = chunk(o, j);
+                let gi = format!("{} + {i}", origin(o));
+                let gk = format!("{k0} + {kk}");
+                let mut conds = vec![];
+                if !o.len.is_multiple_of(o.stage.len) {
+                    conds.push(format!("{gi} < {}u", o.len));
+                }
+                if !depth.is_multiple_of(bk) {
+                    conds.push(format!("{gk} < kbase + {depth}u"));
+                }
+                let ci = format!("min({gi}, {}u)", o.len - 1);
+                let ck = format!("min({gk}, {}u)", k - 1);
+                let call = if o.k_fast {
+                    format!("{}(bt, {ci}, {ck})", o.reader)
+                } else {
+                    format!("{}(bt, {ck}, {ci})", o.reader)
+                };
+                let mut v = if conds.is_empty() {
+                    call
+                } else {
+                    format!("select(vec4<f32>(0.0), {call}, {})", conds.join(" && "))
+                };
+                if o.scaled() {
+                    v = format!("({v}) * f{}{j}", o.name);
+                }
+                let _ = writeln!(s, "    p{}{j} = vec4<f16>({v});", o.name);
+            }
+        }
+    };
+    let write = |s: &mut String, stage: &str| {
+        for o in operands {
+            for j in 0..per_thread(o) {
+                let (i, kk) = chunk(o, j);
+                for l in 0..4 {
+                    let at = if o.k_fast {
+                        o.stage.at(&i, &format!("{kk} + {l}u"))
+                    } else {
+                        o.stage.at(&format!("{i} + {l}u"), &kk)
+                    };
+                    let _ = writeln!(
+                        s,
+                        "    t{0}[{stage} * {1}u + {at}] = p{0}{j}[{l}];",
+                        o.name,
+                        o.stage.size()
+                    );
+                }
+            }
+        }
+    };
+    if nt > 0 {
+        s.push_str("  {\n");
+        read(&mut s, "kbase");
+        write(&mut s, "0u");
+        s.push_str("  }\n  workgroupBarrier();\n");
+        let _ = writeln!(
+            s,
+            "  for (var t = 0u; t < {nt}u; t = t + 1u) {{\n    let cur = t & 1u;\n\
+             \x20   let more = t + 1u < {nt}u;\n    if (more) {{"
+        );
+        read(&mut s, &format!("kbase + (t + 1u) * {bk}u"));
+        let _ = writeln!(
+            s,
+            "    }}\n    let oa = cur * {}u;\n    let ob = cur * {}u;",
+            sa.size(),
+            sb.size()
+        );
+        // A is row-major in memory when k-fast, B when not
+        let load = |transposed: bool| if transposed { "coopLoadT" } else { "coopLoad" };
+        for step in 0..bk / 16 {
+            let kk = format!("{}u", 16 * step);
+            s.push_str("    {\n");
+            for i in 0..fm {
+                let _ = writeln!(
+                    s,
+                    "      let ma{i} = {}<coop_mat16x16<f16, A>>(&ta[oa + {}], {}u);",
+                    load(sa.k_fast),
+                    sa.at(&format!("wr + {}u", 16 * i), &kk),
+                    sa.pitch()
+                );
+            }
+            for j in 0..fnn {
+                let _ = writeln!(
+                    s,
+                    "      let mb{j} = {}<coop_mat16x16<f16, B>>(&tb[ob + {}], {}u);",
+                    load(!sb.k_fast),
+                    sb.at(&format!("wc + {}u", 16 * j), &kk),
+                    sb.pitch()
+                );
+            }
+            for i in 0..fm {
+                for j in 0..fnn {
+                    let _ = writeln!(
+                        s,
+                        "      c{i}_{j} = coopMultiplyAdd(ma{i}, mb{j}, c{i}_{j});"
+                    );
+                }
+            }
+            s.push_str("    }\n");
+        }
+        s.push_str("    if (more) {\n");
+        write(&mut s, "(1u - cur)");
+        s.push_str("    }\n    workgroupBarrier();\n  }\n");
+    }
+    let value = if oa.scaled() || ob.scaled() {
+        let (ea, eb) = (oa.exponent(kb, "r"), ob.exponent(kb, "c"));
+        format!("unscale(tc[e], {ea}, {eb})")
+    } else {
+        "tc[e]".to_string()
+    };
+    for i in 0..fm {
+        for j in 0..fnn {
+            let _ = writeln!(
+                s,
+                "  coopStoreT(c{i}_{j}, &tc[sg * 256u], 16u);\n  workgroupBarrier();\n\
+                 \x20 for (var q = sl; q < 256u; q = q + {SUBGROUP}u) {{\n\
+                 \x20   let e = sg * 256u + q;\n\
+                 \x20   let r = m0 + wr + {}u + q / 16u;\n\
+                 \x20   let c = n0 + wc + {}u + q % 16u;\n\
+                 \x20   if (r < {m}u && c < {n}u) {{ gstore(sb, r, c, {value}); }}\n  }}\n\
+                 \x20 workgroupBarrier();",
+                16 * i,
+                16 * j
+            );
+        }
+    }
+    s.push_str("}\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::payload::Payload;
+    use crate::preprocess::kernels::matmul::tests::{input, lower_one, weight};
+    use etmetal_core::Op;
+    use half::{bf16, f16};
+
+    /// The alternatives of a payload's dispatches: (kernel names, needs).
+    fn alternatives(p: &Payload) -> Vec<(Vec<String>, Needs)> {
+        p.dispatches
+            .iter()
+            .flat_map(|d| &d.alternatives)
+            .map(|a| {
+                let names = a
+                    .dispatches
+                    .iter()
+                    .map(|d| p.kernels[d.kernel].name.clone())
+                    .collect();
+                (names, a.needs)
+            })
+            .collect()
+    }
+
+    /// Every orientation of the operands, both tiles, split k, batches,
+    /// bias, f16 and bf16 of weights and activations: the tensor-core
+    /// kernels validate (naga, with MSL), and the pre-pass runs for every
+    /// operand but weights that one factor converts exactly.
+    #[test]
+    fn coop_alternatives_validate_in_every_form() {
+        let (h, b) = (DType::F16, DType::BF16);
+        let cases: Vec<(Op, Vec<_>, &[&str])> = vec![
+            // activations: A k-fast, B n-fast; both ranges at run time
+            (
+                Op::MatMul,
+                vec![input(b, &[200, 72]), input(b, &[72, 130])],
+                &["range", "range", "coop"],
+            ),
+            // f16 alike; the 128×128 tile (4096 rows)
+            (
+                Op::MatMul,
+                vec![input(h, &[4096, 40]), input(h, &[40, 1024])],
+                &["range", "range", "coop"],
+            ),
+            // linear: a weight (exact with one factor), B k-fast, bias
+            (
+                Op::Linear,
+                vec![
+                    input(b, &[3, 100, 64]),
+                    weight(b, &[96, 64]),
+                    weight(b, &[96]),
+                ],
+                &["range", "coop"],
+            ),
+            // f16 linear without bias: a weight one factor converts exactly
+            (
+                Op::Linear,
+                vec![input(h, &[256, 33]), weight(h, &[48, 33]), None],
+                &["range", "coop"],
+            ),
+            // split k (few tiles, deep k), batched
+            (
+                Op::MatMul,
+                vec![input(h, &[2, 64, 4096]), input(h, &[2, 4096, 64])],
+                &["range", "range", "coop"],
+            ),
+            (
+                Op::Addmm {
+                    beta: 0.5,
+                    alpha: 2.0,
+                },
+                vec![
+                    input(b, &[130]),
+                    weight(b, &[70, 90]),
+                    weight(b, &[90, 130]),
+                ],
+                &["coop"],
+            ),
+        ];
+        for (op, operands, kinds) in cases {
+            let name = format!("{op:?}");
+            let p = lower_one(op, operands).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let alts = alternatives(&p.payload);
+
+            assert_eq!(alts.len(), 1, "{name}: {alts:?}");
+            let (names, needs) = &alts[0];
+            let got: Vec<&str> = names
+                .iter()
+                .map(|n| n.rsplit('_').next().unwrap())
+                .collect();
+            assert_eq!(got, *kinds, "{name}");
+            assert!(
+                needs.workgroup_storage > 16384 && needs.workgroup_storage <= 49152,
+                "{needs:?}"
+            );
+            // what the portable kernels need stays within the defaults
+            let r = &p.payload.requirements;
+            assert!(r.max_compute_workgroup_storage_size <= 16384, "{r:?}");
+            assert!(!r.shader_f16);
+        }
+        // small or skinny products, and f32 ones, have no alternative
+        for (op, operands) in [
+            (Op::MatMul, vec![input(b, &[40, 40]), input(b, &[40, 40])]),
+            (
+                Op::MatMul,
+                vec![input(h, &[16, 4096]), input(h, &[4096, 512])],
+            ),
+            (
+                Op::MatMul,
+                vec![
+                    input(DType::F32, &[512, 512]),
+                    input(DType::F32, &[512, 512]),
+                ],
+            ),
+        ] {
+            let p = lower_one(op, operands).unwrap();
+            assert!(alternatives(&p.payload).is_empty());
+        }
+    }
+
+    /// The scheme's arithmetic on the host: `a · b` (`k` long) through
+    /// scaled f16 operands and f32 accumulation, as the kernel computes.
+    fn product(a: &[f32], b: &[f32]) -> f32 {
+        let amax = |x: &[f32]| {
+            x.iter()
+                .map(|v| v.abs().to_bits())
+                .filter(|&b| b < 0x7f80_0000)
+                .max()
+                .unwrap_or(0)
+        };
+        let (sa, sb) = (scale_exponent(amax(a)), scale_exponent(amax(b)));
+        let f = pow2;
+        let mut acc = 0f32;
+        for (x, y) in a.iter().zip(b) {
+            let x = f16::from_f32(x * f(sa)).to_f32();
+            let y = f16::from_f32(y * f(sb)).to_f32();
+            assert!(x.is_finite() && y.is_finite(), "overflow");
+            acc += x * y;
+        }
+        (acc * f(-sa)) * f(-sb)
+    }
+
+    fn pow2(s: i32) -> f32 {
+        f32::from_bits(((s + 127) as u32) << 23)
+    }
+
+    fn bf(v: &[f32]) -> Vec<f32> {
+        v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+    }
+
+    #[test]
+    fn scaled_values_stay_below_2_15_and_factors_are_exact() {
+        for amax in [
+            0.0f32,
+            f32::from_bits(1),
+            1e-38,
+            1e-30,
+            6e-8,
+            1.0,
+            65504.0,
+            65520.0,
+            1e6,
+            3.0e38,
+            f32::MAX,
+        ] {
+            let s = scale_exponent(amax.to_bits());
+            let scaled = amax * pow2(s);
+            assert!(scaled < 32768.0, "{amax}: 2^{s} gives {scaled}");
+            if amax >= 1e-30 {
+                assert!(scaled >= 16384.0, "{amax}: 2^{s} wastes range");
+            }
+            let back = pow2(-s);
+            assert_eq!(scaled * back, amax, "{amax}: not exact");
+        }
+    }
+
+    /// One factor for a whole weight where it converts every element
+    /// exactly (infinities aside), none where the elements span too much.
+    #[test]
+    fn weights_get_one_factor_only_where_it_is_exact() {
+        let exact = |v: &[f32]| exact_exponent(&bf(v));
+        assert_eq!(exact(&[1.0, -0.75, f32::INFINITY, 0.0]), Some(14));
+        assert_eq!(exact(&[1.0, 2f32.powi(-20)]), Some(14));
+        // scaled, 2^-14 is f16's smallest normal
+        assert_eq!(exact(&[1.0, 2f32.powi(-28)]), Some(14));
+        assert_eq!(exact(&[1.0, -(2f32.powi(-29))]), None);
+        assert_eq!(exact(&[1e30, 1.0]), None);
+        assert_eq!(
+            exact(&[1e30, 3e25]),
+            Some(scale_exponent(1e30f32.to_bits()))
+        );
+        // bf16 subnormals: 2^-130 alone, and beside 2^-110
+        let (tiny, small) = (f32::from_bits(0x0001_0000), 2f32.powi(-110));
+        assert_eq!(exact(&[tiny]), Some(126));
+        assert_eq!(exact(&[small, tiny]), Some(scale_exponent(small.to_bits())));
+        assert_eq!(exact(&[1e-20, tiny]), None);
+        assert_eq!(exact(&[0.0, f32::NAN]), Some(126));
+        // f16 weights: a subnormal beside 1.0 becomes normal scaled by 2^14;
+        // 1e-4 beside 65504 (scaled by 2^-1) would not
+        let h = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| f16::from_f32(x).to_f32()).collect() };
+        assert_eq!(exact_exponent(&h(&[1.0, 6e-8])), Some(14));
+        assert_eq!(exact_exponent(&h(&[65504.0, 1e-4])), None);
+        assert_eq!(exact_exponent(&h(&[65504.0, 1e-3])), Some(-1));
+        // what the check admits converts exactly
+        for v in [[1.0, 2f32.powi(-20), -3.5], [1e30, 3e25, -7e27]] {
+            let s = exact(&v).unwrap();
+            for x in bf(&v) {
+                let scaled = x * pow2(s);
+                assert_eq!(f16::from_f32(scaled).to_f32(), scaled, "{x}");
+                assert!(f16::from_f32(scaled).is_normal(), "{x}");
+            }
+        }
+    }
+
+    /// Values near and beyond f16's range, and tiny ones, through the
+    /// scheme: within the module comment's bound of the exact product
+    /// (where f16 as it is would give inf or 0).
+    #[test]
+    fn bf16_beyond_f16_range_stays_within_the_bound() {
+        let cases: Vec<(Vec<f32>, Vec<f32>)> = vec![
+            (vec![70000.0, -1e6, 3.0, 1e-9], vec![2.0, 1e-3, -1e5, 1e9]),
+            (
+                vec![1e30, 2e30, -1e30, 5.0],
+                vec![1e-30, 1e-30, 1e-30, 1e-28],
+            ),
+            (
+                vec![6e-8, 1e-10, -3e-9, 7e-8],
+                vec![1e-7, 1e-7, 2e-7, -1e-7],
+            ),
+            (
+                vec![65504.0, 65520.0, 65536.0, -60000.0],
+                vec![1.0, 1.0, 1.0, 1.0],
+            ),
+            (vec![3e38, 1e-38, 1.0, 0.0], vec![1e-38, 3e38, 0.5, 7.0]),
+        ];
+        for (a, b) in cases {
+            let (a, b) = (bf(&a), bf(&b));
+            let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            let got = product(&a, &b) as f64;
+            let max = |x: &[f32]| x.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+            let k = a.len() as f64;
+            // the scheme's bound plus f32 accumulation of k terms
+            let bound = k * 2f64.powi(-38) * max(&a) * max(&b)
+                + k * f32::EPSILON as f64
+                    * a.iter()
+                        .zip(&b)
+                        .map(|(x, y)| (*x as f64 * *y as f64).abs())
+                        .sum::<f64>();
+            assert!(
+                (got - exact).abs() <= bound,
+                "{a:?}·{b:?}: {got} vs {exact} (bound {bound})"
+            );
+            // converted as they are, these overflow or flush
+            let naive: f32 = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| f16::from_f32(*x).to_f32() * f16::from_f32(*y).to_f32())
+                .sum();
+            assert!(
+                !naive.is_finite() || (naive as f64 - exact).abs() > bound,
+                "{a:?}·{b:?}: f16 without scaling would do"
+            );
+        }
+    }
+}
