@@ -351,14 +351,13 @@ fn alternatives_run_where_the_device_meets_them() {
     let stats = b.stats();
     assert_eq!(stats.alternatives_chosen, u64::from(meets));
     assert_eq!(stats.pipelines_created, 1 + u64::from(meets));
-    let mut a = args(std::slice::from_ref(&x), &payload);
-    h.execute(&mut a).unwrap();
+    let out = exec(&mut *h, std::slice::from_ref(&x), &payload).unwrap();
     let want: Vec<f32> = x
         .to_f32_vec()
         .iter()
         .map(|v| (v * 2.0 + 1.0) * 2.0 + 1.0)
         .collect();
-    assert_eq!(output(&a, 0).to_f32_vec(), want);
+    assert_eq!(out[0].to_f32_vec(), want);
     if b.can_profile() {
         let ran: Vec<(String, Option<String>)> = b
             .take_dispatch_times()
@@ -376,9 +375,8 @@ fn alternatives_run_where_the_device_meets_them() {
     let plain = backend().with_cooperative_matrix(false);
     let mut h = plain.init(&payload.encode(), &[], &Named::new()).unwrap();
     assert_eq!(plain.stats().alternatives_chosen, 0);
-    let mut a = args(std::slice::from_ref(&x), &payload);
-    h.execute(&mut a).unwrap();
-    assert_eq!(output(&a, 0).to_f32_vec(), want);
+    let out = exec(&mut *h, std::slice::from_ref(&x), &payload).unwrap();
+    assert_eq!(out[0].to_f32_vec(), want);
 }
 
 #[test]
