@@ -203,6 +203,8 @@ def etmetal_bench(pte: Path, inputs: list[Path], device: str, runs=RUNS, warmup=
         js = Path(d) / "bench.json"
         cmd = [binary(), "run", pte, "--device", device, "--output-dir", d,
                "--bench", runs, "--warmup", warmup, "--bench-json", js]
+        if device != "cpu":
+            cmd += ["--coop", "auto"]  # tensor cores where the GPU offers them
         if inputs:
             cmd += ["--inputs", ",".join(map(str, inputs))]
         r = sh(cmd, env=env)

@@ -27,7 +27,7 @@ fn backend() -> MetalBackend {
              apt-get install mesa-vulkan-drivers libvulkan1 (Mesa lavapipe)"
         );
     }
-    MetalBackend::new(DeviceChoice::Auto)
+    MetalBackend::new(DeviceChoice::Auto).with_cooperative_matrix(true)
 }
 
 fn arena(name: &str, dtype: DType, shape: &[usize], arena: usize, offset: u64) -> Buffer {

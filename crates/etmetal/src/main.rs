@@ -135,8 +135,9 @@ enum Command {
         #[arg(long, value_enum, default_value = "auto", env = "ETMETAL_DEVICE")]
         device: Device,
         /// Tensor-core forms of f16/bf16 matrix products (payload
-        /// alternatives): `auto` runs them where the GPU offers them.
-        #[arg(long, value_enum, default_value = "auto", env = "ETMETAL_COOP")]
+        /// alternatives): `auto` runs them where the GPU offers them; off
+        /// by default while they are experimental (README: Tensor cores).
+        #[arg(long, value_enum, default_value = "off", env = "ETMETAL_COOP")]
         coop: Coop,
         /// Execute N times after the warm-up runs and print latency figures.
         #[arg(long, value_name = "N")]

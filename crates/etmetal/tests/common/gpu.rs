@@ -25,7 +25,8 @@ pub fn backend() -> Arc<MetalBackend> {
                      apt-get install mesa-vulkan-drivers libvulkan1 (Mesa lavapipe)"
                 );
             }
-            Arc::new(MetalBackend::new(DeviceChoice::Auto))
+            // tensor-core alternatives run wherever the adapter offers them
+            Arc::new(MetalBackend::new(DeviceChoice::Auto).with_cooperative_matrix(true))
         })
         .clone()
 }
