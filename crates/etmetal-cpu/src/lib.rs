@@ -1,24 +1,33 @@
 //! CPU kernels for every [`Op`], with PyTorch semantics.
 //!
-//! [`execute`] is the single entry point: it checks the input slots, runs the
-//! op's kernel and checks the computed output shapes and dtypes against what
-//! the graph expects. Kernels are grouped by family, one module each; they
-//! share the dtype domains of [`buf`] and the strided walk of [`strided`].
+//! [`execute`] is the reference entry point: it checks the input slots, runs
+//! the op's kernel and checks the computed output shapes and dtypes against
+//! what the graph expects. Kernels are grouped by family, one module each;
+//! they share the dtype domains of [`buf`] and the strided walk of
+//! [`strided`].
+//!
+//! [`execute_into`] runs the ops its [`fast`] paths take on borrowed memory
+//! (a runtime's planned arenas), reading the inputs and writing the outputs
+//! in place; the caller runs the others with [`execute`].
 
 mod attention;
 mod buf;
 mod conv;
 mod create;
 mod elementwise;
+mod fast;
 mod index;
 mod layout;
 mod matmul;
 mod norm;
 mod pool;
 mod reduce;
+mod simd;
 mod strided;
+mod view;
 
 use etmetal_core::{DType, Error, Op, Result, Tensor};
+pub use view::{View, ViewMut};
 
 /// What every kernel receives: the op (for messages), its input slots and the
 /// dtypes and shapes the graph expects of its outputs.
@@ -130,6 +139,32 @@ pub fn execute(
         }
     }
     Ok(results)
+}
+
+/// Run one op on borrowed memory if a fast path takes it: `inputs` are the
+/// op's input slots, each output view has the dtype and shape the graph
+/// expects, and outputs must not overlap inputs or each other. `Ok(false)`
+/// when no fast path takes the op, with nothing written: run [`execute`].
+pub fn execute_into(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> Result<bool> {
+    for (i, x) in inputs.iter().enumerate() {
+        if let Some(x) = x {
+            view::check_len(
+                x.dtype,
+                x.shape,
+                x.bytes.len(),
+                &format!("{} input {i}", op.name()),
+            )?;
+        }
+    }
+    for (i, y) in outputs.iter().enumerate() {
+        view::check_len(
+            y.dtype,
+            y.shape,
+            y.bytes.len(),
+            &format!("{} output {i}", op.name()),
+        )?;
+    }
+    Ok(fast::run(op, inputs, outputs))
 }
 
 fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
@@ -304,26 +339,9 @@ fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
             ctx.arity(1, 1)?;
             one(layout::reshape(ctx, shape)?)
         }
-        Op::Permute { dims } => {
+        Op::Permute { .. } | Op::Expand { .. } | Op::Slice { .. } | Op::Select { .. } => {
             ctx.arity(1, 1)?;
-            one(layout::permute(ctx, dims)?)
-        }
-        Op::Expand { shape } => {
-            ctx.arity(1, 1)?;
-            one(layout::expand(ctx, shape)?)
-        }
-        Op::Slice {
-            dim,
-            start,
-            end,
-            step,
-        } => {
-            ctx.arity(1, 1)?;
-            one(layout::slice(ctx, *dim, *start, *end, *step)?)
-        }
-        Op::Select { dim, index } => {
-            ctx.arity(1, 1)?;
-            one(layout::select(ctx, *dim, *index)?)
+            one(layout::view(ctx)?)
         }
         Op::Cat { dim } => {
             ctx.arity(1, usize::MAX)?;

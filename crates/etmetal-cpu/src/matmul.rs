@@ -24,6 +24,18 @@ pub struct Mat<'a, T> {
 /// Element types with a matrix product.
 pub trait MatElem: Elem + Default + Add<Output = Self> + Mul<Output = Self> + 'static {
     fn from_f64(v: f64) -> Self;
+    /// `dst[m×n]` (contiguous) `= a[m×k] @ b[k×n]`, or `+=` with `acc`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        dst: &mut [Self],
+        m: usize,
+        n: usize,
+        k: usize,
+        a: Mat<Self>,
+        b: Mat<Self>,
+        acc: bool,
+        par: Parallelism,
+    );
     /// `dst[m×n]` (contiguous, overwritten) `= a[m×k] @ b[k×n]`.
     fn mm(
         dst: &mut [Self],
@@ -33,7 +45,9 @@ pub trait MatElem: Elem + Default + Add<Output = Self> + Mul<Output = Self> + 's
         a: Mat<Self>,
         b: Mat<Self>,
         par: Parallelism,
-    );
+    ) {
+        Self::gemm(dst, m, n, k, a, b, false, par)
+    }
 }
 
 macro_rules! impl_gemm {
@@ -42,20 +56,23 @@ macro_rules! impl_gemm {
             fn from_f64(v: f64) -> Self {
                 v as $t
             }
-            fn mm(
+            fn gemm(
                 dst: &mut [Self],
                 m: usize,
                 n: usize,
                 k: usize,
                 a: Mat<Self>,
                 b: Mat<Self>,
+                acc: bool,
                 par: Parallelism,
             ) {
                 if m == 0 || n == 0 {
                     return;
                 }
                 if k == 0 {
-                    dst.fill(0.0);
+                    if !acc {
+                        dst.fill(0.0);
+                    }
                     return;
                 }
                 assert!(dst.len() >= m * n, "gemm destination too small");
@@ -77,14 +94,14 @@ macro_rules! impl_gemm {
                         dst.as_mut_ptr(),
                         1,
                         n as isize,
-                        false,
+                        acc,
                         a.data.as_ptr(),
                         a.cs as isize,
                         a.rs as isize,
                         b.data.as_ptr(),
                         b.cs as isize,
                         b.rs as isize,
-                        0.0,
+                        1.0,
                         1.0,
                         false,
                         false,
@@ -103,18 +120,20 @@ impl MatElem for i64 {
     fn from_f64(v: f64) -> Self {
         v as i64
     }
-    fn mm(
+    fn gemm(
         dst: &mut [Self],
         m: usize,
         n: usize,
         k: usize,
         a: Mat<Self>,
         b: Mat<Self>,
+        acc: bool,
         _: Parallelism,
     ) {
         for i in 0..m {
             for j in 0..n {
-                dst[i * n + j] = (0..k).fold(0i64, |s, p| {
+                let start = if acc { dst[i * n + j] } else { 0 };
+                dst[i * n + j] = (0..k).fold(start, |s, p| {
                     s.wrapping_add(
                         a.data[i * a.rs + p * a.cs].wrapping_mul(b.data[p * b.rs + j * b.cs]),
                     )

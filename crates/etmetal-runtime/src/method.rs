@@ -472,7 +472,26 @@ impl Method {
 }
 
 fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
-    // Inputs are copied out before any output is written: in-place and
+    let reads: Vec<Option<usize>> = o
+        .inputs
+        .iter()
+        .map(|i| match i {
+            Some(Operand::Value(v)) => Some(*v),
+            _ => None,
+        })
+        .collect();
+    if let Some((mut ins, mut outs)) = values.views(&reads, &o.outputs)? {
+        for (view, operand) in ins.iter_mut().zip(&o.inputs) {
+            if let Some(Operand::Scalar(t)) = operand {
+                *view = Some(etmetal_cpu::View::of(t));
+            }
+        }
+        if etmetal_cpu::execute_into(&o.op, &ins, &mut outs)? {
+            return Ok(());
+        }
+    }
+    // The reference kernels on copies (constants are shared, not copied).
+    // Inputs are copied out before any output is written, so in-place and
     // aliasing calls read what was there before.
     let owned = o
         .inputs

@@ -4,6 +4,7 @@
 //! is the program's `EValue`.
 
 use etmetal_core::{DType, Error, Result, Tensor};
+use etmetal_cpu::{View, ViewMut};
 use etmetal_pte::{EValue, PteFile, TensorDataLocation, TensorShapeDynamism};
 
 /// Where a tensor's bytes are.
@@ -28,7 +29,7 @@ pub(crate) enum Slot {
 pub(crate) struct Values {
     slots: Vec<Slot>,
     /// Indexed by `memory_id`; entry 0 (ExecuTorch's constant placeholder) is empty.
-    arenas: Vec<Vec<u8>>,
+    arenas: Vec<Arena>,
     /// Planned tensors with an initial value (mutable buffers: state kept
     /// in the arena across executes), written at load and by [`Values::reset_state`].
     initial: Vec<(usize, Tensor)>,
@@ -67,16 +68,37 @@ fn mutable_initial(file: &PteFile, t: &etmetal_pte::Tensor, what: &str) -> Resul
     Tensor::from_bytes(t.scalar_type, &shape, bytes)
 }
 
-/// Allocate zeroed memory without aborting when the system refuses.
-fn allocate(size: usize, memory: usize) -> Result<Vec<u8>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(size).map_err(|_| {
-        Error::limit(format!(
-            "cannot allocate {size} bytes for planned memory {memory}"
-        ))
-    })?;
-    v.resize(size, 0);
-    Ok(v)
+/// A kernel call's input slots and outputs, borrowed in place.
+pub(crate) type KernelViews<'a> = (Vec<Option<View<'a>>>, Vec<ViewMut<'a>>);
+
+/// One planned memory: zeroed bytes, 8-byte aligned so that kernels can
+/// view any dtype in place.
+#[derive(Default)]
+struct Arena {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Arena {
+    /// Allocate without aborting when the system refuses.
+    fn new(size: usize, memory: usize) -> Result<Arena> {
+        let mut words = Vec::new();
+        words.try_reserve_exact(size.div_ceil(8)).map_err(|_| {
+            Error::limit(format!(
+                "cannot allocate {size} bytes for planned memory {memory}"
+            ))
+        })?;
+        words.resize(size.div_ceil(8), 0);
+        Ok(Arena { words, len: size })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
 }
 
 impl Values {
@@ -118,14 +140,14 @@ impl Values {
                 }
             }
         }
-        let mut arenas = vec![Vec::new()];
+        let mut arenas = vec![Arena::default()];
         for (memory, &size) in used.iter().enumerate().skip(1) {
             let size = usize::try_from(size).map_err(|_| {
                 Error::limit(format!(
                     "planned memory {memory} of {size} bytes does not fit in memory"
                 ))
             })?;
-            arenas.push(allocate(size, memory)?);
+            arenas.push(Arena::new(size, memory)?);
         }
         let slots = p
             .values
@@ -238,7 +260,7 @@ impl Values {
 
     /// Bytes allocated for planned memory.
     pub fn arena_bytes(&self) -> usize {
-        self.arenas.iter().map(Vec::len).sum()
+        self.arenas.iter().map(|a| a.len).sum()
     }
 
     pub fn get(&self, v: usize) -> Result<&Slot> {
@@ -269,6 +291,7 @@ impl Values {
             Place::Arena { memory, offset } => {
                 let n = etmetal_core::shape::numel(&t.shape)? * t.dtype.size();
                 let bytes = self.arenas[*memory]
+                    .bytes()
                     .get(*offset..*offset + n)
                     .ok_or_else(|| {
                         Error::internal(format!("value {v} lies outside planned memory {memory}"))
@@ -305,6 +328,7 @@ impl Values {
             Place::Arena { memory, offset } => {
                 let src = tensor.bytes();
                 let dst = self.arenas[*memory]
+                    .bytes_mut()
                     .get_mut(*offset..*offset + src.len())
                     .ok_or_else(|| {
                         Error::internal(format!("value {v} lies outside planned memory {memory}"))
@@ -313,6 +337,121 @@ impl Values {
                 Ok(())
             }
         }
+    }
+
+    /// Tensors `inputs` read in place and `outputs` written in place, for
+    /// one kernel call; `None` (and nothing borrowed) when the call must run
+    /// on copies: an output is not planned, overlaps an input or another
+    /// output (an in-place call), or an input has no value yet.
+    pub fn views(
+        &mut self,
+        inputs: &[Option<usize>],
+        outputs: &[usize],
+    ) -> Result<Option<KernelViews<'_>>> {
+        // (memory, byte range) of each planned tensor
+        let span = |slots: &[Slot], v: usize| -> Result<Option<(usize, std::ops::Range<usize>)>> {
+            let Some(Slot::Tensor(t)) = slots.get(v) else {
+                return Err(Error::format(format!("value {v} is not a tensor")));
+            };
+            Ok(match t.place {
+                Place::Arena { memory, offset } => {
+                    let n = etmetal_core::shape::numel(&t.shape)? * t.dtype.size();
+                    Some((memory, offset..offset + n))
+                }
+                _ => None,
+            })
+        };
+        let mut written = Vec::with_capacity(outputs.len());
+        for &v in outputs {
+            let Some((memory, range)) = span(&self.slots, v)? else {
+                return Ok(None);
+            };
+            if range.end > self.arenas[memory].len {
+                return Err(Error::internal(format!(
+                    "value {v} lies outside planned memory {memory}"
+                )));
+            }
+            written.push((memory, range));
+        }
+        let overlaps = |m: usize, r: &std::ops::Range<usize>, skip: usize| {
+            written
+                .iter()
+                .enumerate()
+                .any(|(i, (wm, w))| i != skip && *wm == m && w.start < r.end && r.start < w.end)
+        };
+        if (0..written.len()).any(|i| overlaps(written[i].0, &written[i].1, i)) {
+            return Ok(None);
+        }
+        for &v in inputs.iter().flatten() {
+            match span(&self.slots, v)? {
+                Some((m, r)) if overlaps(m, &r, usize::MAX) => return Ok(None),
+                Some((m, r)) if r.end > self.arenas[m].len => {
+                    return Err(Error::internal(format!(
+                        "value {v} lies outside planned memory {m}"
+                    )))
+                }
+                _ => {}
+            }
+            if let Some(Slot::Tensor(TensorSlot {
+                place: Place::Unplanned(None),
+                ..
+            })) = self.slots.get(v)
+            {
+                return Ok(None);
+            }
+        }
+        let base: Vec<*mut u8> = self
+            .arenas
+            .iter_mut()
+            .map(|a| bytemuck::cast_slice_mut::<u64, u8>(&mut a.words).as_mut_ptr())
+            .collect();
+        let slots = &self.slots;
+        let tensor = |v: usize| match &slots[v] {
+            Slot::Tensor(t) => t,
+            Slot::Value(_) => unreachable!("checked to be a tensor above"),
+        };
+        let ins = inputs
+            .iter()
+            .map(|slot| {
+                slot.map(|v| {
+                    let t = tensor(v);
+                    let bytes: &[u8] = match &t.place {
+                        Place::Constant(c) | Place::Unplanned(Some(c)) => c.bytes(),
+                        Place::Arena { memory, offset } => {
+                            let n = t.dtype.size() * t.shape.iter().product::<usize>();
+                            // SAFETY: inside the arena (checked above) and
+                            // overlapping no output; `&mut self` keeps every
+                            // other access out while the views live.
+                            unsafe { std::slice::from_raw_parts(base[*memory].add(*offset), n) }
+                        }
+                        Place::Unplanned(None) => unreachable!("refused above"),
+                    };
+                    View {
+                        dtype: t.dtype,
+                        shape: &t.shape,
+                        bytes,
+                    }
+                })
+            })
+            .collect();
+        let outs = outputs
+            .iter()
+            .zip(written)
+            .map(|(&v, (memory, range))| {
+                let t = tensor(v);
+                // SAFETY: inside the arena, disjoint from every other view
+                // (checked above); `&mut self` is held while the views live.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts_mut(base[memory].add(range.start), range.len())
+                };
+                ViewMut {
+                    dtype: t.dtype,
+                    shape: &t.shape,
+                    bytes,
+                }
+            })
+            .collect();
+        Ok(Some((ins, outs)))
     }
 
     /// `values[to] = values[from]` (a data copy for tensors).
