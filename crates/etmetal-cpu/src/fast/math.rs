@@ -10,16 +10,18 @@ pub fn exp(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
     let xc = x.clamp(-87.33, 88.72);
-    // 2^n must stay a normal f32: n in [-126, 127]
-    let n = (xc * std::f32::consts::LOG2_E).round_ties_even().min(127.0);
+    // round to nearest by adding and removing 1.5·2^23 (no rounding
+    // instruction before SSE4.1); 2^n must stay a normal f32: n ≤ 127
+    const ROUND: f32 = 12_582_912.0;
+    let n = ((xc * std::f32::consts::LOG2_E + ROUND) - ROUND).min(127.0);
     let r = xc - n * LN2_HI - n * LN2_LO;
     let p = 1.987_569_1e-4_f32;
-    let p = p.mul_add(r, 1.398_199_9e-3);
-    let p = p.mul_add(r, 8.333_452e-3);
-    let p = p.mul_add(r, 4.166_579_6e-2);
-    let p = p.mul_add(r, 1.666_666_5e-1);
-    let p = p.mul_add(r, 0.5);
-    let p = (p * r).mul_add(r, r) + 1.0;
+    let p = p * r + 1.398_199_9e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 1.666_666_5e-1;
+    let p = p * r + 0.5;
+    let p = (p * r) * r + r + 1.0;
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
     let y = p * scale;
     if x.is_nan() {
@@ -39,12 +41,12 @@ pub fn exp(x: f32) -> f32 {
 #[inline(always)]
 pub fn erf(x: f32) -> f32 {
     let a = x.abs();
-    let t = 1.0 / 0.327_591_1f32.mul_add(a, 1.0);
+    let t = 1.0 / (0.327_591_1 * a + 1.0);
     let q = 1.061_405_4_f32;
-    let q = q.mul_add(t, -1.453_152_1);
-    let q = q.mul_add(t, 1.421_413_7);
-    let q = q.mul_add(t, -0.284_496_74);
-    let q = q.mul_add(t, 0.254_829_6);
+    let q = q * t - 1.453_152_1;
+    let q = q * t + 1.421_413_7;
+    let q = q * t - 0.284_496_74;
+    let q = q * t + 0.254_829_6;
     let y = 1.0 - t * q * exp(-a * a);
     y.copysign(x)
 }

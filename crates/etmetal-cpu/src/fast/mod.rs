@@ -5,6 +5,7 @@
 //! input that does not fit); the reference kernels then run, and report
 //! any error.
 
+mod conv;
 mod layout;
 pub(crate) mod math;
 mod matmul;
@@ -38,6 +39,24 @@ pub fn run(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> bool {
         Op::Where => pointwise::where_(inputs, out),
         Op::MatMul => matmul::matmul(inputs, out),
         Op::Addmm { beta, alpha } => matmul::addmm(*beta, *alpha, inputs, out),
+        Op::Convolution {
+            stride,
+            padding,
+            dilation,
+            transposed,
+            output_padding,
+            groups,
+        } => {
+            let p = crate::conv::ConvParams {
+                stride,
+                padding,
+                dilation,
+                transposed: *transposed,
+                output_padding,
+                groups: *groups,
+            };
+            conv::convolution(&p, inputs, out)
+        }
         Op::Softmax { dim, log } => rows::softmax(*dim, *log, inputs, out),
         Op::LayerNorm {
             normalized_dims,
@@ -284,6 +303,136 @@ mod tests {
             keepdim: false,
         };
         check(all, &[&x], (DType::F32, &[5]), 1e-6);
+    }
+
+    #[test]
+    fn convolutions_of_every_kind() {
+        let conv =
+            |stride: &[usize], padding: &[usize], dilation: &[usize], groups| Op::Convolution {
+                stride: stride.to_vec(),
+                padding: padding.to_vec(),
+                dilation: dilation.to_vec(),
+                transposed: false,
+                output_padding: vec![],
+                groups,
+            };
+        // (input, weight, output, stride, padding, dilation, groups)
+        type Case = (
+            &'static [usize],
+            &'static [usize],
+            &'static [usize],
+            &'static [usize],
+            &'static [usize],
+            &'static [usize],
+            usize,
+        );
+        let cases: [Case; 9] = [
+            // 3×3 with padding, odd sizes, two images
+            (
+                &[2, 3, 9, 7],
+                &[5, 3, 3, 3],
+                &[2, 5, 9, 7],
+                &[1, 1],
+                &[1, 1],
+                &[1, 1],
+                1,
+            ),
+            // stride 2, 7×7, padding 3 (a ResNet stem)
+            (
+                &[1, 3, 15, 13],
+                &[4, 3, 7, 7],
+                &[1, 4, 8, 7],
+                &[2, 2],
+                &[3, 3],
+                &[1, 1],
+                1,
+            ),
+            // 1×1 (a plain GEMM) and 1×1 with stride 2 (im2col)
+            (
+                &[1, 6, 5, 5],
+                &[4, 6, 1, 1],
+                &[1, 4, 5, 5],
+                &[1, 1],
+                &[0, 0],
+                &[1, 1],
+                1,
+            ),
+            (
+                &[1, 6, 5, 5],
+                &[4, 6, 1, 1],
+                &[1, 4, 3, 3],
+                &[2, 2],
+                &[0, 0],
+                &[1, 1],
+                1,
+            ),
+            // depthwise, stride 1 and 2, and with dilation
+            (
+                &[1, 8, 9, 10],
+                &[8, 1, 3, 3],
+                &[1, 8, 9, 10],
+                &[1, 1],
+                &[1, 1],
+                &[1, 1],
+                8,
+            ),
+            (
+                &[1, 8, 9, 10],
+                &[8, 1, 3, 3],
+                &[1, 8, 5, 5],
+                &[2, 2],
+                &[1, 1],
+                &[1, 1],
+                8,
+            ),
+            (
+                &[1, 4, 9, 9],
+                &[4, 1, 3, 3],
+                &[1, 4, 7, 7],
+                &[1, 1],
+                &[1, 1],
+                &[2, 2],
+                4,
+            ),
+            // grouped, two channels a group, and a channel multiplier
+            (
+                &[1, 4, 6, 6],
+                &[6, 2, 3, 3],
+                &[1, 6, 4, 4],
+                &[1, 1],
+                &[0, 0],
+                &[1, 1],
+                2,
+            ),
+            (
+                &[1, 2, 6, 6],
+                &[4, 1, 3, 3],
+                &[1, 4, 6, 6],
+                &[1, 1],
+                &[1, 1],
+                &[1, 1],
+                2,
+            ),
+        ];
+        for (xs, ws, ys, s, p, d, g) in cases {
+            let (x, w, b) = (data(xs, 1), data(ws, 2), data(&[ws[0]], 3));
+            check(conv(s, p, d, g), &[&x, &w, &b], (DType::F32, ys), 1e-5);
+            check(conv(s, p, d, g), &[&x, &w], (DType::F32, ys), 1e-5);
+        }
+        // 1-D: whisper's stem (kernel 3, padding 1) and its stride-2 layer
+        let (x, w, b) = (data(&[1, 5, 30], 4), data(&[6, 5, 3], 5), data(&[6], 6));
+        check(
+            conv(&[1], &[1], &[1], 1),
+            &[&x, &w, &b],
+            (DType::F32, &[1, 6, 30]),
+            1e-5,
+        );
+        check(
+            conv(&[2], &[1], &[1], 1),
+            &[&x, &w, &b],
+            (DType::F32, &[1, 6, 15]),
+            1e-5,
+        );
     }
 
     #[test]

@@ -132,6 +132,14 @@ fn zip(dst: &mut [f32], a: &[f32], b: &[f32], steps: [usize; 2], f: impl Fn(f32,
     }
 }
 
+/// `dst[i] = f(x[i])`.
+#[inline(always)]
+fn map(dst: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32) {
+    for (o, &v) in dst.iter_mut().zip(x) {
+        *o = f(v);
+    }
+}
+
 pub fn binary(op: BinaryOp, inputs: &[Option<View>], out: &mut ViewMut) -> bool {
     let (Some(Some(a)), Some(Some(b))) = (inputs.first(), inputs.get(1)) else {
         return false;
@@ -142,12 +150,22 @@ pub fn binary(op: BinaryOp, inputs: &[Option<View>], out: &mut ViewMut) -> bool 
     let (Some(x), Some(y), Some(dst)) = (a.f32s(), b.f32s(), out.f32s()) else {
         return false;
     };
+    // closures marked inline so that they compile into the wide function
     macro_rules! go {
-        ($f:expr) => {
+        (|$p:ident, $q:ident| $body:expr) => {
             runs.for_each(dst, |d, [i, j]| {
                 simd::dispatch(
                     #[inline(always)]
-                    || zip(d, &x[i..], &y[j..], runs.steps, $f),
+                    || {
+                        zip(
+                            d,
+                            &x[i..],
+                            &y[j..],
+                            runs.steps,
+                            #[inline(always)]
+                            |$p: f32, $q: f32| $body,
+                        )
+                    },
                 )
             })
         };
@@ -180,15 +198,19 @@ pub fn unary(op: UnaryOp, inputs: &[Option<View>], out: &mut ViewMut) -> bool {
         len: dst.len(),
         steps: [1],
     };
+    // closures marked inline so that they compile into the wide function
     macro_rules! go {
-        ($f:expr) => {
+        (|$v:ident: f32| $body:expr) => {
             runs.for_each(dst, |d, [i]| {
                 simd::dispatch(
                     #[inline(always)]
                     || {
-                        for (o, &v) in d.iter_mut().zip(&x[i..]) {
-                            *o = $f(v);
-                        }
+                        map(
+                            d,
+                            &x[i..],
+                            #[inline(always)]
+                            |$v: f32| $body,
+                        )
                     },
                 )
             })
@@ -220,9 +242,9 @@ pub fn unary(op: UnaryOp, inputs: &[Option<View>], out: &mut ViewMut) -> bool {
             // 1 + tanh(z) = 2 − 2 / (e^2z + 1)
             0.5 * v * (2.0 - 2.0 / (math::exp(2.0 * z) + 1.0))
         }),
-        UnaryOp::Sigmoid => go!(math::sigmoid),
+        UnaryOp::Sigmoid => go!(|v: f32| math::sigmoid(v)),
         UnaryOp::Silu => go!(|v: f32| v * math::sigmoid(v)),
-        UnaryOp::Exp => go!(math::exp),
+        UnaryOp::Exp => go!(|v: f32| math::exp(v)),
         UnaryOp::Rsqrt => go!(|v: f32| 1.0 / v.sqrt()),
         UnaryOp::Neg => go!(|v: f32| -v),
         UnaryOp::PowScalar { exponent: 2.0 } => go!(|v: f32| v * v),

@@ -23,21 +23,27 @@ pub fn softmax(dim: usize, log: bool, inputs: &[Option<View>], out: &mut ViewMut
     let (Some(x), Some(y)) = (same_shape(inputs, out), out.f32s()) else {
         return false;
     };
-    par_rows(y, n, n, |r, y| {
-        let row = &x[r * n..(r + 1) * n];
-        let m = math::max(row);
-        if log {
-            let s: f32 = row.iter().map(|&v| math::exp(v - m)).sum();
-            let shift = m + s.ln();
-            y.iter_mut().zip(row).for_each(|(o, &v)| *o = v - shift);
-        } else {
-            y.iter_mut()
-                .zip(row)
-                .for_each(|(o, &v)| *o = math::exp(v - m));
-            let inv = 1.0 / math::sum(y);
-            y.iter_mut().for_each(|o| *o *= inv);
-        }
-    });
+    par_rows(
+        y,
+        n,
+        n,
+        #[inline(always)]
+        |r, y| {
+            let row = &x[r * n..(r + 1) * n];
+            let m = math::max(row);
+            if log {
+                let s: f32 = row.iter().map(|&v| math::exp(v - m)).sum();
+                let shift = m + s.ln();
+                y.iter_mut().zip(row).for_each(|(o, &v)| *o = v - shift);
+            } else {
+                y.iter_mut()
+                    .zip(row)
+                    .for_each(|(o, &v)| *o = math::exp(v - m));
+                let inv = 1.0 / math::sum(y);
+                y.iter_mut().for_each(|o| *o *= inv);
+            }
+        },
+    );
     true
 }
 
@@ -60,23 +66,29 @@ pub fn layer_norm(nd: usize, eps: f64, inputs: &[Option<View>], out: &mut ViewMu
     let (Some(x), Some(y)) = (same_shape(inputs, out), out.f32s()) else {
         return false;
     };
-    par_rows(y, n, n, |r, y| {
-        let row = &x[r * n..(r + 1) * n];
-        let mean = math::sum(row) / n as f32;
-        y.iter_mut().zip(row).for_each(|(o, &v)| *o = v - mean);
-        let var = y.iter().map(|&d| d * d).sum::<f32>() / n as f32;
-        let rstd = 1.0 / (var + eps as f32).sqrt();
-        match (w, b) {
-            (Some(w), Some(b)) => {
-                for ((o, &w), &b) in y.iter_mut().zip(w).zip(b) {
-                    *o = *o * rstd * w + b;
+    par_rows(
+        y,
+        n,
+        n,
+        #[inline(always)]
+        |r, y| {
+            let row = &x[r * n..(r + 1) * n];
+            let mean = math::sum(row) / n as f32;
+            y.iter_mut().zip(row).for_each(|(o, &v)| *o = v - mean);
+            let var = y.iter().map(|&d| d * d).sum::<f32>() / n as f32;
+            let rstd = 1.0 / (var + eps as f32).sqrt();
+            match (w, b) {
+                (Some(w), Some(b)) => {
+                    for ((o, &w), &b) in y.iter_mut().zip(w).zip(b) {
+                        *o = *o * rstd * w + b;
+                    }
                 }
+                (Some(w), None) => y.iter_mut().zip(w).for_each(|(o, &w)| *o *= rstd * w),
+                (None, Some(b)) => y.iter_mut().zip(b).for_each(|(o, &b)| *o = *o * rstd + b),
+                (None, None) => y.iter_mut().for_each(|o| *o *= rstd),
             }
-            (Some(w), None) => y.iter_mut().zip(w).for_each(|(o, &w)| *o *= rstd * w),
-            (None, Some(b)) => y.iter_mut().zip(b).for_each(|(o, &b)| *o = *o * rstd + b),
-            (None, None) => y.iter_mut().for_each(|o| *o *= rstd),
-        }
-    });
+        },
+    );
     true
 }
 
