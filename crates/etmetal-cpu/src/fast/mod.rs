@@ -10,6 +10,7 @@ mod layout;
 pub(crate) mod math;
 mod matmul;
 mod pointwise;
+mod pool;
 mod rows;
 
 use etmetal_core::Op;
@@ -25,6 +26,24 @@ const BLOCK: usize = 1 << 14;
 
 /// Run `op` on a fast path; `false` when none takes it.
 pub fn run(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> bool {
+    if let Op::MaxPool {
+        kernel,
+        stride,
+        padding,
+        dilation,
+        ceil_mode,
+        ..
+    } = op
+    {
+        let p = pool::MaxPool {
+            kernel,
+            stride,
+            padding,
+            dilation,
+            ceil_mode: *ceil_mode,
+        };
+        return pool::max_pool(&p, inputs, outputs);
+    }
     let [out] = outputs else {
         return false;
     };
@@ -433,6 +452,56 @@ mod tests {
             (DType::F32, &[1, 6, 15]),
             1e-5,
         );
+    }
+
+    #[test]
+    fn max_pools_with_and_without_indices() {
+        let mut v = data(&[2, 3, 9, 8], 1).to_f32_vec();
+        v[5] = f32::NAN;
+        let x = Tensor::from_f32(DType::F32, &[2, 3, 9, 8], &v).unwrap();
+        // (kernel, stride, padding, dilation, ceil, output)
+        type Case = (usize, usize, usize, usize, bool, [usize; 2]);
+        let cases: [Case; 4] = [
+            (3, 2, 1, 1, false, [5, 4]),
+            (2, 2, 0, 1, true, [5, 4]),
+            (3, 1, 1, 2, false, [7, 6]),
+            (3, 3, 0, 1, true, [3, 3]),
+        ];
+        for (k, s, p, d, ceil, [oh, ow]) in cases {
+            for with_indices in [false, true] {
+                let op = Op::MaxPool {
+                    kernel: vec![k, k],
+                    stride: vec![s],
+                    padding: vec![p, p],
+                    dilation: vec![d, d],
+                    ceil_mode: ceil,
+                    with_indices,
+                };
+                let shape = [2, 3, oh, ow];
+                let mut specs = vec![(DType::F32, shape.to_vec())];
+                if with_indices {
+                    specs.push((DType::I64, shape.to_vec()));
+                }
+                let want = crate::execute(&op, &[Some(&x)], &specs).unwrap();
+                let mut got: Vec<Tensor> = specs
+                    .iter()
+                    .map(|(t, s)| Tensor::zeros(*t, s).unwrap())
+                    .collect();
+                let mut outs: Vec<ViewMut> = got
+                    .iter_mut()
+                    .zip(&specs)
+                    .map(|(t, (dtype, s))| ViewMut {
+                        dtype: *dtype,
+                        shape: s,
+                        bytes: t.bytes_mut(),
+                    })
+                    .collect();
+                assert!(crate::execute_into(&op, &[Some(View::of(&x))], &mut outs).unwrap());
+                for (g, w) in got.iter().zip(&want) {
+                    assert_eq!(g.bytes(), w.bytes(), "{op:?}");
+                }
+            }
+        }
     }
 
     #[test]
