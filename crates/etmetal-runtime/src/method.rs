@@ -472,6 +472,14 @@ impl Method {
 }
 
 fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
+    // a copy onto itself (a buffer's write-back planned in place) does nothing
+    if let (Op::Identity | Op::Cast { .. }, [Some(Operand::Value(x))], [y]) =
+        (&o.op, o.inputs.as_slice(), o.outputs.as_slice())
+    {
+        if values.same_tensor(*x, *y) {
+            return Ok(());
+        }
+    }
     let reads: Vec<Option<usize>> = o
         .inputs
         .iter()
@@ -489,6 +497,9 @@ fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
         if etmetal_cpu::execute_into(&o.op, &ins, &mut outs)? {
             return Ok(());
         }
+    }
+    if std::env::var_os("ETMETAL_DECLINE").is_some() {
+        eprintln!("NOVIEW {} in {:?} out {:?}", o.op.name(), reads, o.outputs);
     }
     // The reference kernels on copies (constants are shared, not copied).
     // Inputs are copied out before any output is written, so in-place and

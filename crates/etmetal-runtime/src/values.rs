@@ -339,6 +339,19 @@ impl Values {
         }
     }
 
+    /// Whether `a` and `b` are the same bytes of planned memory with the
+    /// same dtype and shape.
+    pub fn same_tensor(&self, a: usize, b: usize) -> bool {
+        match (self.slots.get(a), self.slots.get(b)) {
+            (Some(Slot::Tensor(x)), Some(Slot::Tensor(y))) => {
+                matches!((&x.place, &y.place), (Place::Arena { memory: m, offset: o }, Place::Arena { memory: n, offset: p }) if m == n && o == p)
+                    && x.dtype == y.dtype
+                    && x.shape == y.shape
+            }
+            _ => false,
+        }
+    }
+
     /// Tensors `inputs` read in place and `outputs` written in place, for
     /// one kernel call; `None` (and nothing borrowed) when the call must run
     /// on copies: an output is not planned, overlaps an input or another

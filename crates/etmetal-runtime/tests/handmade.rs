@@ -212,6 +212,25 @@ fn partly_overlapping_output_reads_the_inputs_first() {
     }
 }
 
+/// `y = relu(x); y.copy_(y)`: a write-back planned onto its own bytes.
+#[test]
+fn copy_onto_itself_keeps_the_value() {
+    let values = vec![
+        planned(DType::F32, &[3], 0),
+        planned(DType::F32, &[3], 16),
+        EValue::Bool(false),
+    ];
+    let p = build(
+        values,
+        ops(&["aten::relu.out", "aten::copy_."]),
+        vec![kernel(0, &[0, 1, 1]), kernel(1, &[1, 1, 2, 1])],
+        (&[0], &[1]),
+    );
+    let x = Tensor::from_f32(DType::F32, &[3], &[-1.0, 2.0, 3.0]).unwrap();
+    let out = p.method("forward").unwrap().execute(vec![x]).unwrap();
+    assert_eq!(out[0].to_f32_vec(), vec![0.0, 2.0, 3.0]);
+}
+
 #[test]
 fn scalar_operands_follow_pytorch_promotion() {
     let values = vec![

@@ -10,6 +10,7 @@ use std::cell::RefCell;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+use super::valid_range;
 use crate::conv::{geometry, ConvParams};
 use crate::matmul::{Mat, MatElem};
 use crate::simd;
@@ -27,29 +28,6 @@ struct Plane {
     stride: (usize, usize),
     pad: (usize, usize),
     dil: (usize, usize),
-}
-
-impl Plane {
-    /// The output positions `o` along one axis whose input position
-    /// `o·stride + k·dil − pad` falls inside `0..size`, as a range.
-    fn valid(
-        o: usize,
-        size: usize,
-        k: usize,
-        stride: usize,
-        pad: usize,
-        dil: usize,
-    ) -> (usize, usize) {
-        let shift = k * dil;
-        // o·stride ≥ pad − shift
-        let lo = pad.saturating_sub(shift).div_ceil(stride);
-        // o·stride ≤ size − 1 + pad − shift
-        let hi = match (size + pad).checked_sub(shift + 1) {
-            Some(top) => (top / stride + 1).min(o),
-            None => 0,
-        };
-        (lo.min(hi), hi)
-    }
 }
 
 pub fn convolution(p: &ConvParams, inputs: &[Option<View>], out: &mut ViewMut) -> bool {
@@ -171,7 +149,7 @@ fn im2col(p: &Plane, x: &[f32], cols: &mut [f32]) {
     cols.par_chunks_mut(os).enumerate().for_each(|(row, col)| {
         let (c, ki, kj) = (row / kk, row % kk / p.kw, row % p.kw);
         let plane = &x[c * ins..(c + 1) * ins];
-        let (lo, hi) = Plane::valid(p.ow, p.iw, kj, p.stride.1, p.pad.1, p.dil.1);
+        let (lo, hi) = valid_range(p.ow, p.iw, kj, p.stride.1, p.pad.1, p.dil.1);
         for (oh, dst) in col.chunks_exact_mut(p.ow).enumerate() {
             let ih = (oh * p.stride.0 + ki * p.dil.0).checked_sub(p.pad.0);
             let Some(src) = ih
@@ -218,7 +196,7 @@ fn depthwise(p: &Plane, x: &[f32], w: &[f32], bias: Option<&[f32]>, y: &mut [f32
                         let src = &xc[ih * p.iw..(ih + 1) * p.iw];
                         for kj in 0..p.kw {
                             let (lo, hi) =
-                                Plane::valid(p.ow, p.iw, kj, p.stride.1, p.pad.1, p.dil.1);
+                                valid_range(p.ow, p.iw, kj, p.stride.1, p.pad.1, p.dil.1);
                             if lo >= hi {
                                 continue;
                             }

@@ -58,6 +58,12 @@ pub fn sum(v: &[f32]) -> f32 {
     lanes(v, 0.0, |a, x| a + x).iter().sum()
 }
 
+/// Σ v², in lanes as [`sum`].
+#[inline(always)]
+pub fn sum_sq(v: &[f32]) -> f32 {
+    lanes(v, 0.0, |a, x| a + x * x).iter().sum()
+}
+
 /// The largest element (−inf for none), NaN if there is one.
 #[inline(always)]
 pub fn max(v: &[f32]) -> f32 {
@@ -115,6 +121,7 @@ mod tests {
     fn lane_reductions() {
         let v: Vec<f32> = (0..37).map(|i| (i % 11) as f32 - 3.0).collect();
         assert_eq!(sum(&v), v.iter().sum::<f32>());
+        assert_eq!(sum_sq(&v), v.iter().map(|x| x * x).sum::<f32>());
         assert_eq!(max(&v), 7.0);
         assert_eq!(max(&[]), f32::NEG_INFINITY);
         assert_eq!(sum(&[]), 0.0);

@@ -48,7 +48,9 @@ pub fn run(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> bool {
         return false;
     };
     match op {
-        Op::Reshape { .. } | Op::Identity => layout::reshape(op, inputs, out),
+        Op::Reshape { .. } | Op::Identity | Op::Cast { .. } => layout::reshape(op, inputs, out),
+        Op::IndexSelect { dim } => layout::index_select(*dim, inputs, out),
+        Op::Embedding => layout::embedding(inputs, out),
         Op::Permute { .. } | Op::Expand { .. } | Op::Slice { .. } | Op::Select { .. } => {
             layout::view(op, inputs, out)
         }
@@ -84,6 +86,28 @@ pub fn run(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> bool {
         Op::Reduce { op, dims, .. } => rows::reduce(*op, dims, inputs, out),
         _ => false,
     }
+}
+
+/// The output positions `o < outs` of a sliding window along one axis whose
+/// tap `k` reads input position `o·stride + k·dil − pad` inside `0..size`:
+/// a range `lo..hi` (empty when there are none).
+fn valid_range(
+    outs: usize,
+    size: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+    dil: usize,
+) -> (usize, usize) {
+    let shift = k * dil;
+    // o·stride ≥ pad − shift
+    let lo = pad.saturating_sub(shift).div_ceil(stride);
+    // o·stride ≤ size − 1 + pad − shift
+    let hi = match (size + pad).checked_sub(shift + 1) {
+        Some(top) => (top / stride + 1).min(outs),
+        None => 0,
+    };
+    (lo.min(hi), hi)
 }
 
 /// Call `f(r, row)` for each row `r` of `n` elements of `dst`, compiled wide
@@ -217,12 +241,16 @@ mod tests {
             check(Op::Unary(op), &[&x], (DType::F32, &[40, 999]), 1e-6);
         }
         let cond = Tensor::from_i64(DType::Bool, &[3, 1], &[1, 0, 1]).unwrap();
-        check(
-            Op::Where,
-            &[&cond, &data(&[3, 4], 1), &scalar(-1e9)],
-            (DType::F32, &[3, 4]),
-            0.0,
-        );
+        let row = Tensor::from_i64(DType::Bool, &[1, 4], &[0, 1, 1, 0]).unwrap();
+        let (full, col) = (data(&[3, 4], 1), data(&[3, 1], 2));
+        for (c, a, b) in [
+            (&cond, &full, &scalar(-1e9)),
+            (&row, &full, &col),
+            (&row, &scalar(2.0), &full),
+            (&cond, &col, &full),
+        ] {
+            check(Op::Where, &[c, a, b], (DType::F32, &[3, 4]), 0.0);
+        }
     }
 
     #[test]
@@ -265,6 +293,14 @@ mod tests {
             check(Op::Select { dim: 1, index: 2 }, &[&x], out(&[2, 4]), 0.0);
             check(Op::Reshape { shape: vec![6, 4] }, &[&x], out(&[6, 4]), 0.0);
             check(Op::Cat { dim: 1 }, &[&x, &y, &x], out(&[2, 11, 4]), 0.0);
+            check(Op::Cast { dtype }, &[&x], out(&[2, 3, 4]), 0.0);
+            let idx = Tensor::from_i64(DType::I64, &[5], &[1, 0, 1, 1, 0]).unwrap();
+            for (dim, shape) in [(0, &[5, 3, 4][..]), (1, &[2, 5, 4]), (2, &[2, 3, 5])] {
+                check(Op::IndexSelect { dim }, &[&x, &idx], (dtype, shape), 0.0);
+            }
+            let table = data(&[3, 4], 3).cast(dtype).unwrap();
+            let ids = Tensor::from_i64(DType::I64, &[1, 5], &[2, 0, 2, 1, 0]).unwrap();
+            check(Op::Embedding, &[&table, &ids], out(&[1, 5, 4]), 0.0);
         }
         // a column of one broadcast along the last dim
         let col = data(&[3, 1], 4);
@@ -506,12 +542,15 @@ mod tests {
 
     #[test]
     fn declined_cases_write_nothing() {
-        // bf16 arithmetic and softmax off the last dim are the reference's
+        // bf16 arithmetic, softmax off the last dim and an index out of
+        // range are the reference's
         let x = data(&[2, 3], 1);
         let b = x.cast(DType::BF16).unwrap();
+        let far = Tensor::from_i64(DType::I64, &[2], &[0, 2]).unwrap();
         for (op, input) in [
             (Op::Binary(BinaryOp::Add), vec![&b, &b]),
             (Op::Softmax { dim: 0, log: false }, vec![&x]),
+            (Op::IndexSelect { dim: 0 }, vec![&x, &far]),
         ] {
             let dtype = input[0].dtype();
             let mut y = Tensor::zeros(dtype, &[2, 3]).unwrap();

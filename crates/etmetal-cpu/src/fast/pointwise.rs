@@ -269,15 +269,43 @@ pub fn where_(inputs: &[Option<View>], out: &mut ViewMut) -> bool {
         return false;
     };
     let cond = c.bytes;
-    let [sc, sa, sb] = runs.steps;
     runs.for_each(dst, |d, [i, j, k]| {
-        for (t, o) in d.iter_mut().enumerate() {
-            *o = if cond[i + t * sc] != 0 {
-                x[j + t * sa]
-            } else {
-                y[k + t * sb]
+        let (c, a, b) = (&cond[i..], &x[j..], &y[k..]);
+        // each combination of unit and zero steps a loop of its own
+        macro_rules! steps {
+            ($(($sc:literal, $sa:literal, $sb:literal)),*) => {
+                match runs.steps {
+                    $([$sc, $sa, $sb] => simd::dispatch(
+                        #[inline(always)]
+                        || pick::<$sc, $sa, $sb>(d, c, a, b),
+                    ),)*
+                    _ => unreachable!("Runs has unit or zero steps"),
+                }
             };
         }
+        steps!(
+            (1, 1, 1),
+            (1, 1, 0),
+            (1, 0, 1),
+            (1, 0, 0),
+            (0, 1, 1),
+            (0, 1, 0),
+            (0, 0, 1),
+            (0, 0, 0)
+        )
     });
     true
+}
+
+/// `dst[t] = if c[t·SC] { a[t·SA] } else { b[t·SB] }`.
+#[inline(always)]
+fn pick<const SC: usize, const SA: usize, const SB: usize>(
+    dst: &mut [f32],
+    c: &[u8],
+    a: &[f32],
+    b: &[f32],
+) {
+    for (t, o) in dst.iter_mut().enumerate() {
+        *o = if c[t * SC] != 0 { a[t * SA] } else { b[t * SB] };
+    }
 }

@@ -4,6 +4,7 @@
 use etmetal_core::DType;
 use rayon::prelude::*;
 
+use super::valid_range;
 use crate::pool::{per_dim, pool_out};
 use crate::view::{View, ViewMut};
 
@@ -57,43 +58,45 @@ pub fn max_pool(p: &MaxPool, inputs: &[Option<View>], outputs: &mut [ViewMut]) -
     if os == 0 {
         return true;
     }
-    // per output position along an axis: its first tap inside the input
-    // and how many taps are inside (a window's inside taps are consecutive)
-    let taps = |outs: usize, a: usize, size: usize| -> Vec<(usize, usize)> {
-        (0..outs)
-            .map(|o| {
-                let inside = (0..p.kernel[a]).filter_map(|k| {
-                    (o * s[a] + k * d[a])
-                        .checked_sub(pad[a])
-                        .filter(|&i| i < size)
-                });
-                let first = inside.clone().next().unwrap_or(0);
-                (first, inside.count())
-            })
-            .collect()
-    };
-    let (rows, cols) = (taps(oh, 0, ih), taps(ow, 1, iw));
     let pool_plane = &|c: usize, yc: &mut [f32], mut ic: Option<&mut [i64]>| {
         let plane = &xv[c * ins..(c + 1) * ins];
-        for (r, &(i0, ni)) in rows.iter().enumerate() {
-            for (q, &(j0, nj)) in cols.iter().enumerate() {
-                // the first NaN wins and stays, then the first maximum (PyTorch);
-                // a window with no input inside reads element 0, as the reference
-                let mut best = if ni * nj == 0 { 0 } else { i0 * iw + j0 };
-                for ti in 0..ni {
-                    let row = (i0 + ti * d[0]) * iw;
-                    for tj in 0..nj {
-                        let at = row + j0 + tj * d[1];
-                        let (v, b) = (plane[at], plane[best]);
-                        if !b.is_nan() && (v > b || v.is_nan()) {
-                            best = at;
+        // per output column of one row: the best value and its index (-1:
+        // no tap inside yet); taps in the kernel's row-major order, as the
+        // reference visits them, output columns side by side
+        let mut best = vec![0f32; ow];
+        let mut at = vec![-1i64; ow];
+        for r in 0..oh {
+            at.fill(-1);
+            for ki in 0..p.kernel[0] {
+                let Some(i) = (r * s[0] + ki * d[0])
+                    .checked_sub(pad[0])
+                    .filter(|&i| i < ih)
+                else {
+                    continue;
+                };
+                let src = &plane[i * iw..(i + 1) * iw];
+                for kj in 0..p.kernel[1] {
+                    let (lo, hi) = valid_range(ow, iw, kj, s[1], pad[1], d[1]);
+                    for q in lo..hi {
+                        let j = q * s[1] + kj * d[1] - pad[1];
+                        let (v, b) = (src[j], best[q]);
+                        // the first NaN wins and stays, then the first maximum
+                        if at[q] < 0 || (!b.is_nan() && (v > b || v.is_nan())) {
+                            best[q] = v;
+                            at[q] = (i * iw + j) as i64;
                         }
                     }
                 }
-                yc[r * ow + q] = plane[best];
-                if let Some(ic) = ic.as_deref_mut() {
-                    ic[r * ow + q] = best as i64;
+            }
+            // a window with no input inside reads element 0, as the reference
+            for q in 0..ow {
+                if at[q] < 0 {
+                    (best[q], at[q]) = (plane[0], 0);
                 }
+            }
+            yc[r * ow..(r + 1) * ow].copy_from_slice(&best);
+            if let Some(ic) = ic.as_deref_mut() {
+                ic[r * ow..(r + 1) * ow].copy_from_slice(&at);
             }
         }
     };

@@ -75,7 +75,7 @@ pub fn layer_norm(nd: usize, eps: f64, inputs: &[Option<View>], out: &mut ViewMu
             let row = &x[r * n..(r + 1) * n];
             let mean = math::sum(row) / n as f32;
             y.iter_mut().zip(row).for_each(|(o, &v)| *o = v - mean);
-            let var = y.iter().map(|&d| d * d).sum::<f32>() / n as f32;
+            let var = math::sum_sq(y) / n as f32;
             let rstd = 1.0 / (var + eps as f32).sqrt();
             match (w, b) {
                 (Some(w), Some(b)) => {
