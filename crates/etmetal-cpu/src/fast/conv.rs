@@ -178,11 +178,34 @@ fn im2col(p: &Plane, x: &[f32], cols: &mut [f32]) {
 }
 
 /// One filter per channel: `y[c] = bias[c] + Σ_taps w[c, tap] · x[c]`
-/// shifted, accumulated row by row; channels in parallel.
+/// shifted, accumulated row by row; channels in parallel. With a column
+/// stride `s` > 1 each input row is first split into its `s` phases
+/// (elements `r, r + s, r + 2s, …`), so that every tap reads a contiguous
+/// run and the loop vectorises.
 fn depthwise(p: &Plane, x: &[f32], w: &[f32], bias: Option<&[f32]>, y: &mut [f32]) {
-    let (ins, os, kk) = (p.ih * p.iw, p.oh * p.ow, p.kh * p.kw);
+    let (ins, os, kk, s) = (p.ih * p.iw, p.oh * p.ow, p.kh * p.kw, p.stride.1);
+    // where phase r of a row starts: phases hold ceil((iw - r) / s) elements
+    let phase_at: Vec<usize> = (0..s)
+        .map(|r| (0..r).map(|q| p.iw.saturating_sub(q).div_ceil(s)).sum())
+        .collect();
     y.par_chunks_mut(os).enumerate().for_each(|(c, yc)| {
         let (xc, wc) = (&x[c * ins..(c + 1) * ins], &w[c * kk..(c + 1) * kk]);
+        let mut split = vec![];
+        let rows = if s == 1 {
+            xc
+        } else {
+            split.resize(ins, 0.0);
+            for (src, dst) in xc.chunks_exact(p.iw).zip(split.chunks_exact_mut(p.iw)) {
+                let mut at = 0;
+                for r in 0..s {
+                    for &v in src.iter().skip(r).step_by(s) {
+                        dst[at] = v;
+                        at += 1;
+                    }
+                }
+            }
+            &split
+        };
         yc.fill(bias.map_or(0.0, |b| b[c]));
         simd::dispatch(
             #[inline(always)]
@@ -193,24 +216,18 @@ fn depthwise(p: &Plane, x: &[f32], w: &[f32], bias: Option<&[f32]>, y: &mut [f32
                         let Some(ih) = ih.filter(|&i| i < p.ih) else {
                             continue;
                         };
-                        let src = &xc[ih * p.iw..(ih + 1) * p.iw];
+                        let src = &rows[ih * p.iw..(ih + 1) * p.iw];
                         for kj in 0..p.kw {
-                            let (lo, hi) =
-                                valid_range(p.ow, p.iw, kj, p.stride.1, p.pad.1, p.dil.1);
+                            let (lo, hi) = valid_range(p.ow, p.iw, kj, s, p.pad.1, p.dil.1);
                             if lo >= hi {
                                 continue;
                             }
                             let wt = wc[ki * p.kw + kj];
-                            let start = lo * p.stride.1 + kj * p.dil.1 - p.pad.1;
-                            let dst = &mut row[lo..hi];
-                            if p.stride.1 == 1 {
-                                for (d, &s) in dst.iter_mut().zip(&src[start..]) {
-                                    *d += wt * s;
-                                }
-                            } else {
-                                for (t, d) in dst.iter_mut().enumerate() {
-                                    *d += wt * src[start + t * p.stride.1];
-                                }
+                            // the first input column read, and where it is
+                            let j = lo * s + kj * p.dil.1 - p.pad.1;
+                            let start = phase_at[j % s] + j / s;
+                            for (d, &v) in row[lo..hi].iter_mut().zip(&src[start..]) {
+                                *d += wt * v;
                             }
                         }
                     }
