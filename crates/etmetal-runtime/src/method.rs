@@ -376,12 +376,18 @@ impl Method {
                 .write(*v, t)
                 .map_err(|e| e.context(format!("input {i}")))?;
         }
-        let mut pc = 0;
-        while pc < self.steps.len() {
-            pc = self
-                .step(pc)
-                .map_err(|e| e.context(format!("method `{}` instruction {pc}", self.name)))?;
-        }
+        // On a worker of rayon's pool, the kernels' parallel loops share work
+        // with the other workers directly; from another thread each of them
+        // would hand its work to the pool and sleep until it is done.
+        rayon::scope(|_| {
+            let mut pc = 0;
+            while pc < self.steps.len() {
+                pc = self
+                    .step(pc)
+                    .map_err(|e| e.context(format!("method `{}` instruction {pc}", self.name)))?;
+            }
+            Ok::<(), Error>(())
+        })?;
         self.outputs
             .iter()
             .enumerate()
@@ -593,3 +599,4 @@ fn check_reads(unwritten: &BTreeMap<usize, String>, reads: &[usize], k: usize) -
         None => Ok(()),
     }
 }
+
