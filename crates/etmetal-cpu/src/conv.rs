@@ -2,7 +2,7 @@
 //! stride, padding, dilation and groups, as im2col / col2im around a GEMM per
 //! (batch, group); batches run in parallel.
 
-use etmetal_core::{Result, Tensor};
+use etmetal_core::{Op, Result, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -18,6 +18,31 @@ pub struct ConvParams<'a> {
     pub transposed: bool,
     pub output_padding: &'a [usize],
     pub groups: usize,
+}
+
+impl<'a> ConvParams<'a> {
+    /// The attributes of a convolution op.
+    pub fn of(op: &'a Op) -> Option<ConvParams<'a>> {
+        let Op::Convolution {
+            stride,
+            padding,
+            dilation,
+            transposed,
+            output_padding,
+            groups,
+        } = op
+        else {
+            return None;
+        };
+        Some(ConvParams {
+            stride,
+            padding,
+            dilation,
+            transposed: *transposed,
+            output_padding,
+            groups: *groups,
+        })
+    }
 }
 
 /// Checked sizes of one convolution.

@@ -146,23 +146,13 @@ pub fn execute(
 /// expects, and outputs must not overlap inputs or each other. `Ok(false)`
 /// when no fast path takes the op, with nothing written: run [`execute`].
 pub fn execute_into(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> Result<bool> {
-    for (i, x) in inputs.iter().enumerate() {
-        if let Some(x) = x {
-            view::check_len(
-                x.dtype,
-                x.shape,
-                x.bytes.len(),
-                &format!("{} input {i}", op.name()),
-            )?;
-        }
-    }
-    for (i, y) in outputs.iter().enumerate() {
-        view::check_len(
-            y.dtype,
-            y.shape,
-            y.bytes.len(),
-            &format!("{} output {i}", op.name()),
-        )?;
+    let ins = inputs
+        .iter()
+        .flatten()
+        .map(|x| (x.dtype, x.shape, x.bytes.len()));
+    let outs = outputs.iter().map(|y| (y.dtype, y.shape, y.bytes.len()));
+    for (i, (dtype, shape, len)) in ins.chain(outs).enumerate() {
+        view::check_len(dtype, shape, len, &format!("{} operand {i}", op.name()))?;
     }
     Ok(fast::run(op, inputs, outputs))
 }
@@ -262,23 +252,10 @@ fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
             ctx.arity(2, 3)?;
             one(matmul::linear(ctx)?)
         }
-        Op::Convolution {
-            stride,
-            padding,
-            dilation,
-            transposed,
-            output_padding,
-            groups,
-        } => {
+        Op::Convolution { .. } => {
             ctx.arity(2, 3)?;
-            let p = conv::ConvParams {
-                stride,
-                padding,
-                dilation,
-                transposed: *transposed,
-                output_padding,
-                groups: *groups,
-            };
+            let p =
+                conv::ConvParams::of(ctx.op).ok_or_else(|| ctx.unsupported("not a convolution"))?;
             one(conv::convolution(ctx, &p)?)
         }
         Op::MaxPool {
@@ -413,6 +390,16 @@ pub(crate) mod test_util {
     /// `((i * mul) % m) / 4 - 1` (exact in every float type).
     pub fn ramp(n: usize, m: usize, mul: usize) -> Vec<f32> {
         (0..n).map(|i| ((i * mul) % m) as f32 / 4.0 - 1.0).collect()
+    }
+    /// Reference `a[m×k] @ b[k×n]` (row-major) in f64.
+    pub fn naive_mm(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+        (0..m * n)
+            .map(|ij| {
+                (0..k)
+                    .map(|p| a[ij / n * k + p] as f64 * b[p * n + ij % n] as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect()
     }
     pub fn close(got: &[f32], want: &[f32], tol: f32) {
         assert_eq!(got.len(), want.len(), "length: got {got:?}, want {want:?}");

@@ -359,17 +359,6 @@ mod tests {
     use crate::test_util::*;
     use etmetal_core::{DType, Op, Tensor};
 
-    /// Reference `a[m×k] @ b[k×n]` in f64.
-    fn naive(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
-        (0..m * n)
-            .map(|ij| {
-                (0..k)
-                    .map(|p| a[ij / n * k + p] as f64 * b[p * n + ij % n] as f64)
-                    .sum::<f64>() as f32
-            })
-            .collect()
-    }
-
     #[test]
     fn matmul_shapes_follow_torch_matmul() {
         let a = f32t(&[2, 1, 3, 5], &ramp(30, 11, 7));
@@ -380,7 +369,7 @@ mod tests {
         let (av, bv) = (a.to_f32_vec(), b.to_f32_vec());
         for i in 0..2 {
             for j in 0..4 {
-                let want = naive(
+                let want = naive_mm(
                     &av[i * 15..(i + 1) * 15],
                     &bv[j * 10..(j + 1) * 10],
                     3,

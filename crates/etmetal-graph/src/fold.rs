@@ -173,23 +173,8 @@ fn fold(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::infer::infer;
     use crate::ir::{InputKind, OutputKind};
-
-    fn push(g: &mut Graph, name: &str, op: Op, inputs: Vec<Option<ValueId>>) -> ValueId {
-        let mut n = Node {
-            name: name.into(),
-            target: "test".into(),
-            op,
-            inputs,
-            outputs: vec![],
-        };
-        let (d, s) = infer(g, &n).unwrap().remove(0);
-        let v = g.add_value(name, d, s);
-        n.outputs.push(v);
-        g.nodes.push(n);
-        v
-    }
+    use crate::test_util::{ops, push, reinfers};
 
     /// `bn(conv(x, w))` with 2 output channels; `also_read` makes the
     /// convolution's output a graph output too.
@@ -227,22 +212,14 @@ mod tests {
     fn batch_norm_folds_into_the_convolution() {
         let mut g = conv_bn(DType::F32, false);
         fold_conv_affine(&mut g).unwrap();
-        let ops: Vec<String> = g.nodes.iter().map(|n| n.op.name()).collect();
-        assert_eq!(ops, ["convolution"]);
+        assert_eq!(ops(&g), ["convolution"]);
         let n = &g.nodes[0];
         assert_eq!(n.outputs, [g.outputs[0].0]);
         let value = |i: usize| g.constants[&n.inputs[i].unwrap()].to_f32_vec();
         // scale = gamma / sqrt(var) = [1, 1]; shift = beta - mean * scale
         assert_eq!(value(1), [3.0, -2.0]);
         assert_eq!(value(2), [-0.5, 1.0]);
-        for n in &g.nodes {
-            let want: Vec<_> = n
-                .outputs
-                .iter()
-                .map(|v| (g.value(*v).dtype, g.value(*v).shape.clone()))
-                .collect();
-            assert_eq!(infer(&g, n).unwrap(), want);
-        }
+        reinfers(&g);
     }
 
     #[test]
@@ -250,8 +227,11 @@ mod tests {
         for (dtype, also_read) in [(DType::F32, true), (DType::BF16, false)] {
             let mut g = conv_bn(dtype, also_read);
             fold_conv_affine(&mut g).unwrap();
-            let ops: Vec<String> = g.nodes.iter().map(|n| n.op.name()).collect();
-            assert_eq!(ops, ["convolution", "mul", "add"], "{dtype} {also_read}");
+            assert_eq!(
+                ops(&g),
+                ["convolution", "mul", "add"],
+                "{dtype} {also_read}"
+            );
         }
     }
 

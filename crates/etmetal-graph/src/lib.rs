@@ -10,6 +10,8 @@ pub mod portable;
 pub mod precision;
 pub mod pt2;
 mod rewrite;
+#[cfg(test)]
+mod test_util;
 
 pub use decompose::{decompose, eliminate_dead_code};
 pub use fold::fold_conv_affine;

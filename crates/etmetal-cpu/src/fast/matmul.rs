@@ -145,17 +145,7 @@ fn rows_axpy(y: &mut [f32], x: &[f32], rows: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Reference `a[m×k] @ b[k×n]` in f64.
-    fn naive(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
-        (0..m * n)
-            .map(|ij| {
-                (0..k)
-                    .map(|p| a[ij / n * k + p] as f64 * b[p * n + ij % n] as f64)
-                    .sum::<f64>() as f32
-            })
-            .collect()
-    }
+    use crate::test_util::naive_mm;
 
     fn ramp(n: usize, seed: usize) -> Vec<f32> {
         (0..n)
@@ -168,6 +158,14 @@ mod tests {
             dtype: etmetal_core::DType::F32,
             shape,
             bytes: bytemuck::cast_slice(v),
+        }
+    }
+
+    fn view_mut<'a>(shape: &'a [usize], v: &'a mut [f32]) -> ViewMut<'a> {
+        ViewMut {
+            dtype: etmetal_core::DType::F32,
+            shape,
+            bytes: bytemuck::cast_slice_mut(v),
         }
     }
 
@@ -186,16 +184,12 @@ mod tests {
             let (a, b) = (ramp(m * k, 1), ramp(k * n, 5));
             let mut y = vec![f32::NAN; m * n];
             let (sa, sb, so) = ([m, k], [k, n], [m, n]);
-            let mut out = ViewMut {
-                dtype: etmetal_core::DType::F32,
-                shape: &so,
-                bytes: bytemuck::cast_slice_mut(&mut y),
-            };
+            let mut out = view_mut(&so, &mut y);
             assert!(matmul(
                 &[Some(view(&sa, &a)), Some(view(&sb, &b))],
                 &mut out
             ));
-            close(&y, &naive(&a, &b, m, k, n));
+            close(&y, &naive_mm(&a, &b, m, k, n));
         }
     }
 
@@ -205,22 +199,18 @@ mod tests {
         let (a, b) = (ramp(bs * m * k, 2), ramp(bs * k * n, 3));
         let mut y = vec![0f32; bs * m * n];
         let (sa, sb, so) = ([bs, m, k], [bs, k, n], [bs, m, n]);
-        let mut out = ViewMut {
-            dtype: etmetal_core::DType::F32,
-            shape: &so,
-            bytes: bytemuck::cast_slice_mut(&mut y),
-        };
+        let mut out = view_mut(&so, &mut y);
         assert!(matmul(
             &[Some(view(&sa, &a)), Some(view(&sb, &b))],
             &mut out
         ));
         for i in 0..bs {
-            let want = naive(&a[i * m * k..], &b[i * k * n..], m, k, n);
+            let want = naive_mm(&a[i * m * k..], &b[i * k * n..], m, k, n);
             close(&y[i * m * n..(i + 1) * m * n], &want);
         }
         // addmm with a row bias and with a full one; beta 0 ignores NaN
         let (a, b) = (ramp(m * k, 4), ramp(k * n, 6));
-        let prod = naive(&a, &b, m, k, n);
+        let prod = naive_mm(&a, &b, m, k, n);
         for (bias, shape, beta) in [
             (ramp(n, 9), vec![n], 0.5),
             (ramp(m * n, 8), vec![m, n], 1.0),
@@ -228,11 +218,7 @@ mod tests {
         ] {
             let mut y = vec![0f32; m * n];
             let (sa, sb, so) = ([m, k], [k, n], [m, n]);
-            let mut out = ViewMut {
-                dtype: etmetal_core::DType::F32,
-                shape: &so,
-                bytes: bytemuck::cast_slice_mut(&mut y),
-            };
+            let mut out = view_mut(&so, &mut y);
             let ins = [
                 Some(view(&shape, &bias)),
                 Some(view(&sa, &a)),

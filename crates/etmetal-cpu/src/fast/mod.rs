@@ -60,23 +60,8 @@ pub fn run(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> bool {
         Op::Where => pointwise::where_(inputs, out),
         Op::MatMul => matmul::matmul(inputs, out),
         Op::Addmm { beta, alpha } => matmul::addmm(*beta, *alpha, inputs, out),
-        Op::Convolution {
-            stride,
-            padding,
-            dilation,
-            transposed,
-            output_padding,
-            groups,
-        } => {
-            let p = crate::conv::ConvParams {
-                stride,
-                padding,
-                dilation,
-                transposed: *transposed,
-                output_padding,
-                groups: *groups,
-            };
-            conv::convolution(&p, inputs, out)
+        Op::Convolution { .. } => {
+            crate::conv::ConvParams::of(op).is_some_and(|p| conv::convolution(&p, inputs, out))
         }
         Op::Softmax { dim, log } => rows::softmax(*dim, *log, inputs, out),
         Op::LayerNorm {

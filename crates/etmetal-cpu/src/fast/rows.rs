@@ -7,20 +7,19 @@ use etmetal_core::ReduceOp;
 use super::{math, par_rows};
 use crate::view::{View, ViewMut};
 
-/// The only input, f32, with the output's shape.
-fn same_shape<'a>(inputs: &[Option<View<'a>>], out: &ViewMut) -> Option<&'a [f32]> {
-    match inputs.first() {
+/// `f(x_row, y_row)` for each row of `n` elements of the first input (f32,
+/// of the output's shape) and of the output; `false` when they are not so.
+fn map_rows(
+    inputs: &[Option<View>],
+    out: &mut ViewMut,
+    n: usize,
+    f: impl Fn(&[f32], &mut [f32]) + Sync,
+) -> bool {
+    let x = match inputs.first() {
         Some(Some(x)) if x.shape == out.shape => x.f32s(),
         _ => None,
-    }
-}
-
-pub fn softmax(dim: usize, log: bool, inputs: &[Option<View>], out: &mut ViewMut) -> bool {
-    let n = out.shape.last().copied().unwrap_or(1);
-    if inputs.len() != 1 || dim + 1 != out.shape.len().max(1) {
-        return false;
-    }
-    let (Some(x), Some(y)) = (same_shape(inputs, out), out.f32s()) else {
+    };
+    let (Some(x), Some(y)) = (x, out.f32s()) else {
         return false;
     };
     par_rows(
@@ -28,8 +27,22 @@ pub fn softmax(dim: usize, log: bool, inputs: &[Option<View>], out: &mut ViewMut
         n,
         n,
         #[inline(always)]
-        |r, y| {
-            let row = &x[r * n..(r + 1) * n];
+        |r, y| f(&x[r * n..(r + 1) * n], y),
+    );
+    true
+}
+
+pub fn softmax(dim: usize, log: bool, inputs: &[Option<View>], out: &mut ViewMut) -> bool {
+    let n = out.shape.last().copied().unwrap_or(1);
+    if inputs.len() != 1 || dim + 1 != out.shape.len().max(1) {
+        return false;
+    }
+    map_rows(
+        inputs,
+        out,
+        n,
+        #[inline(always)]
+        |row, y| {
             let m = math::max(row);
             if log {
                 let s: f32 = row.iter().map(|&v| math::exp(v - m)).sum();
@@ -43,8 +56,7 @@ pub fn softmax(dim: usize, log: bool, inputs: &[Option<View>], out: &mut ViewMut
                 y.iter_mut().for_each(|o| *o *= inv);
             }
         },
-    );
-    true
+    )
 }
 
 /// Layer norm over the trailing `nd` dims, with an optional f32 weight and
@@ -63,16 +75,12 @@ pub fn layer_norm(nd: usize, eps: f64, inputs: &[Option<View>], out: &mut ViewMu
     let (Some(w), Some(b)) = (param(1), param(2)) else {
         return false;
     };
-    let (Some(x), Some(y)) = (same_shape(inputs, out), out.f32s()) else {
-        return false;
-    };
-    par_rows(
-        y,
-        n,
+    map_rows(
+        inputs,
+        out,
         n,
         #[inline(always)]
-        |r, y| {
-            let row = &x[r * n..(r + 1) * n];
+        |row, y| {
             let mean = math::sum(row) / n as f32;
             y.iter_mut().zip(row).for_each(|(o, &v)| *o = v - mean);
             let var = math::sum_sq(y) / n as f32;
@@ -88,8 +96,7 @@ pub fn layer_norm(nd: usize, eps: f64, inputs: &[Option<View>], out: &mut ViewMu
                 (None, None) => y.iter_mut().for_each(|o| *o *= rstd),
             }
         },
-    );
-    true
+    )
 }
 
 /// Sum or mean over trailing dims (`dims` sorted or not, with or without
