@@ -131,14 +131,18 @@ thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Run `f` on `len` elements of this thread's scratch buffer.
+/// Run `f` on `len` elements of this thread's scratch buffer, or of a
+/// fresh one when it is in use: a thread waiting inside `f` for its
+/// parallel tasks may run another method's convolution meanwhile.
 fn with_scratch(len: usize, f: impl FnOnce(&mut [f32])) {
-    SCRATCH.with(|s| {
-        let mut s = s.borrow_mut();
-        if s.len() < len {
-            s.resize(len, 0.0);
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut s) => {
+            if s.len() < len {
+                s.resize(len, 0.0);
+            }
+            f(&mut s[..len]);
         }
-        f(&mut s[..len]);
+        Err(_) => f(&mut vec![0.0; len]),
     })
 }
 
@@ -235,4 +239,21 @@ fn depthwise(p: &Plane, x: &[f32], w: &[f32], bias: Option<&[f32]>, y: &mut [f32
             },
         )
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_scratch;
+
+    #[test]
+    fn scratch_in_use_gives_a_fresh_buffer() {
+        with_scratch(4, |outer| {
+            outer.fill(1.0);
+            with_scratch(8, |inner| {
+                assert_eq!(inner.len(), 8);
+                inner.fill(2.0);
+            });
+            assert_eq!(outer, [1.0; 4]);
+        });
+    }
 }
