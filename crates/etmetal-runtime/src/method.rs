@@ -599,4 +599,3 @@ fn check_reads(unwritten: &BTreeMap<usize, String>, reads: &[usize], k: usize) -
         None => Ok(()),
     }
 }
-
