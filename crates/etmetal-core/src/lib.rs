@@ -17,4 +17,4 @@ pub use dtype::DType;
 pub use error::{Error, ErrorKind, Result};
 pub use op::{BinaryOp, Op, ReduceOp, Scalar, UnaryOp};
 pub use spec::{check_inputs, TensorSpec};
-pub use tensor::{Tensor, TensorMut};
+pub use tensor::{Tensor, View, ViewMut};

@@ -53,58 +53,87 @@ impl Bytes {
     }
 }
 
-/// A dtype and shape over bytes borrowed for writing: where a result goes
-/// (a value's place in a method's planned memory, another tensor's storage).
-pub struct TensorMut<'a> {
-    dtype: DType,
-    shape: Vec<usize>,
-    bytes: &'a mut [u8],
+/// A contiguous tensor in borrowed memory (a planned arena, a mapped file,
+/// a [`Tensor`]'s storage), seen as a dtype and a shape.
+#[derive(Clone, Copy)]
+pub struct View<'a> {
+    pub dtype: DType,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
 }
 
-impl<'a> TensorMut<'a> {
-    /// `bytes` must be exactly a `dtype` tensor of `shape`.
-    pub fn new(dtype: DType, shape: &[usize], bytes: &'a mut [u8]) -> Result<TensorMut<'a>> {
-        let len = byte_len(dtype, shape)?;
-        if bytes.len() != len {
-            return Err(Error::internal(format!(
-                "{} bytes for a {dtype} tensor of shape {shape:?}, which needs {len}",
-                bytes.len()
-            )));
+/// A contiguous tensor in borrowed memory that a kernel or delegate writes
+/// (where a result goes, so that it is not copied there afterwards).
+pub struct ViewMut<'a> {
+    pub dtype: DType,
+    pub shape: &'a [usize],
+    pub bytes: &'a mut [u8],
+}
+
+// (dtype and shape only: the bytes of a large tensor are no message)
+impl std::fmt::Debug for View<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "View({}, {:?})", self.dtype, self.shape)
+    }
+}
+
+impl std::fmt::Debug for ViewMut<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ViewMut({}, {:?})", self.dtype, self.shape)
+    }
+}
+
+impl<'a> View<'a> {
+    pub fn of(t: &'a Tensor) -> View<'a> {
+        View {
+            dtype: t.dtype,
+            shape: &t.shape,
+            bytes: t.bytes(),
         }
-        Ok(TensorMut {
-            dtype,
-            shape: shape.to_vec(),
-            bytes,
-        })
     }
 
-    /// A view of `tensor`'s own storage.
-    pub fn of(tensor: &'a mut Tensor) -> TensorMut<'a> {
-        let (dtype, shape) = (tensor.dtype, tensor.shape.clone());
-        TensorMut {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The elements as f32, when the dtype is f32 and the bytes are aligned.
+    pub fn f32s(&self) -> Option<&'a [f32]> {
+        if self.dtype != DType::F32 {
+            return None;
+        }
+        bytemuck::try_cast_slice(self.bytes).ok()
+    }
+}
+
+impl<'a> ViewMut<'a> {
+    /// A view of `t`'s own storage (made owned first if it was shared).
+    pub fn of(t: &'a mut Tensor) -> ViewMut<'a> {
+        t.make_owned();
+        let Tensor {
             dtype,
             shape,
-            bytes: tensor.bytes_mut(),
+            bytes,
+        } = t;
+        let Bytes::Owned { words, len } = bytes else {
+            unreachable!("made owned above")
+        };
+        ViewMut {
+            dtype: *dtype,
+            shape,
+            bytes: &mut bytemuck::cast_slice_mut(words)[..*len],
         }
     }
 
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-    pub fn shape(&self) -> &[usize] {
-        &self.shape
-    }
     pub fn numel(&self) -> usize {
-        self.bytes.len() / self.dtype.size()
+        self.shape.iter().product()
     }
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        self.bytes
-    }
-}
 
-impl std::fmt::Debug for TensorMut<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "TensorMut({}, {:?})", self.dtype, self.shape)
+    /// The elements as f32, when the dtype is f32 and the bytes are aligned.
+    pub fn f32s(&mut self) -> Option<&mut [f32]> {
+        if self.dtype != DType::F32 {
+            return None;
+        }
+        bytemuck::try_cast_slice_mut(self.bytes).ok()
     }
 }
 
@@ -280,12 +309,17 @@ impl Tensor {
         self.bytes.as_slice()
     }
 
-    /// Mutable bytes; shared bytes are copied into an owned buffer first.
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
+    /// Copy shared bytes into an owned buffer (no-op when owned).
+    fn make_owned(&mut self) {
         if let Bytes::Shared { len, .. } = self.bytes {
             let words = words_of(self.bytes.as_slice());
             self.bytes = Bytes::Owned { words, len };
         }
+    }
+
+    /// Mutable bytes; shared bytes are copied into an owned buffer first.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        self.make_owned();
         match &mut self.bytes {
             Bytes::Owned { words, len } => &mut bytemuck::cast_slice_mut(words)[..*len],
             Bytes::Shared { .. } => unreachable!("converted to owned above"),

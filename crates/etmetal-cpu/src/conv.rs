@@ -2,7 +2,7 @@
 //! stride, padding, dilation and groups, as im2col / col2im around a GEMM per
 //! (batch, group); batches run in parallel.
 
-use etmetal_core::{Result, Tensor};
+use etmetal_core::{Op, Result, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -20,15 +20,40 @@ pub struct ConvParams<'a> {
     pub groups: usize,
 }
 
+impl<'a> ConvParams<'a> {
+    /// The attributes of a convolution op.
+    pub fn of(op: &'a Op) -> Option<ConvParams<'a>> {
+        let Op::Convolution {
+            stride,
+            padding,
+            dilation,
+            transposed,
+            output_padding,
+            groups,
+        } = op
+        else {
+            return None;
+        };
+        Some(ConvParams {
+            stride,
+            padding,
+            dilation,
+            transposed: *transposed,
+            output_padding,
+            groups: *groups,
+        })
+    }
+}
+
 /// Checked sizes of one convolution.
-struct Geometry {
-    n: usize,
-    cin: usize,
-    cout: usize,
-    groups: usize,
-    insp: Vec<usize>,
-    ksp: Vec<usize>,
-    osp: Vec<usize>,
+pub(crate) struct Geometry {
+    pub n: usize,
+    pub cin: usize,
+    pub cout: usize,
+    pub groups: usize,
+    pub insp: Vec<usize>,
+    pub ksp: Vec<usize>,
+    pub osp: Vec<usize>,
 }
 
 /// Element counts of one spatial plane (input, output, kernel) and the
@@ -53,7 +78,13 @@ impl Geometry {
     }
 }
 
-fn geometry(ctx: &Ctx, x: &Tensor, w: &Tensor, p: &ConvParams) -> Result<Geometry> {
+/// The sizes of a convolution of an input of shape `x` with a weight of
+/// shape `w`, or why they do not fit together.
+pub(crate) fn geometry(
+    x: &[usize],
+    w: &[usize],
+    p: &ConvParams,
+) -> std::result::Result<Geometry, String> {
     let sr = p.stride.len();
     let op = if p.output_padding.is_empty() {
         vec![0; sr]
@@ -61,41 +92,32 @@ fn geometry(ctx: &Ctx, x: &Tensor, w: &Tensor, p: &ConvParams) -> Result<Geometr
         p.output_padding.to_vec()
     };
     if p.padding.len() != sr || p.dilation.len() != sr || op.len() != sr || sr == 0 {
-        return Err(ctx.invalid(format!(
+        return Err(format!(
             "stride {:?}, padding {:?}, dilation {:?} and output_padding {:?} need one entry per spatial dim",
             p.stride, p.padding, p.dilation, p.output_padding
-        )));
+        ));
     }
-    if x.rank() != sr + 2 || w.rank() != sr + 2 {
-        return Err(ctx.invalid(format!(
+    if x.len() != sr + 2 || w.len() != sr + 2 {
+        return Err(format!(
             "input {:?} and weight {:?} must both have rank {} (batch, channels, {sr} spatial dims)",
-            x.shape(),
-            w.shape(),
+            x,
+            w,
             sr + 2
-        )));
+        ));
     }
     if p.stride.contains(&0) || p.dilation.contains(&0) || p.groups == 0 {
-        return Err(ctx.invalid("stride, dilation and groups must be positive"));
+        return Err("stride, dilation and groups must be positive".into());
     }
-    let (n, cin, g) = (x.shape()[0], x.shape()[1], p.groups);
-    let insp = x.shape()[2..].to_vec();
-    let ksp = w.shape()[2..].to_vec();
-    let cout = if p.transposed {
-        w.shape()[1] * g
-    } else {
-        w.shape()[0]
-    };
-    let wcin = if p.transposed {
-        w.shape()[0]
-    } else {
-        w.shape()[1] * g
-    };
+    let (n, cin, g) = (x[0], x[1], p.groups);
+    let insp = x[2..].to_vec();
+    let ksp = w[2..].to_vec();
+    let cout = if p.transposed { w[1] * g } else { w[0] };
+    let wcin = if p.transposed { w[0] } else { w[1] * g };
     if cin != wcin || cin % g != 0 || cout % g != 0 {
-        return Err(ctx.invalid(format!(
+        return Err(format!(
             "input {:?} and weight {:?} disagree on channels with {g} groups",
-            x.shape(),
-            w.shape()
-        )));
+            x, w
+        ));
     }
     let mut osp = vec![];
     for d in 0..sr {
@@ -112,10 +134,10 @@ fn geometry(ctx: &Ctx, x: &Tensor, w: &Tensor, p: &ConvParams) -> Result<Geometr
             }
         };
         if o <= 0 || ksp[d] == 0 {
-            return Err(ctx.invalid(format!(
+            return Err(format!(
                 "spatial dim {d}: input {i}, kernel {}, stride {s}, padding {pad} give no output",
                 ksp[d]
-            )));
+            ));
         }
         osp.push(o as usize);
     }
@@ -132,7 +154,7 @@ fn geometry(ctx: &Ctx, x: &Tensor, w: &Tensor, p: &ConvParams) -> Result<Geometr
 
 pub fn convolution(ctx: &Ctx, p: &ConvParams) -> Result<Tensor> {
     let (x, w) = (ctx.input(0)?, ctx.input(1)?);
-    let geo = geometry(ctx, x, w, p)?;
+    let geo = geometry(x.shape(), w.shape(), p).map_err(|m| ctx.invalid(m))?;
     let bias = ctx.optional(2);
     if let Some(b) = bias {
         if b.numel() != geo.cout {

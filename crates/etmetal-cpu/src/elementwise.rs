@@ -145,7 +145,7 @@ fn min_nan<T: Real>(a: T, b: T) -> T {
     -max_nan(-a, -b)
 }
 
-fn unary_real<T: Real>(op: UnaryOp, x: T) -> T {
+pub(crate) fn unary_real<T: Real>(op: UnaryOp, x: T) -> T {
     let zero = T::of(0.0);
     let one = T::of(1.0);
     let sigmoid = |v: T| one / (one + (-v).exp());
@@ -337,7 +337,7 @@ fn floor_div_real<T: Real>(a: T, b: T) -> T {
     }
 }
 
-fn arith_real<T: Real>(op: BinaryOp, a: T, b: T) -> T {
+pub(crate) fn arith_real<T: Real>(op: BinaryOp, a: T, b: T) -> T {
     match op {
         BinaryOp::Add => a + b,
         BinaryOp::Sub => a - b,

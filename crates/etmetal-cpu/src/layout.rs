@@ -3,7 +3,7 @@
 //! the dtype's width, so every dtype is handled exactly.
 
 use etmetal_core::shape::contiguous_strides;
-use etmetal_core::{Result, Tensor};
+use etmetal_core::{Op, Result, Tensor};
 
 use crate::strided::{by_width, for_each_offset, materialize};
 use crate::Ctx;
@@ -13,56 +13,93 @@ pub fn reshape(ctx: &Ctx, shape: &[usize]) -> Result<Tensor> {
     x.reshape(shape).map_err(|e| ctx.invalid(e.message()))
 }
 
-pub fn permute(ctx: &Ctx, dims: &[usize]) -> Result<Tensor> {
-    let x = ctx.input(0)?;
-    let mut seen = vec![false; x.rank()];
-    for &d in dims {
-        if d >= x.rank() || std::mem::replace(&mut seen[d], true) {
-            return Err(ctx.invalid(format!(
-                "{dims:?} is not a permutation of the dims of shape {:?}",
-                x.shape()
-            )));
-        }
-    }
-    if dims.len() != x.rank() {
-        return Err(ctx.invalid(format!(
-            "{dims:?} is not a permutation of the dims of shape {:?}",
-            x.shape()
-        )));
-    }
-    let strides = contiguous_strides(x.shape());
-    let shape: Vec<usize> = dims.iter().map(|&d| x.shape()[d]).collect();
-    let pstrides: Vec<usize> = dims.iter().map(|&d| strides[d]).collect();
-    materialize(x, &shape, &pstrides, 0)
+/// The strided view of its input that a view op (permute, expand, slice,
+/// select) copies out: shape, strides and offset in elements of the input.
+pub(crate) struct Strided {
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub offset: usize,
 }
 
-pub fn expand(ctx: &Ctx, shape: &[usize]) -> Result<Tensor> {
+/// What view op `op` reads of an input of shape `x`: `None` for other ops,
+/// the reason as `Err` when the op does not apply to `x`.
+pub(crate) fn strided_view(op: &Op, x: &[usize]) -> Option<std::result::Result<Strided, String>> {
+    Some(match op {
+        Op::Permute { dims } => permute_view(x, dims),
+        Op::Expand { shape } => expand_view(x, shape),
+        Op::Slice {
+            dim,
+            start,
+            end,
+            step,
+        } => slice_view(x, *dim, *start, *end, *step),
+        Op::Select { dim, index } => select_view(x, *dim, *index),
+        _ => return None,
+    })
+}
+
+/// The reference kernel of the view ops: a contiguous copy of the view.
+pub fn view(ctx: &Ctx) -> Result<Tensor> {
     let x = ctx.input(0)?;
-    let bad = || ctx.invalid(format!("cannot expand shape {:?} to {shape:?}", x.shape()));
-    let lead = shape.len().checked_sub(x.rank()).ok_or_else(bad)?;
-    let src = contiguous_strides(x.shape());
+    let v = strided_view(ctx.op, x.shape())
+        .ok_or_else(|| ctx.unsupported("not a view op"))?
+        .map_err(|m| ctx.invalid(m))?;
+    materialize(x, &v.shape, &v.strides, v.offset)
+}
+
+fn permute_view(x: &[usize], dims: &[usize]) -> std::result::Result<Strided, String> {
+    let mut seen = vec![false; x.len()];
+    let bad = dims.len() != x.len()
+        || dims
+            .iter()
+            .any(|&d| d >= x.len() || std::mem::replace(&mut seen[d], true));
+    if bad {
+        return Err(format!(
+            "{dims:?} is not a permutation of the dims of shape {x:?}"
+        ));
+    }
+    let strides = contiguous_strides(x);
+    Ok(Strided {
+        shape: dims.iter().map(|&d| x[d]).collect(),
+        strides: dims.iter().map(|&d| strides[d]).collect(),
+        offset: 0,
+    })
+}
+
+fn expand_view(x: &[usize], shape: &[usize]) -> std::result::Result<Strided, String> {
+    let bad = || format!("cannot expand shape {x:?} to {shape:?}");
+    let lead = shape.len().checked_sub(x.len()).ok_or_else(bad)?;
+    let src = contiguous_strides(x);
     let mut strides = vec![0; shape.len()];
-    for (i, &d) in x.shape().iter().enumerate() {
+    for (i, &d) in x.iter().enumerate() {
         match d {
             _ if d == shape[lead + i] => strides[lead + i] = src[i],
             1 => {}
             _ => return Err(bad()),
         }
     }
-    materialize(x, shape, &strides, 0)
+    Ok(Strided {
+        shape: shape.to_vec(),
+        strides,
+        offset: 0,
+    })
 }
 
-pub fn slice(ctx: &Ctx, dim: usize, start: usize, end: usize, step: usize) -> Result<Tensor> {
-    let x = ctx.input(0)?;
-    let size = x.shape().get(dim).copied();
+fn slice_view(
+    x: &[usize],
+    dim: usize,
+    start: usize,
+    end: usize,
+    step: usize,
+) -> std::result::Result<Strided, String> {
+    let size = x.get(dim).copied();
     if step == 0 || start > end || size.is_none_or(|s| end > s) {
-        return Err(ctx.invalid(format!(
-            "slice {start}..{end} step {step} of dim {dim} is invalid for shape {:?}",
-            x.shape()
-        )));
+        return Err(format!(
+            "slice {start}..{end} step {step} of dim {dim} is invalid for shape {x:?}"
+        ));
     }
-    let mut strides = contiguous_strides(x.shape());
-    let mut shape = x.shape().to_vec();
+    let mut strides = contiguous_strides(x);
+    let mut shape = x.to_vec();
     shape[dim] = (end - start).div_ceil(step);
     let offset = if shape[dim] == 0 {
         0
@@ -70,23 +107,29 @@ pub fn slice(ctx: &Ctx, dim: usize, start: usize, end: usize, step: usize) -> Re
         start * strides[dim]
     };
     strides[dim] *= step;
-    materialize(x, &shape, &strides, offset)
+    Ok(Strided {
+        shape,
+        strides,
+        offset,
+    })
 }
 
-pub fn select(ctx: &Ctx, dim: usize, index: usize) -> Result<Tensor> {
-    let x = ctx.input(0)?;
-    if x.shape().get(dim).is_none_or(|&s| index >= s) {
-        return Err(ctx.invalid(format!(
-            "index {index} of dim {dim} is out of range for shape {:?}",
-            x.shape()
-        )));
+fn select_view(x: &[usize], dim: usize, index: usize) -> std::result::Result<Strided, String> {
+    if x.get(dim).is_none_or(|&s| index >= s) {
+        return Err(format!(
+            "index {index} of dim {dim} is out of range for shape {x:?}"
+        ));
     }
-    let mut strides = contiguous_strides(x.shape());
-    let mut shape = x.shape().to_vec();
+    let mut strides = contiguous_strides(x);
+    let mut shape = x.to_vec();
     let offset = index * strides[dim];
     shape.remove(dim);
     strides.remove(dim);
-    materialize(x, &shape, &strides, offset)
+    Ok(Strided {
+        shape,
+        strides,
+        offset,
+    })
 }
 
 pub fn cat(ctx: &Ctx, dim: usize) -> Result<Tensor> {

@@ -1,24 +1,33 @@
 //! CPU kernels for every [`Op`], with PyTorch semantics.
 //!
-//! [`execute`] is the single entry point: it checks the input slots, runs the
-//! op's kernel and checks the computed output shapes and dtypes against what
-//! the graph expects. Kernels are grouped by family, one module each; they
-//! share the dtype domains of [`buf`] and the strided walk of [`strided`].
+//! [`execute`] is the reference entry point: it checks the input slots, runs
+//! the op's kernel and checks the computed output shapes and dtypes against
+//! what the graph expects. Kernels are grouped by family, one module each;
+//! they share the dtype domains of [`buf`] and the strided walk of
+//! [`strided`].
+//!
+//! [`execute_into`] runs the ops its [`fast`] paths take on borrowed memory
+//! (a runtime's planned arenas), reading the inputs and writing the outputs
+//! in place; the caller runs the others with [`execute`].
 
 mod attention;
 mod buf;
 mod conv;
 mod create;
 mod elementwise;
+mod fast;
 mod index;
 mod layout;
 mod matmul;
 mod norm;
 mod pool;
 mod reduce;
+mod simd;
 mod strided;
+mod view;
 
 use etmetal_core::{DType, Error, Op, Result, Tensor};
+pub use view::{View, ViewMut};
 
 /// What every kernel receives: the op (for messages), its input slots and the
 /// dtypes and shapes the graph expects of its outputs.
@@ -132,6 +141,22 @@ pub fn execute(
     Ok(results)
 }
 
+/// Run one op on borrowed memory if a fast path takes it: `inputs` are the
+/// op's input slots, each output view has the dtype and shape the graph
+/// expects, and outputs must not overlap inputs or each other. `Ok(false)`
+/// when no fast path takes the op, with nothing written: run [`execute`].
+pub fn execute_into(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> Result<bool> {
+    let ins = inputs
+        .iter()
+        .flatten()
+        .map(|x| (x.dtype, x.shape, x.bytes.len()));
+    let outs = outputs.iter().map(|y| (y.dtype, y.shape, y.bytes.len()));
+    for (i, (dtype, shape, len)) in ins.chain(outs).enumerate() {
+        view::check_len(dtype, shape, len, &format!("{} operand {i}", op.name()))?;
+    }
+    Ok(fast::run(op, inputs, outputs))
+}
+
 fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
     let one = |t: Tensor| Ok(vec![t]);
     match ctx.op {
@@ -227,23 +252,10 @@ fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
             ctx.arity(2, 3)?;
             one(matmul::linear(ctx)?)
         }
-        Op::Convolution {
-            stride,
-            padding,
-            dilation,
-            transposed,
-            output_padding,
-            groups,
-        } => {
+        Op::Convolution { .. } => {
             ctx.arity(2, 3)?;
-            let p = conv::ConvParams {
-                stride,
-                padding,
-                dilation,
-                transposed: *transposed,
-                output_padding,
-                groups: *groups,
-            };
+            let p =
+                conv::ConvParams::of(ctx.op).ok_or_else(|| ctx.unsupported("not a convolution"))?;
             one(conv::convolution(ctx, &p)?)
         }
         Op::MaxPool {
@@ -304,26 +316,9 @@ fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
             ctx.arity(1, 1)?;
             one(layout::reshape(ctx, shape)?)
         }
-        Op::Permute { dims } => {
+        Op::Permute { .. } | Op::Expand { .. } | Op::Slice { .. } | Op::Select { .. } => {
             ctx.arity(1, 1)?;
-            one(layout::permute(ctx, dims)?)
-        }
-        Op::Expand { shape } => {
-            ctx.arity(1, 1)?;
-            one(layout::expand(ctx, shape)?)
-        }
-        Op::Slice {
-            dim,
-            start,
-            end,
-            step,
-        } => {
-            ctx.arity(1, 1)?;
-            one(layout::slice(ctx, *dim, *start, *end, *step)?)
-        }
-        Op::Select { dim, index } => {
-            ctx.arity(1, 1)?;
-            one(layout::select(ctx, *dim, *index)?)
+            one(layout::view(ctx)?)
         }
         Op::Cat { dim } => {
             ctx.arity(1, usize::MAX)?;
@@ -395,6 +390,16 @@ pub(crate) mod test_util {
     /// `((i * mul) % m) / 4 - 1` (exact in every float type).
     pub fn ramp(n: usize, m: usize, mul: usize) -> Vec<f32> {
         (0..n).map(|i| ((i * mul) % m) as f32 / 4.0 - 1.0).collect()
+    }
+    /// Reference `a[m×k] @ b[k×n]` (row-major) in f64.
+    pub fn naive_mm(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+        (0..m * n)
+            .map(|ij| {
+                (0..k)
+                    .map(|p| a[ij / n * k + p] as f64 * b[p * n + ij % n] as f64)
+                    .sum::<f64>() as f32
+            })
+            .collect()
     }
     pub fn close(got: &[f32], want: &[f32], tol: f32) {
         assert_eq!(got.len(), want.len(), "length: got {got:?}, want {want:?}");

@@ -24,6 +24,18 @@ pub struct Mat<'a, T> {
 /// Element types with a matrix product.
 pub trait MatElem: Elem + Default + Add<Output = Self> + Mul<Output = Self> + 'static {
     fn from_f64(v: f64) -> Self;
+    /// `dst[m×n]` (contiguous) `= a[m×k] @ b[k×n]`, or `+=` with `acc`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        dst: &mut [Self],
+        m: usize,
+        n: usize,
+        k: usize,
+        a: Mat<Self>,
+        b: Mat<Self>,
+        acc: bool,
+        par: Parallelism,
+    );
     /// `dst[m×n]` (contiguous, overwritten) `= a[m×k] @ b[k×n]`.
     fn mm(
         dst: &mut [Self],
@@ -33,7 +45,9 @@ pub trait MatElem: Elem + Default + Add<Output = Self> + Mul<Output = Self> + 's
         a: Mat<Self>,
         b: Mat<Self>,
         par: Parallelism,
-    );
+    ) {
+        Self::gemm(dst, m, n, k, a, b, false, par)
+    }
 }
 
 macro_rules! impl_gemm {
@@ -42,20 +56,23 @@ macro_rules! impl_gemm {
             fn from_f64(v: f64) -> Self {
                 v as $t
             }
-            fn mm(
+            fn gemm(
                 dst: &mut [Self],
                 m: usize,
                 n: usize,
                 k: usize,
                 a: Mat<Self>,
                 b: Mat<Self>,
+                acc: bool,
                 par: Parallelism,
             ) {
                 if m == 0 || n == 0 {
                     return;
                 }
                 if k == 0 {
-                    dst.fill(0.0);
+                    if !acc {
+                        dst.fill(0.0);
+                    }
                     return;
                 }
                 assert!(dst.len() >= m * n, "gemm destination too small");
@@ -77,14 +94,14 @@ macro_rules! impl_gemm {
                         dst.as_mut_ptr(),
                         1,
                         n as isize,
-                        false,
+                        acc,
                         a.data.as_ptr(),
                         a.cs as isize,
                         a.rs as isize,
                         b.data.as_ptr(),
                         b.cs as isize,
                         b.rs as isize,
-                        0.0,
+                        1.0,
                         1.0,
                         false,
                         false,
@@ -103,18 +120,20 @@ impl MatElem for i64 {
     fn from_f64(v: f64) -> Self {
         v as i64
     }
-    fn mm(
+    fn gemm(
         dst: &mut [Self],
         m: usize,
         n: usize,
         k: usize,
         a: Mat<Self>,
         b: Mat<Self>,
+        acc: bool,
         _: Parallelism,
     ) {
         for i in 0..m {
             for j in 0..n {
-                dst[i * n + j] = (0..k).fold(0i64, |s, p| {
+                let start = if acc { dst[i * n + j] } else { 0 };
+                dst[i * n + j] = (0..k).fold(start, |s, p| {
                     s.wrapping_add(
                         a.data[i * a.rs + p * a.cs].wrapping_mul(b.data[p * b.rs + j * b.cs]),
                     )
@@ -340,17 +359,6 @@ mod tests {
     use crate::test_util::*;
     use etmetal_core::{DType, Op, Tensor};
 
-    /// Reference `a[m×k] @ b[k×n]` in f64.
-    fn naive(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
-        (0..m * n)
-            .map(|ij| {
-                (0..k)
-                    .map(|p| a[ij / n * k + p] as f64 * b[p * n + ij % n] as f64)
-                    .sum::<f64>() as f32
-            })
-            .collect()
-    }
-
     #[test]
     fn matmul_shapes_follow_torch_matmul() {
         let a = f32t(&[2, 1, 3, 5], &ramp(30, 11, 7));
@@ -361,7 +369,7 @@ mod tests {
         let (av, bv) = (a.to_f32_vec(), b.to_f32_vec());
         for i in 0..2 {
             for j in 0..4 {
-                let want = naive(
+                let want = naive_mm(
                     &av[i * 15..(i + 1) * 15],
                     &bv[j * 10..(j + 1) * 10],
                     3,

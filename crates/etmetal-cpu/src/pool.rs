@@ -28,34 +28,38 @@ fn planes(ctx: &Ctx, x: &Tensor, sr: usize) -> Result<(usize, Vec<usize>)> {
 
 /// An attribute with one entry per spatial dim (a single entry is repeated;
 /// an empty one takes `default`).
-fn per_dim(ctx: &Ctx, v: &[usize], sr: usize, default: &[usize], what: &str) -> Result<Vec<usize>> {
+pub(crate) fn per_dim(
+    v: &[usize],
+    sr: usize,
+    default: &[usize],
+    what: &str,
+) -> std::result::Result<Vec<usize>, String> {
     match v.len() {
         0 => Ok(default.to_vec()),
         1 => Ok(vec![v[0]; sr]),
         n if n == sr => Ok(v.to_vec()),
-        n => Err(ctx.invalid(format!("{what} has {n} entries for {sr} spatial dims"))),
+        n => Err(format!("{what} has {n} entries for {sr} spatial dims")),
     }
 }
 
 /// PyTorch's pooling output size, including the ceil-mode rule that the last
 /// window must start inside the input or the left padding.
-fn pool_out(
-    ctx: &Ctx,
+pub(crate) fn pool_out(
     i: usize,
     k: usize,
     s: usize,
     p: usize,
     d: usize,
     ceil: bool,
-) -> Result<usize> {
+) -> std::result::Result<usize, String> {
     if k == 0 || s == 0 || d == 0 || p > k / 2 {
-        return Err(ctx.invalid(format!("kernel {k}, stride {s}, padding {p}, dilation {d}: padding must be at most half the kernel and the rest positive")));
+        return Err(format!("kernel {k}, stride {s}, padding {p}, dilation {d}: padding must be at most half the kernel and the rest positive"));
     }
     let num = (i + 2 * p) as i64 - (d * (k - 1)) as i64 - 1;
     if num < 0 {
-        return Err(ctx.invalid(format!(
+        return Err(format!(
             "input size {i} is smaller than the kernel {k} (dilation {d}, padding {p})"
-        )));
+        ));
     }
     let (num, s) = (num as usize, s);
     let mut o = if ceil { num.div_ceil(s) } else { num / s } + 1;
@@ -77,13 +81,14 @@ pub fn max_pool(
     let x = ctx.input(0)?;
     let sr = kernel.len();
     let (np, insp) = planes(ctx, x, sr)?;
-    let stride = per_dim(ctx, stride, sr, kernel, "stride")?;
-    let padding = per_dim(ctx, padding, sr, &vec![0; sr], "padding")?;
-    let dilation = per_dim(ctx, dilation, sr, &vec![1; sr], "dilation")?;
+    let dims =
+        |v, default: &[usize], what| per_dim(v, sr, default, what).map_err(|m| ctx.invalid(m));
+    let stride = dims(stride, kernel, "stride")?;
+    let padding = dims(padding, &vec![0; sr], "padding")?;
+    let dilation = dims(dilation, &vec![1; sr], "dilation")?;
     let osp = (0..sr)
         .map(|d| {
             pool_out(
-                ctx,
                 insp[d],
                 kernel[d],
                 stride[d],
@@ -91,6 +96,7 @@ pub fn max_pool(
                 dilation[d],
                 ceil_mode,
             )
+            .map_err(|m| ctx.invalid(m))
         })
         .collect::<Result<Vec<_>>>()?;
     let table = window_table(&osp, kernel, &insp, &stride, &dilation, &padding);
@@ -140,20 +146,13 @@ pub fn avg_pool(ctx: &Ctx, p: &AvgParams) -> Result<Tensor> {
     }
     let sr = p.kernel.len();
     let (np, insp) = planes(ctx, x, sr)?;
-    let stride = per_dim(ctx, p.stride, sr, p.kernel, "stride")?;
-    let padding = per_dim(ctx, p.padding, sr, &vec![0; sr], "padding")?;
+    let stride = per_dim(p.stride, sr, p.kernel, "stride").map_err(|m| ctx.invalid(m))?;
+    let padding = per_dim(p.padding, sr, &vec![0; sr], "padding").map_err(|m| ctx.invalid(m))?;
     let ones = vec![1; sr];
     let osp = (0..sr)
         .map(|d| {
-            pool_out(
-                ctx,
-                insp[d],
-                p.kernel[d],
-                stride[d],
-                padding[d],
-                1,
-                p.ceil_mode,
-            )
+            pool_out(insp[d], p.kernel[d], stride[d], padding[d], 1, p.ceil_mode)
+                .map_err(|m| ctx.invalid(m))
         })
         .collect::<Result<Vec<_>>>()?;
     if p.divisor_override == Some(0) {

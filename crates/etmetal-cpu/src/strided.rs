@@ -2,7 +2,7 @@
 //! row-major order while tracking the element offsets of several operands
 //! (broadcast operands have stride 0 on their broadcast dims).
 
-use etmetal_core::{DType, Result, Tensor};
+use etmetal_core::{Result, Tensor};
 
 /// Call `f` with the offsets of every operand for each index of `shape`, in
 /// row-major order. `strides[k]` has one entry per dim of `shape`.
@@ -60,10 +60,14 @@ pub fn gather<T: Copy>(src: &[T], shape: &[usize], strides: &[usize], offset: us
 }
 
 /// Run `$body` with `$T` bound to the unsigned integer type as wide as one
-/// element of `$dtype`, for kernels that only move elements around.
+/// element of `$dtype` (or `width` bytes), for kernels that only move
+/// elements around.
 macro_rules! by_width {
     ($dtype:expr, $T:ident => $body:expr) => {
-        match $dtype.size() {
+        by_width!(width $dtype.size(), $T => $body)
+    };
+    (width $width:expr, $T:ident => $body:expr) => {
+        match $width {
             1 => {
                 type $T = u8;
                 $body
@@ -93,11 +97,71 @@ pub fn materialize(
     strides: &[usize],
     offset: usize,
 ) -> Result<Tensor> {
-    let dtype: DType = t.dtype();
-    by_width!(dtype, T => {
-        let src = t.values::<T>()?;
-        Tensor::from_slice(dtype, shape, &gather(&src, shape, strides, offset))
+    let mut out = Tensor::zeros(t.dtype(), shape)?;
+    copy_view(
+        t.bytes(),
+        out.bytes_mut(),
+        t.dtype().size(),
+        shape,
+        strides,
+        offset,
+    );
+    Ok(out)
+}
+
+/// Copy the strided view (`shape`, `strides`, `offset`, counted in elements
+/// of `width` bytes) of `src` into the contiguous `dst`, which holds exactly
+/// the view's elements. Trailing dims that are contiguous in `src` move as
+/// one block. The view must lie inside `src`.
+pub fn copy_view(
+    src: &[u8],
+    dst: &mut [u8],
+    width: usize,
+    shape: &[usize],
+    strides: &[usize],
+    offset: usize,
+) {
+    // fold the trailing dims the source holds contiguously into one run
+    let (mut outer, mut run) = (shape.len(), 1);
+    while outer > 0 && (shape[outer - 1] == 1 || strides[outer - 1] == run) {
+        run *= shape[outer - 1];
+        outer -= 1;
+    }
+    let (shape, strides) = (&shape[..outer], &strides[..outer]);
+    by_width!(width width, T => {
+        match (bytemuck::try_cast_slice::<u8, T>(src), bytemuck::try_cast_slice_mut::<u8, T>(dst)) {
+            (Ok(s), Ok(d)) => copy_runs(s, d, run, shape, strides, offset),
+            // unaligned bytes: the same walk on bytes
+            _ => {
+                let bytes: Vec<usize> = strides.iter().map(|s| s * width).collect();
+                copy_runs(src, dst, run * width, shape, &bytes, offset * width)
+            }
+        }
     })
+}
+
+/// `dst` = the runs of `run` elements at each offset of the (`shape`,
+/// `strides`) walk from `offset`.
+fn copy_runs<T: Copy>(
+    src: &[T],
+    dst: &mut [T],
+    run: usize,
+    shape: &[usize],
+    strides: &[usize],
+    offset: usize,
+) {
+    let mut at = 0;
+    if run == 1 {
+        for_each_offset(shape, [strides], [offset], |[o]| {
+            dst[at] = src[o];
+            at += 1;
+        });
+    } else {
+        for_each_offset(shape, [strides], [offset], |[o]| {
+            dst[at..at + run].copy_from_slice(&src[o..o + run]);
+            at += run;
+        });
+    }
 }
 
 /// The window table of sliding-window ops (convolution, pooling): for each

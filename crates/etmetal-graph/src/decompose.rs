@@ -184,40 +184,9 @@ pub fn eliminate_dead_code(graph: &mut Graph) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::infer::infer;
+    use crate::test_util::{ops, push, reinfers};
     use etmetal_core::DType;
     use etmetal_core::ReduceOp;
-
-    fn ops(g: &Graph) -> Vec<String> {
-        g.nodes.iter().map(|n| n.op.name()).collect()
-    }
-
-    fn push(g: &mut Graph, name: &str, op: Op, inputs: Vec<Option<ValueId>>) -> ValueId {
-        let mut n = Node {
-            name: name.into(),
-            target: "test".into(),
-            op,
-            inputs,
-            outputs: vec![],
-        };
-        let (d, s) = infer(g, &n).unwrap().remove(0);
-        let v = g.add_value(name, d, s);
-        n.outputs.push(v);
-        g.nodes.push(n);
-        v
-    }
-
-    fn reinfers(g: &Graph) {
-        for n in &g.nodes {
-            let got = infer(g, n).unwrap();
-            let want: Vec<_> = n
-                .outputs
-                .iter()
-                .map(|v| (g.value(*v).dtype, g.value(*v).shape.clone()))
-                .collect();
-            assert_eq!(got, want, "node {}", n.name);
-        }
-    }
 
     fn linear_graph(const_weight: bool) -> Graph {
         let mut g = Graph::default();

@@ -1,7 +1,8 @@
 //! The etmetal graph IR and the passes on it: import from a torch.export
-//! `.pt2` archive, shape and dtype inference, decompositions.
+//! `.pt2` archive, shape and dtype inference, decompositions, folding.
 
 pub mod decompose;
+pub mod fold;
 pub mod infer;
 pub mod ir;
 pub mod plan;
@@ -9,8 +10,11 @@ pub mod portable;
 pub mod precision;
 pub mod pt2;
 mod rewrite;
+#[cfg(test)]
+mod test_util;
 
 pub use decompose::{decompose, eliminate_dead_code};
+pub use fold::fold_conv_affine;
 pub use infer::infer;
 pub use ir::{Graph, InputKind, Node, OutputKind, ValueId, ValueInfo};
 pub use pt2::{import_pt2, load_pt2};

@@ -376,8 +376,8 @@ fn pool_1d(b: &mut Rewrite, x: ValueId, op2d: Op) -> Result<ValueId> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::infer::infer;
     use crate::ir::{InputKind, OutputKind};
+    use crate::test_util::{ops, push, reinfers};
 
     /// One node `op` over fresh user inputs of the given shapes (f32 unless
     /// `dtypes` says), its output a graph output.
@@ -392,34 +392,15 @@ mod tests {
                 Some(v)
             })
             .collect();
-        let mut n = Node {
-            name: "n".into(),
-            target: "t".into(),
-            op,
-            inputs: ins,
-            outputs: vec![],
-        };
-        let (d, s) = infer(&g, &n).unwrap().remove(0);
-        let y = g.add_value("y", d, s);
-        n.outputs.push(y);
-        g.nodes.push(n);
+        let y = push(&mut g, "n", op, ins);
         g.outputs.push((y, OutputKind::User));
         g
     }
 
-    fn ops(g: &Graph) -> Vec<String> {
-        g.nodes.iter().map(|n| n.op.name()).collect()
-    }
-
     /// Every node re-infers to its values, and only encodable shapes remain.
     fn check(g: &Graph) {
+        reinfers(g);
         for n in &g.nodes {
-            let want: Vec<_> = n
-                .outputs
-                .iter()
-                .map(|v| (g.value(*v).dtype, g.value(*v).shape.clone()))
-                .collect();
-            assert_eq!(infer(g, n).unwrap(), want, "node {}", n.name);
             if n.op == Op::MatMul {
                 let (a, b) = (
                     &g.value(n.inputs[0].unwrap()).shape,

@@ -695,7 +695,7 @@ impl GpuDelegate {
             }
             let (dtype, shape) = match arg {
                 DelegateArg::Tensor(t) if k < ni => (t.dtype(), t.shape()),
-                DelegateArg::Output(t) if k >= ni => (t.dtype(), t.shape()),
+                DelegateArg::Output(t) if k >= ni => (t.dtype, t.shape),
                 _ => {
                     let want = if k < ni { "a tensor" } else { "an output" };
                     return Err(Error::invalid_input(format!(

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use etmetal_core::{DType, Error, ErrorKind, Tensor, TensorMut};
+use etmetal_core::{DType, Error, ErrorKind, Tensor, ViewMut};
 use etmetal_metal::payload::{
     to_gpu, Access, Alternative, Buffer, Dispatch, Kernel, Location, Needs, Payload, Requirements,
     VERSION_MAJOR, VERSION_MINOR,
@@ -182,10 +182,7 @@ fn exec(
         .iter()
         .cloned()
         .map(DelegateArg::Tensor)
-        .chain(
-            outs.iter_mut()
-                .map(|t| DelegateArg::Output(TensorMut::of(t))),
-        )
+        .chain(outs.iter_mut().map(|t| DelegateArg::Output(ViewMut::of(t))))
         .collect();
     h.execute(&mut a)?;
     drop(a);
@@ -522,7 +519,7 @@ fn wrong_arguments_are_named() {
     let mut wrong = Tensor::zeros(DType::F32, &[6]).unwrap();
     let mut bad_out = vec![
         DelegateArg::Tensor(good.clone()),
-        DelegateArg::Output(TensorMut::of(&mut wrong)),
+        DelegateArg::Output(ViewMut::of(&mut wrong)),
     ];
     let e = h.execute(&mut bad_out).unwrap_err();
     assert!(

@@ -41,7 +41,7 @@
 
 use std::borrow::Cow;
 
-use etmetal_core::{DType, Error, Result, Tensor, TensorMut};
+use etmetal_core::{DType, Error, Result, Tensor, ViewMut};
 use serde::{Deserialize, Serialize};
 
 pub const MAGIC: &[u8; 4] = b"EMTL";
@@ -383,25 +383,25 @@ pub fn to_gpu<'t>(tensor: &'t Tensor, what: &str) -> Result<Cow<'t, [u8]>> {
 /// The host tensor of GPU bytes `bytes` (at least [`gpu_bytes`] long).
 pub fn from_gpu(bytes: &[u8], dtype: DType, shape: &[usize]) -> Result<Tensor> {
     let mut t = Tensor::zeros(dtype, shape)?;
-    from_gpu_into(bytes, &mut TensorMut::of(&mut t))?;
+    from_gpu_into(bytes, &mut ViewMut::of(&mut t))?;
     Ok(t)
 }
 
 /// Convert GPU bytes `bytes` (at least [`gpu_bytes`] long) into `out`, in
 /// place (a delegate output written where the method keeps it).
-pub fn from_gpu_into(bytes: &[u8], out: &mut TensorMut) -> Result<()> {
-    let (dtype, numel) = (out.dtype(), out.numel());
+pub fn from_gpu_into(bytes: &[u8], out: &mut ViewMut) -> Result<()> {
+    let (dtype, numel) = (out.dtype, out.numel());
     let need = gpu_bytes(dtype, numel)? as usize;
     if bytes.len() < need {
         return Err(Error::internal(format!(
             "GPU buffer of {} bytes holds less than a {} tensor of shape {:?} ({need} bytes)",
             bytes.len(),
             dtype.name(),
-            out.shape()
+            out.shape
         )));
     }
     let word = |c: &[u8]| i32::from_le_bytes(c.try_into().expect("4-byte chunk"));
-    let dst = out.bytes_mut();
+    let dst = &mut *out.bytes;
     match GpuRepr::of(dtype)? {
         // the same layout: one copy
         GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16 => {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use std::collections::HashMap;
 
-use etmetal_core::{Error, Result, Tensor, TensorMut};
+use etmetal_core::{Error, Result, Tensor, ViewMut};
 use etmetal_pte::{CompileSpec, PteFile};
 
 /// One argument of a delegate call, as the method holds it.
@@ -14,7 +14,7 @@ pub enum DelegateArg<'a> {
     /// An input tensor.
     Tensor(Tensor),
     /// An output: the method's memory for it, which the delegate fills.
-    Output(TensorMut<'a>),
+    Output(ViewMut<'a>),
     Int(i64),
     Double(f64),
     Bool(bool),

@@ -387,12 +387,18 @@ impl Method {
                 .write(*v, t)
                 .map_err(|e| e.context(format!("input {i}")))?;
         }
-        let mut pc = 0;
-        while pc < self.steps.len() {
-            pc = self
-                .step(pc)
-                .map_err(|e| e.context(format!("method `{}` instruction {pc}", self.name)))?;
-        }
+        // On a worker of rayon's pool, the kernels' parallel loops share work
+        // with the other workers directly; from another thread each of them
+        // would hand its work to the pool and sleep until it is done.
+        rayon::scope(|_| {
+            let mut pc = 0;
+            while pc < self.steps.len() {
+                pc = self
+                    .step(pc)
+                    .map_err(|e| e.context(format!("method `{}` instruction {pc}", self.name)))?;
+            }
+            Ok::<(), Error>(())
+        })?;
         self.outputs
             .iter()
             .enumerate()
@@ -440,13 +446,13 @@ impl Method {
                     })
                     .collect::<Result<Vec<_>>>()?;
                 // outputs are written where they live, not copied back
-                call.extend(
-                    values
-                        .outputs_mut(outs)
-                        .map_err(|e| e.context(format!("delegate `{id}` outputs")))?
-                        .into_iter()
-                        .map(DelegateArg::Output),
-                );
+                let Some((_, written)) = values.views(&[], outs)? else {
+                    return Err(Error::unsupported(format!(
+                        "delegate `{id}`: its outputs {outs:?} must lie in planned memory, \
+                         apart from each other"
+                    )));
+                };
+                call.extend(written.into_iter().map(DelegateArg::Output));
                 handle
                     .execute(&mut call)
                     .map_err(|e| e.context(format!("delegate `{id}`")))?;
@@ -476,7 +482,37 @@ impl Method {
 }
 
 fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
-    // Inputs are copied out before any output is written: in-place and
+    // a copy onto itself (a buffer's write-back planned in place) does nothing
+    if let (Op::Identity | Op::Cast { .. }, [Some(Operand::Value(x))], [y]) =
+        (&o.op, o.inputs.as_slice(), o.outputs.as_slice())
+    {
+        if values.same_tensor(*x, *y) {
+            return Ok(());
+        }
+    }
+    let reads: Vec<Option<usize>> = o
+        .inputs
+        .iter()
+        .map(|i| match i {
+            Some(Operand::Value(v)) => Some(*v),
+            _ => None,
+        })
+        .collect();
+    if let Some((mut ins, mut outs)) = values.views(&reads, &o.outputs)? {
+        for (view, operand) in ins.iter_mut().zip(&o.inputs) {
+            if let Some(Operand::Scalar(t)) = operand {
+                *view = Some(etmetal_cpu::View::of(t));
+            }
+        }
+        if etmetal_cpu::execute_into(&o.op, &ins, &mut outs)? {
+            return Ok(());
+        }
+    }
+    if std::env::var_os("ETMETAL_DECLINE").is_some() {
+        eprintln!("NOVIEW {} in {:?} out {:?}", o.op.name(), reads, o.outputs);
+    }
+    // The reference kernels on copies (constants are shared, not copied).
+    // Inputs are copied out before any output is written, so in-place and
     // aliasing calls read what was there before.
     let owned = o
         .inputs

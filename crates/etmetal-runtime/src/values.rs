@@ -3,7 +3,8 @@
 //! file (constants), or, when unplanned, as owned tensors; everything else
 //! is the program's `EValue`.
 
-use etmetal_core::{DType, Error, Result, Tensor, TensorMut};
+use etmetal_core::{DType, Error, Result, Tensor};
+use etmetal_cpu::{View, ViewMut};
 use etmetal_pte::{EValue, PteFile, TensorDataLocation, TensorShapeDynamism};
 
 /// Where a tensor's bytes are.
@@ -28,7 +29,7 @@ pub(crate) enum Slot {
 pub(crate) struct Values {
     slots: Vec<Slot>,
     /// Indexed by `memory_id`; entry 0 (ExecuTorch's constant placeholder) is empty.
-    arenas: Vec<Vec<u8>>,
+    arenas: Vec<Arena>,
     /// Planned tensors with an initial value (mutable buffers: state kept
     /// in the arena across executes), written at load and by [`Values::reset_state`].
     initial: Vec<(usize, Tensor)>,
@@ -67,16 +68,37 @@ fn mutable_initial(file: &PteFile, t: &etmetal_pte::Tensor, what: &str) -> Resul
     Tensor::from_bytes(t.scalar_type, &shape, bytes)
 }
 
-/// Allocate zeroed memory without aborting when the system refuses.
-fn allocate(size: usize, memory: usize) -> Result<Vec<u8>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(size).map_err(|_| {
-        Error::limit(format!(
-            "cannot allocate {size} bytes for planned memory {memory}"
-        ))
-    })?;
-    v.resize(size, 0);
-    Ok(v)
+/// A kernel call's input slots and outputs, borrowed in place.
+pub(crate) type KernelViews<'a> = (Vec<Option<View<'a>>>, Vec<ViewMut<'a>>);
+
+/// One planned memory: zeroed bytes, 8-byte aligned so that kernels can
+/// view any dtype in place.
+#[derive(Default)]
+struct Arena {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Arena {
+    /// Allocate without aborting when the system refuses.
+    fn new(size: usize, memory: usize) -> Result<Arena> {
+        let mut words = Vec::new();
+        words.try_reserve_exact(size.div_ceil(8)).map_err(|_| {
+            Error::limit(format!(
+                "cannot allocate {size} bytes for planned memory {memory}"
+            ))
+        })?;
+        words.resize(size.div_ceil(8), 0);
+        Ok(Arena { words, len: size })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
 }
 
 impl Values {
@@ -118,14 +140,14 @@ impl Values {
                 }
             }
         }
-        let mut arenas = vec![Vec::new()];
+        let mut arenas = vec![Arena::default()];
         for (memory, &size) in used.iter().enumerate().skip(1) {
             let size = usize::try_from(size).map_err(|_| {
                 Error::limit(format!(
                     "planned memory {memory} of {size} bytes does not fit in memory"
                 ))
             })?;
-            arenas.push(allocate(size, memory)?);
+            arenas.push(Arena::new(size, memory)?);
         }
         let slots = p
             .values
@@ -238,7 +260,7 @@ impl Values {
 
     /// Bytes allocated for planned memory.
     pub fn arena_bytes(&self) -> usize {
-        self.arenas.iter().map(Vec::len).sum()
+        self.arenas.iter().map(|a| a.len).sum()
     }
 
     pub fn get(&self, v: usize) -> Result<&Slot> {
@@ -269,6 +291,7 @@ impl Values {
             Place::Arena { memory, offset } => {
                 let n = etmetal_core::shape::numel(&t.shape)? * t.dtype.size();
                 let bytes = self.arenas[*memory]
+                    .bytes()
                     .get(*offset..*offset + n)
                     .ok_or_else(|| {
                         Error::internal(format!("value {v} lies outside planned memory {memory}"))
@@ -305,6 +328,7 @@ impl Values {
             Place::Arena { memory, offset } => {
                 let src = tensor.bytes();
                 let dst = self.arenas[*memory]
+                    .bytes_mut()
                     .get_mut(*offset..*offset + src.len())
                     .ok_or_else(|| {
                         Error::internal(format!("value {v} lies outside planned memory {memory}"))
@@ -315,86 +339,132 @@ impl Values {
         }
     }
 
-    /// Writable views of tensors `vs` (a delegate's outputs), in order:
-    /// their planned memory, or an unplanned value's own tensor. They must
-    /// not overlap (the planner never places values live at once together).
-    pub fn outputs_mut(&mut self, vs: &[usize]) -> Result<Vec<TensorMut<'_>>> {
-        let mut planned = vec![];
-        let mut specs = vec![];
-        for (k, &v) in vs.iter().enumerate() {
-            let t = self.tensor_slot(v)?;
-            match &t.place {
+    /// Whether `a` and `b` are the same bytes of planned memory with the
+    /// same dtype and shape.
+    pub fn same_tensor(&self, a: usize, b: usize) -> bool {
+        match (self.slots.get(a), self.slots.get(b)) {
+            (Some(Slot::Tensor(x)), Some(Slot::Tensor(y))) => {
+                matches!((&x.place, &y.place), (Place::Arena { memory: m, offset: o }, Place::Arena { memory: n, offset: p }) if m == n && o == p)
+                    && x.dtype == y.dtype
+                    && x.shape == y.shape
+            }
+            _ => false,
+        }
+    }
+
+    /// Tensors `inputs` read in place and `outputs` written in place, for
+    /// one kernel call; `None` (and nothing borrowed) when the call must run
+    /// on copies: an output is not planned, overlaps an input or another
+    /// output (an in-place call), or an input has no value yet.
+    pub fn views(
+        &mut self,
+        inputs: &[Option<usize>],
+        outputs: &[usize],
+    ) -> Result<Option<KernelViews<'_>>> {
+        // (memory, byte range) of each planned tensor
+        let span = |slots: &[Slot], v: usize| -> Result<Option<(usize, std::ops::Range<usize>)>> {
+            let Some(Slot::Tensor(t)) = slots.get(v) else {
+                return Err(Error::format(format!("value {v} is not a tensor")));
+            };
+            Ok(match t.place {
                 Place::Arena { memory, offset } => {
                     let n = etmetal_core::shape::numel(&t.shape)? * t.dtype.size();
-                    planned.push((*memory, *offset, n, k));
+                    Some((memory, offset..offset + n))
                 }
-                Place::Unplanned(_) => {}
-                Place::Constant(_) => {
-                    return Err(Error::format(format!(
-                        "value {v} is a constant and cannot be written"
-                    )))
-                }
-            }
-            specs.push((t.dtype, t.shape.clone()));
-        }
-        let mut views: Vec<Option<TensorMut<'_>>> = vs.iter().map(|_| None).collect();
-        // each arena split into the outputs' ranges, in address order
-        planned.sort_unstable();
-        let mut rests: Vec<(usize, &mut [u8])> = self
-            .arenas
-            .iter_mut()
-            .map(|a| (0, a.as_mut_slice()))
-            .collect();
-        for (memory, offset, n, k) in planned {
-            let v = vs[k];
-            let Some((at, rest)) = rests.get_mut(memory) else {
-                return Err(Error::internal(format!(
-                    "value {v}: no planned memory {memory}"
-                )));
+                _ => None,
+            })
+        };
+        let mut written = Vec::with_capacity(outputs.len());
+        for &v in outputs {
+            let Some((memory, range)) = span(&self.slots, v)? else {
+                return Ok(None);
             };
-            let skip = offset.checked_sub(*at).ok_or_else(|| {
-                Error::format(format!(
-                    "value {v} overlaps another output in planned memory {memory}"
-                ))
-            })?;
-            if skip.checked_add(n).is_none_or(|end| end > rest.len()) {
+            if range.end > self.arenas[memory].len {
                 return Err(Error::internal(format!(
                     "value {v} lies outside planned memory {memory}"
                 )));
             }
-            let (mine, tail) = std::mem::take(rest)[skip..].split_at_mut(n);
-            (*at, *rest) = (offset + n, tail);
-            let (dtype, shape) = &specs[k];
-            views[k] = Some(TensorMut::new(*dtype, shape, mine)?);
+            written.push((memory, range));
         }
-        let mut unplanned: Vec<(usize, &mut Option<Tensor>)> = self
-            .slots
+        let overlaps = |m: usize, r: &std::ops::Range<usize>, skip: usize| {
+            written
+                .iter()
+                .enumerate()
+                .any(|(i, (wm, w))| i != skip && *wm == m && w.start < r.end && r.start < w.end)
+        };
+        if (0..written.len()).any(|i| overlaps(written[i].0, &written[i].1, i)) {
+            return Ok(None);
+        }
+        for &v in inputs.iter().flatten() {
+            match span(&self.slots, v)? {
+                Some((m, r)) if overlaps(m, &r, usize::MAX) => return Ok(None),
+                Some((m, r)) if r.end > self.arenas[m].len => {
+                    return Err(Error::internal(format!(
+                        "value {v} lies outside planned memory {m}"
+                    )))
+                }
+                _ => {}
+            }
+            if let Some(Slot::Tensor(TensorSlot {
+                place: Place::Unplanned(None),
+                ..
+            })) = self.slots.get(v)
+            {
+                return Ok(None);
+            }
+        }
+        let base: Vec<*mut u8> = self
+            .arenas
             .iter_mut()
-            .enumerate()
-            .filter_map(|(v, slot)| match slot {
-                Slot::Tensor(TensorSlot {
-                    place: Place::Unplanned(t),
-                    ..
-                }) => Some((v, t)),
-                _ => None,
+            .map(|a| bytemuck::cast_slice_mut::<u64, u8>(&mut a.words).as_mut_ptr())
+            .collect();
+        let slots = &self.slots;
+        let tensor = |v: usize| match &slots[v] {
+            Slot::Tensor(t) => t,
+            Slot::Value(_) => unreachable!("checked to be a tensor above"),
+        };
+        let ins = inputs
+            .iter()
+            .map(|slot| {
+                slot.map(|v| {
+                    let t = tensor(v);
+                    let bytes: &[u8] = match &t.place {
+                        Place::Constant(c) | Place::Unplanned(Some(c)) => c.bytes(),
+                        Place::Arena { memory, offset } => {
+                            let n = t.dtype.size() * t.shape.iter().product::<usize>();
+                            // SAFETY: inside the arena (checked above) and
+                            // overlapping no output; `&mut self` keeps every
+                            // other access out while the views live.
+                            unsafe { std::slice::from_raw_parts(base[*memory].add(*offset), n) }
+                        }
+                        Place::Unplanned(None) => unreachable!("refused above"),
+                    };
+                    View {
+                        dtype: t.dtype,
+                        shape: &t.shape,
+                        bytes,
+                    }
+                })
             })
             .collect();
-        for (k, view) in views.iter_mut().enumerate().filter(|(_, v)| v.is_none()) {
-            let (dtype, shape) = &specs[k];
-            let at = unplanned.iter().position(|(v, _)| *v == vs[k]);
-            let Some((_, t)) = at.map(|i| unplanned.swap_remove(i)) else {
-                return Err(Error::format(format!(
-                    "value {} is a delegate output twice",
-                    vs[k]
-                )));
-            };
-            let t = match t {
-                Some(t) => t,
-                None => t.insert(Tensor::zeros(*dtype, shape)?),
-            };
-            *view = Some(TensorMut::of(t));
-        }
-        Ok(views.into_iter().flatten().collect())
+        let outs = outputs
+            .iter()
+            .zip(written)
+            .map(|(&v, (memory, range))| {
+                let t = tensor(v);
+                // SAFETY: inside the arena, disjoint from every other view
+                // (checked above); `&mut self` is held while the views live.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts_mut(base[memory].add(range.start), range.len())
+                };
+                ViewMut {
+                    dtype: t.dtype,
+                    shape: &t.shape,
+                    bytes,
+                }
+            })
+            .collect();
+        Ok(Some((ins, outs)))
     }
 
     /// `values[to] = values[from]` (a data copy for tensors).

@@ -152,8 +152,8 @@ impl Backend for Fill {
 impl DelegateHandle for FillHandle {
     fn execute(&mut self, args: &mut [DelegateArg]) -> Result<()> {
         if let Some(DelegateArg::Output(out)) = args.last_mut() {
-            let fill = Tensor::from_f32(out.dtype(), out.shape(), &vec![self.0; out.numel()])?;
-            out.bytes_mut().copy_from_slice(fill.bytes());
+            let fill = Tensor::from_f32(out.dtype, out.shape, &vec![self.0; out.numel()])?;
+            out.bytes.copy_from_slice(fill.bytes());
         }
         Ok(())
     }

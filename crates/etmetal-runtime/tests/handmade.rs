@@ -186,6 +186,51 @@ fn moves_jumps_and_in_place_calls() {
     assert_eq!(out[0].to_f32_vec(), vec![0.0, 2.0, 0.0]);
 }
 
+/// A kernel whose output partly overlaps its input reads the input as it
+/// was, as one that writes a separate output does.
+#[test]
+fn partly_overlapping_output_reads_the_inputs_first() {
+    for out_offset in [8, 32] {
+        let values = vec![
+            planned(DType::F32, &[4], 0),
+            planned(DType::F32, &[4], out_offset),
+            EValue::Int(1),
+        ];
+        let p = build(
+            values,
+            ops(&["aten::add.out"]),
+            vec![kernel(0, &[0, 0, 2, 1, 1])],
+            (&[0], &[1]),
+        );
+        let x = Tensor::from_f32(DType::F32, &[4], &[1.0, 2.0, 3.0, 4.0]).unwrap();
+        let out = p.method("forward").unwrap().execute(vec![x]).unwrap();
+        assert_eq!(
+            out[0].to_f32_vec(),
+            vec![2.0, 4.0, 6.0, 8.0],
+            "offset {out_offset}"
+        );
+    }
+}
+
+/// `y = relu(x); y.copy_(y)`: a write-back planned onto its own bytes.
+#[test]
+fn copy_onto_itself_keeps_the_value() {
+    let values = vec![
+        planned(DType::F32, &[3], 0),
+        planned(DType::F32, &[3], 16),
+        EValue::Bool(false),
+    ];
+    let p = build(
+        values,
+        ops(&["aten::relu.out", "aten::copy_."]),
+        vec![kernel(0, &[0, 1, 1]), kernel(1, &[1, 1, 2, 1])],
+        (&[0], &[1]),
+    );
+    let x = Tensor::from_f32(DType::F32, &[3], &[-1.0, 2.0, 3.0]).unwrap();
+    let out = p.method("forward").unwrap().execute(vec![x]).unwrap();
+    assert_eq!(out[0].to_f32_vec(), vec![0.0, 2.0, 3.0]);
+}
+
 #[test]
 fn scalar_operands_follow_pytorch_promotion() {
     let values = vec![

@@ -4,6 +4,7 @@
 //! takes whole → partition → [`preprocess`] each partition into a delegate
 //! payload (its weights into named data) → replace each partition by one
 //! delegate-call node. Then, for what stays on the CPU: decompose everything
+//! → fold batch-norm scales and shifts into the convolutions before them
 //! → [`to_portable`] → dead-code elimination → memory planning (one arena,
 //! `mem_id` 1) → one `forward` plan with one chain of `KernelCall`s (from
 //! `etmetal_pte::kernels::encode`) and `DelegateCall`s → constants stored
@@ -217,6 +218,7 @@ fn lower(
         g = with_delegate_calls(&g, &parts.partitions, &parts.steps);
     }
     etmetal_graph::decompose(&mut g, &|_| false);
+    etmetal_graph::fold_conv_affine(&mut g)?;
     to_portable(&mut g)?;
     etmetal_graph::eliminate_dead_code(&mut g);
     Ok((

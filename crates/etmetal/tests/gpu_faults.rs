@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use etmetal::compile::{compile, CompileOptions};
-use etmetal_core::{npy, DType, Error, ErrorKind, Tensor, TensorMut};
+use etmetal_core::{npy, DType, Error, ErrorKind, Tensor, ViewMut};
 use etmetal_metal::payload::{
     to_gpu, Access, Buffer, Dispatch, Kernel, Location, Payload, Requirements, ARENA_ALIGN,
 };
@@ -115,7 +115,7 @@ fn run(b: &MetalBackend, payload: &Payload, named: &Named, x: &Tensor) -> Result
     let mut y = Tensor::zeros(out.dtype, &out.shape)?;
     h.execute(&mut [
         DelegateArg::Tensor(x.clone()),
-        DelegateArg::Output(TensorMut::of(&mut y)),
+        DelegateArg::Output(ViewMut::of(&mut y)),
     ])?;
     Ok(y)
 }

@@ -15,6 +15,11 @@ use etmetal_runtime::{BackendRegistry, LoadOptions, Program};
 const F: DType = DType::F32;
 const BF: DType = DType::BF16;
 const TOL: f32 = 1e-5;
+/// f32 products over k >= 1024: each side's rounding alone reaches a few
+/// 1e-5 (against f64, the gemm crate's AVX2 and AVX-512 kernels miss
+/// [100, 1024] @ [1024, 3] by up to 4e-5 and 2e-5, a sequential sum by
+/// 3e-5), so TOL holds only as long as both sides happen to round alike.
+const DEEP_TOL: f32 = 1e-4;
 const BF_TOL: f32 = 1e-2;
 
 #[test]
@@ -292,17 +297,17 @@ fn split_k_products() {
     OpCase::new(Op::MatMul)
         .input(random(F, &[4, 1, 1024], 7))
         .input(random(F, &[4, 1024, 30], 8))
-        .check(TOL);
+        .check(DEEP_TOL);
     OpCase::new(Op::MatMul)
         .input(random(F, &[100, 1024], 9))
         .input(random(F, &[1024, 3], 10))
-        .check(TOL);
+        .check(DEEP_TOL);
     // matrix-vector: 4 splits, then bf16 with 2
     OpCase::new(Op::Linear)
         .input(random(F, &[2, 2048], 11))
         .weight(random(F, &[10, 2048], 12))
         .weight(random(F, &[10], 13))
-        .check(TOL);
+        .check(DEEP_TOL);
     OpCase::new(Op::Linear)
         .input(random(BF, &[1, 1024], 14))
         .weight(random(BF, &[7, 1024], 15))
