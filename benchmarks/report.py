@@ -126,7 +126,10 @@ def main():
                f"Machine: {mach['gpu']} ({mach['sms']} SMs; nvidia-smi: {mach['nvidia_smi']}), "
                f"{mach['cores']} cores of {mach['cpu']}; PyTorch {mach['torch']} (CUDA {mach['cuda']}). "
                f"etmetal adapter: {next((o['adapter'] for o in gpu['ops'] if 'adapter' in o), '–')}. "
-               f"{gpu['runs']} timed runs after {gpu['warmup']} warm-ups (PyTorch: 5x the runs).", ""]
+               f"{gpu['runs']} timed runs after {gpu['warmup']} warm-ups (PyTorch: 5x the runs). etmetal "
+               "runs with `--coop auto`: f16/bf16 matrix products on the tensor-core alternatives where the "
+               "GPU offers them (kernels named `…_coop`, `…_range` the scaling pre-pass; off by default, "
+               "see the README).", ""]
         rows, op_ratios = op_rows(gpu)
         md += ["### Ops", "",
                "PyTorch: CUDA events around each call, operands on the GPU, TF32 off. etmetal kernel: sum of "
