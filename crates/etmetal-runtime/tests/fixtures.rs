@@ -185,6 +185,47 @@ fn registered_delegate_runs_and_writes_its_outputs() {
     );
 }
 
+/// A delegate writes its outputs where the plan put them; an output the
+/// plan left unplanned is refused naming the delegate, not written nowhere.
+#[test]
+fn unplanned_delegate_output_is_refused() {
+    let file = etmetal_pte::PteFile::load(fixtures().join("xnnpack_linear.pte")).unwrap();
+    let mut program = file.program.clone();
+    let plan = &mut program.execution_plan[0];
+    let out = plan.chains[0]
+        .instructions
+        .iter()
+        .find_map(|i| match i {
+            etmetal_pte::Instruction::DelegateCall(c) => c.args.last().copied(),
+            _ => None,
+        })
+        .unwrap() as usize;
+    let etmetal_pte::EValue::Tensor(t) = &mut plan.values[out] else {
+        panic!("delegate output {out} is not a tensor")
+    };
+    t.allocation_info = None;
+    let bytes = etmetal_pte::serialize(&program, &file.segments().unwrap()).unwrap();
+    let mut backends = BackendRegistry::new();
+    backends.register(Arc::new(Fill)).unwrap();
+    let options = LoadOptions {
+        backends,
+        ..LoadOptions::default()
+    };
+    let mut m = Program::from_bytes(&bytes)
+        .unwrap()
+        .with_options(options)
+        .method("forward")
+        .unwrap();
+    let e = m
+        .execute(numbered("xnnpack_linear", "input"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("delegate `XnnpackBackend`") && e.contains("must lie in planned memory"),
+        "{e}"
+    );
+}
+
 #[test]
 fn absurd_arena_is_refused_before_allocating() {
     let file = etmetal_pte::PteFile::load(fixtures().join("mlp.pte")).unwrap();
