@@ -132,8 +132,15 @@ fn unregistered_delegate_is_named_at_load() {
 
 /// A stand-in for XNNPACK's linear: reads its payload size, computes
 /// nothing useful but writes a recognisable value into the output.
-struct Fill;
-struct FillHandle(f32);
+/// A backend taking ExecuTorch's XNNPACK delegates: it fills its last
+/// output with the payload's length and claims `outputs` outputs.
+struct Fill {
+    outputs: usize,
+}
+struct FillHandle {
+    value: f32,
+    outputs: usize,
+}
 
 impl Backend for Fill {
     fn id(&self) -> &str {
@@ -145,29 +152,32 @@ impl Backend for Fill {
         _specs: &[CompileSpec],
         _named: &dyn NamedData,
     ) -> Result<Box<dyn DelegateHandle>> {
-        Ok(Box::new(FillHandle(processed.len() as f32)))
+        Ok(Box::new(FillHandle {
+            value: processed.len() as f32,
+            outputs: self.outputs,
+        }))
     }
 }
 
 impl DelegateHandle for FillHandle {
     fn execute(&mut self, args: &mut [DelegateArg]) -> Result<()> {
         if let Some(DelegateArg::Output(out)) = args.last_mut() {
-            let fill = Tensor::from_f32(out.dtype, out.shape, &vec![self.0; out.numel()])?;
+            let fill = Tensor::from_f32(out.dtype, out.shape, &vec![self.value; out.numel()])?;
             out.bytes.copy_from_slice(fill.bytes());
         }
         Ok(())
     }
 
     fn output_count(&self) -> usize {
-        1
+        self.outputs
     }
 }
 
 #[test]
 fn registered_delegate_runs_and_writes_its_outputs() {
     let mut backends = BackendRegistry::new();
-    backends.register(Arc::new(Fill)).unwrap();
-    assert!(backends.register(Arc::new(Fill)).is_err());
+    backends.register(Arc::new(Fill { outputs: 1 })).unwrap();
+    assert!(backends.register(Arc::new(Fill { outputs: 1 })).is_err());
     let program = Program::load(fixtures().join("xnnpack_linear.pte"))
         .unwrap()
         .with_options(LoadOptions {
@@ -183,6 +193,25 @@ fn registered_delegate_runs_and_writes_its_outputs() {
         "{:?}",
         out[0].to_f32_vec()
     );
+}
+
+/// A delegate claiming more outputs than its call passes arguments is
+/// refused when the method loads.
+#[test]
+fn delegate_with_more_outputs_than_arguments_is_refused_at_load() {
+    let mut backends = BackendRegistry::new();
+    backends.register(Arc::new(Fill { outputs: 99 })).unwrap();
+    let e = Program::load(fixtures().join("xnnpack_linear.pte"))
+        .unwrap()
+        .with_options(LoadOptions {
+            backends,
+            ..LoadOptions::default()
+        })
+        .method("forward")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("has 99 outputs but the call passes"), "{e}");
 }
 
 /// A delegate writes its outputs where the plan put them; an output the
@@ -206,7 +235,7 @@ fn unplanned_delegate_output_is_refused() {
     t.allocation_info = None;
     let bytes = etmetal_pte::serialize(&program, &file.segments().unwrap()).unwrap();
     let mut backends = BackendRegistry::new();
-    backends.register(Arc::new(Fill)).unwrap();
+    backends.register(Arc::new(Fill { outputs: 1 })).unwrap();
     let options = LoadOptions {
         backends,
         ..LoadOptions::default()
