@@ -22,9 +22,6 @@ use etmetal_metal::payload::{self, Access, Dispatch, Fault, Location, Needs, Pay
 use etmetal_runtime::{DelegateArg, DelegateHandle, NamedData};
 use wgpu::util::DeviceExt;
 
-/// Held while a cooperative-matrix pipeline is built (process-wide).
-static COOP_PIPELINES: Mutex<()> = Mutex::new(());
-
 use crate::device::{CoopOffer, GpuDevice};
 
 /// What a backend has created on the GPU so far (all its delegates).
@@ -535,14 +532,6 @@ impl GpuDelegate {
                             bind_group_layouts: &[Some(&layout)],
                             immediate_size: 0,
                         });
-                    // NVIDIA's shader compiler (driver 580) crashed the
-                    // process when several threads built cooperative-matrix
-                    // pipelines at once: those are built one at a time
-                    let _one_at_a_time = alternative.then(|| {
-                        COOP_PIPELINES
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    });
                     let pipeline =
                         device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                             label: Some(&k.name),
