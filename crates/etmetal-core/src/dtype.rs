@@ -1,6 +1,7 @@
 //! Element types, numbered as ExecuTorch's `ScalarType` (`scalar_type.fbs`).
 
 use crate::error::{Error, Result};
+use crate::op::Scalar;
 
 /// An element type. The discriminant is ExecuTorch's `ScalarType` value, so
 /// `dtype as i8` is what a `.pte` stores.
@@ -119,7 +120,7 @@ impl DType {
     }
 
     /// PyTorch type promotion between two dtypes of the same standing
-    /// (both dimensioned tensors). bool < integers < floats; within floats
+    /// (both dimensioned tensors; see [`result_type`] for mixed ones). bool < integers < floats; within floats
     /// f16 and bf16 promote to f32.
     pub fn promote(a: DType, b: DType) -> DType {
         use DType::*;
@@ -144,6 +145,45 @@ impl DType {
             }
         }
     }
+}
+
+/// An operand of a PyTorch op, as type promotion ranks it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Operand {
+    /// A tensor with at least one dim.
+    Tensor(DType),
+    /// A 0-d tensor.
+    ZeroDim(DType),
+    /// A Python number (a wrapped scalar); its dtype is [`Scalar::dtype`].
+    Scalar(Scalar),
+}
+
+/// PyTorch's `torch.result_type` of two operands. Tensors with dims decide;
+/// 0-d tensors, then Python scalars, change the result only when they are of
+/// a higher category (bool < integer < float): `int32 + 2.5` is float32,
+/// `int32 + 0-d int64` int32, `float16 + 0-d float64` float16.
+pub fn result_type(a: Operand, b: Operand) -> DType {
+    // one promoted dtype per rank: dimensioned, 0-d, scalar
+    let mut ranks: [Option<DType>; 3] = [None; 3];
+    for o in [a, b] {
+        let (rank, d) = match o {
+            Operand::Tensor(d) => (0, d),
+            Operand::ZeroDim(d) => (1, d),
+            Operand::Scalar(s) => (2, s.dtype()),
+        };
+        ranks[rank] = Some(ranks[rank].map_or(d, |r| DType::promote(r, d)));
+    }
+    // PyTorch's combine_categories(higher, lower)
+    let combine = |higher: Option<DType>, lower: Option<DType>| match (higher, lower) {
+        (Some(h), Some(l)) if !h.is_float() && (h == DType::Bool || l.is_float()) => {
+            Some(DType::promote(h, l))
+        }
+        (Some(h), _) => Some(h),
+        (None, l) => l,
+    };
+    let [dims, zero, scalar] = ranks;
+    // two operands fill at least one rank
+    combine(dims, combine(zero, scalar)).unwrap_or(DType::F32)
 }
 
 impl std::fmt::Display for DType {
@@ -191,5 +231,43 @@ mod tests {
         assert_eq!(DType::from_name("torch.float32"), Some(DType::F32));
         assert_eq!(DType::from_name("long"), Some(DType::I64));
         assert_eq!(DType::from_name("complex64"), None);
+    }
+
+    // Expected dtypes below are what PyTorch 2.15 gives for `a + b`.
+    #[test]
+    fn result_type_follows_pytorch() {
+        use DType::*;
+        use Operand::{Scalar as S, Tensor as T, ZeroDim as Z};
+        let (int, float, bool) = (Scalar::Int(2), Scalar::Float(2.5), Scalar::Bool(true));
+        let cases = [
+            // tensor and Python scalar
+            (T(I32), S(float), F32),
+            (T(I32), S(int), I32),
+            (T(Bool), S(int), I64),
+            (T(Bool), S(float), F32),
+            (T(Bool), S(bool), Bool),
+            (T(F16), S(float), F16),
+            (T(U8), S(bool), U8),
+            // dimensioned tensor and 0-d tensor
+            (T(I32), Z(F64), F64),
+            (T(I32), Z(I64), I32),
+            (T(Bool), Z(I32), I32),
+            (T(F16), Z(F64), F16),
+            (T(U8), Z(I8), U8),
+            (T(BF16), Z(F16), BF16),
+            (Z(F16), T(I64), F16),
+            // 0-d tensors among themselves and with scalars
+            (Z(I32), Z(I64), I64),
+            (Z(I32), S(float), F32),
+            (Z(I64), S(float), F32),
+            (Z(Bool), Z(F16), F16),
+            // dimensioned tensors among themselves
+            (T(U8), T(I8), I16),
+            (T(BF16), T(F16), F32),
+        ];
+        for (a, b, want) in cases {
+            assert_eq!(result_type(a, b), want, "{a:?} + {b:?}");
+            assert_eq!(result_type(b, a), want, "{b:?} + {a:?}");
+        }
     }
 }

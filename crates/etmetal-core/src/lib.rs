@@ -15,6 +15,8 @@ pub mod tensor;
 
 pub use dtype::DType;
 pub use error::{Error, ErrorKind, Result};
-pub use op::{BinaryOp, Op, ReduceOp, Scalar, UnaryOp};
+pub use op::{
+    AvgPoolAttrs, BinaryOp, ConvAttrs, MaxPoolAttrs, Op, PoolWindow, ReduceOp, Scalar, UnaryOp,
+};
 pub use spec::{check_inputs, TensorSpec};
 pub use tensor::{Tensor, View, ViewMut};

@@ -9,6 +9,8 @@
 //! PyTorch's promotion gives them, so every binary op sees two tensors.
 
 use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::shape;
 
 /// A scalar attribute, kept exact for integers.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -19,6 +21,15 @@ pub enum Scalar {
 }
 
 impl Scalar {
+    /// The dtype PyTorch gives a Python scalar on its own
+    /// (`torch.tensor(v)`): int64, float32 (the default dtype) or bool.
+    pub fn dtype(self) -> DType {
+        match self {
+            Scalar::Int(_) => DType::I64,
+            Scalar::Float(_) => DType::F32,
+            Scalar::Bool(_) => DType::Bool,
+        }
+    }
     pub fn to_f64(self) -> f64 {
         match self {
             Scalar::Int(v) => v as f64,
@@ -139,6 +150,208 @@ pub enum ReduceOp {
     All,
 }
 
+/// The attributes of [`Op::Convolution`]: `stride`, `padding` and
+/// `dilation` have one entry per spatial dim, `output_padding` one per
+/// spatial dim or none (zeros).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConvAttrs {
+    pub stride: Vec<usize>,
+    pub padding: Vec<usize>,
+    pub dilation: Vec<usize>,
+    pub transposed: bool,
+    pub output_padding: Vec<usize>,
+    pub groups: usize,
+}
+
+impl ConvAttrs {
+    /// Number of spatial dims (1 for `conv1d`, 2 for `conv2d`, …).
+    pub fn spatial_rank(&self) -> usize {
+        self.stride.len()
+    }
+
+    /// `(input channels, output channels)` of a weight of shape `weight`
+    /// (`[cout, cin/groups, k…]`, or `[cin, cout/groups, k…]` transposed).
+    pub fn channels(&self, weight: &[usize]) -> (usize, usize) {
+        let g = self.groups.max(1);
+        let (a, b) = (
+            weight.first().copied().unwrap_or(0),
+            weight.get(1).copied().unwrap_or(0),
+        );
+        if self.transposed {
+            (a, b * g)
+        } else {
+            (b * g, a)
+        }
+    }
+
+    /// The output's spatial sizes for an input with spatial sizes `input`
+    /// and a kernel of spatial sizes `kernel` (PyTorch's formulas, see
+    /// [`shape::conv_output_size`] and [`shape::conv_transpose_output_size`]).
+    pub fn output_spatial(&self, input: &[usize], kernel: &[usize]) -> Result<Vec<usize>> {
+        let sr = self.spatial_rank();
+        if sr == 0
+            || [&self.padding, &self.dilation]
+                .iter()
+                .any(|v| v.len() != sr)
+            || !(self.output_padding.is_empty() || self.output_padding.len() == sr)
+        {
+            return Err(Error::shape(format!(
+                "stride {:?}, padding {:?}, dilation {:?} and output_padding {:?} need one entry per spatial dim",
+                self.stride, self.padding, self.dilation, self.output_padding
+            )));
+        }
+        if input.len() != sr || kernel.len() != sr {
+            return Err(Error::shape(format!(
+                "a {sr}-d convolution of spatial sizes {input:?} by a kernel {kernel:?}"
+            )));
+        }
+        (0..sr)
+            .map(|d| {
+                let (i, k, s) = (input[d], kernel[d], self.stride[d]);
+                let (p, dil) = (self.padding[d], self.dilation[d]);
+                if self.transposed {
+                    let op = self.output_padding.get(d).copied().unwrap_or(0);
+                    shape::conv_transpose_output_size(i, k, s, p, dil, op)
+                } else {
+                    shape::conv_output_size(i, k, s, p, dil)
+                }
+                .map_err(|e| e.context(format!("spatial dim {d}")))
+            })
+            .collect()
+    }
+}
+
+/// The attributes of [`Op::MaxPool`], as PyTorch's `max_pool*d` takes them:
+/// one entry per spatial dim in `kernel`; `stride`, `padding` and `dilation`
+/// may also hold a single entry for every dim, or none for the default
+/// (see [`MaxPoolAttrs::window`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MaxPoolAttrs {
+    pub kernel: Vec<usize>,
+    pub stride: Vec<usize>,
+    pub padding: Vec<usize>,
+    pub dilation: Vec<usize>,
+    pub ceil_mode: bool,
+    pub with_indices: bool,
+}
+
+impl MaxPoolAttrs {
+    /// Number of spatial dims.
+    pub fn spatial_rank(&self) -> usize {
+        self.kernel.len()
+    }
+
+    /// The window with one entry per spatial dim.
+    pub fn window(&self) -> Result<PoolWindow> {
+        PoolWindow::new(
+            &self.kernel,
+            &self.stride,
+            &self.padding,
+            &self.dilation,
+            self.ceil_mode,
+        )
+    }
+}
+
+/// The attributes of [`Op::AvgPool`], with `stride` and `padding` as in
+/// [`MaxPoolAttrs`]; `divisor_override` replaces the window size.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AvgPoolAttrs {
+    pub kernel: Vec<usize>,
+    pub stride: Vec<usize>,
+    pub padding: Vec<usize>,
+    pub ceil_mode: bool,
+    pub count_include_pad: bool,
+    pub divisor_override: Option<i64>,
+}
+
+impl AvgPoolAttrs {
+    /// Number of spatial dims.
+    pub fn spatial_rank(&self) -> usize {
+        self.kernel.len()
+    }
+
+    /// The window with one entry per spatial dim (dilation 1).
+    pub fn window(&self) -> Result<PoolWindow> {
+        PoolWindow::new(
+            &self.kernel,
+            &self.stride,
+            &self.padding,
+            &[],
+            self.ceil_mode,
+        )
+    }
+}
+
+/// A pooling window with one entry per spatial dim in every field.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PoolWindow {
+    pub kernel: Vec<usize>,
+    pub stride: Vec<usize>,
+    pub padding: Vec<usize>,
+    pub dilation: Vec<usize>,
+    pub ceil_mode: bool,
+}
+
+impl PoolWindow {
+    /// PyTorch's int-or-tuple attributes: a single entry repeats for every
+    /// spatial dim; an empty stride is the kernel, an empty padding 0 and an
+    /// empty dilation 1.
+    pub fn new(
+        kernel: &[usize],
+        stride: &[usize],
+        padding: &[usize],
+        dilation: &[usize],
+        ceil_mode: bool,
+    ) -> Result<PoolWindow> {
+        let sr = kernel.len();
+        let per_dim = |v: &[usize], default: &[usize], what: &str| match v.len() {
+            0 => Ok(default.to_vec()),
+            1 => Ok(vec![v[0]; sr]),
+            n if n == sr => Ok(v.to_vec()),
+            n => Err(Error::shape(format!(
+                "pooling {what} has {n} entries for {sr} spatial dims"
+            ))),
+        };
+        Ok(PoolWindow {
+            kernel: kernel.to_vec(),
+            stride: per_dim(stride, kernel, "stride")?,
+            padding: per_dim(padding, &vec![0; sr], "padding")?,
+            dilation: per_dim(dilation, &vec![1; sr], "dilation")?,
+            ceil_mode,
+        })
+    }
+
+    /// Number of spatial dims.
+    pub fn spatial_rank(&self) -> usize {
+        self.kernel.len()
+    }
+
+    /// The output's spatial sizes for an input with spatial sizes `input`
+    /// ([`shape::pool_output_size`] per dim).
+    pub fn output_spatial(&self, input: &[usize]) -> Result<Vec<usize>> {
+        if input.len() != self.spatial_rank() {
+            return Err(Error::shape(format!(
+                "a {}-d pool of spatial sizes {input:?}",
+                self.spatial_rank()
+            )));
+        }
+        (0..input.len())
+            .map(|d| {
+                shape::pool_output_size(
+                    input[d],
+                    self.kernel[d],
+                    self.stride[d],
+                    self.padding[d],
+                    self.dilation[d],
+                    self.ceil_mode,
+                )
+                .map_err(|e| e.context(format!("spatial dim {d}")))
+            })
+            .collect()
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
     /// `[x]` → `[y]`
@@ -211,34 +424,12 @@ pub enum Op {
     Addmm { beta: f64, alpha: f64 },
     /// `[x, weight, bias?]` → `[y]`: `x @ weight.T + bias`.
     Linear,
-    /// `[x, weight, bias?]` → `[y]`: N-d convolution (1-D and 2-D at least),
-    /// attribute vectors have one entry per spatial dim.
-    Convolution {
-        stride: Vec<usize>,
-        padding: Vec<usize>,
-        dilation: Vec<usize>,
-        transposed: bool,
-        output_padding: Vec<usize>,
-        groups: usize,
-    },
+    /// `[x, weight, bias?]` → `[y]`: N-d convolution (1-D and 2-D at least).
+    Convolution(ConvAttrs),
     /// `[x]` → `[y]` or `[y, indices]` (`with_indices`).
-    MaxPool {
-        kernel: Vec<usize>,
-        stride: Vec<usize>,
-        padding: Vec<usize>,
-        dilation: Vec<usize>,
-        ceil_mode: bool,
-        with_indices: bool,
-    },
+    MaxPool(MaxPoolAttrs),
     /// `[x]` → `[y]`
-    AvgPool {
-        kernel: Vec<usize>,
-        stride: Vec<usize>,
-        padding: Vec<usize>,
-        ceil_mode: bool,
-        count_include_pad: bool,
-        divisor_override: Option<i64>,
-    },
+    AvgPool(AvgPoolAttrs),
     /// `[x]` → `[y]`: adaptive average pooling to `output_size` (spatial dims).
     AdaptiveAvgPool { output_size: Vec<usize> },
     /// `[q, k, v, mask?]` → `[y]`: scaled dot-product attention; a bool mask
@@ -306,28 +497,129 @@ pub enum Op {
 }
 
 impl Op {
-    /// Short name for messages and histograms (`"convolution"`, `"add"`).
-    pub fn name(&self) -> String {
-        fn snake(debug: String) -> String {
-            let head: String = debug.chars().take_while(|c| c.is_alphanumeric()).collect();
-            let mut out = String::new();
-            for (i, c) in head.chars().enumerate() {
-                if c.is_uppercase() {
-                    if i > 0 {
-                        out.push('_');
-                    }
-                    out.extend(c.to_lowercase());
-                } else {
-                    out.push(c);
-                }
-            }
-            out
-        }
+    /// Short name for messages and histograms (`"convolution"`, `"add"`),
+    /// and the name `--skip-op` takes: keep these strings stable.
+    pub fn name(&self) -> &'static str {
         match self {
-            Op::Unary(u) => snake(format!("{u:?}")),
-            Op::Binary(b) => snake(format!("{b:?}")),
-            Op::Reduce { op, .. } => format!("reduce_{}", snake(format!("{op:?}"))),
-            other => snake(format!("{other:?}")),
+            Op::Unary(u) => u.name(),
+            Op::Binary(b) => b.name(),
+            Op::Where => "where",
+            Op::Cast { .. } => "cast",
+            Op::Identity => "identity",
+            Op::Reduce { op, .. } => op.name(),
+            Op::Var { .. } => "var",
+            Op::ArgReduce { .. } => "arg_reduce",
+            Op::ReduceWithIndices { .. } => "reduce_with_indices",
+            Op::CumSum { .. } => "cum_sum",
+            Op::Softmax { .. } => "softmax",
+            Op::TopK { .. } => "top_k",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::BatchNorm { .. } => "batch_norm",
+            Op::GroupNorm { .. } => "group_norm",
+            Op::MatMul => "mat_mul",
+            Op::Addmm { .. } => "addmm",
+            Op::Linear => "linear",
+            Op::Convolution(_) => "convolution",
+            Op::MaxPool(_) => "max_pool",
+            Op::AvgPool(_) => "avg_pool",
+            Op::AdaptiveAvgPool { .. } => "adaptive_avg_pool",
+            Op::Sdpa { .. } => "sdpa",
+            Op::Embedding => "embedding",
+            Op::Reshape { .. } => "reshape",
+            Op::Permute { .. } => "permute",
+            Op::Expand { .. } => "expand",
+            Op::Slice { .. } => "slice",
+            Op::Select { .. } => "select",
+            Op::Cat { .. } => "cat",
+            Op::ConstantPad { .. } => "constant_pad",
+            Op::IndexSelect { .. } => "index_select",
+            Op::Gather { .. } => "gather",
+            Op::Index => "index",
+            Op::Triangle { .. } => "triangle",
+            Op::Repeat { .. } => "repeat",
+            Op::Full { .. } => "full",
+            Op::Delegate { .. } => "delegate",
+            Op::Arange { .. } => "arange",
+        }
+    }
+}
+
+impl UnaryOp {
+    /// The op's name ([`Op::name`]).
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Relu => "relu",
+            UnaryOp::Gelu { .. } => "gelu",
+            UnaryOp::Silu => "silu",
+            UnaryOp::Sigmoid => "sigmoid",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Rsqrt => "rsqrt",
+            UnaryOp::Neg => "neg",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Reciprocal => "reciprocal",
+            UnaryOp::Sin => "sin",
+            UnaryOp::Cos => "cos",
+            UnaryOp::Erf => "erf",
+            UnaryOp::Floor => "floor",
+            UnaryOp::Ceil => "ceil",
+            UnaryOp::Round => "round",
+            UnaryOp::Sign => "sign",
+            UnaryOp::Hardswish => "hardswish",
+            UnaryOp::Hardsigmoid => "hardsigmoid",
+            UnaryOp::LeakyRelu { .. } => "leaky_relu",
+            UnaryOp::Clamp { .. } => "clamp",
+            UnaryOp::PowScalar { .. } => "pow_scalar",
+            UnaryOp::LogicalNot => "logical_not",
+            UnaryOp::BitwiseNot => "bitwise_not",
+        }
+    }
+}
+
+impl BinaryOp {
+    /// The op's name ([`Op::name`]).
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::FloorDiv => "floor_div",
+            BinaryOp::TruncDiv => "trunc_div",
+            BinaryOp::Remainder => "remainder",
+            BinaryOp::Pow => "pow",
+            BinaryOp::Maximum => "maximum",
+            BinaryOp::Minimum => "minimum",
+            BinaryOp::Eq => "eq",
+            BinaryOp::Ne => "ne",
+            BinaryOp::Lt => "lt",
+            BinaryOp::Le => "le",
+            BinaryOp::Gt => "gt",
+            BinaryOp::Ge => "ge",
+            BinaryOp::LogicalAnd => "logical_and",
+            BinaryOp::LogicalOr => "logical_or",
+            BinaryOp::LogicalXor => "logical_xor",
+            BinaryOp::BitwiseAnd => "bitwise_and",
+            BinaryOp::BitwiseOr => "bitwise_or",
+            BinaryOp::BitwiseXor => "bitwise_xor",
+        }
+    }
+}
+
+impl ReduceOp {
+    /// The name of a [`Op::Reduce`] with this op ([`Op::name`]).
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "reduce_sum",
+            ReduceOp::Mean => "reduce_mean",
+            ReduceOp::Max => "reduce_max",
+            ReduceOp::Min => "reduce_min",
+            ReduceOp::Prod => "reduce_prod",
+            ReduceOp::Any => "reduce_any",
+            ReduceOp::All => "reduce_all",
         }
     }
 }
@@ -335,29 +627,249 @@ impl Op {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
 
-    #[test]
-    fn names_are_snake_case() {
-        assert_eq!(Op::Unary(UnaryOp::Gelu { tanh: true }).name(), "gelu");
-        assert_eq!(Op::Binary(BinaryOp::FloorDiv).name(), "floor_div");
-        assert_eq!(Op::MatMul.name(), "mat_mul");
-        assert_eq!(
-            Op::Reduce {
-                op: ReduceOp::Sum,
-                dims: vec![],
-                keepdim: false
-            }
-            .name(),
-            "reduce_sum"
-        );
-        assert_eq!(
+    /// One op of every variant and sub-op.
+    fn every_op() -> Vec<Op> {
+        use BinaryOp as B;
+        use UnaryOp as U;
+        let unary = [
+            U::Relu,
+            U::Gelu { tanh: true },
+            U::Silu,
+            U::Sigmoid,
+            U::Tanh,
+            U::Exp,
+            U::Log,
+            U::Sqrt,
+            U::Rsqrt,
+            U::Neg,
+            U::Abs,
+            U::Reciprocal,
+            U::Sin,
+            U::Cos,
+            U::Erf,
+            U::Floor,
+            U::Ceil,
+            U::Round,
+            U::Sign,
+            U::Hardswish,
+            U::Hardsigmoid,
+            U::LeakyRelu { slope: 0.1 },
+            U::Clamp {
+                min: None,
+                max: Some(6.0),
+            },
+            U::PowScalar { exponent: 2.0 },
+            U::LogicalNot,
+            U::BitwiseNot,
+        ];
+        let binary = [
+            B::Add,
+            B::Sub,
+            B::Mul,
+            B::Div,
+            B::FloorDiv,
+            B::TruncDiv,
+            B::Remainder,
+            B::Pow,
+            B::Maximum,
+            B::Minimum,
+            B::Eq,
+            B::Ne,
+            B::Lt,
+            B::Le,
+            B::Gt,
+            B::Ge,
+            B::LogicalAnd,
+            B::LogicalOr,
+            B::LogicalXor,
+            B::BitwiseAnd,
+            B::BitwiseOr,
+            B::BitwiseXor,
+        ];
+        let reduce = [
+            ReduceOp::Sum,
+            ReduceOp::Mean,
+            ReduceOp::Max,
+            ReduceOp::Min,
+            ReduceOp::Prod,
+            ReduceOp::Any,
+            ReduceOp::All,
+        ];
+        let v = Vec::new;
+        let mut ops: Vec<Op> = unary.into_iter().map(Op::Unary).collect();
+        ops.extend(binary.into_iter().map(Op::Binary));
+        ops.extend(reduce.into_iter().map(|op| Op::Reduce {
+            op,
+            dims: v(),
+            keepdim: false,
+        }));
+        ops.extend([
+            Op::Where,
+            Op::Cast { dtype: DType::F32 },
+            Op::Identity,
+            Op::Var {
+                dims: v(),
+                correction: 1.0,
+                keepdim: false,
+            },
+            Op::ArgReduce {
+                max: true,
+                dim: None,
+                keepdim: false,
+            },
+            Op::ReduceWithIndices {
+                max: true,
+                dim: 0,
+                keepdim: false,
+            },
+            Op::CumSum { dim: 0 },
+            Op::Softmax { dim: 0, log: false },
+            Op::TopK {
+                k: 1,
+                dim: 0,
+                largest: true,
+                sorted: true,
+            },
+            Op::LayerNorm {
+                normalized_dims: 1,
+                eps: 1e-5,
+            },
+            Op::RmsNorm {
+                normalized_dims: 1,
+                eps: None,
+            },
+            Op::BatchNorm { eps: 1e-5 },
+            Op::GroupNorm {
+                groups: 1,
+                eps: 1e-5,
+            },
+            Op::MatMul,
+            Op::Addmm {
+                beta: 1.0,
+                alpha: 1.0,
+            },
+            Op::Linear,
+            Op::Convolution(ConvAttrs {
+                stride: vec![1],
+                padding: vec![0],
+                dilation: vec![1],
+                transposed: false,
+                output_padding: vec![0],
+                groups: 1,
+            }),
+            Op::MaxPool(MaxPoolAttrs {
+                kernel: vec![2],
+                stride: v(),
+                padding: v(),
+                dilation: v(),
+                ceil_mode: false,
+                with_indices: false,
+            }),
+            Op::AvgPool(AvgPoolAttrs {
+                kernel: vec![2],
+                stride: v(),
+                padding: v(),
+                ceil_mode: false,
+                count_include_pad: true,
+                divisor_override: None,
+            }),
+            Op::AdaptiveAvgPool {
+                output_size: vec![1],
+            },
             Op::Sdpa {
                 is_causal: true,
                 scale: None,
-                enable_gqa: false
+                enable_gqa: false,
+            },
+            Op::Embedding,
+            Op::Reshape { shape: v() },
+            Op::Permute { dims: v() },
+            Op::Expand { shape: v() },
+            Op::Slice {
+                dim: 0,
+                start: 0,
+                end: 1,
+                step: 1,
+            },
+            Op::Select { dim: 0, index: 0 },
+            Op::Cat { dim: 0 },
+            Op::ConstantPad {
+                pad: vec![],
+                value: 0.0,
+            },
+            Op::IndexSelect { dim: 0 },
+            Op::Gather { dim: 0 },
+            Op::Index,
+            Op::Triangle {
+                upper: true,
+                diagonal: 0,
+            },
+            Op::Repeat { repeats: v() },
+            Op::Full {
+                shape: v(),
+                value: Scalar::Int(0),
+                dtype: DType::I64,
+            },
+            Op::Delegate { index: 0 },
+            Op::Arange {
+                start: Scalar::Int(0),
+                end: Scalar::Int(1),
+                step: Scalar::Int(1),
+                dtype: DType::I64,
+            },
+        ]);
+        ops
+    }
+
+    /// The snake-case name of a `Debug` rendering's leading identifier:
+    /// how names were made before the table, so the table keeps them.
+    fn snake(debug: String) -> String {
+        let mut out = String::new();
+        for (i, c) in debug
+            .chars()
+            .take_while(|c| c.is_alphanumeric())
+            .enumerate()
+        {
+            if c.is_uppercase() && i > 0 {
+                out.push('_');
             }
-            .name(),
-            "sdpa"
-        );
+            out.extend(c.to_lowercase());
+        }
+        out
+    }
+
+    #[test]
+    fn names_are_unique_and_keep_their_spelling() {
+        let ops = every_op();
+        let names: BTreeSet<&str> = ops.iter().map(Op::name).collect();
+        assert_eq!(names.len(), ops.len(), "two ops share a name");
+        for op in &ops {
+            let was = match op {
+                Op::Unary(u) => snake(format!("{u:?}")),
+                Op::Binary(b) => snake(format!("{b:?}")),
+                Op::Reduce { op, .. } => format!("reduce_{}", snake(format!("{op:?}"))),
+                other => snake(format!("{other:?}")),
+            };
+            assert_eq!(op.name(), was, "{op:?}");
+        }
+        for name in [
+            "gelu",
+            "floor_div",
+            "mat_mul",
+            "reduce_sum",
+            "sdpa",
+            "max_pool",
+        ] {
+            assert!(names.contains(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn python_scalars_take_pytorchs_default_dtypes() {
+        assert_eq!(Scalar::Int(3).dtype(), DType::I64);
+        assert_eq!(Scalar::Float(0.5).dtype(), DType::F32);
+        assert_eq!(Scalar::Bool(true).dtype(), DType::Bool);
     }
 }

@@ -1,5 +1,8 @@
-//! Shapes, strides, dim order and broadcasting. Shapes are `[usize]`, strides
-//! are in elements (as PyTorch's) and may be zero for expanded dims.
+//! Shapes, strides, dim order and broadcasting, and PyTorch's shape rules
+//! that more than one crate applies (the output sizes of convolutions and
+//! pools, the attention batch with grouped-query heads). Shapes are
+//! `[usize]`, strides are in elements (as PyTorch's) and may be zero for
+//! expanded dims.
 
 use crate::error::{Error, Result};
 
@@ -102,6 +105,155 @@ pub fn normalize_dim(dim: i64, rank: usize) -> Result<usize> {
     Ok(d as usize)
 }
 
+/// PyTorch's output size of a convolution along one spatial dim:
+/// `⌊(input + 2·padding − dilation·(kernel − 1) − 1) / stride⌋ + 1`; the
+/// dilated kernel must fit the padded input.
+pub fn conv_output_size(
+    input: usize,
+    kernel: usize,
+    stride: usize,
+    padding: usize,
+    dilation: usize,
+) -> Result<usize> {
+    check_window(kernel, stride, dilation)?;
+    let span = dilation * (kernel - 1) + 1;
+    let padded = input + 2 * padding;
+    if padded < span {
+        return Err(Error::shape(format!(
+            "the kernel spans {span} (kernel {kernel}, dilation {dilation}), more than the input {input} with padding {padding}"
+        )));
+    }
+    Ok((padded - span) / stride + 1)
+}
+
+/// PyTorch's output size of a transposed convolution along one spatial dim:
+/// `(input − 1)·stride − 2·padding + dilation·(kernel − 1) + output_padding + 1`,
+/// which must be positive.
+pub fn conv_transpose_output_size(
+    input: usize,
+    kernel: usize,
+    stride: usize,
+    padding: usize,
+    dilation: usize,
+    output_padding: usize,
+) -> Result<usize> {
+    check_window(kernel, stride, dilation)?;
+    let [i, k, s, p, d, op] =
+        [input, kernel, stride, padding, dilation, output_padding].map(|v| v as i64);
+    let out = (i - 1) * s - 2 * p + d * (k - 1) + op + 1;
+    if out <= 0 {
+        return Err(Error::shape(format!(
+            "input {input}, kernel {kernel}, stride {stride}, padding {padding} give no output"
+        )));
+    }
+    Ok(out as usize)
+}
+
+/// PyTorch's output size of a max or average pool along one spatial dim
+/// (`pooling_output_shape`): as a convolution's, rounded up in `ceil_mode`,
+/// where a last window that would start in the right padding is dropped.
+/// The padding is at most half the kernel.
+pub fn pool_output_size(
+    input: usize,
+    kernel: usize,
+    stride: usize,
+    padding: usize,
+    dilation: usize,
+    ceil_mode: bool,
+) -> Result<usize> {
+    check_window(kernel, stride, dilation)?;
+    if padding > kernel / 2 {
+        return Err(Error::shape(format!(
+            "pooling padding {padding} is more than half the kernel {kernel}"
+        )));
+    }
+    let span = dilation * (kernel - 1) + 1;
+    let padded = input + 2 * padding;
+    if padded < span {
+        return Err(Error::shape(format!(
+            "input size {input} is smaller than the kernel {kernel} (dilation {dilation}, padding {padding})"
+        )));
+    }
+    let num = padded - span;
+    let mut out = if ceil_mode {
+        num.div_ceil(stride)
+    } else {
+        num / stride
+    } + 1;
+    if ceil_mode && (out - 1) * stride >= input + padding {
+        out -= 1;
+    }
+    Ok(out)
+}
+
+fn check_window(kernel: usize, stride: usize, dilation: usize) -> Result<()> {
+    if kernel == 0 || stride == 0 || dilation == 0 {
+        return Err(Error::shape(format!(
+            "kernel {kernel}, stride {stride} and dilation {dilation} must be positive"
+        )));
+    }
+    Ok(())
+}
+
+/// How many query heads share one key/value head in grouped-query
+/// attention (`enable_gqa`): query head `h` reads key/value head
+/// `h / group`. The key/value head count must divide the query's.
+pub fn gqa_group(q_heads: usize, kv_heads: usize) -> Result<usize> {
+    if kv_heads == 0 || q_heads % kv_heads != 0 {
+        return Err(Error::shape(format!(
+            "{q_heads} query heads cannot share {kv_heads} key/value heads"
+        )));
+    }
+    Ok(q_heads / kv_heads)
+}
+
+/// The batch of a scaled dot-product attention, from the batch dims (all
+/// but the last two) of q, k and v.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttentionBatch {
+    /// The output's batch dims: q's, k's and v's broadcast, after the
+    /// grouped-query repeat.
+    pub batch: Vec<usize>,
+    /// Query heads per key head ([`gqa_group`]; 1 without grouping).
+    pub k_group: usize,
+    /// Query heads per value head.
+    pub v_group: usize,
+}
+
+/// PyTorch's attention batch: with `enable_gqa`, k's and v's head dim
+/// (the last batch dim) is repeated to q's unless all three agree
+/// (`pre_process_group_query_attention_input`); then the batch dims
+/// broadcast.
+pub fn attention_batch(
+    q: &[usize],
+    k: &[usize],
+    v: &[usize],
+    enable_gqa: bool,
+) -> Result<AttentionBatch> {
+    if k.len() != q.len() || v.len() != q.len() {
+        return Err(Error::shape(format!(
+            "attention batch dims q {q:?}, k {k:?}, v {v:?} differ in rank"
+        )));
+    }
+    let (mut k, mut v) = (k.to_vec(), v.to_vec());
+    let (mut k_group, mut v_group) = (1, 1);
+    if let (true, Some(h)) = (enable_gqa, q.len().checked_sub(1)) {
+        let (hq, hk, hv) = (q[h], k[h], v[h]);
+        if hk != hq || hv != hq {
+            k_group = gqa_group(hq, hk)?;
+            v_group = gqa_group(hq, hv)?;
+            k[h] = hq;
+            v[h] = hq;
+        }
+    }
+    let batch = broadcast_shapes(q, &k).and_then(|b| broadcast_shapes(&b, &v))?;
+    Ok(AttentionBatch {
+        batch,
+        k_group,
+        v_group,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,5 +284,90 @@ mod tests {
         assert!(normalize_dim(3, 3).is_err());
         assert!(numel(&[usize::MAX, 2]).is_err());
         assert_eq!(numel(&[]).unwrap(), 1);
+    }
+
+    // Expected sizes below are what PyTorch 2.15 gives (`F.max_pool1d`,
+    // `F.conv1d`, `F.conv_transpose1d` on inputs of that size).
+
+    #[test]
+    fn pool_sizes_follow_pytorch_including_ceil_mode() {
+        // (input, kernel, stride, padding, dilation, ceil_mode) → size
+        let cases = [
+            ((7, 3, 2, 1, 1, false), 4),
+            ((7, 3, 2, 1, 1, true), 4),
+            // ceil mode rounds up …
+            ((6, 3, 2, 0, 1, true), 3),
+            ((8, 5, 4, 2, 1, true), 3),
+            // … but drops a last window that would start in the right padding
+            ((5, 3, 3, 1, 1, true), 2),
+            ((10, 2, 3, 1, 1, true), 4),
+            ((9, 3, 2, 1, 2, true), 4),
+            ((11, 4, 3, 2, 2, true), 4),
+            ((1, 1, 2, 0, 1, true), 1),
+        ];
+        for ((i, k, s, p, d, ceil), want) in cases {
+            let got = pool_output_size(i, k, s, p, d, ceil).unwrap();
+            assert_eq!(got, want, "{:?}", (i, k, s, p, d, ceil));
+        }
+        // PyTorch: "padding should be at most half of kernel size"
+        assert!(pool_output_size(5, 2, 1, 2, 1, false).is_err());
+        assert!(pool_output_size(5, 0, 1, 0, 1, false).is_err());
+        assert!(pool_output_size(2, 5, 1, 0, 1, false).is_err());
+    }
+
+    #[test]
+    fn conv_sizes_follow_pytorch() {
+        // (input, kernel, stride, padding, dilation) → size
+        for ((i, k, s, p, d), want) in [
+            ((10, 3, 3, 2, 2), 4),
+            ((7, 1, 1, 0, 1), 7),
+            ((5, 5, 1, 0, 1), 1),
+            ((8, 3, 2, 0, 3), 1),
+            ((4, 2, 5, 3, 1), 2),
+        ] {
+            assert_eq!(conv_output_size(i, k, s, p, d).unwrap(), want);
+        }
+        // PyTorch: "Kernel size can't be greater than actual input size"
+        assert!(conv_output_size(2, 5, 1, 0, 1).is_err());
+        assert!(conv_output_size(4, 2, 0, 0, 1).is_err());
+        // (input, kernel, stride, padding, dilation, output_padding) → size
+        for ((i, k, s, p, d, op), want) in [
+            ((4, 3, 2, 1, 2, 1), 10),
+            ((3, 2, 1, 0, 1, 0), 4),
+            ((5, 3, 3, 2, 1, 2), 13),
+            ((1, 1, 1, 0, 1, 0), 1),
+        ] {
+            assert_eq!(conv_transpose_output_size(i, k, s, p, d, op).unwrap(), want);
+        }
+        // PyTorch: "Calculated output size per channel: (1 x -1)"
+        assert!(conv_transpose_output_size(1, 1, 1, 1, 1, 0).is_err());
+    }
+
+    #[test]
+    fn attention_batches_repeat_grouped_heads_as_pytorch() {
+        // q [1, 8, L, E] with k [1, 2, S, E] and v [1, 4, S, E]: PyTorch
+        // repeats k's heads 4 times and v's twice
+        let b = attention_batch(&[1, 8], &[1, 2], &[1, 4], true).unwrap();
+        assert_eq!(
+            b,
+            AttentionBatch {
+                batch: vec![1, 8],
+                k_group: 4,
+                v_group: 2
+            }
+        );
+        // rank-3 inputs: the head dim is the only batch dim
+        let b = attention_batch(&[6], &[2], &[2], true).unwrap();
+        assert_eq!((b.batch, b.k_group, b.v_group), (vec![6], 3, 3));
+        // PyTorch: "Number of heads in key and value must divide the number
+        // of heads in query"
+        assert!(attention_batch(&[1, 3], &[1, 2], &[1, 2], true).is_err());
+        assert!(attention_batch(&[1, 3], &[1, 0], &[1, 0], true).is_err());
+        // without grouping the batch dims broadcast, and 8 heads against 2
+        // do not
+        let b = attention_batch(&[2, 1], &[1, 4], &[2, 4], false).unwrap();
+        assert_eq!((b.batch, b.k_group, b.v_group), (vec![2, 4], 1, 1));
+        assert!(attention_batch(&[1, 8], &[1, 2], &[1, 2], false).is_err());
+        assert_eq!(gqa_group(8, 2).unwrap(), 4);
     }
 }
