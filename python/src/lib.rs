@@ -64,7 +64,7 @@ fn ops_taken(pt2: &[u8], skip_ops: Vec<String>) -> PyResult<Vec<(String, bool)>>
     for node in &g.nodes {
         let name = fx_name(&node.name);
         let keep = partitioner::ops_to_not_decompose(&node.op)
-            && !skip_ops.contains(&node.op.name())
+            && !skip_ops.iter().any(|s| s == node.op.name())
             && partitioner::supports(&g, node, &limits).is_ok();
         let i = *row.entry(name).or_insert_with(|| {
             out.push((name.to_string(), true));
@@ -109,7 +109,7 @@ fn partition(pt2: &[u8], mode: &str, skip_ops: Vec<String>) -> PyResult<Vec<Node
             (
                 fx_name(&node.name).to_string(),
                 *p,
-                node.op.name(),
+                node.op.name().to_string(),
                 String::new(),
             )
         })

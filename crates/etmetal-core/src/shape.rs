@@ -120,7 +120,7 @@ pub fn conv_output_size(
     let padded = input + 2 * padding;
     if padded < span {
         return Err(Error::shape(format!(
-            "the kernel spans {span} (kernel {kernel}, dilation {dilation}), more than the input {input} with padding {padding}"
+            "input {input} with padding {padding} gives no output: the kernel spans {span} (kernel {kernel}, dilation {dilation})"
         )));
     }
     Ok((padded - span) / stride + 1)

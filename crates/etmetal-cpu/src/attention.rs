@@ -4,7 +4,7 @@
 //! grouped-query attention. Rows with every position masked give zeros, as
 //! eager PyTorch 2.15 on CPU does.
 
-use etmetal_core::shape::{broadcast_shapes, broadcast_strides};
+use etmetal_core::shape::{attention_batch, broadcast_shapes, broadcast_strides, AttentionBatch};
 use etmetal_core::{DType, Result, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -24,8 +24,8 @@ enum Mask<T> {
 
 /// Offset of batch element `b` (row-major over `batch`) in an operand whose
 /// batch dims are `dims` (right-aligned, size-1 dims broadcast), with
-/// `mat` elements per matrix; `heads` maps the head dim for GQA.
-fn batch_offset(b: usize, batch: &[usize], dims: &[usize], mat: usize, gqa_rep: usize) -> usize {
+/// `mat` elements per matrix; `group` query heads share each of its heads.
+fn batch_offset(b: usize, batch: &[usize], dims: &[usize], mat: usize, group: usize) -> usize {
     let lead = batch.len() - dims.len();
     let (mut rem, mut off, mut scale) = (b, 0, mat);
     for d in (0..batch.len()).rev() {
@@ -34,8 +34,8 @@ fn batch_offset(b: usize, batch: &[usize], dims: &[usize], mat: usize, gqa_rep: 
         if d >= lead {
             let size = dims[d - lead];
             // the last batch dim is the head dim; GQA shares each kv head
-            let i = if d == batch.len() - 1 && gqa_rep > 1 {
-                i / gqa_rep
+            let i = if d == batch.len() - 1 && group > 1 {
+                i / group
             } else if size == 1 {
                 0
             } else {
@@ -74,31 +74,16 @@ pub fn sdpa(ctx: &Ctx, is_causal: bool, scale: Option<f64>, enable_gqa: bool) ->
             v.shape()
         )));
     }
-    let (qb, mut kb, mut vb) = (
+    let (qb, kb, vb) = (
         q.shape()[..r - 2].to_vec(),
         k.shape()[..r - 2].to_vec(),
         v.shape()[..r - 2].to_vec(),
     );
-    let mut rep = 1;
-    if enable_gqa && r >= 3 && kb[r - 3] != qb[r - 3] {
-        let (hq, hk) = (qb[r - 3], kb[r - 3]);
-        if hk == 0 || hq % hk != 0 || vb[r - 3] != hk {
-            return Err(ctx.invalid(format!(
-                "{hq} query heads cannot share {hk} key/value heads"
-            )));
-        }
-        rep = hq / hk;
-        kb[r - 3] = hq;
-        vb[r - 3] = hq;
-    }
-    let batch = broadcast_shapes(&qb, &kb)
-        .and_then(|b| broadcast_shapes(&b, &vb))
-        .map_err(|err| ctx.invalid(format!("batch dims: {}", err.message())))?;
-    if rep > 1 {
-        // offsets use the real kv head count
-        kb[r - 3] /= rep;
-        vb[r - 3] /= rep;
-    }
+    let AttentionBatch {
+        batch,
+        k_group,
+        v_group,
+    } = attention_batch(&qb, &kb, &vb, enable_gqa).map_err(|e| ctx.invalid(e))?;
     let full: Vec<usize> = [&batch[..], &[l, s]].concat();
     let out_dtype = ctx.out_dtype(0)?;
     let dom = domain(out_dtype);
@@ -111,7 +96,8 @@ pub fn sdpa(ctx: &Ctx, is_causal: bool, scale: Option<f64>, enable_gqa: bool) ->
         s,
         e,
         ev,
-        rep,
+        k_group,
+        v_group,
     };
     let scale = scale.unwrap_or(1.0 / (e as f64).sqrt());
     let buf = match dom {
@@ -178,7 +164,9 @@ struct Geo {
     s: usize,
     e: usize,
     ev: usize,
-    rep: usize,
+    /// Query heads per key and per value head ([`AttentionBatch`]).
+    k_group: usize,
+    v_group: usize,
 }
 
 fn attend<T: MatElem + Real>(
@@ -199,8 +187,8 @@ fn attend<T: MatElem + Real>(
     let ninf = <T as Real>::of(f64::NEG_INFINITY);
     out.par_chunks_mut(l * ev).enumerate().for_each(|(b, dst)| {
         let qo = batch_offset(b, &g.batch, &g.qb, l * e, 1);
-        let ko = batch_offset(b, &g.batch, &g.kb, s * e, g.rep);
-        let vo = batch_offset(b, &g.batch, &g.vb, s * ev, g.rep);
+        let ko = batch_offset(b, &g.batch, &g.kb, s * e, g.k_group);
+        let vo = batch_offset(b, &g.batch, &g.vb, s * ev, g.v_group);
         let mut scores = vec![T::default(); l * s];
         // kᵀ is k read with swapped strides
         T::mm(
@@ -324,6 +312,43 @@ mod tests {
                 -0.36331546,
                 0.3507157,
                 -0.50206709,
+            ],
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn key_and_value_heads_may_differ_in_grouped_query_attention() {
+        // 4 query heads over 2 key heads and 1 value head, as PyTorch's
+        // `enable_gqa` repeats each separately
+        let q = f32t(&[1, 4, 2, 3], &ramp(24, 11, 7));
+        let k = f32t(&[1, 2, 3, 3], &ramp(18, 13, 5));
+        let v = f32t(&[1, 1, 3, 2], &ramp(6, 7, 3));
+        let op = Op::Sdpa {
+            is_causal: false,
+            scale: None,
+            enable_gqa: true,
+        };
+        let y = run1(op, &[&q, &k, &v], DType::F32, &[1, 4, 2, 2]).unwrap();
+        close(
+            &y.to_f32_vec(),
+            &[
+                -0.087412313,
+                -0.51613629,
+                0.14967346,
+                -0.64724249,
+                0.13998276,
+                -0.65510356,
+                0.13276502,
+                -0.66207373,
+                0.18967143,
+                -0.61413658,
+                0.21639031,
+                -0.60727763,
+                0.24371478,
+                -0.59963048,
+                0.27112025,
+                -0.59138179,
             ],
             1e-6,
         );

@@ -2,7 +2,7 @@
 //! stride, padding, dilation and groups, as im2col / col2im around a GEMM per
 //! (batch, group); batches run in parallel.
 
-use etmetal_core::{Op, Result, Tensor};
+use etmetal_core::{ConvAttrs, Error, Result, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -10,40 +10,6 @@ use crate::buf::{domain, numeric, Elem};
 use crate::matmul::{Mat, MatElem};
 use crate::strided::window_table;
 use crate::Ctx;
-
-pub struct ConvParams<'a> {
-    pub stride: &'a [usize],
-    pub padding: &'a [usize],
-    pub dilation: &'a [usize],
-    pub transposed: bool,
-    pub output_padding: &'a [usize],
-    pub groups: usize,
-}
-
-impl<'a> ConvParams<'a> {
-    /// The attributes of a convolution op.
-    pub fn of(op: &'a Op) -> Option<ConvParams<'a>> {
-        let Op::Convolution {
-            stride,
-            padding,
-            dilation,
-            transposed,
-            output_padding,
-            groups,
-        } = op
-        else {
-            return None;
-        };
-        Some(ConvParams {
-            stride,
-            padding,
-            dilation,
-            transposed: *transposed,
-            output_padding,
-            groups: *groups,
-        })
-    }
-}
 
 /// Checked sizes of one convolution.
 pub(crate) struct Geometry {
@@ -80,67 +46,30 @@ impl Geometry {
 
 /// The sizes of a convolution of an input of shape `x` with a weight of
 /// shape `w`, or why they do not fit together.
-pub(crate) fn geometry(
-    x: &[usize],
-    w: &[usize],
-    p: &ConvParams,
-) -> std::result::Result<Geometry, String> {
-    let sr = p.stride.len();
-    let op = if p.output_padding.is_empty() {
-        vec![0; sr]
-    } else {
-        p.output_padding.to_vec()
-    };
-    if p.padding.len() != sr || p.dilation.len() != sr || op.len() != sr || sr == 0 {
-        return Err(format!(
-            "stride {:?}, padding {:?}, dilation {:?} and output_padding {:?} need one entry per spatial dim",
-            p.stride, p.padding, p.dilation, p.output_padding
-        ));
-    }
+pub(crate) fn geometry(x: &[usize], w: &[usize], p: &ConvAttrs) -> Result<Geometry> {
+    let sr = p.spatial_rank();
     if x.len() != sr + 2 || w.len() != sr + 2 {
-        return Err(format!(
+        return Err(Error::shape(format!(
             "input {:?} and weight {:?} must both have rank {} (batch, channels, {sr} spatial dims)",
             x,
             w,
             sr + 2
-        ));
+        )));
     }
-    if p.stride.contains(&0) || p.dilation.contains(&0) || p.groups == 0 {
-        return Err("stride, dilation and groups must be positive".into());
+    let g = p.groups;
+    if g == 0 {
+        return Err(Error::shape("groups must be positive"));
     }
-    let (n, cin, g) = (x[0], x[1], p.groups);
-    let insp = x[2..].to_vec();
-    let ksp = w[2..].to_vec();
-    let cout = if p.transposed { w[1] * g } else { w[0] };
-    let wcin = if p.transposed { w[0] } else { w[1] * g };
+    let (n, cin) = (x[0], x[1]);
+    let (wcin, cout) = p.channels(w);
     if cin != wcin || cin % g != 0 || cout % g != 0 {
-        return Err(format!(
+        return Err(Error::shape(format!(
             "input {:?} and weight {:?} disagree on channels with {g} groups",
             x, w
-        ));
+        )));
     }
-    let mut osp = vec![];
-    for d in 0..sr {
-        let span = (p.dilation[d] * ksp[d].saturating_sub(1)) as i64;
-        let (i, s, pad) = (insp[d] as i64, p.stride[d] as i64, p.padding[d] as i64);
-        let o = if p.transposed {
-            (i - 1) * s - 2 * pad + span + op[d] as i64 + 1
-        } else {
-            let num = i + 2 * pad - span - 1;
-            if num < 0 {
-                0
-            } else {
-                num / s + 1
-            }
-        };
-        if o <= 0 || ksp[d] == 0 {
-            return Err(format!(
-                "spatial dim {d}: input {i}, kernel {}, stride {s}, padding {pad} give no output",
-                ksp[d]
-            ));
-        }
-        osp.push(o as usize);
-    }
+    let (insp, ksp) = (x[2..].to_vec(), w[2..].to_vec());
+    let osp = p.output_spatial(&insp, &ksp)?;
     Ok(Geometry {
         n,
         cin,
@@ -152,9 +81,9 @@ pub(crate) fn geometry(
     })
 }
 
-pub fn convolution(ctx: &Ctx, p: &ConvParams) -> Result<Tensor> {
+pub fn convolution(ctx: &Ctx, p: &ConvAttrs) -> Result<Tensor> {
     let (x, w) = (ctx.input(0)?, ctx.input(1)?);
-    let geo = geometry(x.shape(), w.shape(), p).map_err(|m| ctx.invalid(m))?;
+    let geo = geometry(x.shape(), w.shape(), p).map_err(|e| ctx.invalid(e))?;
     let bias = ctx.optional(2);
     if let Some(b) = bias {
         if b.numel() != geo.cout {
@@ -202,7 +131,7 @@ fn add_bias<T: MatElem>(out: &mut [T], bias: Option<&[T]>, sp: usize) {
 
 fn conv_forward<T: MatElem>(
     g: &Geometry,
-    p: &ConvParams,
+    p: &ConvAttrs,
     x: &[T],
     w: &[T],
     bias: Option<&[T]>,
@@ -214,7 +143,7 @@ fn conv_forward<T: MatElem>(
         cin_g,
         cout_g,
     } = g.sizes();
-    let table = window_table(&g.osp, &g.ksp, &g.insp, p.stride, p.dilation, p.padding);
+    let table = window_table(&g.osp, &g.ksp, &g.insp, &p.stride, &p.dilation, &p.padding);
     let mut out = vec![T::default(); g.n * g.cout * os];
     per_image(&mut out, g.n, |img, dst, par| {
         let mut cols = vec![T::default(); cin_g * k * os];
@@ -255,7 +184,7 @@ fn conv_forward<T: MatElem>(
 
 fn conv_transposed<T: MatElem>(
     g: &Geometry,
-    p: &ConvParams,
+    p: &ConvAttrs,
     x: &[T],
     w: &[T],
     bias: Option<&[T]>,
@@ -268,7 +197,7 @@ fn conv_transposed<T: MatElem>(
         cout_g,
     } = g.sizes();
     // where input position i lands in the output for kernel position kk
-    let table = window_table(&g.insp, &g.ksp, &g.osp, p.stride, p.dilation, p.padding);
+    let table = window_table(&g.insp, &g.ksp, &g.osp, &p.stride, &p.dilation, &p.padding);
     let mut out = vec![T::default(); g.n * g.cout * os];
     per_image(&mut out, g.n, |img, dst, par| {
         let mut cols = vec![T::default(); cout_g * k * ins];
@@ -307,7 +236,7 @@ fn conv_transposed<T: MatElem>(
 #[allow(clippy::excessive_precision)]
 mod tests {
     use crate::test_util::*;
-    use etmetal_core::{DType, Op, Tensor};
+    use etmetal_core::{ConvAttrs, DType, Op, Tensor};
 
     fn conv(x: &Tensor, w: &Tensor, b: Option<&Tensor>, op: Op, shape: &[usize]) -> Vec<f32> {
         crate::execute(&op, &[Some(x), Some(w), b], &[(DType::F32, shape.to_vec())]).unwrap()[0]
@@ -322,14 +251,14 @@ mod tests {
         output_padding: &[usize],
         groups: usize,
     ) -> Op {
-        Op::Convolution {
+        Op::Convolution(ConvAttrs {
             stride: stride.to_vec(),
             padding: padding.to_vec(),
             dilation: dilation.to_vec(),
             transposed,
             output_padding: output_padding.to_vec(),
             groups,
-        }
+        })
     }
 
     // Expected values below come from PyTorch 2.15 on the same ramp inputs.

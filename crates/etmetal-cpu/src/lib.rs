@@ -38,7 +38,7 @@ pub(crate) struct Ctx<'a> {
 }
 
 impl<'a> Ctx<'a> {
-    pub fn name(&self) -> String {
+    pub fn name(&self) -> &'static str {
         self.op.name()
     }
 
@@ -252,49 +252,17 @@ fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
             ctx.arity(2, 3)?;
             one(matmul::linear(ctx)?)
         }
-        Op::Convolution { .. } => {
+        Op::Convolution(p) => {
             ctx.arity(2, 3)?;
-            let p =
-                conv::ConvParams::of(ctx.op).ok_or_else(|| ctx.unsupported("not a convolution"))?;
-            one(conv::convolution(ctx, &p)?)
+            one(conv::convolution(ctx, p)?)
         }
-        Op::MaxPool {
-            kernel,
-            stride,
-            padding,
-            dilation,
-            ceil_mode,
-            with_indices,
-        } => {
+        Op::MaxPool(p) => {
             ctx.arity(1, 1)?;
-            pool::max_pool(
-                ctx,
-                kernel,
-                stride,
-                padding,
-                dilation,
-                *ceil_mode,
-                *with_indices,
-            )
+            pool::max_pool(ctx, p)
         }
-        Op::AvgPool {
-            kernel,
-            stride,
-            padding,
-            ceil_mode,
-            count_include_pad,
-            divisor_override,
-        } => {
+        Op::AvgPool(p) => {
             ctx.arity(1, 1)?;
-            let p = pool::AvgParams {
-                kernel,
-                stride,
-                padding,
-                ceil_mode: *ceil_mode,
-                count_include_pad: *count_include_pad,
-                divisor_override: *divisor_override,
-            };
-            one(pool::avg_pool(ctx, &p)?)
+            one(pool::avg_pool(ctx, p)?)
         }
         Op::AdaptiveAvgPool { output_size } => {
             ctx.arity(1, 1)?;

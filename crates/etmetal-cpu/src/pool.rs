@@ -3,7 +3,7 @@
 //! Inputs may be batched (`[N, C, *]`) or not (`[C, *]`).
 
 use etmetal_core::shape::contiguous_strides;
-use etmetal_core::{Result, Tensor};
+use etmetal_core::{AvgPoolAttrs, MaxPoolAttrs, Result, Tensor};
 
 use crate::buf::{with_ordered, Buf, Elem};
 use crate::strided::{for_each_offset, window_table};
@@ -26,80 +26,13 @@ fn planes(ctx: &Ctx, x: &Tensor, sr: usize) -> Result<(usize, Vec<usize>)> {
     ))
 }
 
-/// An attribute with one entry per spatial dim (a single entry is repeated;
-/// an empty one takes `default`).
-pub(crate) fn per_dim(
-    v: &[usize],
-    sr: usize,
-    default: &[usize],
-    what: &str,
-) -> std::result::Result<Vec<usize>, String> {
-    match v.len() {
-        0 => Ok(default.to_vec()),
-        1 => Ok(vec![v[0]; sr]),
-        n if n == sr => Ok(v.to_vec()),
-        n => Err(format!("{what} has {n} entries for {sr} spatial dims")),
-    }
-}
-
-/// PyTorch's pooling output size, including the ceil-mode rule that the last
-/// window must start inside the input or the left padding.
-pub(crate) fn pool_out(
-    i: usize,
-    k: usize,
-    s: usize,
-    p: usize,
-    d: usize,
-    ceil: bool,
-) -> std::result::Result<usize, String> {
-    if k == 0 || s == 0 || d == 0 || p > k / 2 {
-        return Err(format!("kernel {k}, stride {s}, padding {p}, dilation {d}: padding must be at most half the kernel and the rest positive"));
-    }
-    let num = (i + 2 * p) as i64 - (d * (k - 1)) as i64 - 1;
-    if num < 0 {
-        return Err(format!(
-            "input size {i} is smaller than the kernel {k} (dilation {d}, padding {p})"
-        ));
-    }
-    let (num, s) = (num as usize, s);
-    let mut o = if ceil { num.div_ceil(s) } else { num / s } + 1;
-    if ceil && (o - 1) * s >= i + p {
-        o -= 1;
-    }
-    Ok(o)
-}
-
-pub fn max_pool(
-    ctx: &Ctx,
-    kernel: &[usize],
-    stride: &[usize],
-    padding: &[usize],
-    dilation: &[usize],
-    ceil_mode: bool,
-    with_indices: bool,
-) -> Result<Vec<Tensor>> {
+pub fn max_pool(ctx: &Ctx, p: &MaxPoolAttrs) -> Result<Vec<Tensor>> {
     let x = ctx.input(0)?;
-    let sr = kernel.len();
+    let sr = p.spatial_rank();
     let (np, insp) = planes(ctx, x, sr)?;
-    let dims =
-        |v, default: &[usize], what| per_dim(v, sr, default, what).map_err(|m| ctx.invalid(m));
-    let stride = dims(stride, kernel, "stride")?;
-    let padding = dims(padding, &vec![0; sr], "padding")?;
-    let dilation = dims(dilation, &vec![1; sr], "dilation")?;
-    let osp = (0..sr)
-        .map(|d| {
-            pool_out(
-                insp[d],
-                kernel[d],
-                stride[d],
-                padding[d],
-                dilation[d],
-                ceil_mode,
-            )
-            .map_err(|m| ctx.invalid(m))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let table = window_table(&osp, kernel, &insp, &stride, &dilation, &padding);
+    let w = p.window().map_err(|e| ctx.invalid(e))?;
+    let osp = w.output_spatial(&insp).map_err(|e| ctx.invalid(e))?;
+    let table = window_table(&osp, &w.kernel, &insp, &w.stride, &w.dilation, &w.padding);
     let (ins, os): (usize, usize) = (insp.iter().product(), osp.iter().product());
     let oshape: Vec<usize> = [&x.shape()[..x.rank() - sr], &osp[..]].concat();
     let (values, idx) = with_ordered!(x, v => {
@@ -121,22 +54,13 @@ pub fn max_pool(
         (Elem::wrap(vals), idx)
     });
     let mut out = vec![values.store(ctx.out_dtype(0)?, &oshape)?];
-    if with_indices {
+    if p.with_indices {
         out.push(Buf::I64(idx).store(ctx.out_dtype(1)?, &oshape)?);
     }
     Ok(out)
 }
 
-pub struct AvgParams<'a> {
-    pub kernel: &'a [usize],
-    pub stride: &'a [usize],
-    pub padding: &'a [usize],
-    pub ceil_mode: bool,
-    pub count_include_pad: bool,
-    pub divisor_override: Option<i64>,
-}
-
-pub fn avg_pool(ctx: &Ctx, p: &AvgParams) -> Result<Tensor> {
+pub fn avg_pool(ctx: &Ctx, p: &AvgPoolAttrs) -> Result<Tensor> {
     let x = ctx.input(0)?;
     let out = ctx.out_dtype(0)?;
     if !out.is_float() {
@@ -144,21 +68,15 @@ pub fn avg_pool(ctx: &Ctx, p: &AvgParams) -> Result<Tensor> {
             "average pooling needs a floating-point output dtype, got {out}"
         )));
     }
-    let sr = p.kernel.len();
+    let sr = p.spatial_rank();
     let (np, insp) = planes(ctx, x, sr)?;
-    let stride = per_dim(p.stride, sr, p.kernel, "stride").map_err(|m| ctx.invalid(m))?;
-    let padding = per_dim(p.padding, sr, &vec![0; sr], "padding").map_err(|m| ctx.invalid(m))?;
-    let ones = vec![1; sr];
-    let osp = (0..sr)
-        .map(|d| {
-            pool_out(insp[d], p.kernel[d], stride[d], padding[d], 1, p.ceil_mode)
-                .map_err(|m| ctx.invalid(m))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let w = p.window().map_err(|e| ctx.invalid(e))?;
+    let osp = w.output_spatial(&insp).map_err(|e| ctx.invalid(e))?;
+    let (stride, padding) = (&w.stride, &w.padding);
     if p.divisor_override == Some(0) {
         return Err(ctx.invalid("divisor_override must be non-zero"));
     }
-    let table = window_table(&osp, p.kernel, &insp, &stride, &ones, &padding);
+    let table = window_table(&osp, &w.kernel, &insp, stride, &w.dilation, padding);
     let (ins, os): (usize, usize) = (insp.iter().product(), osp.iter().product());
     // the divisor of each output position: PyTorch clips the window to the
     // padded input for count_include_pad, to the input otherwise
@@ -247,21 +165,21 @@ pub fn adaptive_avg_pool(ctx: &Ctx, output_size: &[usize]) -> Result<Tensor> {
 #[allow(clippy::excessive_precision)]
 mod tests {
     use crate::test_util::*;
-    use etmetal_core::{DType, Op};
+    use etmetal_core::{AvgPoolAttrs, DType, MaxPoolAttrs, Op};
 
     // Expected values come from PyTorch 2.15 on x = ramp(50, 17, 5) as [1, 2, 5, 5].
 
     #[test]
     fn max_pool_ceil_mode_with_indices() {
         let x = f32t(&[1, 2, 5, 5], &ramp(50, 17, 5));
-        let op = Op::MaxPool {
+        let op = Op::MaxPool(MaxPoolAttrs {
             kernel: vec![3, 3],
             stride: vec![2, 2],
             padding: vec![1, 1],
             dilation: vec![1, 1],
             ceil_mode: true,
             with_indices: true,
-        };
+        });
         let r = crate::execute(
             &op,
             &[Some(&x)],
@@ -284,14 +202,14 @@ mod tests {
         );
         // unbatched 1-D with an int dtype
         let i = i64t(&[1, 5], &[3, -1, 7, 7, 2]);
-        let op = Op::MaxPool {
+        let op = Op::MaxPool(MaxPoolAttrs {
             kernel: vec![2],
             stride: vec![],
             padding: vec![0],
             dilation: vec![1],
             ceil_mode: false,
             with_indices: false,
-        };
+        });
         assert_eq!(
             run1(op, &[&i], DType::I64, &[1, 2]).unwrap().to_i64_vec(),
             vec![3, 7]
@@ -308,14 +226,14 @@ mod tests {
                    cip: bool,
                    div: Option<i64>,
                    shape: &[usize]| {
-            let op = Op::AvgPool {
+            let op = Op::AvgPool(AvgPoolAttrs {
                 kernel: vec![k, k],
                 stride: vec![s, s],
                 padding: vec![p, p],
                 ceil_mode: ceil,
                 count_include_pad: cip,
                 divisor_override: div,
-            };
+            });
             run1(op, &[&x], DType::F32, shape).unwrap().to_f32_vec()
         };
         close(

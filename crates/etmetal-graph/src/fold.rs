@@ -7,7 +7,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use etmetal_core::{BinaryOp, DType, Op, Result, Tensor};
+use etmetal_core::{BinaryOp, ConvAttrs, DType, Op, Result, Tensor};
 
 use crate::ir::{Graph, Node, ValueId};
 
@@ -77,9 +77,9 @@ fn foldable(
     };
     let conv = *writer.get(&x)?;
     let c = &graph.nodes[conv];
-    let Op::Convolution {
+    let Op::Convolution(ConvAttrs {
         transposed: false, ..
-    } = c.op
+    }) = c.op
     else {
         return None;
     };
@@ -186,14 +186,14 @@ mod tests {
             g.add_constant("p", Tensor::from_f32(dtype, shape, v).unwrap())
         };
         let w = c(&mut g, &[2, 1, 1, 1], &[3.0, -2.0]);
-        let conv = Op::Convolution {
+        let conv = Op::Convolution(ConvAttrs {
             stride: vec![1, 1],
             padding: vec![0, 0],
             dilation: vec![1, 1],
             transposed: false,
             output_padding: vec![0, 0],
             groups: 1,
-        };
+        });
         let y = push(&mut g, "conv", conv, vec![Some(x), Some(w), None]);
         let (gamma, beta) = (c(&mut g, &[2], &[2.0, 1.0]), c(&mut g, &[2], &[0.5, 0.0]));
         let (mean, var) = (c(&mut g, &[2], &[1.0, -1.0]), c(&mut g, &[2], &[4.0, 1.0]));

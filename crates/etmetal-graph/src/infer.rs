@@ -2,7 +2,8 @@
 //! the dtypes and shapes of its inputs, with PyTorch's rules (type promotion
 //! with 0-d operands, matmul broadcasting, convolution arithmetic, …).
 
-use etmetal_core::shape::{broadcast_shapes, numel};
+use etmetal_core::dtype::{self, Operand};
+use etmetal_core::shape::{attention_batch, broadcast_shapes, numel};
 use etmetal_core::{BinaryOp, DType, Error, Op, ReduceOp, Result, UnaryOp};
 
 use crate::ir::{Graph, Node, ValueInfo};
@@ -35,26 +36,16 @@ fn req<'a>(inputs: &[Option<&'a ValueInfo>], slot: usize, what: &str) -> Result<
         .ok_or_else(|| Error::shape(format!("input {slot} ({what}) is missing")))
 }
 
-fn category(d: DType) -> u8 {
-    if d == DType::Bool {
-        0
-    } else if d.is_float() {
-        2
-    } else {
-        1
-    }
-}
-
-/// PyTorch's `result_type` for two tensors: a 0-d operand only decides the
-/// dtype when it is of a higher category (bool < int < float).
+/// PyTorch's `result_type` for two tensors ([`dtype::result_type`]).
 pub fn result_type(a: &ValueInfo, b: &ValueInfo) -> DType {
-    match (a.shape.is_empty(), b.shape.is_empty()) {
-        (true, false) if category(a.dtype) <= category(b.dtype) => b.dtype,
-        (false, true) if category(b.dtype) <= category(a.dtype) => a.dtype,
-        (true, false) => a.dtype,
-        (false, true) => b.dtype,
-        _ => DType::promote(a.dtype, b.dtype),
-    }
+    let operand = |v: &ValueInfo| {
+        if v.shape.is_empty() {
+            Operand::ZeroDim(v.dtype)
+        } else {
+            Operand::Tensor(v.dtype)
+        }
+    };
+    dtype::result_type(operand(a), operand(b))
 }
 
 /// Integer and bool inputs of float functions give float32.
@@ -135,34 +126,6 @@ fn matmul_shape(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
     Ok(out)
 }
 
-/// Output length of a pooled or convolved spatial dim.
-fn window_out(
-    input: usize,
-    kernel: usize,
-    stride: usize,
-    pad: usize,
-    dilation: usize,
-    ceil: bool,
-) -> Result<usize> {
-    let span = dilation * (kernel.max(1) - 1) + 1;
-    let padded = input + 2 * pad;
-    if stride == 0 || padded < span {
-        return Err(Error::shape(format!(
-            "window of {span} (kernel {kernel}, dilation {dilation}) does not fit input {input} with padding {pad}, stride {stride}"
-        )));
-    }
-    let mut out = if ceil {
-        (padded - span).div_ceil(stride) + 1
-    } else {
-        (padded - span) / stride + 1
-    };
-    // PyTorch: the last window must start inside the input or left padding
-    if ceil && (out - 1) * stride >= input + pad {
-        out -= 1;
-    }
-    Ok(out)
-}
-
 fn spatial_split<'a>(
     x: &'a ValueInfo,
     spatial: usize,
@@ -177,16 +140,6 @@ fn spatial_split<'a>(
         )));
     }
     Ok(x.shape.split_at(x.shape.len() - spatial))
-}
-
-fn per_dim(v: &[usize], n: usize, what: &str) -> Result<()> {
-    if v.len() != n {
-        return Err(Error::shape(format!(
-            "{what} has {} entries, expected {n}",
-            v.len()
-        )));
-    }
-    Ok(())
 }
 
 fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
@@ -433,14 +386,7 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             *shape.last_mut().unwrap_or(&mut 0) = *out_f;
             Ok(vec![(x.dtype, shape)])
         }
-        Op::Convolution {
-            stride,
-            padding,
-            dilation,
-            transposed,
-            output_padding,
-            groups,
-        } => {
+        Op::Convolution(conv) => {
             let (x, w) = (x()?, req(inputs, 1, "weight")?);
             let spatial = w.shape.len().saturating_sub(2);
             if spatial == 0 {
@@ -449,18 +395,11 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
                     w.shape
                 )));
             }
-            per_dim(stride, spatial, "stride")?;
-            per_dim(padding, spatial, "padding")?;
-            per_dim(dilation, spatial, "dilation")?;
             let (lead, dims) = spatial_split(x, spatial, "convolution")?;
             let cin = *lead.last().unwrap_or(&0);
-            let g = (*groups).max(1);
-            let (expect_cin, cout) = if *transposed {
-                (w.shape[0], w.shape[1] * g)
-            } else {
-                (w.shape[1] * g, w.shape[0])
-            };
-            if cin != expect_cin || cout % g != 0 {
+            let groups = conv.groups;
+            let (expect_cin, cout) = conv.channels(&w.shape);
+            if cin != expect_cin || cout % groups.max(1) != 0 {
                 return Err(Error::shape(format!(
                     "convolution input {:?} with weight {:?} and groups {groups}: channels do not match",
                     x.shape, w.shape
@@ -476,71 +415,23 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             }
             let mut shape: Vec<usize> = lead[..lead.len() - 1].to_vec();
             shape.push(cout);
-            for i in 0..spatial {
-                let k = w.shape[2 + i];
-                let o = if *transposed {
-                    let op = output_padding.get(i).copied().unwrap_or(0);
-                    ((dims[i].max(1) - 1) * stride[i] + dilation[i] * k.saturating_sub(1) + op + 1)
-                        .checked_sub(2 * padding[i])
-                        .ok_or_else(|| {
-                            Error::shape("transposed convolution padding exceeds output")
-                        })?
-                } else {
-                    window_out(dims[i], k, stride[i], padding[i], dilation[i], false)?
-                };
-                shape.push(o);
-            }
+            shape.extend(conv.output_spatial(dims, &w.shape[2..])?);
             Ok(vec![(x.dtype, shape)])
         }
-        Op::MaxPool {
-            kernel,
-            stride,
-            padding,
-            dilation,
-            ceil_mode,
-            with_indices,
-        } => {
+        Op::MaxPool(pool) => {
             let x = x()?;
-            let n = kernel.len();
-            per_dim(stride, n, "stride")?;
-            per_dim(padding, n, "padding")?;
-            per_dim(dilation, n, "dilation")?;
-            let (lead, dims) = spatial_split(x, n, "max pool")?;
-            let mut shape = lead.to_vec();
-            for i in 0..n {
-                shape.push(window_out(
-                    dims[i],
-                    kernel[i],
-                    stride[i],
-                    padding[i],
-                    dilation[i],
-                    *ceil_mode,
-                )?);
-            }
+            let (lead, dims) = spatial_split(x, pool.spatial_rank(), "max pool")?;
+            let shape = [lead, &pool.window()?.output_spatial(dims)?].concat();
             let mut out = vec![(x.dtype, shape.clone())];
-            if *with_indices {
+            if pool.with_indices {
                 out.push((DType::I64, shape));
             }
             Ok(out)
         }
-        Op::AvgPool {
-            kernel,
-            stride,
-            padding,
-            ceil_mode,
-            ..
-        } => {
+        Op::AvgPool(pool) => {
             let x = x()?;
-            let n = kernel.len();
-            per_dim(stride, n, "stride")?;
-            per_dim(padding, n, "padding")?;
-            let (lead, dims) = spatial_split(x, n, "avg pool")?;
-            let mut shape = lead.to_vec();
-            for i in 0..n {
-                shape.push(window_out(
-                    dims[i], kernel[i], stride[i], padding[i], 1, *ceil_mode,
-                )?);
-            }
+            let (lead, dims) = spatial_split(x, pool.spatial_rank(), "avg pool")?;
+            let shape = [lead, &pool.window()?.output_spatial(dims)?].concat();
             Ok(vec![(x.dtype, shape)])
         }
         Op::AdaptiveAvgPool { output_size } => {
@@ -575,24 +466,22 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
                     q.shape, k.shape, v.shape
                 )));
             }
-            let mut batch = q.shape[..r - 2].to_vec();
-            let kb = &k.shape[..r - 2];
-            let heads_ok = if *enable_gqa && r >= 3 {
-                let h = r - 3;
-                let (hq, hk) = (q.shape[h], kb[h]);
-                hk != 0 && hq % hk == 0 && broadcast_shapes(&q.shape[..h], &kb[..h]).is_ok()
-            } else {
-                broadcast_shapes(&batch, kb).is_ok()
-            };
-            if !heads_ok {
-                return Err(Error::shape(format!(
-                    "attention batch dims of q {:?} and k {:?} differ",
-                    q.shape, k.shape
-                )));
-            }
-            if !*enable_gqa {
-                batch = broadcast_shapes(&batch, kb)?;
-            }
+            let mut batch = attention_batch(
+                &q.shape[..r - 2],
+                &k.shape[..r - 2],
+                &v.shape[..r - 2],
+                *enable_gqa,
+            )
+            .map_err(|e| {
+                Error::shape(format!(
+                    "attention batch dims of q {:?}, k {:?} and v {:?}: {}",
+                    q.shape,
+                    k.shape,
+                    v.shape,
+                    e.message()
+                ))
+            })?
+            .batch;
             if let Some(m) = inputs.get(3).copied().flatten() {
                 let mut scores = batch.clone();
                 scores.extend([l, s]);
@@ -863,6 +752,7 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
 mod tests {
     use super::*;
     use crate::ir::ValueId;
+    use etmetal_core::{ConvAttrs, MaxPoolAttrs};
 
     fn node(graph: &mut Graph, op: Op, inputs: &[(DType, &[usize])]) -> Result<Out> {
         let ids = inputs
@@ -941,27 +831,29 @@ mod tests {
     #[test]
     fn convolution_and_pooling() {
         use DType::F32;
-        let conv = Op::Convolution {
+        let conv = Op::Convolution(ConvAttrs {
             stride: vec![2, 2],
             padding: vec![1, 1],
             dilation: vec![1, 1],
             transposed: false,
             output_padding: vec![0, 0],
             groups: 1,
-        };
+        });
         assert_eq!(
             one(conv, &[(F32, &[1, 3, 16, 16]), (F32, &[8, 3, 3, 3])])
                 .unwrap()
                 .1,
             vec![1, 8, 8, 8]
         );
-        let pool = |ceil| Op::MaxPool {
-            kernel: vec![3],
-            stride: vec![2],
-            padding: vec![0],
-            dilation: vec![1],
-            ceil_mode: ceil,
-            with_indices: true,
+        let pool = |ceil| {
+            Op::MaxPool(MaxPoolAttrs {
+                kernel: vec![3],
+                stride: vec![2],
+                padding: vec![0],
+                dilation: vec![1],
+                ceil_mode: ceil,
+                with_indices: true,
+            })
         };
         let out = node(&mut Graph::default(), pool(false), &[(F32, &[1, 2, 6])]).unwrap();
         assert_eq!(out, vec![(F32, vec![1, 2, 2]), (DType::I64, vec![1, 2, 2])]);

@@ -21,7 +21,10 @@
 //! Each rewrite is checked to infer to the original outputs; new nodes are
 //! rewritten again (the `MatMul`s an `Sdpa` produces become `bmm`).
 
-use etmetal_core::{BinaryOp, DType, Error, Op, ReduceOp, Result, Tensor, UnaryOp};
+use etmetal_core::shape::gqa_group;
+use etmetal_core::{
+    AvgPoolAttrs, BinaryOp, DType, Error, MaxPoolAttrs, Op, ReduceOp, Result, Tensor, UnaryOp,
+};
 
 use crate::ir::{Graph, Node, ValueId};
 use crate::rewrite::Rewrite;
@@ -162,40 +165,26 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
             let zero = b.scalar(0.0, info.dtype)?;
             b.node(Op::Where, &[Some(mask), Some(x), Some(zero)])?
         }
-        Op::MaxPool {
-            kernel,
-            stride,
-            padding,
-            dilation,
-            ceil_mode,
-            with_indices: false,
-        } if kernel.len() == 1 => {
-            let op = Op::MaxPool {
-                kernel: vec![1, kernel[0]],
-                stride: vec![1, stride[0]],
-                padding: vec![0, padding[0]],
-                dilation: vec![1, dilation[0]],
-                ceil_mode: *ceil_mode,
+        Op::MaxPool(pool) if pool.spatial_rank() == 1 && !pool.with_indices => {
+            let w = pool.window()?;
+            let op = Op::MaxPool(MaxPoolAttrs {
+                kernel: vec![1, w.kernel[0]],
+                stride: vec![1, w.stride[0]],
+                padding: vec![0, w.padding[0]],
+                dilation: vec![1, w.dilation[0]],
+                ceil_mode: w.ceil_mode,
                 with_indices: false,
-            };
+            });
             pool_1d(&mut b, needs(0)?, op)?
         }
-        Op::AvgPool {
-            kernel,
-            stride,
-            padding,
-            ceil_mode,
-            count_include_pad,
-            divisor_override,
-        } if kernel.len() == 1 => {
-            let op = Op::AvgPool {
-                kernel: vec![1, kernel[0]],
-                stride: vec![1, stride[0]],
-                padding: vec![0, padding[0]],
-                ceil_mode: *ceil_mode,
-                count_include_pad: *count_include_pad,
-                divisor_override: *divisor_override,
-            };
+        Op::AvgPool(pool) if pool.spatial_rank() == 1 => {
+            let w = pool.window()?;
+            let op = Op::AvgPool(AvgPoolAttrs {
+                kernel: vec![1, w.kernel[0]],
+                stride: vec![1, w.stride[0]],
+                padding: vec![0, w.padding[0]],
+                ..pool.clone()
+            });
             pool_1d(&mut b, needs(0)?, op)?
         }
         Op::AdaptiveAvgPool { output_size } if output_size.len() == 1 => {
@@ -204,7 +193,7 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
             };
             pool_1d(&mut b, needs(0)?, op)?
         }
-        Op::Convolution { .. }
+        Op::Convolution(_)
             if compute_dtype(b.graph.value(needs(0)?).dtype) != b.graph.value(needs(0)?).dtype =>
         {
             let dtype = b.graph.value(needs(0)?).dtype;
@@ -346,15 +335,11 @@ fn repeat_heads(b: &mut Rewrite, x: ValueId, heads: usize) -> Result<ValueId> {
     if hk == heads {
         return Ok(x);
     }
-    if hk == 0 || !heads.is_multiple_of(hk) {
-        return Err(Error::shape(format!(
-            "{heads} query heads over {hk} key/value heads"
-        )));
-    }
+    let group = gqa_group(heads, hk)?;
     let mut split = s.clone();
     split.insert(r - 2, 1);
     let x = b.reshape(x, split.clone())?;
-    split[r - 2] = heads / hk;
+    split[r - 2] = group;
     let x = b.expand(x, split)?;
     let mut out = s;
     out[r - 3] = heads;
@@ -378,6 +363,7 @@ mod tests {
     use super::*;
     use crate::ir::{InputKind, OutputKind};
     use crate::test_util::{ops, push, reinfers};
+    use etmetal_core::ConvAttrs;
 
     /// One node `op` over fresh user inputs of the given shapes (f32 unless
     /// `dtypes` says), its output a graph output.
@@ -505,11 +491,11 @@ mod tests {
         check(&g);
         let names = ops(&g);
         assert_eq!(
-            names.iter().filter(|n| *n == "mat_mul").count(),
+            names.iter().filter(|n| **n == "mat_mul").count(),
             2,
             "{names:?}"
         );
-        assert!(names.contains(&"softmax".to_string()) && names.contains(&"where".to_string()));
+        assert!(names.contains(&"softmax") && names.contains(&"where"));
         // the causal mask is a lower-triangular constant
         let mask = g
             .values
@@ -522,26 +508,26 @@ mod tests {
 
     #[test]
     fn pools_and_triu() {
-        let pool = Op::MaxPool {
+        let pool = Op::MaxPool(MaxPoolAttrs {
             kernel: vec![3],
             stride: vec![2],
             padding: vec![1],
             dilation: vec![1],
             ceil_mode: false,
             with_indices: false,
-        };
+        });
         let mut g = single(pool, &[(F, &[2, 4, 11])]);
         to_portable(&mut g).unwrap();
         check(&g);
         assert_eq!(ops(&g), ["reshape", "max_pool", "reshape"]);
-        let conv = Op::Convolution {
+        let conv = Op::Convolution(ConvAttrs {
             stride: vec![1],
             padding: vec![0],
             dilation: vec![1],
             transposed: false,
             output_padding: vec![0],
             groups: 1,
-        };
+        });
         let mut g = Graph::default();
         let x = g.add_value("x", DType::BF16, vec![1, 2, 5]);
         g.inputs.push((x, InputKind::User));

@@ -7,7 +7,7 @@ use crate::infer::infer;
 use crate::ir::{Graph, Node, ValueId};
 
 /// The ops of the graph's nodes, by name, in order.
-pub fn ops(g: &Graph) -> Vec<String> {
+pub fn ops(g: &Graph) -> Vec<&'static str> {
     g.nodes.iter().map(|n| n.op.name()).collect()
 }
 

@@ -10,6 +10,7 @@
 
 use std::collections::BTreeMap;
 
+use etmetal_core::dtype::{result_type, Operand as Promoted};
 use etmetal_core::{check_inputs, DType, Error, Op, Result, Scalar, Tensor, TensorSpec};
 use etmetal_pte::kernels::{decode_call, DecodedCall};
 use etmetal_pte::{EValue, Instruction, PteFile};
@@ -74,18 +75,6 @@ pub struct Method {
     states: Vec<State>,
     inputs: Vec<(usize, TensorSpec)>,
     outputs: Vec<(usize, TensorSpec)>,
-}
-
-/// The dtype of a scalar operand next to a tensor of dtype `partner`, as
-/// PyTorch's promotion treats a Python scalar: it keeps the tensor's dtype
-/// unless it is of a higher kind (a float scalar with an integer tensor
-/// gives float32, an int scalar with a bool tensor int64).
-fn scalar_dtype(partner: DType, scalar: Scalar) -> DType {
-    match scalar {
-        Scalar::Float(_) if !partner.is_float() => DType::F32,
-        Scalar::Int(_) if partner == DType::Bool => DType::I64,
-        _ => partner,
-    }
 }
 
 fn as_scalar(e: &EValue) -> Option<Scalar> {
@@ -274,9 +263,11 @@ impl Method {
                         let partner = partner.ok_or_else(|| {
                             Error::unsupported(format!("scalar operand value {v} has no tensor operand to take a dtype from"))
                         })?;
+                        // PyTorch computes `partner op s` in this dtype
+                        let dtype = result_type(Promoted::Tensor(partner), Promoted::Scalar(s));
                         let t = match s {
-                            Scalar::Int(i) => Tensor::from_i64(scalar_dtype(partner, s), &[], &[i])?,
-                            _ => Tensor::scalar_f64(scalar_dtype(partner, s), s.to_f64())?,
+                            Scalar::Int(i) => Tensor::from_i64(dtype, &[], &[i])?,
+                            _ => Tensor::scalar_f64(dtype, s.to_f64())?,
                         };
                         Ok(Some(Operand::Scalar(t)))
                     }

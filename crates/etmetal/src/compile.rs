@@ -170,7 +170,11 @@ fn lower(
         let mut parts = partition(&g, &options.partition)?;
         for (i, reason) in &parts.cpu_nodes {
             let node = &g.nodes[*i];
-            cpu_nodes.push((node.name.clone(), node.op.name(), reason.clone()));
+            cpu_nodes.push((
+                node.name.clone(),
+                node.op.name().to_string(),
+                reason.clone(),
+            ));
         }
         let kept = resident_buffers(&g, &parts)?;
         for (id, p) in parts.partitions.iter_mut().enumerate() {
@@ -792,7 +796,7 @@ fn scratch_metas(g: &Graph, i: usize) -> Result<Vec<TensorMeta>> {
         ),
         // inference batch norm writes no statistics: ExecuTorch sizes them 0
         Op::BatchNorm { .. } => (x.dtype, vec![0]),
-        Op::MaxPool { .. } => {
+        Op::MaxPool(_) => {
             let out = g.value(node.outputs[0]);
             (DType::I64, out.shape.clone())
         }

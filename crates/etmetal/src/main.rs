@@ -416,7 +416,7 @@ fn inspect_graph(out: &mut String, graph: &etmetal_graph::Graph) -> Result<()> {
     );
     let mut histogram: BTreeMap<String, usize> = BTreeMap::new();
     for node in &graph.nodes {
-        *histogram.entry(node.op.name()).or_default() += 1;
+        *histogram.entry(node.op.name().to_string()).or_default() += 1;
     }
     say!(
         out,

@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use common::gpu::{assert_close, compile_whole, random, run_pte, OpCase};
-use etmetal_core::{DType, Op, Tensor};
+use etmetal_core::{AvgPoolAttrs, ConvAttrs, DType, MaxPoolAttrs, Op, Tensor};
 use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
 use etmetal_runtime::{BackendRegistry, LoadOptions, Program};
 
@@ -316,14 +316,14 @@ fn split_k_products() {
 }
 
 fn conv(stride: &[usize], padding: &[usize], dilation: &[usize], groups: usize) -> Op {
-    Op::Convolution {
+    Op::Convolution(ConvAttrs {
         stride: stride.to_vec(),
         padding: padding.to_vec(),
         dilation: dilation.to_vec(),
         transposed: false,
         output_padding: vec![0; stride.len()],
         groups,
-    }
+    })
 }
 
 #[test]
@@ -369,14 +369,14 @@ fn convolution_direct_and_implicit_gemm() {
 fn max_pool_dilation_padding_and_ceil_mode() {
     for ceil_mode in [false, true] {
         let pool = |kernel: &[usize], stride: &[usize], padding: &[usize], dilation: &[usize]| {
-            Op::MaxPool {
+            Op::MaxPool(MaxPoolAttrs {
                 kernel: kernel.to_vec(),
                 stride: stride.to_vec(),
                 padding: padding.to_vec(),
                 dilation: dilation.to_vec(),
                 ceil_mode,
                 with_indices: false,
-            }
+            })
         };
         OpCase::new(pool(&[3, 2], &[2, 1], &[1, 1], &[2, 1]))
             .input(random(F, &[2, 3, 9, 8], 1))
@@ -400,13 +400,15 @@ fn avg_pool_divisor_rules() {
     for ceil_mode in [false, true] {
         for count_include_pad in [false, true] {
             for divisor_override in [None, Some(5)] {
-                let pool = |kernel: &[usize], stride: &[usize], padding: &[usize]| Op::AvgPool {
-                    kernel: kernel.to_vec(),
-                    stride: stride.to_vec(),
-                    padding: padding.to_vec(),
-                    ceil_mode,
-                    count_include_pad,
-                    divisor_override,
+                let pool = |kernel: &[usize], stride: &[usize], padding: &[usize]| {
+                    Op::AvgPool(AvgPoolAttrs {
+                        kernel: kernel.to_vec(),
+                        stride: stride.to_vec(),
+                        padding: padding.to_vec(),
+                        ceil_mode,
+                        count_include_pad,
+                        divisor_override,
+                    })
                 };
                 OpCase::new(pool(&[3], &[2], &[1]))
                     .input(random(F, &[3, 10], 1))

@@ -7,11 +7,12 @@
 
 use std::cell::RefCell;
 
+use etmetal_core::ConvAttrs;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::valid_range;
-use crate::conv::{geometry, ConvParams};
+use crate::conv::geometry;
 use crate::matmul::{Mat, MatElem};
 use crate::simd;
 use crate::view::{View, ViewMut};
@@ -30,7 +31,7 @@ struct Plane {
     dil: (usize, usize),
 }
 
-pub fn convolution(p: &ConvParams, inputs: &[Option<View>], out: &mut ViewMut) -> bool {
+pub fn convolution(p: &ConvAttrs, inputs: &[Option<View>], out: &mut ViewMut) -> bool {
     let (x, w, bias) = match inputs {
         [Some(x), Some(w)] => (x, w, None),
         [Some(x), Some(w), b] => (x, w, *b),
@@ -64,9 +65,9 @@ pub fn convolution(p: &ConvParams, inputs: &[Option<View>], out: &mut ViewMut) -
         kw: two(&g.ksp).1,
         oh: two(&g.osp).0,
         ow: two(&g.osp).1,
-        stride: one_or(p.stride, 1),
-        pad: one_or(p.padding, 0),
-        dil: one_or(p.dilation, 1),
+        stride: one_or(&p.stride, 1),
+        pad: one_or(&p.padding, 0),
+        dil: one_or(&p.dilation, 1),
     };
     let bias = match bias.map(|b| (b.f32s(), b.numel())) {
         None => None,

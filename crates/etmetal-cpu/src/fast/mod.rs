@@ -26,23 +26,8 @@ const BLOCK: usize = 1 << 14;
 
 /// Run `op` on a fast path; `false` when none takes it.
 pub fn run(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> bool {
-    if let Op::MaxPool {
-        kernel,
-        stride,
-        padding,
-        dilation,
-        ceil_mode,
-        ..
-    } = op
-    {
-        let p = pool::MaxPool {
-            kernel,
-            stride,
-            padding,
-            dilation,
-            ceil_mode: *ceil_mode,
-        };
-        return pool::max_pool(&p, inputs, outputs);
+    if let Op::MaxPool(p) = op {
+        return pool::max_pool(p, inputs, outputs);
     }
     let [out] = outputs else {
         return false;
@@ -60,9 +45,7 @@ pub fn run(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> bool {
         Op::Where => pointwise::where_(inputs, out),
         Op::MatMul => matmul::matmul(inputs, out),
         Op::Addmm { beta, alpha } => matmul::addmm(*beta, *alpha, inputs, out),
-        Op::Convolution { .. } => {
-            crate::conv::ConvParams::of(op).is_some_and(|p| conv::convolution(&p, inputs, out))
-        }
+        Op::Convolution(p) => conv::convolution(p, inputs, out),
         Op::Softmax { dim, log } => rows::softmax(*dim, *log, inputs, out),
         Op::LayerNorm {
             normalized_dims,
@@ -121,7 +104,7 @@ fn par_rows(dst: &mut [f32], n: usize, work: usize, f: impl Fn(usize, &mut [f32]
 /// Every fast path against the reference kernel on the same inputs.
 #[cfg(test)]
 mod tests {
-    use etmetal_core::{BinaryOp, DType, Op, ReduceOp, Tensor, UnaryOp};
+    use etmetal_core::{BinaryOp, ConvAttrs, DType, MaxPoolAttrs, Op, ReduceOp, Tensor, UnaryOp};
 
     use crate::view::{View, ViewMut};
 
@@ -347,15 +330,16 @@ mod tests {
 
     #[test]
     fn convolutions_of_every_kind() {
-        let conv =
-            |stride: &[usize], padding: &[usize], dilation: &[usize], groups| Op::Convolution {
+        let conv = |stride: &[usize], padding: &[usize], dilation: &[usize], groups| {
+            Op::Convolution(ConvAttrs {
                 stride: stride.to_vec(),
                 padding: padding.to_vec(),
                 dilation: dilation.to_vec(),
                 transposed: false,
                 output_padding: vec![],
                 groups,
-            };
+            })
+        };
         // (input, weight, output, stride, padding, dilation, groups)
         type Case = (
             &'static [usize],
@@ -490,14 +474,14 @@ mod tests {
         ];
         for (k, s, p, d, ceil, [oh, ow]) in cases {
             for with_indices in [false, true] {
-                let op = Op::MaxPool {
+                let op = Op::MaxPool(MaxPoolAttrs {
                     kernel: vec![k, k],
                     stride: vec![s],
                     padding: vec![p, p],
                     dilation: vec![d, d],
                     ceil_mode: ceil,
                     with_indices,
-                };
+                });
                 let shape = [2, 3, oh, ow];
                 let mut specs = vec![(DType::F32, shape.to_vec())];
                 if with_indices {

@@ -1,42 +1,28 @@
 //! f32 2-D max pooling written into the output (and PyTorch's flat
 //! per-plane indices when asked for), planes in parallel.
 
-use etmetal_core::DType;
+use etmetal_core::{DType, MaxPoolAttrs};
 use rayon::prelude::*;
 
 use super::valid_range;
-use crate::pool::{per_dim, pool_out};
 use crate::view::{View, ViewMut};
 
-pub struct MaxPool<'a> {
-    pub kernel: &'a [usize],
-    pub stride: &'a [usize],
-    pub padding: &'a [usize],
-    pub dilation: &'a [usize],
-    pub ceil_mode: bool,
-}
-
-pub fn max_pool(p: &MaxPool, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> bool {
+pub fn max_pool(p: &MaxPoolAttrs, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> bool {
     let [Some(x)] = inputs else {
         return false;
     };
     let rank = x.shape.len();
-    if p.kernel.len() != 2 || !(3..=4).contains(&rank) {
+    if p.spatial_rank() != 2 || !(3..=4).contains(&rank) {
         return false;
     }
-    let dims = |v, default: &[usize]| per_dim(v, 2, default, "").ok();
-    let (Some(s), Some(pad), Some(d)) = (
-        dims(p.stride, p.kernel),
-        dims(p.padding, &[0, 0]),
-        dims(p.dilation, &[1, 1]),
-    ) else {
+    let Ok(w) = p.window() else {
         return false;
     };
+    let Ok(&[oh, ow]) = w.output_spatial(&x.shape[rank - 2..]).as_deref() else {
+        return false;
+    };
+    let (s, pad, d) = (&w.stride, &w.padding, &w.dilation);
     let (ih, iw) = (x.shape[rank - 2], x.shape[rank - 1]);
-    let size = |i, a: usize| pool_out(i, p.kernel[a], s[a], pad[a], d[a], p.ceil_mode).ok();
-    let (Some(oh), Some(ow)) = (size(ih, 0), size(iw, 1)) else {
-        return false;
-    };
     let oshape = [&x.shape[..rank - 2], &[oh, ow][..]].concat();
     let (values, indices) = match outputs {
         [v] => (v, None),

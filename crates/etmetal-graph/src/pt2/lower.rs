@@ -7,9 +7,11 @@
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 
+use etmetal_core::dtype::{result_type, Operand};
 use etmetal_core::shape::{normalize_dim, numel};
 use etmetal_core::{
-    BinaryOp, DType, Error, ErrorKind, Op, ReduceOp, Result, Scalar, Tensor, UnaryOp,
+    AvgPoolAttrs, BinaryOp, ConvAttrs, DType, Error, ErrorKind, MaxPoolAttrs, Op, ReduceOp, Result,
+    Scalar, Tensor, UnaryOp,
 };
 
 use super::json::Args;
@@ -76,23 +78,10 @@ pub(crate) struct Lowerer<'m> {
     placeholders: Vec<String>,
 }
 
-fn scalar_dtype(s: Scalar) -> DType {
-    match s {
-        Scalar::Bool(_) => DType::Bool,
-        Scalar::Int(_) => DType::I64,
-        Scalar::Float(_) => DType::F32,
-    }
-}
-
-/// The dtype of a Python scalar operand next to a tensor of dtype `t`
-/// (PyTorch: same category keeps the tensor's dtype; a float scalar with an
-/// int or bool tensor gives float32; an int scalar with a bool tensor int64).
+/// The dtype of a Python scalar operand next to a tensor of dtype `t`: the
+/// dtype PyTorch computes `t op s` in.
 fn promoted_scalar_dtype(s: Scalar, t: DType) -> DType {
-    match s {
-        Scalar::Float(_) if !t.is_float() => DType::F32,
-        Scalar::Int(_) if t == DType::Bool => DType::I64,
-        _ => t,
-    }
+    result_type(Operand::Tensor(t), Operand::Scalar(s))
 }
 
 fn scalar_tensor(s: Scalar, dtype: DType, shape: &[usize]) -> Result<Tensor> {
@@ -336,7 +325,7 @@ impl<'m> Lowerer<'m> {
         let s = self.req_scalar(c, arg)?;
         let dtype = match other {
             Some(o) => promoted_scalar_dtype(s, self.dtype(o)),
-            None => scalar_dtype(s),
+            None => s.dtype(),
         };
         self.constant(c, arg, s, dtype)
     }
@@ -477,14 +466,14 @@ impl<'m> Lowerer<'m> {
         let output_padding = self.conv_attr(c, "output_padding", spatial, 0)?;
         let groups = usize::try_from(c.args.int("groups", 1)?)
             .map_err(|_| Error::format("negative groups"))?;
-        let op = Op::Convolution {
+        let op = Op::Convolution(ConvAttrs {
             stride,
             padding,
             dilation,
             transposed,
             output_padding,
             groups,
-        };
+        });
         self.finish(c, op, vec![Some(x), Some(w), bias])
     }
 
@@ -882,27 +871,27 @@ impl<'m> Lowerer<'m> {
                 let (kernel, stride, padding) = self.pool_attrs(c)?;
                 let dilation = self.conv_attr(c, "dilation", kernel.len(), 1)?;
                 let with_indices = name.ends_with("with_indices") && self.is_used(c, 1);
-                let op = Op::MaxPool {
+                let op = Op::MaxPool(MaxPoolAttrs {
                     kernel,
                     stride,
                     padding,
                     dilation,
                     ceil_mode: a.bool("ceil_mode", false)?,
                     with_indices,
-                };
+                });
                 self.finish(c, op, vec![Some(x)])
             }
             ("avg_pool1d" | "avg_pool2d", "default") => {
                 let x = self.t(c, "self")?;
                 let (kernel, stride, padding) = self.pool_attrs(c)?;
-                let op = Op::AvgPool {
+                let op = Op::AvgPool(AvgPoolAttrs {
                     kernel,
                     stride,
                     padding,
                     ceil_mode: a.bool("ceil_mode", false)?,
                     count_include_pad: a.bool("count_include_pad", true)?,
                     divisor_override: a.opt_int("divisor_override")?,
-                };
+                });
                 self.finish(c, op, vec![Some(x)])
             }
             ("adaptive_avg_pool1d" | "adaptive_avg_pool2d" | "_adaptive_avg_pool2d", "default") => {
@@ -1322,7 +1311,7 @@ impl<'m> Lowerer<'m> {
             ("full", "default") => {
                 let shape = self.size_arg(c, "size")?;
                 let v = self.req_scalar(c, "fill_value")?;
-                self.full(c, shape, v, scalar_dtype(v))
+                self.full(c, shape, v, v.dtype())
             }
             ("zeros" | "ones" | "empty", "default" | "memory_format") => {
                 let shape = self.size_arg(c, "size")?;

@@ -112,7 +112,7 @@ pub fn partition(graph: &Graph, options: &PartitionOptions) -> Result<Partitioni
     let mut groups = Groups::new(n);
     for (i, node) in graph.nodes.iter().enumerate() {
         let name = node.op.name();
-        let verdict = if options.skip_ops.contains(&name) {
+        let verdict = if options.skip_ops.iter().any(|s| s == name) {
             Err(format!("`{name}` is in skip_ops"))
         } else {
             supports(graph, node, &options.limits)

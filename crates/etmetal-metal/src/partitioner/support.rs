@@ -53,14 +53,15 @@ pub fn op_supported(op: &Op) -> Result<(), String> {
         }
     };
     match op {
-        Op::Convolution {
-            transposed: true, ..
-        } => Err("transposed convolution has no GPU kernel yet".into()),
-        Op::Convolution { stride, .. } => spatial(stride.len(), "convolution"),
-        Op::MaxPool {
-            with_indices: true, ..
-        } => Err("max pooling with indices has no GPU kernel yet".into()),
-        Op::MaxPool { kernel, .. } | Op::AvgPool { kernel, .. } => spatial(kernel.len(), "pooling"),
+        Op::Convolution(c) if c.transposed => {
+            Err("transposed convolution has no GPU kernel yet".into())
+        }
+        Op::Convolution(c) => spatial(c.spatial_rank(), "convolution"),
+        Op::MaxPool(p) if p.with_indices => {
+            Err("max pooling with indices has no GPU kernel yet".into())
+        }
+        Op::MaxPool(p) => spatial(p.spatial_rank(), "pooling"),
+        Op::AvgPool(p) => spatial(p.spatial_rank(), "pooling"),
         Op::AdaptiveAvgPool { output_size } => spatial(output_size.len(), "adaptive pooling"),
         _ => Ok(()),
     }?;
@@ -395,13 +396,13 @@ fn dtypes_taken(
         | Op::RmsNorm { .. }
         | Op::BatchNorm { .. }
         | Op::GroupNorm { .. }
-        | Op::MaxPool { .. }
-        | Op::AvgPool { .. }
+        | Op::MaxPool(_)
+        | Op::AvgPool(_)
         | Op::AdaptiveAvgPool { .. } => {
             required(ins, 0)?;
             same_float(ins, all)
         }
-        Op::MatMul | Op::Addmm { .. } | Op::Linear | Op::Convolution { .. } => {
+        Op::MatMul | Op::Addmm { .. } | Op::Linear | Op::Convolution(_) => {
             required(ins, 0)?;
             required(ins, 1)?;
             same_float(ins, all)
@@ -459,6 +460,7 @@ fn is_bitwise(b: BinaryOp) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use etmetal_core::ConvAttrs;
     use etmetal_graph::ValueId;
 
     /// A graph with one node of `op` over inputs of the given dtypes and
@@ -614,13 +616,15 @@ mod tests {
 
     #[test]
     fn attribute_conditions() {
-        let conv = |transposed: bool, spatial: usize| Op::Convolution {
-            stride: vec![1; spatial],
-            padding: vec![0; spatial],
-            dilation: vec![1; spatial],
-            transposed,
-            output_padding: vec![0; spatial],
-            groups: 1,
+        let conv = |transposed: bool, spatial: usize| {
+            Op::Convolution(ConvAttrs {
+                stride: vec![1; spatial],
+                padding: vec![0; spatial],
+                dilation: vec![1; spatial],
+                transposed,
+                output_padding: vec![0; spatial],
+                groups: 1,
+            })
         };
         assert_eq!(op_supported(&conv(false, 1)), Ok(()));
         assert_eq!(op_supported(&conv(false, 2)), Ok(()));

@@ -221,8 +221,8 @@ impl<'a> KernelBuilder<'a> {
         }
         let ty = compute_type(v.dtype);
         let op = match &v.kind {
-            Kind::Unary(u, _) => Some(Op::Unary(*u).name()),
-            Kind::Binary { op, .. } => Some(Op::Binary(*op).name()),
+            Kind::Unary(u, _) => Some(Op::Unary(*u).name().to_string()),
+            Kind::Binary { op, .. } => Some(Op::Binary(*op).name().to_string()),
             Kind::Where(..) => Some("where".to_string()),
             _ => None,
         };

@@ -629,7 +629,7 @@ impl<'g> Lowering<'g> {
     }
 
     fn lower_node(&mut self, node: &Node) -> Result<()> {
-        self.current = node.op.name();
+        self.current = node.op.name().to_string();
         let out = node
             .outputs
             .first()

@@ -14,7 +14,10 @@
 //! [`Decoded`]; the op set takes every operand of a binary op as a tensor).
 
 use etmetal_core::shape::normalize_dim;
-use etmetal_core::{BinaryOp, DType, Error, Op, ReduceOp, Result, Scalar, UnaryOp};
+use etmetal_core::{
+    AvgPoolAttrs, BinaryOp, ConvAttrs, DType, Error, MaxPoolAttrs, Op, ReduceOp, Result, Scalar,
+    UnaryOp,
+};
 
 use super::Decoded;
 use crate::schema::{EValue, Operator, Tensor};
@@ -844,14 +847,14 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
         ("convolution", "out") => {
             let groups = usize::try_from(a.int(8)?)
                 .map_err(|_| Error::format("convolution with negative groups"))?;
-            let op = Op::Convolution {
+            let op = Op::Convolution(ConvAttrs {
                 stride: a.sizes(3)?,
                 padding: a.sizes(4)?,
                 dilation: a.sizes(5)?,
                 transposed: a.bool(6)?,
                 output_padding: a.sizes(7)?,
                 groups,
-            };
+            });
             one(
                 op,
                 vec![Some(a.tensor(0)?), Some(a.tensor(1)?), a.opt_tensor(2)?],
@@ -861,14 +864,14 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
         // (self, kernel_size, stride, padding, dilation, ceil_mode, out, indices)
         ("max_pool2d_with_indices", "out") => {
             let (kernel, stride) = pool_window(a)?;
-            let op = Op::MaxPool {
+            let op = Op::MaxPool(MaxPoolAttrs {
                 stride,
                 kernel,
                 padding: a.sizes(3)?,
                 dilation: a.sizes(4)?,
                 ceil_mode: a.bool(5)?,
                 with_indices: true,
-            };
+            });
             one(
                 op,
                 vec![Some(a.tensor(0)?)],
@@ -878,14 +881,14 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
         // (self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override?, out)
         ("avg_pool2d", "out") => {
             let (kernel, stride) = pool_window(a)?;
-            let op = Op::AvgPool {
+            let op = Op::AvgPool(AvgPoolAttrs {
                 stride,
                 kernel,
                 padding: a.sizes(3)?,
                 ceil_mode: a.bool(4)?,
                 count_include_pad: a.bool(5)?,
                 divisor_override: a.opt_int(6)?,
-            };
+            });
             one(op, vec![Some(a.tensor(0)?)], vec![a.tensor(7)?])
         }
         // (self, output_size, out)
@@ -1452,14 +1455,14 @@ mod tests {
             "aten::convolution.out",
             &[x, w, none, st, pad, dil, tr, opad, groups, y, y],
         );
-        let want = Op::Convolution {
+        let want = Op::Convolution(ConvAttrs {
             stride: vec![2, 2],
             padding: vec![2, 2],
             dilation: vec![2, 2],
             transposed: false,
             output_padding: vec![0, 0],
             groups: 2,
-        };
+        });
         assert_eq!((op, ins), (want, vec![Some(u(x)), Some(u(w)), None]));
 
         let (k, empty, p0, d1, ceil) = (
@@ -1475,14 +1478,14 @@ mod tests {
             "aten::max_pool2d_with_indices.out",
             &[x, k, empty, p0, d1, ceil, pooled, idx, list],
         );
-        let want = Op::MaxPool {
+        let want = Op::MaxPool(MaxPoolAttrs {
             kernel: vec![2, 2],
             stride: vec![2, 2],
             padding: vec![0, 0],
             dilation: vec![1, 1],
             ceil_mode: false,
             with_indices: true,
-        };
+        });
         assert_eq!((op, outs), (want, vec![u(pooled), u(idx)]));
         let (incl, none2) = (v.bool(true), v.null());
         let (op, _, _) = v.one(
@@ -1490,7 +1493,7 @@ mod tests {
             &[x, k, empty, p0, ceil, incl, none2, pooled, pooled],
         );
         assert!(
-            matches!(op, Op::AvgPool { ref stride, count_include_pad: true, divisor_override: None, .. } if stride == &[2, 2])
+            matches!(op, Op::AvgPool(AvgPoolAttrs { ref stride, count_include_pad: true, divisor_override: None, .. }) if stride == &[2, 2])
         );
     }
 

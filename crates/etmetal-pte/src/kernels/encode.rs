@@ -353,67 +353,49 @@ fn encode_op(op: &Op, inputs: &[Option<TensorMeta>], outputs: &[TensorMeta]) -> 
                 1,
             )
         }
-        Op::Convolution {
-            stride,
-            padding,
-            dilation,
-            transposed,
-            output_padding,
-            groups,
-        } => {
+        Op::Convolution(c) => {
             let args = vec![
                 x,
                 Input(1),
                 opt(inputs, 2),
-                ints(stride),
-                ints(padding),
-                ints(dilation),
-                Bool(*transposed),
-                ints(output_padding),
-                Int(*groups as i64),
+                ints(&c.stride),
+                ints(&c.padding),
+                ints(&c.dilation),
+                Bool(c.transposed),
+                ints(&c.output_padding),
+                Int(c.groups as i64),
             ];
             call("convolution", "out", args, 1)
         }
-        Op::MaxPool {
-            kernel,
-            stride,
-            padding,
-            dilation,
-            ceil_mode,
-            ..
-        } => {
-            if kernel.len() != 2 {
-                return Err(unsupported(format!("{}-D max pooling", kernel.len())));
+        Op::MaxPool(p) => {
+            if p.spatial_rank() != 2 {
+                return Err(unsupported(format!("{}-D max pooling", p.spatial_rank())));
             }
             let args = vec![
                 x,
-                ints(kernel),
-                ints(stride),
-                ints(padding),
-                ints(dilation),
-                Bool(*ceil_mode),
+                ints(&p.kernel),
+                ints(&p.stride),
+                ints(&p.padding),
+                ints(&p.dilation),
+                Bool(p.ceil_mode),
             ];
             call("max_pool2d_with_indices", "out", args, 2)
         }
-        Op::AvgPool {
-            kernel,
-            stride,
-            padding,
-            ceil_mode,
-            count_include_pad,
-            divisor_override,
-        } => {
-            if kernel.len() != 2 {
-                return Err(unsupported(format!("{}-D average pooling", kernel.len())));
+        Op::AvgPool(p) => {
+            if p.spatial_rank() != 2 {
+                return Err(unsupported(format!(
+                    "{}-D average pooling",
+                    p.spatial_rank()
+                )));
             }
             let args = vec![
                 x,
-                ints(kernel),
-                ints(stride),
-                ints(padding),
-                Bool(*ceil_mode),
-                Bool(*count_include_pad),
-                divisor_override.map_or(Null, Int),
+                ints(&p.kernel),
+                ints(&p.stride),
+                ints(&p.padding),
+                Bool(p.ceil_mode),
+                Bool(p.count_include_pad),
+                p.divisor_override.map_or(Null, Int),
             ];
             call("avg_pool2d", "out", args, 1)
         }
@@ -521,7 +503,7 @@ fn encode_op(op: &Op, inputs: &[Option<TensorMeta>], outputs: &[TensorMeta]) -> 
 pub fn kernel_outputs(op: &Op) -> usize {
     match op {
         Op::LayerNorm { .. } | Op::GroupNorm { .. } | Op::BatchNorm { .. } => 3,
-        Op::ReduceWithIndices { .. } | Op::TopK { .. } | Op::MaxPool { .. } => 2,
+        Op::ReduceWithIndices { .. } | Op::TopK { .. } | Op::MaxPool(_) => 2,
         _ => 1,
     }
 }
@@ -529,7 +511,7 @@ pub fn kernel_outputs(op: &Op) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use etmetal_core::DType;
+    use etmetal_core::{ConvAttrs, DType};
     use CallArg::{InputList, NoTensor, OptionalInputList, ScalarType, Str};
 
     fn t(shape: &[usize]) -> Option<TensorMeta> {
@@ -844,14 +826,14 @@ mod tests {
                 Output(0),
             ],
         );
-        let conv = Op::Convolution {
+        let conv = Op::Convolution(ConvAttrs {
             stride: vec![1, 1],
             padding: vec![0, 0],
             dilation: vec![1, 1],
             transposed: false,
             output_padding: vec![0, 0],
             groups: 1,
-        };
+        });
         let c = enc(conv, &[t(&[1, 2, 4, 4]), t(&[3, 2, 3, 3]), None], 1);
         check(
             &c,

@@ -27,7 +27,7 @@
 //!
 //! As the CPU kernel, a row whose every key is masked gives zeros.
 
-use etmetal_core::shape::broadcast_shapes;
+use etmetal_core::shape::{attention_batch, broadcast_shapes, AttentionBatch};
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
@@ -191,11 +191,11 @@ impl Attn {
     }
 
     fn k_at(&self, row: &str, col: &str) -> String {
-        self.read("k", &self.k, self.g.rep, row, col)
+        self.read("k", &self.k, self.g.k_group, row, col)
     }
 
     fn v_at(&self, row: &str, col: &str) -> String {
-        self.read("v", &self.v, self.g.rep, row, col)
+        self.read("v", &self.v, self.g.v_group, row, col)
     }
 
     /// Statements turning the dot product in var `x` of query row `i`
@@ -762,14 +762,16 @@ fn combine(lw: &mut Lowering, a: &Attn, sp: &Split) -> Result<()> {
 }
 
 /// Sizes of one attention: batch dims (broadcast, k/v heads repeated to
-/// q's), query and key lengths, head dims, and the GQA repeat.
+/// q's), query and key lengths, head dims, and the GQA head groups.
 struct Geometry {
     batch: Vec<usize>,
     l: usize,
     s: usize,
     e: usize,
     ev: usize,
-    rep: usize,
+    /// Query heads per key and per value head.
+    k_group: usize,
+    v_group: usize,
 }
 
 impl Geometry {
@@ -797,35 +799,21 @@ impl Geometry {
                 "empty attention (q {qs:?}, v {vs:?})"
             )));
         }
-        let (qb, mut kb, mut vb) = (
-            qs[..r - 2].to_vec(),
-            ks[..r - 2].to_vec(),
-            vs[..r - 2].to_vec(),
-        );
-        let mut rep = 1;
-        if enable_gqa && r >= 3 && kb[r - 3] != qb[r - 3] {
-            let (hq, hk) = (qb[r - 3], kb[r - 3]);
-            if hk == 0 || hq % hk != 0 || vb[r - 3] != hk {
-                return Err(Error::invalid_input(format!(
-                    "{hq} query heads cannot share {hk} key/value heads"
-                )));
-            }
-            rep = hq / hk;
-            kb[r - 3] = hq;
-            vb[r - 3] = hq;
-        }
-        let batch = broadcast_shapes(&qb, &kb)
-            .and_then(|b| broadcast_shapes(&b, &vb))
-            .map_err(|err| {
-                Error::invalid_input(format!("attention batch dims: {}", err.message()))
-            })?;
+        let AttentionBatch {
+            batch,
+            k_group,
+            v_group,
+        } = attention_batch(&qs[..r - 2], &ks[..r - 2], &vs[..r - 2], enable_gqa).map_err(
+            |err| Error::invalid_input(format!("attention batch dims: {}", err.message())),
+        )?;
         Ok(Geometry {
             batch,
             l,
             s,
             e,
             ev,
-            rep,
+            k_group,
+            v_group,
         })
     }
 }

@@ -11,7 +11,7 @@
 
 use std::fmt::Write;
 
-use etmetal_core::{DType, Error, Op, Result};
+use etmetal_core::{AvgPoolAttrs, ConvAttrs, DType, Error, MaxPoolAttrs, Op, PoolWindow, Result};
 use etmetal_graph::Node;
 
 use super::coop::Range;
@@ -24,15 +24,9 @@ use crate::preprocess::Lowering;
 pub(super) fn takes(op: &Op) -> bool {
     let spatial = |n: usize| (1..=2).contains(&n);
     match op {
-        Op::Convolution {
-            transposed, stride, ..
-        } => !transposed && spatial(stride.len()),
-        Op::MaxPool {
-            with_indices,
-            kernel,
-            ..
-        } => !with_indices && spatial(kernel.len()),
-        Op::AvgPool { kernel, .. } => spatial(kernel.len()),
+        Op::Convolution(c) => !c.transposed && spatial(c.spatial_rank()),
+        Op::MaxPool(p) => !p.with_indices && spatial(p.spatial_rank()),
+        Op::AvgPool(p) => spatial(p.spatial_rank()),
         Op::AdaptiveAvgPool { output_size } => spatial(output_size.len()),
         _ => false,
     }
@@ -44,33 +38,33 @@ const GEMM_MIN_COUT: usize = 8;
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     match &node.op {
-        Op::Convolution {
+        Op::Convolution(ConvAttrs {
             stride,
             padding,
             dilation,
             groups,
             transposed: false,
             ..
-        } => convolution(lw, node, stride, padding, dilation, *groups),
-        Op::MaxPool {
+        }) => convolution(lw, node, stride, padding, dilation, *groups),
+        Op::MaxPool(MaxPoolAttrs {
             kernel,
             stride,
             padding,
             dilation,
             with_indices: false,
             ..
-        } => {
+        }) => {
             let window = Window::new(kernel, stride, padding, dilation)?;
             pool(lw, node, Pool::Max(window))
         }
-        Op::AvgPool {
+        Op::AvgPool(AvgPoolAttrs {
             kernel,
             stride,
             padding,
             count_include_pad,
             divisor_override,
             ..
-        } => {
+        }) => {
             let window = Window::new(kernel, stride, padding, &[])?;
             if *divisor_override == Some(0) {
                 return Err(Error::invalid_input("divisor_override must be non-zero"));
@@ -314,30 +308,26 @@ struct Window {
 }
 
 impl Window {
-    /// One entry per spatial dim (a single entry repeats; an empty stride
-    /// is the kernel, empty padding 0, empty dilation 1), as PyTorch.
+    /// One entry per spatial dim ([`PoolWindow::new`]).
     fn new(
         kernel: &[usize],
         stride: &[usize],
         padding: &[usize],
         dilation: &[usize],
     ) -> Result<Window> {
-        let sr = kernel.len();
-        let per_dim = |v: &[usize], default: &[usize], what: &str| -> Result<Vec<usize>> {
-            match v.len() {
-                0 => Ok(default.to_vec()),
-                1 => Ok(vec![v[0]; sr]),
-                n if n == sr => Ok(v.to_vec()),
-                n => Err(Error::invalid_input(format!(
-                    "pooling {what} has {n} entries for {sr} spatial dims"
-                ))),
-            }
-        };
+        let PoolWindow {
+            kernel,
+            stride,
+            padding,
+            dilation,
+            ..
+        } = PoolWindow::new(kernel, stride, padding, dilation, false)
+            .map_err(|e| Error::invalid_input(e.message()))?;
         let w = Window {
-            kernel: kernel.to_vec(),
-            stride: per_dim(stride, kernel, "stride")?,
-            padding: per_dim(padding, &vec![0; sr], "padding")?,
-            dilation: per_dim(dilation, &vec![1; sr], "dilation")?,
+            kernel,
+            stride,
+            padding,
+            dilation,
         };
         if w.kernel.contains(&0) || w.stride.contains(&0) || w.dilation.contains(&0) {
             return Err(Error::invalid_input(format!(
@@ -509,19 +499,19 @@ fn pool(lw: &mut Lowering, node: &Node, kind: Pool) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use etmetal_core::{DType, Op};
+    use etmetal_core::{AvgPoolAttrs, ConvAttrs, DType, MaxPoolAttrs, Op};
 
     use super::super::matmul::tests::{input, lower_one, weight};
 
     fn conv(stride: &[usize], padding: &[usize], dilation: &[usize], groups: usize) -> Op {
-        Op::Convolution {
+        Op::Convolution(ConvAttrs {
             stride: stride.to_vec(),
             padding: padding.to_vec(),
             dilation: dilation.to_vec(),
             transposed: false,
             output_padding: vec![0; stride.len()],
             groups,
-        }
+        })
     }
 
     #[test]
@@ -546,25 +536,25 @@ mod tests {
                 ],
             ),
             (
-                Op::MaxPool {
+                Op::MaxPool(MaxPoolAttrs {
                     kernel: vec![3, 2],
                     stride: vec![2, 1],
                     padding: vec![1, 1],
                     dilation: vec![2, 1],
                     ceil_mode: true,
                     with_indices: false,
-                },
+                }),
                 vec![input(f, &[2, 3, 9, 8])],
             ),
             (
-                Op::AvgPool {
+                Op::AvgPool(AvgPoolAttrs {
                     kernel: vec![3],
                     stride: vec![2],
                     padding: vec![1],
                     ceil_mode: false,
                     count_include_pad: false,
                     divisor_override: None,
-                },
+                }),
                 vec![input(f, &[3, 10])],
             ),
             (
@@ -584,17 +574,19 @@ mod tests {
     fn transposed_convolution_and_indices_are_not_taken() {
         let mut op = conv(&[1], &[0], &[1], 1);
         assert!(super::takes(&op));
-        if let Op::Convolution { transposed, .. } = &mut op {
+        if let Op::Convolution(ConvAttrs { transposed, .. }) = &mut op {
             *transposed = true;
         }
         assert!(!super::takes(&op));
-        let pool = |with_indices| Op::MaxPool {
-            kernel: vec![2],
-            stride: vec![2],
-            padding: vec![0],
-            dilation: vec![1],
-            ceil_mode: false,
-            with_indices,
+        let pool = |with_indices| {
+            Op::MaxPool(MaxPoolAttrs {
+                kernel: vec![2],
+                stride: vec![2],
+                padding: vec![0],
+                dilation: vec![1],
+                ceil_mode: false,
+                with_indices,
+            })
         };
         assert!(super::takes(&pool(false)));
         assert!(!super::takes(&pool(true)));
