@@ -872,4 +872,72 @@ mod tests {
         assert_eq!(Scalar::Float(0.5).dtype(), DType::F32);
         assert_eq!(Scalar::Bool(true).dtype(), DType::Bool);
     }
+
+    #[test]
+    fn pool_windows_expand_pytorchs_int_or_tuple_attributes() {
+        // `max_pool2d(x, 3, padding=1)`: one padding for both dims, stride
+        // defaults to the kernel, dilation to 1
+        let p = MaxPoolAttrs {
+            kernel: vec![3, 2],
+            stride: vec![],
+            padding: vec![1],
+            dilation: vec![],
+            ceil_mode: true,
+            with_indices: false,
+        };
+        let w = p.window().unwrap();
+        assert_eq!(
+            (
+                w.stride.as_slice(),
+                w.padding.as_slice(),
+                w.dilation.as_slice()
+            ),
+            (&[3, 2][..], &[1, 1][..], &[1, 1][..])
+        );
+        // PyTorch 2.15: F.max_pool2d(zeros(1, 1, 7, 5), (3, 2), padding=1,
+        // ceil_mode=True) has shape [1, 1, 3, 3]
+        assert_eq!(w.output_spatial(&[7, 5]).unwrap(), [3, 3]);
+        assert!(w.output_spatial(&[7]).is_err());
+        let bad = MaxPoolAttrs {
+            stride: vec![1, 1, 1],
+            ..p
+        };
+        assert!(bad.window().is_err());
+        let avg = AvgPoolAttrs {
+            kernel: vec![2],
+            stride: vec![],
+            padding: vec![],
+            ceil_mode: false,
+            count_include_pad: true,
+            divisor_override: None,
+        };
+        assert_eq!(avg.window().unwrap().output_spatial(&[5]).unwrap(), [2]);
+    }
+
+    #[test]
+    fn conv_attributes_give_channels_and_output_sizes() {
+        let mut c = ConvAttrs {
+            stride: vec![2],
+            padding: vec![1],
+            dilation: vec![2],
+            transposed: false,
+            output_padding: vec![],
+            groups: 2,
+        };
+        // weight [cout, cin/groups, k]
+        assert_eq!(c.channels(&[6, 2, 3]), (4, 6));
+        // PyTorch 2.15: F.conv1d(zeros(1, 4, 4), zeros(6, 2, 3), stride=2,
+        // padding=1, dilation=2, groups=2) has length 1
+        assert_eq!(c.output_spatial(&[4], &[3]).unwrap(), [1]);
+        // transposed weight [cin, cout/groups, k]; F.conv_transpose1d(
+        // zeros(1, 6, 4), zeros(6, 2, 3), stride=2, padding=1, dilation=2,
+        // groups=2) has 4 channels of length 9
+        c.transposed = true;
+        assert_eq!(c.channels(&[6, 2, 3]), (6, 4));
+        assert_eq!(c.output_spatial(&[4], &[3]).unwrap(), [9]);
+        c.output_padding = vec![1];
+        assert_eq!(c.output_spatial(&[4], &[3]).unwrap(), [10]);
+        c.padding = vec![1, 1];
+        assert!(c.output_spatial(&[4], &[3]).is_err());
+    }
 }

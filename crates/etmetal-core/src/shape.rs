@@ -199,7 +199,7 @@ fn check_window(kernel: usize, stride: usize, dilation: usize) -> Result<()> {
 /// attention (`enable_gqa`): query head `h` reads key/value head
 /// `h / group`. The key/value head count must divide the query's.
 pub fn gqa_group(q_heads: usize, kv_heads: usize) -> Result<usize> {
-    if kv_heads == 0 || q_heads % kv_heads != 0 {
+    if kv_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
         return Err(Error::shape(format!(
             "{q_heads} query heads cannot share {kv_heads} key/value heads"
         )));

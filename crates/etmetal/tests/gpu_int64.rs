@@ -221,7 +221,7 @@ fn sum_prod_and_cumsum_of_int64() {
                 "{msg}"
             );
         }
-        agrees(&mut method, &graph, vec![i64s(ok[0])], &name);
+        agrees(&mut method, &graph, vec![i64s(ok[0])], name);
     };
     rows(
         sum(ReduceOp::Sum),

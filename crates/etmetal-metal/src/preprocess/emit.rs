@@ -252,7 +252,7 @@ impl<'a> KernelBuilder<'a> {
                 let a = self.emit(f, x, idx)?;
                 let name = Op::Unary(*op).name();
                 let e = pointwise::unary_checked(*op, &a, v.dtype, &mut |fault| {
-                    self.site(node_of(v), &name, fault)
+                    self.site(node_of(v), name, fault)
                 })?;
                 pointwise::round_to(e, v.dtype)
             }
@@ -263,7 +263,7 @@ impl<'a> KernelBuilder<'a> {
                 let cb = pointwise::cast(&xb, b.dtype, *compute);
                 let name = Op::Binary(*op).name();
                 let e = pointwise::binary_checked(*op, &ca, &cb, *compute, &mut |fault| {
-                    self.site(node_of(v), &name, fault)
+                    self.site(node_of(v), name, fault)
                 })?;
                 let e = if op.is_predicate() {
                     e

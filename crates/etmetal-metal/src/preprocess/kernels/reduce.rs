@@ -54,7 +54,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             // int64 sums and products accumulate in i32, every step checked
             let checked = acc_dtype == DType::I64 && matches!(op, ReduceOp::Sum | ReduceOp::Prod);
             let bit = if checked {
-                kb.site(&node.name, &node.op.name(), Fault::Overflow)
+                kb.site(&node.name, node.op.name(), Fault::Overflow)
             } else {
                 0
             };

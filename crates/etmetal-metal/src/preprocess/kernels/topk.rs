@@ -155,7 +155,7 @@ fn cumsum(lw: &mut Lowering, node: &Node, dim: usize) -> Result<()> {
     kb.value_fn(&rows_x, "x")?;
     // int64 sums accumulate in i32, every step checked
     let add: Combine = if out_dtype == DType::I64 {
-        let bit = kb.site(&node.name, &node.op.name(), Fault::Overflow);
+        let bit = kb.site(&node.name, node.op.name(), Fault::Overflow);
         Box::new(move |a, b| format!("add_ck({a}, {b}, {bit}u)"))
     } else {
         Box::new(|a, b| format!("{a} + {b}"))
