@@ -133,6 +133,12 @@ impl BinaryOp {
             Eq | Ne | Lt | Le | Gt | Ge | LogicalAnd | LogicalOr | LogicalXor
         )
     }
+
+    /// Whether the op works on bits (integer and bool tensors only).
+    pub fn is_bitwise(self) -> bool {
+        use BinaryOp::*;
+        matches!(self, BitwiseAnd | BitwiseOr | BitwiseXor)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

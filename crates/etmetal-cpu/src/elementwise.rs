@@ -422,10 +422,7 @@ pub fn binary(ctx: &Ctx, op: BinaryOp) -> Result<Tensor> {
     } else {
         domain(out)
     };
-    let bitwise = matches!(
-        op,
-        BinaryOp::BitwiseAnd | BinaryOp::BitwiseOr | BinaryOp::BitwiseXor
-    );
+    let bitwise = op.is_bitwise();
     let buf = match (load(a, dom), load(b, dom)) {
         (Buf::Bool(x), Buf::Bool(y)) => {
             if op.is_predicate() && !logical_op {
@@ -468,10 +465,7 @@ fn real_binary<T: Real>(
             compare(op, p, q)
         })));
     }
-    if matches!(
-        op,
-        BinaryOp::BitwiseAnd | BinaryOp::BitwiseOr | BinaryOp::BitwiseXor
-    ) {
+    if op.is_bitwise() {
         return Err(ctx.unsupported("bitwise ops are not defined for floating-point tensors"));
     }
     Ok(wrap(zip_map(x, sa, y, sb, shape, |p, q| {

@@ -172,9 +172,7 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             let dtype = match b {
                 b if b.is_predicate() => DType::Bool,
                 BinaryOp::Div => float_of(common),
-                BinaryOp::BitwiseAnd | BinaryOp::BitwiseOr | BinaryOp::BitwiseXor
-                    if common.is_float() =>
-                {
+                b if b.is_bitwise() && common.is_float() => {
                     return Err(Error::shape(format!("bitwise op on {common} tensors")));
                 }
                 _ => common,
