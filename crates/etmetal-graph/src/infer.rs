@@ -927,6 +927,17 @@ mod tests {
             ],
         );
         assert_eq!(out.unwrap().1, vec![1, 2, 5, 4]);
+        // PyTorch 2.15: 8 query heads over 2 key and 4 value heads give
+        // [2, 8, 5, 4] (k/v batch 1 broadcast); 3 over 2 do not divide
+        let gqa = Op::Sdpa {
+            is_causal: false,
+            scale: None,
+            enable_gqa: true,
+        };
+        let q = (F32, &[2, 8, 5, 8][..]);
+        let (k, v) = ((F32, &[1, 2, 7, 8][..]), (F32, &[1, 4, 7, 4][..]));
+        assert_eq!(one(gqa.clone(), &[q, k, v]).unwrap().1, vec![2, 8, 5, 4]);
+        assert!(one(gqa, &[(F32, &[1, 3, 5, 8]), k, (F32, &[1, 2, 7, 4])]).is_err());
         let sum = Op::Reduce {
             op: ReduceOp::Sum,
             dims: vec![1],
