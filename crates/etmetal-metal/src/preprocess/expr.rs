@@ -12,7 +12,8 @@ use std::rc::Rc;
 
 use etmetal_core::{BinaryOp, DType, Scalar, UnaryOp};
 
-use super::{pointwise, BufferIdx};
+use super::buffers::BufferIdx;
+use super::pointwise;
 
 pub(crate) type LazyRef = Rc<Lazy>;
 

@@ -67,9 +67,10 @@ use etmetal_core::{DType, Result, Tensor};
 
 use super::matmul::{Gemm, FILL};
 use crate::payload::Needs;
+use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{entry, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::{Kind, LazyRef};
-use crate::preprocess::{BufferIdx, Lowering};
+use crate::preprocess::Lowering;
 
 /// Invocations of a subgroup the kernel is written for.
 const SUBGROUP: usize = 32;
@@ -337,7 +338,7 @@ fn prepass(
 ) -> Result<BufferIdx> {
     let (len, k, batch) = (o.len, o.k, o.batch);
     let name = format!("{}.exponents_{}", lw.op_label(), o.name);
-    let exps = lw.temp(&name, DType::I32, &[batch * len]);
+    let exps = lw.temp(&name, DType::I32, &[batch * len])?;
     let mut kb = KernelBuilder::new(&lw.buffers);
     let fns = reader(&mut kb)?;
     // a maximum per invocation: of its chunks (k-fast), or of 4 lines

@@ -27,12 +27,13 @@ use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
 use super::coop::{self, Range};
+use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{
     entry, expanded_index, grid, linear, unravel, Built, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP,
 };
 use crate::preprocess::expr::{Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, float_literal};
-use crate::preprocess::{BufferIdx, Lowering};
+use crate::preprocess::Lowering;
 
 pub(super) fn takes(op: &Op) -> bool {
     matches!(op, Op::MatMul | Op::Addmm { .. } | Op::Linear)
@@ -435,7 +436,7 @@ impl Gemm {
         let t = self.tile();
         let tiles = self.m.div_ceil(t.bm) as u64 * self.n.div_ceil(t.bn) as u64;
         let splits = split_k(tiles * self.batch as u64, FILL, self.k, t.bk * 8, t.bk);
-        let split = Split::new(lw, splits, self.batch, self.m, self.n);
+        let split = Split::new(lw, splits, self.batch, self.m, self.n)?;
         let mut kb = KernelBuilder::new(&lw.buffers);
         let fns = operands(&mut kb, Reads::Elements)? + &split.store(&mut kb, &store)?;
         let main = format!("{fns}\n{}", self.main(&t, splits));
@@ -728,18 +729,20 @@ struct Split {
 }
 
 impl Split {
-    fn new(lw: &mut Lowering, splits: usize, batch: usize, m: usize, n: usize) -> Split {
-        let parts = (splits > 1).then(|| {
-            let name = format!("{}.split_k", lw.op_label());
-            lw.temp(&name, DType::F32, &[splits * batch, m, n])
-        });
-        Split {
+    fn new(lw: &mut Lowering, splits: usize, batch: usize, m: usize, n: usize) -> Result<Split> {
+        let parts = (splits > 1)
+            .then(|| {
+                let name = format!("{}.split_k", lw.op_label());
+                lw.temp(&name, DType::F32, &[splits * batch, m, n])
+            })
+            .transpose()?;
+        Ok(Split {
             parts,
             splits,
             batch,
             m,
             n,
-        }
+        })
     }
 
     /// The product kernel's `gstore(sb, r, c, v)` (`sb`: split · batch +
@@ -852,7 +855,7 @@ impl Gemv {
             return Ok(());
         }
         let (threads, cols, splits) = self.shape();
-        let split = Split::new(lw, splits, self.batch, self.m, self.n);
+        let split = Split::new(lw, splits, self.batch, self.m, self.n)?;
         let mut kb = KernelBuilder::new(&lw.buffers);
         let fns = operands(&mut kb)? + &split.store(&mut kb, &store)?;
         let main = format!("{fns}\n{}", self.main(threads, cols, splits));
