@@ -67,7 +67,7 @@ pub fn op_supported(op: &Op) -> Result<(), String> {
         _ => Ok(()),
     }?;
     // the attribute conditions above give the better reasons; this is the rest
-    if crate::preprocess::lowers(op) {
+    if crate::op_table::form(op).is_some() {
         Ok(())
     } else {
         Err(format!("{} has no GPU kernel yet", op.name()))

@@ -62,38 +62,6 @@ impl Default for PreprocessOptions {
     }
 }
 
-/// Whether preprocess lowers `op` at all (as an expression or a kernel
-/// template); the partitioner's support table starts from this.
-pub fn lowers(op: &Op) -> bool {
-    is_expression(op) || kernels::takes(op)
-}
-
-/// Ops that become lazy expressions (fused into their readers).
-fn is_expression(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Where
-            | Op::Cast { .. }
-            | Op::Identity
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Expand { .. }
-            | Op::Slice { .. }
-            | Op::Select { .. }
-            | Op::Repeat { .. }
-            | Op::Cat { .. }
-            | Op::ConstantPad { .. }
-            | Op::Triangle { .. }
-            | Op::Full { .. }
-            | Op::Arange { .. }
-            | Op::Embedding
-            | Op::IndexSelect { .. }
-            | Op::Gather { .. }
-    )
-}
-
 /// Compile `partition` of `graph` (decomposed as the partitioner saw it).
 pub fn preprocess(
     graph: &Graph,

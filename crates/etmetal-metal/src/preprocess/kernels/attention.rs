@@ -47,10 +47,6 @@ const DECODE_CHUNK: usize = 2 * ROW_WORKGROUP as usize;
 /// Workgroups below which the keys are split (a few per SM of a large GPU).
 const TARGET_GROUPS: usize = 256;
 
-pub(super) fn takes(op: &Op) -> bool {
-    matches!(op, Op::Sdpa { .. })
-}
-
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     let Op::Sdpa {
         is_causal,

@@ -21,23 +21,6 @@ use crate::preprocess::expr::LazyRef;
 use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::Lowering;
 
-pub(super) fn takes(op: &Op) -> bool {
-    let spatial = |n: usize| (1..=2).contains(&n);
-    match op {
-        Op::Convolution {
-            transposed, stride, ..
-        } => !transposed && spatial(stride.len()),
-        Op::MaxPool {
-            with_indices,
-            kernel,
-            ..
-        } => !with_indices && spatial(kernel.len()),
-        Op::AvgPool { kernel, .. } => spatial(kernel.len()),
-        Op::AdaptiveAvgPool { output_size } => spatial(output_size.len()),
-        _ => false,
-    }
-}
-
 /// Output channels per group from which a convolution is a GEMM (fewer
 /// leave most of a GEMM tile idle).
 const GEMM_MIN_COUT: usize = 8;
@@ -580,23 +563,26 @@ mod tests {
         }
     }
 
+    /// What the partitioner refuses (transposed convolution, pooling with
+    /// indices) is a typed error here too, never a wrong kernel.
     #[test]
-    fn transposed_convolution_and_indices_are_not_taken() {
+    fn transposed_convolution_and_indices_are_errors() {
+        let f = DType::F32;
         let mut op = conv(&[1], &[0], &[1], 1);
-        assert!(super::takes(&op));
         if let Op::Convolution { transposed, .. } = &mut op {
             *transposed = true;
         }
-        assert!(!super::takes(&op));
-        let pool = |with_indices| Op::MaxPool {
+        let err = lower_one(op, vec![input(f, &[1, 2, 5]), weight(f, &[2, 2, 1])]).unwrap_err();
+        assert_eq!(err.kind(), etmetal_core::ErrorKind::Unsupported, "{err}");
+        let pool = Op::MaxPool {
             kernel: vec![2],
             stride: vec![2],
             padding: vec![0],
             dilation: vec![1],
             ceil_mode: false,
-            with_indices,
+            with_indices: true,
         };
-        assert!(super::takes(&pool(false)));
-        assert!(!super::takes(&pool(true)));
+        let err = lower_one(pool, vec![input(f, &[1, 2, 6])]).unwrap_err();
+        assert_eq!(err.kind(), etmetal_core::ErrorKind::Unsupported, "{err}");
     }
 }

@@ -35,10 +35,6 @@ use crate::preprocess::expr::{Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::Lowering;
 
-pub(super) fn takes(op: &Op) -> bool {
-    matches!(op, Op::MatMul | Op::Addmm { .. } | Op::Linear)
-}
-
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     let (a, b, bias, alpha, beta) = match &node.op {
         Op::MatMul => (
