@@ -188,3 +188,15 @@ impl Lazy {
         1 + self.children().into_iter().map(|c| c.size()).sum::<usize>()
     }
 }
+
+/// `x` with the same elements in row-major order under `shape` (a load of
+/// a contiguous buffer stays a plain load).
+pub(crate) fn reshaped(x: &LazyRef, shape: Vec<usize>) -> LazyRef {
+    if x.shape == shape {
+        return x.clone();
+    }
+    match x.kind {
+        Kind::Load(buf) => Lazy::new(x.dtype, shape, Kind::Load(buf)),
+        _ => Lazy::new(x.dtype, shape, Kind::Reshape(x.clone())),
+    }
+}

@@ -6,7 +6,7 @@
 
 mod attention;
 mod conv;
-mod coop;
+mod gemm;
 mod matmul;
 mod norm;
 mod reduce;
