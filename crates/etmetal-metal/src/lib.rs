@@ -20,6 +20,8 @@
 
 pub mod compile_spec;
 #[cfg(feature = "compiler")]
+mod op_table;
+#[cfg(feature = "compiler")]
 pub mod partitioner;
 pub mod payload;
 #[cfg(feature = "compiler")]

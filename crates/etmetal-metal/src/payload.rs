@@ -326,6 +326,36 @@ impl GpuRepr {
     }
 }
 
+/// Where a delegate keeps a value, which decides its GPU form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A delegate input, output or weight: the host's values in their
+    /// [`GpuRepr`] (16-bit floats packed two a word).
+    Boundary,
+    /// Written and read on the GPU only: 16-bit floats are kept in f32
+    /// (kernels compute in f32 and do not round between ops).
+    Intermediate,
+}
+
+/// The dtype a payload buffer declares for values of `dtype` kept in
+/// `role`.
+pub fn buffer_dtype(dtype: DType, role: Role) -> DType {
+    match role {
+        Role::Intermediate if dtype.is_float() => DType::F32,
+        _ => dtype,
+    }
+}
+
+/// The most bytes a value of `dtype` with `numel` elements takes in a
+/// delegate, whichever [`Role`] it has: the size the partitioner checks
+/// against the binding limit, and so a bound on every buffer preprocess
+/// makes for the value.
+pub fn value_gpu_bytes(dtype: DType, numel: usize) -> Result<u64> {
+    let boundary = gpu_bytes(buffer_dtype(dtype, Role::Boundary), numel)?;
+    let intermediate = gpu_bytes(buffer_dtype(dtype, Role::Intermediate), numel)?;
+    Ok(boundary.max(intermediate))
+}
+
 /// Bytes a tensor of `dtype` and `numel` elements takes on the GPU (a
 /// multiple of 4, at least 4 so empty tensors still bind).
 pub fn gpu_bytes(dtype: DType, numel: usize) -> Result<u64> {

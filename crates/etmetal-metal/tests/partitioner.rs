@@ -7,8 +7,10 @@ use std::path::{Path, PathBuf};
 use etmetal_core::{BinaryOp, ConvAttrs, DType, ErrorKind, Op, Tensor, UnaryOp};
 use etmetal_graph::{decompose, load_pt2, Graph, InputKind, Node, OutputKind, ValueId};
 use etmetal_metal::partitioner::{
-    ops_to_not_decompose, partition, PartitionMode, PartitionOptions, Partitioning, Step,
+    ops_to_not_decompose, partition, DeviceLimits, PartitionMode, PartitionOptions, Partitioning,
+    Step,
 };
+use etmetal_metal::preprocess::{preprocess, PreprocessOptions};
 
 fn fixture(name: &str) -> Graph {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -620,5 +622,76 @@ fn every_fixture_partitions_convexly() {
         check(&graph, &p);
         let err = partition(&graph, &skipping(&[&top], PartitionMode::Whole)).unwrap_err();
         assert!(err.to_string().contains(&format!("({top})")), "{err}");
+    }
+}
+
+/// A chain `x → op(x, x) → op(a, a)` of `numel` elements of `dtype`; `a`,
+/// read twice by the second node, is a buffer of its own in the delegate.
+fn pair_chain(dtype: DType, op: BinaryOp, numel: usize) -> Graph {
+    let mut g = Graph::default();
+    let x = g.add_value("x", dtype, vec![numel]);
+    g.inputs.push((x, InputKind::User));
+    let a = g.add_value("a", dtype, vec![numel]);
+    let b = g.add_value("b", dtype, vec![numel]);
+    for (name, input, out) in [("first", x, a), ("second", a, b)] {
+        g.nodes.push(Node {
+            name: name.into(),
+            target: format!("{op:?}"),
+            op: Op::Binary(op),
+            inputs: vec![Some(input), Some(input)],
+            outputs: vec![out],
+        });
+    }
+    g.outputs.push((b, OutputKind::User));
+    g
+}
+
+/// The buffer limit counts a value as the delegate holds it — one 32-bit
+/// word an element for every dtype (16-bit float intermediates are f32,
+/// int64 is narrowed, bool widened) — not at its host size: a value of
+/// exactly the limit goes to the GPU, one element more stays on the CPU,
+/// and the compiled payload binds no buffer beyond the limit checked.
+#[test]
+fn buffer_limit_is_the_gpu_size_of_every_dtype() {
+    const WORDS: usize = 96;
+    let limits = DeviceLimits {
+        max_buffer_bytes: 4 * WORDS as u64,
+        ..DeviceLimits::default()
+    };
+    let options = PartitionOptions {
+        limits: limits.clone(),
+        ..PartitionOptions::default()
+    };
+    for (dtype, op) in [
+        (DType::F32, BinaryOp::Maximum),
+        (DType::BF16, BinaryOp::Maximum),
+        (DType::F16, BinaryOp::Maximum),
+        (DType::I64, BinaryOp::Maximum),
+        (DType::Bool, BinaryOp::LogicalAnd),
+    ] {
+        let at = pair_chain(dtype, op, WORDS);
+        let p = partition(&at, &options).unwrap();
+        assert_eq!(p.cpu_nodes, vec![], "{dtype:?} at the limit");
+        assert_eq!(p.partitions.len(), 1, "{dtype:?}");
+        let compiled = preprocess(&at, &p.partitions[0], &PreprocessOptions::default()).unwrap();
+        let need = compiled
+            .payload
+            .requirements
+            .max_storage_buffer_binding_size;
+        assert!(
+            need <= limits.max_buffer_bytes,
+            "{dtype:?}: the payload binds {need} bytes, the limit is {}",
+            limits.max_buffer_bytes
+        );
+
+        let beyond = pair_chain(dtype, op, WORDS + 1);
+        let p = partition(&beyond, &options).unwrap();
+        assert!(p.partitions.is_empty(), "{dtype:?}: {:?}", p.partitions);
+        for (node, reason) in &p.cpu_nodes {
+            assert!(
+                reason.contains("byte buffer limit"),
+                "{dtype:?} node {node}: {reason}"
+            );
+        }
     }
 }

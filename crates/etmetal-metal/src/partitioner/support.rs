@@ -21,7 +21,9 @@ use etmetal_graph::{Graph, Node, ValueInfo};
 /// which every Metal, Vulkan and DX12 adapter meets.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceLimits {
-    /// Largest tensor, in bytes (wgpu's `max_storage_buffer_binding_size`).
+    /// Largest value, in bytes as the delegate holds it
+    /// ([`crate::payload::value_gpu_bytes`]; wgpu's
+    /// `max_storage_buffer_binding_size`).
     pub max_buffer_bytes: u64,
     /// Largest rank the kernels' shape parameters hold.
     pub max_rank: usize,
@@ -66,7 +68,7 @@ pub fn op_supported(op: &Op) -> Result<(), String> {
         _ => Ok(()),
     }?;
     // the attribute conditions above give the better reasons; this is the rest
-    if crate::preprocess::lowers(op) {
+    if crate::op_table::form(op).is_some() {
         Ok(())
     } else {
         Err(format!("{} has no GPU kernel yet", op.name()))
@@ -162,10 +164,13 @@ fn storable(v: &ValueInfo, limits: &DeviceLimits) -> Result<(), String> {
             limits.max_rank
         ));
     }
+    // as the delegate holds it (16-bit float intermediates in f32, int64
+    // and bool in 32-bit words), not at its host size
     let bytes = v
         .shape
         .iter()
-        .try_fold(v.dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64));
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .and_then(|numel| crate::payload::value_gpu_bytes(v.dtype, numel).ok());
     match bytes {
         Some(b) if b <= limits.max_buffer_bytes => Ok(()),
         _ => Err(format!(

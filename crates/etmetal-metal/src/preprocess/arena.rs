@@ -6,7 +6,7 @@
 
 use etmetal_core::{Error, Result};
 
-use super::{Buffers, Place};
+use super::buffers::{Buffers, Place};
 use crate::payload::{Dispatch, ARENA_ALIGN};
 
 pub(crate) struct ArenaPlan {

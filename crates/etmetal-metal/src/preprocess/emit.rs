@@ -7,9 +7,9 @@ use std::fmt::Write;
 
 use etmetal_core::{DType, Error, Op, Result};
 
+use super::buffers::{BufferIdx, Buffers, Storage};
 use super::expr::{GatherAt, Kind, LazyRef};
 use super::pointwise::{self, compute_type};
-use super::{BufferIdx, Buffers, Storage};
 use crate::payload::{Access, Fault, Site};
 
 /// Elements handled by one invocation of a flat kernel's workgroup.

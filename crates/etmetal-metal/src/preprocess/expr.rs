@@ -12,7 +12,8 @@ use std::rc::Rc;
 
 use etmetal_core::{BinaryOp, DType, Scalar, UnaryOp};
 
-use super::{pointwise, BufferIdx};
+use super::buffers::BufferIdx;
+use super::pointwise;
 
 pub(crate) type LazyRef = Rc<Lazy>;
 
@@ -185,5 +186,17 @@ impl Lazy {
     /// Number of tree nodes (a bound on the WGSL a kernel inlines).
     pub fn size(&self) -> usize {
         1 + self.children().into_iter().map(|c| c.size()).sum::<usize>()
+    }
+}
+
+/// `x` with the same elements in row-major order under `shape` (a load of
+/// a contiguous buffer stays a plain load).
+pub(crate) fn reshaped(x: &LazyRef, shape: Vec<usize>) -> LazyRef {
+    if x.shape == shape {
+        return x.clone();
+    }
+    match x.kind {
+        Kind::Load(buf) => Lazy::new(x.dtype, shape, Kind::Load(buf)),
+        _ => Lazy::new(x.dtype, shape, Kind::Reshape(x.clone())),
     }
 }

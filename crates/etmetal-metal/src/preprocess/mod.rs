@@ -13,6 +13,7 @@
 //! translated to MSL.
 
 mod arena;
+pub(crate) mod buffers;
 pub(crate) mod emit;
 pub(crate) mod expr;
 mod kernels;
@@ -26,14 +27,11 @@ use etmetal_graph::{Graph, Node, ValueId};
 
 use crate::partitioner::Partition;
 use crate::payload::{
-    self, Access, Alternative, Check, Dispatch, GpuRepr, Kernel, Location, Needs, Payload,
-    Requirements,
+    self, Access, Alternative, Check, Dispatch, Kernel, Location, Needs, Payload, Requirements,
 };
+use buffers::{BufferDesc, BufferIdx, Buffers, Place, Storage};
 use emit::{entry, grid, unravel, Built, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use expr::{Kind, Lazy, LazyRef};
-
-/// Index into [`Buffers::list`] (the payload's buffer ids).
-pub(crate) type BufferIdx = usize;
 
 /// What preprocess makes of one partition.
 #[derive(Clone, Debug)]
@@ -62,111 +60,6 @@ impl Default for PreprocessOptions {
             max_workgroups_per_dim: 65535,
         }
     }
-}
-
-/// How a buffer's elements are stored on the GPU.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Storage {
-    F32,
-    /// i32, and int64/bool/u8/i8 widened or narrowed to i32.
-    I32,
-    /// f16/bf16 two a u32 (delegate inputs, outputs and weights only;
-    /// 16-bit intermediates are kept in f32).
-    Packed16,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Place {
-    Input(usize),
-    Output(usize),
-    Weight(String),
-    Temp,
-    /// A dispatch's status words (see [`payload::Check`]).
-    Status,
-}
-
-#[derive(Clone, Debug)]
-pub(crate) struct BufferDesc {
-    pub name: String,
-    /// The logical dtype of the values (loads and stores convert).
-    pub dtype: DType,
-    pub shape: Vec<usize>,
-    pub storage: Storage,
-    pub place: Place,
-}
-
-impl BufferDesc {
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-
-    /// The dtype the payload declares: 16-bit float intermediates are f32.
-    pub fn payload_dtype(&self) -> DType {
-        if self.storage == Storage::F32 {
-            DType::F32
-        } else {
-            self.dtype
-        }
-    }
-
-    pub fn gpu_bytes(&self) -> Result<u64> {
-        payload::gpu_bytes(self.payload_dtype(), self.numel())
-    }
-}
-
-#[derive(Default)]
-pub(crate) struct Buffers {
-    pub list: Vec<BufferDesc>,
-}
-
-impl Buffers {
-    pub fn access(&self, buf: BufferIdx) -> Access {
-        match self.list[buf].place {
-            Place::Weight(_) => Access::Read,
-            _ => Access::ReadWrite,
-        }
-    }
-}
-
-/// Storage of a buffer the host reads or writes.
-fn boundary_storage(dtype: DType) -> Result<Storage> {
-    Ok(match GpuRepr::of(dtype)? {
-        GpuRepr::F32 => Storage::F32,
-        GpuRepr::Packed16 => Storage::Packed16,
-        GpuRepr::I32 | GpuRepr::I64AsI32 | GpuRepr::Widened => Storage::I32,
-    })
-}
-
-/// Whether preprocess lowers `op` at all (as an expression or a kernel
-/// template); the partitioner's support table starts from this.
-pub fn lowers(op: &Op) -> bool {
-    is_expression(op) || kernels::takes(op)
-}
-
-/// Ops that become lazy expressions (fused into their readers).
-fn is_expression(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Where
-            | Op::Cast { .. }
-            | Op::Identity
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Expand { .. }
-            | Op::Slice { .. }
-            | Op::Select { .. }
-            | Op::Repeat { .. }
-            | Op::Cat { .. }
-            | Op::ConstantPad { .. }
-            | Op::Triangle { .. }
-            | Op::Full { .. }
-            | Op::Arange { .. }
-            | Op::Embedding
-            | Op::IndexSelect { .. }
-            | Op::Gather { .. }
-    )
 }
 
 /// Compile `partition` of `graph` (decomposed as the partitioner saw it).
@@ -256,13 +149,12 @@ impl<'g> Lowering<'g> {
         }
         for (k, &v) in partition.inputs.iter().enumerate() {
             let info = graph.value(v);
-            let buf = lw.add_buffer(BufferDesc {
-                name: info.name.clone(),
-                dtype: info.dtype,
-                shape: info.shape.clone(),
-                storage: boundary_storage(info.dtype)?,
-                place: Place::Input(k),
-            });
+            let buf = lw.add_buffer(BufferDesc::new(
+                &info.name,
+                info.dtype,
+                &info.shape,
+                Place::Input(k),
+            )?);
             lw.values.insert(v, lw.load(buf));
         }
         for &v in &partition.constants {
@@ -285,13 +177,12 @@ impl<'g> Lowering<'g> {
                 let bytes =
                     payload::to_gpu(tensor, &format!("weight `{}`", info.name))?.into_owned();
                 lw.named_data.push((info.name.clone(), bytes));
-                let buf = lw.add_buffer(BufferDesc {
-                    name: info.name.clone(),
-                    dtype: info.dtype,
-                    shape: info.shape.clone(),
-                    storage: boundary_storage(info.dtype)?,
-                    place: Place::Weight(info.name.clone()),
-                });
+                let buf = lw.add_buffer(BufferDesc::new(
+                    &info.name,
+                    info.dtype,
+                    &info.shape,
+                    Place::Weight(info.name.clone()),
+                )?);
                 lw.load(buf)
             };
             lw.values.insert(v, lazy);
@@ -322,19 +213,9 @@ impl<'g> Lowering<'g> {
     }
 
     /// A new intermediate buffer for a value of `dtype` and `shape`.
-    pub fn temp(&mut self, name: &str, dtype: DType, shape: &[usize]) -> BufferIdx {
-        let storage = if dtype.is_float() {
-            Storage::F32
-        } else {
-            Storage::I32
-        };
-        self.add_buffer(BufferDesc {
-            name: name.to_string(),
-            dtype,
-            shape: shape.to_vec(),
-            storage,
-            place: Place::Temp,
-        })
+    pub fn temp(&mut self, name: &str, dtype: DType, shape: &[usize]) -> Result<BufferIdx> {
+        let desc = BufferDesc::new(name, dtype, shape, Place::Temp)?;
+        Ok(self.add_buffer(desc))
     }
 
     /// The lazy value of graph value `v`.
@@ -397,7 +278,7 @@ impl<'g> Lowering<'g> {
     /// as the value's home.
     pub fn output_buffer(&mut self, node: &Node, k: usize) -> Result<BufferIdx> {
         let (name, dtype, shape) = self.output_info(node, k)?;
-        let buf = self.temp(&name, dtype, &shape);
+        let buf = self.temp(&name, dtype, &shape)?;
         let lazy = self.load(buf);
         self.values.insert(node.outputs[k], lazy);
         Ok(buf)
@@ -411,7 +292,7 @@ impl<'g> Lowering<'g> {
     /// Write `lazy` to a buffer (once: later readers load it).
     fn materialize_value(&mut self, v: ValueId, lazy: LazyRef) -> Result<LazyRef> {
         let name = self.graph.value(v).name.clone();
-        let buf = self.temp(&name, lazy.dtype, &lazy.shape);
+        let buf = self.temp(&name, lazy.dtype, &lazy.shape)?;
         self.write_flat(&lazy, buf)?;
         let loaded = self.load(buf);
         self.values.insert(v, loaded.clone());
@@ -490,13 +371,12 @@ impl<'g> Lowering<'g> {
                 ));
             }
             let dispatch = self.dispatches.len();
-            let buffer = self.add_buffer(BufferDesc {
-                name: format!("status of dispatch {dispatch}"),
-                dtype: DType::I32,
-                shape: vec![sites.len().div_ceil(32)],
-                storage: Storage::I32,
-                place: Place::Status,
-            });
+            let buffer = self.add_buffer(BufferDesc::new(
+                &format!("status of dispatch {dispatch}"),
+                DType::I32,
+                &[sites.len().div_ceil(32)],
+                Place::Status,
+            )?);
             bindings.push(buffer);
             self.checks.push(Check {
                 dispatch,
@@ -768,11 +648,11 @@ impl<'g> Lowering<'g> {
         for (k, &v) in self.outputs.clone().iter().enumerate() {
             let lazy = self.value(v)?;
             let info = self.graph.value(v);
-            let storage = boundary_storage(info.dtype)?;
+            let desc = BufferDesc::new(&info.name, info.dtype, &info.shape, Place::Output(k))?;
             let reuse = match lazy.kind {
                 Kind::Load(b)
                     if self.buffers.list[b].place == Place::Temp
-                        && self.buffers.list[b].storage == storage =>
+                        && self.buffers.list[b].storage == desc.storage =>
                 {
                     Some(b)
                 }
@@ -784,13 +664,7 @@ impl<'g> Lowering<'g> {
                     b
                 }
                 None => {
-                    let b = self.add_buffer(BufferDesc {
-                        name: info.name.clone(),
-                        dtype: info.dtype,
-                        shape: info.shape.clone(),
-                        storage,
-                        place: Place::Output(k),
-                    });
+                    let b = self.add_buffer(desc);
                     self.write_flat(&lazy, b)?;
                     b
                 }
@@ -817,15 +691,9 @@ impl<'g> Lowering<'g> {
             if let Place::Input(k) = b.place {
                 inputs.push((k, i));
             }
-            // 16-bit float intermediates live in f32
-            let dtype = if b.storage == Storage::F32 {
-                DType::F32
-            } else {
-                b.dtype
-            };
             buffers.push(payload::Buffer {
                 name: b.name.clone(),
-                dtype,
+                dtype: b.payload_dtype(),
                 shape: b.shape.clone(),
                 location,
             });

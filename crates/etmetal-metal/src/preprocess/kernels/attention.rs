@@ -32,10 +32,11 @@ use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
 use super::rows::{shared, tree_reduce, ROW_WORKGROUP};
+use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::LazyRef;
 use crate::preprocess::pointwise::{cast, float_literal};
-use crate::preprocess::{BufferIdx, Lowering};
+use crate::preprocess::Lowering;
 
 /// The largest head dim (of q/k and of v) the kernel takes.
 pub(crate) const MAX_HEAD_DIM: usize = 256;
@@ -45,10 +46,6 @@ const DECODE_ROWS: usize = 4;
 const DECODE_CHUNK: usize = 2 * ROW_WORKGROUP as usize;
 /// Workgroups below which the keys are split (a few per SM of a large GPU).
 const TARGET_GROUPS: usize = 256;
-
-pub(super) fn takes(op: &Op) -> bool {
-    matches!(op, Op::Sdpa { .. })
-}
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     let Op::Sdpa {
@@ -289,15 +286,16 @@ impl Attn {
     }
 
     /// The partials buffer of `n` key splits (none for one split).
-    fn split(&self, lw: &mut Lowering, n: usize) -> Option<Split> {
-        (n > 1).then(|| {
-            let name = format!("{}.splits", lw.buffers.list[self.out].name);
-            let shape = [self.nb * self.g.l * n * (self.g.ev + 2)];
-            Split {
-                part: lw.temp(&name, DType::F32, &shape),
-                n,
-            }
-        })
+    fn split(&self, lw: &mut Lowering, n: usize) -> Result<Option<Split>> {
+        if n <= 1 {
+            return Ok(None);
+        }
+        let name = format!("{}.splits", lw.buffers.list[self.out].name);
+        let shape = [self.nb * self.g.l * n * (self.g.ev + 2)];
+        Ok(Some(Split {
+            part: lw.temp(&name, DType::F32, &shape)?,
+            n,
+        }))
     }
 }
 
@@ -375,7 +373,7 @@ fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
     let pstride = br + rt;
     let (nsplit, span) = key_split(a.nb * blocks * slices, s.div_ceil(bc), bc);
     let total = a.nb * blocks * slices * nsplit;
-    let split = a.split(lw, nsplit);
+    let split = a.split(lw, nsplit)?;
     let mut kb = a.builder(lw)?;
     let region = ((br + bc) * CHUNK_STRIDE).max(bc * c4);
 
@@ -596,7 +594,7 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     let wg = ROW_WORKGROUP as usize;
     let (nsplit, span) = key_split(a.nb * l, s.div_ceil(DECODE_CHUNK), DECODE_CHUNK);
     let total = a.nb * l * nsplit;
-    let split = a.split(lw, nsplit);
+    let split = a.split(lw, nsplit)?;
     let mut kb = a.builder(lw)?;
     let (e4, c4) = (e.div_ceil(4), ev.div_ceil(4));
     // invocations share the output vec4s: `cw` a column group, `parts`

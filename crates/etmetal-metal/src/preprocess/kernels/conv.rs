@@ -14,23 +14,12 @@ use std::fmt::Write;
 use etmetal_core::{AvgPoolAttrs, ConvAttrs, DType, Error, MaxPoolAttrs, Op, PoolWindow, Result};
 use etmetal_graph::Node;
 
-use super::coop::Range;
-use super::matmul::{reshaped, Gemm, Reads};
+use super::gemm::{Epilogue, F16Scaling, Gemm, GemmArgs};
+use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
-use crate::preprocess::expr::LazyRef;
+use crate::preprocess::expr::{reshaped, LazyRef};
 use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::Lowering;
-
-pub(super) fn takes(op: &Op) -> bool {
-    let spatial = |n: usize| (1..=2).contains(&n);
-    match op {
-        Op::Convolution(c) => !c.transposed && spatial(c.spatial_rank()),
-        Op::MaxPool(p) => !p.with_indices && spatial(p.spatial_rank()),
-        Op::AvgPool(p) => spatial(p.spatial_rank()),
-        Op::AdaptiveAvgPool { output_size } => spatial(output_size.len()),
-        _ => false,
-    }
-}
 
 /// Output channels per group from which a convolution is a GEMM (fewer
 /// leave most of a GEMM tile idle).
@@ -174,23 +163,12 @@ fn convolution(
         return Ok(());
     }
 
-    // input index of spatial dim d from output position o{d} and kernel
-    // offset k{d}: the statements, the names and the in-range condition
-    let patch = |s: &mut String| -> (Vec<String>, String) {
-        let mut names = vec![];
-        let mut inside = vec![];
-        for d in 0..sr {
-            let _ = writeln!(
-                s,
-                "  let p{d} = i32(o{d} * {}u + k{d} * {}u) - {}i;",
-                stride[d], dilation[d], padding[d]
-            );
-            inside.push(format!("p{d} >= 0i && p{d} < {}i", insp[d]));
-            names.push(format!("u32(clamp(p{d}, 0i, {}i))", insp[d].max(1) - 1));
-        }
-        (names, inside.join(" && "))
+    let patch = Patch {
+        stride,
+        padding,
+        dilation,
+        input: &insp,
     };
-
     if cout_g >= GEMM_MIN_COUT {
         let w2 = reshaped(&w, vec![cout, cin_g * ks]);
         let gemm = Gemm {
@@ -200,51 +178,24 @@ fn convolution(
             k: cin_g * ks,
             a_k_fast: true,
             b_k_fast: false,
-            coop: Range::of(lw, &w2)
-                .zip(Range::of(lw, &x))
+            coop: F16Scaling::of(lw, &w2)
+                .zip(F16Scaling::of(lw, &x))
                 .map(|(a, b)| [a, b]),
         };
-        let operands = |kb: &mut KernelBuilder, reads: Reads| -> Result<String> {
-            kb.value_fn(&w2, "vw")?;
-            kb.value_fn(&x, "vx")?;
-            let mut s = String::new();
-            let _ = writeln!(
-                s,
-                "fn ga(bt: u32, r: u32, k: u32) -> f32 {{ return vw(bt * {cout_g}u + r, k); }}"
-            );
-            s.push_str("fn gb(bt: u32, k: u32, c: u32) -> f32 {\n");
-            let _ = writeln!(
-                s,
-                "  let img = c / {os}u;\n  let ci = bt * {cin_g}u + k / {ks}u;"
-            );
-            unravel_lets(&mut s, &format!("(c % {os}u)"), &osp, "o");
-            unravel_lets(&mut s, &format!("(k % {ks}u)"), &ksp, "k");
-            let (at, inside) = patch(&mut s);
-            let _ = writeln!(
-                s,
-                "  return select(0.0, vx(img, ci, {}), {inside});\n}}",
-                at.join(", ")
-            );
-            if reads == Reads::Chunks {
-                s.push_str(&gemm.element_chunks());
-            }
-            Ok(s)
+        let args = ConvArgs {
+            w: w2,
+            x,
+            bias,
+            patch,
+            cout,
+            cout_g,
+            cin_g,
+            kernel: &ksp,
+            output: &osp,
+            out,
+            out_dtype,
         };
-        let store = |kb: &mut KernelBuilder| -> Result<String> {
-            let mut value = "v".to_string();
-            if let Some(b) = &bias {
-                kb.value_fn(b, "vbias")?;
-                value = "v + vbias(co)".into();
-            }
-            let value = cast(&format!("({value})"), DType::F32, out_dtype);
-            let store = kb.store(out, "e", &value)?;
-            Ok(format!(
-                "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n\
-                 \x20 let co = bt * {cout_g}u + r;\n\
-                 \x20 let e = (c / {os}u * {cout}u + co) * {os}u + c % {os}u;\n  {store}\n}}\n"
-            ))
-        };
-        return gemm.lower(lw, operands, store);
+        return gemm.lower(lw, &args);
     }
 
     // direct: one invocation per output element [n, cout, spatial…]
@@ -269,7 +220,7 @@ fn convolution(
          \x20 for (var kk = 0u; kk < {ks}u; kk = kk + 1u) {{"
     );
     let ks_names = unravel_lets(&mut s, "kk", &ksp, "k");
-    let (at, inside) = patch(&mut s);
+    let (at, inside) = patch.emit(&mut s);
     let _ = writeln!(
         s,
         "  if ({inside}) {{ acc = fma(vx(img, ci0 + ci, {}), vw(co, ci, {}), acc); }}\n  }}\n  }}",
@@ -286,6 +237,108 @@ fn convolution(
     let _ = writeln!(s, "  {store}\n}}");
     let built = kb.finish(&s);
     flat_dispatch(lw, built, total)
+}
+
+/// Where a convolution reads its input: spatial dim `d` of the input
+/// from output position `o{d}` and kernel offset `k{d}`.
+struct Patch<'a> {
+    stride: &'a [usize],
+    padding: &'a [usize],
+    dilation: &'a [usize],
+    /// The input's spatial dims.
+    input: &'a [usize],
+}
+
+impl Patch<'_> {
+    /// The statements computing the input position (into `s`), the
+    /// clamped index of each dim and the in-range condition.
+    fn emit(&self, s: &mut String) -> (Vec<String>, String) {
+        let mut names = vec![];
+        let mut inside = vec![];
+        for d in 0..self.stride.len() {
+            let _ = writeln!(
+                s,
+                "  let p{d} = i32(o{d} * {}u + k{d} * {}u) - {}i;",
+                self.stride[d], self.dilation[d], self.padding[d]
+            );
+            inside.push(format!("p{d} >= 0i && p{d} < {}i", self.input[d]));
+            names.push(format!(
+                "u32(clamp(p{d}, 0i, {}i))",
+                self.input[d].max(1) - 1
+            ));
+        }
+        (names, inside.join(" && "))
+    }
+}
+
+/// A convolution as an implicit GEMM per group: A is the weight as
+/// `[cout, cin_g·k]`, B the input patches `[cin_g·k, n·out_spatial]` read
+/// straight from the input (padding read as zeros), and the store adds the
+/// bias and writes `[n, cout, spatial…]`.
+struct ConvArgs<'a> {
+    /// `[cout, cin_g·k]`.
+    w: LazyRef,
+    /// `[n, cin, spatial…]`.
+    x: LazyRef,
+    bias: Option<LazyRef>,
+    patch: Patch<'a>,
+    cout: usize,
+    /// Output and input channels of a group.
+    cout_g: usize,
+    cin_g: usize,
+    /// The kernel's and the output's spatial dims.
+    kernel: &'a [usize],
+    output: &'a [usize],
+    out: BufferIdx,
+    out_dtype: DType,
+}
+
+impl Epilogue for ConvArgs<'_> {
+    fn store(&self, kb: &mut KernelBuilder) -> Result<String> {
+        let (cout, cout_g) = (self.cout, self.cout_g);
+        let os: usize = self.output.iter().product();
+        let mut value = "v".to_string();
+        if let Some(b) = &self.bias {
+            kb.value_fn(b, "vbias")?;
+            value = "v + vbias(co)".into();
+        }
+        let value = cast(&format!("({value})"), DType::F32, self.out_dtype);
+        let store = kb.store(self.out, "e", &value)?;
+        Ok(format!(
+            "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n\
+             \x20 let co = bt * {cout_g}u + r;\n\
+             \x20 let e = (c / {os}u * {cout}u + co) * {os}u + c % {os}u;\n  {store}\n}}\n"
+        ))
+    }
+}
+
+impl GemmArgs for ConvArgs<'_> {
+    fn elements(&self, kb: &mut KernelBuilder) -> Result<String> {
+        let (cout_g, cin_g) = (self.cout_g, self.cin_g);
+        let os: usize = self.output.iter().product();
+        let ks: usize = self.kernel.iter().product();
+        kb.value_fn(&self.w, "vw")?;
+        kb.value_fn(&self.x, "vx")?;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "fn ga(bt: u32, r: u32, k: u32) -> f32 {{ return vw(bt * {cout_g}u + r, k); }}"
+        );
+        s.push_str("fn gb(bt: u32, k: u32, c: u32) -> f32 {\n");
+        let _ = writeln!(
+            s,
+            "  let img = c / {os}u;\n  let ci = bt * {cin_g}u + k / {ks}u;"
+        );
+        unravel_lets(&mut s, &format!("(c % {os}u)"), self.output, "o");
+        unravel_lets(&mut s, &format!("(k % {ks}u)"), self.kernel, "k");
+        let (at, inside) = self.patch.emit(&mut s);
+        let _ = writeln!(
+            s,
+            "  return select(0.0, vx(img, ci, {}), {inside});\n}}",
+            at.join(", ")
+        );
+        Ok(s)
+    }
 }
 
 fn flat_dispatch(
@@ -570,25 +623,26 @@ mod tests {
         }
     }
 
+    /// What the partitioner refuses (transposed convolution, pooling with
+    /// indices) is a typed error here too, never a wrong kernel.
     #[test]
-    fn transposed_convolution_and_indices_are_not_taken() {
+    fn transposed_convolution_and_indices_are_errors() {
+        let f = DType::F32;
         let mut op = conv(&[1], &[0], &[1], 1);
-        assert!(super::takes(&op));
         if let Op::Convolution(ConvAttrs { transposed, .. }) = &mut op {
             *transposed = true;
         }
-        assert!(!super::takes(&op));
-        let pool = |with_indices| {
-            Op::MaxPool(MaxPoolAttrs {
-                kernel: vec![2],
-                stride: vec![2],
-                padding: vec![0],
-                dilation: vec![1],
-                ceil_mode: false,
-                with_indices,
-            })
-        };
-        assert!(super::takes(&pool(false)));
-        assert!(!super::takes(&pool(true)));
+        let err = lower_one(op, vec![input(f, &[1, 2, 5]), weight(f, &[2, 2, 1])]).unwrap_err();
+        assert_eq!(err.kind(), etmetal_core::ErrorKind::Unsupported, "{err}");
+        let pool = Op::MaxPool(MaxPoolAttrs {
+            kernel: vec![2],
+            stride: vec![2],
+            padding: vec![0],
+            dilation: vec![1],
+            ceil_mode: false,
+            with_indices: true,
+        });
+        let err = lower_one(pool, vec![input(f, &[1, 2, 6])]).unwrap_err();
+        assert_eq!(err.kind(), etmetal_core::ErrorKind::Unsupported, "{err}");
     }
 }

@@ -1,24 +1,14 @@
 //! Matrix products — `matmul` (1-D operands, batch broadcasting; mm, bmm),
-//! `addmm` and `linear` — as one register-tiled GEMM kernel ([`Gemm`]), or,
-//! for at most 8 rows per batch against a `k`-contiguous right operand (a
-//! decode step's linear layers), a matrix-vector kernel ([`Gemv`]) that
-//! reads the weight once in coalesced 4-element chunks.
+//! `addmm` and `linear` — on the GEMM family ([`super::gemm`]): a
+//! register-tiled [`Gemm`] (with a tensor-core alternative for 16-bit
+//! operands), or, for at most 8 rows per batch against a `k`-contiguous
+//! right operand (a decode step's linear layers), a [`Gemv`] that reads
+//! the weight once in coalesced 4-element chunks.
 //!
 //! Operands are lazy views, so `weight.T`, permutes and expands are index
-//! arithmetic in the tile loads. Each workgroup computes a `bm × bn` tile
-//! of one batch's output; `k` is walked in `bk`-deep slices staged in
-//! workgroup memory (two stages, the next slice read into registers while
-//! the current one is multiplied), and each invocation keeps a `tm × tn`
-//! block of accumulators (f32) in registers, reading the staged slices as
-//! `vec4`s. The tile is the largest of 128×128, 64×64 and 32×32 that still
-//! gives a large GPU enough workgroups, or a 16-wide one for skinny
-//! products; when even that leaves too few workgroups and `k` is deep, `k`
-//! is split among workgroups and a second kernel adds the partial sums
-//! ([`Split`]). The bias and `alpha`/`beta` are applied in the store (the
-//! epilogue; 16-bit outputs are rounded there). [`super::conv`] reuses
-//! [`Gemm`] for convolution as an implicit GEMM. Products of f16 or bf16
-//! operands large enough also get a tensor-core form ([`super::coop`]) as a
-//! payload alternative, which the runtime runs where the device offers it.
+//! arithmetic in the kernels' reads ([`MatmulArgs`]); a contiguous run of
+//! a buffer along `k` is read as vectors. The bias and `alpha`/`beta` are
+//! applied in the store (the epilogue; 16-bit outputs are rounded there).
 
 use std::fmt::Write;
 
@@ -26,17 +16,12 @@ use etmetal_core::shape::broadcast_shapes;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
-use super::coop::{self, Range};
-use crate::preprocess::emit::{
-    entry, expanded_index, grid, linear, unravel, Built, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP,
-};
-use crate::preprocess::expr::{Kind, Lazy, LazyRef};
+use super::gemm::{Epilogue, F16Scaling, Gemm, GemmArgs, Gemv, GemvArgs, GEMV_ROWS};
+use crate::preprocess::buffers::BufferIdx;
+use crate::preprocess::emit::{expanded_index, linear, unravel, KernelBuilder};
+use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, float_literal};
-use crate::preprocess::{BufferIdx, Lowering};
-
-pub(super) fn takes(op: &Op) -> bool {
-    matches!(op, Op::MatMul | Op::Addmm { .. } | Op::Linear)
-}
+use crate::preprocess::Lowering;
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     let (a, b, bias, alpha, beta) = match &node.op {
@@ -152,84 +137,128 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         )));
     }
 
-    let batches: usize = batch.iter().product();
-    let at = |bt: &str, rest: &[&str]| -> String {
-        let mut idx = unravel(bt, &batch);
-        idx.extend(rest.iter().map(|s| s.to_string()));
-        idx.join(", ")
+    let args = MatmulArgs {
+        a,
+        b,
+        bias,
+        alpha,
+        beta,
+        batch,
+        m,
+        n,
+        out,
+        out_dtype,
     };
-    // the store: bias, alpha/beta and rounding to the output dtype
-    let epilogue = |kb: &mut KernelBuilder| -> Result<String> {
-        let mut value = if alpha == 1.0 {
-            "v".to_string()
-        } else {
-            format!("{} * v", float_literal(alpha))
-        };
-        if let Some(bias) = &bias {
-            kb.value_fn(bias, "vbias")?;
-            let read = format!("vbias({})", at("bt", &["r", "c"]));
-            value = if beta == 1.0 {
-                format!("{read} + {value}")
-            } else {
-                format!("{} * {read} + {value}", float_literal(beta))
-            };
-        }
-        let e = linear(&["bt".into(), "r".into(), "c".into()], &[batches, m, n]);
-        let value = cast(&format!("({value})"), DType::F32, out_dtype);
-        let store = kb.store(out, "e", &value)?;
-        Ok(format!(
-            "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {store}\n}}\n\n"
-        ))
-    };
-
-    if m <= GEMV_ROWS && is_transpose(&b) {
-        let gemv = Gemv {
+    let batches: usize = args.batch.iter().product();
+    if m <= GEMV_ROWS && is_transpose(&args.b) {
+        return Gemv {
             batch: batches,
             m,
             n,
             k,
-        };
-        return gemv.lower(
-            lw,
-            |kb| {
-                let fns = chunk_reader(kb, &a, "xa", &batch, false)?;
-                Ok(fns + &chunk_reader(kb, &b, "xb", &batch, true)?)
-            },
-            epilogue,
-        );
+        }
+        .lower(lw, &args);
     }
     let gemm = Gemm {
         batch: batches,
         m,
         n,
         k,
-        a_k_fast: !is_transpose(&a),
-        b_k_fast: is_transpose(&b),
-        coop: Range::of(lw, &a)
-            .zip(Range::of(lw, &b))
+        a_k_fast: !is_transpose(&args.a),
+        b_k_fast: is_transpose(&args.b),
+        coop: F16Scaling::of(lw, &args.a)
+            .zip(F16Scaling::of(lw, &args.b))
             .map(|(x, y)| [x, y]),
     };
-    let operands = |kb: &mut KernelBuilder, reads: Reads| -> Result<String> {
-        if reads == Reads::Chunks {
-            let fns = chunk_reader(kb, &a, "ca", &batch, !gemm.a_k_fast)?;
-            return Ok(fns + &chunk_reader(kb, &b, "cb", &batch, gemm.b_k_fast)?);
+    gemm.lower(lw, &args)
+}
+
+/// How a matrix product's kernels read its operands (lazy views of
+/// `[batch…, m, k]` and `[batch…, k, n]`) and store its output (`alpha`,
+/// the bias times `beta`, rounding to the output dtype).
+struct MatmulArgs {
+    a: LazyRef,
+    b: LazyRef,
+    /// `[batch…, m, n]`; absent (also when `beta` is 0).
+    bias: Option<LazyRef>,
+    alpha: f64,
+    beta: f64,
+    /// The broadcast batch dims.
+    batch: Vec<usize>,
+    m: usize,
+    n: usize,
+    out: BufferIdx,
+    out_dtype: DType,
+}
+
+impl MatmulArgs {
+    /// The index of an operand at batch `bt` (a flat index) and `rest`.
+    fn at(&self, bt: &str, rest: &[&str]) -> String {
+        let mut idx = unravel(bt, &self.batch);
+        idx.extend(rest.iter().map(|s| s.to_string()));
+        idx.join(", ")
+    }
+}
+
+impl Epilogue for MatmulArgs {
+    fn store(&self, kb: &mut KernelBuilder) -> Result<String> {
+        let mut value = if self.alpha == 1.0 {
+            "v".to_string()
+        } else {
+            format!("{} * v", float_literal(self.alpha))
+        };
+        if let Some(bias) = &self.bias {
+            kb.value_fn(bias, "vbias")?;
+            let read = format!("vbias({})", self.at("bt", &["r", "c"]));
+            value = if self.beta == 1.0 {
+                format!("{read} + {value}")
+            } else {
+                format!("{} * {read} + {value}", float_literal(self.beta))
+            };
         }
-        kb.value_fn(&a, "va")?;
-        kb.value_fn(&b, "vb")?;
+        let batches: usize = self.batch.iter().product();
+        let e = linear(
+            &["bt".into(), "r".into(), "c".into()],
+            &[batches, self.m, self.n],
+        );
+        let value = cast(&format!("({value})"), DType::F32, self.out_dtype);
+        let store = kb.store(self.out, "e", &value)?;
+        Ok(format!(
+            "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {store}\n}}\n\n"
+        ))
+    }
+}
+
+impl GemmArgs for MatmulArgs {
+    fn elements(&self, kb: &mut KernelBuilder) -> Result<String> {
+        kb.value_fn(&self.a, "va")?;
+        kb.value_fn(&self.b, "vb")?;
         let mut fns = String::new();
         let _ = writeln!(
             fns,
             "fn ga(bt: u32, r: u32, k: u32) -> f32 {{ return va({}); }}",
-            at("bt", &["r", "k"])
+            self.at("bt", &["r", "k"])
         );
         let _ = writeln!(
             fns,
             "fn gb(bt: u32, k: u32, c: u32) -> f32 {{ return vb({}); }}",
-            at("bt", &["k", "c"])
+            self.at("bt", &["k", "c"])
         );
         Ok(fns)
-    };
-    gemm.lower(lw, operands, epilogue)
+    }
+
+    fn chunks(&self, kb: &mut KernelBuilder) -> Result<Option<String>> {
+        let fns = chunk_reader(kb, &self.a, "ca", &self.batch, is_transpose(&self.a))?;
+        let fns = fns + &chunk_reader(kb, &self.b, "cb", &self.batch, is_transpose(&self.b))?;
+        Ok(Some(fns))
+    }
+}
+
+impl GemvArgs for MatmulArgs {
+    fn k_chunks(&self, kb: &mut KernelBuilder) -> Result<String> {
+        let fns = chunk_reader(kb, &self.a, "xa", &self.batch, false)?;
+        Ok(fns + &chunk_reader(kb, &self.b, "xb", &self.batch, true)?)
+    }
 }
 
 /// Emit `fn name(bt: u32, j: u32, k: u32) -> vec4<f32>`: elements `k … k+3`
@@ -301,18 +330,6 @@ fn k_run(x: &LazyRef, idx: &[String]) -> Option<(BufferIdx, Vec<String>, Vec<usi
     }
 }
 
-/// `x` with the same elements in row-major order under `shape` (a load of
-/// a contiguous buffer stays a plain load).
-pub(super) fn reshaped(x: &LazyRef, shape: Vec<usize>) -> LazyRef {
-    if x.shape == shape {
-        return x.clone();
-    }
-    match x.kind {
-        Kind::Load(buf) => Lazy::new(x.dtype, shape, Kind::Load(buf)),
-        _ => Lazy::new(x.dtype, shape, Kind::Reshape(x.clone())),
-    }
-}
-
 /// Whether `x` reads its last two dims swapped (a transposed matrix), so a
 /// tile is best loaded along its second-last dim.
 fn is_transpose(x: &LazyRef) -> bool {
@@ -323,635 +340,6 @@ fn is_transpose(x: &LazyRef) -> bool {
         }
         Kind::Expand(inner) => is_transpose(inner),
         _ => false,
-    }
-}
-
-/// One batched product `C[bt, r, c] = Σ_k A[bt, r, k] · B[bt, k, c]` as a
-/// kernel. The caller's WGSL reads the operands as [`Reads`] asks and, in
-/// the store's WGSL, defines `gstore(bt, r, c, v)`. When its tiles are too
-/// few for a large GPU and `k` is deep, `k` is split among workgroups
-/// ([`split_k`]).
-pub(super) struct Gemm {
-    pub batch: usize,
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    /// A's elements along k are adjacent in memory (row-major `[m, k]`):
-    /// tile loads walk k fastest so neighbouring invocations read
-    /// neighbouring words.
-    pub a_k_fast: bool,
-    /// B's elements along k are adjacent (e.g. a `[n, k]` weight read as
-    /// its transpose).
-    pub b_k_fast: bool,
-    /// How each operand becomes f16 for the tensor-core alternative
-    /// ([`coop`]); `None`: the portable kernel only.
-    pub coop: Option<[Range; 2]>,
-}
-
-/// What the operand functions a GEMM kernel calls are.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Reads {
-    /// `ga(bt, r, k) -> f32` and `gb(bt, k, c) -> f32`, called with
-    /// in-range indices only.
-    Elements,
-    /// `ca(bt, j, q) -> vec4<f32>` and `cb(bt, j, q)`: the four elements
-    /// from `q` (a multiple of 4) along the operand's contiguous dim (k
-    /// where `a_k_fast`/`b_k_fast`, else A's rows or B's columns), `j`
-    /// the other index; zeros past the end of that dim.
-    Chunks,
-}
-
-/// Tile sizes: a workgroup computes `bm × bn` outputs, `(bm/tm)·(bn/tn)`
-/// invocations each `tm × tn`, over `bk`-deep slices of k.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Tile {
-    bm: usize,
-    bn: usize,
-    bk: usize,
-    tm: usize,
-    tn: usize,
-}
-
-impl Tile {
-    fn threads(&self) -> usize {
-        (self.bm / self.tm) * (self.bn / self.tn)
-    }
-
-    /// Vector width of an invocation's rows (columns): its `tm` rows are
-    /// `tm / wm` runs of `wm` adjacent rows, read from workgroup memory as
-    /// one `vec4` (or scalar) each.
-    fn widths(&self) -> (usize, usize) {
-        let w = |t: usize| if t.is_multiple_of(4) { 4 } else { 1 };
-        (w(self.tm), w(self.tn))
-    }
-
-    /// Words of one stage of the staged A and B slices.
-    fn stage_words(&self) -> (usize, usize) {
-        (self.bk * self.bm, self.bk * self.bn)
-    }
-}
-
-/// Workgroups below which a tile is too big to fill a large GPU (an H200
-/// runs two 256-invocation 128×128 workgroups on each of its 132 units).
-/// Measured there in one run: 4096³ is fastest on 128×128 tiles (24.0 ms;
-/// 128×64: 29.1, 64×64: 35.1), 1024³ on 64×64 (0.113 ms; 128×128: 0.166),
-/// 512³ on 32×32 (0.034 ms; 64×64: 0.040).
-pub(super) const FILL: u64 = 256;
-
-impl Gemm {
-    fn tile(&self) -> Tile {
-        let (m, n) = (self.m, self.n);
-        let groups =
-            |bm: usize, bn: usize| (m.div_ceil(bm) * n.div_ceil(bn)) as u64 * self.batch as u64;
-        let t = |bm, bn, bk, tm, tn| Tile { bm, bn, bk, tm, tn };
-        if m <= 16 && n > m {
-            // matrix-vector-like: few rows, many columns per workgroup
-            t(16, 64, 16, 1, 4)
-        } else if n <= 16 && m > n {
-            t(64, 16, 16, 4, 1)
-        } else if m >= 128 && n >= 128 && groups(128, 128) >= FILL {
-            t(128, 128, 8, 8, 8)
-        } else if groups(64, 64) >= FILL {
-            t(64, 64, 16, 8, 4)
-        } else {
-            t(32, 32, 16, 4, 4)
-        }
-    }
-
-    /// Validate and append the kernel(s): `operands` (asked for
-    /// [`Reads::Elements`], and [`Reads::Chunks`] for the tensor-core
-    /// alternative) and `store` emit the operand and store functions
-    /// (returning their WGSL), then the tiled main follows.
-    pub fn lower(
-        &self,
-        lw: &mut Lowering,
-        operands: impl Fn(&mut KernelBuilder, Reads) -> Result<String>,
-        store: impl Fn(&mut KernelBuilder) -> Result<String>,
-    ) -> Result<()> {
-        if self.m == 0 || self.n == 0 || self.batch == 0 {
-            // nothing to write
-            return Ok(());
-        }
-        let t = self.tile();
-        let tiles = self.m.div_ceil(t.bm) as u64 * self.n.div_ceil(t.bn) as u64;
-        let splits = split_k(tiles * self.batch as u64, FILL, self.k, t.bk * 8, t.bk);
-        let split = Split::new(lw, splits, self.batch, self.m, self.n);
-        let mut kb = KernelBuilder::new(&lw.buffers);
-        let fns = operands(&mut kb, Reads::Elements)? + &split.store(&mut kb, &store)?;
-        let main = format!("{fns}\n{}", self.main(&t, splits));
-        let built: Built = kb.finish(&main);
-        let groups = tiles * (self.batch * splits) as u64;
-        let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
-        let (sa, sb) = t.stage_words();
-        // two stages: the next slice is written while this one is read
-        let storage = (2 * 4 * (sa + sb)) as u32;
-        let ops = vec![lw.op_label()];
-        let d = lw.dispatches.len();
-        lw.add_dispatch(built, ops, [t.threads() as u32, 1, 1], workgroups, storage)?;
-        if coop::worth(self) {
-            // the same partial sums or outputs, from the same split of k
-            lw.alternative(d, coop::NEEDS, |lw| {
-                coop::lower(lw, self, splits, &|kb| operands(kb, Reads::Chunks), &|kb| {
-                    split.store(kb, &store)
-                })
-            })?;
-        }
-        split.sum(lw, &store)
-    }
-
-    /// `ca`/`cb` ([`Reads::Chunks`]) as four calls of `ga`/`gb`, for
-    /// operands with no faster chunk reader.
-    pub fn element_chunks(&self) -> String {
-        let chunk = |name: &str, call: &dyn Fn(&str) -> String, len: usize| {
-            let lanes: Vec<String> = (0..4)
-                .map(|l| {
-                    let q = format!("min(q + {l}u, {}u)", len - 1);
-                    format!("select(0.0, {}, q + {l}u < {len}u)", call(&q))
-                })
-                .collect();
-            format!(
-                "fn {name}(bt: u32, j: u32, q: u32) -> vec4<f32> {{\n  return vec4<f32>({});\n}}\n\n",
-                lanes.join(", ")
-            )
-        };
-        let a = if self.a_k_fast {
-            chunk("ca", &|q| format!("ga(bt, j, {q})"), self.k)
-        } else {
-            chunk("ca", &|q| format!("ga(bt, {q}, j)"), self.m)
-        };
-        let b = if self.b_k_fast {
-            chunk("cb", &|q| format!("gb(bt, {q}, j)"), self.k)
-        } else {
-            chunk("cb", &|q| format!("gb(bt, j, {q})"), self.n)
-        };
-        a + &b
-    }
-
-    /// The kernel's main. Invocation `(ty, tx)` owns rows
-    /// `g·(bm·wm/tm) + ty·wm + i` and columns `h·(bn·wn/tn) + tx·wn + j`, so
-    /// its reads of a staged k-row are `tm/wm + tn/wn` vector loads shared
-    /// by neighbours (broadcasts, no bank conflicts). Slices of k are staged
-    /// in two alternating halves of workgroup memory (A transposed: k-major)
-    /// and the next slice's global reads are issued into registers before
-    /// the current one is multiplied, so one barrier per slice suffices and
-    /// memory latency hides behind the FMAs.
-    fn main(&self, t: &Tile, splits: usize) -> String {
-        let Tile { bm, bn, bk, tm, tn } = *t;
-        let threads = t.threads();
-        let (wm, wn) = t.widths();
-        let (m, n, k) = (self.m, self.n, self.k);
-        let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
-        let tiles = tiles_m * tiles_n;
-        let per = tiles * self.batch;
-        let (gm, gn) = (tm / wm, tn / wn);
-        // rows (columns) between an invocation's runs, and vectors per k-row
-        let (rg, cg) = (bm / gm, bn / gn);
-        let (va, vb) = (bm / wm, bn / wn);
-        let (sa, sb) = t.stage_words();
-        let vty = |w: usize| if w == 4 { "vec4<f32>" } else { "f32" };
-        let lane = |x: &str, w: usize, i: usize| {
-            if w == 4 {
-                format!("{x}[{i}]")
-            } else {
-                x.to_string()
-            }
-        };
-        // k per split (a multiple of bk when split)
-        let nt = (k / splits).div_ceil(bk);
-        let mut s = String::new();
-        let _ = writeln!(s, "var<workgroup> ta: array<{}, {}>;", vty(wm), 2 * sa / wm);
-        let _ = writeln!(s, "var<workgroup> tb: array<{}, {}>;", vty(wn), 2 * sb / wn);
-        let _ = writeln!(
-            s,
-            "@compute @workgroup_size({threads})\n\
-             fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, \
-             @builtin(local_invocation_index) lid: u32) {{"
-        );
-        let _ = writeln!(
-            s,
-            "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
-             \x20 let ks = g / {per}u;\n  let sb = g / {tiles}u;\n\
-             \x20 let bt = sb % {}u;\n  let tile = g % {tiles}u;\n\
-             \x20 let kbase = ks * {}u;\n\
-             \x20 let m0 = (tile / {tiles_n}u) * {bm}u;\n  let n0 = (tile % {tiles_n}u) * {bn}u;\n\
-             \x20 let tx = lid % {}u;\n  let ty = lid / {}u;",
-            per * splits,
-            self.batch,
-            k / splits,
-            bn / tn,
-            bn / tn,
-        );
-        for i in 0..tm {
-            for h in 0..gn {
-                let _ = writeln!(s, "  var c{i}_{h} = {}(0.0);", vty(wn));
-            }
-        }
-        // the elements of a slice each invocation reads: element
-        // e = lid + j·threads of the tile, walked k-fastest when the operand
-        // is adjacent along k (coalesced reads)
-        let per_a = bm * bk / threads;
-        let per_b = bn * bk / threads;
-        let coords = |e: &str, k_fast: bool, len: usize| -> (String, String) {
-            if k_fast {
-                (format!("({e}) / {bk}u"), format!("({e}) % {bk}u"))
-            } else {
-                (format!("({e}) % {len}u"), format!("({e}) / {len}u"))
-            }
-        };
-        // bounds checks only where the tile can overhang
-        let check = |idx: &str, len: usize, tile: usize| -> Option<(String, String)> {
-            (!len.is_multiple_of(tile)).then(|| {
-                (
-                    format!("{idx} < {len}u"),
-                    format!("min({idx}, {}u)", len - 1),
-                )
-            })
-        };
-        let read = |s: &mut String, k0: &str| {
-            for j in 0..per_a {
-                let (r, kk) = coords(&format!("lid + {}u", j * threads), self.a_k_fast, bm);
-                let gr = format!("(m0 + {r})");
-                let gk = format!("({k0} + {kk})");
-                let _ = writeln!(
-                    s,
-                    "    {}",
-                    guarded(
-                        &format!("pa{j}"),
-                        "ga",
-                        &[
-                            ("bt".into(), None),
-                            (gr.clone(), check(&gr, m, bm)),
-                            (gk.clone(), check(&gk, k, bk))
-                        ]
-                    )
-                );
-            }
-            for j in 0..per_b {
-                let (c, kk) = coords(&format!("lid + {}u", j * threads), self.b_k_fast, bn);
-                let gc = format!("(n0 + {c})");
-                let gk = format!("({k0} + {kk})");
-                let _ = writeln!(
-                    s,
-                    "    {}",
-                    guarded(
-                        &format!("pb{j}"),
-                        "gb",
-                        &[
-                            ("bt".into(), None),
-                            (gk.clone(), check(&gk, k, bk)),
-                            (gc.clone(), check(&gc, n, bn))
-                        ]
-                    )
-                );
-            }
-        };
-        let write = |s: &mut String, stage: &str| {
-            for (name, per, k_fast, len, w, v, arr) in [
-                ("pa", per_a, self.a_k_fast, bm, wm, va, "ta"),
-                ("pb", per_b, self.b_k_fast, bn, wn, vb, "tb"),
-            ] {
-                for j in 0..per {
-                    let (r, kk) = coords(&format!("lid + {}u", j * threads), k_fast, len);
-                    let at = format!("{stage} * {}u + ({kk}) * {v}u + ({r}) / {w}u", v * bk);
-                    let dst = if w == 4 {
-                        format!("{arr}[{at}][({r}) % 4u]")
-                    } else {
-                        format!("{arr}[{at}]")
-                    };
-                    let _ = writeln!(s, "    {dst} = {name}{j};");
-                }
-            }
-        };
-        if nt > 0 {
-            for j in 0..per_a {
-                let _ = writeln!(s, "  var pa{j} = 0.0;");
-            }
-            for j in 0..per_b {
-                let _ = writeln!(s, "  var pb{j} = 0.0;");
-            }
-            s.push_str("  {\n");
-            read(&mut s, "kbase");
-            write(&mut s, "0u");
-            s.push_str("  }\n  workgroupBarrier();\n");
-            let _ = writeln!(s, "  for (var t = 0u; t < {nt}u; t = t + 1u) {{");
-            s.push_str("    let cur = t & 1u;\n    let more = t + 1u < ");
-            let _ = writeln!(s, "{nt}u;\n    if (more) {{");
-            read(&mut s, &format!("kbase + (t + 1u) * {bk}u"));
-            s.push_str("    }\n");
-            let _ = writeln!(
-                s,
-                "    let oa = cur * {}u + ty;\n    let ob = cur * {}u + tx;",
-                va * bk,
-                vb * bk
-            );
-            for kk in 0..bk {
-                s.push_str("    {\n");
-                for g in 0..gm {
-                    let _ = writeln!(s, "    let a{g} = ta[oa + {}u];", kk * va + g * rg / wm);
-                }
-                for h in 0..gn {
-                    let _ = writeln!(s, "    let b{h} = tb[ob + {}u];", kk * vb + h * cg / wn);
-                }
-                for i in 0..tm {
-                    let a = lane(&format!("a{}", i / wm), wm, i % wm);
-                    let a = if wn == 4 {
-                        format!("vec4<f32>({a})")
-                    } else {
-                        a
-                    };
-                    for h in 0..gn {
-                        let _ = writeln!(s, "    c{i}_{h} = fma({a}, b{h}, c{i}_{h});");
-                    }
-                }
-                s.push_str("    }\n");
-            }
-            s.push_str("    if (more) {\n");
-            write(&mut s, "(1u - cur)");
-            s.push_str("    }\n    workgroupBarrier();\n  }\n");
-        }
-        for i in 0..tm {
-            let _ = writeln!(
-                s,
-                "  let r{i} = m0 + ty * {wm}u + {}u;",
-                (i / wm) * rg + i % wm
-            );
-        }
-        for j in 0..tn {
-            let _ = writeln!(
-                s,
-                "  let q{j} = n0 + tx * {wn}u + {}u;",
-                (j / wn) * cg + j % wn
-            );
-        }
-        for i in 0..tm {
-            for j in 0..tn {
-                let v = lane(&format!("c{i}_{}", j / wn), wn, j % wn);
-                let _ = writeln!(
-                    s,
-                    "  if (r{i} < {m}u && q{j} < {n}u) {{ gstore(sb, r{i}, q{j}, {v}); }}"
-                );
-            }
-        }
-        s.push_str("}\n");
-        s
-    }
-}
-
-/// Ways to split `k` among workgroups when `groups` fall short of `fill`:
-/// the fewest of 2, 4, 8 that fill the GPU (else the most) whose parts are
-/// whole multiples of `align` and at least `min_depth` deep; 1 when none.
-fn split_k(groups: u64, fill: u64, k: usize, min_depth: usize, align: usize) -> usize {
-    let mut best = 1;
-    if groups >= fill {
-        return best;
-    }
-    for s in [2, 4, 8] {
-        if k.is_multiple_of(s * align) && k / s >= min_depth {
-            best = s;
-            if groups * s as u64 >= fill {
-                break;
-            }
-        }
-    }
-    best
-}
-
-/// The store side of a product split `splits` ways along `k`: each
-/// workgroup writes its partial sums to `[splits·batch, m, n]` (split-major)
-/// and a second kernel adds them up and applies the caller's store.
-struct Split {
-    parts: Option<BufferIdx>,
-    splits: usize,
-    batch: usize,
-    m: usize,
-    n: usize,
-}
-
-impl Split {
-    fn new(lw: &mut Lowering, splits: usize, batch: usize, m: usize, n: usize) -> Split {
-        let parts = (splits > 1).then(|| {
-            let name = format!("{}.split_k", lw.op_label());
-            lw.temp(&name, DType::F32, &[splits * batch, m, n])
-        });
-        Split {
-            parts,
-            splits,
-            batch,
-            m,
-            n,
-        }
-    }
-
-    /// The product kernel's `gstore(sb, r, c, v)` (`sb`: split · batch +
-    /// batch index): the caller's when not split, else a partial store.
-    fn store(
-        &self,
-        kb: &mut KernelBuilder,
-        store: &impl Fn(&mut KernelBuilder) -> Result<String>,
-    ) -> Result<String> {
-        let Some(parts) = self.parts else {
-            return store(kb);
-        };
-        let e = linear(
-            &["bt".into(), "r".into(), "c".into()],
-            &[self.splits * self.batch, self.m, self.n],
-        );
-        let write = kb.store(parts, "e", "v")?;
-        Ok(format!(
-            "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {write}\n}}\n\n"
-        ))
-    }
-
-    /// The kernel adding the partial sums up (nothing when not split).
-    fn sum(
-        &self,
-        lw: &mut Lowering,
-        store: &impl Fn(&mut KernelBuilder) -> Result<String>,
-    ) -> Result<()> {
-        let Some(parts) = self.parts else {
-            return Ok(());
-        };
-        let (m, n) = (self.m, self.n);
-        let total = self.batch * m * n;
-        let mut kb = KernelBuilder::new(&lw.buffers);
-        let mut s = store(&mut kb)?;
-        s.push_str(&entry(FLAT_WORKGROUP));
-        let part = kb.load(parts, &format!("e + p * {total}u"));
-        let _ = writeln!(
-            s,
-            "  let e = {FLAT_GROUP} * {FLAT_WORKGROUP}u + lid;\n  if (e >= {total}u) {{ return; }}\n\
-             \x20 var v = 0.0;\n\
-             \x20 for (var p = 0u; p < {}u; p = p + 1u) {{ v = v + {part}; }}\n\
-             \x20 gstore(e / {}u, (e / {n}u) % {m}u, e % {n}u, v);\n}}",
-            self.splits,
-            m * n
-        );
-        let built = kb.finish(&s);
-        let groups = (total as u64).div_ceil(u64::from(FLAT_WORKGROUP));
-        let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
-        let ops = vec![lw.op_label()];
-        lw.add_dispatch(built, ops, [FLAT_WORKGROUP, 1, 1], workgroups, 0)
-    }
-}
-
-/// Rows (per batch) up to which a product with a `k`-contiguous right
-/// operand (a linear layer's weight) is a [`Gemv`].
-const GEMV_ROWS: usize = 8;
-
-/// Accumulators of a [`Gemv`] invocation (`rows × columns`), bounded so the
-/// workgroup's partial sums fit 16 KiB.
-const GEMV_SUMS: usize = 32;
-
-/// Workgroups a [`Gemv`] wants before it gives each fewer columns: about
-/// four 128-invocation workgroups on each of an H200's 132 units.
-const GEMV_FILL: u64 = 512;
-
-/// A matrix-vector-like product: `m ≤ 8` rows per batch times a right
-/// operand whose columns are contiguous along `k` (`[n, k]` weights). It is
-/// memory-bound on the right operand, so each element of it is read once:
-/// a workgroup owns `cols` columns and every row, its invocations stride
-/// over `k` in 4-element chunks (neighbours read neighbouring chunks: one
-/// coalesced vector load each where the operand is a buffer), keep
-/// `rows × cols` partial sums, and reduce them across the workgroup in
-/// workgroup memory; too few columns for a large GPU split a deep `k`
-/// among workgroups ([`Split`]). The caller's WGSL defines `xa(bt, r, k)`
-/// and `xb(bt, c, k)` (chunks, see [`chunk_reader`]) and `gstore`.
-struct Gemv {
-    batch: usize,
-    m: usize,
-    n: usize,
-    k: usize,
-}
-
-impl Gemv {
-    /// `(invocations, columns, splits)` of a workgroup: the most columns
-    /// (≤ 4) that keep enough workgroups, `k` split when there still are too
-    /// few and each part keeps 128 invocations busy, and enough invocations
-    /// to cover a part of `k` once (at most 128).
-    fn shape(&self) -> (usize, usize, usize) {
-        let cols = [4, 2]
-            .into_iter()
-            .find(|&c| {
-                self.m * c <= GEMV_SUMS && (self.n.div_ceil(c) * self.batch) as u64 >= GEMV_FILL
-            })
-            .unwrap_or(1);
-        let groups = (self.n.div_ceil(cols) * self.batch) as u64;
-        let splits = split_k(groups, GEMV_FILL, self.k, 4 * 128, 4);
-        let chunks = (self.k / splits).div_ceil(4).max(1);
-        let threads = chunks.next_power_of_two().clamp(32, 128);
-        (threads, cols, splits)
-    }
-
-    fn lower(
-        &self,
-        lw: &mut Lowering,
-        operands: impl FnOnce(&mut KernelBuilder) -> Result<String>,
-        store: impl Fn(&mut KernelBuilder) -> Result<String>,
-    ) -> Result<()> {
-        if self.m == 0 || self.n == 0 || self.batch == 0 {
-            return Ok(());
-        }
-        let (threads, cols, splits) = self.shape();
-        let split = Split::new(lw, splits, self.batch, self.m, self.n);
-        let mut kb = KernelBuilder::new(&lw.buffers);
-        let fns = operands(&mut kb)? + &split.store(&mut kb, &store)?;
-        let main = format!("{fns}\n{}", self.main(threads, cols, splits));
-        let built = kb.finish(&main);
-        let groups = (self.n.div_ceil(cols) * self.batch * splits) as u64;
-        let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
-        let storage = (4 * self.m * cols * threads) as u32;
-        let ops = vec![lw.op_label()];
-        lw.add_dispatch(built, ops, [threads as u32, 1, 1], workgroups, storage)?;
-        split.sum(lw, &store)
-    }
-
-    fn main(&self, threads: usize, cols: usize, splits: usize) -> String {
-        let (m, n) = (self.m, self.n);
-        // k of a split (a multiple of 4 when split)
-        let depth = self.k / splits;
-        let chunks = depth.div_ceil(4);
-        let sums = m * cols;
-        let blocks = n.div_ceil(cols);
-        let mut s = String::new();
-        let _ = writeln!(s, "var<workgroup> red: array<f32, {}>;", sums * threads);
-        s.push_str(&entry(threads as u32));
-        let _ = writeln!(
-            s,
-            "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
-             \x20 let kbase = (g / {}u) * {depth}u;\n  let sb = g / {blocks}u;\n\
-             \x20 let bt = sb % {}u;\n  let n0 = (g % {blocks}u) * {cols}u;",
-            blocks * self.batch * splits,
-            blocks * self.batch,
-            self.batch
-        );
-        for j in 0..cols {
-            // a last block's missing columns read the last one (not stored)
-            let _ = writeln!(s, "  let c{j} = min(n0 + {j}u, {}u);", n - 1);
-        }
-        for i in 0..m {
-            for j in 0..cols {
-                let _ = writeln!(s, "  var s{i}_{j} = 0.0;");
-            }
-        }
-        let _ = writeln!(
-            s,
-            "  for (var q = lid; q < {chunks}u; q = q + {threads}u) {{\n    let k = kbase + q * 4u;"
-        );
-        for j in 0..cols {
-            let _ = writeln!(s, "    let b{j} = xb(bt, c{j}, k);");
-        }
-        for i in 0..m {
-            let _ = writeln!(s, "    let a{i} = xa(bt, {i}u, k);");
-            for j in 0..cols {
-                let _ = writeln!(s, "    s{i}_{j} = s{i}_{j} + dot(a{i}, b{j});");
-            }
-        }
-        s.push_str("  }\n");
-        for i in 0..m {
-            for j in 0..cols {
-                let _ = writeln!(s, "  red[{}u + lid] = s{i}_{j};", (i * cols + j) * threads);
-            }
-        }
-        s.push_str("  workgroupBarrier();\n");
-        // halve the partial sums of every output at once
-        let mut half = threads / 2;
-        while half >= 1 {
-            let _ = writeln!(
-                s,
-                "  for (var e = lid; e < {}u; e = e + {threads}u) {{\n\
-                 \x20   let o = (e / {half}u) * {threads}u + e % {half}u;\n\
-                 \x20   red[o] = red[o] + red[o + {half}u];\n  }}\n  workgroupBarrier();",
-                sums * half
-            );
-            half /= 2;
-        }
-        let _ = writeln!(
-            s,
-            "  if (lid < {sums}u) {{\n    let c = n0 + lid % {cols}u;\n\
-             \x20   if (c < {n}u) {{ gstore(sb, lid / {cols}u, c, red[lid * {threads}u]); }}\n  }}\n}}"
-        );
-        s
-    }
-}
-
-/// `dst = f(args)` with each checked argument clamped into range for the
-/// call and the value 0 where any is out of range.
-fn guarded(dst: &str, f: &str, args: &[(String, Option<(String, String)>)]) -> String {
-    let conds: Vec<&str> = args
-        .iter()
-        .filter_map(|(_, c)| c.as_ref().map(|c| c.0.as_str()))
-        .collect();
-    let call = format!(
-        "{f}({})",
-        args.iter()
-            .map(|(a, c)| c.as_ref().map_or(a.as_str(), |c| c.1.as_str()))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    if conds.is_empty() {
-        format!("{dst} = {call};")
-    } else {
-        format!("{dst} = select(0.0, {call}, {});", conds.join(" && "))
     }
 }
 
@@ -1079,33 +467,6 @@ pub(super) mod tests {
         }
     }
 
-    #[test]
-    fn tiles_follow_the_shape() {
-        let tile = |batch, m, n| {
-            let g = super::Gemm {
-                batch,
-                m,
-                n,
-                k: 64,
-                a_k_fast: true,
-                b_k_fast: false,
-                coop: None,
-            };
-            let t = g.tile();
-            // every invocation stages whole elements of both slices
-            assert_eq!((t.bm * t.bk) % t.threads(), 0);
-            assert_eq!((t.bn * t.bk) % t.threads(), 0);
-            assert!(2 * 4 * (t.bm + t.bn) * t.bk <= 16384, "{t:?}");
-            (t.bm, t.bn)
-        };
-        assert_eq!(tile(1, 4096, 4096), (128, 128));
-        assert_eq!(tile(64, 129, 129), (128, 128));
-        assert_eq!(tile(1, 1024, 1024), (64, 64));
-        assert_eq!(tile(1, 512, 512), (32, 32));
-        assert_eq!(tile(1, 1, 4096), (16, 64));
-        assert_eq!(tile(1, 4096, 3), (64, 16));
-    }
-
     /// Decode-step linears (one row) are matrix-vector kernels reading the
     /// weight in 4-element chunks, with enough workgroups for a large GPU.
     #[test]
@@ -1138,31 +499,9 @@ pub(super) mod tests {
         }
     }
 
+    /// The split cases of the GPU tests (gpu_matmul.rs) do split.
     #[test]
     fn deep_k_is_split_when_tiles_are_few() {
-        use super::{split_k, Gemv};
-        // BERT-base linears at 128 tokens on 32×32 tiles
-        assert_eq!(split_k(96, 256, 768, 128, 16), 4);
-        assert_eq!(split_k(96, 256, 3072, 128, 16), 4);
-        assert_eq!(split_k(384, 256, 768, 128, 16), 1);
-        // parts must stay deep and whole slices
-        assert_eq!(split_k(1, 256, 256, 128, 16), 2);
-        assert_eq!(split_k(1, 256, 1000, 128, 16), 1);
-        let gemv = |n, k| {
-            Gemv {
-                batch: 1,
-                m: 1,
-                n,
-                k,
-            }
-            .shape()
-        };
-        // (invocations, columns, splits)
-        assert_eq!(gemv(64, 4096), (128, 1, 8));
-        assert_eq!(gemv(1024, 1024), (128, 2, 1));
-        assert_eq!(gemv(32000, 1024), (128, 4, 1));
-        assert_eq!(gemv(10, 2047), (128, 1, 1));
-        // the split cases of the GPU tests (gpu_matmul.rs) do split
         let f = DType::F32;
         let cases: Vec<(Op, Vec<Option<Operand>>)> = vec![
             (

@@ -16,13 +16,6 @@ use crate::preprocess::expr::{Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::Lowering;
 
-pub(super) fn takes(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::BatchNorm { .. } | Op::GroupNorm { .. }
-    )
-}
-
 /// The statistics a row kernel takes of each group.
 #[derive(Clone, Copy, PartialEq)]
 enum Stats {

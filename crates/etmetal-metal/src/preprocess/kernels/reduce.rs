@@ -13,17 +13,6 @@ use crate::preprocess::emit::{entry, linear, unravel, KernelBuilder};
 use crate::preprocess::pointwise::{cast, compute_type, float_literal};
 use crate::preprocess::Lowering;
 
-pub(super) fn takes(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Reduce { .. }
-            | Op::Var { .. }
-            | Op::ArgReduce { .. }
-            | Op::ReduceWithIndices { .. }
-            | Op::Softmax { .. }
-    )
-}
-
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     let x = lw.fused(node, 0)?;
     let rank = x.shape.len();

@@ -21,10 +21,6 @@ use crate::preprocess::expr::LazyRef;
 use crate::preprocess::pointwise::{cast, compute_type, int_literal};
 use crate::preprocess::Lowering;
 
-pub(super) fn takes(op: &Op) -> bool {
-    matches!(op, Op::TopK { .. } | Op::CumSum { .. } | Op::Index)
-}
-
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     match &node.op {
         Op::TopK {

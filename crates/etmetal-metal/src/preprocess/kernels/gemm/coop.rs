@@ -1,4 +1,4 @@
-//! The tensor-core form of a [`Gemm`] with 16-bit operands: a payload
+//! The cooperative-matrix (tensor-core) form of a [`Gemm`] with 16-bit operands: a payload
 //! alternative (see `payload::Alternative`) for devices whose subgroups
 //! multiply 16×16 f16 matrices into f32 (wgpu's `wgpu_cooperative_matrix`,
 //! `coop_mat16x16`: NVIDIA tensor cores through Vulkan). The runtime runs
@@ -20,7 +20,7 @@
 //! its invocations apply the portable kernel's epilogue (`gstore`: bias,
 //! alpha/beta, split-K partial sums, rounding to the output dtype).
 //!
-//! Range. The tensor cores take f16: |x| ≤ 65504, normal from 2^-14, and
+//! Scaling ([`F16Scaling`]). The tensor cores take f16: |x| ≤ 65504, normal from 2^-14, and
 //! on the H200 an f16 below 2^-14 (subnormal) is flushed to zero in these
 //! products (measured by the GPU test `coop_bf16_range_scaling_beyond_f16`,
 //! which prints whether they were kept). bf16 has f32's exponent range, so
@@ -65,11 +65,13 @@ use std::fmt::Write;
 
 use etmetal_core::{DType, Result, Tensor};
 
-use super::matmul::{Gemm, FILL};
+use super::spec::{F16Scaling, Gemm, GemmArgs, FILL};
+use super::split::Split;
 use crate::payload::Needs;
-use crate::preprocess::emit::{entry, KernelBuilder, FLAT_GROUP};
+use crate::preprocess::buffers::BufferIdx;
+use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::{Kind, LazyRef};
-use crate::preprocess::{BufferIdx, Lowering};
+use crate::preprocess::Lowering;
 
 /// Invocations of a subgroup the kernel is written for.
 const SUBGROUP: usize = 32;
@@ -90,21 +92,10 @@ const MIN_WORK: usize = 1 << 18;
 /// Invocations of a pre-pass workgroup.
 const PREPASS: usize = 256;
 
-/// How a 16-bit operand becomes f16 (see the module comment).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Range {
-    /// Every element becomes a normal f16 (or zero) exactly once scaled by
-    /// 2^s: a weight checked at compile time.
-    Exact(i32),
-    /// Scaled per row of A (column of B) by exponents that a pre-pass
-    /// finds at run time.
-    Lines,
-}
-
-impl Range {
-    /// The range of operand `x`; `None` for operands that are not f16 or
+impl F16Scaling {
+    /// The scaling of operand `x`; `None` for operands that are not f16 or
     /// bf16 (they keep the portable kernel only).
-    pub fn of(lw: &Lowering, x: &LazyRef) -> Option<Range> {
+    pub fn of(lw: &Lowering, x: &LazyRef) -> Option<F16Scaling> {
         if !matches!(x.dtype, DType::F16 | DType::BF16) {
             return None;
         }
@@ -118,7 +109,7 @@ impl Range {
         Some(
             weight
                 .and_then(|w| exact_exponent(&w.to_f32_vec()))
-                .map_or(Range::Lines, Range::Exact),
+                .map_or(F16Scaling::Lines, F16Scaling::Exact),
         )
     }
 }
@@ -166,7 +157,7 @@ fn exact_exponent(values: &[f32]) -> Option<i32> {
 /// The exponent `s` of the factor 2^s for values whose largest finite |x|
 /// has f32 bits `amax`: scaled, every one is below 2^15. The pre-pass
 /// computes the same in WGSL (`expo` in [`HELPERS`]).
-pub(super) fn scale_exponent(amax: u32) -> i32 {
+fn scale_exponent(amax: u32) -> i32 {
     let e = (amax >> 23) as i32 - 127;
     (14 - e).clamp(-126, 126)
 }
@@ -199,15 +190,15 @@ fn finite_bits(v: vec4<f32>) -> vec4<u32> {
 /// Tile of the kernel: a workgroup computes `bm × bn`, each of its
 /// subgroups `wm × wn` (16×16 accumulators), over `bk`-deep slices of k.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Tile {
-    pub bm: usize,
-    pub bn: usize,
+struct CoopTile {
+    bm: usize,
+    bn: usize,
     wm: usize,
     wn: usize,
     bk: usize,
 }
 
-impl Tile {
+impl CoopTile {
     fn subgroups(&self) -> usize {
         (self.bm / self.wm) * (self.bn / self.wn)
     }
@@ -219,10 +210,10 @@ impl Tile {
 
 /// The tile for `gemm`: 128×128 where that still gives a large GPU
 /// enough workgroups, else 64×64.
-pub(super) fn tile(gemm: &Gemm) -> Tile {
+fn tile(gemm: &Gemm) -> CoopTile {
     let groups = |b: usize| (gemm.m.div_ceil(b) * gemm.n.div_ceil(b)) as u64 * gemm.batch as u64;
     if gemm.m >= 128 && gemm.n >= 128 && groups(128) >= FILL {
-        Tile {
+        CoopTile {
             bm: 128,
             bn: 128,
             wm: 64,
@@ -230,7 +221,7 @@ pub(super) fn tile(gemm: &Gemm) -> Tile {
             bk: 32,
         }
     } else {
-        Tile {
+        CoopTile {
             bm: 64,
             bn: 64,
             wm: 32,
@@ -241,7 +232,7 @@ pub(super) fn tile(gemm: &Gemm) -> Tile {
 }
 
 /// Whether `gemm` gets the tensor-core alternative: both operands have a
-/// [`Range`], the tiles are not skinny, and there is work enough.
+/// [`F16Scaling`], the tiles are not skinny, and there is work enough.
 pub(super) fn worth(gemm: &Gemm) -> bool {
     gemm.coop.is_some()
         && gemm.m >= 32
@@ -304,9 +295,9 @@ struct Operand<'a> {
     batch: usize,
     /// Elements along k are adjacent (the chunk reader walks k).
     k_fast: bool,
-    range: Range,
+    scaling: F16Scaling,
     /// The pre-pass's exponents (one per `batch × len` line) for
-    /// [`Range::Lines`].
+    /// [`F16Scaling::Lines`].
     exps: Option<BufferIdx>,
     stage: &'a Stage,
 }
@@ -314,32 +305,33 @@ struct Operand<'a> {
 impl Operand<'_> {
     /// The WGSL i32 exponent of line `i` (a u32 expression, in range).
     fn exponent(&self, kb: &mut KernelBuilder, i: &str) -> String {
-        match (self.range, self.exps) {
+        match (self.scaling, self.exps) {
             (_, Some(exps)) => kb.load(exps, &format!("bt * {}u + {i}", self.len)),
-            (Range::Exact(s), _) => format!("{s}i"),
+            (F16Scaling::Exact(s), _) => format!("{s}i"),
             // (a pre-pass makes `exps` for every `Lines` operand)
-            (Range::Lines, None) => "0i".into(),
+            (F16Scaling::Lines, None) => "0i".into(),
         }
     }
 
     fn scaled(&self) -> bool {
-        self.range != Range::Exact(0)
+        self.scaling != F16Scaling::Exact(0)
     }
 }
 
 /// Add the pre-pass writing the exponent of each line (row of A, column
-/// of B; `batch × len` of them) of operand `o`, read through its chunk
-/// reader, which `reader` emits; returns the buffer it writes.
-fn prepass(
+/// of B; `batch × len` of them) of operand `o` of `gemm`, read through its
+/// chunk reader (of `args`); returns the buffer it writes.
+fn prepass<A: GemmArgs + ?Sized>(
     lw: &mut Lowering,
     o: &Operand,
-    reader: &dyn Fn(&mut KernelBuilder) -> Result<String>,
+    gemm: &Gemm,
+    args: &A,
 ) -> Result<BufferIdx> {
     let (len, k, batch) = (o.len, o.k, o.batch);
     let name = format!("{}.exponents_{}", lw.op_label(), o.name);
-    let exps = lw.temp(&name, DType::I32, &[batch * len]);
+    let exps = lw.temp(&name, DType::I32, &[batch * len])?;
     let mut kb = KernelBuilder::new(&lw.buffers);
-    let fns = reader(&mut kb)?;
+    let fns = gemm.chunk_reads(&mut kb, args)?;
     // a maximum per invocation: of its chunks (k-fast), or of 4 lines
     let red = if o.k_fast { "u32" } else { "vec4<u32>" };
     let mut s = format!("{fns}{HELPERS}var<workgroup> red: array<{red}, {PREPASS}>;\n\n");
@@ -408,8 +400,7 @@ fn prepass(
         total.div_ceil(CHUNKS)
     };
     let built = kb.finish(&s).tagged("range");
-    let workgroups =
-        crate::preprocess::emit::grid(groups as u64, lw.options.max_workgroups_per_dim)?;
+    let workgroups = grid(groups as u64, lw.options.max_workgroups_per_dim)?;
     let ops = vec![lw.op_label()];
     lw.add_dispatch(
         built,
@@ -422,29 +413,28 @@ fn prepass(
 }
 
 /// Build the alternative's dispatches for `gemm` (already lowered as the
-/// portable dispatch, split `splits` ways along k): a pre-pass for each
-/// operand scaled at run time, then the tensor-core kernel. `chunks` emits
-/// the `ca`/`cb` chunk readers (see `Reads::Chunks`), `store` `gstore`.
-pub(super) fn lower(
+/// portable dispatch, with `split` along k): a pre-pass for each operand
+/// scaled at run time, then the tensor-core kernel, reading the operands
+/// in chunks ([`GemmArgs::chunks`]) and storing through `split`.
+pub(super) fn lower<A: GemmArgs + ?Sized>(
     lw: &mut Lowering,
     gemm: &Gemm,
-    splits: usize,
-    chunks: &dyn Fn(&mut KernelBuilder) -> Result<String>,
-    store: &dyn Fn(&mut KernelBuilder) -> Result<String>,
+    split: &Split,
+    args: &A,
 ) -> Result<()> {
     let Some([ra, rb]) = gemm.coop else {
         return Ok(());
     };
     let t = tile(gemm);
     let (sa, sb) = stages(gemm, &t);
-    let operand = |name, reader, len, k_fast, range, stage| Operand {
+    let operand = |name, reader, len, k_fast, scaling, stage| Operand {
         name,
         reader,
         len,
         k: gemm.k,
         batch: gemm.batch,
         k_fast,
-        range,
+        scaling,
         exps: None,
         stage,
     };
@@ -453,26 +443,26 @@ pub(super) fn lower(
         operand("b", "cb", gemm.n, gemm.b_k_fast, rb, &sb),
     ];
     for o in &mut operands {
-        if o.range == Range::Lines {
-            o.exps = Some(prepass(lw, o, chunks)?);
+        if o.scaling == F16Scaling::Lines {
+            o.exps = Some(prepass(lw, o, gemm, args)?);
         }
     }
     let mut kb = KernelBuilder::new(&lw.buffers);
     kb.enable("f16");
     kb.enable("wgpu_cooperative_matrix");
-    let fns = chunks(&mut kb)? + &store(&mut kb)? + HELPERS;
-    let main = kernel(&mut kb, gemm, &t, splits, &operands);
+    let fns = gemm.chunk_reads(&mut kb, args)? + &split.store(&mut kb, args)? + HELPERS;
+    let main = kernel(&mut kb, gemm, &t, split.splits, &operands);
     let built = kb.finish(&format!("{fns}{main}")).tagged("coop");
     let storage = sa.bytes() + sb.bytes() + t.subgroups() * 256 * 4;
     let tiles = (gemm.m.div_ceil(t.bm) * gemm.n.div_ceil(t.bn)) as u64;
-    let groups = tiles * (gemm.batch * splits) as u64;
-    let workgroups = crate::preprocess::emit::grid(groups, lw.options.max_workgroups_per_dim)?;
+    let groups = tiles * (gemm.batch * split.splits) as u64;
+    let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
     let ops = vec![lw.op_label()];
     let threads = t.threads() as u32;
     lw.add_dispatch(built, ops, [threads, 1, 1], workgroups, storage as u32)
 }
 
-fn stages(gemm: &Gemm, t: &Tile) -> (Stage, Stage) {
+fn stages(gemm: &Gemm, t: &CoopTile) -> (Stage, Stage) {
     (
         Stage {
             len: t.bm,
@@ -491,11 +481,11 @@ fn stages(gemm: &Gemm, t: &Tile) -> (Stage, Stage) {
 fn kernel(
     kb: &mut KernelBuilder,
     gemm: &Gemm,
-    t: &Tile,
+    t: &CoopTile,
     splits: usize,
     operands: &[Operand; 2],
 ) -> String {
-    let Tile { bm, bn, wm, wn, bk } = *t;
+    let CoopTile { bm, bn, wm, wn, bk } = *t;
     let (m, n, k) = (gemm.m, gemm.n, gemm.k);
     let threads = t.threads();
     let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));

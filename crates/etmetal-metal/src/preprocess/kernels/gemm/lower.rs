@@ -1,0 +1,43 @@
+//! A [`Gemm`] as dispatches: the portable kernel, the tensor-core
+//! alternative where the operands allow it (which the runtime runs where
+//! the device offers cooperative matrices), and the split-K sum.
+
+use etmetal_core::Result;
+
+use super::coop;
+use super::spec::{Gemm, GemmArgs, FILL};
+use super::split::{split_k, Split};
+use crate::preprocess::emit::{grid, Built, KernelBuilder};
+use crate::preprocess::Lowering;
+
+impl Gemm {
+    /// Validate and append the kernel(s), reading the operands and storing
+    /// the results as `args` says.
+    pub fn lower<A: GemmArgs>(&self, lw: &mut Lowering, args: &A) -> Result<()> {
+        if self.m == 0 || self.n == 0 || self.batch == 0 {
+            // nothing to write
+            return Ok(());
+        }
+        let t = self.tile();
+        let tiles = self.m.div_ceil(t.bm) as u64 * self.n.div_ceil(t.bn) as u64;
+        let splits = split_k(tiles * self.batch as u64, FILL, self.k, t.bk * 8, t.bk);
+        let split = Split::new(lw, splits, self.batch, self.m, self.n)?;
+        let mut kb = KernelBuilder::new(&lw.buffers);
+        let fns = args.elements(&mut kb)? + &split.store(&mut kb, args)?;
+        let main = format!("{fns}\n{}", self.main(&t, splits));
+        let built: Built = kb.finish(&main);
+        let groups = tiles * (self.batch * splits) as u64;
+        let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
+        let (sa, sb) = t.stage_words();
+        // two stages: the next slice is written while this one is read
+        let storage = (2 * 4 * (sa + sb)) as u32;
+        let ops = vec![lw.op_label()];
+        let d = lw.dispatches.len();
+        lw.add_dispatch(built, ops, [t.threads() as u32, 1, 1], workgroups, storage)?;
+        if coop::worth(self) {
+            // the same partial sums or outputs, from the same split of k
+            lw.alternative(d, coop::NEEDS, |lw| coop::lower(lw, self, &split, args))?;
+        }
+        split.sum(lw, args)
+    }
+}

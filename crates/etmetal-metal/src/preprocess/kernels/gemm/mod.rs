@@ -1,0 +1,27 @@
+//! The GEMM family: batched matrix products `C[bt, r, c] = Σ_k A[bt, r, k]
+//! · B[bt, k, c]` as shape-specialised kernels, for `matmul`/`addmm`/
+//! `linear` ([`super::matmul`]) and convolution as an implicit GEMM
+//! ([`super::conv`]). A caller describes the product ([`Gemm`], or
+//! [`Gemv`] for a few rows against a `k`-contiguous weight) and says how
+//! the kernels read its operands and store its results ([`GemmArgs`],
+//! [`GemvArgs`], [`Epilogue`]), so fused reads (views, patches of an
+//! image) and fused stores (bias, alpha/beta, layout) plug in.
+//!
+//! - `spec`: the leaf: [`Gemm`], [`F16Scaling`], `FILL` and the args traits;
+//! - `tiled`: the portable register-tiled kernel;
+//! - `coop`: the cooperative-matrix (tensor-core) kernel for 16-bit
+//!   operands, with its scaling into f16's range;
+//! - `gemv`: the matrix-vector kernel;
+//! - `split`: split-K partial sums and their sum;
+//! - `lower`: [`Gemm::lower`], the portable dispatch plus the tensor-core
+//!   alternative.
+
+mod coop;
+mod gemv;
+mod lower;
+mod spec;
+mod split;
+mod tiled;
+
+pub(super) use gemv::{Gemv, GEMV_ROWS};
+pub(super) use spec::{Epilogue, F16Scaling, Gemm, GemmArgs, GemvArgs};

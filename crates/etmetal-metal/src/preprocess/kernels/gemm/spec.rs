@@ -1,0 +1,125 @@
+//! What a GEMM computes and how its callers plug in: the product's
+//! description ([`Gemm`]), how each 16-bit operand becomes f16 for the
+//! tensor cores ([`F16Scaling`]), and the reads and stores a caller
+//! provides ([`GemmArgs`], [`GemvArgs`], [`Epilogue`]; burn's `MatmulArgs`
+//! is the model). The leaf of the family: the emitters build on it.
+
+use etmetal_core::Result;
+
+use crate::preprocess::emit::KernelBuilder;
+
+/// One batched product `C[bt, r, c] = Σ_k A[bt, r, k] · B[bt, k, c]`. The
+/// caller's [`GemmArgs`] read the operands and store the results. When
+/// its tiles are too few for a large GPU and `k` is deep, `k` is split
+/// among workgroups (`split::split_k`).
+pub(crate) struct Gemm {
+    pub batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// A's elements along k are adjacent in memory (row-major `[m, k]`):
+    /// tile loads walk k fastest so neighbouring invocations read
+    /// neighbouring words.
+    pub a_k_fast: bool,
+    /// B's elements along k are adjacent (e.g. a `[n, k]` weight read as
+    /// its transpose).
+    pub b_k_fast: bool,
+    /// How each operand becomes f16 for the tensor-core alternative
+    /// (`coop`); `None`: the portable kernel only.
+    pub coop: Option<[F16Scaling; 2]>,
+}
+
+/// How a 16-bit operand becomes f16 for the tensor cores (see the `coop`
+/// module comment: the scaling keeps every element within f16's range).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum F16Scaling {
+    /// Every element becomes a normal f16 (or zero) exactly once scaled by
+    /// 2^s: a weight checked at compile time.
+    Exact(i32),
+    /// Scaled per row of A (column of B) by exponents that a pre-pass
+    /// finds at run time.
+    Lines,
+}
+
+/// Workgroups below which a tile is too big to fill a large GPU (an H200
+/// runs two 256-invocation 128×128 workgroups on each of its 132 units).
+/// Measured there in one run: 4096³ is fastest on 128×128 tiles (24.0 ms;
+/// 128×64: 29.1, 64×64: 35.1), 1024³ on 64×64 (0.113 ms; 128×128: 0.166),
+/// 512³ on 32×32 (0.034 ms; 64×64: 0.040).
+pub(super) const FILL: u64 = 256;
+
+/// How a product's results are stored: the caller's epilogue (bias,
+/// scaling, rounding to the output dtype) and write.
+pub(crate) trait Epilogue {
+    /// Emit `fn gstore(bt: u32, r: u32, c: u32, v: f32)` storing the f32
+    /// sum `v` of output `(bt, r, c)`; returns its WGSL.
+    fn store(&self, kb: &mut KernelBuilder) -> Result<String>;
+}
+
+/// How a [`Gemm`] reads its operands: the functions its kernels call,
+/// emitted into the kernel being built (returning their WGSL).
+pub(crate) trait GemmArgs: Epilogue {
+    /// `ga(bt, r, k) -> f32` and `gb(bt, k, c) -> f32`, called with
+    /// in-range indices only (the portable kernel).
+    fn elements(&self, kb: &mut KernelBuilder) -> Result<String>;
+
+    /// `ca(bt, j, q) -> vec4<f32>` and `cb(bt, j, q)`: the four elements
+    /// from `q` (a multiple of 4) along the operand's contiguous dim (k
+    /// where `a_k_fast`/`b_k_fast`, else A's rows or B's columns), `j` the
+    /// other index, zeros past the end of that dim (the tensor-core
+    /// kernel). `None`: no faster reader than four [`GemmArgs::elements`]
+    /// calls.
+    fn chunks(&self, _kb: &mut KernelBuilder) -> Result<Option<String>> {
+        Ok(None)
+    }
+}
+
+/// How a matrix-vector product (`Gemv`) reads its operands.
+pub(crate) trait GemvArgs: Epilogue {
+    /// `xa(bt, r, k) -> vec4<f32>` and `xb(bt, c, k)`: elements `k … k+3`
+    /// (`k` a multiple of 4, zeros past the end) of row `r` of A and of
+    /// column `c` of B.
+    fn k_chunks(&self, kb: &mut KernelBuilder) -> Result<String>;
+}
+
+impl Gemm {
+    /// The `ca`/`cb` readers ([`GemmArgs::chunks`]) of `args`: its own, or
+    /// four element reads each.
+    pub(super) fn chunk_reads<A: GemmArgs + ?Sized>(
+        &self,
+        kb: &mut KernelBuilder,
+        args: &A,
+    ) -> Result<String> {
+        if let Some(fns) = args.chunks(kb)? {
+            return Ok(fns);
+        }
+        Ok(args.elements(kb)? + &self.element_chunks())
+    }
+
+    /// `ca`/`cb` as four calls of `ga`/`gb`.
+    fn element_chunks(&self) -> String {
+        let chunk = |name: &str, call: &dyn Fn(&str) -> String, len: usize| {
+            let lanes: Vec<String> = (0..4)
+                .map(|l| {
+                    let q = format!("min(q + {l}u, {}u)", len - 1);
+                    format!("select(0.0, {}, q + {l}u < {len}u)", call(&q))
+                })
+                .collect();
+            format!(
+                "fn {name}(bt: u32, j: u32, q: u32) -> vec4<f32> {{\n  return vec4<f32>({});\n}}\n\n",
+                lanes.join(", ")
+            )
+        };
+        let a = if self.a_k_fast {
+            chunk("ca", &|q| format!("ga(bt, j, {q})"), self.k)
+        } else {
+            chunk("ca", &|q| format!("ga(bt, {q}, j)"), self.m)
+        };
+        let b = if self.b_k_fast {
+            chunk("cb", &|q| format!("gb(bt, {q}, j)"), self.k)
+        } else {
+            chunk("cb", &|q| format!("gb(bt, j, {q})"), self.n)
+        };
+        a + &b
+    }
+}
