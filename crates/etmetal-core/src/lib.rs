@@ -1,6 +1,12 @@
 //! Types shared by every etmetal crate: element types, shapes, host tensors,
 //! the typed operator set and the error type.
 //!
+//! It is also the one home of the PyTorch rules that more than one crate
+//! applies: type promotion ([`dtype::result_type`]), the output sizes of
+//! convolutions and pools ([`shape::conv_output_size`],
+//! [`shape::pool_output_size`], through [`ConvAttrs`] and [`PoolWindow`])
+//! and grouped-query attention heads ([`shape::attention_batch`]).
+//!
 //! Nothing here knows about files, graphs or devices; the compiler and the
 //! runtime both build on these definitions so that an op means the same thing
 //! on every side of the `.pte` boundary.
