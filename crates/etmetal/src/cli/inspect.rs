@@ -254,7 +254,7 @@ fn summarize_pte(out: &mut String, file: &PteFile) -> Result<()> {
         let planned: Vec<String> = (plan.non_const_buffer_sizes.iter().skip(1))
             .map(|&n| human_bytes(n as usize))
             .collect();
-        say!(out, "  CPU planned memory: [{}]", planned.join(", "));
+        say!(out, "  planned memory: [{}]", planned.join(", "));
         if calls == 0 {
             say!(out, "  on the CPU: nothing");
         } else {
