@@ -490,6 +490,24 @@ fn inspect_shows_delegates_it_cannot_run() {
 }
 
 #[test]
+fn inspect_of_a_pt2_says_what_the_gpu_would_take() {
+    let res = etmetal(&["inspect", fixture("mobile_block.pt2").to_str().unwrap()]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    // as `compile` reports it (partition_modes_and_skipped_ops)
+    assert!(
+        stdout.contains("EtMetalBackend (compile's default options): ")
+            && stdout.contains("in 2 partition(s); 2 on the cpu"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("cpu: `conv_transpose2d`"), "{stdout}");
+}
+
+#[test]
 fn inspect_opens_with_a_summary_and_lists_everything_when_verbose() {
     let dir = scratch("inspect");
     let pte = dir.join("mobile_block.pte");

@@ -2,7 +2,8 @@
 //! (per method: inputs, outputs, what the GPU delegates take, what stays on
 //! the CPU, weight and arena bytes); `--verbose` adds the full listing
 //! (segments, named data, values, operators, delegates' kernels, every
-//! instruction). A `.pt2` shows its signature, weights and op histogram.
+//! instruction). A `.pt2` shows its signature, weights, op histogram and
+//! what the partitioner would delegate.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -10,6 +11,7 @@ use std::path::Path;
 use etmetal::Model;
 use etmetal_core::{Error, Result, Tensor};
 use etmetal_graph::{InputKind, OutputKind};
+use etmetal_metal::partitioner::{ops_to_not_decompose, partition, PartitionOptions};
 use etmetal_metal::payload::{gpu_bytes, Location, Payload};
 use etmetal_pte::{DataLocation, EValue, ExecutionPlan, Instruction, PteFile};
 
@@ -28,13 +30,37 @@ pub fn inspect(out: &mut String, path: &Path, verbose: bool) -> Result<()> {
         }
         Ok(())
     } else {
-        inspect_graph(
-            out,
-            Model::load(path)?
-                .graph()
-                .ok_or_else(|| Error::internal("a .pt2 model has a graph"))?,
-        )
+        let model = Model::load(path)?;
+        let graph = model
+            .graph()
+            .ok_or_else(|| Error::internal("a .pt2 model has a graph"))?;
+        inspect_graph(out, graph)?;
+        summarize_partitions(out, path)
     }
+}
+
+/// What `compile` (Metal backend, default options) would delegate and what
+/// it would leave on the CPU, with the reasons: the partitioner's answer,
+/// without compiling any kernel.
+fn summarize_partitions(out: &mut String, path: &Path) -> Result<()> {
+    let mut g = etmetal_graph::load_pt2(path)?;
+    etmetal_graph::decompose(&mut g, &ops_to_not_decompose);
+    etmetal_graph::eliminate_dead_code(&mut g);
+    let parts = partition(&g, &PartitionOptions::default())?;
+    let delegated: usize = parts.partitions.iter().map(|p| p.nodes.len()).sum();
+    say!(
+        out,
+        "{} (compile's default options): {delegated} of {} nodes in {} partition(s); {} on the cpu",
+        etmetal_metal::BACKEND_ID,
+        g.nodes.len(),
+        parts.partitions.len(),
+        parts.cpu_nodes.len()
+    );
+    for (i, reason) in &parts.cpu_nodes {
+        let node = &g.nodes[*i];
+        say!(out, "  cpu: `{}` ({}): {reason}", node.name, node.op.name());
+    }
+    Ok(())
 }
 
 fn inspect_graph(out: &mut String, graph: &etmetal_graph::Graph) -> Result<()> {
