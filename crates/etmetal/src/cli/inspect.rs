@@ -34,8 +34,7 @@ pub fn inspect(out: &mut String, path: &Path, verbose: bool) -> Result<()> {
         let graph = model
             .graph()
             .ok_or_else(|| Error::internal("a .pt2 model has a graph"))?;
-        inspect_graph(out, graph)?;
-        summarize_partitions(out, path)
+        inspect_graph(out, graph, path)
     }
 }
 
@@ -63,7 +62,9 @@ fn summarize_partitions(out: &mut String, path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn inspect_graph(out: &mut String, graph: &etmetal_graph::Graph) -> Result<()> {
+/// `graph` (the `.pt2` at `path`, decomposed): its signature, weights,
+/// what the GPU would take, its ops.
+fn inspect_graph(out: &mut String, graph: &etmetal_graph::Graph, path: &Path) -> Result<()> {
     say!(out, "inputs:");
     for v in graph.user_inputs() {
         let info = graph.value(v);
@@ -100,6 +101,7 @@ fn inspect_graph(out: &mut String, graph: &etmetal_graph::Graph) -> Result<()> {
         "parameters, buffers and constants: {count} tensors, {}",
         human_bytes(weights)
     );
+    summarize_partitions(out, path)?;
     let mut histogram: BTreeMap<String, usize> = BTreeMap::new();
     for node in &graph.nodes {
         *histogram.entry(node.op.name()).or_default() += 1;
