@@ -6,21 +6,24 @@
 //! `etmetal compile` makes: [`ops_taken`] for `ops_to_not_decompose`,
 //! [`partition`] for the partitioner's tags, [`preprocess`] for the
 //! delegate payload and its named data. The runtime half is [`Program`] /
-//! [`Method`] over `etmetal-runtime` with the GPU backend chosen as
-//! `etmetal run --device` chooses it.
+//! [`Method`] over `etmetal-runtime` with the GPU backend chosen by the
+//! rule `etmetal run --device` uses ([`etmetal::device::choose`]).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::ffi::CString;
+use std::path::Path;
+use std::sync::Mutex;
 
+use etmetal::device::{DevicePreference, Workload};
 use etmetal_core::{DType, Error, ErrorKind, Tensor};
 use etmetal_graph::{Graph, OutputKind};
 use etmetal_metal::compile_spec;
 use etmetal_metal::partitioner::{self, Partition, PartitionMode, PartitionOptions};
 use etmetal_metal::preprocess::PreprocessOptions;
-use etmetal_metal_runtime::{describe, select_adapter, DeviceChoice, MetalBackend, BACKEND_ID};
+use etmetal_metal_runtime::BACKEND_ID;
 use etmetal_pte::CompileSpec;
 use etmetal_runtime::LoadOptions;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyUserWarning, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -187,21 +190,6 @@ fn method_name(specs: Vec<(String, Vec<u8>)>) -> PyResult<String> {
     compile_spec::method_name(&specs).map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
-fn device_choice(device: &str) -> PyResult<Option<DeviceChoice>> {
-    Ok(Some(match device {
-        "cpu" => return Ok(None),
-        "auto" => DeviceChoice::Auto,
-        "metal" => DeviceChoice::Metal,
-        "vulkan" => DeviceChoice::Vulkan,
-        "dx12" => DeviceChoice::Dx12,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "device `{other}`: expected auto, metal, vulkan, dx12 or cpu"
-            )))
-        }
-    }))
-}
-
 /// A loaded `.pte`. Its `EtMetalBackend` delegates run on the GPU the device
 /// choice finds; a file without them runs on the CPU kernels.
 #[pyclass(module = "etmetal._etmetal", frozen)]
@@ -217,38 +205,31 @@ impl Program {
     /// `cpu`) is an error, as in the CLI.
     #[new]
     #[pyo3(signature = (path, device = "auto"))]
-    fn new(path: &str, device: &str) -> PyResult<Program> {
-        let choice = device_choice(device)?;
+    fn new(py: Python<'_>, path: &str, device: &str) -> PyResult<Program> {
+        let preference = DevicePreference::parse(device).map_err(py_err)?;
         let program = etmetal_runtime::Program::load(path).map_err(py_err)?;
-        let delegated = program
-            .file()
-            .program
-            .execution_plan
-            .iter()
-            .flat_map(|p| &p.delegates)
-            .filter(|d| d.id == BACKEND_ID)
-            .count();
-        if delegated == 0 {
+        let workload = Workload::of_pte(program.file());
+        let placement =
+            etmetal::device::choose(preference, Path::new(path), workload).map_err(py_err)?;
+        if let Some(warning) = &placement.warning {
+            PyErr::warn(
+                py,
+                &py.get_type::<PyUserWarning>(),
+                &CString::new(warning.as_str())?,
+                1,
+            )?;
+        }
+        let Some(backend) = placement.backend(false) else {
             return Ok(Program {
                 program,
                 device: "cpu".into(),
             });
-        }
-        let needs_gpu = |why: &str| {
-            PyRuntimeError::new_err(format!(
-                "{path} delegates {delegated} partition(s) to {BACKEND_ID}, which needs a GPU ({why})"
-            ))
         };
-        let choice = choice.ok_or_else(|| needs_gpu("device `cpu` was given"))?;
-        let (_, adapter) = select_adapter(choice).map_err(|e| needs_gpu(e.message()))?;
         let mut options = LoadOptions::default();
-        options
-            .backends
-            .register(Arc::new(MetalBackend::new(choice)))
-            .map_err(py_err)?;
+        options.backends.register(backend).map_err(py_err)?;
         Ok(Program {
             program: program.with_options(options),
-            device: describe(&adapter.get_info()),
+            device: placement.gpu.map_or_else(|| "cpu".into(), |g| g.adapter),
         })
     }
 

@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use etmetal_core::{DType, Op, Tensor};
+use etmetal_core::{DType, Error, Op, Result, Tensor};
 
 /// Index of a value in [`Graph::values`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -114,5 +114,73 @@ impl Graph {
             .iter()
             .filter(|(_, k)| *k == OutputKind::User)
             .map(|(v, _)| *v)
+    }
+
+    /// `(buffer input, new value)` of each buffer mutation of the
+    /// signature, in output order: the one pairing of a `BufferMutation`
+    /// output with the `Buffer` input of the same fully qualified name.
+    /// A mutation of no buffer input, or a new value of another dtype or
+    /// shape than its buffer, is an error naming the buffer.
+    pub fn buffer_mutations(&self) -> Result<Vec<(ValueId, ValueId)>> {
+        let mut out = vec![];
+        for (new, kind) in &self.outputs {
+            let OutputKind::BufferMutation { fqn } = kind else {
+                continue;
+            };
+            let buffer = self
+                .inputs
+                .iter()
+                .find_map(|(v, k)| match k {
+                    InputKind::Buffer { fqn: f, .. } if f == fqn => Some(*v),
+                    _ => None,
+                })
+                .ok_or_else(|| {
+                    Error::invalid_input(format!("buffer `{fqn}` is mutated but not an input"))
+                })?;
+            let (b, n) = (self.value(buffer), self.value(*new));
+            if (b.dtype, &b.shape) != (n.dtype, &n.shape) {
+                return Err(Error::shape(format!(
+                    "buffer `{fqn}` is {} {:?}, its new value {} {:?}",
+                    b.dtype, b.shape, n.dtype, n.shape
+                )));
+            }
+            out.push((buffer, *new));
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffer_mutations_pair_by_name_and_check_the_new_value() {
+        let mut g = Graph::default();
+        let x = g.add_value("x", DType::F32, vec![2]);
+        let a = g.add_value("b_a", DType::F32, vec![2]);
+        let b = g.add_value("b_b", DType::F32, vec![2]);
+        let (new_a, new_b) = (
+            g.add_value("new_a", DType::F32, vec![2]),
+            g.add_value("new_b", DType::F32, vec![3]),
+        );
+        let buffer = |fqn: &str| InputKind::Buffer {
+            fqn: fqn.into(),
+            persistent: true,
+        };
+        g.inputs = vec![(x, InputKind::User), (a, buffer("a")), (b, buffer("b"))];
+        let mutation = |fqn: &str| OutputKind::BufferMutation { fqn: fqn.into() };
+        // outputs name the buffers in another order than the inputs
+        g.outputs = vec![(new_a, mutation("a")), (x, OutputKind::User)];
+        assert_eq!(g.buffer_mutations().unwrap(), [(a, new_a)]);
+        g.outputs.insert(0, (new_b, mutation("b")));
+        let e = g.buffer_mutations().unwrap_err().to_string();
+        assert!(
+            e.contains("buffer `b` is float32 [2], its new value float32 [3]"),
+            "{e}"
+        );
+        g.outputs[0].1 = mutation("c");
+        let e = g.buffer_mutations().unwrap_err().to_string();
+        assert!(e.contains("buffer `c` is mutated but not an input"), "{e}");
     }
 }

@@ -5,16 +5,20 @@
 //! - [`read`]: [`parse`] / [`PteFile::load`] — identifier, `eh00` header,
 //!   flatbuffer verifier, decoding, then [`verify`]'s semantic checks.
 //! - [`write`]: [`serialize`] plus constant-segment and named-data helpers.
+//! - [`named_data`]: [`NamedDataStore`], a program's weights deduplicated
+//!   by key and bytes before they are written.
 
 mod fb;
 pub mod header;
 pub mod kernels;
+pub mod named_data;
 pub mod read;
 pub mod schema;
 pub mod verify;
 pub mod write;
 
 pub use header::ExtendedHeader;
+pub use named_data::NamedDataStore;
 pub use read::{parse, PteFile};
 pub use schema::*;
 pub use write::{

@@ -9,6 +9,8 @@
 //! ExecuTorch portable-kernel calls.
 
 pub mod compile;
+pub mod device;
+mod emit;
 pub mod eval;
 mod model;
 

@@ -1,20 +1,32 @@
-//! The `etmetal` command line: `compile`, `run` and `inspect` (DESIGN.md).
+//! The `etmetal` command line: `compile`, `run` and `inspect` (README:
+//! Command line). This file holds the arguments and what each command
+//! does with them; `inspect` and `run --bench` have modules of their own.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use etmetal::compile::{self, CompileOptions};
+use etmetal::device::{self, DevicePreference, Workload};
 use etmetal::Model;
 use etmetal_core::{npy, DType, Error, Result, Tensor};
-use etmetal_graph::{InputKind, OutputKind};
 use etmetal_metal::partitioner::{DeviceLimits, PartitionMode, PartitionOptions};
-use etmetal_metal::payload::{gpu_bytes, Location, Payload};
-use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
-use etmetal_pte::{DataLocation, EValue, Instruction, PteFile};
+
+/// Append one line to the command's output, which `main` prints at the end.
+macro_rules! say {
+    ($out:expr, $($arg:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = writeln!($out, $($arg)*);
+    }};
+}
+
+mod cli {
+    pub mod bench;
+    pub mod inspect;
+}
+
+use cli::bench::{bench_model, peak_rss, Bench};
 
 #[derive(Parser)]
 #[command(
@@ -34,6 +46,18 @@ enum Device {
     Vulkan,
     Dx12,
     Cpu,
+}
+
+impl Device {
+    fn preference(self) -> DevicePreference {
+        match self {
+            Device::Auto => DevicePreference::Auto,
+            Device::Metal => DevicePreference::Metal,
+            Device::Vulkan => DevicePreference::Vulkan,
+            Device::Dx12 => DevicePreference::Dx12,
+            Device::Cpu => DevicePreference::Cpu,
+        }
+    }
 }
 
 /// Whether GPU delegates may run the tensor-core (cooperative-matrix)
@@ -105,11 +129,16 @@ enum Command {
         #[arg(long, value_name = "SIZE", default_value = "128M", value_parser = parse_size)]
         max_buffer: u64,
     },
-    /// Show a program: inputs, outputs, weights and ops (`.pt2`), or the
-    /// execution plan, operators, delegates, segments and arenas (`.pte`).
+    /// Show a program: inputs, outputs, weights and ops (`.pt2`), or a
+    /// summary of each method of a `.pte` (inputs, outputs, what the GPU
+    /// takes, what stays on the CPU, weight and arena bytes).
     Inspect {
         /// A `.pt2` archive or a `.pte` program.
         model: PathBuf,
+        /// After a `.pte`'s summary, list everything: segments, named data,
+        /// values, operators, each delegate's kernels, every instruction.
+        #[arg(short, long)]
+        verbose: bool,
     },
     /// Run a program and write its outputs as .npy files.
     ///
@@ -150,14 +179,6 @@ enum Command {
         #[arg(long, value_name = "FILE", requires = "bench")]
         bench_json: Option<PathBuf>,
     },
-}
-
-/// Append one line to the command's output, which `main` prints at the end.
-macro_rules! say {
-    ($out:expr, $($arg:tt)*) => {{
-        use std::fmt::Write as _;
-        let _ = writeln!($out, $($arg)*);
-    }};
 }
 
 fn main() -> ExitCode {
@@ -213,7 +234,7 @@ fn main() -> ExitCode {
                 emit_msl.as_deref(),
             )
         }
-        Command::Inspect { model } => inspect(&mut out, &model),
+        Command::Inspect { model, verbose } => cli::inspect::inspect(&mut out, &model, verbose),
         Command::Run {
             model,
             method,
@@ -249,6 +270,7 @@ fn main() -> ExitCode {
     }
 }
 
+/// `n` bytes in B, KiB, MiB or GiB.
 fn human_bytes(n: usize) -> String {
     const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
     let mut v = n as f64;
@@ -361,252 +383,6 @@ fn compile_cmd(
     Ok(())
 }
 
-/// Inspecting a `.pte` reads the file only: a program whose delegates this
-/// build cannot run can still be looked at.
-fn inspect(out: &mut String, path: &Path) -> Result<()> {
-    say!(out, "{}", path.display());
-    if etmetal::is_pte(path)? {
-        inspect_pte(out, &PteFile::load(path)?)
-    } else {
-        inspect_graph(
-            out,
-            Model::load(path)?
-                .graph()
-                .ok_or_else(|| Error::internal("a .pt2 model has a graph"))?,
-        )
-    }
-}
-
-fn inspect_graph(out: &mut String, graph: &etmetal_graph::Graph) -> Result<()> {
-    say!(out, "inputs:");
-    for v in graph.user_inputs() {
-        let info = graph.value(v);
-        say!(out, "  {}: {} {:?}", info.name, info.dtype, info.shape);
-    }
-    say!(out, "outputs:");
-    for (v, kind) in &graph.outputs {
-        let info = graph.value(*v);
-        let what = match kind {
-            OutputKind::User => String::new(),
-            OutputKind::BufferMutation { fqn } => format!(" (new value of buffer {fqn})"),
-            OutputKind::UserInputMutation { input_name } => {
-                format!(" (mutates input {input_name})")
-            }
-        };
-        say!(
-            out,
-            "  {}: {} {:?}{what}",
-            info.name,
-            info.dtype,
-            info.shape
-        );
-    }
-    let mut weights = 0usize;
-    let mut count = 0usize;
-    for (v, kind) in &graph.inputs {
-        if *kind != InputKind::User {
-            count += 1;
-            weights += graph.constants.get(v).map_or(0, Tensor::nbytes);
-        }
-    }
-    say!(
-        out,
-        "parameters, buffers and constants: {count} tensors, {}",
-        human_bytes(weights)
-    );
-    let mut histogram: BTreeMap<String, usize> = BTreeMap::new();
-    for node in &graph.nodes {
-        *histogram.entry(node.op.name().to_string()).or_default() += 1;
-    }
-    say!(
-        out,
-        "ops ({} nodes after decomposition, all supported on cpu):",
-        graph.nodes.len()
-    );
-    for (name, n) in histogram {
-        say!(out, "  {n:>5}  {name}");
-    }
-    Ok(())
-}
-
-/// An EtMetalBackend payload: its kernels with the ops fused into each,
-/// their dispatches and the memory they use.
-fn inspect_payload(out: &mut String, payload: &Payload) {
-    let arena: u64 = payload.arenas.iter().sum();
-    let weights: u64 = payload
-        .buffers
-        .iter()
-        .filter(|b| matches!(b.location, Location::Weight { .. }))
-        .map(|b| gpu_bytes(b.dtype, b.shape.iter().product()).unwrap_or(0))
-        .sum();
-    say!(
-        out,
-        "    {} kernels, {} dispatches, arena {}, weights {}",
-        payload.kernels.len(),
-        payload.dispatches.len(),
-        human_bytes(arena as usize),
-        human_bytes(weights as usize)
-    );
-    if !payload.state.is_empty() {
-        let state: Vec<String> = payload
-            .state
-            .iter()
-            .map(|s| format!("{} (input {})", s.fqn, s.input))
-            .collect();
-        say!(out, "    state kept on the GPU: {}", state.join(", "));
-    }
-    let dispatch = |out: &mut String, d: &etmetal_metal::payload::Dispatch, indent: &str| {
-        let k = &payload.kernels[d.kernel];
-        let [x, y, z] = d.workgroups;
-        let [wx, wy, wz] = k.workgroup_size;
-        say!(
-            out,
-            "{indent}{}  [{}]  workgroups {x}x{y}x{z} of {wx}x{wy}x{wz}",
-            k.name,
-            k.ops.join(", ")
-        );
-    };
-    for d in &payload.dispatches {
-        dispatch(out, d, "      ");
-        for a in &d.alternatives {
-            say!(
-                out,
-                "        or, where the GPU has cooperative matrices {} and {} bytes of \
-                 workgroup memory:",
-                a.needs.describe(),
-                a.needs.workgroup_storage
-            );
-            for inner in &a.dispatches {
-                dispatch(out, inner, "          ");
-            }
-        }
-    }
-}
-
-fn inspect_pte(out: &mut String, file: &PteFile) -> Result<()> {
-    let program = &file.program;
-    say!(out, "segments:");
-    for (i, seg) in program.segments.iter().enumerate() {
-        say!(
-            out,
-            "  {i}: offset {} size {}",
-            seg.offset,
-            human_bytes(seg.size as usize)
-        );
-    }
-    if let Some(constants) = &program.constant_segment {
-        say!(
-            out,
-            "constants: {} buffers in segment {}",
-            constants.offsets.len().saturating_sub(1),
-            constants.segment_index
-        );
-    }
-    for nd in &program.named_data {
-        say!(
-            out,
-            "named data `{}` -> segment {}",
-            nd.key,
-            nd.segment_index
-        );
-    }
-    for (p, plan) in program.execution_plan.iter().enumerate() {
-        say!(out, "method `{}`:", plan.name);
-        let tensor = |v: &i32| match plan.values.get(*v as usize) {
-            Some(EValue::Tensor(t)) => format!("{v}: {} {:?}", t.scalar_type, t.sizes),
-            Some(other) => format!("{v}: {other:?}"),
-            None => format!("{v}: (out of range)"),
-        };
-        say!(
-            out,
-            "  inputs:  {}",
-            plan.inputs
-                .iter()
-                .map(tensor)
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        say!(
-            out,
-            "  outputs: {}",
-            plan.outputs
-                .iter()
-                .map(tensor)
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        let arenas: Vec<String> = plan
-            .non_const_buffer_sizes
-            .iter()
-            .skip(1)
-            .map(|&n| human_bytes(n as usize))
-            .collect();
-        say!(
-            out,
-            "  values: {}, planned arenas: [{}]",
-            plan.values.len(),
-            arenas.join(", ")
-        );
-        say!(out, "  operators:");
-        for (i, op) in plan.operators.iter().enumerate() {
-            say!(out, "    {i}: {}", op.qualified_name());
-        }
-        for (i, d) in plan.delegates.iter().enumerate() {
-            let index = d.processed.index as usize;
-            let size = match d.processed.location {
-                DataLocation::Segment => program.segments.get(index).map_or(0, |s| s.size as usize),
-                DataLocation::Inline => program
-                    .backend_delegate_data
-                    .get(index)
-                    .map_or(0, |b| b.data.len()),
-            };
-            let specs: Vec<&str> = d.compile_specs.iter().map(|c| c.key.as_str()).collect();
-            say!(
-                out,
-                "  delegate {i}: {} ({}), compile specs [{}]",
-                d.id,
-                human_bytes(size),
-                specs.join(", ")
-            );
-            if d.id == etmetal_metal::BACKEND_ID {
-                inspect_payload(out, &Payload::decode(file.delegate_data(p, i)?)?);
-            }
-        }
-        for (c, chain) in plan.chains.iter().enumerate() {
-            say!(
-                out,
-                "  chain {c}: {} instructions",
-                chain.instructions.len()
-            );
-            for (i, ins) in chain.instructions.iter().enumerate() {
-                say!(out, "    {i:>4}  {}", describe(plan, ins));
-            }
-        }
-    }
-    Ok(())
-}
-
-fn describe(plan: &etmetal_pte::ExecutionPlan, ins: &Instruction) -> String {
-    match ins {
-        Instruction::KernelCall(k) => {
-            let op = plan
-                .operators
-                .get(k.op_index as usize)
-                .map(|o| o.qualified_name());
-            format!("{} {:?}", op.unwrap_or_else(|| "?".into()), k.args)
-        }
-        Instruction::DelegateCall(d) => format!("delegate {} {:?}", d.delegate_index, d.args),
-        Instruction::MoveCall(m) => format!("move {} -> {}", m.move_from, m.move_to),
-        Instruction::JumpFalseCall(j) => {
-            format!(
-                "jump to {} if value {} is false",
-                j.destination_instruction, j.cond_value_index
-            )
-        }
-        Instruction::FreeCall(f) => format!("free {}", f.value_index),
-    }
-}
-
 fn load_inputs(model: &Model, method: &str, paths: &[PathBuf]) -> Result<Vec<Tensor>> {
     if paths.is_empty() {
         return model
@@ -648,8 +424,14 @@ fn run(
         true => Some(etmetal_runtime::Program::load(path)?),
         false => None,
     };
-    let delegated = pte.as_ref().map_or(0, |p| gpu_delegates(p.file()));
-    let gpu = gpu_backend(path, pte.is_some(), delegated, device, coop)?;
+    let workload = pte
+        .as_ref()
+        .map_or(Workload::Pt2, |p| Workload::of_pte(p.file()));
+    let placement = device::choose(device.preference(), path, workload)?;
+    if let Some(warning) = &placement.warning {
+        eprintln!("etmetal: warning: {warning}");
+    }
+    let gpu = placement.backend(coop == Coop::Auto);
     let mut options = etmetal_runtime::LoadOptions::default();
     if let Some(backend) = &gpu {
         options.backends.register(backend.clone())?;
@@ -723,78 +505,6 @@ fn run(
     Ok(())
 }
 
-/// How many `EtMetalBackend` delegates `file` holds.
-fn gpu_delegates(file: &PteFile) -> usize {
-    file.program
-        .execution_plan
-        .iter()
-        .flat_map(|p| &p.delegates)
-        .filter(|d| d.id == etmetal_metal_runtime::BACKEND_ID)
-        .count()
-}
-
-/// The GPU backend a run uses, after checking `device` finds an adapter;
-/// `None` runs on the CPU kernels: a `.pte` with no GPU delegates, a `.pt2`
-/// with `--device cpu` or, with `auto`, no adapter (one warning line). A
-/// `.pt2` with a GPU is compiled in memory for it.
-fn gpu_backend(
-    path: &Path,
-    pte: bool,
-    delegated: usize,
-    device: Device,
-    coop: Coop,
-) -> Result<Option<Arc<MetalBackend>>> {
-    let choice = match device {
-        Device::Cpu => return cpu_only(path, pte, delegated, "--device cpu was given"),
-        Device::Auto => DeviceChoice::Auto,
-        Device::Metal => DeviceChoice::Metal,
-        Device::Vulkan => DeviceChoice::Vulkan,
-        Device::Dx12 => DeviceChoice::Dx12,
-    };
-    if pte && delegated == 0 {
-        if device != Device::Auto {
-            eprintln!(
-                "etmetal: warning: {} has no GPU delegates and runs on the cpu (--device {} is not used)",
-                path.display(),
-                choice.name()
-            );
-        }
-        return Ok(None);
-    }
-    match select_adapter(choice) {
-        Ok(_) => Ok(Some(Arc::new(
-            MetalBackend::new(choice).with_cooperative_matrix(coop == Coop::Auto),
-        ))),
-        Err(e) if device == Device::Auto => cpu_only(path, pte, delegated, e.message()),
-        Err(e) => Err(e),
-    }
-}
-
-/// No GPU for this run: fine for a `.pt2` (interpreted on the CPU, with a
-/// warning), an error for a `.pte` whose delegates need one.
-fn cpu_only(
-    path: &Path,
-    pte: bool,
-    delegated: usize,
-    why: &str,
-) -> Result<Option<Arc<MetalBackend>>> {
-    if !pte {
-        if !why.starts_with("--device cpu") {
-            eprintln!("etmetal: warning: no GPU ({why}); running on the cpu");
-        }
-        return Ok(None);
-    }
-    if delegated == 0 {
-        return Ok(None);
-    }
-    Err(Error::unsupported(format!(
-        "{} delegates {delegated} partition(s) to {}, which needs a GPU ({why}); \
-         compile with --backend cpu to run on the CPU",
-        path.display(),
-        etmetal_metal_runtime::BACKEND_ID
-    )))
-}
-
 /// `--max-buffer`'s value: bytes, or K/M/G (binary multiples) of them.
 fn parse_size(text: &str) -> std::result::Result<u64, String> {
     let (digits, shift) = match text.char_indices().last() {
@@ -809,155 +519,4 @@ fn parse_size(text: &str) -> std::result::Result<u64, String> {
         .and_then(|n| n.checked_mul(1 << shift))
         .filter(|&n| n > 0)
         .ok_or_else(|| format!("`{text}` is not a size such as 134217728, 128M or 4G"))
-}
-
-/// `run --bench`: how many timed and warm-up executes, where to write JSON.
-struct Bench {
-    runs: usize,
-    warmup: usize,
-    json: Option<PathBuf>,
-}
-
-/// The `q` quantile (nearest rank) of sorted `v`.
-fn quantile(v: &[f64], q: f64) -> f64 {
-    v[((v.len() - 1) as f64 * q).round() as usize]
-}
-
-/// The process's peak resident set so far, in bytes (Linux `VmHWM`; `None`
-/// where /proc is absent).
-fn peak_rss() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kib = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
-    kib.trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse::<u64>()
-        .ok()
-        .map(|k| k * 1024)
-}
-
-/// Time `bench.runs` executes after `bench.warmup`; then, where the GPU has
-/// timestamp queries, as many profiled executes for per-kernel GPU times
-/// (apart, since a profiled execute gives each dispatch its own pass).
-/// Prints the figures and returns them as JSON.
-fn bench_model(
-    out: &mut String,
-    model: &mut Model,
-    method: &str,
-    inputs: &[Tensor],
-    bench: &Bench,
-    gpu: Option<&MetalBackend>,
-) -> Result<serde_json::Value> {
-    let (n, warmup) = (bench.runs, bench.warmup);
-    if n == 0 {
-        return Err(Error::invalid_input("--bench needs at least one run"));
-    }
-    for _ in 0..warmup {
-        model.execute_method(method, inputs.to_vec())?;
-    }
-    let mut times = Vec::with_capacity(n);
-    for _ in 0..n {
-        let start = Instant::now();
-        model.execute_method(method, inputs.to_vec())?;
-        times.push(start.elapsed().as_secs_f64() * 1e3);
-    }
-    let mut sorted = times.clone();
-    sorted.sort_by(f64::total_cmp);
-    let (median, p90) = (quantile(&sorted, 0.5), quantile(&sorted, 0.9));
-    say!(
-        out,
-        "bench: {n} runs after {warmup} warm-up: median {median:.3} ms, p90 {p90:.3} ms"
-    );
-    let gpu_json = match gpu {
-        Some(g) if g.can_profile() => gpu_profile(out, model, method, inputs, n, g)?,
-        Some(_) => {
-            let why = "the GPU adapter has no timestamp queries";
-            say!(out, "bench: no per-kernel GPU times: {why}");
-            serde_json::json!({ "unavailable": why })
-        }
-        None => serde_json::Value::Null,
-    };
-    Ok(serde_json::json!({
-        "runs": n,
-        "warmup": warmup,
-        "latency_ms": {
-            "median": median,
-            "p90": p90,
-            "min": sorted[0],
-            "mean": times.iter().sum::<f64>() / n as f64,
-        },
-        "times_ms": times,
-        "gpu": gpu_json,
-    }))
-}
-
-/// `n` profiled executes: per dispatch (in execution order) its median GPU
-/// time, printed one line each with its share of the median GPU total.
-fn gpu_profile(
-    out: &mut String,
-    model: &mut Model,
-    method: &str,
-    inputs: &[Tensor],
-    n: usize,
-    gpu: &MetalBackend,
-) -> Result<serde_json::Value> {
-    gpu.take_dispatch_times();
-    gpu.set_profiling(true);
-    let mut runs = Vec::with_capacity(n);
-    let mut result = Ok(());
-    for _ in 0..n {
-        result = model.execute_method(method, inputs.to_vec()).map(drop);
-        if result.is_err() {
-            break;
-        }
-        runs.push(gpu.take_dispatch_times());
-    }
-    gpu.set_profiling(false);
-    result?;
-    let per_run = runs[0].len();
-    if let Some(r) = runs.iter().find(|r| r.len() != per_run) {
-        return Err(Error::internal(format!(
-            "profiled executes ran {per_run} and {} dispatches",
-            r.len()
-        )));
-    }
-    let median_of = |f: &dyn Fn(&[etmetal_metal_runtime::DispatchTime]) -> f64| {
-        let mut v: Vec<f64> = runs.iter().map(|r| f(r) * 1e3).collect();
-        v.sort_by(f64::total_cmp);
-        quantile(&v, 0.5)
-    };
-    let total = median_of(&|r| r.iter().map(|t| t.seconds).sum());
-    say!(
-        out,
-        "bench: GPU time {total:.3} ms median over {n} profiled runs, {per_run} dispatches:"
-    );
-    let mut kernels = Vec::with_capacity(per_run);
-    for (d, first) in runs[0].iter().enumerate() {
-        let ms = median_of(&|r| r[d].seconds);
-        let share = if total > 0.0 { ms / total } else { 0.0 };
-        let variant = first
-            .variant
-            .as_ref()
-            .map_or(String::new(), |v| format!("  (alternative: {v})"));
-        say!(
-            out,
-            "  {:<40} {:>10.4} ms {:>5.1}%  [{}]{variant}",
-            first.kernel,
-            ms,
-            share * 100.0,
-            first.ops.join(", ")
-        );
-        kernels.push(serde_json::json!({
-            "kernel": first.kernel,
-            "variant": first.variant,
-            "ops": first.ops,
-            "median_ms": ms,
-            "share": share,
-        }));
-    }
-    Ok(serde_json::json!({
-        "profiled_runs": n,
-        "total_ms_median": total,
-        "dispatches": kernels,
-    }))
 }

@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use etmetal_core::{check_inputs, Error, Result, Tensor, TensorSpec};
-use etmetal_graph::{Graph, InputKind, OutputKind, ValueId};
+use etmetal_graph::{Graph, OutputKind, ValueId};
 use etmetal_pte::PteFile;
 
 enum Program {
@@ -61,7 +61,8 @@ impl Model {
         let mut graph = etmetal_graph::load_pt2(path)?;
         etmetal_graph::decompose(&mut graph, &|_| false);
         etmetal_graph::eliminate_dead_code(&mut graph);
-        let graph_state = mutated_buffers(&graph)
+        let graph_state = graph
+            .buffer_mutations()?
             .into_iter()
             .filter_map(|(b, _)| graph.constants.get(&b).map(|t| (b, t.clone())))
             .collect();
@@ -183,7 +184,7 @@ impl Model {
             Program::Graph(graph) => {
                 let inputs = check_inputs(&graph_inputs(graph), inputs)?;
                 let all = crate::eval::run_graph(graph, inputs)?;
-                let mutated = mutated_buffers(graph);
+                let mutated = graph.buffer_mutations()?;
                 let mut user = vec![];
                 for (t, (v, kind)) in all.into_iter().zip(graph.outputs.clone()) {
                     match kind {
@@ -228,23 +229,6 @@ impl Model {
             }
         }
     }
-}
-
-/// `(buffer input, new value output)` of each buffer mutation of `graph`.
-fn mutated_buffers(graph: &Graph) -> Vec<(ValueId, ValueId)> {
-    graph
-        .outputs
-        .iter()
-        .filter_map(|(new, kind)| {
-            let OutputKind::BufferMutation { fqn } = kind else {
-                return None;
-            };
-            graph.inputs.iter().find_map(|(v, k)| match k {
-                InputKind::Buffer { fqn: f, .. } if f == fqn => Some((*v, *new)),
-                _ => None,
-            })
-        })
-        .collect()
 }
 
 fn graph_inputs(graph: &Graph) -> Vec<TensorSpec> {

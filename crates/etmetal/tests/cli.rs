@@ -219,7 +219,7 @@ fn compiled_pte_runs_and_inspects() {
         .map(|(a, b)| (a - b).abs())
         .fold(0.0, f64::max);
     assert!(worst < 1e-5, "largest error {worst}");
-    let res = etmetal(&["inspect", pte.to_str().unwrap()]);
+    let res = etmetal(&["inspect", "--verbose", pte.to_str().unwrap()]);
     let stdout = String::from_utf8_lossy(&res.stdout);
     for needle in [
         "method `forward`",
@@ -300,7 +300,7 @@ fn metal_compile_runs_on_the_gpu_inspects_and_emits_msl() {
     assert!(String::from_utf8_lossy(&res.stdout).contains("ran on gpu"));
     let worst = worst_error(&out.join("output_0.npy"), "mlp.output_0.npy");
     assert!(worst < 1e-5, "largest error {worst}");
-    let res = etmetal(&["inspect", pte.to_str().unwrap()]);
+    let res = etmetal(&["inspect", "--verbose", pte.to_str().unwrap()]);
     let stdout = String::from_utf8_lossy(&res.stdout);
     for needle in [
         "delegate 0: EtMetalBackend",
@@ -480,8 +480,90 @@ fn inspect_shows_delegates_it_cannot_run() {
         "{}",
         String::from_utf8_lossy(&res.stderr)
     );
+    assert!(String::from_utf8_lossy(&res.stdout)
+        .contains("XnnpackBackend: 1 partition(s) (this build does not run them)"));
+    let res = etmetal(&["inspect", "--verbose", pte.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&res.stdout).contains("delegate 0: XnnpackBackend"));
     let res = etmetal(&["run", pte.to_str().unwrap()]);
     assert_eq!(res.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&res.stderr).contains("`XnnpackBackend` is not registered"));
+}
+
+#[test]
+fn inspect_of_a_pt2_says_what_the_gpu_would_take() {
+    let res = etmetal(&["inspect", fixture("mobile_block.pt2").to_str().unwrap()]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    // as `compile` reports it (partition_modes_and_skipped_ops)
+    assert!(
+        stdout.contains("EtMetalBackend (compile's default options): ")
+            && stdout.contains("in 2 partition(s); 2 on the cpu"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("cpu: `conv_transpose2d`"), "{stdout}");
+}
+
+#[test]
+fn inspect_opens_with_a_summary_and_lists_everything_when_verbose() {
+    let dir = scratch("inspect");
+    let pte = dir.join("mobile_block.pte");
+    // mobile_block: two GPU partitions around a transposed convolution and
+    // a max pool with indices, which stay on the CPU
+    let res = etmetal(&[
+        "compile",
+        fixture("mobile_block.pt2").to_str().unwrap(),
+        "-o",
+        pte.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let res = etmetal(&["inspect", pte.to_str().unwrap()]);
+    assert!(res.status.success());
+    let summary = String::from_utf8_lossy(&res.stdout).to_string();
+    let lines: Vec<&str> = summary.lines().collect();
+    assert!(lines[1].starts_with("1 method(s); weights "), "{summary}");
+    assert!(lines[1].contains("(13 keys)"), "{summary}");
+    assert_eq!(lines[2], "method `forward`:", "{summary}");
+    assert_eq!(lines[3], "  inputs:  float32 [1, 3, 12, 12]", "{summary}");
+    assert_eq!(
+        lines[4], "  outputs: float32 [1, 5], int64 [1, 8, 3, 3], float32 [1, 8, 3, 3]",
+        "{summary}"
+    );
+    assert_eq!(
+        lines[5], "  delegated: 2 delegate call(s), 2 CPU kernel call(s)",
+        "{summary}"
+    );
+    assert!(
+        lines[6].starts_with("  GPU (EtMetalBackend): 2 partition(s), "),
+        "{summary}"
+    );
+    for op in ["aten::convolution.out", "aten::max_pool2d_with_indices.out"] {
+        assert!(
+            lines.iter().any(|l| l.trim_start() == format!("1  {op}")),
+            "{op} missing in:\n{summary}"
+        );
+    }
+    assert!(!summary.contains("segments:"), "{summary}");
+    assert!(lines.len() < 15, "{summary}");
+    // --verbose: the same summary, then the whole listing
+    let res = etmetal(&["inspect", "--verbose", pte.to_str().unwrap()]);
+    assert!(res.status.success());
+    let verbose = String::from_utf8_lossy(&res.stdout);
+    assert!(verbose.starts_with(&summary), "{verbose}");
+    let rest = &verbose[summary.len()..];
+    assert!(rest.trim_start().starts_with("segments:"), "{verbose}");
+    for needle in [
+        "named data `p_conv_weight`",
+        "delegate 1: EtMetalBackend",
+        "chain 0",
+    ] {
+        assert!(rest.contains(needle), "missing {needle:?} in:\n{verbose}");
+    }
 }

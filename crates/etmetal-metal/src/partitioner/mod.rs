@@ -18,7 +18,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
 use etmetal_core::{Error, Op, Result};
-use etmetal_graph::{Graph, InputKind, OutputKind, ValueId};
+use etmetal_graph::{Graph, ValueId};
 
 pub use support::{op_supported, supports, DeviceLimits};
 
@@ -134,6 +134,7 @@ pub fn partition(graph: &Graph, options: &PartitionOptions) -> Result<Partitioni
             readers.entry(*v).or_default().push(i);
         }
     }
+    let mutations = graph.buffer_mutations()?;
     let count = groups.live().count();
     let mut nodes_of: Vec<Vec<usize>> = vec![vec![]; count];
     for (i, id) in node_partition.iter().enumerate() {
@@ -144,7 +145,7 @@ pub fn partition(graph: &Graph, options: &PartitionOptions) -> Result<Partitioni
     let partitions: Vec<Partition> = nodes_of
         .into_iter()
         .enumerate()
-        .map(|(id, nodes)| describe(graph, id, nodes, &node_partition, &readers))
+        .map(|(id, nodes)| describe(graph, id, nodes, &node_partition, &readers, &mutations))
         .collect();
     Ok(Partitioning {
         partitions,
@@ -448,24 +449,13 @@ fn describe(
     nodes: Vec<usize>,
     node_partition: &[Option<usize>],
     readers: &HashMap<ValueId, Vec<usize>>,
+    mutations: &[(ValueId, ValueId)],
 ) -> Partition {
     let readers = |v: ValueId| readers.get(&v).map_or(&[][..], Vec::as_slice);
     let graph_outputs: BTreeSet<ValueId> = graph.outputs.iter().map(|(v, _)| *v).collect();
     // a constant is delegated when every reader is delegated and it is not
     // also returned or mutated
-    let mutated: BTreeSet<&str> = graph
-        .outputs
-        .iter()
-        .filter_map(|(_, k)| match k {
-            OutputKind::BufferMutation { fqn } => Some(fqn.as_str()),
-            _ => None,
-        })
-        .collect();
-    let is_mutated_buffer = |v: ValueId| {
-        graph.inputs.iter().any(|(iv, k)| {
-            *iv == v && matches!(k, InputKind::Buffer { fqn, .. } if mutated.contains(fqn.as_str()))
-        })
-    };
+    let is_mutated_buffer = |v: ValueId| mutations.iter().any(|&(b, _)| b == v);
     let read_only_by_delegates =
         |v: ValueId| readers(v).iter().all(|&i| node_partition[i].is_some());
     let produced: BTreeSet<ValueId> = nodes
@@ -499,19 +489,10 @@ fn describe(
             }
         }
     }
-    let mutated_buffers = graph
-        .outputs
+    let mutated_buffers = mutations
         .iter()
-        .filter_map(|(new, k)| match k {
-            OutputKind::BufferMutation { fqn } if produced.contains(new) => {
-                let buffer = graph.inputs.iter().find_map(|(iv, ik)| match ik {
-                    InputKind::Buffer { fqn: f, .. } if f == fqn => Some(*iv),
-                    _ => None,
-                })?;
-                Some((buffer, *new))
-            }
-            _ => None,
-        })
+        .filter(|(_, new)| produced.contains(new))
+        .copied()
         .collect();
     Partition {
         id,

@@ -37,8 +37,10 @@ use expr::{Kind, Lazy, LazyRef};
 #[derive(Clone, Debug)]
 pub struct Preprocessed {
     pub payload: Payload,
-    /// Weights in GPU form, keyed as the payload names them (graph value
-    /// names, so a weight read by several partitions is stored once).
+    /// Weights in GPU form, keyed as the payload names them (by
+    /// [`Boundary::weight_key`]: graph value names unless the driver
+    /// decides otherwise, so a weight read by several partitions is stored
+    /// once).
     pub named_data: Vec<(String, Vec<u8>)>,
 }
 
@@ -62,16 +64,60 @@ impl Default for PreprocessOptions {
     }
 }
 
-/// Compile `partition` of `graph` (decomposed as the partitioner saw it).
+/// What the compile driver decided about a partition before its
+/// preprocess: which mutable buffers stay on the GPU and under which
+/// named-data key each weight is stored.
+pub struct Boundary<'a> {
+    /// Mutable buffers the partition keeps on the GPU: the payload lists
+    /// them as [`payload::State`], and their new values are no delegate
+    /// outputs.
+    pub resident: &'a [ResidentBuffer],
+    /// The named-data key of a weight, from its value name and GPU bytes.
+    pub weight_key: &'a dyn Fn(&str, &[u8]) -> String,
+}
+
+/// A mutable buffer a partition reads and writes and keeps on the GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResidentBuffer {
+    /// Its fully qualified name (`layers.0.k_cache`).
+    pub fqn: String,
+    /// The buffer: a partition input.
+    pub buffer: ValueId,
+    /// Its new value: a partition output.
+    pub new_value: ValueId,
+}
+
+impl Default for Boundary<'_> {
+    /// No resident state; weights keyed by their value names.
+    fn default() -> Self {
+        Boundary {
+            resident: &[],
+            weight_key: &|name, _| name.to_string(),
+        }
+    }
+}
+
+/// Compile `partition` of `graph` (decomposed as the partitioner saw it),
+/// with the default [`Boundary`].
 pub fn preprocess(
     graph: &Graph,
     partition: &Partition,
     options: &PreprocessOptions,
 ) -> Result<Preprocessed> {
+    preprocess_with(graph, partition, options, &Boundary::default())
+}
+
+/// Compile `partition` of `graph` within `boundary`.
+pub fn preprocess_with(
+    graph: &Graph,
+    partition: &Partition,
+    options: &PreprocessOptions,
+    boundary: &Boundary,
+) -> Result<Preprocessed> {
     // A mutated buffer is an input of the partition and its new value an
     // output (the partitioner never takes it as a weight): the method keeps
-    // the state and writes it back after the chain.
-    let mut lw = Lowering::new(graph, partition, options)?;
+    // the state and writes it back after the chain, unless it is resident.
+    let mut lw = Lowering::new(graph, partition, options, boundary.weight_key)?;
     for &n in &partition.nodes {
         let node = graph
             .nodes
@@ -86,7 +132,22 @@ pub fn preprocess(
             ))
         })?;
     }
-    lw.finish()
+    let mut pre = lw.finish()?;
+    let mut outputs = partition.outputs.clone();
+    for r in boundary.resident {
+        let input = partition.inputs.iter().position(|&v| v == r.buffer);
+        let output = outputs.iter().position(|&v| v == r.new_value);
+        let (Some(input), Some(output)) = (input, output) else {
+            return Err(Error::internal(format!(
+                "state `{}` is not an input and output of partition {}",
+                r.fqn,
+                partition.tag()
+            )));
+        };
+        outputs.remove(output);
+        pre.payload.keep_resident(&r.fqn, input, output)?;
+    }
+    Ok(pre)
 }
 
 /// Lowering state of one partition.
@@ -116,6 +177,7 @@ impl<'g> Lowering<'g> {
         graph: &'g Graph,
         partition: &Partition,
         options: &'g PreprocessOptions,
+        weight_key: &dyn Fn(&str, &[u8]) -> String,
     ) -> Result<Lowering<'g>> {
         let mut lw = Lowering {
             graph,
@@ -176,12 +238,13 @@ impl<'g> Lowering<'g> {
             } else {
                 let bytes =
                     payload::to_gpu(tensor, &format!("weight `{}`", info.name))?.into_owned();
-                lw.named_data.push((info.name.clone(), bytes));
+                let key = weight_key(&info.name, &bytes);
+                lw.named_data.push((key.clone(), bytes));
                 let buf = lw.add_buffer(BufferDesc::new(
                     &info.name,
                     info.dtype,
                     &info.shape,
-                    Place::Weight(info.name.clone()),
+                    Place::Weight(key),
                 )?);
                 lw.load(buf)
             };
