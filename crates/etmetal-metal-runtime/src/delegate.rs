@@ -137,9 +137,9 @@ fn workgroup_bytes(wgsl: &str) -> Option<u64> {
     )
 }
 
-/// A tensor's place on the GPU: a buffer and the range bound.
+/// A tensor's place on the GPU: the bytes of a buffer that are bound.
 #[derive(Clone, Copy)]
-struct Range {
+struct Region {
     buffer: usize,
     offset: u64,
     size: u64,
@@ -239,7 +239,7 @@ impl Profiler {
 
 /// One dispatch as a delegate runs it: a payload dispatch, or one of the
 /// alternative chosen for it (with what that alternative needs).
-pub(crate) struct Step {
+pub(crate) struct Launch {
     pub dispatch: Dispatch,
     pub variant: Option<Needs>,
 }
@@ -247,8 +247,8 @@ pub(crate) struct Step {
 /// The dispatches to run: each payload dispatch, or, where `offer` meets
 /// one of its alternatives whose kernels bind at most `max_bindings`
 /// buffers, the first such alternative's dispatches.
-pub(crate) fn plan(payload: &Payload, offer: Option<&CoopOffer>, max_bindings: u32) -> Vec<Step> {
-    let mut steps = Vec::with_capacity(payload.dispatches.len());
+pub(crate) fn plan(payload: &Payload, offer: Option<&CoopOffer>, max_bindings: u32) -> Vec<Launch> {
+    let mut launches = Vec::with_capacity(payload.dispatches.len());
     for d in &payload.dispatches {
         let chosen = d.alternatives.iter().find(|a| {
             offer.is_some_and(|o| o.meets(&a.needs))
@@ -257,11 +257,11 @@ pub(crate) fn plan(payload: &Payload, offer: Option<&CoopOffer>, max_bindings: u
                     .all(|x| x.buffers.len() as u64 <= u64::from(max_bindings))
         });
         match chosen {
-            Some(a) => steps.extend(a.dispatches.iter().map(|x| Step {
+            Some(a) => launches.extend(a.dispatches.iter().map(|x| Launch {
                 dispatch: x.clone(),
                 variant: Some(a.needs),
             })),
-            None => steps.push(Step {
+            None => launches.push(Launch {
                 dispatch: Dispatch {
                     alternatives: vec![],
                     ..d.clone()
@@ -270,11 +270,11 @@ pub(crate) fn plan(payload: &Payload, offer: Option<&CoopOffer>, max_bindings: u
             }),
         }
     }
-    steps
+    launches
 }
 
 struct Output {
-    range: Range,
+    region: Region,
     /// Offset into the staging buffer.
     staging_offset: u64,
 }
@@ -287,17 +287,17 @@ pub(crate) struct GpuDelegate {
     /// Weights (deduplicated by key) then arenas.
     buffers: Vec<wgpu::Buffer>,
     /// Per payload buffer.
-    ranges: Vec<Range>,
-    /// What runs, in order (see [`plan`]), with a bind group per step.
-    steps: Vec<Step>,
-    /// Per payload kernel; built only for kernels a step runs.
+    regions: Vec<Region>,
+    /// What runs, in order (see [`plan`]), with a bind group per launch.
+    launches: Vec<Launch>,
+    /// Per payload kernel; built only for kernels a launch runs.
     pipelines: Vec<Option<wgpu::ComputePipeline>>,
     bind_groups: Vec<wgpu::BindGroup>,
     outputs: Vec<Output>,
-    /// `(input range, new value range)` of each payload state, by input index.
-    state: HashMap<usize, (Range, Range)>,
-    /// Per payload check: its status range and offset in the staging buffer.
-    statuses: Vec<(Range, u64)>,
+    /// `(input region, new value region)` of each payload state, by input index.
+    state: HashMap<usize, (Region, Region)>,
+    /// Per payload check: its status region and offset in the staging buffer.
+    statuses: Vec<(Region, u64)>,
     staging: wgpu::Buffer,
     /// Made at the first profiled execute (on a device with timestamp queries).
     profiler: Option<Profiler>,
@@ -319,7 +319,7 @@ impl GpuDelegate {
         let mut buffers = Vec::new();
         // Weight key -> (buffer, bytes), so a weight is uploaded once.
         let mut by_key: HashMap<&str, (usize, u64)> = HashMap::new();
-        let mut ranges = Vec::with_capacity(payload.buffers.len());
+        let mut regions = Vec::with_capacity(payload.buffers.len());
         let new_buffer = |buffers: &mut Vec<wgpu::Buffer>, b: wgpu::Buffer| {
             counters.buffers.fetch_add(1, Ordering::Relaxed);
             buffers.push(b);
@@ -351,8 +351,8 @@ impl GpuDelegate {
         }
         for b in &payload.buffers {
             let size = payload::gpu_bytes(b.dtype, b.shape.iter().product())?;
-            let range = match &b.location {
-                Location::Arena { arena, offset } => Range {
+            let region = match &b.location {
+                Location::Arena { arena, offset } => Region {
                     buffer: *arena,
                     offset: *offset,
                     size,
@@ -399,21 +399,21 @@ impl GpuDelegate {
                             i
                         }
                     };
-                    Range {
+                    Region {
                         buffer,
                         offset: 0,
                         size,
                     }
                 }
             };
-            ranges.push(range);
+            regions.push(region);
         }
 
         // Each resident state gets a GPU buffer of its own (a copy within one
         // buffer is not allowed), which its input binds instead of the arena.
         for st in &payload.state {
             let id = payload.inputs[st.input];
-            let size = ranges[id].size;
+            let size = regions[id].size;
             let buffer = scoped(
                 &gpu,
                 || format!("allocating state `{}` ({size} bytes)", st.fqn),
@@ -428,7 +428,7 @@ impl GpuDelegate {
                     })
                 },
             )?;
-            ranges[id] = Range {
+            regions[id] = Region {
                 buffer: new_buffer(&mut buffers, buffer),
                 offset: 0,
                 size,
@@ -449,15 +449,15 @@ impl GpuDelegate {
         }
 
         let offer = gpu.coop.as_ref().filter(|_| alternatives);
-        let steps = plan(&payload, offer, limits.max_storage_buffers_per_shader_stage);
-        // each payload dispatch is one portable step or its alternative's
-        let portable = steps.iter().filter(|s| s.variant.is_none()).count();
+        let launches = plan(&payload, offer, limits.max_storage_buffers_per_shader_stage);
+        // each payload dispatch is one portable launch or its alternative's
+        let portable = launches.iter().filter(|s| s.variant.is_none()).count();
         let chosen = (payload.dispatches.len() - portable) as u64;
         counters.alternatives.fetch_add(chosen, Ordering::Relaxed);
         let mut pipelines = Vec::with_capacity(payload.kernels.len());
         let mut layouts = Vec::with_capacity(payload.kernels.len());
         for (i, k) in payload.kernels.iter().enumerate() {
-            if !steps.iter().any(|s| s.dispatch.kernel == i) {
+            if !launches.iter().any(|s| s.dispatch.kernel == i) {
                 pipelines.push(None);
                 layouts.push(None);
                 continue;
@@ -485,7 +485,7 @@ impl GpuDelegate {
                 }
             }
             // (kernels of alternatives use wgpu's experimental features)
-            let alternative = steps
+            let alternative = launches
                 .iter()
                 .any(|s| s.dispatch.kernel == i && s.variant.is_some());
             let (layout, pipeline) = scoped(
@@ -549,12 +549,12 @@ impl GpuDelegate {
             pipelines.push(Some(pipeline));
         }
 
-        let mut bind_groups = Vec::with_capacity(steps.len());
-        for (d, dispatch) in steps.iter().map(|s| &s.dispatch).enumerate() {
+        let mut bind_groups = Vec::with_capacity(launches.len());
+        for (d, dispatch) in launches.iter().map(|s| &s.dispatch).enumerate() {
             let kernel = &payload.kernels[dispatch.kernel];
             let label = format!("dispatch {d} (kernel `{}`)", kernel.name);
             for &id in &dispatch.buffers {
-                let size = ranges[id].size;
+                let size = regions[id].size;
                 if size > limits.max_storage_buffer_binding_size {
                     return Err(Error::limit(format!(
                         "{label} binds `{}` of {size} bytes, the GPU's \
@@ -572,7 +572,7 @@ impl GpuDelegate {
                         .iter()
                         .enumerate()
                         .map(|(i, &id)| {
-                            let r = ranges[id];
+                            let r = regions[id];
                             wgpu::BindGroupEntry {
                                 binding: i as u32,
                                 resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
@@ -587,7 +587,7 @@ impl GpuDelegate {
                         label: Some(&label),
                         layout: layouts[dispatch.kernel]
                             .as_ref()
-                            .expect("a layout for every kernel a step runs"),
+                            .expect("a layout for every kernel a launch runs"),
                         entries: &entries,
                     })
                 },
@@ -599,8 +599,8 @@ impl GpuDelegate {
             .state
             .iter()
             .map(|st| {
-                let input = ranges[payload.inputs[st.input]];
-                (st.input, (input, ranges[st.new_value]))
+                let input = regions[payload.inputs[st.input]];
+                (st.input, (input, regions[st.new_value]))
             })
             .collect();
         let mut staging_size = 0;
@@ -608,20 +608,20 @@ impl GpuDelegate {
             .outputs
             .iter()
             .map(|&id| {
-                let range = ranges[id];
+                let region = regions[id];
                 let out = Output {
-                    range,
+                    region,
                     staging_offset: staging_size,
                 };
-                staging_size += range.size;
+                staging_size += region.size;
                 out
             })
             .collect();
         let mut statuses = Vec::with_capacity(payload.checks.len());
         for check in &payload.checks {
-            let range = ranges[check.buffer];
-            statuses.push((range, staging_size));
-            staging_size += range.size;
+            let region = regions[check.buffer];
+            statuses.push((region, staging_size));
+            staging_size += region.size;
         }
         let staging = scoped(
             &gpu,
@@ -645,8 +645,8 @@ impl GpuDelegate {
             timeout,
             payload,
             buffers,
-            ranges,
-            steps,
+            regions,
+            launches,
             pipelines,
             bind_groups,
             outputs,
@@ -727,7 +727,7 @@ impl GpuDelegate {
                 .features()
                 .contains(wgpu::Features::TIMESTAMP_QUERY);
         if profile && self.profiler.is_none() {
-            let n = self.steps.len();
+            let n = self.launches.len();
             self.profiler = Some(scoped(
                 &gpu,
                 || format!("creating timestamp queries for {n} dispatches"),
@@ -737,7 +737,7 @@ impl GpuDelegate {
         let profiler = self.profiler.as_ref().filter(|_| profile);
         for (&id, bytes) in self.payload.inputs.iter().zip(&inputs) {
             let Some(bytes) = bytes else { continue };
-            let r = self.ranges[id];
+            let r = self.regions[id];
             gpu.queue
                 .write_buffer(&self.buffers[r.buffer], r.offset, &bytes[..]);
             self.counters
@@ -748,7 +748,7 @@ impl GpuDelegate {
             &gpu,
             || {
                 let kernels: Vec<&str> = self
-                    .steps
+                    .launches
                     .iter()
                     .map(|s| self.payload.kernels[s.dispatch.kernel].name.as_str())
                     .collect();
@@ -764,11 +764,11 @@ impl GpuDelegate {
                     encoder.clear_buffer(&self.buffers[r.buffer], r.offset, Some(r.size));
                 }
                 let record = |pass: &mut wgpu::ComputePass, d: usize| {
-                    let dispatch = &self.steps[d].dispatch;
+                    let dispatch = &self.launches[d].dispatch;
                     let [x, y, z] = dispatch.workgroups;
                     let pipeline = self.pipelines[dispatch.kernel]
                         .as_ref()
-                        .expect("a pipeline for every kernel a step runs");
+                        .expect("a pipeline for every kernel a launch runs");
                     pass.set_pipeline(pipeline);
                     pass.set_bind_group(0, &self.bind_groups[d], &[]);
                     pass.dispatch_workgroups(x, y, z);
@@ -779,13 +779,13 @@ impl GpuDelegate {
                             label: Some("etmetal delegate"),
                             timestamp_writes: None,
                         });
-                        (0..self.steps.len()).for_each(|d| record(&mut pass, d));
+                        (0..self.launches.len()).for_each(|d| record(&mut pass, d));
                     }
                     // Pass-boundary timestamps need only TIMESTAMP_QUERY
                     // (Apple GPUs have no timestamps inside passes), so a
                     // profiled execute gives each dispatch its own pass.
                     Some(p) => {
-                        for d in 0..self.steps.len() {
+                        for d in 0..self.launches.len() {
                             let mut pass =
                                 encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
                                     label: Some("etmetal delegate (profiled)"),
@@ -806,7 +806,7 @@ impl GpuDelegate {
                         input.size,
                     );
                 }
-                let reads = self.outputs.iter().map(|o| (&o.range, o.staging_offset));
+                let reads = self.outputs.iter().map(|o| (&o.region, o.staging_offset));
                 for (r, at) in reads.chain(self.statuses.iter().map(|(r, at)| (r, *at))) {
                     encoder.copy_buffer_to_buffer(
                         &self.buffers[r.buffer],
@@ -820,7 +820,7 @@ impl GpuDelegate {
             },
         )?;
         self.counters.submits.fetch_add(1, Ordering::Relaxed);
-        let staged = self.outputs.iter().map(|o| o.range.size).sum::<u64>();
+        let staged = self.outputs.iter().map(|o| o.region.size).sum::<u64>();
         self.counters.read_back.fetch_add(staged, Ordering::Relaxed);
         let mut mapped = vec![&self.staging];
         mapped.extend(profiler.map(|p| &p.readback));
@@ -829,13 +829,13 @@ impl GpuDelegate {
             let times = p
                 .seconds()?
                 .into_iter()
-                .zip(&self.steps)
-                .map(|(seconds, step)| {
-                    let k = &self.payload.kernels[step.dispatch.kernel];
+                .zip(&self.launches)
+                .map(|(seconds, launch)| {
+                    let k = &self.payload.kernels[launch.dispatch.kernel];
                     DispatchTime {
                         kernel: k.name.clone(),
                         ops: k.ops.clone(),
-                        variant: step.variant.map(|n| n.describe()),
+                        variant: launch.variant.map(|n| n.describe()),
                         seconds,
                     }
                 });
@@ -858,7 +858,7 @@ impl GpuDelegate {
                     .zip(&mut args[ni..])
                     .try_for_each(|(o, arg)| {
                         let start = o.staging_offset as usize;
-                        let bytes = &view[start..start + o.range.size as usize];
+                        let bytes = &view[start..start + o.region.size as usize];
                         match arg {
                             DelegateArg::Output(out) => payload::from_gpu_into(bytes, out),
                             _ => Err(Error::internal("delegate output argument changed")),
@@ -930,7 +930,7 @@ impl GpuDelegate {
                 "a previous execute of this delegate timed out on the GPU; load the program again",
             ));
         }
-        let Some(&(range, _)) = self.state.get(&input) else {
+        let Some(&(region, _)) = self.state.get(&input) else {
             return Err(Error::invalid_input(format!(
                 "EtMetalBackend delegate input {input} is not resident state"
             )));
@@ -942,7 +942,7 @@ impl GpuDelegate {
             || {
                 let readback = gpu.device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some("state read-back"),
-                    size: range.size,
+                    size: region.size,
                     usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                     mapped_at_creation: false,
                 });
@@ -952,11 +952,11 @@ impl GpuDelegate {
                             label: Some("etmetal state read-back"),
                         });
                 encoder.copy_buffer_to_buffer(
-                    &self.buffers[range.buffer],
-                    range.offset,
+                    &self.buffers[region.buffer],
+                    region.offset,
                     &readback,
                     0,
-                    range.size,
+                    region.size,
                 );
                 let index = gpu.queue.submit([encoder.finish()]);
                 (readback, index)
@@ -965,7 +965,7 @@ impl GpuDelegate {
         self.counters.submits.fetch_add(1, Ordering::Relaxed);
         self.counters
             .read_back
-            .fetch_add(range.size, Ordering::Relaxed);
+            .fetch_add(region.size, Ordering::Relaxed);
         Self::wait_mapped(&gpu, self.timeout, &mut self.stuck, index, &[&readback])?;
         let b = &self.payload.buffers[self.payload.inputs[input]];
         let view = readback
@@ -1131,13 +1131,14 @@ mod tests {
             state: vec![],
             checks: vec![],
         };
-        let kernels =
-            |steps: &[Step]| -> Vec<usize> { steps.iter().map(|s| s.dispatch.kernel).collect() };
+        let kernels = |launches: &[Launch]| -> Vec<usize> {
+            launches.iter().map(|s| s.dispatch.kernel).collect()
+        };
         let offer = h200();
-        let steps = plan(&payload, Some(&offer), 8);
-        assert_eq!(kernels(&steps), [4, 2, 3]);
-        assert_eq!(steps[1].variant, Some(needs(32, 1024)));
-        assert!(steps.iter().all(|s| s.dispatch.alternatives.is_empty()));
+        let launches = plan(&payload, Some(&offer), 8);
+        assert_eq!(kernels(&launches), [4, 2, 3]);
+        assert_eq!(launches[1].variant, Some(needs(32, 1024)));
+        assert!(launches.iter().all(|s| s.dispatch.alternatives.is_empty()));
         assert_eq!(kernels(&plan(&payload, None, 8)), [4, 0]);
         // an alternative binding more than the device allows is passed over
         assert_eq!(kernels(&plan(&payload, Some(&offer), 2)), [4, 0]);

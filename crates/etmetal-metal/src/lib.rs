@@ -5,6 +5,13 @@
 //! only the payload format and compile specs build (what the GPU runtime
 //! needs).
 //!
+//! Dependencies run one way: `payload` and `op_table` (which ops have a
+//! GPU form, and which) are leaves; the partitioner reads both;
+//! preprocess reads both and the partitioner's `Partition`. The size of a
+//! value on the GPU, which the partitioner checks against the binding
+//! limit, is `payload::value_gpu_bytes`, the rule preprocess's buffers
+//! follow.
+//!
 //! ```no_run
 //! use etmetal_metal::partitioner::{ops_to_not_decompose, partition, PartitionOptions};
 //! # fn main() -> etmetal_core::Result<()> {

@@ -442,7 +442,7 @@ fn adaptive_avg_pool_windows() {
 // ------------------------------------------------ tensor-core alternative
 //
 // f16/bf16 products of at least 2^18 multiply-adds with m, n ≥ 32 also get
-// a cooperative-matrix form (etmetal-metal's `kernels/coop.rs`), which runs
+// a cooperative-matrix form (etmetal-metal's `kernels/gemm/coop.rs`), which runs
 // where the adapter offers 16×16×16 f16 matrices with f32 accumulators in
 // subgroups of 32 (NVIDIA through Vulkan) and the portable kernel runs
 // elsewhere (lavapipe). These cases run on whichever this machine has.

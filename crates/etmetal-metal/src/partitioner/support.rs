@@ -1,6 +1,9 @@
-//! The operator-support table of the Metal backend: which nodes its GPU
-//! kernels take. What is refused stays on the CPU, so every refusal carries
-//! a reason for `inspect` and for `--partition whole` errors.
+//! The operator-support check of the Metal backend: which nodes its GPU
+//! kernels take. Which op kinds have a GPU form at all is the op table
+//! (`crate::op_table`, shared with preprocess); this module adds the
+//! conditions on attributes, dtypes and sizes. What is refused stays on
+//! the CPU, so every refusal carries a reason for `inspect` and for
+//! `--partition whole` errors.
 //!
 //! The table is what the first GPU kernels implement: pointwise and
 //! broadcast ops, reductions, softmax, norms, matmul/linear/addmm,

@@ -11,6 +11,14 @@
 //! or when inlining it would bind too many buffers. Then arena ranges are
 //! planned by lifetime, and each kernel is validated by naga and
 //! translated to MSL.
+//!
+//! Layout: this module drives the lowering ([`Lowering`]). `buffers` holds
+//! the buffer types the others read (a leaf); `expr` the lazy values;
+//! `pointwise` and `emit` the WGSL of expressions and kernels; `kernels`
+//! the templates (the GEMM family in `kernels::gemm`); `arena` the memory
+//! plan; `validate` the naga pass. Which ops become expressions and which
+//! go to which template is `crate::op_table`, which the partitioner reads
+//! too, so neither of the two imports the other for it.
 
 mod arena;
 pub(crate) mod buffers;

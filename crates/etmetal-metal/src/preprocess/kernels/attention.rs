@@ -130,7 +130,7 @@ struct Attn {
 
 /// The partial results of a key split: `n` splits of each row, each
 /// `[output columns…, max, sum]`.
-struct Split {
+struct KeySplit {
     part: BufferIdx,
     n: usize,
 }
@@ -242,7 +242,7 @@ impl Attn {
     fn store_col(
         &self,
         kb: &mut KernelBuilder,
-        split: &Option<Split>,
+        split: &Option<KeySplit>,
         row: &str,
         col: &str,
         acc: &str,
@@ -271,7 +271,7 @@ impl Attn {
     fn store_stats(
         &self,
         kb: &mut KernelBuilder,
-        split: &Option<Split>,
+        split: &Option<KeySplit>,
         row: &str,
     ) -> Result<String> {
         let ev = self.g.ev;
@@ -286,13 +286,13 @@ impl Attn {
     }
 
     /// The partials buffer of `n` key splits (none for one split).
-    fn split(&self, lw: &mut Lowering, n: usize) -> Result<Option<Split>> {
+    fn split(&self, lw: &mut Lowering, n: usize) -> Result<Option<KeySplit>> {
         if n <= 1 {
             return Ok(None);
         }
         let name = format!("{}.splits", lw.buffers.list[self.out].name);
         let shape = [self.nb * self.g.l * n * (self.g.ev + 2)];
-        Ok(Some(Split {
+        Ok(Some(KeySplit {
             part: lw.temp(&name, DType::F32, &shape)?,
             n,
         }))
@@ -720,7 +720,7 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
 
 /// Merge the key splits' partials into the output: weights
 /// `exp(m_split − max)`, normalised by the weighted sums.
-fn combine(lw: &mut Lowering, a: &Attn, sp: &Split) -> Result<()> {
+fn combine(lw: &mut Lowering, a: &Attn, sp: &KeySplit) -> Result<()> {
     let (ev, n) = (a.g.ev, sp.n);
     let width = ev + 2;
     let items = a.nb * a.g.l * ev;
@@ -818,7 +818,7 @@ impl Geometry {
 
 #[cfg(test)]
 mod tests {
-    use super::super::norm::tests::lower_one;
+    use super::super::testing::lower_inputs as lower_one;
     use etmetal_core::{DType, Op};
 
     #[test]

@@ -3,9 +3,10 @@
 //! adaptive average; 1-D and 2-D).
 //!
 //! A convolution with enough output channels per group is an implicit
-//! GEMM on the [`Gemm`] kernel: per group, `weight[cout_g, cin_g·k]` times
-//! the input patches `[cin_g·k, n·out_spatial]`, the patch matrix read
-//! straight from the input (padding read as zeros, never materialised).
+//! GEMM on the GEMM family ([`super::gemm`]): per group, `weight[cout_g,
+//! cin_g·k]` times the input patches `[cin_g·k, n·out_spatial]`, the patch
+//! matrix read straight from the input (padding read as zeros, never
+//! materialised) by [`ConvArgs`].
 //! Depthwise and other narrow convolutions, and every pooling, are direct
 //! kernels: one invocation per output element looping over its window.
 
@@ -554,7 +555,7 @@ fn pool(lw: &mut Lowering, node: &Node, kind: Pool) -> Result<()> {
 mod tests {
     use etmetal_core::{AvgPoolAttrs, ConvAttrs, DType, MaxPoolAttrs, Op};
 
-    use super::super::matmul::tests::{input, lower_one, weight};
+    use super::super::testing::{input, lower_one, weight};
 
     fn conv(stride: &[usize], padding: &[usize], dilation: &[usize], groups: usize) -> Op {
         Op::Convolution(ConvAttrs {

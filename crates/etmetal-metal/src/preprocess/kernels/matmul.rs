@@ -344,83 +344,10 @@ fn is_transpose(x: &LazyRef) -> bool {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
-    use etmetal_core::{DType, Op, Result, Tensor};
-    use etmetal_graph::{Graph, InputKind, Node, OutputKind};
+mod tests {
+    use etmetal_core::{DType, Op};
 
-    use crate::partitioner::Partition;
-    use crate::preprocess::{preprocess, PreprocessOptions, Preprocessed};
-
-    /// An operand of a one-node graph: a user input, or a weight (zeros).
-    pub struct Operand {
-        pub dtype: DType,
-        pub shape: Vec<usize>,
-        pub weight: bool,
-    }
-
-    pub fn input(dtype: DType, shape: &[usize]) -> Option<Operand> {
-        Some(Operand {
-            dtype,
-            shape: shape.to_vec(),
-            weight: false,
-        })
-    }
-
-    pub fn weight(dtype: DType, shape: &[usize]) -> Option<Operand> {
-        Some(Operand {
-            dtype,
-            shape: shape.to_vec(),
-            weight: true,
-        })
-    }
-
-    /// Preprocess the graph of one `op` node over `operands` (`None`: an
-    /// absent optional input) as one partition.
-    pub fn lower_one(op: Op, operands: Vec<Option<Operand>>) -> Result<Preprocessed> {
-        let mut graph = Graph::default();
-        let mut part = Partition {
-            id: 0,
-            nodes: vec![0],
-            inputs: vec![],
-            outputs: vec![],
-            constants: vec![],
-            mutated_buffers: vec![],
-        };
-        let mut inputs = vec![];
-        for (i, o) in operands.into_iter().enumerate() {
-            let Some(o) = o else {
-                inputs.push(None);
-                continue;
-            };
-            let v = graph.add_value(format!("in{i}"), o.dtype, o.shape.clone());
-            if o.weight {
-                graph.constants.insert(v, Tensor::zeros(o.dtype, &o.shape)?);
-                part.constants.push(v);
-            } else {
-                graph.inputs.push((v, InputKind::User));
-                part.inputs.push(v);
-            }
-            inputs.push(Some(v));
-        }
-        let mut node = Node {
-            name: "n0".into(),
-            target: "test".into(),
-            op,
-            inputs,
-            outputs: vec![],
-        };
-        for (k, (dtype, shape)) in etmetal_graph::infer::infer(&graph, &node)?
-            .into_iter()
-            .enumerate()
-        {
-            let v = graph.add_value(format!("out{k}"), dtype, shape);
-            node.outputs.push(v);
-            graph.outputs.push((v, OutputKind::User));
-            part.outputs.push(v);
-        }
-        graph.nodes.push(node);
-        preprocess(&graph, &part, &PreprocessOptions::default())
-    }
+    use crate::preprocess::kernels::testing::{input, lower_one, weight, Operand};
 
     #[test]
     fn products_of_every_form_validate() {

@@ -11,6 +11,8 @@ mod matmul;
 mod norm;
 mod reduce;
 mod rows;
+#[cfg(test)]
+mod testing;
 mod topk;
 
 use etmetal_core::{Error, Result};

@@ -288,58 +288,14 @@ fn batch_norm(lw: &mut Lowering, node: &Node, x: LazyRef, eps: f64) -> Result<()
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-    use crate::partitioner::Partition;
-    use crate::preprocess::{preprocess, PreprocessOptions, Preprocessed};
-    use etmetal_graph::{Graph, InputKind, OutputKind};
-
-    /// One `op` node over inputs of `(dtype, shape)` (`None`: an empty
-    /// slot), shapes inferred, lowered as one partition.
-    pub(crate) fn lower_one(op: Op, inputs: &[Option<(DType, &[usize])>]) -> Result<Preprocessed> {
-        let mut g = Graph::default();
-        let ids: Vec<_> = inputs
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                s.map(|(d, sh)| {
-                    let v = g.add_value(format!("in{i}"), d, sh.to_vec());
-                    g.inputs.push((v, InputKind::User));
-                    v
-                })
-            })
-            .collect();
-        let mut node = Node {
-            name: "n".into(),
-            target: "test".into(),
-            op,
-            inputs: ids.clone(),
-            outputs: vec![],
-        };
-        for (k, (d, sh)) in etmetal_graph::infer::infer(&g, &node)?
-            .into_iter()
-            .enumerate()
-        {
-            let v = g.add_value(format!("out{k}"), d, sh);
-            g.outputs.push((v, OutputKind::User));
-            node.outputs.push(v);
-        }
-        let partition = Partition {
-            id: 0,
-            nodes: vec![0],
-            inputs: ids.iter().flatten().copied().collect(),
-            outputs: node.outputs.clone(),
-            constants: vec![],
-            mutated_buffers: vec![],
-        };
-        g.nodes.push(node);
-        preprocess(&g, &partition, &PreprocessOptions::default())
-    }
+    use crate::preprocess::kernels::testing::lower_inputs;
 
     #[test]
     fn norm_kernels_validate() {
         let f = DType::F32;
-        let p = lower_one(
+        let p = lower_inputs(
             Op::LayerNorm {
                 normalized_dims: 2,
                 eps: 1e-5,
@@ -352,7 +308,7 @@ pub(crate) mod tests {
         )
         .unwrap();
         assert_eq!(p.payload.dispatches.len(), 2, "norm + bf16 output write");
-        lower_one(
+        lower_inputs(
             Op::RmsNorm {
                 normalized_dims: 1,
                 eps: None,
@@ -360,7 +316,7 @@ pub(crate) mod tests {
             &[Some((f, &[4, 9])), Some((f, &[9]))],
         )
         .unwrap();
-        lower_one(
+        lower_inputs(
             Op::GroupNorm {
                 groups: 2,
                 eps: 1e-5,
@@ -368,7 +324,7 @@ pub(crate) mod tests {
             &[Some((f, &[2, 4, 3, 3])), None, Some((f, &[4]))],
         )
         .unwrap();
-        let e = lower_one(
+        let e = lower_inputs(
             Op::GroupNorm {
                 groups: 3,
                 eps: 1e-5,
@@ -377,7 +333,7 @@ pub(crate) mod tests {
         );
         assert!(e.is_err());
         // batch norm is an expression: only the output write is a kernel
-        let p = lower_one(
+        let p = lower_inputs(
             Op::BatchNorm { eps: 1e-5 },
             &[
                 Some((f, &[2, 3, 4])),

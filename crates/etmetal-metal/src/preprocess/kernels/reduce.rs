@@ -298,13 +298,13 @@ fn highest(ty: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::norm::tests::lower_one;
+    use super::super::testing::lower_inputs;
     use crate::payload::{Fault, Site};
     use etmetal_core::{BinaryOp, DType, Op, ReduceOp, UnaryOp};
 
     /// The sites of the only check of a one-node payload.
     fn sites(op: Op, inputs: &[Option<(DType, &[usize])>]) -> Vec<Site> {
-        let p = lower_one(op, inputs).unwrap().payload;
+        let p = lower_inputs(op, inputs).unwrap().payload;
         match &p.checks[..] {
             [] => vec![],
             [c] => {
@@ -319,7 +319,7 @@ mod tests {
 
     fn site(op: &str, fault: Fault) -> Site {
         Site {
-            node: "n".into(),
+            node: "n0".into(),
             op: op.into(),
             fault,
         }

@@ -284,13 +284,13 @@ fn index(lw: &mut Lowering, node: &Node) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::norm::tests::lower_one;
+    use super::super::testing::lower_inputs;
     use etmetal_core::{DType, Op};
 
     #[test]
     fn topk_cumsum_index_kernels_validate() {
         let f = DType::F32;
-        lower_one(
+        lower_inputs(
             Op::TopK {
                 k: 3,
                 dim: 1,
@@ -300,8 +300,8 @@ mod tests {
             &[Some((DType::BF16, &[4, 9, 2]))],
         )
         .unwrap();
-        lower_one(Op::CumSum { dim: 0 }, &[Some((DType::I64, &[130, 3]))]).unwrap();
-        lower_one(
+        lower_inputs(Op::CumSum { dim: 0 }, &[Some((DType::I64, &[130, 3]))]).unwrap();
+        lower_inputs(
             Op::Index,
             &[
                 Some((f, &[4, 5, 6])),
@@ -311,7 +311,7 @@ mod tests {
             ],
         )
         .unwrap();
-        let e = lower_one(Op::Index, &[Some((f, &[4])), Some((DType::Bool, &[4]))]);
+        let e = lower_inputs(Op::Index, &[Some((f, &[4])), Some((DType::Bool, &[4]))]);
         assert!(e.is_err());
     }
 }

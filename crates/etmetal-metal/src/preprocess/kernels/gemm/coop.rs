@@ -1,5 +1,6 @@
-//! The cooperative-matrix (tensor-core) form of a [`Gemm`] with 16-bit operands: a payload
-//! alternative (see `payload::Alternative`) for devices whose subgroups
+//! The cooperative-matrix (tensor-core) form of a [`Gemm`] with 16-bit
+//! operands: a payload alternative (see `payload::Alternative`) for
+//! devices whose subgroups
 //! multiply 16×16 f16 matrices into f32 (wgpu's `wgpu_cooperative_matrix`,
 //! `coop_mat16x16`: NVIDIA tensor cores through Vulkan). The runtime runs
 //! it where the adapter reports that configuration, and the portable
@@ -17,12 +18,12 @@
 //! subgroups of exactly 32 invocations, so the runtime takes it only where
 //! the adapter's subgroup size is fixed at 32. At the end a subgroup
 //! stores its accumulators one at a time to workgroup memory, from where
-//! its invocations apply the portable kernel's epilogue (`gstore`: bias,
+//! its invocations apply the caller's [`super::Epilogue`] (`gstore`: bias,
 //! alpha/beta, split-K partial sums, rounding to the output dtype).
 //!
-//! Scaling ([`F16Scaling`]). The tensor cores take f16: |x| ≤ 65504, normal from 2^-14, and
-//! on the H200 an f16 below 2^-14 (subnormal) is flushed to zero in these
-//! products (measured by the GPU test `coop_bf16_range_scaling_beyond_f16`,
+//! Scaling ([`F16Scaling`]). The tensor cores take f16: |x| ≤ 65504,
+//! normal from 2^-14, and on the H200 an f16 below 2^-14 (subnormal) is
+//! flushed to zero in these products (measured by the GPU test `coop_bf16_range_scaling_beyond_f16`,
 //! which prints whether they were kept). bf16 has f32's exponent range, so
 //! a bf16 value converted as it is may overflow to infinity, and a small
 //! f16 or bf16 value may be lost. So each row i of A (f16 or bf16) is
@@ -66,7 +67,7 @@ use std::fmt::Write;
 use etmetal_core::{DType, Result, Tensor};
 
 use super::spec::{F16Scaling, Gemm, GemmArgs, FILL};
-use super::split::Split;
+use super::split::SplitK;
 use crate::payload::Needs;
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
@@ -284,7 +285,7 @@ impl Stage {
 }
 
 /// One operand of the product as the kernels see it.
-struct Operand<'a> {
+struct CoopOperand<'a> {
     /// `a` or `b`: names its staging array `t{name}`, registers `p{name}j`.
     name: &'static str,
     /// Its chunk reader (`ca`, `cb`).
@@ -302,7 +303,7 @@ struct Operand<'a> {
     stage: &'a Stage,
 }
 
-impl Operand<'_> {
+impl CoopOperand<'_> {
     /// The WGSL i32 exponent of line `i` (a u32 expression, in range).
     fn exponent(&self, kb: &mut KernelBuilder, i: &str) -> String {
         match (self.scaling, self.exps) {
@@ -323,7 +324,7 @@ impl Operand<'_> {
 /// chunk reader (of `args`); returns the buffer it writes.
 fn prepass<A: GemmArgs + ?Sized>(
     lw: &mut Lowering,
-    o: &Operand,
+    o: &CoopOperand,
     gemm: &Gemm,
     args: &A,
 ) -> Result<BufferIdx> {
@@ -419,7 +420,7 @@ fn prepass<A: GemmArgs + ?Sized>(
 pub(super) fn lower<A: GemmArgs + ?Sized>(
     lw: &mut Lowering,
     gemm: &Gemm,
-    split: &Split,
+    split: &SplitK,
     args: &A,
 ) -> Result<()> {
     let Some([ra, rb]) = gemm.coop else {
@@ -427,7 +428,7 @@ pub(super) fn lower<A: GemmArgs + ?Sized>(
     };
     let t = tile(gemm);
     let (sa, sb) = stages(gemm, &t);
-    let operand = |name, reader, len, k_fast, scaling, stage| Operand {
+    let operand = |name, reader, len, k_fast, scaling, stage| CoopOperand {
         name,
         reader,
         len,
@@ -483,7 +484,7 @@ fn kernel(
     gemm: &Gemm,
     t: &CoopTile,
     splits: usize,
-    operands: &[Operand; 2],
+    operands: &[CoopOperand; 2],
 ) -> String {
     let CoopTile { bm, bn, wm, wn, bk } = *t;
     let (m, n, k) = (gemm.m, gemm.n, gemm.k);
@@ -525,12 +526,12 @@ fn kernel(
             let _ = writeln!(s, "  var c{i}_{j} = coop_mat16x16<f32, C>();");
         }
     }
-    let origin = |o: &Operand| if o.name == "a" { "m0" } else { "n0" };
-    let per_thread = |o: &Operand| o.stage.len * bk / 4 / threads;
+    let origin = |o: &CoopOperand| if o.name == "a" { "m0" } else { "n0" };
+    let per_thread = |o: &CoopOperand| o.stage.len * bk / 4 / threads;
     // chunk j of an operand's slice: (index along m/n, depth) of its
     // first element; the chunk runs along k when the operand is k-fast,
     // else along m/n
-    let chunk = |o: &Operand, j: usize| -> (String, String) {
+    let chunk = |o: &CoopOperand, j: usize| -> (String, String) {
         let c = format!("(lid + {}u)", j * threads);
         let len = o.stage.len;
         if o.k_fast {
@@ -704,7 +705,7 @@ fn kernel(
 mod tests {
     use super::*;
     use crate::payload::Payload;
-    use crate::preprocess::kernels::matmul::tests::{input, lower_one, weight};
+    use crate::preprocess::kernels::testing::{input, lower_one, weight};
     use etmetal_core::Op;
     use half::{bf16, f16};
 

@@ -7,7 +7,7 @@ use std::fmt::Write;
 use etmetal_core::Result;
 
 use super::spec::GemvArgs;
-use super::split::{split_k, Split};
+use super::split::{split_k, SplitK};
 use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::Lowering;
 
@@ -31,7 +31,7 @@ const GEMV_FILL: u64 = 512;
 /// coalesced vector load each where the operand is a buffer), keep
 /// `rows × cols` partial sums, and reduce them across the workgroup in
 /// workgroup memory; too few columns for a large GPU split a deep `k`
-/// among workgroups ([`Split`]). The caller's [`GemvArgs`] read the
+/// among workgroups ([`SplitK`]). The caller's [`GemvArgs`] read the
 /// operands in chunks along `k` and store the results.
 pub(crate) struct Gemv {
     pub batch: usize,
@@ -64,7 +64,7 @@ impl Gemv {
             return Ok(());
         }
         let (threads, cols, splits) = self.shape();
-        let split = Split::new(lw, splits, self.batch, self.m, self.n)?;
+        let split = SplitK::new(lw, splits, self.batch, self.m, self.n)?;
         let mut kb = KernelBuilder::new(&lw.buffers);
         let fns = args.k_chunks(&mut kb)? + &split.store(&mut kb, args)?;
         let main = format!("{fns}\n{}", self.main(threads, cols, splits));

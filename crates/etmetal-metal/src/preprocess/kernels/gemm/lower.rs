@@ -6,7 +6,7 @@ use etmetal_core::Result;
 
 use super::coop;
 use super::spec::{Gemm, GemmArgs, FILL};
-use super::split::{split_k, Split};
+use super::split::{split_k, SplitK};
 use crate::preprocess::emit::{grid, Built, KernelBuilder};
 use crate::preprocess::Lowering;
 
@@ -21,7 +21,7 @@ impl Gemm {
         let t = self.tile();
         let tiles = self.m.div_ceil(t.bm) as u64 * self.n.div_ceil(t.bn) as u64;
         let splits = split_k(tiles * self.batch as u64, FILL, self.k, t.bk * 8, t.bk);
-        let split = Split::new(lw, splits, self.batch, self.m, self.n)?;
+        let split = SplitK::new(lw, splits, self.batch, self.m, self.n)?;
         let mut kb = KernelBuilder::new(&lw.buffers);
         let fns = args.elements(&mut kb)? + &split.store(&mut kb, args)?;
         let main = format!("{fns}\n{}", self.main(&t, splits));

@@ -1,4 +1,4 @@
-//! Split-K: when a product's tiles are too few for a large GPU and `k` is
+//! SplitK-K: when a product's tiles are too few for a large GPU and `k` is
 //! deep, `k` is split among workgroups, each writing partial sums that a
 //! second kernel adds up before the caller's [`Epilogue`].
 
@@ -33,7 +33,7 @@ pub(super) fn split_k(groups: u64, fill: u64, k: usize, min_depth: usize, align:
 /// The store side of a product split `splits` ways along `k`: each
 /// workgroup writes its partial sums to `[splits·batch, m, n]` (split-major)
 /// and a second kernel adds them up and applies the caller's store.
-pub(super) struct Split {
+pub(super) struct SplitK {
     parts: Option<BufferIdx>,
     pub splits: usize,
     batch: usize,
@@ -41,21 +41,21 @@ pub(super) struct Split {
     n: usize,
 }
 
-impl Split {
+impl SplitK {
     pub fn new(
         lw: &mut Lowering,
         splits: usize,
         batch: usize,
         m: usize,
         n: usize,
-    ) -> Result<Split> {
+    ) -> Result<SplitK> {
         let parts = (splits > 1)
             .then(|| {
                 let name = format!("{}.split_k", lw.op_label());
                 lw.temp(&name, DType::F32, &[splits * batch, m, n])
             })
             .transpose()?;
-        Ok(Split {
+        Ok(SplitK {
             parts,
             splits,
             batch,
