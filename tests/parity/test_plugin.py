@@ -11,6 +11,7 @@ this file fails at import, it never skips.
 
 from __future__ import annotations
 
+import operator
 import re
 import subprocess
 
@@ -24,6 +25,7 @@ from torch.export import export
 import etmetal as etm  # the fixture `etmetal` is the CLI runner
 import zoo
 from etmetal import EtMetalBackend, EtMetalPartitioner
+from etmetal._aot import _pt2_bytes
 from runner import to_npy
 from test_parity import compare
 
@@ -119,9 +121,22 @@ def test_skip_op_and_whole_mode_compile_specs():
 # ------------------------------------------------ the zoo through ExecuTorch
 
 
-def lower(module: torch.nn.Module, inputs: tuple):
+class RecordingPartitioner(EtMetalPartitioner):
+    """EtMetalPartitioner that keeps the program it was given (as the `.pt2`
+    the CLI would read) and what it tagged, to compare with `etmetal compile`."""
+
+    def partition(self, exported_program):
+        self.pt2 = _pt2_bytes(exported_program)  # before tagging: the graph ExecuTorch hands over
+        result = super().partition(exported_program)
+        # read now: lowering replaces the tagged nodes by delegate calls afterwards
+        self.tags, self.untagged = set(result.partition_tags), untagged_calls(result)
+        return result
+
+
+def lower(module: torch.nn.Module, inputs: tuple, partitioner=None):
     ep = export(module, inputs)
-    return to_edge_transform_and_lower(ep, partitioner=[EtMetalPartitioner(FORWARD)]).to_executorch()
+    partitioner = partitioner or EtMetalPartitioner(FORWARD)
+    return to_edge_transform_and_lower(ep, partitioner=[partitioner]).to_executorch()
 
 
 def plan_summary(et) -> tuple[int, list[str]]:
@@ -155,14 +170,24 @@ def cli_run(binary, pte, inputs, work) -> tuple[subprocess.CompletedProcess, lis
     return p, outputs
 
 
-def cli_partitions(binary, ep, work) -> int:
-    """How many partitions `etmetal compile --backend metal` makes of `ep`."""
+def cli_partitions(binary, pt2_bytes: bytes, work) -> tuple[int, set[str]]:
+    """(partitions, names of the nodes left on the CPU) of `etmetal compile
+    --backend metal` on the program saved in `pt2_bytes`."""
     pt2 = work / "cli.pt2"
-    torch.export.save(ep, pt2)
+    pt2.write_bytes(pt2_bytes)
     p = subprocess.run([str(binary), "compile", str(pt2), "-o", str(work / "cli.pte")], capture_output=True, text=True, timeout=300)
     m = re.search(r"EtMetalBackend: (\d+) partition\(s\)", p.stdout)
     assert p.returncode == 0 and m, f"etmetal compile failed:\n{p.stderr}{p.stdout}"
-    return int(m.group(1))
+    return int(m.group(1)), set(re.findall(r"^  cpu: `([^`]+)`", p.stdout, re.M))
+
+
+def untagged_calls(result) -> set[str]:
+    """Names of the call_function nodes the plug-in left outside every partition (getitem goes with its producer)."""
+    return {
+        n.name
+        for n in result.tagged_exported_program.graph.nodes
+        if n.op == "call_function" and n.target is not operator.getitem and n.meta.get("delegation_tag") is None
+    }
 
 
 def check_outputs(where, got, want, atol, rtol):
@@ -178,14 +203,21 @@ def check_outputs(where, got, want, atol, rtol):
 def test_zoo_lowered_by_executorch_runs_in_etmetal(case, dtype, etmetal, tmp_path):
     module, inputs = zoo.instantiate(case, dtype)
     want = zoo.eager_outputs(module, inputs)
-    et = lower(module, inputs)
+    recorder = RecordingPartitioner(FORWARD)
+    et = lower(module, inputs, recorder)
     delegates, cpu_ops = plan_summary(et)
     pte = tmp_path / f"{case.name}.pte"
     pte.write_bytes(et.buffer)
     where = f"{case.name} [{dtype}]: {delegates} EtMetalBackend delegate(s), cpu ops {cpu_ops}"
-    # the same decisions as the CLI: delegates exactly when `etmetal compile` makes partitions
-    cli_parts = cli_partitions(etmetal.binary, export(module, inputs), tmp_path)
-    assert (delegates > 0) == (cli_parts > 0), f"{where}; etmetal compile makes {cli_parts} partition(s)"
+    # The same decisions as the CLI on the same graph: as many partitions
+    # (one delegate each), and the same nodes left outside them.
+    cli_parts, cli_cpu = cli_partitions(etmetal.binary, recorder.pt2, tmp_path)
+    assert len(recorder.tags) == cli_parts == delegates, (
+        f"{where}; plug-in tags {sorted(recorder.tags)}, etmetal compile makes {cli_parts} partition(s)"
+    )
+    assert recorder.untagged == cli_cpu, (
+        f"{where}; plug-in leaves {sorted(recorder.untagged)} untagged, etmetal compile keeps {sorted(cli_cpu)} on the cpu"
+    )
     atol, rtol = case.tolerance(dtype)
 
     program = etm.load(pte)
@@ -219,9 +251,14 @@ def test_unsupported_op_falls_back_to_portable_cpu_kernels(etmetal, tmp_path):
     module = Reshaped(torch.nn.ConvTranspose1d(2, 3, 3)).eval()
     x = torch.randn(2, 8)
     want = zoo.eager_outputs(module, (x,))
-    et = lower(module, (x,))
+    recorder = RecordingPartitioner(FORWARD)
+    et = lower(module, (x,), recorder)
     delegates, cpu_ops = plan_summary(et)
     assert delegates >= 1 and "aten::convolution" in cpu_ops, (delegates, cpu_ops)
+    # the plug-in and the CLI split this graph the same way
+    cli_parts, cli_cpu = cli_partitions(etmetal.binary, recorder.pt2, tmp_path)
+    assert len(recorder.tags) == cli_parts == delegates, (recorder.tags, cli_parts, delegates)
+    assert recorder.untagged == cli_cpu and any("convolution" in n for n in cli_cpu), (recorder.untagged, cli_cpu)
     pte = tmp_path / "fallback.pte"
     pte.write_bytes(et.buffer)
     program = etm.load(pte)

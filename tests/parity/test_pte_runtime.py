@@ -5,7 +5,9 @@ operators (`to_edge(export(m)).to_executorch()`); the `etmetal` binary runs
 the saved `.pte` and is compared with eager PyTorch at the zoo's tolerances.
 An operator etmetal cannot run fails the case and is named in the message.
 In f32 the same file, read and written again by etmetal-pte's writer (its
-`roundtrip` example), must give exactly the same outputs.
+`roundtrip` example), must give exactly the same outputs in etmetal, and
+must still load and run in ExecuTorch's own runtime (`executorch.runtime`),
+matching eager PyTorch: the README's round-trip claim.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 from executorch.exir import to_edge
+from executorch.runtime import Runtime
 
 import zoo
-from runner import REPO, Runner
+from runner import REPO, Runner, to_npy
 from test_parity import compare
 
 
@@ -75,3 +78,10 @@ def test_executorch_pte(case, dtype, pte_runner, tmp_path):
     assert res2.returncode == 0, f"{where}\netmetal failed on the round-tripped file:\n{res2.describe()}"
     for i, (a, b) in enumerate(zip(res.outputs, res2.outputs)):
         assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), f"{where}\noutput {i} changed after round trip"
+    try:
+        got = Runtime.get().load_program(again).load_method("forward").execute(list(inputs))
+    except Exception as e:  # ExecuTorch names the field or kernel it could not take
+        pytest.fail(f"{where}\nExecuTorch could not run the round-tripped file: {e}")
+    assert len(got) == len(want), f"{where}\nExecuTorch: {len(got)} outputs after round trip, eager has {len(want)}"
+    problems = [f"output {i}: {m}" for i, (g, w) in enumerate(zip(got, want)) if (m := compare(to_npy(g), w, atol, rtol))]
+    assert not problems, f"{where}\nExecuTorch's run of the round-tripped file:\n" + "\n".join(problems)

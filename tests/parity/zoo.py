@@ -45,6 +45,11 @@ class Case:
     tol: dict = field(default_factory=dict)  # dtype -> Tol
     # Why a float module does not run in bf16 (required when BF16 is left out).
     no_bf16: str = ""
+    # Nodes `etmetal compile --backend metal` keeps on the CPU, as
+    # {op name (as `compile` prints it): why}; empty: the GPU takes it whole.
+    # test_gpu.py asserts exactly this, so a partitioner regression that
+    # silently turns GPU cases into CPU runs fails there.
+    on_cpu: dict = field(default_factory=dict)
 
     def tolerance(self, dtype: str) -> tuple[float, float]:
         t = self.tol.get(dtype)
