@@ -157,7 +157,11 @@ fn lower(
         let parts = partition(&g, &options.partition)?;
         for (i, reason) in &parts.cpu_nodes {
             let node = &g.nodes[*i];
-            cpu_nodes.push((node.name.clone(), node.op.name().to_string(), reason.clone()));
+            cpu_nodes.push((
+                node.name.clone(),
+                node.op.name().to_string(),
+                reason.clone(),
+            ));
         }
         let kept = resident_buffers(&g, &parts)?;
         for p in &parts.partitions {
