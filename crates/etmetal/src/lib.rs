@@ -10,6 +10,7 @@
 
 pub mod compile;
 pub mod eval;
+pub mod generate;
 mod model;
 
 pub use model::{is_pte, Model};
