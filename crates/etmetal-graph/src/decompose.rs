@@ -19,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 
 use etmetal_core::{BinaryOp, Error, Op, Result, Tensor};
 
-use crate::ir::{Graph, InputKind, Node, ValueId};
+use crate::ir::{Graph, InputKind, Node, OutputKind, ValueId};
 use crate::rewrite::Rewrite;
 
 /// Rewrite `graph` to core ops, keeping those `keep` accepts (see module docs).
@@ -163,9 +163,22 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
 }
 
 /// Remove nodes whose outputs nothing reads, then the constants no live node
-/// reads (with their parameter/buffer/constant inputs; user inputs stay).
+/// reads (with their parameter/buffer/constant inputs; user inputs stay, and
+/// so do buffers the graph writes, whose old value may go unread:
+/// transformers' cache counters are overwritten each call).
 pub fn eliminate_dead_code(graph: &mut Graph) {
     let mut live: HashSet<ValueId> = graph.outputs.iter().map(|(v, _)| *v).collect();
+    for (v, kind) in &graph.inputs {
+        if let InputKind::Buffer { fqn, .. } = kind {
+            let written = graph
+                .outputs
+                .iter()
+                .any(|(_, o)| matches!(o, OutputKind::BufferMutation { fqn: f } if f == fqn));
+            if written {
+                live.insert(*v);
+            }
+        }
+    }
     let mut kept = Vec::with_capacity(graph.nodes.len());
     for node in std::mem::take(&mut graph.nodes).into_iter().rev() {
         if node.outputs.iter().any(|o| live.contains(o)) {
@@ -313,5 +326,32 @@ mod tests {
         // the original [4,3] weight is no longer read after pre-transposing
         assert_eq!(g.constants.len(), before - 1);
         assert!(g.constants.values().all(|t| t.shape() != [4, 3]));
+    }
+
+    #[test]
+    fn a_buffer_overwritten_without_being_read_stays_an_input() {
+        // `count.copy_(x)`: the new value does not read the old one
+        let mut g = Graph::default();
+        let x = g.add_value("x", DType::F32, vec![2]);
+        g.inputs.push((x, InputKind::User));
+        let count = g.add_constant("count", Tensor::zeros(DType::F32, &[2]).unwrap());
+        let fqn = "count".to_string();
+        g.inputs.push((
+            count,
+            InputKind::Buffer {
+                fqn: fqn.clone(),
+                persistent: false,
+            },
+        ));
+        let new = push(
+            &mut g,
+            "neg",
+            Op::Unary(etmetal_core::UnaryOp::Neg),
+            vec![Some(x)],
+        );
+        g.outputs.push((new, OutputKind::BufferMutation { fqn }));
+        eliminate_dead_code(&mut g);
+        assert!(g.inputs.iter().any(|(v, _)| *v == count));
+        assert!(g.constants.contains_key(&count));
     }
 }

@@ -468,7 +468,11 @@ pub fn generate(
         let outputs = model
             .execute(step_inputs(&[next as i64], at)?)
             .map_err(|e| e.context(format!("decode at position {at}")))?;
-        next = pick(&logits_row(&outputs, 0, "forward")?, &options.sampling, &mut rng);
+        next = pick(
+            &logits_row(&outputs, 0, "forward")?,
+            &options.sampling,
+            &mut rng,
+        );
         stats.decode_tokens += 1;
     }
     stats.decode_seconds = t1.elapsed().as_secs_f64();
@@ -545,7 +549,10 @@ mod tests {
     #[test]
     fn greedy_takes_the_first_largest() {
         let mut rng = Rng(1);
-        assert_eq!(pick(&[0.0, 3.0, 3.0, 1.0], &Sampling::default(), &mut rng), 1);
+        assert_eq!(
+            pick(&[0.0, 3.0, 3.0, 1.0], &Sampling::default(), &mut rng),
+            1
+        );
     }
 
     #[test]

@@ -235,7 +235,9 @@ impl Model {
                 .inputs
                 .iter()
                 .filter_map(|(v, kind)| match kind {
-                    InputKind::Buffer { fqn, .. } if self.graph_state.iter().any(|(b, _)| b == v) => {
+                    InputKind::Buffer { fqn, .. }
+                        if self.graph_state.iter().any(|(b, _)| b == v) =>
+                    {
                         Some((fqn.clone(), graph.constants.get(v)?.clone()))
                     }
                     _ => None,

@@ -52,7 +52,9 @@ fn compile(dir: &Path, backend: &str, prefill: bool) -> PathBuf {
         "--backend".into(),
         backend.into(),
     ]);
-    ok(&etmetal(&args.iter().map(String::as_str).collect::<Vec<_>>()));
+    ok(&etmetal(
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    ));
     pte
 }
 
@@ -171,5 +173,8 @@ fn errors_name_what_is_wrong() {
         generate(&mlp, "cpu", &[]),
         "method `forward` is not a decoder step: it takes (float32 [2, 8]); expected (tokens int64 [1, T], positions int64 [T])",
     );
-    fail(generate(&pte, "cpu", &["--eos", "<no such token>"]), "no token `<no such token>`");
+    fail(
+        generate(&pte, "cpu", &["--eos", "<no such token>"]),
+        "no token `<no such token>`",
+    );
 }
