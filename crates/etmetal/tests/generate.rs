@@ -38,12 +38,12 @@ fn scratch(name: &str) -> PathBuf {
 /// The fixture compiled with `backend`, with its `prefill` method or not.
 fn compile(dir: &Path, backend: &str, prefill: bool) -> PathBuf {
     let pte = dir.join(format!("llm-{backend}-{prefill}.pte"));
-    let method = format!("prefill={}", llm("prefill.pt2").display());
-    let mut args = vec!["compile", llm("forward.pt2").to_str().unwrap().to_owned()]
-        .into_iter()
-        .map(String::from)
-        .collect::<Vec<_>>();
+    let mut args = vec![
+        "compile".to_string(),
+        llm("forward.pt2").display().to_string(),
+    ];
     if prefill {
+        let method = format!("prefill={}", llm("prefill.pt2").display());
         args.extend(["--method".into(), method]);
     }
     args.extend([
@@ -122,6 +122,7 @@ fn sampling_repeats_with_a_seed_and_eos_stops() {
         ))
     };
     assert_eq!(sample("5"), sample("5"));
+    assert_ne!(sample("5"), sample("6"));
     // the first greedy token as the end-of-sequence token: only the prompt
     let spec: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(llm("prompt.json")).unwrap()).unwrap();
