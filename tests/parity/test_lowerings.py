@@ -99,11 +99,29 @@ CASES = [
     ("weight_norm", WeightNormConv, [r(1, 4, 10)]),
     ("fills", Fills, [r(2, 3), r(2, 3)]),
     ("as_strided", StridedViews, [r(32)]),
+    ("activations", lambda: Lambda(lambda x: (F.softplus(x, 2.0, 3.0), F.mish(x), F.logsigmoid(x), F.elu(x, 0.7), F.selu(x), F.celu(x, 1.3), torch.expm1(x), torch.log1p(x.abs()), F.hardshrink(x, 0.3), F.softshrink(x, 0.3), F.threshold(x, 0.1, -2.0), F.glu(x, 1), torch.trunc(x * 3), torch.frac(x * 3))), [r(3, 8)]),
+    ("reductions_and_products", lambda: Lambda(lambda x, y: (torch.logsumexp(x, 1), torch.logsumexp(x, (0, 1), keepdim=True), torch.addcmul(x, x, y, value=0.5), torch.addcdiv(x, x, y.abs() + 1, value=-2), torch.baddbmm(x.unsqueeze(0), x.unsqueeze(0), y.unsqueeze(0).mT, beta=0.5, alpha=2.0), torch.outer(x[0], y[1]), x.mT @ y, torch.lerp(x, y, 0.3))), [r(4, 4), r(4, 4)]),
+    ("nan_inf", lambda: Lambda(lambda x: (torch.isnan(x / x), torch.isinf(1 / x), torch.isfinite(1 / x), torch.nan_to_num(torch.log(x)), torch.nan_to_num(1 / x, nan=1.0, posinf=2.0, neginf=-3.0))), [lambda g: torch.tensor([[0.0, -1.0, 2.0], [float("inf"), -float("inf"), 0.5]])]),
+    ("flip_prelu_pixel_shuffle", lambda: Lambda(lambda x, w: (torch.flip(x, (1, 3)), F.prelu(x, w), F.pixel_shuffle(x, 2), F.pixel_unshuffle(x, 2))), [r(1, 4, 4, 6), r(4)]),
+]
+
+# ops whose default export etmetal refuses with a hint to `run_decompositions()`,
+# and whose decomposed export it runs
+HINTED = [
+    ("logit", lambda x: torch.logit(x.sigmoid(), eps=1e-3)),
+    ("cosine_similarity", lambda x: F.cosine_similarity(x, x.flip(0) + 1, dim=1)),
 ]
 
 
-@pytest.mark.parametrize("fmt", ["pt2", "gpu"])
-@pytest.mark.parametrize("name,make,makers", CASES, ids=[c[0] for c in CASES])
+# WGSL lets a GPU compiler assume no NaN or infinity is present (`x != x`
+# may fold to false), so the NaN tests are compared on the CPU only.
+CPU_ONLY = {"fmax_nan": "NaN operands", "nan_inf": "NaN and infinity tests"}
+
+
+@pytest.mark.parametrize(
+    "name,make,makers,fmt",
+    [pytest.param(*c, f, id=f"{c[0]}-{f}") for c in CASES for f in ("pt2", "gpu") if not (f == "gpu" and c[0] in CPU_ONLY)],
+)
 def test_lowering_parity(name, make, makers, fmt, etmetal, etmetal_gpu, tmp_path):
     torch.manual_seed(0)
     module = make().eval()
@@ -120,3 +138,17 @@ def test_lowering_parity(name, make, makers, fmt, etmetal, etmetal_gpu, tmp_path
     assert len(res.outputs) == len(want), f"{where}\n{res.describe()}"
     problems = [f"output {i}: {m}" for i, (o, w) in enumerate(zip(res.outputs, want)) if (m := compare(o, w, TOL, TOL))]
     assert not problems, f"{where}\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("name,f", HINTED, ids=[h[0] for h in HINTED])
+def test_hinted_rewrite_works(name, f, etmetal, tmp_path):
+    module = Lambda(f).eval()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    want = zoo.eager_outputs(module, (x,))
+    ep = torch.export.export(module, (x,), strict=False)
+    res = etmetal.run(save(ep, tmp_path / "default.pt2"), (x,), tmp_path / "default")
+    assert res.returncode == 2 and "ep.run_decompositions()" in res.stderr, res.describe()
+    res = etmetal.run(save(ep.run_decompositions(), tmp_path / "decomposed.pt2"), (x,), tmp_path / "decomposed")
+    assert res.returncode == 0, res.describe()
+    problem = compare(res.outputs[0], want[0], TOL, TOL)
+    assert problem is None, problem

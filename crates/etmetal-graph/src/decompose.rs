@@ -10,7 +10,10 @@
 //! - `BatchNorm` with constant statistics → `Mul` by a per-channel scale and
 //!   `Add` of a shift, both precomputed constants;
 //! - `Identity` → its uses read the input directly (kept where its output is
-//!   a graph output).
+//!   a graph output);
+//! - `Cat` inputs without elements are dropped, whatever `keep` says (the
+//!   empty half of transformers' partial-rotary split, which a GPU would
+//!   refuse), and a cat left with one input is an `Identity`.
 //!
 //! A rewrite whose new nodes do not infer to the original output is skipped,
 //! so the pass never breaks a graph that inferred before.
@@ -34,6 +37,9 @@ pub fn decompose(graph: &mut Graph, keep: &dyn Fn(&Op) -> bool) {
                 *slot = *v;
             }
         }
+        if let Op::Cat { .. } = node.op {
+            drop_empty_inputs(graph, &mut node);
+        }
         if keep(&node.op) {
             out.push(node);
             continue;
@@ -51,6 +57,29 @@ pub fn decompose(graph: &mut Graph, keep: &dyn Fn(&Op) -> bool) {
         }
     }
     graph.nodes = out;
+}
+
+/// Drop the inputs of cat `node` that have no elements, when that changes
+/// neither the result's dtype nor its shape; a single input left makes it an
+/// `Identity`.
+fn drop_empty_inputs(graph: &Graph, node: &mut Node) {
+    let (Some(&out), Some(inputs)) = (node.outputs.first(), node.inputs.get(..)) else {
+        return;
+    };
+    let want = graph.value(out).dtype;
+    let kept: Vec<Option<ValueId>> = inputs
+        .iter()
+        .filter(|v| v.is_some_and(|v| !graph.value(v).shape.contains(&0)))
+        .copied()
+        .collect();
+    let same_dtype = kept.iter().flatten().all(|&v| graph.value(v).dtype == want);
+    if kept.is_empty() || kept.len() == inputs.len() || !same_dtype {
+        return;
+    }
+    if kept.len() == 1 {
+        node.op = Op::Identity;
+    }
+    node.inputs = kept;
 }
 
 /// `x * k` unless `k == 1`.
@@ -248,6 +277,57 @@ mod tests {
         let mut g = linear_graph(false);
         decompose(&mut g, &|op| matches!(op, Op::Linear));
         assert_eq!(ops(&g), ["linear"]);
+    }
+
+    #[test]
+    fn empty_cat_inputs_are_dropped_even_for_kept_cats() {
+        // q = cat(rotated, q[..., 8:]) with all 8 dims rotated: the pass-through half is empty
+        let mut g = Graph::default();
+        let q = g.add_value("q", DType::F32, vec![2, 8]);
+        let k = g.add_value("k", DType::F32, vec![2, 4]);
+        g.inputs
+            .extend([(q, InputKind::User), (k, InputKind::User)]);
+        let empty = push(
+            &mut g,
+            "pass",
+            Op::Slice {
+                dim: 1,
+                start: 8,
+                end: 8,
+                step: 1,
+            },
+            vec![Some(q)],
+        );
+        let one = push(
+            &mut g,
+            "one",
+            Op::Cat { dim: 1 },
+            vec![Some(q), Some(empty)],
+        );
+        let two = push(
+            &mut g,
+            "two",
+            Op::Cat { dim: 1 },
+            vec![Some(empty), Some(k), Some(q)],
+        );
+        let y = push(
+            &mut g,
+            "y",
+            Op::Binary(BinaryOp::Add),
+            vec![Some(one), Some(q)],
+        );
+        g.outputs.push((y, crate::ir::OutputKind::User));
+        g.outputs.push((two, crate::ir::OutputKind::User));
+        decompose(&mut g, &|op| matches!(op, Op::Cat { .. }));
+        eliminate_dead_code(&mut g);
+        assert_eq!(ops(&g), ["cat", "add"], "the empty slice is dead");
+        assert_eq!(g.nodes[0].inputs, [Some(k), Some(q)]);
+        assert_eq!(
+            g.nodes[1].inputs[0],
+            Some(q),
+            "a cat of one input is forwarded"
+        );
+        reinfers(&g);
     }
 
     #[test]

@@ -411,6 +411,12 @@ fn unknown_ops_are_all_listed() {
         msg.contains("node `layer_norm_1` (torch.ops.mylib.norm.default)"),
         "{msg}"
     );
+    // the message says which documented rewrite would help
+    assert!(
+        msg.contains("a custom op")
+            && msg.contains("ep.run_decompositions({torch.ops.mylib.norm: f})"),
+        "{msg}"
+    );
     assert!(
         !msg.contains("linear"),
         "nodes downstream of a failed one are not reported: {msg}"

@@ -16,7 +16,9 @@ use super::json::Args;
 use crate::infer::infer;
 use crate::ir::{Graph, Node, ValueId};
 
+mod composite;
 mod elementwise;
+mod hints;
 mod inplace;
 mod layout;
 mod linalg;
@@ -558,7 +560,12 @@ impl<'m> Lowerer<'m> {
     }
 
     fn lower_node(&mut self, c: &Ctx) -> Result<()> {
-        let unknown = || Error::unsupported("no etmetal lowering for this target");
+        let unknown = || {
+            Error::unsupported(match hints::hint(&c.target) {
+                Some(h) => format!("no etmetal lowering for this target; {h}"),
+                None => "no etmetal lowering for this target".to_string(),
+            })
+        };
         let Some(short) = c.target.strip_prefix("torch.ops.aten.") else {
             return Err(unknown());
         };
@@ -1487,6 +1494,7 @@ impl<'m> Lowerer<'m> {
                     vec![],
                 )
             }
+            _ if self.composite(c, name, overload)? => Ok(()),
             _ => Err(unknown()),
         }
     }
