@@ -7,10 +7,11 @@ stamp="$venv/.etmetal-ready-torch2.15.0-et1.5.1"
 # Tools added after the stamp was first written: installed into old venvs too.
 # The survey's model libraries (tests/parity/survey.py) come with torch pinned,
 # so pip picks the torchvision built for it.
-extras=("maturin>=1.5,<2" pytest-xdist torch==2.15.0 torchvision transformers timm)
+# gguf and accelerate: transformers' GGUF loading (tests/parity/test_generate.py).
+extras=("maturin>=1.5,<2" pytest-xdist torch==2.15.0 torchvision transformers timm gguf accelerate)
 if [ -f "$stamp" ]; then
   if [ ! -x "$venv/bin/maturin" ] \
-    || ! "$venv/bin/python" -c "import xdist, torchvision, transformers, timm" 2>/dev/null; then
+    || ! "$venv/bin/python" -c "import xdist, torchvision, transformers, timm, gguf, accelerate" 2>/dev/null; then
     "$venv/bin/python" -m pip install -q "${extras[@]}" >&2
   fi
   echo "$venv"
