@@ -85,6 +85,7 @@ def main():
     method = f" --method prefill={files[1]}" if len(files) > 1 else ""
     print(f"wrote {', '.join(map(str, files))} and the tokenizer files in {args.out}")
     print(f"next: etmetal compile {files[0]}{method} -o model.pte")
+    print(f"then: etmetal generate model.pte --tokenizer {args.out / 'tokenizer.json'} --prompt TEXT")
 
 
 if __name__ == "__main__":
