@@ -5,9 +5,13 @@ set -euo pipefail
 venv="${ETMETAL_VENV:-$HOME/.cache/etmetal/venv}"
 stamp="$venv/.etmetal-ready-torch2.15.0-et1.5.1"
 # Tools added after the stamp was first written: installed into old venvs too.
-extras=("maturin>=1.5,<2" pytest-xdist)
+# The survey's model libraries (tests/parity/survey.py) come with torch pinned,
+# so pip picks the torchvision built for it.
+# gguf and accelerate: transformers' GGUF loading (tests/parity/test_generate.py).
+extras=("maturin>=1.5,<2" pytest-xdist torch==2.15.0 torchvision transformers timm gguf accelerate)
 if [ -f "$stamp" ]; then
-  if [ ! -x "$venv/bin/maturin" ] || ! "$venv/bin/python" -c "import xdist" 2>/dev/null; then
+  if [ ! -x "$venv/bin/maturin" ] \
+    || ! "$venv/bin/python" -c "import xdist, torchvision, transformers, timm, gguf, accelerate" 2>/dev/null; then
     "$venv/bin/python" -m pip install -q "${extras[@]}" >&2
   fi
   echo "$venv"
@@ -17,6 +21,6 @@ echo "setup-python: creating venv at $venv (torch 2.15.0, executorch 1.5.1; a fe
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip >&2
 "$venv/bin/python" -m pip install -q \
-  torch==2.15.0 executorch==1.5.1 numpy pytest "${extras[@]}" >&2
+  executorch==1.5.1 numpy pytest "${extras[@]}" >&2
 touch "$stamp"
 echo "$venv"

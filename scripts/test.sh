@@ -33,7 +33,7 @@ cargo clippy --workspace --all-targets --quiet -- -D warnings
 step "cargo test --workspace (profile ci)"
 cargo test --workspace --quiet --profile ci
 step "cargo build (profile ci): etmetal, examples"
-cargo build --quiet --profile ci -p etmetal --bin etmetal --example generate
+cargo build --quiet --profile ci -p etmetal --bin etmetal
 cargo build --quiet --profile ci -p etmetal-pte --example roundtrip
 step "python package (maturin develop into the venv)"
 # python/ is a workspace member: same lock, features, target dir and profile.
@@ -41,6 +41,5 @@ VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
     "$venv/bin/maturin" develop --quiet --profile ci --manifest-path python/Cargo.toml
 step "parity suite"
 bin="$CARGO_TARGET_DIR/ci"
-ETMETAL_BIN="$bin/etmetal" ETMETAL_GENERATE="$bin/examples/generate" \
-    ETMETAL_PTE_ROUNDTRIP="$bin/examples/roundtrip" bash scripts/run-parity.sh "$venv"
+ETMETAL_BIN="$bin/etmetal" ETMETAL_PTE_ROUNDTRIP="$bin/examples/roundtrip" bash scripts/run-parity.sh "$venv"
 step "all tests passed"

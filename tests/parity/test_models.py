@@ -5,8 +5,8 @@ one token; `prefill`: PROMPT tokens; either `run_decompositions({})`
 functionalizes the in-place cache updates into buffer mutations, as
 `to_edge` does, or the program is saved as exported, in-place ops and all,
 and etmetal's importer functionalizes them), compiled into one `.pte` (`--method prefill=...`) with
-`--backend cpu` and `--backend metal`, and run by the `generate` example's
-`--replay` mode through ONE loaded model: prefill in one call, then STEPS
+`--backend cpu` and `--backend metal`, and run by `etmetal generate
+--replay` through ONE loaded model: prefill in one call, then STEPS
 decode steps on the cache prefill left, then `reset_state` and the same
 again. Every step's logits must match eager (whose own buffers advance the
 same way), and the repeat must give the first run's logits exactly."""
@@ -14,7 +14,6 @@ same way), and the repeat must give the first run's logits exactly."""
 from __future__ import annotations
 
 import copy
-import os
 import subprocess
 from pathlib import Path
 
@@ -28,14 +27,6 @@ from runner import to_npy
 PROMPT = 128
 STEPS = 32
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
-
-
-def generate_binary(etmetal_binary: Path) -> Path:
-    path = Path(os.environ.get("ETMETAL_GENERATE") or etmetal_binary.parent / "examples" / "generate")
-    if not (path.is_file() and os.access(path, os.X_OK)):
-        pytest.fail(f"generate example not found at {path}; build it with "
-                    "`cargo build --release -p etmetal --example generate` or set ETMETAL_GENERATE")
-    return path
 
 
 def decoder_steps():
@@ -85,7 +76,7 @@ def test_decoder_prefill_then_decode_steps(kind, dtype, export, backend, etmetal
         for i, t in enumerate(inputs):
             np.save(tmp_path / f"step{k}_input{i}.npy", to_npy(t))
     device = "auto" if backend == "metal" else "cpu"
-    r = subprocess.run([str(generate_binary(etmetal.binary)), str(pte), "--device", device,
+    r = subprocess.run([str(etmetal.binary), "generate", str(pte), "--device", device,
                         "--replay", str(tmp_path), "--steps", str(len(steps)), "--repeat", "2"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{report}\n{r.stderr}"

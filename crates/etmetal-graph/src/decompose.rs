@@ -10,7 +10,10 @@
 //! - `BatchNorm` with constant statistics → `Mul` by a per-channel scale and
 //!   `Add` of a shift, both precomputed constants;
 //! - `Identity` → its uses read the input directly (kept where its output is
-//!   a graph output).
+//!   a graph output);
+//! - `Cat` inputs without elements are dropped, whatever `keep` says (the
+//!   empty half of transformers' partial-rotary split, which a GPU would
+//!   refuse), and a cat left with one input is an `Identity`.
 //!
 //! A rewrite whose new nodes do not infer to the original output is skipped,
 //! so the pass never breaks a graph that inferred before.
@@ -19,7 +22,7 @@ use std::collections::{HashMap, HashSet};
 
 use etmetal_core::{BinaryOp, Error, Op, Result, Tensor};
 
-use crate::ir::{Graph, InputKind, Node, ValueId};
+use crate::ir::{Graph, InputKind, Node, OutputKind, ValueId};
 use crate::rewrite::Rewrite;
 
 /// Rewrite `graph` to core ops, keeping those `keep` accepts (see module docs).
@@ -33,6 +36,9 @@ pub fn decompose(graph: &mut Graph, keep: &dyn Fn(&Op) -> bool) {
             if let Some(v) = forward.get(slot) {
                 *slot = *v;
             }
+        }
+        if let Op::Cat { .. } = node.op {
+            drop_empty_inputs(graph, &mut node);
         }
         if keep(&node.op) {
             out.push(node);
@@ -51,6 +57,29 @@ pub fn decompose(graph: &mut Graph, keep: &dyn Fn(&Op) -> bool) {
         }
     }
     graph.nodes = out;
+}
+
+/// Drop the inputs of cat `node` that have no elements, when that changes
+/// neither the result's dtype nor its shape; a single input left makes it an
+/// `Identity`.
+fn drop_empty_inputs(graph: &Graph, node: &mut Node) {
+    let (Some(&out), Some(inputs)) = (node.outputs.first(), node.inputs.get(..)) else {
+        return;
+    };
+    let want = graph.value(out).dtype;
+    let kept: Vec<Option<ValueId>> = inputs
+        .iter()
+        .filter(|v| v.is_some_and(|v| !graph.value(v).shape.contains(&0)))
+        .copied()
+        .collect();
+    let same_dtype = kept.iter().flatten().all(|&v| graph.value(v).dtype == want);
+    if kept.is_empty() || kept.len() == inputs.len() || !same_dtype {
+        return;
+    }
+    if kept.len() == 1 {
+        node.op = Op::Identity;
+    }
+    node.inputs = kept;
 }
 
 /// `x * k` unless `k == 1`.
@@ -163,9 +192,22 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
 }
 
 /// Remove nodes whose outputs nothing reads, then the constants no live node
-/// reads (with their parameter/buffer/constant inputs; user inputs stay).
+/// reads (with their parameter/buffer/constant inputs; user inputs stay, and
+/// so do buffers the graph writes, whose old value may go unread:
+/// transformers' cache counters are overwritten each call).
 pub fn eliminate_dead_code(graph: &mut Graph) {
     let mut live: HashSet<ValueId> = graph.outputs.iter().map(|(v, _)| *v).collect();
+    for (v, kind) in &graph.inputs {
+        if let InputKind::Buffer { fqn, .. } = kind {
+            let written = graph
+                .outputs
+                .iter()
+                .any(|(_, o)| matches!(o, OutputKind::BufferMutation { fqn: f } if f == fqn));
+            if written {
+                live.insert(*v);
+            }
+        }
+    }
     let mut kept = Vec::with_capacity(graph.nodes.len());
     for node in std::mem::take(&mut graph.nodes).into_iter().rev() {
         if node.outputs.iter().any(|o| live.contains(o)) {
@@ -235,6 +277,57 @@ mod tests {
         let mut g = linear_graph(false);
         decompose(&mut g, &|op| matches!(op, Op::Linear));
         assert_eq!(ops(&g), ["linear"]);
+    }
+
+    #[test]
+    fn empty_cat_inputs_are_dropped_even_for_kept_cats() {
+        // q = cat(rotated, q[..., 8:]) with all 8 dims rotated: the pass-through half is empty
+        let mut g = Graph::default();
+        let q = g.add_value("q", DType::F32, vec![2, 8]);
+        let k = g.add_value("k", DType::F32, vec![2, 4]);
+        g.inputs
+            .extend([(q, InputKind::User), (k, InputKind::User)]);
+        let empty = push(
+            &mut g,
+            "pass",
+            Op::Slice {
+                dim: 1,
+                start: 8,
+                end: 8,
+                step: 1,
+            },
+            vec![Some(q)],
+        );
+        let one = push(
+            &mut g,
+            "one",
+            Op::Cat { dim: 1 },
+            vec![Some(q), Some(empty)],
+        );
+        let two = push(
+            &mut g,
+            "two",
+            Op::Cat { dim: 1 },
+            vec![Some(empty), Some(k), Some(q)],
+        );
+        let y = push(
+            &mut g,
+            "y",
+            Op::Binary(BinaryOp::Add),
+            vec![Some(one), Some(q)],
+        );
+        g.outputs.push((y, crate::ir::OutputKind::User));
+        g.outputs.push((two, crate::ir::OutputKind::User));
+        decompose(&mut g, &|op| matches!(op, Op::Cat { .. }));
+        eliminate_dead_code(&mut g);
+        assert_eq!(ops(&g), ["cat", "add"], "the empty slice is dead");
+        assert_eq!(g.nodes[0].inputs, [Some(k), Some(q)]);
+        assert_eq!(
+            g.nodes[1].inputs[0],
+            Some(q),
+            "a cat of one input is forwarded"
+        );
+        reinfers(&g);
     }
 
     #[test]
@@ -313,5 +406,32 @@ mod tests {
         // the original [4,3] weight is no longer read after pre-transposing
         assert_eq!(g.constants.len(), before - 1);
         assert!(g.constants.values().all(|t| t.shape() != [4, 3]));
+    }
+
+    #[test]
+    fn a_buffer_overwritten_without_being_read_stays_an_input() {
+        // `count.copy_(x)`: the new value does not read the old one
+        let mut g = Graph::default();
+        let x = g.add_value("x", DType::F32, vec![2]);
+        g.inputs.push((x, InputKind::User));
+        let count = g.add_constant("count", Tensor::zeros(DType::F32, &[2]).unwrap());
+        let fqn = "count".to_string();
+        g.inputs.push((
+            count,
+            InputKind::Buffer {
+                fqn: fqn.clone(),
+                persistent: false,
+            },
+        ));
+        let new = push(
+            &mut g,
+            "neg",
+            Op::Unary(etmetal_core::UnaryOp::Neg),
+            vec![Some(x)],
+        );
+        g.outputs.push((new, OutputKind::BufferMutation { fqn }));
+        eliminate_dead_code(&mut g);
+        assert!(g.inputs.iter().any(|(v, _)| *v == count));
+        assert!(g.constants.contains_key(&count));
     }
 }

@@ -413,6 +413,12 @@ fn unknown_ops_are_all_listed() {
         msg.contains("node `layer_norm_1` (torch.ops.mylib.norm.default)"),
         "{msg}"
     );
+    // the message says which documented rewrite would help
+    assert!(
+        msg.contains("a custom op")
+            && msg.contains("ep.run_decompositions({torch.ops.mylib.norm: f})"),
+        "{msg}"
+    );
     assert!(
         !msg.contains("linear"),
         "nodes downstream of a failed one are not reported: {msg}"
@@ -789,6 +795,718 @@ fn archives_without_payload_configs_are_unsupported() {
     assert_eq!(e.kind(), ErrorKind::Unsupported);
     assert!(
         e.to_string().contains("fc1.weight") && e.to_string().contains("payload configs"),
+        "{e}"
+    );
+}
+
+// ---- hand-made programs: one node or a few, user inputs only ------------
+
+mod handmade {
+    use super::*;
+    use serde_json::json;
+
+    pub const F32: i64 = 7;
+    pub const I64: i64 = 5;
+
+    fn meta(dtype: i64, shape: &[usize]) -> Value {
+        // contiguous strides, as torch.export writes for a fresh tensor
+        let mut strides = vec![0usize; shape.len()];
+        let mut s = 1;
+        for (k, &n) in shape.iter().enumerate().rev() {
+            strides[k] = s;
+            s *= n;
+        }
+        json!({
+            "dtype": dtype,
+            "sizes": shape.iter().map(|&n| json!({"as_int": n})).collect::<Vec<_>>(),
+            "requires_grad": false,
+            "device": {"type": "cpu", "index": null},
+            "strides": strides.iter().map(|&n| json!({"as_int": n})).collect::<Vec<_>>(),
+            "storage_offset": {"as_int": 0},
+            "layout": 7
+        })
+    }
+
+    pub fn t(name: &str) -> Value {
+        json!({"as_tensor": {"name": name}})
+    }
+    pub fn ts(names: &[&str]) -> Value {
+        json!({"as_tensors": names.iter().map(|n| json!({"name": n})).collect::<Vec<_>>()})
+    }
+    pub fn int(v: i64) -> Value {
+        json!({"as_int": v})
+    }
+    pub fn ints(v: &[i64]) -> Value {
+        json!({"as_ints": v})
+    }
+    pub fn float(v: f64) -> Value {
+        json!({"as_float": v})
+    }
+    pub fn boolean(v: bool) -> Value {
+        json!({"as_bool": v})
+    }
+    pub fn string(v: &str) -> Value {
+        json!({"as_string": v})
+    }
+    pub fn dtype(code: i64) -> Value {
+        json!({"as_scalar_type": code})
+    }
+    pub fn device(kind: &str) -> Value {
+        json!({"as_device": {"type": kind, "index": null}})
+    }
+
+    /// A node calling `torch.ops.aten.<target>` with named `args`; its
+    /// outputs are `outputs` (several: a tensor list).
+    pub fn node(target: &str, name: &str, args: &[(&str, Value)], outputs: &[&str]) -> Value {
+        let outs = if outputs.len() == 1 {
+            vec![t(outputs[0])]
+        } else {
+            vec![ts(outputs)]
+        };
+        json!({
+            "target": format!("torch.ops.aten.{target}"),
+            "name": name,
+            "inputs": args.iter().map(|(n, a)| json!({"name": n, "arg": a, "kind": 1})).collect::<Vec<_>>(),
+            "outputs": outs,
+            "metadata": {},
+        })
+    }
+
+    /// A `.pt2` (the mlp fixture's archive with its program replaced) whose
+    /// graph takes user inputs `inputs` (name, dtype code, shape), runs
+    /// `nodes` and returns `outputs`; `metas` adds tensor_values entries.
+    pub fn program(
+        inputs: &[(&str, i64, &[usize])],
+        nodes: Vec<Value>,
+        outputs: &[&str],
+        metas: &[(&str, Value)],
+    ) -> Vec<u8> {
+        let inputs: Vec<(String, i64, Vec<usize>)> = inputs
+            .iter()
+            .map(|(n, d, s)| (n.to_string(), *d, s.to_vec()))
+            .collect();
+        let outputs: Vec<String> = outputs.iter().map(|s| s.to_string()).collect();
+        let metas: Vec<(String, Value)> = metas
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.clone()))
+            .collect();
+        edited_json("mlp", "models/model.json", move |v| {
+            let gm = &mut v["graph_module"];
+            let mut tv = serde_json::Map::new();
+            for (n, d, s) in &inputs {
+                tv.insert(n.clone(), meta(*d, s));
+            }
+            for (n, m) in &metas {
+                tv.insert(n.clone(), m.clone());
+            }
+            gm["graph"] = json!({
+                "inputs": inputs.iter().map(|(n, _, _)| t(n)).collect::<Vec<_>>(),
+                "outputs": outputs.iter().map(|n| t(n)).collect::<Vec<_>>(),
+                "nodes": nodes.clone(),
+                "tensor_values": tv,
+            });
+            gm["signature"] = json!({
+                "input_specs": inputs.iter().map(|(n, _, _)| json!({"user_input": {"arg": t(n)}})).collect::<Vec<_>>(),
+                "output_specs": outputs.iter().map(|n| json!({"user_output": {"arg": t(n)}})).collect::<Vec<_>>(),
+            });
+        })
+    }
+
+    /// A `TensorMeta` with explicit strides (a view's layout).
+    pub fn strided(dtype: i64, shape: &[usize], strides: &[usize]) -> Value {
+        let mut m = meta(dtype, shape);
+        m["strides"] = json!(strides
+            .iter()
+            .map(|&n| json!({"as_int": n}))
+            .collect::<Vec<_>>());
+        m
+    }
+
+    pub fn import(bytes: &[u8]) -> Graph {
+        let g = import_pt2(bytes, "handmade.pt2").unwrap_or_else(|e| panic!("{e}"));
+        assert_consistent(&g);
+        g
+    }
+}
+
+use handmade::{
+    boolean, device, dtype, float, import, int, ints, node as hnode, program, string, t, F32, I64,
+};
+
+fn out_shape(g: &Graph, k: usize) -> (DType, Vec<usize>) {
+    let v = g.value(g.outputs[k].0);
+    (v.dtype, v.shape.clone())
+}
+
+#[test]
+fn device_moves_and_dtype_conversions_are_copies_or_casts() {
+    // what transformers emits for masks and rotary tables: `.to(device)`,
+    // `.to(dtype=…, device=…)`, `_to_copy(device=…)`, `type_as`
+    let nodes = vec![
+        hnode(
+            "to.device",
+            "a",
+            &[
+                ("self", t("x")),
+                ("device", device("cuda")),
+                ("dtype", dtype(F32)),
+            ],
+            &["a"],
+        ),
+        hnode(
+            "to.dtype_layout",
+            "b",
+            &[
+                ("self", t("a")),
+                ("dtype", dtype(I64)),
+                ("device", device("mps")),
+            ],
+            &["b"],
+        ),
+        hnode(
+            "_to_copy.default",
+            "c",
+            &[("self", t("b")), ("device", device("cpu"))],
+            &["c"],
+        ),
+        hnode(
+            "type_as.default",
+            "d",
+            &[("self", t("c")), ("other", t("x"))],
+            &["d"],
+        ),
+    ];
+    let g = import(&program(
+        &[("x", F32, &[2, 3])],
+        nodes,
+        &["a", "b", "c", "d"],
+        &[],
+    ));
+    assert_eq!(ops(&g), ["identity", "cast", "identity", "cast"]);
+    assert_eq!(out_shape(&g, 1), (DType::I64, vec![2, 3]));
+    assert_eq!(out_shape(&g, 3), (DType::F32, vec![2, 3]));
+}
+
+#[test]
+fn expand_as_swapaxes_movedim_and_alias_are_layout_ops() {
+    let nodes = vec![
+        hnode(
+            "expand_as.default",
+            "e",
+            &[("self", t("x")), ("other", t("y"))],
+            &["e"],
+        ),
+        hnode(
+            "swapaxes.default",
+            "s",
+            &[("self", t("y")), ("axis0", int(0)), ("axis1", int(-1))],
+            &["s"],
+        ),
+        hnode(
+            "swapdims.default",
+            "w",
+            &[("self", t("y")), ("dim0", int(1)), ("dim1", int(2))],
+            &["w"],
+        ),
+        hnode(
+            "movedim.int",
+            "m",
+            &[
+                ("self", t("y")),
+                ("source", int(0)),
+                ("destination", int(-1)),
+            ],
+            &["m"],
+        ),
+        hnode("alias.default", "al", &[("self", t("y"))], &["al"]),
+    ];
+    let g = import(&program(
+        &[("x", F32, &[3, 1]), ("y", F32, &[2, 3, 4])],
+        nodes,
+        &["e", "s", "w", "m", "al"],
+        &[],
+    ));
+    assert_eq!(out_shape(&g, 0).1, [2, 3, 4]);
+    assert_eq!(
+        node(&g, "s").op,
+        Op::Permute {
+            dims: vec![2, 1, 0]
+        }
+    );
+    assert_eq!(
+        node(&g, "w").op,
+        Op::Permute {
+            dims: vec![0, 2, 1]
+        }
+    );
+    assert_eq!(
+        node(&g, "m").op,
+        Op::Permute {
+            dims: vec![1, 2, 0]
+        }
+    );
+    assert_eq!(out_shape(&g, 3).1, [3, 4, 2]);
+    assert_eq!(node(&g, "al").op, Op::Identity);
+}
+
+#[test]
+fn eval_mode_dropouts_are_identities_and_training_dropout_is_refused() {
+    let nodes = vec![
+        hnode(
+            "dropout.default",
+            "a",
+            &[
+                ("input", t("x")),
+                ("p", float(0.1)),
+                ("train", boolean(false)),
+            ],
+            &["a"],
+        ),
+        // in place, as torchvision's `Dropout(inplace=True)` exports
+        hnode(
+            "dropout_.default",
+            "b",
+            &[
+                ("self", t("a")),
+                ("p", float(0.2)),
+                ("train", boolean(false)),
+            ],
+            &["b"],
+        ),
+        hnode(
+            "feature_dropout.default",
+            "c",
+            &[
+                ("input", t("b")),
+                ("p", float(0.5)),
+                ("train", boolean(false)),
+            ],
+            &["c"],
+        ),
+        hnode(
+            "native_dropout.default",
+            "d",
+            &[
+                ("input", t("c")),
+                ("p", float(0.5)),
+                ("train", boolean(false)),
+            ],
+            &["d", "mask"],
+        ),
+    ];
+    let g = import(&program(&[("x", F32, &[2, 3])], nodes, &["d", "mask"], &[]));
+    assert!(
+        ops(&g).iter().all(|o| o == "identity" || o == "full"),
+        "{:?}",
+        ops(&g)
+    );
+    // the eval-mode mask keeps every element
+    assert_eq!(out_shape(&g, 1), (DType::Bool, vec![2, 3]));
+    assert!(g.nodes.iter().any(|n| matches!(
+        n.op,
+        Op::Full {
+            value: etmetal_core::Scalar::Bool(true),
+            ..
+        }
+    )));
+
+    let train = vec![hnode(
+        "dropout.default",
+        "drop",
+        &[
+            ("input", t("x")),
+            ("p", float(0.5)),
+            ("train", boolean(true)),
+        ],
+        &["drop"],
+    )];
+    let e = err(&program(&[("x", F32, &[2, 3])], train, &["drop"], &[]));
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    let msg = e.to_string();
+    assert!(
+        msg.contains("node `drop`")
+            && msg.contains("training mode")
+            && msg.contains("model.eval()"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn diff_roll_and_binary_min_max_lower_to_slices_cats_and_binaries() {
+    let nodes = vec![
+        hnode(
+            "diff.default",
+            "d",
+            &[
+                ("self", t("x")),
+                ("n", int(2)),
+                ("dim", int(0)),
+                ("prepend", t("p")),
+            ],
+            &["d"],
+        ),
+        hnode(
+            "roll.default",
+            "r",
+            &[
+                ("self", t("x")),
+                ("shifts", ints(&[-1, 7])),
+                ("dims", ints(&[0, 1])),
+            ],
+            &["r"],
+        ),
+        hnode(
+            "roll.default",
+            "rf",
+            &[("self", t("x")), ("shifts", ints(&[2]))],
+            &["rf"],
+        ),
+        hnode(
+            "min.other",
+            "mn",
+            &[("self", t("x")), ("other", t("p"))],
+            &["mn"],
+        ),
+        hnode(
+            "max.other",
+            "mx",
+            &[("self", t("x")), ("other", t("p"))],
+            &["mx"],
+        ),
+        hnode(
+            "fmax.default",
+            "fm",
+            &[("self", t("x")), ("other", t("p"))],
+            &["fm"],
+        ),
+    ];
+    let g = import(&program(
+        &[("x", F32, &[4, 3]), ("p", F32, &[1, 3])],
+        nodes,
+        &["d", "r", "rf", "mn", "mx", "fm"],
+        &[],
+    ));
+    // (1 + 4) rows, differenced twice
+    assert_eq!(out_shape(&g, 0).1, [3, 3]);
+    assert_eq!(
+        g.nodes
+            .iter()
+            .filter(|n| n.name.starts_with("d.") || n.name == "d")
+            .filter(|n| n.op == Op::Binary(BinaryOp::Sub))
+            .count(),
+        2
+    );
+    // -1 of 4 rows and 7 = 1 of 3 columns: two cats of two slices
+    let roll: Vec<&Op> = g
+        .nodes
+        .iter()
+        .filter(|n| n.name.starts_with("r.") || n.name == "r")
+        .map(|n| &n.op)
+        .collect();
+    assert_eq!(
+        roll.iter().filter(|o| matches!(o, Op::Cat { .. })).count(),
+        2
+    );
+    assert!(
+        roll.contains(&&Op::Slice {
+            dim: 0,
+            start: 1,
+            end: 4,
+            step: 1
+        }),
+        "{roll:?}"
+    );
+    assert!(
+        roll.contains(&&Op::Slice {
+            dim: 1,
+            start: 2,
+            end: 3,
+            step: 1
+        }),
+        "{roll:?}"
+    );
+    // no dims: the flattened tensor, shape kept
+    assert_eq!(node(&g, "rf").op, Op::Reshape { shape: vec![4, 3] });
+    assert_eq!(node(&g, "mn").op, Op::Binary(BinaryOp::Minimum));
+    assert_eq!(node(&g, "mx").op, Op::Binary(BinaryOp::Maximum));
+    assert_eq!(node(&g, "fm").op, Op::Where);
+    assert_eq!(out_shape(&g, 5).1, [4, 3]);
+}
+
+#[test]
+fn einsum_becomes_permutes_and_batched_matmuls() {
+    // (equation, operand shapes, output shape)
+    type Case<'a> = (&'a str, &'a [&'a [usize]], &'a [usize]);
+    let cases: &[Case] = &[
+        (
+            "bhqd,bhkd->bhqk",
+            &[&[2, 3, 4, 5], &[2, 3, 6, 5]],
+            &[2, 3, 4, 6],
+        ),
+        ("ij,jk", &[&[2, 3], &[3, 4]], &[2, 4]),
+        (
+            "...ij,...jk->...ik",
+            &[&[2, 1, 3, 4], &[5, 4, 6]],
+            &[2, 5, 3, 6],
+        ),
+        ("ii->i", &[&[3, 3]], &[3]),
+        ("bij->", &[&[2, 3, 4]], &[]),
+        ("i,j->ij", &[&[3], &[4]], &[3, 4]),
+        ("nchw,kc->nkhw", &[&[1, 3, 2, 2], &[5, 3]], &[1, 5, 2, 2]),
+    ];
+    for (eq, shapes, want) in cases {
+        let names: Vec<String> = (0..shapes.len()).map(|i| format!("x{i}")).collect();
+        let inputs: Vec<(&str, i64, &[usize])> = names
+            .iter()
+            .zip(shapes.iter())
+            .map(|(n, s)| (n.as_str(), F32, *s))
+            .collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let nodes = vec![hnode(
+            "einsum.default",
+            "e",
+            &[("equation", string(eq)), ("tensors", handmade::ts(&refs))],
+            &["e"],
+        )];
+        let g = import(&program(&inputs, nodes, &["e"], &[]));
+        assert_eq!(out_shape(&g, 0).1, *want, "{eq}");
+        if shapes.len() > 1 {
+            assert!(
+                ops(&g).contains(&"mat_mul".to_string()),
+                "{eq}: {:?}",
+                ops(&g)
+            );
+        }
+    }
+    let bad = vec![hnode(
+        "einsum.default",
+        "e",
+        &[
+            ("equation", string("ij,jk->il")),
+            ("tensors", handmade::ts(&["x", "x"])),
+        ],
+        &["e"],
+    )];
+    let e = err(&program(&[("x", F32, &[2, 2])], bad, &["e"], &[]));
+    assert!(
+        e.to_string().contains("output label `l` is in no operand"),
+        "{e}"
+    );
+}
+
+#[test]
+fn vector_norms_and_weight_norm_are_reductions() {
+    let inf = json_float("Infinity");
+    let nodes = vec![
+        hnode(
+            "linalg_vector_norm.default",
+            "n2",
+            &[
+                ("self", t("x")),
+                ("dim", ints(&[-1])),
+                ("keepdim", boolean(true)),
+            ],
+            &["n2"],
+        ),
+        hnode(
+            "linalg_vector_norm.default",
+            "ninf",
+            &[("self", t("x")), ("ord", inf)],
+            &["ninf"],
+        ),
+        hnode(
+            "linalg_vector_norm.default",
+            "n3",
+            &[("self", t("x")), ("ord", float(3.0)), ("dim", ints(&[0]))],
+            &["n3"],
+        ),
+        hnode(
+            "_weight_norm.default",
+            "w",
+            &[("v", t("x")), ("g", t("g")), ("dim", int(0))],
+            &["w"],
+        ),
+    ];
+    let g = import(&program(
+        &[("x", F32, &[4, 3]), ("g", F32, &[4, 1])],
+        nodes,
+        &["n2", "ninf", "n3", "w"],
+        &[],
+    ));
+    assert_eq!(out_shape(&g, 0).1, [4, 1]);
+    assert_eq!(node(&g, "n2").op, Op::Unary(etmetal_core::UnaryOp::Sqrt));
+    assert_eq!(out_shape(&g, 1).1, Vec::<usize>::new());
+    assert!(matches!(
+        node(&g, "ninf").op,
+        Op::Reduce {
+            op: etmetal_core::ReduceOp::Max,
+            ..
+        }
+    ));
+    assert_eq!(out_shape(&g, 2).1, [3]);
+    assert_eq!(
+        node(&g, "n3").op,
+        Op::Unary(etmetal_core::UnaryOp::PowScalar {
+            exponent: 1.0 / 3.0
+        })
+    );
+    assert_eq!(out_shape(&g, 3).1, [4, 3]);
+    // the norm over every dim but 0
+    assert!(g
+        .nodes
+        .iter()
+        .any(|n| matches!(&n.op, Op::Reduce { dims, keepdim: true, .. } if dims == &[1])));
+}
+
+fn json_float(s: &str) -> Value {
+    serde_json::json!({"as_float": s})
+}
+
+#[test]
+fn fills_write_their_tensor_in_place() {
+    // zero_ and fill_ on a user input: later readers see the new value and
+    // the input becomes a mutation output
+    let nodes = vec![
+        hnode("zero_.default", "z", &[("self", t("x"))], &["z"]),
+        hnode(
+            "add.Tensor",
+            "a",
+            &[("self", t("x")), ("other", t("y"))],
+            &["a"],
+        ),
+        hnode(
+            "fill_.Scalar",
+            "f",
+            &[("self", t("y")), ("value", float(2.5))],
+            &["f"],
+        ),
+        hnode(
+            "fill_.Tensor",
+            "ft",
+            &[("self", t("x")), ("value", t("s"))],
+            &["ft"],
+        ),
+        hnode(
+            "mul.Tensor",
+            "m",
+            &[("self", t("a")), ("other", t("y"))],
+            &["m"],
+        ),
+    ];
+    let g = import(&program(
+        &[("x", F32, &[2, 3]), ("y", F32, &[2, 3]), ("s", F32, &[])],
+        nodes,
+        &["m"],
+        &[],
+    ));
+    let add = node(&g, "a");
+    let zero = node(&g, "z");
+    assert_eq!(
+        add.inputs[0],
+        Some(zero.outputs[0]),
+        "add reads the zeroed x"
+    );
+    assert!(matches!(
+        zero.op,
+        Op::Full {
+            value: etmetal_core::Scalar::Int(0),
+            ..
+        }
+    ));
+    assert!(
+        matches!(node(&g, "f").op, Op::Full { value: etmetal_core::Scalar::Float(v), .. } if v == 2.5)
+    );
+    assert_eq!(node(&g, "m").inputs[1], Some(node(&g, "f").outputs[0]));
+    let mutated: Vec<_> = g
+        .outputs
+        .iter()
+        .filter_map(|(_, k)| match k {
+            OutputKind::UserInputMutation { input_name } => Some(input_name.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(mutated, ["x", "y"]);
+}
+
+#[test]
+fn as_strided_gathers_the_flattened_tensor() {
+    let nodes = vec![hnode(
+        "as_strided.default",
+        "v",
+        &[
+            ("self", t("x")),
+            ("size", ints(&[3, 2])),
+            ("stride", ints(&[4, 1])),
+            ("storage_offset", int(1)),
+        ],
+        &["v"],
+    )];
+    let g = import(&program(&[("x", F32, &[4, 4])], nodes, &["v"], &[]));
+    assert_eq!(ops(&g), ["reshape", "index_select", "reshape"]);
+    let table = const_of(&g, node(&g, "v.1"), 1);
+    assert_eq!(table.to_i64_vec(), [1, 2, 5, 6, 9, 10]);
+    assert_eq!(out_shape(&g, 0).1, [3, 2]);
+    // overlapping windows read fine
+    let nodes = vec![hnode(
+        "as_strided.default",
+        "v",
+        &[
+            ("self", t("x")),
+            ("size", ints(&[3, 4])),
+            ("stride", ints(&[2, 1])),
+        ],
+        &["v"],
+    )];
+    let g = import(&program(&[("x", F32, &[8])], nodes, &["v"], &[]));
+    assert_eq!(
+        const_of(&g, node(&g, "v.1"), 1).to_i64_vec(),
+        [0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7]
+    );
+
+    // reading past the tensor, or a tensor whose layout is a view's
+    let past = vec![hnode(
+        "as_strided.default",
+        "v",
+        &[
+            ("self", t("x")),
+            ("size", ints(&[3])),
+            ("stride", ints(&[4])),
+        ],
+        &["v"],
+    )];
+    let e = err(&program(&[("x", F32, &[8])], past, &["v"], &[]));
+    assert_eq!(e.kind(), ErrorKind::Shape);
+    assert!(
+        e.to_string().contains("reads element 8 of a tensor of 8"),
+        "{e}"
+    );
+    let view = vec![
+        hnode(
+            "permute.default",
+            "p",
+            &[("self", t("x")), ("dims", ints(&[1, 0]))],
+            &["p"],
+        ),
+        hnode(
+            "as_strided.default",
+            "v",
+            &[
+                ("self", t("p")),
+                ("size", ints(&[2])),
+                ("stride", ints(&[1])),
+            ],
+            &["v"],
+        ),
+    ];
+    let e = err(&program(
+        &[("x", F32, &[2, 3])],
+        view,
+        &["v"],
+        &[("p", handmade::strided(F32, &[3, 2], &[1, 3]))],
+    ));
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(
+        e.to_string().contains("node `v`") && e.to_string().contains(".contiguous()"),
         "{e}"
     );
 }

@@ -12,6 +12,7 @@ pub mod compile;
 pub mod device;
 mod emit;
 pub mod eval;
+pub mod generate;
 mod model;
 
 pub use model::{is_pte, Model};

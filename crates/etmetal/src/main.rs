@@ -1,6 +1,7 @@
-//! The `etmetal` command line: `compile`, `run` and `inspect` (README:
-//! Command line). This file holds the arguments and what each command
-//! does with them; `inspect` and `run --bench` have modules of their own.
+//! The `etmetal` command line: `compile`, `run`, `generate` and `inspect`
+//! (README: Command line). This file holds the arguments and what each
+//! command does with them; `inspect` and `run --bench` have modules of their
+//! own, and `generate`'s work is the library's `etmetal::generate`.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -140,6 +141,9 @@ enum Command {
         #[arg(short, long)]
         verbose: bool,
     },
+    /// Generate text with a decoder `.pte`, streaming it to stdout; prefill
+    /// and decode tokens/s go to stderr.
+    Generate(GenerateArgs),
     /// Run a program and write its outputs as .npy files.
     ///
     /// NumPy has no bfloat16: bf16 outputs are written as float32, and a
@@ -179,6 +183,55 @@ enum Command {
         #[arg(long, value_name = "FILE", requires = "bench")]
         bench_json: Option<PathBuf>,
     },
+}
+
+/// `etmetal generate`'s options (crates/etmetal/src/generate.rs does the work).
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// A decoder `.pte`: `forward(tokens int64 [1, 1], positions int64 [1])`
+    /// returns logits and keeps the KV cache in mutable buffers (transformers'
+    /// ExecuTorch recipe); an optional `prefill` method takes [1, P] tokens.
+    model: PathBuf,
+    /// The tokenizer.json transformers saves (`tokenizer.save_pretrained`);
+    /// end-of-sequence ids come from generation_config.json beside it.
+    #[arg(long, required_unless_present = "replay")]
+    tokenizer: Option<PathBuf>,
+    /// The text to continue.
+    #[arg(long, required_unless_present = "replay")]
+    prompt: Option<String>,
+    /// New tokens at most.
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    max_tokens: usize,
+    /// 0: greedy; above 0, sample softmax(logits / T).
+    #[arg(long, default_value_t = 0.0, value_name = "T")]
+    temperature: f32,
+    /// Sample only from the most likely tokens whose probabilities add up to P.
+    #[arg(long, default_value_t = 1.0, value_name = "P")]
+    top_p: f32,
+    /// Seed for sampling (default: from the clock).
+    #[arg(long, value_name = "S")]
+    seed: Option<u64>,
+    /// A token that ends generation, by id or text (`<end_of_turn>`);
+    /// repeatable; replaces the configured ones.
+    #[arg(long = "eos", value_name = "TOKEN")]
+    eos: Vec<String>,
+    /// Where GPU work runs (as for `run`).
+    #[arg(long, value_enum, default_value = "auto", env = "ETMETAL_DEVICE")]
+    device: Device,
+    /// Tensor-core forms of f16/bf16 matrix products (as for `run`).
+    #[arg(long, value_enum, default_value = "off", env = "ETMETAL_COOP")]
+    coop: Coop,
+    /// Instead of generating, run any stateful program step by step on
+    /// DIR/step{k}_input{i}.npy (method from DIR/step{k}_method.txt) and
+    /// write DIR/step{k}_output{i}.npy, through one loaded model.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["tokenizer", "prompt"])]
+    replay: Option<PathBuf>,
+    /// Steps to replay.
+    #[arg(long, default_value_t = 1, requires = "replay")]
+    steps: usize,
+    /// Replay R times, resetting the state between (run r > 0 writes run{r}_step…).
+    #[arg(long, default_value_t = 1, requires = "replay")]
+    repeat: usize,
 }
 
 fn main() -> ExitCode {
@@ -235,6 +288,7 @@ fn main() -> ExitCode {
             )
         }
         Command::Inspect { model, verbose } => cli::inspect::inspect(&mut out, &model, verbose),
+        Command::Generate(args) => generate_cmd(&args),
         Command::Run {
             model,
             method,
@@ -502,6 +556,73 @@ fn run(
             std::fs::write(file, text + "\n").map_err(|e| Error::io(file.display(), e))?;
         }
     }
+    Ok(())
+}
+
+fn generate_cmd(args: &GenerateArgs) -> Result<()> {
+    use etmetal::generate::{self as gen, TextTokenizer};
+    let path = &args.model;
+    if !etmetal::is_pte(path)? {
+        return Err(Error::invalid_input(format!(
+            "{}: generate runs a .pte; make one with `etmetal compile`",
+            path.display()
+        )));
+    }
+    let program = etmetal_runtime::Program::load(path)?;
+    let placement = device::choose(
+        args.device.preference(),
+        path,
+        Workload::of_pte(program.file()),
+    )?;
+    if let Some(warning) = &placement.warning {
+        eprintln!("etmetal: warning: {warning}");
+    }
+    let gpu = placement.backend(args.coop == Coop::Auto);
+    let mut options = etmetal_runtime::LoadOptions::default();
+    if let Some(backend) = &gpu {
+        options.backends.register(backend.clone())?;
+    }
+    let mut model = Model::from_pte_program(program, options)
+        .map_err(|e| e.context(path.display().to_string()))?;
+    if let Some(dir) = &args.replay {
+        return gen::replay(&mut model, dir, args.steps, args.repeat);
+    }
+    let (Some(tokenizer), Some(prompt)) = (&args.tokenizer, &args.prompt) else {
+        return Err(Error::invalid_input("--tokenizer and --prompt are needed"));
+    };
+    let tokenizer = TextTokenizer::load(tokenizer)?;
+    let eos = match args.eos.is_empty() {
+        true => tokenizer.eos.clone(),
+        false => args
+            .eos
+            .iter()
+            .map(|t| tokenizer.token_id(t))
+            .collect::<Result<_>>()?,
+    };
+    let seed = args.seed.unwrap_or_else(|| {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        now.map_or(0, |d| d.as_nanos() as u64)
+    });
+    let options = gen::Options {
+        max_tokens: args.max_tokens,
+        sampling: gen::Sampling {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            seed,
+        },
+        eos,
+    };
+    let stats = gen::generate_text(
+        &mut model,
+        &tokenizer,
+        prompt,
+        &options,
+        &mut std::io::stdout().lock(),
+    )?;
+    if stats.cache_full {
+        eprintln!("etmetal: generation stopped at the end of the KV cache");
+    }
+    eprintln!("etmetal: {}", stats.line());
     Ok(())
 }
 

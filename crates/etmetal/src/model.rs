@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use etmetal_core::{check_inputs, Error, Result, Tensor, TensorSpec};
-use etmetal_graph::{Graph, OutputKind, ValueId};
+use etmetal_graph::{Graph, InputKind, OutputKind, ValueId};
 use etmetal_pte::PteFile;
 
 enum Program {
@@ -125,6 +125,21 @@ impl Model {
         }
     }
 
+    /// The user outputs of method `name`.
+    pub fn method_outputs(&self, name: &str) -> Result<Vec<TensorSpec>> {
+        match &self.program {
+            Program::Graph(g) if name == "forward" => Ok(g
+                .user_outputs()
+                .map(|v| TensorSpec {
+                    dtype: g.value(v).dtype,
+                    shape: g.value(v).shape.clone(),
+                })
+                .collect()),
+            Program::Pte { methods, .. } => Ok(methods[self.method_index(name)?].output_specs()),
+            Program::Graph(_) => Err(self.no_method(name)),
+        }
+    }
+
     fn method_index(&self, name: &str) -> Result<usize> {
         match &self.program {
             Program::Pte { methods, .. } => methods
@@ -209,6 +224,27 @@ impl Model {
                 *last = Some(index);
                 methods[index].execute(inputs)
             }
+        }
+    }
+
+    /// The current value of every named mutable buffer (KV caches,
+    /// counters), by fully qualified name, as the method that ran last left
+    /// it (read back from the GPU where a delegate keeps it).
+    pub fn read_state(&mut self) -> Result<Vec<(String, Tensor)>> {
+        match &mut self.program {
+            Program::Graph(graph) => Ok(graph
+                .inputs
+                .iter()
+                .filter_map(|(v, kind)| match kind {
+                    InputKind::Buffer { fqn, .. }
+                        if self.graph_state.iter().any(|(b, _)| b == v) =>
+                    {
+                        Some((fqn.clone(), graph.constants.get(v)?.clone()))
+                    }
+                    _ => None,
+                })
+                .collect()),
+            Program::Pte { methods, last, .. } => methods[last.unwrap_or(0)].read_state(),
         }
     }
 

@@ -94,6 +94,25 @@ pub(crate) fn tensor_meta(meta: &Value) -> Result<(DType, Vec<usize>)> {
     Ok((dtype, sizes))
 }
 
+/// Whether a `TensorMeta` describes a dense tensor: contiguous strides and
+/// storage offset 0, so its storage holds exactly its elements in order.
+pub(crate) fn is_dense(meta: &Value, sizes: &[usize]) -> bool {
+    let strides = meta.get("strides").map(sym_ints);
+    let offset = meta.get("storage_offset").map(sym_int);
+    let (Some(Ok(strides)), Some(Ok(0))) = (strides, offset) else {
+        return false;
+    };
+    let mut want = 1i64;
+    for (&s, &n) in strides.iter().zip(sizes).rev() {
+        // the stride of a dim of size 1 is never used
+        if n != 1 && s != want {
+            return false;
+        }
+        want *= n as i64;
+    }
+    strides.len() == sizes.len()
+}
+
 /// A float as the serde writes it (non-finite values are strings).
 pub(crate) fn float(v: &Value) -> Result<f64> {
     match v {

@@ -18,7 +18,12 @@ use super::json::Args;
 use crate::infer::infer;
 use crate::ir::{Graph, Node, ValueId};
 
+mod composite;
+mod elementwise;
+mod hints;
 mod inplace;
+mod layout;
+mod linalg;
 pub(crate) use inplace::functional_target;
 
 /// What a source value name stands for.
@@ -76,6 +81,8 @@ pub(crate) struct Lowerer<'m> {
     views: inplace::Views,
     /// The graph inputs' source names, in signature order.
     placeholders: Vec<String>,
+    /// Names whose file layout is dense (see [`super::json::is_dense`]).
+    dense: HashSet<String>,
 }
 
 /// The dtype of a Python scalar operand next to a tensor of dtype `t`: the
@@ -106,6 +113,7 @@ impl<'m> Lowerer<'m> {
         graph: Graph,
         meta: &'m HashMap<String, (DType, Vec<usize>)>,
         used: HashSet<String>,
+        dense: HashSet<String>,
     ) -> Lowerer<'m> {
         Lowerer {
             graph,
@@ -115,6 +123,7 @@ impl<'m> Lowerer<'m> {
             hit_failed: false,
             views: inplace::Views::new(),
             placeholders: vec![],
+            dense,
         }
     }
 
@@ -540,7 +549,12 @@ impl<'m> Lowerer<'m> {
     }
 
     fn lower_node(&mut self, c: &Ctx) -> Result<()> {
-        let unknown = || Error::unsupported("no etmetal lowering for this target");
+        let unknown = || {
+            Error::unsupported(match hints::hint(&c.target) {
+                Some(h) => format!("no etmetal lowering for this target; {h}"),
+                None => "no etmetal lowering for this target".to_string(),
+            })
+        };
         let Some(short) = c.target.strip_prefix("torch.ops.aten.") else {
             return Err(unknown());
         };
@@ -612,6 +626,48 @@ impl<'m> Lowerer<'m> {
         }
         match (name, overload) {
             ("rsub", _) => self.binary(c, B::Sub, "other", "self"),
+            ("max" | "min", "other") => {
+                let op = if name == "max" {
+                    B::Maximum
+                } else {
+                    B::Minimum
+                };
+                self.binary(c, op, "self", "other")
+            }
+            ("fmax" | "fmin", "default") => self.fmax(c, name == "fmax"),
+            ("clamp" | "clamp_min" | "clamp_max", "Tensor") => self.clamp_tensor(c),
+            ("diff", "default") => self.diff(c),
+            ("roll", "default") => self.roll(c),
+            ("as_strided" | "as_strided_copy", "default") => self.as_strided(c),
+            ("movedim", "int" | "intlist") => self.movedim(c),
+            ("einsum", "default") => self.einsum(c),
+            ("linalg_vector_norm", "default") => self.vector_norm(c, "ord"),
+            ("norm", "Scalar" | "ScalarOpt_dim" | "ScalarOpt_dim_dtype" | "ScalarOpt_dtype") => {
+                self.vector_norm(c, "p")
+            }
+            ("_weight_norm" | "_weight_norm_interface", "default") => self.weight_norm(c),
+            ("fill", "Scalar" | "Tensor") | ("zero", "default") => {
+                let x = self.t(c, "self")?;
+                let (shape, dtype) = (self.shape(x), self.dtype(x));
+                if a.is_tensor("value")? {
+                    let v = self.t(c, "value")?;
+                    let v = self.broadcast_to(c, v, &shape, dtype)?;
+                    return self.finish(c, Op::Identity, vec![Some(v)]);
+                }
+                let value = match name {
+                    "zero" => Scalar::Int(0),
+                    _ => self.req_scalar(c, "value")?,
+                };
+                self.finish(
+                    c,
+                    Op::Full {
+                        shape,
+                        value,
+                        dtype,
+                    },
+                    vec![],
+                )
+            }
             ("pow", "Tensor_Scalar") => {
                 let exponent = self.req_scalar(c, "exponent")?.to_f64();
                 self.unary(c, "self", U::PowScalar { exponent })
@@ -686,22 +742,77 @@ impl<'m> Lowerer<'m> {
                 };
                 self.finish(c, Op::Where, vec![Some(mask), Some(value), Some(x)])
             }
-            ("_to_copy", "default") | ("to", "dtype" | "dtype_layout") => {
-                let x = self.t(c, "self")?;
-                match a.scalar_type("dtype")? {
-                    Some(dtype) => self.finish(c, Op::Cast { dtype }, vec![Some(x)]),
-                    None => self.finish(c, Op::Identity, vec![Some(x)]),
+            // the device named is the exporting machine's: etmetal places
+            // tensors itself, so a move is a copy and only the dtype counts
+            ("_to_copy", "default")
+            | ("to", "dtype" | "dtype_layout" | "device" | "other" | "prim_Device")
+            | ("type_as", "default") => {
+                if let Some(("as_layout", l)) = a.get("layout")? {
+                    // torch.export's serde numbers `torch.strided` 7
+                    if l.as_i64() != Some(7) {
+                        return Err(Error::unsupported(format!(
+                            "conversion to layout {l} (only dense, strided tensors)"
+                        )));
+                    }
                 }
+                let x = self.t(c, "self")?;
+                let dtype = match a.scalar_type("dtype")? {
+                    Some(d) => Some(d),
+                    None => self.opt_t(c, "other")?.map(|o| self.dtype(o)),
+                };
+                match dtype {
+                    Some(dtype) if dtype != self.dtype(x) => {
+                        self.finish(c, Op::Cast { dtype }, vec![Some(x)])
+                    }
+                    _ => self.finish(c, Op::Identity, vec![Some(x)]),
+                }
+            }
+            ("expand_as", "default") => {
+                let x = self.t(c, "self")?;
+                let other = self.t(c, "other")?;
+                let shape = self.shape(other);
+                self.finish(c, Op::Expand { shape }, vec![Some(x)])
             }
             ("_assert_tensor_metadata", _) => Ok(()),
-            ("clone" | "contiguous" | "alias" | "detach" | "detach_" | "lift_fresh_copy", _) => {
-                self.unary_identity(c, "self")
-            }
-            ("dropout", "default") => {
+            (
+                "clone" | "contiguous" | "alias" | "alias_copy" | "detach" | "detach_"
+                | "lift_fresh_copy",
+                _,
+            ) => self.unary_identity(c, "self"),
+            (
+                "dropout"
+                | "feature_dropout"
+                | "alpha_dropout"
+                | "feature_alpha_dropout"
+                | "native_dropout",
+                "default",
+            ) => {
                 if a.bool("train", false)? && a.float("p", 0.0)? != 0.0 {
-                    return Err(Error::unsupported("dropout in training mode"));
+                    return Err(Error::unsupported(format!(
+                        "{name} in training mode (p={}); export the model after \
+                         `model.eval()`, where dropout is the identity",
+                        a.float("p", 0.0)?
+                    )));
                 }
-                self.unary_identity(c, "input")
+                // the in-place forms name their tensor `self`
+                let arg = if a.is_tensor("input")? {
+                    "input"
+                } else {
+                    "self"
+                };
+                let x = self.t(c, arg)?;
+                let y = self.emit1(c, Op::Identity, vec![Some(x)])?;
+                if name == "native_dropout" && self.is_used(c, 1) {
+                    // the keep-mask of eval mode keeps everything
+                    let full = Op::Full {
+                        shape: self.shape(x),
+                        value: Scalar::Bool(true),
+                        dtype: DType::Bool,
+                    };
+                    let mask = self.emit1(c, full, vec![])?;
+                    self.bind(c, 1, mask)?;
+                }
+                self.bind(c, 0, y)
             }
             ("sum", "dim_IntList" | "default") => self.reduce(c, ReduceOp::Sum, "dim"),
             ("mean", "dim" | "default") => self.reduce(c, ReduceOp::Mean, "dim"),
@@ -989,13 +1100,20 @@ impl<'m> Lowerer<'m> {
                     .collect::<Result<_>>()?;
                 self.finish(c, Op::Permute { dims }, vec![Some(x)])
             }
-            ("transpose", "int") | ("t", "default") => {
+            ("transpose" | "swapdims", "int" | "default")
+            | ("swapaxes", "default")
+            | ("t", "default") => {
                 let x = self.t(c, "self")?;
                 let r = self.rank(x);
                 if r < 2 {
                     return self.unary_identity(c, "self");
                 }
-                let (d0, d1) = (self.dim(c, "dim0", 0, r)?, self.dim(c, "dim1", 1, r)?);
+                let (n0, n1) = if name == "swapaxes" {
+                    ("axis0", "axis1")
+                } else {
+                    ("dim0", "dim1")
+                };
+                let (d0, d1) = (self.dim(c, n0, 0, r)?, self.dim(c, n1, 1, r)?);
                 let mut dims: Vec<usize> = (0..r).collect();
                 dims.swap(d0, d1);
                 self.finish(c, Op::Permute { dims }, vec![Some(x)])
@@ -1365,6 +1483,7 @@ impl<'m> Lowerer<'m> {
                     vec![],
                 )
             }
+            _ if self.composite(c, name, overload)? => Ok(()),
             _ => Err(unknown()),
         }
     }

@@ -16,7 +16,7 @@ use serde_json::Value;
 
 use crate::ir::{Graph, InputKind, OutputKind};
 use archive::Archive;
-use json::{field, short, tensor_meta, union, Args};
+use json::{field, is_dense, short, tensor_meta, union, Args};
 use lower::{functional_target, is_unsupported, Ctx, Lowerer};
 
 /// The torch.export serde schema major version this importer reads.
@@ -195,16 +195,18 @@ fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Gra
     let signature = field(module, "signature")?;
 
     let mut meta: HashMap<String, (DType, Vec<usize>)> = HashMap::new();
+    let mut dense = HashSet::new();
     if let Some(tv) = g.get("tensor_values").and_then(Value::as_object) {
         for (name, m) in tv {
-            meta.insert(
-                name.clone(),
-                tensor_meta(m).with_context(|| format!("tensor `{name}`"))?,
-            );
+            let (dtype, shape) = tensor_meta(m).with_context(|| format!("tensor `{name}`"))?;
+            if is_dense(m, &shape) {
+                dense.insert(name.clone());
+            }
+            meta.insert(name.clone(), (dtype, shape));
         }
     }
     let payloads = Payloads::read(archive, model)?;
-    let mut lowerer = Lowerer::new(Graph::default(), &meta, used_names(g));
+    let mut lowerer = Lowerer::new(Graph::default(), &meta, used_names(g), dense);
 
     // Placeholders: one per input spec, in signature order.
     let specs = field(signature, "input_specs")?

@@ -1,0 +1,212 @@
+//! Layout lowerings built from slices, cats and gathers: `diff`, `roll`,
+//! `movedim`, and `as_strided` as a gather of the flattened input with an
+//! index table computed here (the GPU runs it as index arithmetic, as its
+//! other layout ops).
+
+use etmetal_core::shape::{normalize_dim, numel};
+use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor};
+
+use super::{Ctx, Lowerer};
+use crate::ir::ValueId;
+
+impl Lowerer<'_> {
+    /// Bind `v` as the node's output; an `Identity` of `x` when nothing was
+    /// emitted (`v == x`), so the output is a value of its own.
+    pub(super) fn bind_or_copy(&mut self, c: &Ctx, x: ValueId, v: ValueId) -> Result<()> {
+        if v == x {
+            return self.finish(c, Op::Identity, vec![Some(x)]);
+        }
+        self.bind(c, 0, v)
+    }
+
+    fn slice_of(
+        &mut self,
+        c: &Ctx,
+        x: ValueId,
+        dim: usize,
+        start: usize,
+        end: usize,
+    ) -> Result<ValueId> {
+        let op = Op::Slice {
+            dim,
+            start,
+            end,
+            step: 1,
+        };
+        self.emit1(c, op, vec![Some(x)])
+    }
+
+    /// `diff(x, n, dim, prepend, append)`: `prepend`/`append` joined along
+    /// `dim`, then `n` times the difference of neighbours (`!=` on bool, as
+    /// PyTorch's logical xor).
+    pub(super) fn diff(&mut self, c: &Ctx) -> Result<()> {
+        let x = self.t(c, "self")?;
+        let (dim, _) = self.sized_dim(c, "dim", -1, &self.shape(x))?;
+        let n = c.args.int("n", 1)?;
+        let n = usize::try_from(n).map_err(|_| Error::format(format!("diff with n={n}")))?;
+        let mut parts = vec![];
+        parts.extend(self.opt_t(c, "prepend")?);
+        parts.push(x);
+        parts.extend(self.opt_t(c, "append")?);
+        let mut v = x;
+        if parts.len() > 1 {
+            v = self.emit1(c, Op::Cat { dim }, parts.into_iter().map(Some).collect())?;
+        }
+        let op = if self.dtype(v) == DType::Bool {
+            BinaryOp::Ne
+        } else {
+            BinaryOp::Sub
+        };
+        for _ in 0..n {
+            let len = self.shape(v)[dim];
+            if len == 0 {
+                break;
+            }
+            let hi = self.slice_of(c, v, dim, 1, len)?;
+            let lo = self.slice_of(c, v, dim, 0, len - 1)?;
+            v = self.emit1(c, Op::Binary(op), vec![Some(hi), Some(lo)])?;
+        }
+        self.bind_or_copy(c, x, v)
+    }
+
+    /// `roll(x, shifts, dims)`: per dim, the last `shift` entries moved to
+    /// the front (a cat of two slices); with no dims, the flattened tensor.
+    pub(super) fn roll(&mut self, c: &Ctx) -> Result<()> {
+        let x = self.t(c, "self")?;
+        let shape = self.shape(x);
+        let shifts = self.req_ints(c, "shifts")?;
+        let dims = c.args.ints("dims")?.unwrap_or_default();
+        if dims.is_empty() {
+            if shifts.len() != 1 {
+                return Err(Error::format(format!(
+                    "roll without dims takes one shift, got {shifts:?}"
+                )));
+            }
+            let flat = self.emit1(
+                c,
+                Op::Reshape {
+                    shape: vec![numel(&shape)?],
+                },
+                vec![Some(x)],
+            )?;
+            let rolled = self.roll_dim(c, flat, 0, shifts[0])?;
+            return self.finish(c, Op::Reshape { shape }, vec![Some(rolled)]);
+        }
+        if dims.len() != shifts.len() {
+            return Err(Error::format(format!(
+                "roll with shifts {shifts:?} for dims {dims:?}"
+            )));
+        }
+        let mut v = x;
+        for (&s, &d) in shifts.iter().zip(&dims) {
+            let d = normalize_dim(d, shape.len())?;
+            v = self.roll_dim(c, v, d, s)?;
+        }
+        self.bind_or_copy(c, x, v)
+    }
+
+    fn roll_dim(&mut self, c: &Ctx, x: ValueId, dim: usize, shift: i64) -> Result<ValueId> {
+        let n = self.shape(x)[dim];
+        if n == 0 {
+            return Ok(x);
+        }
+        let k = shift.rem_euclid(n as i64) as usize;
+        if k == 0 {
+            return Ok(x);
+        }
+        let tail = self.slice_of(c, x, dim, n - k, n)?;
+        let head = self.slice_of(c, x, dim, 0, n - k)?;
+        self.emit1(c, Op::Cat { dim }, vec![Some(tail), Some(head)])
+    }
+
+    /// `movedim(x, source, destination)` as a permute.
+    pub(super) fn movedim(&mut self, c: &Ctx) -> Result<()> {
+        let x = self.t(c, "self")?;
+        let r = self.rank(x);
+        let norm = |v: Vec<i64>| -> Result<Vec<usize>> {
+            v.into_iter().map(|d| normalize_dim(d, r)).collect()
+        };
+        let src = norm(self.req_ints(c, "source")?)?;
+        let dst = norm(self.req_ints(c, "destination")?)?;
+        if src.len() != dst.len() {
+            return Err(Error::format(format!("movedim from {src:?} to {dst:?}")));
+        }
+        // the moved dims take their destinations, the rest keep their order
+        let mut dims = vec![None; r];
+        for (&s, &d) in src.iter().zip(&dst) {
+            if dims[d].replace(s).is_some() {
+                return Err(Error::format(format!("movedim destination {d} repeats")));
+            }
+        }
+        let mut rest = (0..r).filter(|d| !src.contains(d));
+        let dims = dims
+            .into_iter()
+            .map(|d| d.or_else(|| rest.next()))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| Error::format(format!("movedim source {src:?} repeats")))?;
+        self.finish(c, Op::Permute { dims }, vec![Some(x)])
+    }
+
+    /// `as_strided(x, size, stride, storage_offset)`: element `i` of the
+    /// result is element `offset + Σ i_k·stride_k` of `x`'s storage. That
+    /// storage is `x` itself when the file says `x` is dense (contiguous, at
+    /// offset 0), so the view is a gather from the flattened `x` by an index
+    /// table made here. Overlapping strides are fine to read; a write
+    /// through this view is refused by the in-place tracking (`as_strided`
+    /// is an opaque view there).
+    pub(super) fn as_strided(&mut self, c: &Ctx) -> Result<()> {
+        let x = self.t(c, "self")?;
+        let name = c.args.tensor_name("self")?.unwrap_or_default();
+        if !self.dense.contains(name) {
+            return Err(Error::unsupported(format!(
+                "as_strided of `{name}`, whose file layout is not a dense tensor at storage \
+                 offset 0 (as_strided reads storage, which etmetal does not keep for views); \
+                 call `.contiguous()` before `as_strided`"
+            )));
+        }
+        let size = self.size_arg(c, "size")?;
+        let stride = self.req_ints(c, "stride")?;
+        if stride.len() != size.len() {
+            return Err(Error::format(format!(
+                "as_strided with size {size:?} and stride {stride:?}"
+            )));
+        }
+        let offset = c.args.int("storage_offset", 0)?;
+        let len = numel(&self.shape(x))? as i64;
+        let total = numel(&size)?;
+        let mut index = Vec::with_capacity(total);
+        let mut at = vec![0usize; size.len()];
+        for _ in 0..total {
+            let i = offset
+                + at.iter()
+                    .zip(&stride)
+                    .map(|(&a, &s)| a as i64 * s)
+                    .sum::<i64>();
+            if !(0..len).contains(&i) {
+                return Err(Error::shape(format!(
+                    "as_strided(size={size:?}, stride={stride:?}, storage_offset={offset}) \
+                     reads element {i} of a tensor of {len}"
+                )));
+            }
+            index.push(i);
+            for k in (0..size.len()).rev() {
+                at[k] += 1;
+                if at[k] < size[k] {
+                    break;
+                }
+                at[k] = 0;
+            }
+        }
+        let flat = self.emit1(
+            c,
+            Op::Reshape {
+                shape: vec![len as usize],
+            },
+            vec![Some(x)],
+        )?;
+        let table = Tensor::from_i64(DType::I64, &[total], &index)?;
+        let table = self.graph.add_constant(format!("{}.index", c.name), table);
+        let picked = self.emit1(c, Op::IndexSelect { dim: 0 }, vec![Some(flat), Some(table)])?;
+        self.finish(c, Op::Reshape { shape: size }, vec![Some(picked)])
+    }
+}

@@ -1,0 +1,181 @@
+//! `etmetal generate` as a user runs it, on tests/fixtures/llm/ (a tiny
+//! random-weight Llama exported through transformers' ExecuTorch recipe,
+//! made by scripts/make_llm_fixture.py): the text must be exactly what
+//! eager transformers generated greedily from the same prompt.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn llm(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/llm")
+        .join(name)
+}
+
+fn etmetal(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_etmetal"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn ok(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("etmetal-gen-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The fixture compiled with `backend`, with its `prefill` method or not.
+fn compile(dir: &Path, backend: &str, prefill: bool) -> PathBuf {
+    let pte = dir.join(format!("llm-{backend}-{prefill}.pte"));
+    let mut args = vec![
+        "compile".to_string(),
+        llm("forward.pt2").display().to_string(),
+    ];
+    if prefill {
+        let method = format!("prefill={}", llm("prefill.pt2").display());
+        args.extend(["--method".into(), method]);
+    }
+    args.extend([
+        "-o".into(),
+        pte.display().to_string(),
+        "--backend".into(),
+        backend.into(),
+    ]);
+    ok(&etmetal(
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    ));
+    pte
+}
+
+/// The fixture's prompt and token count.
+fn prompt() -> (String, String) {
+    let spec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(llm("prompt.json")).unwrap()).unwrap();
+    (
+        spec["prompt"].as_str().unwrap().to_string(),
+        spec["max_tokens"].to_string(),
+    )
+}
+
+fn generate(pte: &Path, device: &str, extra: &[&str]) -> Output {
+    let (prompt, max_tokens) = prompt();
+    let tokenizer = llm("tokenizer.json");
+    let mut args = vec![
+        "generate",
+        pte.to_str().unwrap(),
+        "--tokenizer",
+        tokenizer.to_str().unwrap(),
+        "--prompt",
+        &prompt,
+        "--max-tokens",
+        &max_tokens,
+        "--device",
+        device,
+    ];
+    args.extend(extra);
+    etmetal(&args)
+}
+
+#[test]
+fn greedy_text_matches_eager_transformers_on_the_gpu_and_the_cpu() {
+    let dir = scratch("greedy");
+    let want = std::fs::read_to_string(llm("expected.txt")).unwrap() + "\n";
+    for (backend, device) in [("metal", "auto"), ("cpu", "cpu")] {
+        for prefill in [true, false] {
+            let pte = compile(&dir, backend, prefill);
+            let out = generate(&pte, device, &[]);
+            assert_eq!(ok(&out), want, "{backend}, prefill method: {prefill}");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let how = if prefill {
+                "1 call of `prefill`"
+            } else {
+                "token by token"
+            };
+            assert!(
+                stderr.contains("tokens/s") && stderr.contains(how),
+                "{stderr}"
+            );
+        }
+    }
+}
+
+#[test]
+fn sampling_repeats_with_a_seed_and_eos_stops() {
+    let dir = scratch("sample");
+    let pte = compile(&dir, "cpu", true);
+    let sample = |seed: &str| {
+        ok(&generate(
+            &pte,
+            "cpu",
+            &["--temperature", "1.5", "--top-p", "0.9", "--seed", seed],
+        ))
+    };
+    assert_eq!(sample("5"), sample("5"));
+    assert_ne!(sample("5"), sample("6"));
+    // the first greedy token as the end-of-sequence token: only the prompt
+    let spec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(llm("prompt.json")).unwrap()).unwrap();
+    let first = spec["new_ids"][0].to_string();
+    assert_eq!(
+        ok(&generate(&pte, "cpu", &["--eos", &first])),
+        format!("{}\n", prompt().0)
+    );
+}
+
+#[test]
+fn errors_name_what_is_wrong() {
+    let dir = scratch("errors");
+    let pte = compile(&dir, "cpu", false);
+    let fail = |out: Output, needle: &str| {
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(needle), "missing {needle:?} in {stderr}");
+    };
+    // the cache holds 32 positions
+    let tokenizer = llm("tokenizer.json");
+    let long = "The cat sat on the mat. ".repeat(20);
+    fail(
+        etmetal(&[
+            "generate",
+            pte.to_str().unwrap(),
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+            "--prompt",
+            &long,
+            "--device",
+            "cpu",
+        ]),
+        "more than the KV cache holds (32 positions)",
+    );
+    // a model that is not a decoder step
+    let mlp = dir.join("mlp.pte");
+    let fixture = llm("../mlp.pt2");
+    let compiled = etmetal(&[
+        "compile",
+        fixture.to_str().unwrap(),
+        "-o",
+        mlp.to_str().unwrap(),
+        "--backend",
+        "cpu",
+    ]);
+    ok(&compiled);
+    fail(
+        generate(&mlp, "cpu", &[]),
+        "method `forward` is not a decoder step: it takes (float32 [2, 8]); expected (tokens int64 [1, T], positions int64 [T])",
+    );
+    fail(
+        generate(&pte, "cpu", &["--eos", "<no such token>"]),
+        "no token `<no such token>`",
+    );
+}

