@@ -7,6 +7,7 @@
 
 pub mod dtype;
 pub mod error;
+pub mod int4;
 pub mod npy;
 pub mod op;
 pub mod shape;

@@ -4,6 +4,7 @@
 pub mod decompose;
 pub mod fold;
 pub mod infer;
+mod infer_quant;
 pub mod ir;
 pub mod plan;
 pub mod portable;
