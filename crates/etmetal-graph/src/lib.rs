@@ -10,6 +10,7 @@ pub mod plan;
 pub mod portable;
 pub mod precision;
 pub mod pt2;
+pub mod quantize;
 mod rewrite;
 #[cfg(test)]
 mod test_util;
