@@ -19,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 
 use etmetal_core::{BinaryOp, Error, Op, Result, Tensor};
 
-use crate::ir::{Graph, InputKind, Node, ValueId};
+use crate::ir::{Graph, InputKind, Node, OutputKind, ValueId};
 use crate::rewrite::Rewrite;
 
 /// Rewrite `graph` to core ops, keeping those `keep` accepts (see module docs).
@@ -175,10 +175,30 @@ pub fn eliminate_dead_code(graph: &mut Graph) {
     }
     kept.reverse();
     graph.nodes = kept;
-    graph.constants.retain(|v, _| live.contains(v));
-    graph
+    // A buffer the program overwrites without reading it (`state.zero_()`
+    // before an op that writes it) stays an input: its mutation needs it.
+    let mutated: HashSet<&str> = graph
+        .outputs
+        .iter()
+        .filter_map(|(_, kind)| match kind {
+            OutputKind::BufferMutation { fqn } => Some(fqn.as_str()),
+            _ => None,
+        })
+        .collect();
+    let keep: HashSet<ValueId> = graph
         .inputs
-        .retain(|(v, kind)| *kind == InputKind::User || live.contains(v));
+        .iter()
+        .filter(|(v, kind)| match kind {
+            InputKind::User => true,
+            InputKind::Buffer { fqn, .. } => live.contains(v) || mutated.contains(fqn.as_str()),
+            _ => live.contains(v),
+        })
+        .map(|(v, _)| *v)
+        .collect();
+    graph
+        .constants
+        .retain(|v, _| keep.contains(v) || live.contains(v));
+    graph.inputs.retain(|(v, _)| keep.contains(v));
 }
 
 #[cfg(test)]

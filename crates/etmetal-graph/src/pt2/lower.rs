@@ -17,6 +17,7 @@ use crate::infer::infer;
 use crate::ir::{Graph, Node, ValueId};
 
 mod inplace;
+mod quant;
 pub(crate) use inplace::functional_target;
 
 /// What a source value name stands for.
@@ -74,6 +75,8 @@ pub(crate) struct Lowerer<'m> {
     views: inplace::Views,
     /// The graph inputs' source names, in signature order.
     placeholders: Vec<String>,
+    /// `dequantize_affine` results awaiting the linear they fuse into.
+    dequant: HashMap<String, quant::Dequant>,
 }
 
 fn scalar_dtype(s: Scalar) -> DType {
@@ -126,6 +129,7 @@ impl<'m> Lowerer<'m> {
             hit_failed: false,
             views: inplace::Views::new(),
             placeholders: vec![],
+            dequant: HashMap::new(),
         }
     }
 
@@ -551,6 +555,9 @@ impl<'m> Lowerer<'m> {
     }
 
     fn lower_node(&mut self, c: &Ctx) -> Result<()> {
+        if let Some(lowered) = self.lower_quant(c) {
+            return lowered;
+        }
         let unknown = || Error::unsupported("no etmetal lowering for this target");
         let Some(short) = c.target.strip_prefix("torch.ops.aten.") else {
             return Err(unknown());
