@@ -268,3 +268,28 @@ def test_group_size_that_does_not_divide_k_is_named(etmetal, tmp_path):
     )
     assert p.returncode == 2, p.stderr
     assert "_linear_fp_act_4bit_weight" in p.stderr and "does not divide K = 96" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torchao_intx_weight_only_export(device, tmp_path):
+    """torchao's own IntxWeightOnlyConfig model: after `run_decompositions({})`
+    its weight is plain qdata/scale/zero_point tensors into dequantize_affine."""
+    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(128, 48), nn.ReLU(), nn.Linear(48, 64, bias=False)).eval()
+    quantize_(m, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)), filter_fn=lambda mod, fqn: fqn == "0")
+    x = torch.randn(5, 128)
+    with torch.no_grad():
+        want = m(x)
+    ep = torch.export.export(m, (x,)).run_decompositions({})
+    assert "torchao.dequantize_affine.default" in zoo.op_targets(ep)
+    pt2 = tmp_path / "intx.pt2"
+    torch.export.save(ep, pt2)
+    extra, dev = DEVICES[device]
+    got, log = run(_etmetal, pt2, (x,), tmp_path, extra, dev)
+    problem = compare(got[0], want, 1e-4, 1e-4)
+    assert problem is None, problem + "\n" + log
+    shown = subprocess.run([str(_etmetal.binary), "inspect", str(pt2)], capture_output=True, text=True, timeout=120)
+    assert "int4_linear" in shown.stdout, shown.stdout
