@@ -10,7 +10,9 @@ quantizer starts from, recovers such a weight exactly, so eager PyTorch on
 the snapped float model *is* the dequantized model. The imported forms
 (`torchao._linear_fp_act_4bit_weight`, `dequantize_affine` -> `linear`,
 `metal::gather_qmv`, `metal::gated_delta_rule`) are compared with their
-eager reference implementations.
+eager reference implementations. On the GPU path the int4 linear runs on
+the GPU; gather_qmv and gated_delta_rule have no GPU kernel yet and run on
+the CPU kernels between partitions.
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ def test_seed_int4_linears(name, dtype, device, tmp_path):
     m = snap_int4(nn.Sequential(nn.Linear(k, n, bias=bias)), GS)
     log = check(m, (torch.randn(shape),), dtype, device, tmp_path, ["--quantize", "int4", "--group-size", str(GS)])
     assert "1 linears in int4" in log, log
+    if device == "gpu":  # the int4 kernel itself runs on the GPU, not a CPU fallback
+        assert "; 0 node(s) on the cpu" in log and "ran on gpu" in log, log
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -130,6 +134,8 @@ def test_quantized_llama_block_matches_the_dequantized_model(gs, dtype, device, 
     tol = (2e-4, 2e-4) if dtype == "float32" else (3e-2, 3e-2)
     log = check(m, (torch.randn(2, 6, 128),), dtype, device, tmp_path, ["--quantize", "int4", "--group-size", str(gs)], tol)
     assert "7 linears in int4" in log, log
+    if device == "gpu":
+        assert "; 0 node(s) on the cpu" in log, log
 
 
 # ---- the seed's MoE modules (their eager reference is the op's own Python)

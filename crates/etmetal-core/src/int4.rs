@@ -4,7 +4,10 @@
 //!
 //! A weight `W [N, K]` is stored as
 //! - `packed [N, K/2]` uint8, two 4-bit values a byte: element `2j` in the
-//!   low nibble, `2j + 1` in the high nibble;
+//!   low nibble, `2j + 1` in the high nibble; or the same bytes viewed as
+//!   `[N, K/8]` int32 words (little-endian, element `8w + i` in bits
+//!   `4i..4i+4` of word `w`), the form etmetal's passes give the GPU, which
+//!   stores int32 verbatim but widens each uint8 to a word ([`as_words`]);
 //! - `scales [N, K/group]` and `zeros [N, K/group]`, float, one per group of
 //!   `group` consecutive elements of a row,
 //!
@@ -14,6 +17,7 @@
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::tensor::Tensor;
 
 /// The group sizes the kernels (ours and the seed's) take.
 pub const GROUP_SIZES: [usize; 4] = [32, 64, 128, 256];
@@ -56,12 +60,15 @@ pub fn check_weight(
         )));
     }
     let rank = if experts { 3 } else { 2 };
-    if packed.0 != DType::U8 {
-        return Err(Error::unsupported(format!(
-            "int4 packed weight must be uint8, got {}",
-            packed.0
-        )));
-    }
+    let per = match packed.0 {
+        DType::U8 => 2,
+        DType::I32 => 8,
+        other => {
+            return Err(Error::unsupported(format!(
+                "int4 packed weight must be uint8 (or its int32 words), got {other}"
+            )))
+        }
+    };
     if packed.1.len() != rank {
         return Err(Error::shape(format!(
             "int4 packed weight {:?}: rank {rank} expected",
@@ -70,11 +77,12 @@ pub fn check_weight(
     }
     let experts_n = if experts { packed.1[0] } else { 1 };
     let n = packed.1[rank - 2];
-    if packed.1[rank - 1] * 2 != k {
+    if packed.1[rank - 1] * per != k {
         return Err(Error::shape(format!(
-            "int4 packed weight {:?} holds {} values a row, but K = {k} (two a byte)",
+            "int4 packed weight {} {:?} holds {} values a row, but K = {k}",
+            packed.0,
             packed.1,
-            packed.1[rank - 1] * 2
+            packed.1[rank - 1] * per
         )));
     }
     let mut want = packed.1.to_vec();
@@ -109,6 +117,23 @@ pub fn check_activation(what: &str, dtype: DType) -> Result<()> {
         Err(Error::unsupported(format!(
             "{what} must be float32, float16 or bfloat16, got {dtype}"
         )))
+    }
+}
+
+/// The int32-word view of a uint8 packed weight (the same bytes); other
+/// tensors are returned as they are.
+pub fn as_words(packed: &Tensor) -> Result<Tensor> {
+    let shape = packed.shape();
+    match (packed.dtype(), shape.last()) {
+        (DType::U8, Some(&last)) if last % 4 == 0 => {
+            let mut words = shape.to_vec();
+            *words.last_mut().unwrap_or(&mut 0) = last / 4;
+            Tensor::from_bytes(DType::I32, &words, packed.bytes())
+        }
+        (DType::U8, _) => Err(Error::shape(format!(
+            "int4 packed weight {shape:?}: its rows are not whole 32-bit words"
+        ))),
+        _ => Ok(packed.clone()),
     }
 }
 
@@ -177,6 +202,15 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("holds 32 values a row"), "{e}");
+        let words = check_weight(
+            64,
+            32,
+            (I32, &[8, 8]),
+            (F32, &[8, 2]),
+            (F32, &[8, 2]),
+            false,
+        );
+        assert_eq!(words.unwrap().k, 64);
         let e = check_weight(
             64,
             32,
@@ -207,6 +241,10 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("uint8"), "{e}");
+        let p = Tensor::from_slice(U8, &[1, 4], &[0x21u8, 0x43, 0x65, 0x87]).unwrap();
+        let w = as_words(&p).unwrap();
+        assert_eq!((w.dtype(), w.shape()), (I32, &[1usize, 1][..]));
+        assert_eq!(w.values::<i32>().unwrap()[0] as u32, 0x8765_4321);
         let e = check_weight(
             64,
             32,

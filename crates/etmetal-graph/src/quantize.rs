@@ -1,7 +1,8 @@
 //! `--quantize int4`: every linear whose weight is a constant and whose K
 //! divides by the group size becomes an [`Op::Int4Linear`] reading 4-bit
-//! weights (the layout of [`etmetal_core::int4`]), one scale and one zero
-//! per group of each output channel, stored in the weight's dtype.
+//! weights (the layout of [`etmetal_core::int4`], as int32 words), one
+//! scale and one zero per group of each output channel, stored in the
+//! weight's dtype.
 //!
 //! Which linears: `Op::Linear` (`x @ W.T + b`) and `Op::MatMul` of an
 //! activation of rank >= 2 with a constant 2-D `B = W.T`. A weight is left
@@ -32,7 +33,7 @@
 //!   not a real checkpoint): min-max 3.71e-3, refined 3.20e-3 (-14%)
 //! so the refinement is on.
 
-use etmetal_core::int4::{pack, GROUP_SIZES};
+use etmetal_core::int4::{as_words, pack, GROUP_SIZES};
 use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor};
 
 use crate::decompose::eliminate_dead_code;
@@ -267,7 +268,7 @@ pub fn quantize_int4(
         let groups = k / group_size;
         let packed = graph.add_constant(
             format!("{name}.int4"),
-            Tensor::from_slice(DType::U8, &[n, k / 2], &q.packed)?,
+            as_words(&Tensor::from_slice(DType::U8, &[n, k / 2], &q.packed)?)?,
         );
         let scales = graph.add_constant(
             format!("{name}.int4_scales"),
@@ -421,7 +422,10 @@ mod tests {
         // The float weights are gone; the head's B [64, 16] is W [16, 64].
         assert!(g.inputs.iter().all(|(_, k)| *k == InputKind::User));
         let packed = g.nodes[2].inputs[1].unwrap();
-        assert_eq!(g.value(packed).shape, [16, 32]);
+        assert_eq!(
+            (g.value(packed).dtype, &g.value(packed).shape[..]),
+            (DType::I32, &[16, 8][..])
+        );
         assert_eq!(g.value(g.nodes[2].inputs[2].unwrap()).shape, [16, 2]);
     }
 

@@ -13,7 +13,7 @@
 //!   that reads it becomes an [`Op::Int4Linear`], so the dequantized weight
 //!   is never materialised.
 
-use etmetal_core::int4::pack;
+use etmetal_core::int4::{as_words, pack};
 use etmetal_core::{BinaryOp, DType, Error, Op, Result, Scalar, Tensor};
 
 use super::{Ctx, Lowerer};
@@ -79,23 +79,38 @@ impl Lowerer<'_> {
             let n = tensor_arg(c, names)?;
             self.lookup(n)
         };
-        let inputs = vec![
+        let mut inputs = vec![
             Some(t(&["A", "activations"])?),
             Some(t(&["B", "packed_weights"])?),
             Some(t(&["S", "scales"])?),
             Some(t(&["Z", "zeros"])?),
         ];
+        inputs[1] = Some(self.words(c, inputs[1])?);
         let group_size = group_arg(c, "group_size")?;
         self.finish(c, Op::Int4Linear { group_size }, inputs)
     }
 
     fn gather_qmv(&mut self, c: &Ctx) -> Result<()> {
-        let inputs = ["x", "w", "scales", "biases", "expert_indices"]
+        let mut inputs: Vec<Option<ValueId>> = ["x", "w", "scales", "biases", "expert_indices"]
             .iter()
             .map(|n| self.t(c, n).map(Some))
             .collect::<Result<_>>()?;
+        inputs[1] = Some(self.words(c, inputs[1])?);
         let group_size = group_arg(c, "group_size")?;
         self.finish(c, Op::GatherQmv { group_size }, inputs)
+    }
+
+    /// A constant uint8 packed weight as its int32 words (the GPU stores
+    /// int32 verbatim); any other value as it is.
+    fn words(&mut self, c: &Ctx, packed: Option<ValueId>) -> Result<ValueId> {
+        let v = packed.ok_or_else(|| Error::internal("no packed weight"))?;
+        match self.graph.constants.get(&v) {
+            Some(t) if t.dtype() == DType::U8 && !self.graph.fake_constants.contains(&v) => {
+                let words = as_words(t)?;
+                Ok(self.graph.add_constant(format!("{}.words", c.name), words))
+            }
+            _ => Ok(v),
+        }
     }
 
     fn zeros_like(&mut self, c: &Ctx) -> Result<()> {
@@ -191,7 +206,7 @@ impl Lowerer<'_> {
         let at = |what: &str| format!("{}.{what}", c.name);
         let packed = self.graph.add_constant(
             at("int4"),
-            Tensor::from_slice(DType::U8, &[n, k / 2], &pack(&codes))?,
+            as_words(&Tensor::from_slice(DType::U8, &[n, k / 2], &pack(&codes))?)?,
         );
         let scales = self
             .graph

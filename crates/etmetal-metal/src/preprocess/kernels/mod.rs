@@ -7,6 +7,7 @@
 mod attention;
 mod conv;
 mod coop;
+mod int4;
 mod matmul;
 mod norm;
 mod reduce;
@@ -26,6 +27,7 @@ pub(crate) fn takes(op: &Op) -> bool {
         || norm::takes(op)
         || attention::takes(op)
         || topk::takes(op)
+        || int4::takes(op)
 }
 
 pub(crate) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
@@ -42,6 +44,8 @@ pub(crate) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         attention::lower(lw, node)
     } else if topk::takes(op) {
         topk::lower(lw, node)
+    } else if int4::takes(op) {
+        int4::lower(lw, node)
     } else {
         Err(Error::unsupported(format!(
             "{} has no GPU kernel yet",
