@@ -445,7 +445,7 @@ fn dtypes_taken(
             }
         }
         // the GPU reads packed weights as int32 words (the passes' form)
-        Op::Int4Linear { .. } => match required(ins, 1)?.dtype {
+        Op::Int4Linear { .. } | Op::GatherQmv { .. } => match required(ins, 1)?.dtype {
             DType::I32 => required(ins, 0).map(|_| ()),
             d => Err(format!(
                 "int4 packed weight of {} (the GPU reads int32 words)",

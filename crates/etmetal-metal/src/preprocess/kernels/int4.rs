@@ -14,7 +14,12 @@
 //! ceil(M / 8) blocks, each re-reading the row: correct, but not the tiled
 //! GEMM prefill wants (not written yet).
 //!
+//! `metal::gather_qmv` ([`Op::GatherQmv`]) is the same kernel with a block
+//! of one row, whose expert index picks the weight (an index out of range
+//! is clamped to the last expert; the CPU kernel reports it as an error).
+//!
 //! [`Op::Int4Linear`]: etmetal_core::Op::Int4Linear
+//! [`Op::GatherQmv`]: etmetal_core::Op::GatherQmv
 
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
@@ -28,42 +33,63 @@ use crate::preprocess::Lowering;
 const ROWS: usize = 8;
 
 pub(super) fn takes(op: &Op) -> bool {
-    matches!(op, Op::Int4Linear { .. })
+    matches!(op, Op::Int4Linear { .. } | Op::GatherQmv { .. })
 }
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
-    let Op::Int4Linear { group_size } = node.op else {
-        return Err(Error::internal(format!(
-            "{} is not an int4 linear",
-            node.op.name()
-        )));
+    let (group_size, experts) = match node.op {
+        Op::Int4Linear { group_size } => (group_size, false),
+        Op::GatherQmv { group_size } => (group_size, true),
+        _ => {
+            return Err(Error::internal(format!(
+                "{} is not an int4 op",
+                node.op.name()
+            )))
+        }
     };
     let x = lw.input_view(node, 0)?;
     let packed = lw.input_view(node, 1)?;
     let scales = lw.input_view(node, 2)?;
     let zeros = lw.input_view(node, 3)?;
-    if packed.dtype != DType::I32 || packed.shape.len() != 2 {
+    let lead = usize::from(experts);
+    if packed.dtype != DType::I32 || packed.shape.len() != 2 + lead {
         return Err(Error::unsupported(format!(
-            "int4 packed weight {} {:?}: the GPU kernel reads int32 words [N, K/8]",
+            "int4 packed weight {} {:?}: the GPU kernel reads int32 words [.., N, K/8]",
             packed.dtype, packed.shape
         )));
     }
     let rank = x.shape.len();
     let (xr, m, k) = as_rows(&x, &[rank.saturating_sub(1)]);
-    let (n, words) = (packed.shape[0], packed.shape[1]);
+    let (n, words) = (packed.shape[lead], packed.shape[lead + 1]);
     if words * 8 != k || group_size % 8 != 0 || k % group_size != 0 {
         return Err(Error::invalid_input(format!(
-            "int4 weight [{n}, {words}] words, group {group_size}, for K = {k}"
+            "int4 weight of {n}x{words} words, group {group_size}, for K = {k}"
         )));
     }
+    let idx = if experts {
+        Some(lw.input_view(node, 4)?)
+    } else {
+        None
+    };
     let out = lw.output_buffer(node, 0)?;
-    let mb = m.clamp(1, ROWS);
-    let blocks = m.div_ceil(mb);
     let mut kb = KernelBuilder::new(&lw.buffers);
     kb.value_fn(&xr, "x")?;
     kb.value_fn(&packed, "wq")?;
     kb.value_fn(&scales, "sc")?;
     kb.value_fn(&zeros, "ze")?;
+    // gather_qmv: each row its own expert, so a block is one row
+    let (mb, expert, at_e) = if let Some(idx) = idx {
+        kb.value_fn(&idx, "ex")?;
+        let count = packed.shape[0];
+        (
+            1,
+            format!("  let e = u32(clamp(i32(ex(m0)), 0i, {}i));\n", count - 1),
+            "e, ",
+        )
+    } else {
+        (m.clamp(1, ROWS), String::new(), "")
+    };
+    let blocks = m.div_ceil(mb);
     let at = format!("(m0 + j) * {n}u + n");
     let store = kb.store(out, &at, &format!("red[j * {ROW_WORKGROUP}u]"))?;
     let wpg = group_size / 8;
@@ -74,13 +100,16 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     main.push_str(&entry(ROW_WORKGROUP));
     main.push_str(&row_head(n * blocks));
     main.push_str(&format!(
-        "  let n = row % {n}u;\n  let m0 = (row / {n}u) * {mb}u;\n\
-         \x20 var acc: array<f32, {mb}>;\n\
+        "  let n = row % {n}u;\n  let m0 = (row / {n}u) * {mb}u;\n"
+    ));
+    main.push_str(&expert);
+    main.push_str(&format!(
+        "  var acc: array<f32, {mb}>;\n\
          \x20 for (var j = 0u; j < {mb}u; j = j + 1u) {{ acc[j] = 0.0; }}\n\
          \x20 for (var w = lid; w < {words}u; w = w + {ROW_WORKGROUP}u) {{\n\
-         \x20   let q = bitcast<u32>(wq(n, w));\n\
+         \x20   let q = bitcast<u32>(wq({at_e}n, w));\n\
          \x20   let g = w / {wpg}u;\n\
-         \x20   let s = sc(n, g);\n    let z = ze(n, g);\n\
+         \x20   let s = sc({at_e}n, g);\n    let z = ze({at_e}n, g);\n\
          \x20   for (var j = 0u; j < {mb}u; j = j + 1u) {{\n\
          \x20     let mr = min(m0 + j, {last}u);\n\
          \x20     var dq = 0.0;\n      var sx = 0.0;\n\
