@@ -10,9 +10,8 @@ quantizer starts from, recovers such a weight exactly, so eager PyTorch on
 the snapped float model *is* the dequantized model. The imported forms
 (`torchao._linear_fp_act_4bit_weight`, `dequantize_affine` -> `linear`,
 `metal::gather_qmv`, `metal::gated_delta_rule`) are compared with their
-eager reference implementations. On the GPU path the int4 linear and
-gather_qmv run on the GPU; gated_delta_rule has no GPU kernel yet and runs
-on the CPU kernels between partitions.
+eager reference implementations. On the GPU path all of them run on the
+GPU (the tests assert no node is left on the CPU).
 """
 
 from __future__ import annotations
@@ -175,19 +174,37 @@ def test_seed_gather_qmv(dtype, device, tmp_path):
         assert "; 0 node(s) on the cpu" in log, log
 
 
+class GatedDeltaRuleGqa(nn.Module):
+    """Two key heads for four value heads, Dk != Dv, a nonzero state in
+    (a copy, so the eager reference run leaves the exported buffer as it was)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("state", torch.randn(2, 4, 48, 32, generator=torch.Generator().manual_seed(3)) * 0.1)
+
+    def forward(self, q, k, v, g, beta):
+        state = self.state.clone()
+        y = torch.ops.metal.gated_delta_rule(q, k, v, g, beta, state)
+        return y, state
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_seed_gated_delta_rule(dtype, device, tmp_path):
+@pytest.mark.parametrize("gqa", [False, True])
+def test_seed_gated_delta_rule(gqa, dtype, device, tmp_path):
     g = torch.Generator().manual_seed(0)
+    (b, t, hk, dk, hv, dv) = (2, 5, 2, 32, 4, 48) if gqa else (1, 2, 4, 64, 4, 64)
     inputs = (
-        torch.randn(1, 2, 4, 64, generator=g) * 0.3,
-        F.normalize(torch.randn(1, 2, 4, 64, generator=g), dim=-1),
-        torch.randn(1, 2, 4, 64, generator=g),
-        torch.rand(1, 2, 4, generator=g),
-        torch.rand(1, 2, 4, generator=g),
+        torch.randn(b, t, hk, dk, generator=g) * 0.3,
+        F.normalize(torch.randn(b, t, hk, dk, generator=g), dim=-1),
+        torch.randn(b, t, hv, dv, generator=g),
+        torch.rand(b, t, hv, generator=g),
+        torch.rand(b, t, hv, generator=g),
     )
     tol = (1e-4, 1e-4) if dtype == "float32" else (5e-2, 5e-2)
-    check(GatedDeltaRule(), inputs, dtype, device, tmp_path, tol=tol)
+    log = check(GatedDeltaRuleGqa() if gqa else GatedDeltaRule(), inputs, dtype, device, tmp_path, tol=tol)
+    if device == "gpu":
+        assert "; 0 node(s) on the cpu" in log, log
 
 
 # ---- int4 programs users bring

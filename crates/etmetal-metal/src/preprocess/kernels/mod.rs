@@ -7,6 +7,7 @@
 mod attention;
 mod conv;
 mod coop;
+mod delta;
 mod int4;
 mod matmul;
 mod norm;
@@ -28,6 +29,7 @@ pub(crate) fn takes(op: &Op) -> bool {
         || attention::takes(op)
         || topk::takes(op)
         || int4::takes(op)
+        || delta::takes(op)
 }
 
 pub(crate) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
@@ -46,6 +48,8 @@ pub(crate) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         topk::lower(lw, node)
     } else if int4::takes(op) {
         int4::lower(lw, node)
+    } else if delta::takes(op) {
+        delta::lower(lw, node)
     } else {
         Err(Error::unsupported(format!(
             "{} has no GPU kernel yet",
