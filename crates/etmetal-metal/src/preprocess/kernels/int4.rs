@@ -11,8 +11,7 @@
 //! decode (M <= 8) that is once: the kernel is bound by the weight bytes.
 //! The partial sums meet in a workgroup-memory tree reduction, which
 //! assumes no subgroup size (lavapipe has 8, NVIDIA 32). Larger M takes
-//! ceil(M / 8) blocks, each re-reading the row: correct, but not the tiled
-//! GEMM prefill wants (not written yet).
+//! the tiled kernel ([`tiled`]).
 //!
 //! `metal::gather_qmv` ([`Op::GatherQmv`]) is the same kernel with a block
 //! of one row, whose expert index picks the weight (an index out of range
@@ -25,7 +24,9 @@ use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
 use super::rows::{as_rows, dispatch_rows, row_head, ROW_WORKGROUP};
-use crate::preprocess::emit::{entry, KernelBuilder};
+use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
+use crate::preprocess::expr::LazyRef;
+use crate::preprocess::BufferIdx;
 use crate::preprocess::Lowering;
 
 /// Activation rows a workgroup takes (decode batches up to 8 read the
@@ -72,6 +73,15 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         None
     };
     let out = lw.output_buffer(node, 0)?;
+    if !experts && m > ROWS {
+        let dims = Gemm {
+            m,
+            n,
+            k,
+            group_size,
+        };
+        return tiled(lw, &xr, &packed, &scales, &zeros, out, dims);
+    }
     let mut kb = KernelBuilder::new(&lw.buffers);
     kb.value_fn(&xr, "x")?;
     kb.value_fn(&packed, "wq")?;
@@ -146,4 +156,96 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         n * blocks,
         ROW_WORKGROUP * 4 * mb as u32,
     )
+}
+
+/// Output tile edge of the tiled kernel, and its K step (one step lies in
+/// one group: every group size is a multiple of 32).
+const TILE: usize = 32;
+
+struct Gemm {
+    m: usize,
+    n: usize,
+    k: usize,
+    group_size: usize,
+}
+
+/// Prefill (M > 8): a workgroup of 256 computes a 32x32 tile of `y`, each
+/// invocation 2x2. Per K step of 32 it stages the activation tile and the
+/// weight tile, dequantizing the weight while staging (4 words a row, one
+/// scale and zero: the step lies in one group), so each packed word is read
+/// once per tile row of M.
+fn tiled(
+    lw: &mut Lowering,
+    x: &LazyRef,
+    packed: &LazyRef,
+    scales: &LazyRef,
+    zeros: &LazyRef,
+    out: BufferIdx,
+    d: Gemm,
+) -> Result<()> {
+    let Gemm {
+        m,
+        n,
+        k,
+        group_size,
+    } = d;
+    let wg = 256u32;
+    let mut kb = KernelBuilder::new(&lw.buffers);
+    kb.value_fn(x, "x")?;
+    kb.value_fn(packed, "wq")?;
+    kb.value_fn(scales, "sc")?;
+    kb.value_fn(zeros, "ze")?;
+    let tiles_n = n.div_ceil(TILE);
+    let tiles = m.div_ceil(TILE) * tiles_n;
+    let store = kb.store(out, &format!("mm * {n}u + nn"), "acc[a * 2u + b]")?;
+    let mut main = format!(
+        "var<workgroup> xs: array<f32, {sz}>;\nvar<workgroup> ws: array<f32, {sz}>;\n",
+        sz = TILE * (TILE + 1)
+    );
+    main.push_str(&entry(wg));
+    main.push_str(&format!(
+        "  let tile = {FLAT_GROUP};\n  if (tile >= {tiles}u) {{ return; }}\n\
+         \x20 let n0 = (tile % {tiles_n}u) * {TILE}u;\n  let m0 = (tile / {tiles_n}u) * {TILE}u;\n\
+         \x20 let ty = lid / 16u;\n  let tx = lid % 16u;\n\
+         \x20 var acc: array<f32, 4>;\n\
+         \x20 for (var i = 0u; i < 4u; i = i + 1u) {{ acc[i] = 0.0; }}\n\
+         \x20 for (var k0 = 0u; k0 < {k}u; k0 = k0 + {TILE}u) {{\n\
+         \x20   for (var i = 0u; i < 4u; i = i + 1u) {{\n\
+         \x20     let e = lid + i * {wg}u;\n      let r = e / {TILE}u;\n      let c = e % {TILE}u;\n\
+         \x20     xs[r * {TP}u + c] = x(min(m0 + r, {ml}u), k0 + c);\n\
+         \x20   }}\n\
+         \x20   if (lid < {words}u) {{\n\
+         \x20     let r = lid / 4u;\n      let wi = lid % 4u;\n      let nr = min(n0 + r, {nl}u);\n\
+         \x20     let q = bitcast<u32>(wq(nr, k0 / 8u + wi));\n\
+         \x20     let g = k0 / {group_size}u;\n      let s = sc(nr, g);\n      let z = ze(nr, g);\n\
+         \x20     for (var i = 0u; i < 8u; i = i + 1u) {{\n\
+         \x20       ws[r * {TP}u + wi * 8u + i] = f32((q >> (4u * i)) & 15u) * s + z;\n\
+         \x20     }}\n\
+         \x20   }}\n\
+         \x20   workgroupBarrier();\n\
+         \x20   for (var kk = 0u; kk < {TILE}u; kk = kk + 1u) {{\n\
+         \x20     for (var a = 0u; a < 2u; a = a + 1u) {{\n\
+         \x20       let xv = xs[(ty * 2u + a) * {TP}u + kk];\n\
+         \x20       for (var b = 0u; b < 2u; b = b + 1u) {{\n\
+         \x20         acc[a * 2u + b] = acc[a * 2u + b] + xv * ws[(tx * 2u + b) * {TP}u + kk];\n\
+         \x20       }}\n\
+         \x20     }}\n\
+         \x20   }}\n\
+         \x20   workgroupBarrier();\n\
+         \x20 }}\n\
+         \x20 for (var a = 0u; a < 2u; a = a + 1u) {{\n\
+         \x20   for (var b = 0u; b < 2u; b = b + 1u) {{\n\
+         \x20     let mm = m0 + ty * 2u + a;\n      let nn = n0 + tx * 2u + b;\n\
+         \x20     if (mm < {m}u && nn < {n}u) {{ {store} }}\n\
+         \x20   }}\n\
+         \x20 }}\n}}\n",
+        TP = TILE + 1,
+        ml = m - 1,
+        nl = n - 1,
+        words = TILE * TILE / 8,
+    ));
+    let workgroups = grid(tiles as u64, lw.options.max_workgroups_per_dim)?;
+    let ops = vec![lw.op_label()];
+    let storage = (2 * TILE * (TILE + 1) * 4) as u32;
+    lw.add_dispatch(kb.finish(&main), ops, [wg, 1, 1], workgroups, storage)
 }
