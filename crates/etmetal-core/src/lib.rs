@@ -13,6 +13,7 @@
 
 pub mod dtype;
 pub mod error;
+pub mod int4;
 pub mod npy;
 pub mod op;
 pub mod shape;

@@ -500,6 +500,23 @@ pub enum Op {
         step: Scalar,
         dtype: DType,
     },
+
+    /// `[x, packed, scales, zeros]` → `[y]`: `x [.., K] @ W.T` with the int4
+    /// weight `W [N, K]` in the layout of [`crate::int4`] (torchao's
+    /// `_linear_fp_act_4bit_weight`); `y` has x's dtype.
+    Int4Linear { group_size: usize },
+    /// `[x, packed, scales, zeros, expert_indices]` → `[y]`: MoE
+    /// (`metal::gather_qmv`): `y[p] = W[expert_indices[p]] @ x[p]` for
+    /// `x [P, K]`, int4 expert weights `[E, N, K/2]`, scales and zeros
+    /// `[E, N, K/group]`, integer indices `[P]`; `y [P, N]` in x's dtype.
+    GatherQmv { group_size: usize },
+    /// `[q, k, v, g, beta, state]` → `[y, new_state]`: Qwen3.5's gated delta
+    /// rule (`metal::gated_delta_rule`), a recurrence over T computed in
+    /// f32. `q, k [B, T, Hk, Dk]`, `v [B, T, Hv, Dv]`, `g, beta [B, T, Hv]`,
+    /// `state [B, Hv, Dv, Dk]`; key heads repeat to `Hv`. Per step:
+    /// `s *= g; s += k ⊗ ((v - s·k) * beta); y = s·q`. `y [B, T, Hv, Dv]`
+    /// in q's dtype, `new_state` in state's.
+    GatedDeltaRule,
 }
 
 impl Op {
@@ -547,6 +564,9 @@ impl Op {
             Op::Full { .. } => "full",
             Op::Delegate { .. } => "delegate",
             Op::Arange { .. } => "arange",
+            Op::Int4Linear { .. } => "int4_linear",
+            Op::GatherQmv { .. } => "gather_qmv",
+            Op::GatedDeltaRule => "gated_delta_rule",
         }
     }
 }
@@ -825,6 +845,9 @@ mod tests {
                 step: Scalar::Int(1),
                 dtype: DType::I64,
             },
+            Op::Int4Linear { group_size: 32 },
+            Op::GatherQmv { group_size: 32 },
+            Op::GatedDeltaRule,
         ]);
         ops
     }

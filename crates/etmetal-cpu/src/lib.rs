@@ -17,6 +17,7 @@ mod create;
 mod elementwise;
 mod fast;
 mod index;
+mod int4;
 mod layout;
 mod matmul;
 mod norm;
@@ -207,6 +208,18 @@ fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
         Op::Softmax { dim, log } => {
             ctx.arity(1, 1)?;
             one(reduce::softmax(ctx, *dim, *log)?)
+        }
+        Op::Int4Linear { group_size } => {
+            ctx.arity(4, 4)?;
+            one(int4::int4_linear(ctx, *group_size)?)
+        }
+        Op::GatherQmv { group_size } => {
+            ctx.arity(5, 5)?;
+            one(int4::gather_qmv(ctx, *group_size)?)
+        }
+        Op::GatedDeltaRule => {
+            ctx.arity(6, 6)?;
+            int4::gated_delta_rule(ctx)
         }
         Op::TopK {
             k,

@@ -4,11 +4,13 @@
 pub mod decompose;
 pub mod fold;
 pub mod infer;
+mod infer_quant;
 pub mod ir;
 pub mod plan;
 pub mod portable;
 pub mod precision;
 pub mod pt2;
+pub mod quantize;
 mod rewrite;
 #[cfg(test)]
 mod test_util;

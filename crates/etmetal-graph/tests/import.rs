@@ -1096,7 +1096,7 @@ fn eval_mode_dropouts_are_identities_and_training_dropout_is_refused() {
     ];
     let g = import(&program(&[("x", F32, &[2, 3])], nodes, &["d", "mask"], &[]));
     assert!(
-        ops(&g).iter().all(|o| o == "identity" || o == "full"),
+        ops(&g).iter().all(|o| *o == "identity" || *o == "full"),
         "{:?}",
         ops(&g)
     );
@@ -1271,11 +1271,7 @@ fn einsum_becomes_permutes_and_batched_matmuls() {
         let g = import(&program(&inputs, nodes, &["e"], &[]));
         assert_eq!(out_shape(&g, 0).1, *want, "{eq}");
         if shapes.len() > 1 {
-            assert!(
-                ops(&g).contains(&"mat_mul".to_string()),
-                "{eq}: {:?}",
-                ops(&g)
-            );
+            assert!(ops(&g).contains(&"mat_mul"), "{eq}: {:?}", ops(&g));
         }
     }
     let bad = vec![hnode(

@@ -18,6 +18,10 @@ pub(crate) enum Form {
     Norm,
     Attention,
     TopK,
+    /// int4 weight-only linear and its MoE gather (`kernels/int4.rs`).
+    Int4,
+    /// Qwen3.5's gated delta rule (`kernels/delta.rs`).
+    DeltaRule,
 }
 
 /// The form `op` is lowered in; `None`: it has no GPU form.
@@ -57,6 +61,8 @@ pub(crate) fn form(op: &Op) -> Option<Form> {
         }
         Op::Sdpa { .. } => Form::Attention,
         Op::TopK { .. } | Op::CumSum { .. } | Op::Index => Form::TopK,
+        Op::Int4Linear { .. } | Op::GatherQmv { .. } => Form::Int4,
+        Op::GatedDeltaRule => Form::DeltaRule,
         _ => return None,
     })
 }

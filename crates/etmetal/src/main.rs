@@ -87,6 +87,11 @@ enum FloatDtype {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Quantize {
+    Int4,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Partition {
     /// Delegate what the GPU takes; the rest runs on CPU kernels between partitions.
     Auto,
@@ -129,6 +134,16 @@ enum Command {
         /// a file compiled above 128M needs a GPU that offers it.
         #[arg(long, value_name = "SIZE", default_value = "128M", value_parser = parse_size)]
         max_buffer: u64,
+        /// Quantize the weights of every linear (`int4`: 4-bit weights, a
+        /// scale and a zero per group of each output channel).
+        #[arg(long, value_enum)]
+        quantize: Option<Quantize>,
+        /// Elements of K sharing one int4 scale and zero.
+        #[arg(long, default_value = "32", value_parser = ["32", "64", "128", "256"])]
+        group_size: String,
+        /// Keep the linears whose weight or node name contains PATTERN in float; repeatable.
+        #[arg(long = "quantize-skip", value_name = "PATTERN")]
+        quantize_skip: Vec<String>,
     },
     /// Show a program: inputs, outputs, weights and ops (`.pt2`), or a
     /// summary of each method of a `.pte` (inputs, outputs, what the GPU
@@ -253,6 +268,9 @@ fn main() -> ExitCode {
             emit_msl,
             dtype,
             max_buffer,
+            quantize,
+            group_size,
+            quantize_skip,
         } => {
             let options = CompileOptions {
                 backend: match backend {
@@ -277,6 +295,10 @@ fn main() -> ExitCode {
                 FloatDtype::Bf16 => DType::BF16,
                 FloatDtype::F16 => DType::F16,
             };
+            let int4 = quantize.map(|Quantize::Int4| Int4Options {
+                group_size: group_size.parse().unwrap_or(32),
+                skip: quantize_skip,
+            });
             compile_cmd(
                 &mut out,
                 &model,
@@ -284,6 +306,7 @@ fn main() -> ExitCode {
                 &output,
                 &options,
                 dtype,
+                int4.as_ref(),
                 emit_msl.as_deref(),
             )
         }
@@ -340,6 +363,12 @@ fn human_bytes(n: usize) -> String {
     }
 }
 
+/// `--quantize int4` and its options.
+struct Int4Options {
+    group_size: usize,
+    skip: Vec<String>,
+}
+
 #[allow(clippy::too_many_arguments)]
 fn compile_cmd(
     out: &mut String,
@@ -348,6 +377,7 @@ fn compile_cmd(
     output: &Path,
     options: &CompileOptions,
     dtype: DType,
+    int4: Option<&Int4Options>,
     emit_msl: Option<&Path>,
 ) -> Result<()> {
     let start = Instant::now();
@@ -363,6 +393,18 @@ fn compile_cmd(
         let mut graph = etmetal_graph::load_pt2(file)?;
         etmetal_graph::precision::convert_floats(&mut graph, dtype)
             .map_err(|e| e.context(format!("method `{name}` ({})", file.display())))?;
+        if let Some(q) = int4 {
+            let r = etmetal_graph::quantize::quantize_int4(&mut graph, q.group_size, &q.skip)?;
+            eprintln!(
+                "etmetal: method `{name}`: {} linears in int4 (group {}), {} kept in float",
+                r.quantized.len(),
+                q.group_size,
+                r.skipped.len()
+            );
+            for (node, why) in &r.skipped {
+                eprintln!("etmetal:   {node} stays in float: {why}");
+            }
+        }
         graphs.push(graph);
     }
     let methods: Vec<(&str, &etmetal_graph::Graph)> = files

@@ -24,6 +24,7 @@ mod hints;
 mod inplace;
 mod layout;
 mod linalg;
+mod quant;
 pub(crate) use inplace::functional_target;
 
 /// What a source value name stands for.
@@ -83,6 +84,8 @@ pub(crate) struct Lowerer<'m> {
     placeholders: Vec<String>,
     /// Names whose file layout is dense (see [`super::json::is_dense`]).
     dense: HashSet<String>,
+    /// `dequantize_affine` results awaiting the linear they fuse into.
+    dequant: HashMap<String, quant::Dequant>,
 }
 
 /// The dtype of a Python scalar operand next to a tensor of dtype `t`: the
@@ -124,6 +127,7 @@ impl<'m> Lowerer<'m> {
             views: inplace::Views::new(),
             placeholders: vec![],
             dense,
+            dequant: HashMap::new(),
         }
     }
 
@@ -549,6 +553,9 @@ impl<'m> Lowerer<'m> {
     }
 
     fn lower_node(&mut self, c: &Ctx) -> Result<()> {
+        if let Some(lowered) = self.lower_quant(c) {
+            return lowered;
+        }
         let unknown = || {
             Error::unsupported(match hints::hint(&c.target) {
                 Some(h) => format!("no etmetal lowering for this target; {h}"),

@@ -22,6 +22,8 @@ use etmetal_core::{
 use super::Decoded;
 use crate::schema::{EValue, Operator, Tensor};
 
+mod custom;
+
 /// A kernel call read as ops. Most calls are one op; `split_with_sizes_copy`
 /// and friends are one slice per piece.
 #[derive(Clone, Debug, PartialEq)]
@@ -506,7 +508,7 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
                 contiguous_dim_order(a, 1)?;
                 full(a, Scalar::Int(0), 2)
             }
-            _ => Err(unsupported(a)),
+            _ => custom::decode(a, name, overload).unwrap_or_else(|| Err(unsupported(a))),
         };
     };
     match (op, overload) {

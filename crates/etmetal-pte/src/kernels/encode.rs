@@ -15,6 +15,8 @@ use etmetal_core::{BinaryOp, Error, Op, ReduceOp, Result, Scalar, UnaryOp};
 
 use super::{Call, CallArg, TensorMeta};
 
+mod custom;
+
 use CallArg::{Bool, Float, Input, Int, Ints, Null, Output, OutputList};
 
 /// The out-variant kernel call ExecuTorch's portable library runs for `op`.
@@ -491,6 +493,9 @@ fn encode_op(op: &Op, inputs: &[Option<TensorMeta>], outputs: &[TensorMeta]) -> 
             let s = |v: &Scalar| CallArg::Scalar(*v);
             call("arange", "start_out", vec![s(start), s(end), s(step)], 1)
         }
+        Op::Int4Linear { .. } | Op::GatherQmv { .. } | Op::GatedDeltaRule => {
+            custom::encode(op).unwrap_or_else(|| Err(unsupported(op.name())))
+        }
         other => Err(unsupported(format!(
             "{} (rewrite it with to_portable)",
             other.name()
@@ -504,6 +509,7 @@ pub fn kernel_outputs(op: &Op) -> usize {
     match op {
         Op::LayerNorm { .. } | Op::GroupNorm { .. } | Op::BatchNorm { .. } => 3,
         Op::ReduceWithIndices { .. } | Op::TopK { .. } | Op::MaxPool(_) => 2,
+        Op::GatedDeltaRule => 2,
         _ => 1,
     }
 }

@@ -163,7 +163,7 @@ impl Lowerer<'_> {
 
     /// `name` now holds `new`: send it up through the views `name` is a
     /// region of, then update or retire every other name aliasing them.
-    fn write(&mut self, c: &Ctx, name: &str, new: ValueId) -> Result<()> {
+    pub(super) fn write(&mut self, c: &Ctx, name: &str, new: ValueId) -> Result<()> {
         self.names.insert(name.to_string(), Bound::Value(new));
         let mut written = vec![name.to_string()];
         let (mut at, mut value) = (name.to_string(), new);

@@ -6,7 +6,9 @@
 
 mod attention;
 mod conv;
+mod delta;
 mod gemm;
+mod int4;
 mod matmul;
 mod norm;
 mod reduce;
@@ -29,6 +31,8 @@ pub(crate) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         Some(Form::Norm) => norm::lower(lw, node),
         Some(Form::Attention) => attention::lower(lw, node),
         Some(Form::TopK) => topk::lower(lw, node),
+        Some(Form::Int4) => int4::lower(lw, node),
+        Some(Form::DeltaRule) => delta::lower(lw, node),
         Some(Form::Expression) | None => Err(Error::unsupported(format!(
             "{} has no GPU kernel yet",
             node.op.name()

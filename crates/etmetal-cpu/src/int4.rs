@@ -1,0 +1,465 @@
+//! The int4 weight-only ops ([`Op::Int4Linear`], [`Op::GatherQmv`]) and the
+//! gated delta rule ([`Op::GatedDeltaRule`]). The int4 kernels read the
+//! packed weight directly: per group they take `dot(x, q)` and `sum(x)`, so
+//! `x · w = scale * dot(x, q) + zero * sum(x)` needs no dequantized weight.
+//! Everything is computed in f32 and stored in the output dtype.
+//!
+//! [`Op::Int4Linear`]: etmetal_core::Op::Int4Linear
+//! [`Op::GatherQmv`]: etmetal_core::Op::GatherQmv
+//! [`Op::GatedDeltaRule`]: etmetal_core::Op::GatedDeltaRule
+
+use etmetal_core::int4::{check_activation, check_weight, Int4Dims};
+use etmetal_core::{DType, Result, Tensor};
+use rayon::prelude::*;
+
+use crate::Ctx;
+
+/// Rows up to which the matrix-vector path runs: each packed row is read
+/// once for every activation row, which is cheapest while the activations
+/// stay in registers and L1 (the seed uses its `qmv` kernel for M = 1).
+const GEMV_MAX_ROWS: usize = 8;
+/// Weight rows dequantized together on the tiled path: 16 rows of K = 4096
+/// are 256 KiB of f32, which stays in L2 while every activation row passes.
+const TILE_ROWS: usize = 16;
+
+fn spec(t: &Tensor) -> (DType, &[usize]) {
+    (t.dtype(), t.shape())
+}
+
+/// One int4 weight (or one expert's) as borrowed rows.
+struct Weight<'a> {
+    dims: Int4Dims,
+    packed: &'a [u8],
+    scales: &'a [f32],
+    zeros: &'a [f32],
+}
+
+impl Weight<'_> {
+    /// `sum_k x[k] * w[n, k]` for row `n`, `xsum` the per-group sums of `x`.
+    fn dot_row(&self, n: usize, x: &[f32], xsum: &[f32]) -> f32 {
+        let (k, gs, groups) = (self.dims.k, self.dims.group_size, self.dims.groups());
+        let row = &self.packed[n * k / 2..(n + 1) * k / 2];
+        let mut acc = 0.0f32;
+        for g in 0..groups {
+            let bytes = &row[g * gs / 2..(g + 1) * gs / 2];
+            let xs = &x[g * gs..(g + 1) * gs];
+            let mut dq = 0.0f32;
+            for (b, pair) in bytes.iter().zip(xs.chunks_exact(2)) {
+                dq += pair[0] * (b & 15) as f32 + pair[1] * (b >> 4) as f32;
+            }
+            acc += self.scales[n * groups + g] * dq + self.zeros[n * groups + g] * xsum[g];
+        }
+        acc
+    }
+
+    /// Row `n` dequantized into `out` (the tiled path's staging).
+    fn dequant_row(&self, n: usize, out: &mut [f32]) {
+        let (k, gs, groups) = (self.dims.k, self.dims.group_size, self.dims.groups());
+        let row = &self.packed[n * k / 2..(n + 1) * k / 2];
+        for (i, (b, pair)) in row.iter().zip(out.chunks_exact_mut(2)).enumerate() {
+            let g = n * groups + 2 * i / gs;
+            let (s, z) = (self.scales[g], self.zeros[g]);
+            pair[0] = (b & 15) as f32 * s + z;
+            pair[1] = (b >> 4) as f32 * s + z;
+        }
+    }
+}
+
+fn group_sums(x: &[f32], gs: usize) -> Vec<f32> {
+    x.chunks_exact(gs).map(|c| c.iter().sum()).collect()
+}
+
+/// `y [M, N] = x [M, K] @ W.T`.
+fn linear_f32(w: &Weight, x: &[f32], m: usize) -> Vec<f32> {
+    let (n, k) = (w.dims.n, w.dims.k);
+    let mut y = vec![0.0f32; m * n];
+    if m <= GEMV_MAX_ROWS {
+        let xsum: Vec<Vec<f32>> = x
+            .chunks_exact(k.max(1))
+            .map(|r| group_sums(r, w.dims.group_size))
+            .collect();
+        // y is [M, N]: compute column blocks of N per task, then scatter.
+        let cols: Vec<Vec<f32>> = (0..n)
+            .into_par_iter()
+            .with_min_len(16)
+            .map(|j| {
+                (0..m)
+                    .map(|i| w.dot_row(j, &x[i * k..(i + 1) * k], &xsum[i]))
+                    .collect()
+            })
+            .collect();
+        for (j, col) in cols.iter().enumerate() {
+            for (i, v) in col.iter().enumerate() {
+                y[i * n + j] = *v;
+            }
+        }
+        return y;
+    }
+    let blocks: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(TILE_ROWS))
+        .into_par_iter()
+        .map(|blk| {
+            let rows = blk * TILE_ROWS..((blk + 1) * TILE_ROWS).min(n);
+            let nr = rows.len();
+            let mut tile = vec![0.0f32; nr * k];
+            for (t, j) in rows.clone().enumerate() {
+                w.dequant_row(j, &mut tile[t * k..(t + 1) * k]);
+            }
+            let mut out = vec![0.0f32; m * nr];
+            for i in 0..m {
+                let xr = &x[i * k..(i + 1) * k];
+                for t in 0..nr {
+                    let wr = &tile[t * k..(t + 1) * k];
+                    out[i * nr + t] = xr.iter().zip(wr).map(|(a, b)| a * b).sum();
+                }
+            }
+            (rows.start, out)
+        })
+        .collect();
+    for (start, out) in blocks {
+        let nr = out.len() / m.max(1);
+        for i in 0..m {
+            y[i * n + start..i * n + start + nr].copy_from_slice(&out[i * nr..(i + 1) * nr]);
+        }
+    }
+    y
+}
+
+pub(crate) fn int4_linear(ctx: &Ctx, group_size: usize) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    check_activation("activations", x.dtype()).map_err(|e| e.context(ctx.name()))?;
+    let k = *x.shape().last().ok_or_else(|| ctx.invalid("0-d input"))?;
+    let (p, s, z) = (ctx.input(1)?, ctx.input(2)?, ctx.input(3)?);
+    let dims = check_weight(k, group_size, spec(p), spec(s), spec(z), false)
+        .map_err(|e| e.context(ctx.name()))?;
+    let (scales, zeros) = (s.to_f32_vec(), z.to_f32_vec());
+    let w = Weight {
+        dims,
+        packed: p.bytes(),
+        scales: &scales,
+        zeros: &zeros,
+    };
+    let m = x.numel() / k.max(1);
+    let y = linear_f32(&w, &x.to_f32_vec(), m);
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().unwrap_or(&mut 0) = dims.n;
+    Tensor::from_f32(x.dtype(), &shape, &y)
+}
+
+pub(crate) fn gather_qmv(ctx: &Ctx, group_size: usize) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    check_activation("activations", x.dtype()).map_err(|e| e.context(ctx.name()))?;
+    let [pairs, k] = x.shape()[..] else {
+        return Err(ctx.invalid(format!("activations {:?}: [P, K] expected", x.shape())));
+    };
+    let (p, s, z, idx) = (ctx.input(1)?, ctx.input(2)?, ctx.input(3)?, ctx.input(4)?);
+    let dims = check_weight(k, group_size, spec(p), spec(s), spec(z), true)
+        .map_err(|e| e.context(ctx.name()))?;
+    let experts = idx.to_i64_vec();
+    if experts.len() != pairs {
+        return Err(ctx.invalid(format!("{} expert indices for {pairs} rows", experts.len())));
+    }
+    if let Some(bad) = experts
+        .iter()
+        .find(|&&e| e < 0 || e as usize >= dims.experts)
+    {
+        return Err(ctx.invalid(format!(
+            "expert index {bad} is out of range for {} experts",
+            dims.experts
+        )));
+    }
+    let (scales, zeros, xs) = (s.to_f32_vec(), z.to_f32_vec(), x.to_f32_vec());
+    let (n, per_w, per_s) = (dims.n, dims.n * k / 2, dims.n * dims.groups());
+    let y: Vec<f32> = (0..pairs)
+        .into_par_iter()
+        .flat_map_iter(|i| {
+            let e = experts[i] as usize;
+            let w = Weight {
+                dims,
+                packed: &p.bytes()[e * per_w..(e + 1) * per_w],
+                scales: &scales[e * per_s..(e + 1) * per_s],
+                zeros: &zeros[e * per_s..(e + 1) * per_s],
+            };
+            let xr = &xs[i * k..(i + 1) * k];
+            let xsum = group_sums(xr, group_size);
+            (0..n)
+                .map(move |j| w.dot_row(j, xr, &xsum))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    Tensor::from_f32(x.dtype(), &[pairs, n], &y)
+}
+
+pub(crate) fn gated_delta_rule(ctx: &Ctx) -> Result<Vec<Tensor>> {
+    let t: Vec<&Tensor> = (0..6).map(|i| ctx.input(i)).collect::<Result<_>>()?;
+    let (q, k, v, g, beta, state) = (t[0], t[1], t[2], t[3], t[4], t[5]);
+    let [b, steps, hk, dk] = q.shape()[..] else {
+        return Err(ctx.invalid(format!("q {:?}: [B, T, Hk, Dk] expected", q.shape())));
+    };
+    let [_, _, hv, dv] = v.shape()[..] else {
+        return Err(ctx.invalid(format!("v {:?}: [B, T, Hv, Dv] expected", v.shape())));
+    };
+    if k.shape() != q.shape()
+        || g.shape() != [b, steps, hv]
+        || beta.shape() != [b, steps, hv]
+        || state.shape() != [b, hv, dv, dk]
+        || hk == 0
+        || !hv.is_multiple_of(hk)
+    {
+        return Err(ctx.invalid("q, k, v, g, beta and state shapes disagree"));
+    }
+    let (qf, kf, vf, gf, bf) = (
+        q.to_f32_vec(),
+        k.to_f32_vec(),
+        v.to_f32_vec(),
+        g.to_f32_vec(),
+        beta.to_f32_vec(),
+    );
+    let mut s = state.to_f32_vec();
+    let rep = hv / hk;
+    let mut y = vec![0.0f32; b * steps * hv * dv];
+    // Each (batch, value head) runs its own recurrence.
+    let ys: Vec<Vec<f32>> = s
+        .par_chunks_mut(dv * dk)
+        .enumerate()
+        .map(|(bh, s)| {
+            let (bi, h) = (bh / hv, bh % hv);
+            let kh = h / rep;
+            let mut out = vec![0.0f32; steps * dv];
+            for ti in 0..steps {
+                let qk_at = ((bi * steps + ti) * hk + kh) * dk;
+                let (qt, kt) = (&qf[qk_at..qk_at + dk], &kf[qk_at..qk_at + dk]);
+                let v_at = ((bi * steps + ti) * hv + h) * dv;
+                let vt = &vf[v_at..v_at + dv];
+                let gb = (bi * steps + ti) * hv + h;
+                let (gt, bt) = (gf[gb], bf[gb]);
+                for (r, row) in s.chunks_exact_mut(dk).enumerate() {
+                    let mut mem = 0.0f32;
+                    for (sv, kv) in row.iter_mut().zip(kt) {
+                        *sv *= gt;
+                        mem += *sv * kv;
+                    }
+                    let delta = (vt[r] - mem) * bt;
+                    let mut acc = 0.0f32;
+                    for ((sv, kv), qv) in row.iter_mut().zip(kt).zip(qt) {
+                        *sv += kv * delta;
+                        acc += *sv * qv;
+                    }
+                    out[ti * dv + r] = acc;
+                }
+            }
+            out
+        })
+        .collect();
+    for (bh, out) in ys.iter().enumerate() {
+        let (bi, h) = (bh / hv, bh % hv);
+        for ti in 0..steps {
+            let at = ((bi * steps + ti) * hv + h) * dv;
+            y[at..at + dv].copy_from_slice(&out[ti * dv..(ti + 1) * dv]);
+        }
+    }
+    Ok(vec![
+        Tensor::from_f32(q.dtype(), &[b, steps, hv, dv], &y)?,
+        Tensor::from_f32(state.dtype(), state.shape(), &s)?,
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::execute;
+    use etmetal_core::int4::pack;
+    use etmetal_core::{DType, Op, Tensor};
+
+    /// A deterministic pseudo-random stream in [-1, 1).
+    fn noise(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Random int4 weight `[N, K]`: (q, packed, scales, zeros).
+    fn weight(n: usize, k: usize, gs: usize) -> (Vec<u8>, Tensor, Vec<f32>, Vec<f32>) {
+        let q: Vec<u8> = noise(1, n * k)
+            .iter()
+            .map(|v| ((v + 1.0) * 8.0) as u8 % 16)
+            .collect();
+        let scales: Vec<f32> = noise(2, n * k / gs)
+            .iter()
+            .map(|v| 0.05 + v.abs() * 0.1)
+            .collect();
+        let zeros: Vec<f32> = noise(3, n * k / gs)
+            .iter()
+            .map(|v| -0.5 * v.abs())
+            .collect();
+        let packed = Tensor::from_slice(DType::U8, &[n, k / 2], &pack(&q)).unwrap();
+        (q, packed, scales, zeros)
+    }
+
+    /// The eager reference: dequantize, then an f64 matmul.
+    fn reference(
+        x: &[f32],
+        m: usize,
+        w: &(Vec<u8>, Tensor, Vec<f32>, Vec<f32>),
+        n: usize,
+        k: usize,
+        gs: usize,
+    ) -> Vec<f32> {
+        let (q, _, s, z) = w;
+        let mut y = vec![0.0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0.0f64;
+                for kk in 0..k {
+                    let g = j * (k / gs) + kk / gs;
+                    let wv = q[j * k + kk] as f64 * s[g] as f64 + z[g] as f64;
+                    acc += x[i * k + kk] as f64 * wv;
+                }
+                y[i * n + j] = acc as f32;
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn int4_linear_matches_the_dequantized_product_on_both_paths() {
+        for (m, n, k, gs) in [
+            (1, 10, 64, 32),
+            (3, 7, 128, 64),
+            (20, 33, 256, 128),
+            (9, 4, 256, 256),
+        ] {
+            let w = weight(n, k, gs);
+            let x = noise(4, m * k);
+            let want = reference(&x, m, &w, n, k, gs);
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let tol = if dtype == DType::F32 { 1e-4 } else { 3e-2 };
+                let xt = Tensor::from_f32(dtype, &[m, k], &x).unwrap();
+                let st = Tensor::from_f32(DType::F32, &[n, k / gs], &w.2).unwrap();
+                let zt = Tensor::from_f32(DType::F32, &[n, k / gs], &w.3).unwrap();
+                let out = execute(
+                    &Op::Int4Linear { group_size: gs },
+                    &[Some(&xt), Some(&w.1), Some(&st), Some(&zt)],
+                    &[(dtype, vec![m, n])],
+                )
+                .unwrap();
+                let xr = xt.to_f32_vec();
+                let want = if dtype == DType::F32 {
+                    want.clone()
+                } else {
+                    reference(&xr, m, &w, n, k, gs)
+                };
+                for (a, b) in out[0].to_f32_vec().iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() <= tol * (1.0 + b.abs()),
+                        "{m}x{n}x{k} {dtype}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gather_qmv_uses_each_rows_expert() {
+        let (e, n, k, gs) = (3, 8, 64, 32);
+        let ws: Vec<_> = (0..e).map(|_| weight(n, k, gs)).collect();
+        // Distinct experts: scale expert i's scales by i + 1.
+        let mut packed = vec![];
+        let (mut sc, mut ze) = (vec![], vec![]);
+        for (i, w) in ws.iter().enumerate() {
+            packed.extend_from_slice(w.1.bytes());
+            sc.extend(w.2.iter().map(|v| v * (i + 1) as f32));
+            ze.extend(w.3.iter().copied());
+        }
+        let x = noise(9, 4 * k);
+        let idx = [2i64, 0, 1, 2];
+        let out = execute(
+            &Op::GatherQmv { group_size: gs },
+            &[
+                Some(&Tensor::from_f32(DType::F32, &[4, k], &x).unwrap()),
+                Some(&Tensor::from_slice(DType::U8, &[e, n, k / 2], &packed).unwrap()),
+                Some(&Tensor::from_f32(DType::F32, &[e, n, k / gs], &sc).unwrap()),
+                Some(&Tensor::from_f32(DType::F32, &[e, n, k / gs], &ze).unwrap()),
+                Some(&Tensor::from_i64(DType::I64, &[4], &idx).unwrap()),
+            ],
+            &[(DType::F32, vec![4, n])],
+        )
+        .unwrap()[0]
+            .to_f32_vec();
+        for (p, &ex) in idx.iter().enumerate() {
+            let ex = ex as usize;
+            let mut w = ws[ex].clone();
+            w.2.iter_mut().for_each(|v| *v *= (ex + 1) as f32);
+            let want = reference(&x[p * k..(p + 1) * k], 1, &w, n, k, gs);
+            for (a, b) in out[p * n..(p + 1) * n].iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                    "row {p}: {a} vs {b}"
+                );
+            }
+        }
+        let bad = Tensor::from_i64(DType::I64, &[4], &[0, 3, 0, 0]).unwrap();
+        let e = execute(
+            &Op::GatherQmv { group_size: gs },
+            &[
+                Some(&Tensor::from_f32(DType::F32, &[4, k], &x).unwrap()),
+                Some(&Tensor::from_slice(DType::U8, &[e, n, k / 2], &packed).unwrap()),
+                Some(&Tensor::from_f32(DType::F32, &[e, n, k / gs], &sc).unwrap()),
+                Some(&Tensor::from_f32(DType::F32, &[e, n, k / gs], &ze).unwrap()),
+                Some(&bad),
+            ],
+            &[(DType::F32, vec![4, n])],
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("expert index 3 is out of range"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn gated_delta_rule_follows_the_recurrence() {
+        // One head, Dk = Dv = 1: s = s*g + k*((v - s*g*k)*beta), y = s*q.
+        let (b, t) = (1, 3);
+        let q = [1.0f32, 2.0, -1.0];
+        let k = [0.5f32, 1.0, 2.0];
+        let v = [1.0f32, -1.0, 0.5];
+        let g = [0.9f32, 0.5, 1.0];
+        let beta = [1.0f32, 0.5, 0.25];
+        let t4 = |d: &[f32]| Tensor::from_f32(DType::F32, &[b, t, 1, 1], d).unwrap();
+        let t3 = |d: &[f32]| Tensor::from_f32(DType::F32, &[b, t, 1], d).unwrap();
+        let s0 = Tensor::from_f32(DType::F32, &[1, 1, 1, 1], &[0.2]).unwrap();
+        let out = execute(
+            &Op::GatedDeltaRule,
+            &[
+                Some(&t4(&q)),
+                Some(&t4(&k)),
+                Some(&t4(&v)),
+                Some(&t3(&g)),
+                Some(&t3(&beta)),
+                Some(&s0),
+            ],
+            &[
+                (DType::F32, vec![1, 3, 1, 1]),
+                (DType::F32, vec![1, 1, 1, 1]),
+            ],
+        )
+        .unwrap();
+        let mut s = 0.2f32;
+        let mut want = vec![];
+        for i in 0..3 {
+            s *= g[i];
+            let delta = (v[i] - s * k[i]) * beta[i];
+            s += k[i] * delta;
+            want.push(s * q[i]);
+        }
+        assert_eq!(out[0].to_f32_vec(), want);
+        assert_eq!(out[1].to_f32_vec(), [s]);
+    }
+}
