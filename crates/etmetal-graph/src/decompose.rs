@@ -22,7 +22,7 @@ use std::collections::{HashMap, HashSet};
 
 use etmetal_core::{BinaryOp, Error, Op, Result, Tensor};
 
-use crate::ir::{Graph, InputKind, Node, ValueId};
+use crate::ir::{Graph, InputKind, Node, OutputKind, ValueId};
 use crate::rewrite::Rewrite;
 
 /// Rewrite `graph` to core ops, keeping those `keep` accepts (see module docs).
@@ -192,7 +192,9 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
 }
 
 /// Remove nodes whose outputs nothing reads, then the constants no live node
-/// reads (with their parameter/buffer/constant inputs; user inputs stay).
+/// reads (with their parameter/buffer/constant inputs; user inputs stay, and
+/// so do buffers that a mutation output writes, even when their new value
+/// does not read the old: they are the method's state).
 pub fn eliminate_dead_code(graph: &mut Graph) {
     let mut live: HashSet<ValueId> = graph.outputs.iter().map(|(v, _)| *v).collect();
     let mut kept = Vec::with_capacity(graph.nodes.len());
@@ -203,6 +205,19 @@ pub fn eliminate_dead_code(graph: &mut Graph) {
         }
     }
     kept.reverse();
+    let written: HashSet<&str> = graph
+        .outputs
+        .iter()
+        .filter_map(|(_, k)| match k {
+            OutputKind::BufferMutation { fqn } => Some(fqn.as_str()),
+            _ => None,
+        })
+        .collect();
+    for (v, k) in &graph.inputs {
+        if matches!(k, InputKind::Buffer { fqn, .. } if written.contains(fqn.as_str())) {
+            live.insert(*v);
+        }
+    }
     graph.nodes = kept;
     graph.constants.retain(|v, _| live.contains(v));
     graph
@@ -315,6 +330,34 @@ mod tests {
             "a cat of one input is forwarded"
         );
         reinfers(&g);
+    }
+
+    #[test]
+    fn a_buffer_overwritten_without_being_read_stays_an_input() {
+        // `counter.fill_(3)` as a state update: the old value is dead, the buffer is not
+        let mut g = Graph::default();
+        let b = g.add_value("b_counter", DType::F32, vec![1]);
+        g.constants
+            .insert(b, Tensor::from_f64(DType::F32, &[1], &[0.0]).unwrap());
+        g.inputs.push((
+            b,
+            InputKind::Buffer {
+                fqn: "counter".into(),
+                persistent: false,
+            },
+        ));
+        let x = g.add_value("x", DType::F32, vec![1]);
+        g.inputs.push((x, InputKind::User));
+        let new = push(&mut g, "fill", Op::Identity, vec![Some(x)]);
+        g.outputs.push((
+            new,
+            crate::ir::OutputKind::BufferMutation {
+                fqn: "counter".into(),
+            },
+        ));
+        eliminate_dead_code(&mut g);
+        assert_eq!(g.inputs.len(), 2, "the buffer keeps its place");
+        assert!(g.constants.contains_key(&b), "and its initial value");
     }
 
     #[test]
