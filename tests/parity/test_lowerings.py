@@ -76,6 +76,16 @@ class StridedViews(nn.Module):
         return q * k, x.as_strided((4, 4), (1, 4))
 
 
+class StridedWrite(nn.Module):
+    """In-place writes through non-overlapping strided views reach the base."""
+
+    def forward(self, x):
+        y = x.clone()
+        y.as_strided((2, 3), (8, 2), 1).mul_(3)
+        y.as_strided((2,), (5,), 4).zero_()
+        return y * 2
+
+
 def r(*shape):
     return lambda g: torch.randn(*shape, generator=g)
 
@@ -99,6 +109,7 @@ CASES = [
     ("weight_norm", WeightNormConv, [r(1, 4, 10)]),
     ("fills", Fills, [r(2, 3), r(2, 3)]),
     ("as_strided", StridedViews, [r(32)]),
+    ("as_strided_write", StridedWrite, [r(4, 4)]),
     ("activations", lambda: Lambda(lambda x: (F.softplus(x, 2.0, 3.0), F.mish(x), F.logsigmoid(x), F.elu(x, 0.7), F.selu(x), F.celu(x, 1.3), torch.expm1(x), torch.log1p(x.abs()), F.hardshrink(x, 0.3), F.softshrink(x, 0.3), F.threshold(x, 0.1, -2.0), F.glu(x, 1), torch.trunc(x * 3), torch.frac(x * 3))), [r(3, 8)]),
     ("reductions_and_products", lambda: Lambda(lambda x, y: (torch.logsumexp(x, 1), torch.logsumexp(x, (0, 1), keepdim=True), torch.addcmul(x, x, y, value=0.5), torch.addcdiv(x, x, y.abs() + 1, value=-2), torch.baddbmm(x.unsqueeze(0), x.unsqueeze(0), y.unsqueeze(0).mT, beta=0.5, alpha=2.0), torch.outer(x[0], y[1]), x.mT @ y, torch.lerp(x, y, 0.3))), [r(4, 4), r(4, 4)]),
     ("nan_inf", lambda: Lambda(lambda x: (torch.isnan(x / x), torch.isinf(1 / x), torch.isfinite(1 / x), torch.nan_to_num(torch.log(x)), torch.nan_to_num(1 / x, nan=1.0, posinf=2.0, neginf=-3.0))), [lambda g: torch.tensor([[0.0, -1.0, 2.0], [float("inf"), -float("inf"), 0.5]])]),

@@ -1508,3 +1508,63 @@ fn as_strided_gathers_the_flattened_tensor() {
         "{e}"
     );
 }
+
+#[test]
+fn writes_through_as_strided_views_reach_their_base_unless_strides_overlap() {
+    // y = x.as_strided((2, 2), (4, 1), 1); y.zero_(); return x * 1
+    let write = |stride: &[i64]| {
+        vec![
+            hnode(
+                "as_strided.default",
+                "v",
+                &[
+                    ("self", t("x")),
+                    ("size", ints(&[2, 2])),
+                    ("stride", ints(stride)),
+                    ("storage_offset", int(1)),
+                ],
+                &["v"],
+            ),
+            hnode("zero_.default", "z", &[("self", t("v"))], &["z"]),
+            hnode(
+                "mul.Tensor",
+                "m",
+                &[("self", t("x")), ("other", float(1.0))],
+                &["m"],
+            ),
+        ]
+    };
+    let g = import(&program(
+        &[("x", F32, &[3, 4])],
+        write(&[4, 1]),
+        &["m"],
+        &[],
+    ));
+    // the mul reads the scattered base, which is also the input's new value
+    let m = node(&g, "m");
+    let scattered = m.inputs[0].unwrap();
+    assert_ne!(scattered, g.inputs[0].0);
+    assert_eq!(g.value(scattered).shape, [3, 4]);
+    let hit = g
+        .nodes
+        .iter()
+        .find(|n| n.op == Op::Where && n.name.starts_with("z"))
+        .map(|n| const_of(&g, n, 0).to_i64_vec())
+        .expect("a where placing the view's elements");
+    let want: Vec<i64> = (0..12).map(|i| [1, 2, 5, 6].contains(&i) as i64).collect();
+    assert_eq!(hit, want);
+    assert!(g
+        .outputs
+        .iter()
+        .any(|(v, k)| *v == scattered && matches!(k, OutputKind::UserInputMutation { .. })));
+
+    // (2, 2) with strides (1, 1) reads element 2 twice: a write there is ambiguous
+    let e = err(&program(
+        &[("x", F32, &[3, 4])],
+        write(&[1, 1]),
+        &["m"],
+        &[],
+    ));
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(e.to_string().contains("whose strides overlap"), "{e}");
+}

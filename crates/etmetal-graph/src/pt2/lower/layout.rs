@@ -119,6 +119,87 @@ impl Lowerer<'_> {
         self.emit1(c, Op::Cat { dim }, vec![Some(tail), Some(head)])
     }
 
+    /// The storage position of each element of `as_strided` node `c`'s
+    /// result (row-major), in a tensor of `len` elements.
+    pub(super) fn strided_index(&self, c: &Ctx, len: usize) -> Result<Vec<i64>> {
+        let size = self.size_arg(c, "size")?;
+        let stride = self.req_ints(c, "stride")?;
+        if stride.len() != size.len() {
+            return Err(Error::format(format!(
+                "as_strided with size {size:?} and stride {stride:?}"
+            )));
+        }
+        let offset = c.args.int("storage_offset", 0)?;
+        let total = numel(&size)?;
+        let mut index = Vec::with_capacity(total);
+        let mut at = vec![0usize; size.len()];
+        for _ in 0..total {
+            let i = offset
+                + at.iter()
+                    .zip(&stride)
+                    .map(|(&a, &s)| a as i64 * s)
+                    .sum::<i64>();
+            if !(0..len as i64).contains(&i) {
+                return Err(Error::shape(format!(
+                    "as_strided(size={size:?}, stride={stride:?}, storage_offset={offset}) \
+                     reads element {i} of a tensor of {len}"
+                )));
+            }
+            index.push(i);
+            for k in (0..size.len()).rev() {
+                at[k] += 1;
+                if at[k] < size[k] {
+                    break;
+                }
+                at[k] = 0;
+            }
+        }
+        Ok(index)
+    }
+
+    /// `base` with the elements at storage positions `index` (distinct)
+    /// replaced by those of `view`, in order: the write back through an
+    /// `as_strided` view. Each position's source element is gathered,
+    /// `where` the view covers it.
+    pub(super) fn strided_scatter(
+        &mut self,
+        c: &Ctx,
+        base: ValueId,
+        view: ValueId,
+        index: &[i64],
+    ) -> Result<ValueId> {
+        let shape = self.shape(base);
+        let n = numel(&shape)?;
+        let mut source = vec![0i64; n];
+        let mut hit = vec![0i64; n];
+        for (m, &i) in index.iter().enumerate() {
+            source[i as usize] = m as i64;
+            hit[i as usize] = 1;
+        }
+        let source = Tensor::from_i64(DType::I64, &[n], &source)?;
+        let source = self
+            .graph
+            .add_constant(format!("{}.source", c.name), source);
+        let hit = Tensor::from_i64(DType::Bool, &[n], &hit)?;
+        let hit = self.graph.add_constant(format!("{}.hit", c.name), hit);
+        let view = self.cast_to(c, view, self.dtype(base))?;
+        let values = self.emit1(
+            c,
+            Op::Reshape {
+                shape: vec![index.len()],
+            },
+            vec![Some(view)],
+        )?;
+        let placed = self.emit1(
+            c,
+            Op::IndexSelect { dim: 0 },
+            vec![Some(values), Some(source)],
+        )?;
+        let flat = self.emit1(c, Op::Reshape { shape: vec![n] }, vec![Some(base)])?;
+        let merged = self.emit1(c, Op::Where, vec![Some(hit), Some(placed), Some(flat)])?;
+        self.emit1(c, Op::Reshape { shape }, vec![Some(merged)])
+    }
+
     /// `movedim(x, source, destination)` as a permute.
     pub(super) fn movedim(&mut self, c: &Ctx) -> Result<()> {
         let x = self.t(c, "self")?;
@@ -171,39 +252,10 @@ impl Lowerer<'_> {
                 "as_strided with size {size:?} and stride {stride:?}"
             )));
         }
-        let offset = c.args.int("storage_offset", 0)?;
-        let len = numel(&self.shape(x))? as i64;
-        let total = numel(&size)?;
-        let mut index = Vec::with_capacity(total);
-        let mut at = vec![0usize; size.len()];
-        for _ in 0..total {
-            let i = offset
-                + at.iter()
-                    .zip(&stride)
-                    .map(|(&a, &s)| a as i64 * s)
-                    .sum::<i64>();
-            if !(0..len).contains(&i) {
-                return Err(Error::shape(format!(
-                    "as_strided(size={size:?}, stride={stride:?}, storage_offset={offset}) \
-                     reads element {i} of a tensor of {len}"
-                )));
-            }
-            index.push(i);
-            for k in (0..size.len()).rev() {
-                at[k] += 1;
-                if at[k] < size[k] {
-                    break;
-                }
-                at[k] = 0;
-            }
-        }
-        let flat = self.emit1(
-            c,
-            Op::Reshape {
-                shape: vec![len as usize],
-            },
-            vec![Some(x)],
-        )?;
+        let len = numel(&self.shape(x))?;
+        let index = self.strided_index(c, len)?;
+        let total = index.len();
+        let flat = self.emit1(c, Op::Reshape { shape: vec![len] }, vec![Some(x)])?;
         let table = Tensor::from_i64(DType::I64, &[total], &index)?;
         let table = self.graph.add_constant(format!("{}.index", c.name), table);
         let picked = self.emit1(c, Op::IndexSelect { dim: 0 }, vec![Some(flat), Some(table)])?;
