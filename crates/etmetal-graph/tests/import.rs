@@ -1568,3 +1568,45 @@ fn writes_through_as_strided_views_reach_their_base_unless_strides_overlap() {
     assert_eq!(e.kind(), ErrorKind::Unsupported);
     assert!(e.to_string().contains("whose strides overlap"), "{e}");
 }
+
+#[test]
+fn upsampling_gathers_source_rows_by_tables_made_at_import() {
+    let floats = |v: &[f64]| serde_json::json!({ "as_floats": v });
+    let nodes = vec![
+        hnode(
+            "upsample_nearest2d.vec",
+            "n",
+            &[("input", t("x")), ("scale_factors", floats(&[2.0, 2.0]))],
+            &["n"],
+        ),
+        hnode(
+            "upsample_bilinear2d.vec",
+            "b",
+            &[
+                ("input", t("x")),
+                ("output_size", ints(&[3, 5])),
+                ("align_corners", boolean(true)),
+            ],
+            &["b"],
+        ),
+    ];
+    let g = import(&program(
+        &[("x", F32, &[1, 1, 2, 3])],
+        nodes,
+        &["n", "b"],
+        &[],
+    ));
+    assert_eq!(out_shape(&g, 0).1, [1, 1, 4, 6]);
+    assert_eq!(out_shape(&g, 1).1, [1, 1, 3, 5]);
+    let rows = const_of(&g, node(&g, "n.0"), 1).to_i64_vec();
+    assert_eq!(rows, [0, 0, 1, 1]);
+    // align_corners: output rows 0 and 2 of 3 are input rows 0 and 1, row 1
+    // sits halfway (weights of the lower and the upper neighbour)
+    let weights: Vec<Vec<f32>> = g
+        .nodes
+        .iter()
+        .filter(|n| n.name.starts_with("b.") && n.op == Op::Binary(BinaryOp::Mul))
+        .map(|n| const_of(&g, n, 1).to_f32_vec())
+        .collect();
+    assert_eq!(weights[..2], [vec![1.0, 0.5, 1.0], vec![0.0, 0.5, 0.0]]);
+}

@@ -22,6 +22,7 @@ mod hints;
 mod inplace;
 mod layout;
 mod linalg;
+mod resize;
 pub(crate) use inplace::functional_target;
 
 /// What a source value name stands for.
@@ -1495,6 +1496,7 @@ impl<'m> Lowerer<'m> {
                 )
             }
             _ if self.composite(c, name, overload)? => Ok(()),
+            _ if self.upsample(c, name, overload)? => Ok(()),
             _ => Err(unknown()),
         }
     }
