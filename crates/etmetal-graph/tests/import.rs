@@ -1610,3 +1610,46 @@ fn upsampling_gathers_source_rows_by_tables_made_at_import() {
         .collect();
     assert_eq!(weights[..2], [vec![1.0, 0.5, 1.0], vec![0.0, 0.5, 0.0]]);
 }
+
+#[test]
+fn sort_and_argsort_are_a_top_k_of_every_element() {
+    let nodes = vec![
+        hnode(
+            "sort.default",
+            "s",
+            &[
+                ("self", t("x")),
+                ("dim", int(0)),
+                ("descending", boolean(true)),
+            ],
+            &["v", "i"],
+        ),
+        hnode("argsort.default", "a", &[("self", t("x"))], &["a"]),
+    ];
+    let g = import(&program(
+        &[("x", F32, &[4, 3])],
+        nodes,
+        &["v", "i", "a"],
+        &[],
+    ));
+    assert_eq!(
+        node(&g, "s").op,
+        Op::TopK {
+            k: 4,
+            dim: 0,
+            largest: true,
+            sorted: true
+        }
+    );
+    assert_eq!(
+        node(&g, "a").op,
+        Op::TopK {
+            k: 3,
+            dim: 1,
+            largest: false,
+            sorted: true
+        }
+    );
+    assert_eq!(out_shape(&g, 1), (DType::I64, vec![4, 3]));
+    assert_eq!(out_shape(&g, 2), (DType::I64, vec![4, 3]));
+}

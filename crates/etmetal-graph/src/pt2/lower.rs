@@ -894,6 +894,24 @@ impl<'m> Lowerer<'m> {
                 };
                 self.finish(c, op, vec![Some(x)])
             }
+            ("sort" | "argsort", "default" | "stable") => {
+                // a top-k of every element; ties may come in another order
+                // than PyTorch's (its unstable sort promises none)
+                let x = self.t(c, "self")?;
+                let (dim, k) = self.sized_dim(c, "dim", -1, &self.shape(x))?;
+                let op = Op::TopK {
+                    k,
+                    dim,
+                    largest: a.bool("descending", false)?,
+                    sorted: true,
+                };
+                let outs = self.emit(c, op, vec![Some(x)])?;
+                if name == "argsort" {
+                    return self.bind(c, 0, outs[1]);
+                }
+                self.bind(c, 0, outs[0])?;
+                self.bind(c, 1, outs[1])
+            }
             ("layer_norm" | "native_layer_norm", "default") => {
                 let x = self.t(c, "input")?;
                 let normalized_dims = self.req_ints(c, "normalized_shape")?.len();
