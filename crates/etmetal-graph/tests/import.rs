@@ -1653,3 +1653,54 @@ fn sort_and_argsort_are_a_top_k_of_every_element() {
     assert_eq!(out_shape(&g, 1), (DType::I64, vec![4, 3]));
     assert_eq!(out_shape(&g, 2), (DType::I64, vec![4, 3]));
 }
+
+#[test]
+fn constants_made_by_one_node_have_distinct_names() {
+    // a fill through a slice of a slice (Swin's attention-mask build) makes
+    // two scatters, each with its tables; weights are keyed by name
+    let nodes = vec![
+        hnode(
+            "slice.Tensor",
+            "s1",
+            &[
+                ("self", t("x")),
+                ("dim", int(0)),
+                ("start", int(1)),
+                ("end", int(3)),
+            ],
+            &["s1"],
+        ),
+        hnode(
+            "slice.Tensor",
+            "s2",
+            &[
+                ("self", t("s1")),
+                ("dim", int(1)),
+                ("start", int(0)),
+                ("end", int(2)),
+            ],
+            &["s2"],
+        ),
+        hnode(
+            "fill_.Scalar",
+            "f",
+            &[("self", t("s2")), ("value", float(1.0))],
+            &["f"],
+        ),
+        hnode(
+            "mul.Tensor",
+            "m",
+            &[("self", t("x")), ("other", float(2.0))],
+            &["m"],
+        ),
+    ];
+    let g = import(&program(&[("x", F32, &[4, 4])], nodes, &["m"], &[]));
+    let names: Vec<&str> = g
+        .constants
+        .keys()
+        .map(|&v| g.value(v).name.as_str())
+        .collect();
+    let unique: std::collections::HashSet<&&str> = names.iter().collect();
+    assert!(names.len() >= 4, "{names:?}");
+    assert_eq!(unique.len(), names.len(), "{names:?}");
+}

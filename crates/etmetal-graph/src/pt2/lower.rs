@@ -261,10 +261,18 @@ impl<'m> Lowerer<'m> {
         Ok(dims)
     }
 
+    /// A constant made while lowering node `c`, named after it; the name
+    /// is unique (a node may make several of one kind, and names key the
+    /// weights of a compiled program).
+    fn add_table(&mut self, c: &Ctx, what: &str, t: Tensor) -> ValueId {
+        let name = format!("{}.{what}.{}", c.name, self.graph.values.len());
+        self.graph.add_constant(name, t)
+    }
+
     /// A 0-d constant for a Python scalar operand.
     fn constant(&mut self, c: &Ctx, what: &str, s: Scalar, dtype: DType) -> Result<ValueId> {
         let t = scalar_tensor(s, dtype, &[])?;
-        Ok(self.graph.add_constant(format!("{}.{what}", c.name), t))
+        Ok(self.add_table(c, what, t))
     }
 
     /// Add a node computing `op`; its outputs get inferred dtypes and shapes.
@@ -1575,11 +1583,11 @@ impl<'m> Lowerer<'m> {
             .collect();
         let hit: Vec<i64> = hit.into_iter().map(i64::from).collect();
         let rows = Tensor::from_i64(DType::I64, &[n], &rows)?;
-        let rows = self.graph.add_constant(format!("{}.rows", c.name), rows);
+        let rows = self.add_table(c, "rows", rows);
         let mut mask_shape = vec![1; shape.len()];
         mask_shape[dim] = n;
         let mask = Tensor::from_i64(DType::Bool, &mask_shape, &hit)?;
-        let mask = self.graph.add_constant(format!("{}.mask", c.name), mask);
+        let mask = self.add_table(c, "mask", mask);
         let src = self.cast_to(c, src, self.dtype(x))?;
         let placed = self.emit1(c, Op::IndexSelect { dim }, vec![Some(src), Some(rows)])?;
         self.emit1(c, Op::Where, vec![Some(mask), Some(placed), Some(x)])
@@ -1630,9 +1638,7 @@ impl<'m> Lowerer<'m> {
         let index = self.emit1(c, Op::Reshape { shape: vec![k, 1] }, vec![Some(index)])?;
         let positions = (0..n as i64).collect::<Vec<_>>();
         let positions = Tensor::from_i64(DType::I64, &[1, n], &positions)?;
-        let positions = self
-            .graph
-            .add_constant(format!("{}.positions", c.name), positions);
+        let positions = self.add_table(c, "positions", positions);
         let hits = self.emit1(
             c,
             Op::Binary(BinaryOp::Eq),
@@ -1646,7 +1652,7 @@ impl<'m> Lowerer<'m> {
         let named = self.emit1(c, any, vec![Some(hits)])?;
         // the source row of each position: sum over m of m * [index[m] == j]
         let ms = Tensor::from_i64(DType::I64, &[k, 1], &(0..k as i64).collect::<Vec<_>>())?;
-        let ms = self.graph.add_constant(format!("{}.rows", c.name), ms);
+        let ms = self.add_table(c, "rows", ms);
         let hits = self.cast_to(c, hits, DType::I64)?;
         let weighted = self.emit1(c, Op::Binary(BinaryOp::Mul), vec![Some(hits), Some(ms)])?;
         let sum = Op::Reduce {

@@ -177,11 +177,9 @@ impl Lowerer<'_> {
             hit[i as usize] = 1;
         }
         let source = Tensor::from_i64(DType::I64, &[n], &source)?;
-        let source = self
-            .graph
-            .add_constant(format!("{}.source", c.name), source);
+        let source = self.add_table(c, "source", source);
         let hit = Tensor::from_i64(DType::Bool, &[n], &hit)?;
-        let hit = self.graph.add_constant(format!("{}.hit", c.name), hit);
+        let hit = self.add_table(c, "hit", hit);
         let view = self.cast_to(c, view, self.dtype(base))?;
         let values = self.emit1(
             c,
@@ -257,7 +255,7 @@ impl Lowerer<'_> {
         let total = index.len();
         let flat = self.emit1(c, Op::Reshape { shape: vec![len] }, vec![Some(x)])?;
         let table = Tensor::from_i64(DType::I64, &[total], &index)?;
-        let table = self.graph.add_constant(format!("{}.index", c.name), table);
+        let table = self.add_table(c, "index", table);
         let picked = self.emit1(c, Op::IndexSelect { dim: 0 }, vec![Some(flat), Some(table)])?;
         self.finish(c, Op::Reshape { shape: size }, vec![Some(picked)])
     }

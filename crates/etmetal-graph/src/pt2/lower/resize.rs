@@ -128,7 +128,7 @@ impl Lowerer<'_> {
 
     fn index_table(&mut self, c: &Ctx, what: &str, idx: Vec<i64>) -> Result<ValueId> {
         let t = Tensor::from_i64(DType::I64, &[idx.len()], &idx)?;
-        Ok(self.graph.add_constant(format!("{}.{what}", c.name), t))
+        Ok(self.add_table(c, what, t))
     }
 
     /// Dim `dim` of `x` resized from `n` to `m` (`sizes`).
@@ -176,13 +176,9 @@ impl Lowerer<'_> {
         let dtype = self.dtype(x);
         let w_lo: Vec<f64> = w_hi.iter().map(|w| 1.0 - w).collect();
         let w_lo = Tensor::from_f64(dtype, &wshape, &w_lo)?;
-        let w_lo = self
-            .graph
-            .add_constant(format!("{}.w_lo{dim}", c.name), w_lo);
+        let w_lo = self.add_table(c, "w_lo", w_lo);
         let w_hi = Tensor::from_f64(dtype, &wshape, &w_hi)?;
-        let w_hi = self
-            .graph
-            .add_constant(format!("{}.w_hi{dim}", c.name), w_hi);
+        let w_hi = self.add_table(c, "w_hi", w_hi);
         let lo = self.index_table(c, &format!("lo{dim}"), lo)?;
         let hi = self.index_table(c, &format!("hi{dim}"), hi)?;
         let a = self.emit1(c, Op::IndexSelect { dim }, vec![Some(x), Some(lo)])?;
