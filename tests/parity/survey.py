@@ -30,6 +30,7 @@ FAST = {
     "tv_squeezenet1_1",
     "hf_bert",
     "hf_llama",
+    "hf_llama_position_ids",
     "hf_gemma3_text",
     "hf_gpt2",
     "hf_t5_encoder",
@@ -186,6 +187,14 @@ def transformers_entries() -> list[Entry]:
         ("gemma3_text", "Gemma3ForCausalLM", "Gemma3TextConfig", {"sliding_window": 8}),
     ]:
         e.append(Entry(f"hf_{name}", hf(cls, config, **DECODER, **extra), tokens()))
+    # position_ids instead of a mask: transformers looks for packed sequences (`diff`)
+    e.append(
+        Entry(
+            "hf_llama_position_ids",
+            hf("LlamaForCausalLM", "LlamaConfig", keys=("input_ids", "position_ids"), **DECODER),
+            lambda g: (torch.randint(0, 128, (1, 12), generator=g), torch.arange(12)[None]),
+        )
+    )
     e += [
         Entry(
             "hf_gpt2",
@@ -425,6 +434,8 @@ def main():
         from runner import default_binary
 
         binary = args.bin or default_binary()
+        if not binary.is_file():
+            sys.exit(f"no etmetal binary at {binary}: build it (cargo build --release -p etmetal) or pass --bin")
         print("| model | stage | delegated | kernels | rel err | on cpu (why) | error |")
         print("|---|---|---|---|---|---|---|")
         counts = Counter()
