@@ -114,6 +114,7 @@ CASES = [
     ("reductions_and_products", lambda: Lambda(lambda x, y: (torch.logsumexp(x, 1), torch.logsumexp(x, (0, 1), keepdim=True), torch.addcmul(x, x, y, value=0.5), torch.addcdiv(x, x, y.abs() + 1, value=-2), torch.baddbmm(x.unsqueeze(0), x.unsqueeze(0), y.unsqueeze(0).mT, beta=0.5, alpha=2.0), torch.outer(x[0], y[1]), x.mT @ y, torch.lerp(x, y, 0.3))), [r(4, 4), r(4, 4)]),
     ("nan_inf", lambda: Lambda(lambda x: (torch.isnan(x / x), torch.isinf(1 / x), torch.isfinite(1 / x), torch.nan_to_num(torch.log(x)), torch.nan_to_num(1 / x, nan=1.0, posinf=2.0, neginf=-3.0))), [lambda g: torch.tensor([[0.0, -1.0, 2.0], [float("inf"), -float("inf"), 0.5]])]),
     ("upsample", lambda: Lambda(lambda x: (F.interpolate(x, scale_factor=2), F.interpolate(x, size=(5, 7)), F.interpolate(x, size=(3, 10), mode="nearest-exact"), F.interpolate(x, scale_factor=1.5, mode="bilinear"), F.interpolate(x, size=(7, 5), mode="bilinear", align_corners=True), F.interpolate(x[:, :, 0], scale_factor=3, mode="linear"), F.upsample(x, scale_factor=(2, 3), mode="nearest"))), [r(1, 2, 4, 6)]),
+    ("unfold", lambda: Lambda(lambda x: (x.unfold(1, 3, 2), x.unfold(-1, 2, 1) * 2, x.unfold(0, 2, 3))), [r(5, 7, 4)]),
     ("sort", lambda: Lambda(lambda x: (*torch.sort(x), *torch.sort(x, dim=0, descending=True), torch.argsort(x, dim=1, descending=True))), [r(5, 6)]),
     ("flip_prelu_pixel_shuffle", lambda: Lambda(lambda x, w: (torch.flip(x, (1, 3)), F.prelu(x, w), F.pixel_shuffle(x, 2), F.pixel_unshuffle(x, 2))), [r(1, 4, 4, 6), r(4)]),
 ]

@@ -1704,3 +1704,29 @@ fn constants_made_by_one_node_have_distinct_names() {
     assert!(names.len() >= 4, "{names:?}");
     assert_eq!(unique.len(), names.len(), "{names:?}");
 }
+
+#[test]
+fn unfold_gathers_windows_and_moves_the_window_dim_last() {
+    let nodes = vec![hnode(
+        "unfold.default",
+        "u",
+        &[
+            ("self", t("x")),
+            ("dimension", int(1)),
+            ("size", int(3)),
+            ("step", int(2)),
+        ],
+        &["u"],
+    )];
+    let g = import(&program(&[("x", F32, &[2, 7, 4])], nodes, &["u"], &[]));
+    // windows at 0, 2, 4 of 7
+    assert_eq!(out_shape(&g, 0).1, [2, 3, 4, 3]);
+    let table = const_of(&g, node(&g, "u.0"), 1).to_i64_vec();
+    assert_eq!(table, [0, 1, 2, 2, 3, 4, 4, 5, 6]);
+    assert_eq!(
+        node(&g, "u").op,
+        Op::Permute {
+            dims: vec![0, 1, 3, 2]
+        }
+    );
+}

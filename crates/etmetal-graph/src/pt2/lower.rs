@@ -660,6 +660,7 @@ impl<'m> Lowerer<'m> {
             ("roll", "default") => self.roll(c),
             ("as_strided" | "as_strided_copy", "default") => self.as_strided(c),
             ("movedim", "int" | "intlist") => self.movedim(c),
+            ("unfold", "default") => self.unfold(c),
             ("einsum", "default") => self.einsum(c),
             ("linalg_vector_norm", "default") => self.vector_norm(c, "ord"),
             ("norm", "Scalar" | "ScalarOpt_dim" | "ScalarOpt_dim_dtype" | "ScalarOpt_dtype") => {

@@ -198,6 +198,55 @@ impl Lowerer<'_> {
         self.emit1(c, Op::Reshape { shape }, vec![Some(merged)])
     }
 
+    /// `x.unfold(dim, size, step)`: the windows of `dim` gathered by an
+    /// index table, split into `[windows, size]` and the `size` dim moved
+    /// last, as PyTorch's view lays them out.
+    pub(super) fn unfold(&mut self, c: &Ctx) -> Result<()> {
+        let x = self.t(c, "self")?;
+        let shape = self.shape(x);
+        let r = shape.len().max(1);
+        let d = normalize_dim(c.args.int("dimension", 0)?, r)?;
+        let n = shape.get(d).copied().unwrap_or(1);
+        let size = usize::try_from(c.args.int("size", 1)?).ok();
+        let step = usize::try_from(c.args.int("step", 1)?)
+            .ok()
+            .filter(|&s| s > 0);
+        let (Some(size), Some(step)) = (size, step) else {
+            return Err(Error::format(
+                "unfold with a negative size or a step below 1",
+            ));
+        };
+        if size > n {
+            return Err(Error::shape(format!(
+                "unfold of {size} from dim {d} of size {n}"
+            )));
+        }
+        let windows = (n - size) / step + 1;
+        let index: Vec<i64> = (0..windows)
+            .flat_map(|w| (0..size).map(move |j| (w * step + j) as i64))
+            .collect();
+        let table = Tensor::from_i64(DType::I64, &[index.len()], &index)?;
+        let table = self.add_table(c, "windows", table);
+        let x = if shape.is_empty() {
+            self.emit1(c, Op::Reshape { shape: vec![1] }, vec![Some(x)])?
+        } else {
+            x
+        };
+        let picked = self.emit1(c, Op::IndexSelect { dim: d }, vec![Some(x), Some(table)])?;
+        let mut split = self.shape(x);
+        split.splice(d..=d, [windows, size]);
+        let split_v = self.emit1(
+            c,
+            Op::Reshape {
+                shape: split.clone(),
+            },
+            vec![Some(picked)],
+        )?;
+        let mut dims: Vec<usize> = (0..split.len()).filter(|&k| k != d + 1).collect();
+        dims.push(d + 1);
+        self.finish(c, Op::Permute { dims }, vec![Some(split_v)])
+    }
+
     /// `movedim(x, source, destination)` as a permute.
     pub(super) fn movedim(&mut self, c: &Ctx) -> Result<()> {
         let x = self.t(c, "self")?;
