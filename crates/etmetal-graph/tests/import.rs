@@ -1730,3 +1730,67 @@ fn unfold_gathers_windows_and_moves_the_window_dim_last() {
         }
     );
 }
+
+#[test]
+fn scatter_and_one_hot_compare_positions_with_the_index() {
+    let nodes = vec![
+        hnode(
+            "scatter.value",
+            "s",
+            &[
+                ("self", t("x")),
+                ("dim", int(1)),
+                ("index", t("i")),
+                ("value", float(1.5)),
+            ],
+            &["s"],
+        ),
+        hnode(
+            "scatter_add.default",
+            "a",
+            &[
+                ("self", t("x")),
+                ("dim", int(1)),
+                ("index", t("i")),
+                ("src", t("x")),
+            ],
+            &["a"],
+        ),
+        hnode(
+            "one_hot.default",
+            "h",
+            &[("self", t("i")), ("num_classes", int(6))],
+            &["h"],
+        ),
+    ];
+    let g = import(&program(
+        &[("x", F32, &[2, 5]), ("i", I64, &[2, 3])],
+        nodes,
+        &["s", "a", "h"],
+        &[],
+    ));
+    assert_eq!(out_shape(&g, 0), (DType::F32, vec![2, 5]));
+    assert_eq!(node(&g, "s").op, Op::Where);
+    assert_eq!(node(&g, "a").op, Op::Binary(BinaryOp::Add));
+    assert_eq!(out_shape(&g, 2), (DType::I64, vec![2, 3, 6]));
+    // an index narrower than self in another dim is refused, naming both shapes
+    let bad = vec![hnode(
+        "scatter.value",
+        "s",
+        &[
+            ("self", t("x")),
+            ("dim", int(1)),
+            ("index", t("i")),
+            ("value", float(1.5)),
+        ],
+        &["s"],
+    )];
+    let e = err(&program(
+        &[("x", F32, &[2, 5]), ("i", I64, &[1, 3])],
+        bad,
+        &["s"],
+        &[],
+    ));
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(e.to_string().contains("[1, 3] into [2, 5]"), "{e}");
+}

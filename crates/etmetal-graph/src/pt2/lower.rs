@@ -23,6 +23,7 @@ mod inplace;
 mod layout;
 mod linalg;
 mod resize;
+mod scatter;
 pub(crate) use inplace::functional_target;
 
 /// What a source value name stands for.
@@ -661,6 +662,9 @@ impl<'m> Lowerer<'m> {
             ("as_strided" | "as_strided_copy", "default") => self.as_strided(c),
             ("movedim", "int" | "intlist") => self.movedim(c),
             ("unfold", "default") => self.unfold(c),
+            ("scatter", "src" | "value") => self.scatter(c, false),
+            ("scatter_add", "default") => self.scatter(c, true),
+            ("one_hot", "default") => self.one_hot(c),
             ("einsum", "default") => self.einsum(c),
             ("linalg_vector_norm", "default") => self.vector_norm(c, "ord"),
             ("norm", "Scalar" | "ScalarOpt_dim" | "ScalarOpt_dim_dtype" | "ScalarOpt_dtype") => {
