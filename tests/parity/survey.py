@@ -380,9 +380,10 @@ class Outcome:
         return f"| {name} | {self.stage} | {share} | {self.kernels} | {err} | {cpu} | {why} |"
 
 
-def check(entry: Entry, binary: Path, work: Path, timeout: int = 900) -> Outcome:
+def check(entry: Entry, binary: Path, work: Path, timeout: int = 900, run: bool = True) -> Outcome:
     """Export `entry`, compile it with `--backend metal`, run it on this
-    machine's adapter and compare with eager."""
+    machine's adapter and compare with eager (`run=False`: stop after the
+    compile, at stage "compiled")."""
     work.mkdir(parents=True, exist_ok=True)
     try:
         module, inputs = instantiate(entry)
@@ -404,7 +405,9 @@ def check(entry: Entry, binary: Path, work: Path, timeout: int = 900) -> Outcome
     m = SUMMARY.search(p.stdout)
     parts, nodes, kernels, cpu = (int(x) for x in m.groups()) if m else (0, 0, 0, 0)
     reasons = [f"{op}: {why}" for op, why in CPU_NODE.findall(p.stdout)]
-    out = Outcome("run", "", parts, nodes, kernels, cpu, reasons)
+    out = Outcome("run" if run else "compiled", "", parts, nodes, kernels, cpu, reasons)
+    if not run:
+        return out
     paths = []
     for i, t in enumerate(inputs):
         np.save(work / f"input_{i}.npy", t.numpy())
@@ -435,7 +438,8 @@ def main():
     ap.add_argument("--targets", action="store_true", help="print each model's ATen targets")
     ap.add_argument("--table", action="store_true", help="compile and run each model with --bin, print the survey table")
     ap.add_argument("--bin", type=Path, default=None, help="the etmetal binary (default: the release build)")
-    ap.add_argument("-k", default="", help="only models whose name contains this")
+    ap.add_argument("--compile-only", action="store_true", help="with --table: stop after the compile")
+    ap.add_argument("-k", default="", help="only models whose name contains this (comma: any of several)")
     args = ap.parse_args()
     if args.table:
         from runner import default_binary
@@ -448,10 +452,10 @@ def main():
         counts = Counter()
         with tempfile.TemporaryDirectory() as tmp:
             for e in entries():
-                if args.k not in e.name:
+                if not any(k in e.name for k in args.k.split(",")):
                     continue
                 try:
-                    o = check(e, binary, Path(tmp) / e.name)
+                    o = check(e, binary, Path(tmp) / e.name, run=not args.compile_only)
                 except subprocess.TimeoutExpired as ex:
                     o = Outcome("run", f"timed out after {ex.timeout}s")
                 counts[o.stage] += 1
