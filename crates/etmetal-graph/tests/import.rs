@@ -983,6 +983,27 @@ fn device_moves_and_dtype_conversions_are_copies_or_casts() {
     assert_eq!(ops(&g), ["identity", "cast", "identity", "cast"]);
     assert_eq!(out_shape(&g, 1), (DType::I64, vec![2, 3]));
     assert_eq!(out_shape(&g, 3), (DType::F32, vec![2, 3]));
+
+    // a strided layout (7) is what etmetal has; a sparse one is refused
+    let layout = |code: i64| {
+        vec![hnode(
+            "to.dtype_layout",
+            "l",
+            &[
+                ("self", t("x")),
+                ("dtype", dtype(F32)),
+                ("layout", serde_json::json!({"as_layout": code})),
+            ],
+            &["l"],
+        )]
+    };
+    import(&program(&[("x", F32, &[2, 3])], layout(7), &["l"], &[]));
+    let e = err(&program(&[("x", F32, &[2, 3])], layout(1), &["l"], &[]));
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(
+        e.to_string().contains("node `l`") && e.to_string().contains("layout 1"),
+        "{e}"
+    );
 }
 
 #[test]
