@@ -116,6 +116,7 @@ CASES = [
     ("upsample", lambda: Lambda(lambda x: (F.interpolate(x, scale_factor=2), F.interpolate(x, size=(5, 7)), F.interpolate(x, size=(3, 10), mode="nearest-exact"), F.interpolate(x, scale_factor=1.5, mode="bilinear"), F.interpolate(x, size=(7, 5), mode="bilinear", align_corners=True), F.interpolate(x[:, :, 0], scale_factor=3, mode="linear"), F.upsample(x, scale_factor=(2, 3), mode="nearest"))), [r(1, 2, 4, 6)]),
     ("unfold", lambda: Lambda(lambda x: (x.unfold(1, 3, 2), x.unfold(-1, 2, 1) * 2, x.unfold(0, 2, 3))), [r(5, 7, 4)]),
     ("scatter_one_hot", lambda: Lambda(lambda x, i: (x.scatter(1, i, -x), x.scatter(0, i[:2].remainder(4), 7.5), torch.zeros(4, 5).scatter_add(1, i, x), F.one_hot(i, 5), F.one_hot(i[0, 0], 5))), [r(4, 5), lambda g: torch.stack([torch.randperm(5, generator=g) for _ in range(4)])]),
+    ("index_add_accumulate", lambda: Lambda(lambda x, s: (x.index_add(1, torch.tensor([0, 2, 2, 4]), s, alpha=0.5), x.index_put((torch.tensor([3, 0, 3]),), s[0, :3].reshape(3, 1), accumulate=True))), [r(4, 5), r(4, 4)]),
     ("sort", lambda: Lambda(lambda x: (*torch.sort(x), *torch.sort(x, dim=0, descending=True), torch.argsort(x, dim=1, descending=True))), [r(5, 6)]),
     ("flip_prelu_pixel_shuffle", lambda: Lambda(lambda x, w: (torch.flip(x, (1, 3)), F.prelu(x, w), F.pixel_shuffle(x, 2), F.pixel_unshuffle(x, 2))), [r(1, 4, 4, 6), r(4)]),
 ]

@@ -1815,3 +1815,47 @@ fn scatter_and_one_hot_compare_positions_with_the_index() {
     assert_eq!(e.kind(), ErrorKind::Unsupported);
     assert!(e.to_string().contains("[1, 3] into [2, 5]"), "{e}");
 }
+
+#[test]
+fn index_add_and_accumulating_index_put_sum_rows_by_a_matmul() {
+    let nodes = vec![
+        hnode(
+            "index_add.default",
+            "a",
+            &[
+                ("self", t("x")),
+                ("dim", int(1)),
+                ("index", t("i")),
+                ("source", t("s")),
+                ("alpha", float(2.0)),
+            ],
+            &["a"],
+        ),
+        hnode(
+            "index_put.default",
+            "p",
+            &[
+                ("self", t("x")),
+                ("indices", handmade::ts(&["i"])),
+                ("values", t("v")),
+                ("accumulate", boolean(true)),
+            ],
+            &["p"],
+        ),
+    ];
+    let g = import(&program(
+        &[
+            ("x", F32, &[4, 5]),
+            ("i", I64, &[3]),
+            ("s", F32, &[4, 3]),
+            ("v", F32, &[5]),
+        ],
+        nodes,
+        &["a", "p"],
+        &[],
+    ));
+    assert_eq!(out_shape(&g, 0).1, [4, 5]);
+    assert_eq!(node(&g, "a").op, Op::Binary(BinaryOp::Add));
+    assert_eq!(node(&g, "p").op, Op::Binary(BinaryOp::Add));
+    assert_eq!(ops(&g).iter().filter(|o| *o == "mat_mul").count(), 2);
+}

@@ -1342,10 +1342,14 @@ impl<'m> Lowerer<'m> {
                 let source = self.t(c, "source")?;
                 self.scatter_rows(c, x, dim, index, source)
             }
+            ("index_add", "default") => {
+                let x = self.t(c, "self")?;
+                let dim = self.dim(c, "dim", 0, self.rank(x))?;
+                let index = self.t(c, "index")?;
+                let source = self.t(c, "source")?;
+                self.add_rows(c, (x, dim), index, source, a.scalar("alpha")?)
+            }
             ("index_put", "default") => {
-                if a.bool("accumulate", false)? {
-                    return Err(Error::unsupported("index_put with accumulate=True"));
-                }
                 let x = self.t(c, "self")?;
                 let shape = self.shape(x);
                 let names = a.tensor_names("indices")?;
@@ -1386,6 +1390,9 @@ impl<'m> Lowerer<'m> {
                 } else {
                     self.broadcast_to(c, values, &rows_shape, self.dtype(x))?
                 };
+                if a.bool("accumulate", false)? {
+                    return self.add_rows(c, (x, dim), index, values, None);
+                }
                 self.scatter_rows(c, x, dim, index, values)
             }
             ("index_select", "default") => {

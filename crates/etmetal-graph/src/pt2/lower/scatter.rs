@@ -106,6 +106,74 @@ impl Lowerer<'_> {
         self.finish(c, Op::Where, vec![Some(named), Some(placed), Some(x)])
     }
 
+    /// `x` plus, at row `index[m]` of `dim`, row `m` of `rows` times
+    /// `alpha` (`index_add`, `index_put(accumulate=True)`): repeated
+    /// indices add up. The sums are a matmul of the transposed one-hot
+    /// `[n, k]` with the rows flattened to `[k, rest]`.
+    pub(super) fn add_rows(
+        &mut self,
+        c: &Ctx,
+        (x, dim): (ValueId, usize),
+        index: ValueId,
+        rows: ValueId,
+        alpha: Option<Scalar>,
+    ) -> Result<()> {
+        let shape = self.shape(x);
+        let n = shape[dim];
+        let k: usize = self.shape(index).iter().product();
+        let rshape = self.shape(rows);
+        if self.rank(index) > 1 || rshape.len() != shape.len() || rshape[dim] != k {
+            return Err(Error::shape(format!(
+                "index {:?} and source {rshape:?} for dim {dim} of {shape:?}",
+                self.shape(index)
+            )));
+        }
+        let index = self.emit1(c, Op::Reshape { shape: vec![k] }, vec![Some(index)])?;
+        let dtype = self.dtype(x);
+        let hits = self.one_hot_at(c, index, 0, n)?;
+        let hits = self.cast_to(c, hits, dtype)?;
+        let hits_t = self.emit1(c, Op::Permute { dims: vec![1, 0] }, vec![Some(hits)])?;
+        let order: Vec<usize> = std::iter::once(dim)
+            .chain((0..shape.len()).filter(|&d| d != dim))
+            .collect();
+        let rows = self.cast_to(c, rows, dtype)?;
+        let front = self.emit1(
+            c,
+            Op::Permute {
+                dims: order.clone(),
+            },
+            vec![Some(rows)],
+        )?;
+        let rest: usize = shape
+            .iter()
+            .enumerate()
+            .filter(|&(d, _)| d != dim)
+            .map(|(_, &s)| s)
+            .product();
+        let flat = self.emit1(
+            c,
+            Op::Reshape {
+                shape: vec![k, rest],
+            },
+            vec![Some(front)],
+        )?;
+        let sums = self.emit1(c, Op::MatMul, vec![Some(hits_t), Some(flat)])?;
+        let unflat: Vec<usize> = order
+            .iter()
+            .map(|&d| if d == dim { n } else { shape[d] })
+            .collect();
+        let sums = self.emit1(c, Op::Reshape { shape: unflat }, vec![Some(sums)])?;
+        let back: Vec<usize> = (0..shape.len())
+            .map(|d| order.iter().position(|&o| o == d).expect("a dim"))
+            .collect();
+        let mut sums = self.emit1(c, Op::Permute { dims: back }, vec![Some(sums)])?;
+        if let Some(a) = alpha.filter(|a| a.to_f64() != 1.0) {
+            let a = self.constant(c, "alpha", a, dtype)?;
+            sums = self.emit1(c, Op::Binary(BinaryOp::Mul), vec![Some(sums), Some(a)])?;
+        }
+        self.finish(c, Op::Binary(BinaryOp::Add), vec![Some(x), Some(sums)])
+    }
+
     /// `one_hot(x, num_classes)`: `x[..., None] == arange(num_classes)` as int64.
     pub(super) fn one_hot(&mut self, c: &Ctx) -> Result<()> {
         let x = self.t(c, "self")?;
