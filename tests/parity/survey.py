@@ -169,6 +169,12 @@ T5_BLOCKED = (
 )
 
 
+MOBILEBERT_BLOCKED = (
+    "the GPU's constant_pad_nd kernel fills the rows padded after a middle dim with a wrong "
+    "value (F.pad(x, [0, 0, 0, 1]) of the trigram embedding); the CPU path matches eager"
+)
+
+
 def transformers_entries() -> list[Entry]:
     enc = dict(SMALL, type_vocab_size=2)
     e = [
@@ -194,6 +200,23 @@ def transformers_entries() -> list[Entry]:
         ("gemma3_text", "Gemma3ForCausalLM", "Gemma3TextConfig", {"sliding_window": 8}),
     ]:
         e.append(Entry(f"hf_{name}", hf(cls, config, **DECODER, **extra), tokens()))
+    more = [
+        ("bloom", "BloomForCausalLM", "BloomConfig", dict(vocab_size=128, hidden_size=32, n_layer=2, n_head=4, use_cache=False)),
+        ("falcon", "FalconForCausalLM", "FalconConfig", dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, use_cache=False)),
+        ("gptj", "GPTJForCausalLM", "GPTJConfig", dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64, use_cache=False)),
+        ("starcoder2", "Starcoder2ForCausalLM", "Starcoder2Config", dict(SMALL, num_key_value_heads=2, use_cache=False)),
+        ("xlm_roberta", "XLMRobertaModel", "XLMRobertaConfig", dict(SMALL)),
+    ]
+    for name, cls, config, kw in more:
+        e.append(Entry(f"hf_{name}", hf(cls, config, **kw), tokens()))
+    e.append(
+        Entry(
+            "hf_mobilebert",
+            hf("MobileBertModel", "MobileBertConfig", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, embedding_size=16, intra_bottleneck_size=16, max_position_embeddings=64),
+            tokens(),
+            blocked=MOBILEBERT_BLOCKED,
+        )
+    )
     # position_ids instead of a mask: transformers looks for packed sequences (`diff`)
     e.append(
         Entry(
@@ -233,11 +256,36 @@ def transformers_entries() -> list[Entry]:
             hf("SwinModel", "SwinConfig", keys=PIXELS, image_size=64, patch_size=4, embed_dim=16, depths=[1, 2], num_heads=[2, 4], window_size=4),
             image(64),
         ),
+        Entry("hf_dinov2", hf("Dinov2Model", "Dinov2Config", keys=PIXELS, **vision), image(32)),
+        Entry("hf_clip_vision", hf("CLIPVisionModel", "CLIPVisionConfig", keys=PIXELS, **vision), image(32)),
+        Entry(
+            "hf_segformer",
+            hf("SegformerForSemanticSegmentation", "SegformerConfig", keys=PIXELS, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 4, 8], decoder_hidden_size=32, num_labels=3),
+            image(64),
+        ),
         Entry(
             "hf_wav2vec2",
             hf(
                 "Wav2Vec2Model",
                 "Wav2Vec2Config",
+                keys=("input_values",),
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                conv_dim=(16, 16, 16),
+                conv_stride=(5, 2, 2),
+                conv_kernel=(10, 3, 3),
+                num_conv_pos_embeddings=16,
+                num_conv_pos_embedding_groups=4,
+            ),
+            lambda g: (torch.randn(1, 1600, generator=g),),
+        ),
+        Entry(
+            "hf_hubert",
+            hf(
+                "HubertModel",
+                "HubertConfig",
                 keys=("input_values",),
                 hidden_size=32,
                 num_hidden_layers=2,

@@ -1038,11 +1038,12 @@ fn expand_as_swapaxes_movedim_and_alias_are_layout_ops() {
             &["m"],
         ),
         hnode("alias.default", "al", &[("self", t("y"))], &["al"]),
+        hnode("numpy_T.default", "tt", &[("self", t("y"))], &["tt"]),
     ];
     let g = import(&program(
         &[("x", F32, &[3, 1]), ("y", F32, &[2, 3, 4])],
         nodes,
-        &["e", "s", "w", "m", "al"],
+        &["e", "s", "w", "m", "al", "tt"],
         &[],
     ));
     assert_eq!(out_shape(&g, 0).1, [2, 3, 4]);
@@ -1066,6 +1067,7 @@ fn expand_as_swapaxes_movedim_and_alias_are_layout_ops() {
     );
     assert_eq!(out_shape(&g, 3).1, [3, 4, 2]);
     assert_eq!(node(&g, "al").op, Op::Identity);
+    assert_eq!(out_shape(&g, 5).1, [4, 3, 2], "x.T reverses every dim");
 }
 
 #[test]

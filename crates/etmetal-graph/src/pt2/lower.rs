@@ -662,6 +662,12 @@ impl<'m> Lowerer<'m> {
             ("as_strided" | "as_strided_copy", "default") => self.as_strided(c),
             ("movedim", "int" | "intlist") => self.movedim(c),
             ("unfold", "default") => self.unfold(c),
+            ("numpy_T", "default") => {
+                // `x.T`: every dim reversed
+                let x = self.t(c, "self")?;
+                let dims = (0..self.rank(x)).rev().collect();
+                self.finish(c, Op::Permute { dims }, vec![Some(x)])
+            }
             ("scatter", "src" | "value") => self.scatter(c, false),
             ("scatter_add", "default") => self.scatter(c, true),
             ("one_hot", "default") => self.one_hot(c),
