@@ -30,6 +30,7 @@ FAST = {
     "tv_squeezenet1_1",
     "hf_bert",
     "hf_llama",
+    "hf_llama_position_ids",
     "hf_gemma3_text",
     "hf_gpt2",
     "hf_t5_encoder",
@@ -43,7 +44,8 @@ class Entry:
     name: str
     make: Callable[[], torch.nn.Module]
     inputs: Callable[[torch.Generator], tuple]
-    # why nodes may stay on the cpu (None: the GPU must take every node)
+    # why nodes may stay on the cpu: words every cpu node's reason holds
+    # (None: the GPU must take every node)
     cpu_reason: str | None = None
     # why the model cannot work at all (then the test asserts it still fails)
     blocked: str | None = None
@@ -74,6 +76,16 @@ TV_KWARGS = {
 TV_SIZE.update({k: v["image_size"] for k, v in TV_KWARGS.items() if "image_size" in v})
 
 
+# The GPU's constant_pad_nd kernel fills what it pads after a middle dim with a
+# wrong value (F.pad(x, [0, 0, 0, 1]) gives a row of nonzeros); the CPU path
+# matches eager, and so does the GPU with `--skip-op constant_pad`.
+PAD_BLOCKED = "the GPU's constant_pad_nd kernel gets padding after a middle dim wrong (the CPU path matches eager)"
+
+# AlexNet's and VGG's first classifier weights (151 and 411 MB) exceed the
+# 128 MiB a GPU buffer binding may hold (wgpu's default limit, lavapipe's too)
+BIG_WEIGHT = "byte buffer limit"
+
+
 def torchvision_entries() -> list[Entry]:
     import torchvision.models as m
 
@@ -84,7 +96,10 @@ def torchvision_entries() -> list[Entry]:
         def make(name=name, kwargs=kwargs):
             return m.get_model(name, weights=None, **kwargs)
 
-        out.append(Entry(f"tv_{name}", make, image(TV_SIZE.get(name, 64))))
+        big = name == "alexnet" or name.startswith("vgg")
+        # Swin pads its windows along H and W
+        blocked = PAD_BLOCKED if name.startswith("swin") else None
+        out.append(Entry(f"tv_{name}", make, image(TV_SIZE.get(name, 64)), cpu_reason=BIG_WEIGHT if big else None, blocked=blocked))
     return out
 
 
@@ -161,6 +176,8 @@ T5_BLOCKED = (
 )
 
 
+
+
 def transformers_entries() -> list[Entry]:
     enc = dict(SMALL, type_vocab_size=2)
     e = [
@@ -186,6 +203,31 @@ def transformers_entries() -> list[Entry]:
         ("gemma3_text", "Gemma3ForCausalLM", "Gemma3TextConfig", {"sliding_window": 8}),
     ]:
         e.append(Entry(f"hf_{name}", hf(cls, config, **DECODER, **extra), tokens()))
+    more = [
+        ("bloom", "BloomForCausalLM", "BloomConfig", dict(vocab_size=128, hidden_size=32, n_layer=2, n_head=4, use_cache=False)),
+        ("falcon", "FalconForCausalLM", "FalconConfig", dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, use_cache=False)),
+        ("gptj", "GPTJForCausalLM", "GPTJConfig", dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64, use_cache=False)),
+        ("starcoder2", "Starcoder2ForCausalLM", "Starcoder2Config", dict(SMALL, num_key_value_heads=2, use_cache=False)),
+        ("xlm_roberta", "XLMRobertaModel", "XLMRobertaConfig", dict(SMALL)),
+    ]
+    for name, cls, config, kw in more:
+        e.append(Entry(f"hf_{name}", hf(cls, config, **kw), tokens()))
+    e.append(
+        Entry(
+            "hf_mobilebert",
+            hf("MobileBertModel", "MobileBertConfig", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, embedding_size=16, intra_bottleneck_size=16, max_position_embeddings=64),
+            tokens(),
+            blocked=PAD_BLOCKED,
+        )
+    )
+    # position_ids instead of a mask: transformers looks for packed sequences (`diff`)
+    e.append(
+        Entry(
+            "hf_llama_position_ids",
+            hf("LlamaForCausalLM", "LlamaConfig", keys=("input_ids", "position_ids"), **DECODER),
+            lambda g: (torch.randint(0, 128, (1, 12), generator=g), torch.arange(12)[None]),
+        )
+    )
     e += [
         Entry(
             "hf_gpt2",
@@ -217,11 +259,36 @@ def transformers_entries() -> list[Entry]:
             hf("SwinModel", "SwinConfig", keys=PIXELS, image_size=64, patch_size=4, embed_dim=16, depths=[1, 2], num_heads=[2, 4], window_size=4),
             image(64),
         ),
+        Entry("hf_dinov2", hf("Dinov2Model", "Dinov2Config", keys=PIXELS, **vision), image(32)),
+        Entry("hf_clip_vision", hf("CLIPVisionModel", "CLIPVisionConfig", keys=PIXELS, **vision), image(32)),
+        Entry(
+            "hf_segformer",
+            hf("SegformerForSemanticSegmentation", "SegformerConfig", keys=PIXELS, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 4, 8], decoder_hidden_size=32, num_labels=3),
+            image(64),
+        ),
         Entry(
             "hf_wav2vec2",
             hf(
                 "Wav2Vec2Model",
                 "Wav2Vec2Config",
+                keys=("input_values",),
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                conv_dim=(16, 16, 16),
+                conv_stride=(5, 2, 2),
+                conv_kernel=(10, 3, 3),
+                num_conv_pos_embeddings=16,
+                num_conv_pos_embedding_groups=4,
+            ),
+            lambda g: (torch.randn(1, 1600, generator=g),),
+        ),
+        Entry(
+            "hf_hubert",
+            hf(
+                "HubertModel",
+                "HubertConfig",
                 keys=("input_values",),
                 hidden_size=32,
                 num_hidden_layers=2,
@@ -364,9 +431,10 @@ class Outcome:
         return f"| {name} | {self.stage} | {share} | {self.kernels} | {err} | {cpu} | {why} |"
 
 
-def check(entry: Entry, binary: Path, work: Path, timeout: int = 900) -> Outcome:
+def check(entry: Entry, binary: Path, work: Path, timeout: int = 900, run: bool = True) -> Outcome:
     """Export `entry`, compile it with `--backend metal`, run it on this
-    machine's adapter and compare with eager."""
+    machine's adapter and compare with eager (`run=False`: stop after the
+    compile, at stage "compiled")."""
     work.mkdir(parents=True, exist_ok=True)
     try:
         module, inputs = instantiate(entry)
@@ -388,7 +456,9 @@ def check(entry: Entry, binary: Path, work: Path, timeout: int = 900) -> Outcome
     m = SUMMARY.search(p.stdout)
     parts, nodes, kernels, cpu = (int(x) for x in m.groups()) if m else (0, 0, 0, 0)
     reasons = [f"{op}: {why}" for op, why in CPU_NODE.findall(p.stdout)]
-    out = Outcome("run", "", parts, nodes, kernels, cpu, reasons)
+    out = Outcome("run" if run else "compiled", "", parts, nodes, kernels, cpu, reasons)
+    if not run:
+        return out
     paths = []
     for i, t in enumerate(inputs):
         np.save(work / f"input_{i}.npy", t.numpy())
@@ -419,21 +489,24 @@ def main():
     ap.add_argument("--targets", action="store_true", help="print each model's ATen targets")
     ap.add_argument("--table", action="store_true", help="compile and run each model with --bin, print the survey table")
     ap.add_argument("--bin", type=Path, default=None, help="the etmetal binary (default: the release build)")
-    ap.add_argument("-k", default="", help="only models whose name contains this")
+    ap.add_argument("--compile-only", action="store_true", help="with --table: stop after the compile")
+    ap.add_argument("-k", default="", help="only models whose name contains this (comma: any of several)")
     args = ap.parse_args()
     if args.table:
         from runner import default_binary
 
         binary = args.bin or default_binary()
+        if not binary.is_file():
+            sys.exit(f"no etmetal binary at {binary}: build it (cargo build --release -p etmetal) or pass --bin")
         print("| model | stage | delegated | kernels | rel err | on cpu (why) | error |")
         print("|---|---|---|---|---|---|---|")
         counts = Counter()
         with tempfile.TemporaryDirectory() as tmp:
             for e in entries():
-                if args.k not in e.name:
+                if not any(k in e.name for k in args.k.split(",")):
                     continue
                 try:
-                    o = check(e, binary, Path(tmp) / e.name)
+                    o = check(e, binary, Path(tmp) / e.name, run=not args.compile_only)
                 except subprocess.TimeoutExpired as ex:
                     o = Outcome("run", f"timed out after {ex.timeout}s")
                 counts[o.stage] += 1

@@ -76,6 +76,16 @@ class StridedViews(nn.Module):
         return q * k, x.as_strided((4, 4), (1, 4))
 
 
+class StridedWrite(nn.Module):
+    """In-place writes through non-overlapping strided views reach the base."""
+
+    def forward(self, x):
+        y = x.clone()
+        y.as_strided((2, 3), (8, 2), 1).mul_(3)
+        y.as_strided((2,), (5,), 4).zero_()
+        return y * 2
+
+
 def r(*shape):
     return lambda g: torch.randn(*shape, generator=g)
 
@@ -99,9 +109,15 @@ CASES = [
     ("weight_norm", WeightNormConv, [r(1, 4, 10)]),
     ("fills", Fills, [r(2, 3), r(2, 3)]),
     ("as_strided", StridedViews, [r(32)]),
+    ("as_strided_write", StridedWrite, [r(4, 4)]),
     ("activations", lambda: Lambda(lambda x: (F.softplus(x, 2.0, 3.0), F.mish(x), F.logsigmoid(x), F.elu(x, 0.7), F.selu(x), F.celu(x, 1.3), torch.expm1(x), torch.log1p(x.abs()), F.hardshrink(x, 0.3), F.softshrink(x, 0.3), F.threshold(x, 0.1, -2.0), F.glu(x, 1), torch.trunc(x * 3), torch.frac(x * 3))), [r(3, 8)]),
     ("reductions_and_products", lambda: Lambda(lambda x, y: (torch.logsumexp(x, 1), torch.logsumexp(x, (0, 1), keepdim=True), torch.addcmul(x, x, y, value=0.5), torch.addcdiv(x, x, y.abs() + 1, value=-2), torch.baddbmm(x.unsqueeze(0), x.unsqueeze(0), y.unsqueeze(0).mT, beta=0.5, alpha=2.0), torch.outer(x[0], y[1]), x.mT @ y, torch.lerp(x, y, 0.3))), [r(4, 4), r(4, 4)]),
     ("nan_inf", lambda: Lambda(lambda x: (torch.isnan(x / x), torch.isinf(1 / x), torch.isfinite(1 / x), torch.nan_to_num(torch.log(x)), torch.nan_to_num(1 / x, nan=1.0, posinf=2.0, neginf=-3.0))), [lambda g: torch.tensor([[0.0, -1.0, 2.0], [float("inf"), -float("inf"), 0.5]])]),
+    ("upsample", lambda: Lambda(lambda x: (F.interpolate(x, scale_factor=2), F.interpolate(x, size=(5, 7)), F.interpolate(x, size=(3, 10), mode="nearest-exact"), F.interpolate(x, scale_factor=1.5, mode="bilinear"), F.interpolate(x, size=(7, 5), mode="bilinear", align_corners=True), F.interpolate(x[:, :, 0], scale_factor=3, mode="linear"), F.upsample(x, scale_factor=(2, 3), mode="nearest"))), [r(1, 2, 4, 6)]),
+    ("unfold", lambda: Lambda(lambda x: (x.unfold(1, 3, 2), x.unfold(-1, 2, 1) * 2, x.unfold(0, 2, 3))), [r(5, 7, 4)]),
+    ("scatter_one_hot", lambda: Lambda(lambda x, i: (x.scatter(1, i, -x), x.scatter(0, i[:2].remainder(4), 7.5), torch.zeros(4, 5).scatter_add(1, i, x), F.one_hot(i, 5), F.one_hot(i[0, 0], 5))), [r(4, 5), lambda g: torch.stack([torch.randperm(5, generator=g) for _ in range(4)])]),
+    ("index_add_accumulate", lambda: Lambda(lambda x, s: (x.index_add(1, torch.tensor([0, 2, 2, 4]), s, alpha=0.5), x.index_put((torch.tensor([3, 0, 3]),), s[0, :3].reshape(3, 1), accumulate=True))), [r(4, 5), r(4, 4)]),
+    ("sort", lambda: Lambda(lambda x: (*torch.sort(x), *torch.sort(x, dim=0, descending=True), torch.argsort(x, dim=1, descending=True))), [r(5, 6)]),
     ("flip_prelu_pixel_shuffle", lambda: Lambda(lambda x, w: (torch.flip(x, (1, 3)), F.prelu(x, w), F.pixel_shuffle(x, 2), F.pixel_unshuffle(x, 2))), [r(1, 4, 4, 6), r(4)]),
 ]
 

@@ -3,7 +3,7 @@ architectures from small configs and timm models, exported as users do,
 compiled with `--backend metal`, run on this machine's adapter (Mesa's
 software Vulkan in CI) and compared with eager in f32 (max abs err <= 1e-4 x
 max |eager|). Each must run delegated to the GPU, with no node on the CPU
-unless its entry states why; a model that cannot work states its reason
+unless its entry states why (then every CPU node's reason must say so); a model that cannot work states its reason
 (`blocked`) and must still fail.
 
 CI runs the fast subset (`survey.FAST`); the whole survey:
@@ -34,6 +34,9 @@ def test_survey(entry, etmetal_gpu, tmp_path):
     assert out.partitions > 0 and out.ran_on_gpu, f"nothing ran on a GPU\n{row}"
     if entry.cpu_reason is None:
         assert out.cpu == 0, f"nodes left on the cpu: {out.cpu_reasons}\n{row}"
+    else:
+        other = [r for r in out.cpu_reasons if entry.cpu_reason not in r]
+        assert not other, f"cpu nodes for other reasons than `{entry.cpu_reason}`: {other}\n{row}"
 
 
 def test_fast_subset_names_real_entries():

@@ -985,6 +985,27 @@ fn device_moves_and_dtype_conversions_are_copies_or_casts() {
     assert_eq!(ops(&g), ["identity", "cast", "identity", "cast"]);
     assert_eq!(out_shape(&g, 1), (DType::I64, vec![2, 3]));
     assert_eq!(out_shape(&g, 3), (DType::F32, vec![2, 3]));
+
+    // a strided layout (7) is what etmetal has; a sparse one is refused
+    let layout = |code: i64| {
+        vec![hnode(
+            "to.dtype_layout",
+            "l",
+            &[
+                ("self", t("x")),
+                ("dtype", dtype(F32)),
+                ("layout", serde_json::json!({"as_layout": code})),
+            ],
+            &["l"],
+        )]
+    };
+    import(&program(&[("x", F32, &[2, 3])], layout(7), &["l"], &[]));
+    let e = err(&program(&[("x", F32, &[2, 3])], layout(1), &["l"], &[]));
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(
+        e.to_string().contains("node `l`") && e.to_string().contains("layout 1"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -1019,11 +1040,12 @@ fn expand_as_swapaxes_movedim_and_alias_are_layout_ops() {
             &["m"],
         ),
         hnode("alias.default", "al", &[("self", t("y"))], &["al"]),
+        hnode("numpy_T.default", "tt", &[("self", t("y"))], &["tt"]),
     ];
     let g = import(&program(
         &[("x", F32, &[3, 1]), ("y", F32, &[2, 3, 4])],
         nodes,
-        &["e", "s", "w", "m", "al"],
+        &["e", "s", "w", "m", "al", "tt"],
         &[],
     ));
     assert_eq!(out_shape(&g, 0).1, [2, 3, 4]);
@@ -1047,6 +1069,7 @@ fn expand_as_swapaxes_movedim_and_alias_are_layout_ops() {
     );
     assert_eq!(out_shape(&g, 3).1, [3, 4, 2]);
     assert_eq!(node(&g, "al").op, Op::Identity);
+    assert_eq!(out_shape(&g, 5).1, [4, 3, 2], "x.T reverses every dim");
 }
 
 #[test]
@@ -1505,4 +1528,334 @@ fn as_strided_gathers_the_flattened_tensor() {
         e.to_string().contains("node `v`") && e.to_string().contains(".contiguous()"),
         "{e}"
     );
+}
+
+#[test]
+fn writes_through_as_strided_views_reach_their_base_unless_strides_overlap() {
+    // y = x.as_strided((2, 2), (4, 1), 1); y.zero_(); return x * 1
+    let write = |stride: &[i64]| {
+        vec![
+            hnode(
+                "as_strided.default",
+                "v",
+                &[
+                    ("self", t("x")),
+                    ("size", ints(&[2, 2])),
+                    ("stride", ints(stride)),
+                    ("storage_offset", int(1)),
+                ],
+                &["v"],
+            ),
+            hnode("zero_.default", "z", &[("self", t("v"))], &["z"]),
+            hnode(
+                "mul.Tensor",
+                "m",
+                &[("self", t("x")), ("other", float(1.0))],
+                &["m"],
+            ),
+        ]
+    };
+    let g = import(&program(
+        &[("x", F32, &[3, 4])],
+        write(&[4, 1]),
+        &["m"],
+        &[],
+    ));
+    // the mul reads the scattered base, which is also the input's new value
+    let m = node(&g, "m");
+    let scattered = m.inputs[0].unwrap();
+    assert_ne!(scattered, g.inputs[0].0);
+    assert_eq!(g.value(scattered).shape, [3, 4]);
+    let hit = g
+        .nodes
+        .iter()
+        .find(|n| n.op == Op::Where && n.name.starts_with("z"))
+        .map(|n| const_of(&g, n, 0).to_i64_vec())
+        .expect("a where placing the view's elements");
+    let want: Vec<i64> = (0..12).map(|i| [1, 2, 5, 6].contains(&i) as i64).collect();
+    assert_eq!(hit, want);
+    assert!(g
+        .outputs
+        .iter()
+        .any(|(v, k)| *v == scattered && matches!(k, OutputKind::UserInputMutation { .. })));
+
+    // (2, 2) with strides (1, 1) reads element 2 twice: a write there is ambiguous
+    let e = err(&program(
+        &[("x", F32, &[3, 4])],
+        write(&[1, 1]),
+        &["m"],
+        &[],
+    ));
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(e.to_string().contains("whose strides overlap"), "{e}");
+}
+
+#[test]
+fn upsampling_gathers_source_rows_by_tables_made_at_import() {
+    let floats = |v: &[f64]| serde_json::json!({ "as_floats": v });
+    let nodes = vec![
+        hnode(
+            "upsample_nearest2d.vec",
+            "n",
+            &[("input", t("x")), ("scale_factors", floats(&[2.0, 2.0]))],
+            &["n"],
+        ),
+        hnode(
+            "upsample_bilinear2d.vec",
+            "b",
+            &[
+                ("input", t("x")),
+                ("output_size", ints(&[3, 5])),
+                ("align_corners", boolean(true)),
+            ],
+            &["b"],
+        ),
+    ];
+    let g = import(&program(
+        &[("x", F32, &[1, 1, 2, 3])],
+        nodes,
+        &["n", "b"],
+        &[],
+    ));
+    assert_eq!(out_shape(&g, 0).1, [1, 1, 4, 6]);
+    assert_eq!(out_shape(&g, 1).1, [1, 1, 3, 5]);
+    let rows = const_of(&g, node(&g, "n.0"), 1).to_i64_vec();
+    assert_eq!(rows, [0, 0, 1, 1]);
+    // align_corners: output rows 0 and 2 of 3 are input rows 0 and 1, row 1
+    // sits halfway (weights of the lower and the upper neighbour)
+    let weights: Vec<Vec<f32>> = g
+        .nodes
+        .iter()
+        .filter(|n| n.name.starts_with("b.") && n.op == Op::Binary(BinaryOp::Mul))
+        .map(|n| const_of(&g, n, 1).to_f32_vec())
+        .collect();
+    assert_eq!(weights[..2], [vec![1.0, 0.5, 1.0], vec![0.0, 0.5, 0.0]]);
+}
+
+#[test]
+fn sort_and_argsort_are_a_top_k_of_every_element() {
+    let nodes = vec![
+        hnode(
+            "sort.default",
+            "s",
+            &[
+                ("self", t("x")),
+                ("dim", int(0)),
+                ("descending", boolean(true)),
+            ],
+            &["v", "i"],
+        ),
+        hnode("argsort.default", "a", &[("self", t("x"))], &["a"]),
+    ];
+    let g = import(&program(
+        &[("x", F32, &[4, 3])],
+        nodes,
+        &["v", "i", "a"],
+        &[],
+    ));
+    assert_eq!(
+        node(&g, "s").op,
+        Op::TopK {
+            k: 4,
+            dim: 0,
+            largest: true,
+            sorted: true
+        }
+    );
+    assert_eq!(
+        node(&g, "a").op,
+        Op::TopK {
+            k: 3,
+            dim: 1,
+            largest: false,
+            sorted: true
+        }
+    );
+    assert_eq!(out_shape(&g, 1), (DType::I64, vec![4, 3]));
+    assert_eq!(out_shape(&g, 2), (DType::I64, vec![4, 3]));
+}
+
+#[test]
+fn constants_made_by_one_node_have_distinct_names() {
+    // a fill through a slice of a slice (Swin's attention-mask build) makes
+    // two scatters, each with its tables; weights are keyed by name
+    let nodes = vec![
+        hnode(
+            "slice.Tensor",
+            "s1",
+            &[
+                ("self", t("x")),
+                ("dim", int(0)),
+                ("start", int(1)),
+                ("end", int(3)),
+            ],
+            &["s1"],
+        ),
+        hnode(
+            "slice.Tensor",
+            "s2",
+            &[
+                ("self", t("s1")),
+                ("dim", int(1)),
+                ("start", int(0)),
+                ("end", int(2)),
+            ],
+            &["s2"],
+        ),
+        hnode(
+            "fill_.Scalar",
+            "f",
+            &[("self", t("s2")), ("value", float(1.0))],
+            &["f"],
+        ),
+        hnode(
+            "mul.Tensor",
+            "m",
+            &[("self", t("x")), ("other", float(2.0))],
+            &["m"],
+        ),
+    ];
+    let g = import(&program(&[("x", F32, &[4, 4])], nodes, &["m"], &[]));
+    let names: Vec<&str> = g
+        .constants
+        .keys()
+        .map(|&v| g.value(v).name.as_str())
+        .collect();
+    let unique: std::collections::HashSet<&&str> = names.iter().collect();
+    assert!(names.len() >= 4, "{names:?}");
+    assert_eq!(unique.len(), names.len(), "{names:?}");
+}
+
+#[test]
+fn unfold_gathers_windows_and_moves_the_window_dim_last() {
+    let nodes = vec![hnode(
+        "unfold.default",
+        "u",
+        &[
+            ("self", t("x")),
+            ("dimension", int(1)),
+            ("size", int(3)),
+            ("step", int(2)),
+        ],
+        &["u"],
+    )];
+    let g = import(&program(&[("x", F32, &[2, 7, 4])], nodes, &["u"], &[]));
+    // windows at 0, 2, 4 of 7
+    assert_eq!(out_shape(&g, 0).1, [2, 3, 4, 3]);
+    let table = const_of(&g, node(&g, "u.0"), 1).to_i64_vec();
+    assert_eq!(table, [0, 1, 2, 2, 3, 4, 4, 5, 6]);
+    assert_eq!(
+        node(&g, "u").op,
+        Op::Permute {
+            dims: vec![0, 1, 3, 2]
+        }
+    );
+}
+
+#[test]
+fn scatter_and_one_hot_compare_positions_with_the_index() {
+    let nodes = vec![
+        hnode(
+            "scatter.value",
+            "s",
+            &[
+                ("self", t("x")),
+                ("dim", int(1)),
+                ("index", t("i")),
+                ("value", float(1.5)),
+            ],
+            &["s"],
+        ),
+        hnode(
+            "scatter_add.default",
+            "a",
+            &[
+                ("self", t("x")),
+                ("dim", int(1)),
+                ("index", t("i")),
+                ("src", t("x")),
+            ],
+            &["a"],
+        ),
+        hnode(
+            "one_hot.default",
+            "h",
+            &[("self", t("i")), ("num_classes", int(6))],
+            &["h"],
+        ),
+    ];
+    let g = import(&program(
+        &[("x", F32, &[2, 5]), ("i", I64, &[2, 3])],
+        nodes,
+        &["s", "a", "h"],
+        &[],
+    ));
+    assert_eq!(out_shape(&g, 0), (DType::F32, vec![2, 5]));
+    assert_eq!(node(&g, "s").op, Op::Where);
+    assert_eq!(node(&g, "a").op, Op::Binary(BinaryOp::Add));
+    assert_eq!(out_shape(&g, 2), (DType::I64, vec![2, 3, 6]));
+    // an index narrower than self in another dim is refused, naming both shapes
+    let bad = vec![hnode(
+        "scatter.value",
+        "s",
+        &[
+            ("self", t("x")),
+            ("dim", int(1)),
+            ("index", t("i")),
+            ("value", float(1.5)),
+        ],
+        &["s"],
+    )];
+    let e = err(&program(
+        &[("x", F32, &[2, 5]), ("i", I64, &[1, 3])],
+        bad,
+        &["s"],
+        &[],
+    ));
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(e.to_string().contains("[1, 3] into [2, 5]"), "{e}");
+}
+
+#[test]
+fn index_add_and_accumulating_index_put_sum_rows_by_a_matmul() {
+    let nodes = vec![
+        hnode(
+            "index_add.default",
+            "a",
+            &[
+                ("self", t("x")),
+                ("dim", int(1)),
+                ("index", t("i")),
+                ("source", t("s")),
+                ("alpha", float(2.0)),
+            ],
+            &["a"],
+        ),
+        hnode(
+            "index_put.default",
+            "p",
+            &[
+                ("self", t("x")),
+                ("indices", handmade::ts(&["i"])),
+                ("values", t("v")),
+                ("accumulate", boolean(true)),
+            ],
+            &["p"],
+        ),
+    ];
+    let g = import(&program(
+        &[
+            ("x", F32, &[4, 5]),
+            ("i", I64, &[3]),
+            ("s", F32, &[4, 3]),
+            ("v", F32, &[5]),
+        ],
+        nodes,
+        &["a", "p"],
+        &[],
+    ));
+    assert_eq!(out_shape(&g, 0).1, [4, 5]);
+    assert_eq!(node(&g, "a").op, Op::Binary(BinaryOp::Add));
+    assert_eq!(node(&g, "p").op, Op::Binary(BinaryOp::Add));
+    assert_eq!(ops(&g).iter().filter(|o| **o == "mat_mul").count(), 2);
 }

@@ -25,6 +25,8 @@ mod inplace;
 mod layout;
 mod linalg;
 mod quant;
+mod resize;
+mod scatter;
 pub(crate) use inplace::functional_target;
 
 /// What a source value name stands for.
@@ -253,10 +255,18 @@ impl<'m> Lowerer<'m> {
         Ok(dims)
     }
 
+    /// A constant made while lowering node `c`, named after it; the name
+    /// is unique (a node may make several of one kind, and names key the
+    /// weights of a compiled program).
+    fn add_table(&mut self, c: &Ctx, what: &str, t: Tensor) -> ValueId {
+        let name = format!("{}.{what}.{}", c.name, self.graph.values.len());
+        self.graph.add_constant(name, t)
+    }
+
     /// A 0-d constant for a Python scalar operand.
     fn constant(&mut self, c: &Ctx, what: &str, s: Scalar, dtype: DType) -> Result<ValueId> {
         let t = scalar_tensor(s, dtype, &[])?;
-        Ok(self.graph.add_constant(format!("{}.{what}", c.name), t))
+        Ok(self.add_table(c, what, t))
     }
 
     /// Add a node computing `op`; its outputs get inferred dtypes and shapes.
@@ -647,6 +657,16 @@ impl<'m> Lowerer<'m> {
             ("roll", "default") => self.roll(c),
             ("as_strided" | "as_strided_copy", "default") => self.as_strided(c),
             ("movedim", "int" | "intlist") => self.movedim(c),
+            ("unfold", "default") => self.unfold(c),
+            ("numpy_T", "default") => {
+                // `x.T`: every dim reversed
+                let x = self.t(c, "self")?;
+                let dims = (0..self.rank(x)).rev().collect();
+                self.finish(c, Op::Permute { dims }, vec![Some(x)])
+            }
+            ("scatter", "src" | "value") => self.scatter(c, false),
+            ("scatter_add", "default") => self.scatter(c, true),
+            ("one_hot", "default") => self.one_hot(c),
             ("einsum", "default") => self.einsum(c),
             ("linalg_vector_norm", "default") => self.vector_norm(c, "ord"),
             ("norm", "Scalar" | "ScalarOpt_dim" | "ScalarOpt_dim_dtype" | "ScalarOpt_dtype") => {
@@ -888,6 +908,24 @@ impl<'m> Lowerer<'m> {
                     sorted: a.bool("sorted", true)?,
                 };
                 self.finish(c, op, vec![Some(x)])
+            }
+            ("sort" | "argsort", "default" | "stable") => {
+                // a top-k of every element; ties may come in another order
+                // than PyTorch's (its unstable sort promises none)
+                let x = self.t(c, "self")?;
+                let (dim, k) = self.sized_dim(c, "dim", -1, &self.shape(x))?;
+                let op = Op::TopK {
+                    k,
+                    dim,
+                    largest: a.bool("descending", false)?,
+                    sorted: true,
+                };
+                let outs = self.emit(c, op, vec![Some(x)])?;
+                if name == "argsort" {
+                    return self.bind(c, 0, outs[1]);
+                }
+                self.bind(c, 0, outs[0])?;
+                self.bind(c, 1, outs[1])
             }
             ("layer_norm" | "native_layer_norm", "default") => {
                 let x = self.t(c, "input")?;
@@ -1306,10 +1344,14 @@ impl<'m> Lowerer<'m> {
                 let source = self.t(c, "source")?;
                 self.scatter_rows(c, x, dim, index, source)
             }
+            ("index_add", "default") => {
+                let x = self.t(c, "self")?;
+                let dim = self.dim(c, "dim", 0, self.rank(x))?;
+                let index = self.t(c, "index")?;
+                let source = self.t(c, "source")?;
+                self.add_rows(c, (x, dim), index, source, a.scalar("alpha")?)
+            }
             ("index_put", "default") => {
-                if a.bool("accumulate", false)? {
-                    return Err(Error::unsupported("index_put with accumulate=True"));
-                }
                 let x = self.t(c, "self")?;
                 let shape = self.shape(x);
                 let names = a.tensor_names("indices")?;
@@ -1350,6 +1392,9 @@ impl<'m> Lowerer<'m> {
                 } else {
                     self.broadcast_to(c, values, &rows_shape, self.dtype(x))?
                 };
+                if a.bool("accumulate", false)? {
+                    return self.add_rows(c, (x, dim), index, values, None);
+                }
                 self.scatter_rows(c, x, dim, index, values)
             }
             ("index_select", "default") => {
@@ -1491,6 +1536,7 @@ impl<'m> Lowerer<'m> {
                 )
             }
             _ if self.composite(c, name, overload)? => Ok(()),
+            _ if self.upsample(c, name, overload)? => Ok(()),
             _ => Err(unknown()),
         }
     }
@@ -1551,11 +1597,11 @@ impl<'m> Lowerer<'m> {
             .collect();
         let hit: Vec<i64> = hit.into_iter().map(i64::from).collect();
         let rows = Tensor::from_i64(DType::I64, &[n], &rows)?;
-        let rows = self.graph.add_constant(format!("{}.rows", c.name), rows);
+        let rows = self.add_table(c, "rows", rows);
         let mut mask_shape = vec![1; shape.len()];
         mask_shape[dim] = n;
         let mask = Tensor::from_i64(DType::Bool, &mask_shape, &hit)?;
-        let mask = self.graph.add_constant(format!("{}.mask", c.name), mask);
+        let mask = self.add_table(c, "mask", mask);
         let src = self.cast_to(c, src, self.dtype(x))?;
         let placed = self.emit1(c, Op::IndexSelect { dim }, vec![Some(src), Some(rows)])?;
         self.emit1(c, Op::Where, vec![Some(mask), Some(placed), Some(x)])
@@ -1606,9 +1652,7 @@ impl<'m> Lowerer<'m> {
         let index = self.emit1(c, Op::Reshape { shape: vec![k, 1] }, vec![Some(index)])?;
         let positions = (0..n as i64).collect::<Vec<_>>();
         let positions = Tensor::from_i64(DType::I64, &[1, n], &positions)?;
-        let positions = self
-            .graph
-            .add_constant(format!("{}.positions", c.name), positions);
+        let positions = self.add_table(c, "positions", positions);
         let hits = self.emit1(
             c,
             Op::Binary(BinaryOp::Eq),
@@ -1622,7 +1666,7 @@ impl<'m> Lowerer<'m> {
         let named = self.emit1(c, any, vec![Some(hits)])?;
         // the source row of each position: sum over m of m * [index[m] == j]
         let ms = Tensor::from_i64(DType::I64, &[k, 1], &(0..k as i64).collect::<Vec<_>>())?;
-        let ms = self.graph.add_constant(format!("{}.rows", c.name), ms);
+        let ms = self.add_table(c, "rows", ms);
         let hits = self.cast_to(c, hits, DType::I64)?;
         let weighted = self.emit1(c, Op::Binary(BinaryOp::Mul), vec![Some(hits), Some(ms)])?;
         let sum = Op::Reduce {

@@ -253,7 +253,7 @@ impl Lowerer<'_> {
                     let n = shape[d];
                     let rev: Vec<i64> = (0..n as i64).rev().collect();
                     let rev = Tensor::from_i64(DType::I64, &[n], &rev)?;
-                    let rev = self.graph.add_constant(format!("{}.rev{d}", c.name), rev);
+                    let rev = self.add_table(c, "rev", rev);
                     y = self.emit1(c, Op::IndexSelect { dim: d }, vec![Some(y), Some(rev)])?;
                 }
                 y

@@ -33,6 +33,9 @@ pub(super) enum Link {
         dim: usize,
         index: usize,
     },
+    /// An `as_strided` view with no element twice: the storage position of
+    /// each of its elements.
+    Strided(Vec<i64>),
     /// A view etmetal does not invert (the op's target).
     Opaque(String),
 }
@@ -61,6 +64,9 @@ const OPAQUE_VIEWS: &[&str] = &[
     "t",
     "swapaxes",
     "swapdims",
+    "numpy_T",
+    "mT",
+    "mH",
     "movedim",
     "unsqueeze",
     "squeeze",
@@ -69,7 +75,6 @@ const OPAQUE_VIEWS: &[&str] = &[
     "view_as",
     "unfold",
     "diagonal",
-    "as_strided",
     "split",
     "split_with_sizes",
     "tensor_split",
@@ -127,6 +132,7 @@ impl Lowerer<'_> {
                     step,
                 }),
                 ("select", Some(&Op::Select { dim, index })) => Some(Link::Select { dim, index }),
+                ("as_strided", _) => Some(self.strided_link(c)?),
                 (name, _) if OPAQUE_VIEWS.contains(&name) => Some(Link::Opaque(c.target.clone())),
                 _ => None,
             }
@@ -183,6 +189,10 @@ impl Lowerer<'_> {
                     let old = self.lookup(&base)?;
                     self.select_scatter(c, old, value, dim, index)?
                 }
+                Link::Strided(index) => {
+                    let old = self.lookup(&base)?;
+                    self.strided_scatter(c, old, value, &index)?
+                }
                 Link::Opaque(target) => {
                     written.extend(self.retire_upwards(&base, &at, &target));
                     break;
@@ -194,6 +204,27 @@ impl Lowerer<'_> {
         }
         self.follow_written(&written, name);
         Ok(())
+    }
+
+    /// How an `as_strided` node's result views its input: strided when no
+    /// element repeats; else opaque, since a write to one element would
+    /// show at several.
+    fn strided_link(&self, c: &Ctx) -> Result<Link> {
+        let name = c.args.tensor_name("self")?.unwrap_or_default();
+        let len = self
+            .meta
+            .get(name)
+            .map_or(Ok(0), |(_, shape)| etmetal_core::shape::numel(shape))?;
+        let index = self.strided_index(c, len)?;
+        let mut seen = std::collections::HashSet::new();
+        Ok(if index.iter().all(|i| seen.insert(*i)) {
+            Link::Strided(index)
+        } else {
+            Link::Opaque(format!(
+                "{}, whose strides overlap: a write to one element shows at several",
+                c.target
+            ))
+        })
     }
 
     /// A write went through `view` (made by `target`) of `base`:

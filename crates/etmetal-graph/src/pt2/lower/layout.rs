@@ -119,6 +119,134 @@ impl Lowerer<'_> {
         self.emit1(c, Op::Cat { dim }, vec![Some(tail), Some(head)])
     }
 
+    /// The storage position of each element of `as_strided` node `c`'s
+    /// result (row-major), in a tensor of `len` elements.
+    pub(super) fn strided_index(&self, c: &Ctx, len: usize) -> Result<Vec<i64>> {
+        let size = self.size_arg(c, "size")?;
+        let stride = self.req_ints(c, "stride")?;
+        if stride.len() != size.len() {
+            return Err(Error::format(format!(
+                "as_strided with size {size:?} and stride {stride:?}"
+            )));
+        }
+        let offset = c.args.int("storage_offset", 0)?;
+        let total = numel(&size)?;
+        let mut index = Vec::with_capacity(total);
+        let mut at = vec![0usize; size.len()];
+        for _ in 0..total {
+            let i = offset
+                + at.iter()
+                    .zip(&stride)
+                    .map(|(&a, &s)| a as i64 * s)
+                    .sum::<i64>();
+            if !(0..len as i64).contains(&i) {
+                return Err(Error::shape(format!(
+                    "as_strided(size={size:?}, stride={stride:?}, storage_offset={offset}) \
+                     reads element {i} of a tensor of {len}"
+                )));
+            }
+            index.push(i);
+            for k in (0..size.len()).rev() {
+                at[k] += 1;
+                if at[k] < size[k] {
+                    break;
+                }
+                at[k] = 0;
+            }
+        }
+        Ok(index)
+    }
+
+    /// `base` with the elements at storage positions `index` (distinct)
+    /// replaced by those of `view`, in order: the write back through an
+    /// `as_strided` view. Each position's source element is gathered,
+    /// `where` the view covers it.
+    pub(super) fn strided_scatter(
+        &mut self,
+        c: &Ctx,
+        base: ValueId,
+        view: ValueId,
+        index: &[i64],
+    ) -> Result<ValueId> {
+        let shape = self.shape(base);
+        let n = numel(&shape)?;
+        let mut source = vec![0i64; n];
+        let mut hit = vec![0i64; n];
+        for (m, &i) in index.iter().enumerate() {
+            source[i as usize] = m as i64;
+            hit[i as usize] = 1;
+        }
+        let source = Tensor::from_i64(DType::I64, &[n], &source)?;
+        let source = self.add_table(c, "source", source);
+        let hit = Tensor::from_i64(DType::Bool, &[n], &hit)?;
+        let hit = self.add_table(c, "hit", hit);
+        let view = self.cast_to(c, view, self.dtype(base))?;
+        let values = self.emit1(
+            c,
+            Op::Reshape {
+                shape: vec![index.len()],
+            },
+            vec![Some(view)],
+        )?;
+        let placed = self.emit1(
+            c,
+            Op::IndexSelect { dim: 0 },
+            vec![Some(values), Some(source)],
+        )?;
+        let flat = self.emit1(c, Op::Reshape { shape: vec![n] }, vec![Some(base)])?;
+        let merged = self.emit1(c, Op::Where, vec![Some(hit), Some(placed), Some(flat)])?;
+        self.emit1(c, Op::Reshape { shape }, vec![Some(merged)])
+    }
+
+    /// `x.unfold(dim, size, step)`: the windows of `dim` gathered by an
+    /// index table, split into `[windows, size]` and the `size` dim moved
+    /// last, as PyTorch's view lays them out.
+    pub(super) fn unfold(&mut self, c: &Ctx) -> Result<()> {
+        let x = self.t(c, "self")?;
+        let shape = self.shape(x);
+        let r = shape.len().max(1);
+        let d = normalize_dim(c.args.int("dimension", 0)?, r)?;
+        let n = shape.get(d).copied().unwrap_or(1);
+        let size = usize::try_from(c.args.int("size", 1)?).ok();
+        let step = usize::try_from(c.args.int("step", 1)?)
+            .ok()
+            .filter(|&s| s > 0);
+        let (Some(size), Some(step)) = (size, step) else {
+            return Err(Error::format(
+                "unfold with a negative size or a step below 1",
+            ));
+        };
+        if size > n {
+            return Err(Error::shape(format!(
+                "unfold of {size} from dim {d} of size {n}"
+            )));
+        }
+        let windows = (n - size) / step + 1;
+        let index: Vec<i64> = (0..windows)
+            .flat_map(|w| (0..size).map(move |j| (w * step + j) as i64))
+            .collect();
+        let table = Tensor::from_i64(DType::I64, &[index.len()], &index)?;
+        let table = self.add_table(c, "windows", table);
+        let x = if shape.is_empty() {
+            self.emit1(c, Op::Reshape { shape: vec![1] }, vec![Some(x)])?
+        } else {
+            x
+        };
+        let picked = self.emit1(c, Op::IndexSelect { dim: d }, vec![Some(x), Some(table)])?;
+        let mut split = self.shape(x);
+        split.splice(d..=d, [windows, size]);
+        let split_v = self.emit1(
+            c,
+            Op::Reshape {
+                shape: split.clone(),
+            },
+            vec![Some(picked)],
+        )?;
+        let mut dims: Vec<usize> = (0..split.len()).filter(|&k| k != d + 1).collect();
+        dims.push(d + 1);
+        self.finish(c, Op::Permute { dims }, vec![Some(split_v)])
+    }
+
     /// `movedim(x, source, destination)` as a permute.
     pub(super) fn movedim(&mut self, c: &Ctx) -> Result<()> {
         let x = self.t(c, "self")?;
@@ -171,41 +299,12 @@ impl Lowerer<'_> {
                 "as_strided with size {size:?} and stride {stride:?}"
             )));
         }
-        let offset = c.args.int("storage_offset", 0)?;
-        let len = numel(&self.shape(x))? as i64;
-        let total = numel(&size)?;
-        let mut index = Vec::with_capacity(total);
-        let mut at = vec![0usize; size.len()];
-        for _ in 0..total {
-            let i = offset
-                + at.iter()
-                    .zip(&stride)
-                    .map(|(&a, &s)| a as i64 * s)
-                    .sum::<i64>();
-            if !(0..len).contains(&i) {
-                return Err(Error::shape(format!(
-                    "as_strided(size={size:?}, stride={stride:?}, storage_offset={offset}) \
-                     reads element {i} of a tensor of {len}"
-                )));
-            }
-            index.push(i);
-            for k in (0..size.len()).rev() {
-                at[k] += 1;
-                if at[k] < size[k] {
-                    break;
-                }
-                at[k] = 0;
-            }
-        }
-        let flat = self.emit1(
-            c,
-            Op::Reshape {
-                shape: vec![len as usize],
-            },
-            vec![Some(x)],
-        )?;
+        let len = numel(&self.shape(x))?;
+        let index = self.strided_index(c, len)?;
+        let total = index.len();
+        let flat = self.emit1(c, Op::Reshape { shape: vec![len] }, vec![Some(x)])?;
         let table = Tensor::from_i64(DType::I64, &[total], &index)?;
-        let table = self.graph.add_constant(format!("{}.index", c.name), table);
+        let table = self.add_table(c, "index", table);
         let picked = self.emit1(c, Op::IndexSelect { dim: 0 }, vec![Some(flat), Some(table)])?;
         self.finish(c, Op::Reshape { shape: size }, vec![Some(picked)])
     }
