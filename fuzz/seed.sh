@@ -6,7 +6,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
 mkdir -p "$here/corpus/pte_load" "$here/corpus/pt2_import" "$here/corpus/payload_decode"
 cp "$root"/crates/etmetal-pte/tests/fixtures/*.pte "$here/corpus/pte_load/"
-cp "$root"/tests/fixtures/*.pt2 "$here/corpus/pt2_import/"
+cp "$root"/tests/fixtures/*.pt2 "$root"/tests/fixtures/*/*.pt2 "$here/corpus/pt2_import/"
 # The malformed corpus (tests/malformed/) sits next to the valid files.
 cp "$root"/tests/malformed/pte/*.pte "$here/corpus/pte_load/"
 cp "$root"/tests/malformed/pt2/*.pt2 "$here/corpus/pt2_import/"
