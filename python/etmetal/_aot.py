@@ -34,6 +34,8 @@ METHOD_NAME_KEY = "method_name"
 # Compile specs of the partitioner, as the CLI's `--partition` and `--skip-op`.
 PARTITION_KEY = "partition"
 SKIP_OP_KEY = "skip_op"
+QUANTIZE_KEY = "quantize"
+QUANTIZE_SKIP_KEY = "quantize_skip"
 
 
 def _drop(kwargs: dict, *keys: str) -> dict:
@@ -98,7 +100,7 @@ class EtMetalBackend(BackendDetails):
 
     @staticmethod
     def preprocess(edge_program: ExportedProgram, compile_specs: List[CompileSpec]) -> PreprocessResult:
-        payload, named = _etmetal.preprocess(_pt2_bytes(edge_program))
+        payload, named = _etmetal.preprocess(_pt2_bytes(edge_program), *_int4_options(compile_specs))
         store = NamedDataStore()
         for key, data in named:
             store.add_named_data(key, data, WEIGHT_ALIGNMENT)
@@ -124,9 +126,33 @@ class EtMetalBackend(BackendDetails):
         return CompileSpec(PARTITION_KEY, mode.encode("utf-8"))
 
     @classmethod
+    def generate_quantize_compile_spec(cls, scheme: str = "int4", group_size: int = 32) -> CompileSpec:
+        """Quantize the delegated linears' weights (`int4`: group-wise
+        affine, groups of 32/64/128/256), as `etmetal compile --quantize`."""
+        if scheme != "int4":
+            raise ValueError(f"quantize scheme {scheme!r}: only 'int4' is supported")
+        return CompileSpec(QUANTIZE_KEY, f"{scheme}:{group_size}".encode("utf-8"))
+
+    @classmethod
+    def generate_quantize_skip_compile_spec(cls, pattern: str) -> CompileSpec:
+        """Keep linears whose weight name contains `pattern` in float (`lm_head`); repeatable."""
+        return CompileSpec(QUANTIZE_SKIP_KEY, pattern.encode("utf-8"))
+
+    @classmethod
     def generate_skip_op_compile_spec(cls, op: str) -> CompileSpec:
         """Keep an op (etmetal's name: `sdpa`, `add`, …) off the GPU; repeatable."""
         return CompileSpec(SKIP_OP_KEY, op.encode("utf-8"))
+
+
+def _int4_options(specs: List[CompileSpec]) -> Tuple[Optional[int], List[str]]:
+    """(group size, skip patterns) from the quantize compile specs; (None, []) without one."""
+    values = _spec_value(specs, QUANTIZE_KEY)
+    if not values:
+        return None, []
+    scheme, _, group = values[-1].partition(":")
+    if scheme != "int4" or not group.isdigit():
+        raise ValueError(f"compile spec {QUANTIZE_KEY}={values[-1]!r}: expected 'int4:GROUP_SIZE'")
+    return int(group), _spec_value(specs, QUANTIZE_SKIP_KEY)
 
 
 class EtMetalPartitioner(Partitioner):

@@ -132,12 +132,23 @@ type NamedBytes<'py> = (String, Bound<'py, PyBytes>);
 /// and its named data `(key, GPU bytes)`. Delegate inputs and outputs are
 /// the program's user inputs and outputs in signature order, as ExecuTorch's
 /// delegate call passes them.
+///
+/// `int4_group_size` quantizes the partition's linears to int4 weights with
+/// groups of that size (`etmetal compile --quantize int4`), except those
+/// whose weight name contains one of `quantize_skip`.
 #[pyfunction]
+#[pyo3(signature = (pt2, int4_group_size=None, quantize_skip=Vec::new()))]
 fn preprocess<'py>(
     py: Python<'py>,
     pt2: &[u8],
+    int4_group_size: Option<usize>,
+    quantize_skip: Vec<String>,
 ) -> PyResult<(Bound<'py, PyBytes>, Vec<NamedBytes<'py>>)> {
-    let g = decomposed_for_backend(pt2, "partition program")?;
+    let mut g = decomposed_for_backend(pt2, "partition program")?;
+    if let Some(group_size) = int4_group_size {
+        etmetal_graph::quantize::quantize_int4(&mut g, group_size, &quantize_skip)
+            .map_err(|e| py_err(e.context(format!("{BACKEND_ID} int4 quantization"))))?;
+    }
     let mut p = whole_partition(&g).map_err(py_err)?;
     p.inputs = g.user_inputs().collect();
     p.outputs = g
