@@ -47,6 +47,8 @@ pub enum Backend {
 pub struct CompileOptions {
     pub backend: Backend,
     pub partition: PartitionOptions,
+    /// Preprocess's options; its `max_buffer_bytes` is the partition's
+    /// `limits.max_buffer_bytes`, whatever it says here.
     pub preprocess: PreprocessOptions,
 }
 
@@ -164,6 +166,12 @@ fn lower(
             ));
         }
         let kept = resident_buffers(&g, &parts)?;
+        // every buffer of a payload within the limit the values were checked
+        // against, so it loads wherever they fit
+        let pre_options = PreprocessOptions {
+            max_buffer_bytes: options.partition.limits.max_buffer_bytes,
+            ..options.preprocess.clone()
+        };
         for p in &parts.partitions {
             let here: Vec<ResidentBuffer> = kept
                 .iter()
@@ -175,7 +183,7 @@ fn lower(
                 resident: &here,
                 weight_key: &|key, bytes| store.key_for(key, bytes, name),
             };
-            let pre = preprocess_with(&g, p, &options.preprocess, &boundary)
+            let pre = preprocess_with(&g, p, &pre_options, &boundary)
                 .map_err(|e| e.context(format!("partition {} of the Metal backend", p.tag())))?;
             for (key, bytes) in pre.named_data {
                 named_data.insert(key, bytes)?;
