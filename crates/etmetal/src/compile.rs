@@ -25,7 +25,7 @@ use etmetal_core::{Error, Op, Result};
 use etmetal_graph::portable::to_portable;
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
 use etmetal_metal::partitioner::{
-    ops_to_not_decompose, partition, Partition, PartitionOptions, Partitioning, Step,
+    ops_to_not_decompose, partition, Partition, PartitionOptions, Partitioning, ScheduleItem,
 };
 use etmetal_metal::payload::Payload;
 use etmetal_metal::preprocess::{preprocess_with, Boundary, PreprocessOptions, ResidentBuffer};
@@ -284,10 +284,10 @@ fn with_delegate_calls(g: &Graph, parts: &Partitioning, resident: &[ResidentBuff
             .collect(),
     };
     let mut out = g.clone();
-    out.nodes = (parts.steps.iter())
+    out.nodes = (parts.schedule.iter())
         .map(|step| match *step {
-            Step::Cpu(i) => g.nodes[i].clone(),
-            Step::Delegate(id) => call(&parts.partitions[id]),
+            ScheduleItem::Cpu(i) => g.nodes[i].clone(),
+            ScheduleItem::Delegate(id) => call(&parts.partitions[id]),
         })
         .collect();
     out
