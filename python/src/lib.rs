@@ -149,7 +149,11 @@ fn preprocess<'py>(
         etmetal_graph::quantize::quantize_int4(&mut g, group_size, &quantize_skip)
             .map_err(|e| py_err(e.context(format!("{BACKEND_ID} int4 quantization"))))?;
     }
-    let mut p = whole_partition(&g).map_err(py_err)?;
+    let options = PartitionOptions {
+        mode: PartitionMode::Whole,
+        ..PartitionOptions::default()
+    };
+    let mut p = whole_partition(&g, &options).map_err(py_err)?;
     p.inputs = g.user_inputs().collect();
     p.outputs = g
         .outputs
@@ -157,7 +161,8 @@ fn preprocess<'py>(
         .filter(|(_, kind)| *kind == OutputKind::User)
         .map(|(v, _)| *v)
         .collect();
-    let pre = etmetal_metal::preprocess::preprocess(&g, &p, &PreprocessOptions::default())
+    let within = PreprocessOptions::within(&options.limits);
+    let pre = etmetal_metal::preprocess::preprocess(&g, &p, &within)
         .map_err(|e| py_err(e.context(format!("{BACKEND_ID} preprocess"))))?;
     let named = pre
         .named_data
@@ -168,12 +173,8 @@ fn preprocess<'py>(
 }
 
 /// The one partition of a program the partitioner tagged as a whole.
-fn whole_partition(g: &Graph) -> etmetal_core::Result<Partition> {
-    let options = PartitionOptions {
-        mode: PartitionMode::Whole,
-        ..PartitionOptions::default()
-    };
-    let mut parts = partitioner::partition(g, &options)?;
+fn whole_partition(g: &Graph, options: &PartitionOptions) -> etmetal_core::Result<Partition> {
+    let mut parts = partitioner::partition(g, options)?;
     match parts.partitions.len() {
         1 => Ok(parts.partitions.remove(0)),
         n => Err(Error::unsupported(format!(

@@ -8,7 +8,7 @@ use etmetal_core::{BinaryOp, ConvAttrs, DType, ErrorKind, Op, Tensor, UnaryOp};
 use etmetal_graph::{decompose, load_pt2, Graph, InputKind, Node, OutputKind, ValueId};
 use etmetal_metal::partitioner::{
     ops_to_not_decompose, partition, DeviceLimits, PartitionMode, PartitionOptions, Partitioning,
-    Step,
+    ScheduleItem,
 };
 use etmetal_metal::preprocess::{preprocess, PreprocessOptions};
 
@@ -82,18 +82,18 @@ fn check(graph: &Graph, p: &Partitioning) {
     // the schedule: every step once, producers first
     let mut step_of = vec![usize::MAX; n];
     let mut seen_steps = BTreeSet::new();
-    for (k, step) in p.steps.iter().enumerate() {
+    for (k, step) in p.schedule.iter().enumerate() {
         assert!(seen_steps.insert(*step), "step {step:?} twice");
         match *step {
-            Step::Cpu(i) => step_of[i] = k,
-            Step::Delegate(id) => {
+            ScheduleItem::Cpu(i) => step_of[i] = k,
+            ScheduleItem::Delegate(id) => {
                 for &i in &p.partitions[id].nodes {
                     step_of[i] = k;
                 }
             }
         }
     }
-    assert_eq!(p.steps.len(), p.partitions.len() + p.cpu_nodes.len());
+    assert_eq!(p.schedule.len(), p.partitions.len() + p.cpu_nodes.len());
     for i in 0..n {
         for q in preds(i) {
             assert!(step_of[q] <= step_of[i], "node {q} after its user {i}");
@@ -218,7 +218,7 @@ fn add_is_one_partition() {
         p.partitions[0].outputs,
         graph.user_outputs().collect::<Vec<_>>()
     );
-    assert_eq!(p.steps, vec![Step::Delegate(0)]);
+    assert_eq!(p.schedule, vec![ScheduleItem::Delegate(0)]);
     let whole = PartitionOptions {
         mode: PartitionMode::Whole,
         ..auto()
@@ -344,8 +344,12 @@ fn auto_puts_cpu_between_partitions() {
     let p = partition(&graph, &skipping(&["relu"], PartitionMode::Auto)).unwrap();
     check(&graph, &p);
     assert_eq!(
-        p.steps,
-        vec![Step::Delegate(0), Step::Cpu(1), Step::Delegate(1)]
+        p.schedule,
+        vec![
+            ScheduleItem::Delegate(0),
+            ScheduleItem::Cpu(1),
+            ScheduleItem::Delegate(1)
+        ]
     );
     assert_eq!(p.partitions[0].nodes, vec![0]);
     assert_eq!(p.partitions[1].nodes, vec![2]);
@@ -417,8 +421,12 @@ fn no_merge_through_the_cpu() {
     assert_eq!(p.partitions[0].nodes, vec![0]);
     assert_eq!(p.partitions[1].nodes, vec![2, 3]);
     assert_eq!(
-        p.steps,
-        vec![Step::Delegate(0), Step::Cpu(1), Step::Delegate(1)]
+        p.schedule,
+        vec![
+            ScheduleItem::Delegate(0),
+            ScheduleItem::Cpu(1),
+            ScheduleItem::Delegate(1)
+        ]
     );
 }
 
@@ -507,11 +515,11 @@ fn long_alternating_chain_partitions_and_schedules() {
     b.output(v);
     let p = partition(&b.graph, &skipping(&["mul"], PartitionMode::Auto)).unwrap();
     assert_eq!(p.partitions.len(), 1000);
-    for (k, step) in p.steps.iter().enumerate() {
+    for (k, step) in p.schedule.iter().enumerate() {
         let expected = if k % 2 == 0 {
-            Step::Delegate(k / 2)
+            ScheduleItem::Delegate(k / 2)
         } else {
-            Step::Cpu(k)
+            ScheduleItem::Cpu(k)
         };
         assert_eq!(*step, expected);
     }

@@ -31,7 +31,9 @@ struct PreparedOp {
     specs: Vec<(DType, Vec<usize>)>,
 }
 
-enum Step {
+/// An instruction of the chain, ready to run (kernels looked up, delegates
+/// initialised); `Method::steps` holds one per chain instruction.
+enum PreparedInstruction {
     Kernel {
         name: String,
         ops: Vec<PreparedOp>,
@@ -71,7 +73,7 @@ struct State {
 pub struct Method {
     name: String,
     values: Values,
-    steps: Vec<Step>,
+    steps: Vec<PreparedInstruction>,
     states: Vec<State>,
     inputs: Vec<(usize, TensorSpec)>,
     outputs: Vec<(usize, TensorSpec)>,
@@ -162,7 +164,7 @@ impl Method {
                     for v in left {
                         unwritten.insert(v, name.clone());
                     }
-                    Step::Kernel { name, ops }
+                    PreparedInstruction::Kernel { name, ops }
                 }
                 Instruction::DelegateCall(c) => {
                     let d = &p.delegates[c.delegate_index as usize];
@@ -183,7 +185,7 @@ impl Method {
                             args.len()
                         ))));
                     }
-                    Step::Delegate {
+                    PreparedInstruction::Delegate {
                         id: d.id.clone(),
                         handle,
                         args,
@@ -193,7 +195,7 @@ impl Method {
                 }
                 Instruction::MoveCall(m) => {
                     check_reads(&unwritten, &[m.move_from as usize], k)?;
-                    Step::Move {
+                    PreparedInstruction::Move {
                         from: m.move_from as usize,
                         to: m.move_to as usize,
                     }
@@ -206,11 +208,11 @@ impl Method {
                         j.destination_instruction
                     )))
                 }
-                Instruction::JumpFalseCall(j) => Step::JumpFalse {
+                Instruction::JumpFalseCall(j) => PreparedInstruction::JumpFalse {
                     cond: j.cond_value_index as usize,
                     dest: j.destination_instruction as usize,
                 },
-                Instruction::FreeCall(_) => Step::Free,
+                Instruction::FreeCall(_) => PreparedInstruction::Free,
             };
             steps.push(step);
         }
@@ -310,7 +312,7 @@ impl Method {
         self.values.reset_state()?;
         self.states.iter_mut().for_each(|s| s.on_device = false);
         for step in &mut self.steps {
-            if let Step::Delegate { id, handle, .. } = step {
+            if let PreparedInstruction::Delegate { id, handle, .. } = step {
                 handle
                     .reset_state()
                     .map_err(|e| e.context(format!("resetting delegate `{id}`")))?;
@@ -336,7 +338,8 @@ impl Method {
             let Some(fqn) = &s.fqn else { continue };
             let t = match s.keeper {
                 Some((step, position)) if s.on_device => {
-                    let Step::Delegate { id, handle, .. } = &mut self.steps[step] else {
+                    let PreparedInstruction::Delegate { id, handle, .. } = &mut self.steps[step]
+                    else {
                         return Err(Error::internal(format!(
                             "state `{fqn}` is kept by a non-delegate"
                         )));
@@ -406,12 +409,12 @@ impl Method {
         let values = &mut self.values;
         let states = &mut self.states;
         match &mut self.steps[pc] {
-            Step::Kernel { name, ops } => {
+            PreparedInstruction::Kernel { name, ops } => {
                 for o in ops.iter() {
                     run_op(values, o).map_err(|e| e.context(format!("kernel {name}")))?;
                 }
             }
-            Step::Delegate {
+            PreparedInstruction::Delegate {
                 id,
                 handle,
                 args,
@@ -451,8 +454,8 @@ impl Method {
                     .iter()
                     .for_each(|&(_, s)| states[s].on_device = true);
             }
-            Step::Move { from, to } => values.assign(*from, *to)?,
-            Step::JumpFalse { cond, dest } => {
+            PreparedInstruction::Move { from, to } => values.assign(*from, *to)?,
+            PreparedInstruction::JumpFalse { cond, dest } => {
                 let go_on = match values.get(*cond)? {
                     Slot::Value(EValue::Bool(b)) => *b,
                     Slot::Tensor(_) => values.read(*cond)?.to_i64_vec().iter().all(|&x| x != 0),
@@ -466,7 +469,7 @@ impl Method {
                     return Ok(*dest);
                 }
             }
-            Step::Free => {}
+            PreparedInstruction::Free => {}
         }
         Ok(pc + 1)
     }
@@ -525,10 +528,14 @@ fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
 /// Ask each delegate which mutable buffers it keeps resident, and check
 /// that nothing else (another instruction, the method's inputs or outputs)
 /// touches them, since their host copy goes stale.
-fn resident_state(steps: &mut [Step], states: &mut [State], io: &[usize]) -> Result<()> {
+fn resident_state(
+    steps: &mut [PreparedInstruction],
+    states: &mut [State],
+    io: &[usize],
+) -> Result<()> {
     let mut kept = vec![];
     for (k, step) in steps.iter_mut().enumerate() {
-        let Step::Delegate {
+        let PreparedInstruction::Delegate {
             id,
             handle,
             args,
@@ -563,19 +570,19 @@ fn resident_state(steps: &mut [Step], states: &mut [State], io: &[usize]) -> Res
     for (v, keeper, position) in kept {
         let touched = io.contains(&v)
             || steps.iter().enumerate().any(|(k, step)| match step {
-                Step::Kernel { ops, .. } => ops.iter().any(|o| {
+                PreparedInstruction::Kernel { ops, .. } => ops.iter().any(|o| {
                     o.outputs.contains(&v)
                         || o.inputs
                             .iter()
                             .any(|i| matches!(i, Some(Operand::Value(x)) if *x == v))
                 }),
-                Step::Delegate { args, .. } => args
+                PreparedInstruction::Delegate { args, .. } => args
                     .iter()
                     .enumerate()
                     .any(|(p, &a)| a == v && (k, p) != (keeper, position)),
-                Step::Move { from, to } => *from == v || *to == v,
-                Step::JumpFalse { cond, .. } => *cond == v,
-                Step::Free => false,
+                PreparedInstruction::Move { from, to } => *from == v || *to == v,
+                PreparedInstruction::JumpFalse { cond, .. } => *cond == v,
+                PreparedInstruction::Free => false,
             });
         if touched {
             return Err(Error::format(format!(

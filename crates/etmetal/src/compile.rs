@@ -25,7 +25,7 @@ use etmetal_core::{Error, Op, Result};
 use etmetal_graph::portable::to_portable;
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
 use etmetal_metal::partitioner::{
-    ops_to_not_decompose, partition, Partition, PartitionOptions, Partitioning, Step,
+    ops_to_not_decompose, partition, Partition, PartitionOptions, Partitioning, ScheduleItem,
 };
 use etmetal_metal::payload::Payload;
 use etmetal_metal::preprocess::{preprocess_with, Boundary, PreprocessOptions, ResidentBuffer};
@@ -47,6 +47,8 @@ pub enum Backend {
 pub struct CompileOptions {
     pub backend: Backend,
     pub partition: PartitionOptions,
+    /// Preprocess's options; its `max_buffer_bytes` is the partition's
+    /// `limits.max_buffer_bytes`, whatever it says here.
     pub preprocess: PreprocessOptions,
 }
 
@@ -164,6 +166,12 @@ fn lower(
             ));
         }
         let kept = resident_buffers(&g, &parts)?;
+        // every buffer of a payload within the limit the values were checked
+        // against, so it loads wherever they fit
+        let pre_options = PreprocessOptions {
+            max_buffer_bytes: options.partition.limits.max_buffer_bytes,
+            ..options.preprocess.clone()
+        };
         for p in &parts.partitions {
             let here: Vec<ResidentBuffer> = kept
                 .iter()
@@ -175,7 +183,7 @@ fn lower(
                 resident: &here,
                 weight_key: &|key, bytes| store.key_for(key, bytes, name),
             };
-            let pre = preprocess_with(&g, p, &options.preprocess, &boundary)
+            let pre = preprocess_with(&g, p, &pre_options, &boundary)
                 .map_err(|e| e.context(format!("partition {} of the Metal backend", p.tag())))?;
             for (key, bytes) in pre.named_data {
                 named_data.insert(key, bytes)?;
@@ -276,10 +284,10 @@ fn with_delegate_calls(g: &Graph, parts: &Partitioning, resident: &[ResidentBuff
             .collect(),
     };
     let mut out = g.clone();
-    out.nodes = (parts.steps.iter())
+    out.nodes = (parts.schedule.iter())
         .map(|step| match *step {
-            Step::Cpu(i) => g.nodes[i].clone(),
-            Step::Delegate(id) => call(&parts.partitions[id]),
+            ScheduleItem::Cpu(i) => g.nodes[i].clone(),
+            ScheduleItem::Delegate(id) => call(&parts.partitions[id]),
         })
         .collect();
     out

@@ -229,6 +229,19 @@ fn attention_one_query_many_keys_and_gqa() {
     attention_case(sdpa(false, None, false), DType::F16, 2, 5, 40, 16, 16);
 }
 
+/// 40 queries over 4096 keys split the keys 128 ways, their partials
+/// (204 800 bytes) larger than any value (131 072): within a 140 000 byte
+/// limit the keys split fewer ways and the payload loads on a device
+/// offering that binding.
+#[test]
+fn key_split_within_a_small_buffer_limit() {
+    OpCase::new(sdpa(false, None, false))
+        .input(random(DType::F32, &[1, 40, 8], 110))
+        .input(random(DType::F32, &[1, 4096, 8], 111))
+        .input(random(DType::F32, &[1, 4096, 8], 112))
+        .check_within(TOL, 140_000);
+}
+
 #[test]
 fn attention_wide_grids_do_not_split() {
     // 256 and more workgroups: one pass over the keys each

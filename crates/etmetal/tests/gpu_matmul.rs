@@ -315,6 +315,17 @@ fn split_k_products() {
         .check(BF_TOL);
 }
 
+/// `[160, 1024] @ [1024, 160]` splits `k` 8 ways, its partial sums (819 200
+/// bytes) larger than any value (655 360): within a 700 000 byte limit it
+/// splits fewer ways and loads on a device offering that binding.
+#[test]
+fn split_k_within_a_small_buffer_limit() {
+    OpCase::new(Op::MatMul)
+        .input(random(F, &[160, 1024], 17))
+        .input(random(F, &[1024, 160], 18))
+        .check_within(DEEP_TOL, 700_000);
+}
+
 fn conv(stride: &[usize], padding: &[usize], dilation: &[usize], groups: usize) -> Op {
     Op::Convolution(ConvAttrs {
         stride: stride.to_vec(),

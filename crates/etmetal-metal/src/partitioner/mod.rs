@@ -5,7 +5,7 @@
 //! Partitions are *convex*: no path leaves a partition and re-enters it, and
 //! more strongly the graph of partitions and CPU nodes is acyclic, so one
 //! delegate call per partition can be scheduled between CPU kernel calls
-//! ([`Partitioning::steps`]). Partitions grow along edges first (a node joins
+//! ([`Partitioning::schedule`]). Partitions grow along edges first (a node joins
 //! the partitions of its producers when that keeps the graph of partitions
 //! acyclic), then independent partitions are merged.
 //!
@@ -69,9 +69,9 @@ impl Partition {
     }
 }
 
-/// One step of the schedule: a delegate call or a CPU node.
+/// One item of the schedule: a delegate call or a CPU node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Step {
+pub enum ScheduleItem {
     Delegate(usize),
     Cpu(usize),
 }
@@ -83,7 +83,7 @@ pub struct Partitioning {
     pub cpu_nodes: Vec<(usize, String)>,
     /// Partitions and CPU nodes in an order that respects every data
     /// dependency.
-    pub steps: Vec<Step>,
+    pub schedule: Vec<ScheduleItem>,
     /// For each node, the id of its partition (`None`: CPU).
     pub node_partition: Vec<Option<usize>>,
 }
@@ -150,7 +150,7 @@ pub fn partition(graph: &Graph, options: &PartitionOptions) -> Result<Partitioni
     Ok(Partitioning {
         partitions,
         cpu_nodes,
-        steps,
+        schedule: steps,
         node_partition,
     })
 }
@@ -393,7 +393,11 @@ impl Groups {
 
 /// Order groups and CPU nodes by their dependencies, earliest first node
 /// first; number partitions in that order.
-fn schedule(groups: &Groups, dag: &Dag, n: usize) -> Result<(Vec<Step>, Vec<Option<usize>>)> {
+fn schedule(
+    groups: &Groups,
+    dag: &Dag,
+    n: usize,
+) -> Result<(Vec<ScheduleItem>, Vec<Option<usize>>)> {
     // a vertex per group (its first node stands for it) and per CPU node
     let vertex = |i: usize| groups.of[i].map_or(i, |g| groups.members[g][0]);
     let mut indegree = vec![0usize; n];
@@ -419,10 +423,10 @@ fn schedule(groups: &Groups, dag: &Dag, n: usize) -> Result<(Vec<Step>, Vec<Opti
                 for &m in &groups.members[g] {
                     node_partition[m] = Some(next_id);
                 }
-                steps.push(Step::Delegate(next_id));
+                steps.push(ScheduleItem::Delegate(next_id));
                 next_id += 1;
             }
-            None => steps.push(Step::Cpu(u)),
+            None => steps.push(ScheduleItem::Cpu(u)),
         }
         for &v in &edges[u] {
             indegree[v] -= 1;

@@ -33,7 +33,7 @@ use std::collections::HashMap;
 use etmetal_core::{DType, Error, Op, Result, Scalar};
 use etmetal_graph::{Graph, Node, ValueId};
 
-use crate::partitioner::Partition;
+use crate::partitioner::{DeviceLimits, Partition};
 use crate::payload::{
     self, Access, Alternative, Check, Dispatch, Kernel, Location, Needs, Payload, Requirements,
 };
@@ -60,6 +60,12 @@ pub struct PreprocessOptions {
     /// Tree nodes a fused expression may inline before it is materialised.
     pub max_fused_size: usize,
     pub max_workgroups_per_dim: u32,
+    /// Largest buffer, in bytes as the delegate holds it
+    /// ([`payload::gpu_bytes`]): the partitioner's
+    /// [`DeviceLimits::max_buffer_bytes`], which the compile driver passes
+    /// on. Scratch buffers (split-K and key-split partials) stay within
+    /// it, so the payload loads wherever the partitioner's values fit.
+    pub max_buffer_bytes: u64,
 }
 
 impl Default for PreprocessOptions {
@@ -68,6 +74,18 @@ impl Default for PreprocessOptions {
             max_bindings: 8,
             max_fused_size: 64,
             max_workgroups_per_dim: 65535,
+            max_buffer_bytes: DeviceLimits::default().max_buffer_bytes,
+        }
+    }
+}
+
+impl PreprocessOptions {
+    /// The default options within the buffer limit of `limits` (what the
+    /// partitioner checked the partition's values against).
+    pub fn within(limits: &DeviceLimits) -> PreprocessOptions {
+        PreprocessOptions {
+            max_buffer_bytes: limits.max_buffer_bytes,
+            ..PreprocessOptions::default()
         }
     }
 }
@@ -224,7 +242,7 @@ impl<'g> Lowering<'g> {
                 info.dtype,
                 &info.shape,
                 Place::Input(k),
-            )?);
+            )?)?;
             lw.values.insert(v, lw.load(buf));
         }
         for &v in &partition.constants {
@@ -253,7 +271,7 @@ impl<'g> Lowering<'g> {
                     info.dtype,
                     &info.shape,
                     Place::Weight(key),
-                )?);
+                )?)?;
                 lw.load(buf)
             };
             lw.values.insert(v, lazy);
@@ -272,9 +290,35 @@ impl<'g> Lowering<'g> {
             .map(|(_, bytes)| bytes.as_slice())
     }
 
-    pub fn add_buffer(&mut self, desc: BufferDesc) -> BufferIdx {
+    /// Add a buffer, which must fit the buffer limit: a payload never
+    /// needs a larger binding than the partitioner checked.
+    pub fn add_buffer(&mut self, desc: BufferDesc) -> Result<BufferIdx> {
+        let bytes = desc.gpu_bytes()?;
+        if bytes > self.options.max_buffer_bytes {
+            let by = if self.current.is_empty() {
+                String::new()
+            } else {
+                format!(" of the `{}` kernel", self.current)
+            };
+            return Err(Error::limit(format!(
+                "buffer `{}`{by} ({} {:?}) takes {bytes} bytes on the GPU, over the {} byte \
+                 buffer limit",
+                desc.name,
+                desc.payload_dtype().name(),
+                desc.shape,
+                self.options.max_buffer_bytes
+            )));
+        }
         self.buffers.list.push(desc);
-        self.buffers.list.len() - 1
+        Ok(self.buffers.list.len() - 1)
+    }
+
+    /// How many f32 scratch parts of `numel` elements each one buffer holds
+    /// within the buffer limit (0 when not even one does).
+    pub fn scratch_parts(&self, numel: usize) -> Result<usize> {
+        // f32 takes 4 bytes an element: n parts take n times one part
+        let part = payload::gpu_bytes(DType::F32, numel)?;
+        Ok(usize::try_from(self.options.max_buffer_bytes / part).unwrap_or(usize::MAX))
     }
 
     /// A lazy read of the whole of `buf`.
@@ -286,7 +330,7 @@ impl<'g> Lowering<'g> {
     /// A new intermediate buffer for a value of `dtype` and `shape`.
     pub fn temp(&mut self, name: &str, dtype: DType, shape: &[usize]) -> Result<BufferIdx> {
         let desc = BufferDesc::new(name, dtype, shape, Place::Temp)?;
-        Ok(self.add_buffer(desc))
+        self.add_buffer(desc)
     }
 
     /// The lazy value of graph value `v`.
@@ -447,7 +491,7 @@ impl<'g> Lowering<'g> {
                 DType::I32,
                 &[sites.len().div_ceil(32)],
                 Place::Status,
-            )?);
+            )?)?;
             bindings.push(buffer);
             self.checks.push(Check {
                 dispatch,
@@ -735,7 +779,7 @@ impl<'g> Lowering<'g> {
                     b
                 }
                 None => {
-                    let b = self.add_buffer(desc);
+                    let b = self.add_buffer(desc)?;
                     self.write_flat(&lazy, b)?;
                     b
                 }

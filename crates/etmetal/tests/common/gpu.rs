@@ -6,10 +6,11 @@
 
 use std::sync::{Arc, OnceLock};
 
-use etmetal::compile::{compile, CompileOptions};
+use etmetal::compile::{compile, CompileOptions, Compiled};
 use etmetal_core::{DType, Op, Tensor};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
-use etmetal_metal::partitioner::{PartitionMode, PartitionOptions};
+use etmetal_metal::partitioner::{DeviceLimits, PartitionMode, PartitionOptions};
+use etmetal_metal::payload::Requirements;
 use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
 use etmetal_runtime::{BackendRegistry, LoadOptions, Method, Program};
 
@@ -33,22 +34,31 @@ pub fn backend() -> Arc<MetalBackend> {
 
 /// The `.pte` of `graph` with every node delegated (`--partition whole`).
 pub fn compile_whole(graph: &Graph) -> Vec<u8> {
+    compile_whole_within(graph, &DeviceLimits::default()).pte
+}
+
+/// [`compile_whole`] for a device of `limits`.
+pub fn compile_whole_within(graph: &Graph, limits: &DeviceLimits) -> Compiled {
     let options = CompileOptions {
         partition: PartitionOptions {
             mode: PartitionMode::Whole,
+            limits: limits.clone(),
             ..PartitionOptions::default()
         },
         ..CompileOptions::default()
     };
-    compile(graph, &options, &mut |_| {})
-        .unwrap_or_else(|e| panic!("compile: {e}"))
-        .pte
+    compile(graph, &options, &mut |_| {}).unwrap_or_else(|e| panic!("compile: {e}"))
 }
 
 /// The `forward` method of a `.pte`, with the GPU backend registered.
 pub fn load_method(pte: &[u8]) -> Method {
+    load_method_on(backend(), pte)
+}
+
+/// The `forward` method of a `.pte`, with `gpu` registered.
+pub fn load_method_on(gpu: Arc<MetalBackend>, pte: &[u8]) -> Method {
     let mut backends = BackendRegistry::new();
-    backends.register(backend()).unwrap();
+    backends.register(gpu).unwrap();
     let options = LoadOptions {
         backends,
         ..LoadOptions::default()
@@ -192,6 +202,41 @@ impl OpCase {
         let what = format!("{:?}", self.op);
         let (graph, inputs) = self.build();
         check_graph(&graph, inputs, tol, &what);
+    }
+
+    /// [`OpCase::check`] compiled for a `max_buffer_bytes` buffer limit
+    /// and run on a device offering no larger binding: the payload needs
+    /// no more than the limit the partitioner checked.
+    pub fn check_within(self, tol: f32, max_buffer_bytes: u64) {
+        let what = format!("{:?} within {max_buffer_bytes} bytes", self.op);
+        let (graph, inputs) = self.build();
+        let expected = etmetal::eval::run_graph(&graph, inputs.clone())
+            .unwrap_or_else(|e| panic!("{what}: CPU reference: {e}"));
+        let limits = DeviceLimits {
+            max_buffer_bytes,
+            ..DeviceLimits::default()
+        };
+        let compiled = compile_whole_within(&graph, &limits);
+        let parts = &compiled.methods[0].partitions;
+        assert_eq!(parts.len(), 1, "{what}: not delegated whole");
+        let need = parts[0]
+            .payload
+            .requirements
+            .max_storage_buffer_binding_size;
+        assert!(need <= max_buffer_bytes, "{what}: needs {need} bytes");
+        let cap = Requirements {
+            max_storage_buffer_binding_size: max_buffer_bytes,
+            ..Requirements::default()
+        };
+        let _ = backend(); // the adapter check
+        let gpu = MetalBackend::new(DeviceChoice::Auto).with_limit_cap(cap);
+        let got = load_method_on(Arc::new(gpu), &compiled.pte)
+            .execute(inputs)
+            .unwrap_or_else(|e| panic!("{what}: execute: {e}"));
+        assert_eq!(got.len(), expected.len(), "{what}: output count");
+        for (k, (g, e)) in got.iter().zip(&expected).enumerate() {
+            assert_close(g, e, tol, &format!("{what} output {k}"));
+        }
     }
 }
 

@@ -285,6 +285,11 @@ impl Attn {
         })
     }
 
+    /// The most key splits whose partials fit the buffer limit.
+    fn most_splits(&self, lw: &Lowering) -> Result<usize> {
+        lw.scratch_parts(self.nb * self.g.l * (self.g.ev + 2))
+    }
+
     /// The partials buffer of `n` key splits (none for one split).
     fn split(&self, lw: &mut Lowering, n: usize) -> Result<Option<KeySplit>> {
         if n <= 1 {
@@ -301,10 +306,14 @@ impl Attn {
 
 /// How to split `tiles` tiles of `tile` keys over workgroups when only
 /// `groups` workgroups would run: `(splits, keys per split)`, enough
-/// splits for about [`TARGET_GROUPS`] workgroups, each whole tiles.
-fn key_split(groups: usize, tiles: usize, tile: usize) -> (usize, usize) {
+/// splits for about [`TARGET_GROUPS`] workgroups, each whole tiles, and
+/// at most `most` (the partials that fit the buffer limit).
+fn key_split(groups: usize, tiles: usize, tile: usize, most: usize) -> (usize, usize) {
     let tiles = tiles.max(1);
-    let want = TARGET_GROUPS.div_ceil(groups.max(1)).clamp(1, tiles);
+    let want = TARGET_GROUPS
+        .div_ceil(groups.max(1))
+        .min(most)
+        .clamp(1, tiles);
     let per = tiles.div_ceil(want);
     (tiles.div_ceil(per), per * tile)
 }
@@ -371,7 +380,8 @@ fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
     let (rtt, ktt, cpt) = (br / rt, bc / kt, c4.div_ceil(cp));
     // P is [key][row], rows padded so the score stores do not conflict
     let pstride = br + rt;
-    let (nsplit, span) = key_split(a.nb * blocks * slices, s.div_ceil(bc), bc);
+    let most = a.most_splits(lw)?;
+    let (nsplit, span) = key_split(a.nb * blocks * slices, s.div_ceil(bc), bc, most);
     let total = a.nb * blocks * slices * nsplit;
     let split = a.split(lw, nsplit)?;
     let mut kb = a.builder(lw)?;
@@ -592,7 +602,8 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     let Geometry { l, s, e, ev, .. } = a.g;
     let ninf = float_literal(f64::NEG_INFINITY);
     let wg = ROW_WORKGROUP as usize;
-    let (nsplit, span) = key_split(a.nb * l, s.div_ceil(DECODE_CHUNK), DECODE_CHUNK);
+    let most = a.most_splits(lw)?;
+    let (nsplit, span) = key_split(a.nb * l, s.div_ceil(DECODE_CHUNK), DECODE_CHUNK, most);
     let total = a.nb * l * nsplit;
     let split = a.split(lw, nsplit)?;
     let mut kb = a.builder(lw)?;
@@ -818,8 +829,51 @@ impl Geometry {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::lower_inputs as lower_one;
+    use super::super::testing::{input, lower_inputs as lower_one, lower_one_with};
+    use crate::preprocess::PreprocessOptions;
     use etmetal_core::{DType, Op};
+
+    /// 40 query rows over 4096 keys split the keys 128 ways: 204 800
+    /// bytes of partials (40 rows × 128 splits × (8 + 2) f32), more than
+    /// the largest value (k and v, 131 072). Within a 140 000 byte buffer
+    /// limit the keys split 64 ways; every buffer fits.
+    #[test]
+    fn key_split_partials_fit_the_buffer_limit() {
+        let f = DType::F32;
+        let op = Op::Sdpa {
+            is_causal: false,
+            scale: None,
+            enable_gqa: false,
+        };
+        for (limit, splits, largest) in [
+            (PreprocessOptions::default().max_buffer_bytes, 128, 204_800),
+            (140_000, 64, 131_072),
+        ] {
+            let options = PreprocessOptions {
+                max_buffer_bytes: limit,
+                ..PreprocessOptions::default()
+            };
+            let operands = vec![
+                input(f, &[1, 40, 8]),
+                input(f, &[1, 4096, 8]),
+                input(f, &[1, 4096, 8]),
+            ];
+            let p = lower_one_with(op.clone(), operands, &options).unwrap();
+            let parts = p
+                .payload
+                .buffers
+                .iter()
+                .find(|b| b.name.ends_with(".splits"));
+            assert_eq!(
+                parts.map(|b| b.shape[0]),
+                Some(40 * splits * 10),
+                "limit {limit}"
+            );
+            let binding = p.payload.requirements.max_storage_buffer_binding_size;
+            assert_eq!(binding, largest, "limit {limit}");
+            assert!(binding <= limit);
+        }
+    }
 
     #[test]
     fn attention_kernels_validate() {

@@ -347,7 +347,8 @@ fn is_transpose(x: &LazyRef) -> bool {
 mod tests {
     use etmetal_core::{DType, Op};
 
-    use crate::preprocess::kernels::testing::{input, lower_one, weight, Operand};
+    use crate::preprocess::kernels::testing::{input, lower_one, lower_one_with, weight, Operand};
+    use crate::preprocess::PreprocessOptions;
 
     #[test]
     fn products_of_every_form_validate() {
@@ -466,6 +467,44 @@ mod tests {
                 "not split"
             );
         }
+    }
+
+    /// `[160, 1024] @ [1024, 160]` splits `k` 8 ways: 819 200 bytes of
+    /// partial sums, more than its largest value (655 360). Within a
+    /// 700 000 byte buffer limit it splits 4 ways; every buffer fits.
+    #[test]
+    fn split_k_partials_fit_the_buffer_limit() {
+        let f = DType::F32;
+        let lower = |max_buffer_bytes| {
+            let options = PreprocessOptions {
+                max_buffer_bytes,
+                ..PreprocessOptions::default()
+            };
+            let operands = vec![input(f, &[160, 1024]), input(f, &[1024, 160])];
+            lower_one_with(Op::MatMul, operands, &options)
+        };
+        for (limit, splits, largest) in [
+            (PreprocessOptions::default().max_buffer_bytes, 8, 819_200),
+            (700_000, 4, 655_360),
+            (655_360, 4, 655_360),
+        ] {
+            let p = lower(limit).unwrap();
+            let parts = p
+                .payload
+                .buffers
+                .iter()
+                .find(|b| b.name.ends_with(".split_k"));
+            assert_eq!(parts.map(|b| b.shape[0]), Some(splits), "limit {limit}");
+            let binding = p.payload.requirements.max_storage_buffer_binding_size;
+            assert_eq!(binding, largest, "limit {limit}");
+            assert!(binding <= limit);
+        }
+        // a value over the limit (the partitioner keeps it on the CPU) is
+        // a typed error naming it, never a payload that cannot load
+        let e = lower(600_000).unwrap_err();
+        assert_eq!(e.kind(), etmetal_core::ErrorKind::Limit, "{e}");
+        assert!(e.to_string().contains("`in0`"), "{e}");
+        assert!(e.to_string().contains("600000 byte buffer limit"), "{e}");
     }
 
     #[test]

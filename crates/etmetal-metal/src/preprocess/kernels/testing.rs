@@ -32,6 +32,15 @@ pub fn weight(dtype: DType, shape: &[usize]) -> Option<Operand> {
 /// Preprocess the graph of one `op` node over `operands` (`None`: an
 /// absent optional input) as one partition.
 pub fn lower_one(op: Op, operands: Vec<Option<Operand>>) -> Result<Preprocessed> {
+    lower_one_with(op, operands, &PreprocessOptions::default())
+}
+
+/// [`lower_one`] with `options`.
+pub fn lower_one_with(
+    op: Op,
+    operands: Vec<Option<Operand>>,
+    options: &PreprocessOptions,
+) -> Result<Preprocessed> {
     let mut graph = Graph::default();
     let mut part = Partition {
         id: 0,
@@ -74,7 +83,7 @@ pub fn lower_one(op: Op, operands: Vec<Option<Operand>>) -> Result<Preprocessed>
         part.outputs.push(v);
     }
     graph.nodes.push(node);
-    preprocess(&graph, &part, &PreprocessOptions::default())
+    preprocess(&graph, &part, options)
 }
 
 /// [`lower_one`] over user inputs of `(dtype, shape)` (`None`: an empty

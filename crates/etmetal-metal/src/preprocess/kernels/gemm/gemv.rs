@@ -44,8 +44,8 @@ impl Gemv {
     /// `(invocations, columns, splits)` of a workgroup: the most columns
     /// (≤ 4) that keep enough workgroups, `k` split when there still are too
     /// few and each part keeps 128 invocations busy, and enough invocations
-    /// to cover a part of `k` once (at most 128).
-    fn shape(&self) -> (usize, usize, usize) {
+    /// to cover a part of `k` once (at most 128); at most `most` splits.
+    fn shape(&self, most: usize) -> (usize, usize, usize) {
         let cols = [4, 2]
             .into_iter()
             .find(|&c| {
@@ -53,7 +53,7 @@ impl Gemv {
             })
             .unwrap_or(1);
         let groups = (self.n.div_ceil(cols) * self.batch) as u64;
-        let splits = split_k(groups, GEMV_FILL, self.k, 4 * 128, 4);
+        let splits = split_k(groups, GEMV_FILL, self.k, 4 * 128, 4, most);
         let chunks = (self.k / splits).div_ceil(4).max(1);
         let threads = chunks.next_power_of_two().clamp(32, 128);
         (threads, cols, splits)
@@ -63,7 +63,8 @@ impl Gemv {
         if self.m == 0 || self.n == 0 || self.batch == 0 {
             return Ok(());
         }
-        let (threads, cols, splits) = self.shape();
+        let most = SplitK::most(lw, self.batch, self.m, self.n)?;
+        let (threads, cols, splits) = self.shape(most);
         let split = SplitK::new(lw, splits, self.batch, self.m, self.n)?;
         let mut kb = KernelBuilder::new(&lw.buffers);
         let fns = args.k_chunks(&mut kb)? + &split.store(&mut kb, args)?;
@@ -159,7 +160,7 @@ mod tests {
                 n,
                 k,
             }
-            .shape()
+            .shape(usize::MAX)
         };
         // (invocations, columns, splits)
         assert_eq!(gemv(64, 4096), (128, 1, 8));

@@ -20,7 +20,15 @@ impl Gemm {
         }
         let t = self.tile();
         let tiles = self.m.div_ceil(t.bm) as u64 * self.n.div_ceil(t.bn) as u64;
-        let splits = split_k(tiles * self.batch as u64, FILL, self.k, t.bk * 8, t.bk);
+        let most = SplitK::most(lw, self.batch, self.m, self.n)?;
+        let splits = split_k(
+            tiles * self.batch as u64,
+            FILL,
+            self.k,
+            t.bk * 8,
+            t.bk,
+            most,
+        );
         let split = SplitK::new(lw, splits, self.batch, self.m, self.n)?;
         let mut kb = KernelBuilder::new(&lw.buffers);
         let fns = args.elements(&mut kb)? + &split.store(&mut kb, args)?;

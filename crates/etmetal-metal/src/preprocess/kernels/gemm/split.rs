@@ -13,13 +13,25 @@ use crate::preprocess::Lowering;
 
 /// Ways to split `k` among workgroups when `groups` fall short of `fill`:
 /// the fewest of 2, 4, 8 that fill the GPU (else the most) whose parts are
-/// whole multiples of `align` and at least `min_depth` deep; 1 when none.
-pub(super) fn split_k(groups: u64, fill: u64, k: usize, min_depth: usize, align: usize) -> usize {
+/// whole multiples of `align` and at least `min_depth` deep, and no more
+/// than `most` (the partials that fit the buffer limit,
+/// [`SplitK::most`]); 1 when none.
+pub(super) fn split_k(
+    groups: u64,
+    fill: u64,
+    k: usize,
+    min_depth: usize,
+    align: usize,
+    most: usize,
+) -> usize {
     let mut best = 1;
     if groups >= fill {
         return best;
     }
     for s in [2, 4, 8] {
+        if s > most {
+            break;
+        }
         if k.is_multiple_of(s * align) && k / s >= min_depth {
             best = s;
             if groups * s as u64 >= fill {
@@ -42,6 +54,12 @@ pub(super) struct SplitK {
 }
 
 impl SplitK {
+    /// The most splits whose partial sums (`[splits·batch, m, n]` f32) fit
+    /// the buffer limit.
+    pub fn most(lw: &Lowering, batch: usize, m: usize, n: usize) -> Result<usize> {
+        lw.scratch_parts(batch * m * n)
+    }
+
     pub fn new(
         lw: &mut Lowering,
         splits: usize,
@@ -115,11 +133,20 @@ mod tests {
     #[test]
     fn deep_k_is_split_when_tiles_are_few() {
         // BERT-base linears at 128 tokens on 32×32 tiles
-        assert_eq!(split_k(96, 256, 768, 128, 16), 4);
-        assert_eq!(split_k(96, 256, 3072, 128, 16), 4);
-        assert_eq!(split_k(384, 256, 768, 128, 16), 1);
+        let any = usize::MAX;
+        assert_eq!(split_k(96, 256, 768, 128, 16, any), 4);
+        assert_eq!(split_k(96, 256, 3072, 128, 16, any), 4);
+        assert_eq!(split_k(384, 256, 768, 128, 16, any), 1);
         // parts must stay deep and whole slices
-        assert_eq!(split_k(1, 256, 256, 128, 16), 2);
-        assert_eq!(split_k(1, 256, 1000, 128, 16), 1);
+        assert_eq!(split_k(1, 256, 256, 128, 16, any), 2);
+        assert_eq!(split_k(1, 256, 1000, 128, 16, any), 1);
+    }
+
+    #[test]
+    fn splits_stay_within_the_partials_that_fit() {
+        assert_eq!(split_k(25, 256, 1024, 128, 16, usize::MAX), 8);
+        assert_eq!(split_k(25, 256, 1024, 128, 16, 6), 4);
+        assert_eq!(split_k(25, 256, 1024, 128, 16, 3), 2);
+        assert_eq!(split_k(25, 256, 1024, 128, 16, 1), 1);
     }
 }
