@@ -81,8 +81,9 @@ TV_SIZE.update({k: v["image_size"] for k, v in TV_KWARGS.items() if "image_size"
 # matches eager, and so does the GPU with `--skip-op constant_pad`.
 PAD_BLOCKED = "the GPU's constant_pad_nd kernel gets padding after a middle dim wrong (the CPU path matches eager)"
 
-# AlexNet's and VGG's first classifier weights (151 and 411 MB) exceed the
-# 128 MiB a GPU buffer binding may hold (wgpu's default limit, lavapipe's too)
+# AlexNet's and VGG's first classifier weights (151 and 411 MB) and one 1x1
+# convolution of RegNet-Y 128GF (219 MB) exceed the 128 MiB a GPU buffer
+# binding may hold (wgpu's default limit, lavapipe's too)
 BIG_WEIGHT = "byte buffer limit"
 
 
@@ -96,7 +97,7 @@ def torchvision_entries() -> list[Entry]:
         def make(name=name, kwargs=kwargs):
             return m.get_model(name, weights=None, **kwargs)
 
-        big = name == "alexnet" or name.startswith("vgg")
+        big = name in ("alexnet", "regnet_y_128gf") or name.startswith("vgg")
         # Swin pads its windows along H and W
         blocked = PAD_BLOCKED if name.startswith("swin") else None
         out.append(Entry(f"tv_{name}", make, image(TV_SIZE.get(name, 64)), cpu_reason=BIG_WEIGHT if big else None, blocked=blocked))
