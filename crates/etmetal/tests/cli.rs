@@ -1,32 +1,15 @@
 //! The `etmetal` command as a user runs it: outputs on disk, exit codes,
 //! one-line errors.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn etmetal(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_etmetal"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("etmetal-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+#[path = "common/cli.rs"]
+mod cli_util;
+use cli_util::{etmetal, fixture, scratch};
 
 #[test]
 fn run_writes_outputs_that_match_pytorch() {
-    let out = scratch("run");
+    let out = scratch("cli", "run");
     let model = fixture("resblock.pt2");
     let input = fixture("resblock.input_0.npy");
     let res = etmetal(&[
@@ -65,7 +48,7 @@ fn run_writes_outputs_that_match_pytorch() {
 
 #[test]
 fn run_without_inputs_uses_ones() {
-    let out = scratch("ones");
+    let out = scratch("cli", "ones");
     let res = etmetal(&[
         "run",
         fixture("gpt_block.pt2").to_str().unwrap(),
@@ -102,7 +85,7 @@ fn inspect_lists_inputs_weights_and_ops() {
 
 #[test]
 fn bad_input_exits_2_with_one_line() {
-    let dir = scratch("bad");
+    let dir = scratch("cli", "bad");
     let junk = dir.join("junk.pt2");
     std::fs::write(&junk, b"this is not a zip archive").unwrap();
     let wrong = dir.join("wrong.npy");
@@ -139,7 +122,7 @@ fn bad_input_exits_2_with_one_line() {
 
 #[test]
 fn a_pt2_runs_on_the_gpu_or_where_asked() {
-    let out = scratch("pt2-gpu");
+    let out = scratch("cli", "pt2-gpu");
     let model = fixture("mlp.pt2");
     let run = |device: &str| {
         etmetal(&[
@@ -177,7 +160,7 @@ fn a_pt2_runs_on_the_gpu_or_where_asked() {
 
 #[test]
 fn compiled_pte_runs_and_inspects() {
-    let dir = scratch("compile");
+    let dir = scratch("cli", "compile");
     let pte = dir.join("resblock.pte");
     let res = etmetal(&[
         "compile",
@@ -246,7 +229,7 @@ fn worst_error(out: &Path, expected: &str) -> f64 {
 
 #[test]
 fn metal_compile_runs_on_the_gpu_inspects_and_emits_msl() {
-    let dir = scratch("metal");
+    let dir = scratch("cli", "metal");
     let pte = dir.join("mlp.pte");
     let msl = dir.join("msl");
     let res = etmetal(&[
@@ -314,7 +297,7 @@ fn metal_compile_runs_on_the_gpu_inspects_and_emits_msl() {
 
 #[test]
 fn dtype_bf16_compiles_a_float32_model_in_bfloat16() {
-    let dir = scratch("dtype");
+    let dir = scratch("cli", "dtype");
     let pte = dir.join("mlp_bf16.pte");
     let res = etmetal(&[
         "compile",
@@ -354,7 +337,7 @@ fn dtype_bf16_compiles_a_float32_model_in_bfloat16() {
 
 #[test]
 fn partition_modes_and_skipped_ops() {
-    let dir = scratch("partition");
+    let dir = scratch("cli", "partition");
     let pte = dir.join("m.pte");
     // mobile_block has a transposed convolution, which the GPU does not take
     let res = etmetal(&[
@@ -425,7 +408,7 @@ fn partition_modes_and_skipped_ops() {
 
 #[test]
 fn max_buffer_keeps_larger_tensors_on_the_cpu() {
-    let dir = scratch("max_buffer");
+    let dir = scratch("cli", "max_buffer");
     let pte = dir.join("m.pte");
     let compile = |size: &str| {
         etmetal(&[
@@ -509,7 +492,7 @@ fn inspect_of_a_pt2_says_what_the_gpu_would_take() {
 
 #[test]
 fn inspect_opens_with_a_summary_and_lists_everything_when_verbose() {
-    let dir = scratch("inspect");
+    let dir = scratch("cli", "inspect");
     let pte = dir.join("mobile_block.pte");
     // mobile_block: two GPU partitions around a transposed convolution and
     // a max pool with indices, which stay on the CPU

@@ -4,35 +4,16 @@
 //! eager transformers generated greedily from the same prompt.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
+
+#[path = "common/cli.rs"]
+mod cli_util;
+use cli_util::{etmetal, ok, scratch};
 
 fn llm(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/llm")
         .join(name)
-}
-
-fn etmetal(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_etmetal"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout.clone()).unwrap()
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("etmetal-gen-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// The fixture compiled with `backend`, with its `prefill` method or not.
@@ -89,7 +70,7 @@ fn generate(pte: &Path, device: &str, extra: &[&str]) -> Output {
 
 #[test]
 fn greedy_text_matches_eager_transformers_on_the_gpu_and_the_cpu() {
-    let dir = scratch("greedy");
+    let dir = scratch("gen", "greedy");
     let want = std::fs::read_to_string(llm("expected.txt")).unwrap() + "\n";
     for (backend, device) in [("metal", "auto"), ("cpu", "cpu")] {
         for prefill in [true, false] {
@@ -112,7 +93,7 @@ fn greedy_text_matches_eager_transformers_on_the_gpu_and_the_cpu() {
 
 #[test]
 fn sampling_repeats_with_a_seed_and_eos_stops() {
-    let dir = scratch("sample");
+    let dir = scratch("gen", "sample");
     let pte = compile(&dir, "cpu", true);
     let sample = |seed: &str| {
         ok(&generate(
@@ -135,7 +116,7 @@ fn sampling_repeats_with_a_seed_and_eos_stops() {
 
 #[test]
 fn errors_name_what_is_wrong() {
-    let dir = scratch("errors");
+    let dir = scratch("gen", "errors");
     let pte = compile(&dir, "cpu", false);
     let fail = |out: Output, needle: &str| {
         assert_eq!(out.status.code(), Some(2), "{out:?}");

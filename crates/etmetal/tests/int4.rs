@@ -1,21 +1,9 @@
 //! `etmetal compile --quantize int4` as a user runs it (numbers against
 //! PyTorch are in tests/parity/test_int4.py).
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn etmetal(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_etmetal"))
-        .args(args)
-        .output()
-        .unwrap()
-}
+#[path = "common/cli.rs"]
+mod cli_util;
+use cli_util::{etmetal, fixture};
 
 #[test]
 fn quantize_int4_writes_custom_calls_and_reports_skips() {
