@@ -6,9 +6,9 @@ venv="${ETMETAL_VENV:-$HOME/.cache/etmetal/venv}"
 stamp="$venv/.etmetal-ready-torch2.15.0-et1.5.1"
 # Tools added after the stamp was first written: installed into old venvs too.
 # The survey's model libraries (tests/parity/survey.py) come with torch pinned,
-# so pip picks the torchvision built for it.
+# so pip keeps the torchvision built for it; versions as tested.
 # gguf and accelerate: transformers' GGUF loading (tests/parity/test_generate.py).
-extras=("maturin>=1.5,<2" pytest-xdist torch==2.15.0 torchvision transformers timm gguf accelerate)
+extras=("maturin>=1.5,<2" pytest-xdist torch==2.15.0 torchvision==0.29.2 transformers==5.25.0 timm==1.0.31 gguf==0.19.0 accelerate==1.16.0)
 if [ -f "$stamp" ]; then
   if [ ! -x "$venv/bin/maturin" ] \
     || ! "$venv/bin/python" -c "import xdist, torchvision, transformers, timm, gguf, accelerate" 2>/dev/null; then
