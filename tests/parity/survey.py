@@ -29,6 +29,7 @@ FAST = {
     "tv_mobilenet_v3_small",
     "tv_squeezenet1_1",
     "hf_bert",
+    "hf_mobilebert",  # pads after a middle dim on the GPU (a kernel bug once)
     "hf_llama",
     "hf_llama_position_ids",
     "hf_gemma3_text",
@@ -76,11 +77,6 @@ TV_KWARGS = {
 TV_SIZE.update({k: v["image_size"] for k, v in TV_KWARGS.items() if "image_size" in v})
 
 
-# The GPU's constant_pad_nd kernel fills what it pads after a middle dim with a
-# wrong value (F.pad(x, [0, 0, 0, 1]) gives a row of nonzeros); the CPU path
-# matches eager, and so does the GPU with `--skip-op constant_pad`.
-PAD_BLOCKED = "the GPU's constant_pad_nd kernel gets padding after a middle dim wrong (the CPU path matches eager)"
-
 # AlexNet's and VGG's first classifier weights (151 and 411 MB) and one 1x1
 # convolution of RegNet-Y 128GF (219 MB) exceed the 128 MiB a GPU buffer
 # binding may hold (wgpu's default limit, lavapipe's too)
@@ -98,9 +94,7 @@ def torchvision_entries() -> list[Entry]:
             return m.get_model(name, weights=None, **kwargs)
 
         big = name in ("alexnet", "regnet_y_128gf") or name.startswith("vgg")
-        # Swin pads its windows along H and W
-        blocked = PAD_BLOCKED if name.startswith("swin") else None
-        out.append(Entry(f"tv_{name}", make, image(TV_SIZE.get(name, 64)), cpu_reason=BIG_WEIGHT if big else None, blocked=blocked))
+        out.append(Entry(f"tv_{name}", make, image(TV_SIZE.get(name, 64)), cpu_reason=BIG_WEIGHT if big else None))
     return out
 
 
@@ -218,7 +212,6 @@ def transformers_entries() -> list[Entry]:
             "hf_mobilebert",
             hf("MobileBertModel", "MobileBertConfig", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, embedding_size=16, intra_bottleneck_size=16, max_position_embeddings=64),
             tokens(),
-            blocked=PAD_BLOCKED,
         )
     )
     # position_ids instead of a mask: transformers looks for packed sequences (`diff`)

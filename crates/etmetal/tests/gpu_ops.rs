@@ -116,6 +116,13 @@ fn layout_ops_fold_into_reads() {
     })
     .input(x.clone())
     .check(0.0);
+    // padding only after a dim's end, in the middle and last dims (Swin's
+    // `F.pad(x, [0, 0, 0, 1])`): the new rows are the fill value
+    for pad in [vec![0, 0, 0, 1], vec![0, 2], vec![0, 1, 0, 0, 0, 2]] {
+        OpCase::new(Op::ConstantPad { pad, value: -1.5 })
+            .input(x.clone())
+            .check(0.0);
+    }
     OpCase::new(Op::Triangle {
         upper: false,
         diagonal: 1,

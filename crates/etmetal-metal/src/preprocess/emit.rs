@@ -356,7 +356,9 @@ impl<'a> KernelBuilder<'a> {
                 let mut inner = vec![];
                 let mut inside = vec![];
                 for (d, (&n, &b)) in x.shape.iter().zip(before).enumerate() {
-                    if b == 0 {
+                    // a dim padded only after its end (`F.pad(x, [0, 0, 0, 1])`)
+                    // still needs the bounds check: only an unpadded dim reads through
+                    if b == 0 && v.shape[d] == n {
                         inner.push(idx[d].clone());
                         continue;
                     }
