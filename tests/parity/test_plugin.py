@@ -310,19 +310,21 @@ def test_program_without_delegates_runs_on_the_cpu(tmp_path):
 def test_quantize_compile_spec_makes_int4_weights(tmp_path):
     # `generate_quantize_compile_spec` is `etmetal compile --quantize int4`
     # inside ExecuTorch's lowering: the payload's weights are packed int4
-    # (about an eighth of the f32 bytes) and the result is the dequantized
-    # model's, exactly so for weights already on an int4 grid.
+    # (about a sixth of the f32 bytes with scales and zeros; large enough
+    # that the 16 KiB alignment of each named-data entry does not dominate)
+    # and the result is the dequantized model's, exactly so for weights
+    # already on an int4 grid.
     from test_int4 import TOL, snap_int4
 
     torch.manual_seed(0)
-    module = snap_int4(torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)), 32)
-    x = torch.randn(3, 128)
+    module = snap_int4(torch.nn.Sequential(torch.nn.Linear(1024, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)), 32)
+    x = torch.randn(3, 1024)
     want = zoo.eager_outputs(module, (x,))
     specs = [*FORWARD, EtMetalBackend.generate_quantize_compile_spec("int4", 32)]
     float_pte = lower(module, (x,)).buffer
     et = lower(module, (x,), EtMetalPartitioner(specs))
     assert plan_summary(et)[0] == 1
-    assert len(et.buffer) < len(float_pte) * 0.5, (len(et.buffer), len(float_pte))
+    assert len(et.buffer) < len(float_pte) * 0.3, (len(et.buffer), len(float_pte))
     pte = tmp_path / "int4.pte"
     pte.write_bytes(et.buffer)
     program = etm.load(pte)
