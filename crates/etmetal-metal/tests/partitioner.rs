@@ -368,6 +368,26 @@ fn auto_puts_cpu_between_partitions() {
     assert_eq!(p.tag(2).as_deref(), Some("tag1"));
 }
 
+/// `isnan(x)` is `x != x`: a GPU compiler may fold it, so it stays on the
+/// CPU; a comparison of two different values does not.
+#[test]
+fn nan_tests_stay_on_the_cpu() {
+    let mut b = Builder::new();
+    let x = b.input("x");
+    let y = b.input("y");
+    let nan = b.node_typed(Op::Binary(BinaryOp::Ne), &[x, x], DType::Bool);
+    let ne = b.node_typed(Op::Binary(BinaryOp::Ne), &[x, y], DType::Bool);
+    b.output(nan);
+    b.output(ne);
+    let graph = b.graph;
+    let p = partition(&graph, &auto()).unwrap();
+    check(&graph, &p);
+    assert_eq!(p.cpu_nodes.len(), 1, "{:?}", p.cpu_nodes);
+    assert_eq!(p.cpu_nodes[0].0, 0);
+    assert!(p.cpu_nodes[0].1.contains("NaN"), "{}", p.cpu_nodes[0].1);
+    assert_eq!(p.tag(1).as_deref(), Some("tag0"));
+}
+
 #[test]
 fn whole_names_every_unsupported_node() {
     let mut graph = sandwich();

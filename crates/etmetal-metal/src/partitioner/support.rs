@@ -83,6 +83,7 @@ pub fn op_supported(op: &Op) -> Result<(), String> {
 pub fn supports(graph: &Graph, node: &Node, limits: &DeviceLimits) -> Result<(), String> {
     op_supported(&node.op)?;
     fits_i32(&node.op)?;
+    nan_test(graph, node)?;
     let info = |id: etmetal_graph::ValueId| {
         graph
             .values
@@ -139,6 +140,22 @@ pub fn supports(graph: &Graph, node: &Node, limits: &DeviceLimits) -> Result<(),
         }
     }
     dtypes_taken(&node.op, &ins, outs.first().map(|v| v.dtype), limits)
+}
+
+/// `x != x` and `x == x` on floats, how `isnan`, `nan_to_num` and `fmax`
+/// test for NaN: WGSL lets a shader compiler assume floats are never NaN and
+/// fold them to constants, so the test stays on the CPU, where it is exact.
+fn nan_test(graph: &Graph, node: &Node) -> Result<(), String> {
+    if let (Op::Binary(BinaryOp::Ne | BinaryOp::Eq), [Some(a), Some(b)]) =
+        (&node.op, node.inputs.as_slice())
+    {
+        if a == b && graph.values.get(a.0).is_some_and(|v| v.dtype.is_float()) {
+            return Err(
+                "a NaN test (x != x): GPU shader compilers may assume floats are never NaN".into(),
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The storage dtypes of GPU buffers.
