@@ -26,9 +26,13 @@ pub fn infer(graph: &Graph, node: &Node) -> Result<Vec<(DType, Vec<usize>)>> {
         .map_err(|e| e.context(format!("node `{}` ({})", node.name, node.op.name())))
 }
 
-type Out = Vec<(DType, Vec<usize>)>;
+pub(crate) type Out = Vec<(DType, Vec<usize>)>;
 
-fn req<'a>(inputs: &[Option<&'a ValueInfo>], slot: usize, what: &str) -> Result<&'a ValueInfo> {
+pub(crate) fn req<'a>(
+    inputs: &[Option<&'a ValueInfo>],
+    slot: usize,
+    what: &str,
+) -> Result<&'a ValueInfo> {
     inputs
         .get(slot)
         .copied()

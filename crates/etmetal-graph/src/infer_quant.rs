@@ -5,17 +5,8 @@
 use etmetal_core::int4::{check_activation, check_weight};
 use etmetal_core::{DType, Error, Op, Result};
 
+use crate::infer::{req, Out};
 use crate::ir::ValueInfo;
-
-type Out = Vec<(DType, Vec<usize>)>;
-
-fn req<'a>(inputs: &[Option<&'a ValueInfo>], slot: usize, what: &str) -> Result<&'a ValueInfo> {
-    inputs
-        .get(slot)
-        .copied()
-        .flatten()
-        .ok_or_else(|| Error::shape(format!("input {slot} ({what}) is missing")))
-}
 
 fn spec(v: &ValueInfo) -> (DType, &[usize]) {
     (v.dtype, v.shape.as_slice())
