@@ -109,6 +109,19 @@ pub fn execute(
     inputs: &[Option<&Tensor>],
     outputs: &[(DType, Vec<usize>)],
 ) -> Result<Vec<Tensor>> {
+    execute_bounded(op, inputs, outputs, &[])
+}
+
+/// [`execute`] where `bounded[i]` marks output `i`'s expected shape as an
+/// upper bound (a dynamic tensor planned at its largest): its computed
+/// shape must have the same rank and no dim above the bound. Outputs
+/// beyond `bounded` are exact.
+pub fn execute_bounded(
+    op: &Op,
+    inputs: &[Option<&Tensor>],
+    outputs: &[(DType, Vec<usize>)],
+    bounded: &[bool],
+) -> Result<Vec<Tensor>> {
     let ctx = Ctx {
         op,
         inputs,
@@ -124,11 +137,18 @@ pub fn execute(
         )));
     }
     for (i, (t, (dtype, shape))) in results.iter().zip(outputs).enumerate() {
-        if t.shape() != shape.as_slice() {
+        let got = t.shape();
+        if bounded.get(i).copied().unwrap_or(false) {
+            if got.len() != shape.len() || got.iter().zip(shape).any(|(g, b)| g > b) {
+                return Err(Error::shape(format!(
+                    "{}: output {i} computed shape {got:?}, outside its upper bound {shape:?}",
+                    op.name()
+                )));
+            }
+        } else if got != shape.as_slice() {
             return Err(Error::shape(format!(
-                "{}: output {i} expected shape {shape:?}, computed {:?}",
-                op.name(),
-                t.shape()
+                "{}: output {i} expected shape {shape:?}, computed {got:?}",
+                op.name()
             )));
         }
         if t.dtype() != *dtype {

@@ -386,6 +386,22 @@ fn check_tensor(t: &Tensor, plan: &ExecutionPlan, path: &str, data: &DataChecker
             ),
         );
     }
+    let constant = t.allocation_info.is_none()
+        && (t.data_buffer_idx > 0
+            || t.extra_tensor_info
+                .as_ref()
+                .is_some_and(|e| e.location == TensorDataLocation::External));
+    if constant && t.shape_dynamism != TensorShapeDynamism::Static {
+        // ExecuTorch's emitter writes constants static; their bytes are
+        // sized for `sizes`, which a dynamic shape would change
+        return fail(
+            path,
+            format!(
+                "a constant tensor (sizes {:?}) marked {:?}",
+                t.sizes, t.shape_dynamism
+            ),
+        );
+    }
     if let Some(a) = &t.allocation_info {
         let sizes = &plan.non_const_buffer_sizes;
         // memory_id is 1-based (buffer 0 stands for constants): ExecuTorch

@@ -7,13 +7,20 @@
 //! the method then tracks which copy is current, so the host copy is
 //! written into the device only after a reset or [`Method::write_state`],
 //! and read back only by [`Method::read_state`].
+//!
+//! Dynamic shapes (ExecuTorch's `DYNAMIC_BOUND`): inputs may be smaller
+//! than their planned bound; symbolic-int calls (`sym_size`,
+//! `executorch_prim::*`) compute `Int`s at run time, and every kernel call
+//! that reads a dynamic tensor or such an `Int` is decoded again at each
+//! execute, so its op runs at the actual sizes and its outputs take the
+//! shapes it computes (within their bounds).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use etmetal_core::dtype::{result_type, Operand as Promoted};
 use etmetal_core::{check_inputs, DType, Error, Op, Result, Scalar, Tensor, TensorSpec};
-use etmetal_pte::kernels::{decode_call, DecodedCall};
-use etmetal_pte::{EValue, Instruction, PteFile};
+use etmetal_pte::kernels::{decode_call, decode_sym, DecodedCall, SymCall};
+use etmetal_pte::{EValue, Instruction, Operator, PteFile};
 
 use crate::backend::{BackendRegistry, DelegateArg, DelegateHandle};
 use crate::values::{Slot, Values};
@@ -28,7 +35,10 @@ struct PreparedOp {
     op: Op,
     inputs: Vec<Option<Operand>>,
     outputs: Vec<usize>,
+    /// Each output's dtype and planned shape (for a dynamic one, its bound).
     specs: Vec<(DType, Vec<usize>)>,
+    /// Which outputs are dynamic: their shape is the one the kernel computes.
+    bounded: Vec<bool>,
 }
 
 /// An instruction of the chain, ready to run (kernels looked up, delegates
@@ -37,6 +47,18 @@ enum PreparedInstruction {
     Kernel {
         name: String,
         ops: Vec<PreparedOp>,
+    },
+    /// A kernel call that reads dynamic shapes or run-time `Int`s, decoded
+    /// at each execute.
+    DynamicKernel {
+        name: String,
+        operator: Operator,
+        args: Vec<i32>,
+    },
+    /// A symbolic-int call.
+    Sym {
+        name: String,
+        call: SymCall,
     },
     Delegate {
         id: String,
@@ -89,11 +111,56 @@ fn as_scalar(e: &EValue) -> Option<Scalar> {
 }
 
 fn spec(values: &Values, v: usize) -> Result<TensorSpec> {
-    let t = values.tensor_slot(v)?;
-    Ok(TensorSpec {
-        dtype: t.dtype,
-        shape: t.shape.clone(),
+    Ok(values.tensor_slot(v)?.spec())
+}
+
+/// Whether a kernel call reads a dynamic tensor or a run-time scalar, in
+/// its arguments or the items of its list arguments.
+fn reads_dynamic(values: &Values, args: &[i32], runtime: &BTreeSet<usize>) -> bool {
+    let dynamic = |v: usize| {
+        runtime.contains(&v) || matches!(values.get(v), Ok(Slot::Tensor(t)) if t.dynamic)
+    };
+    args.iter().any(|&a| {
+        let v = a as usize;
+        dynamic(v)
+            || match values.table().get(v) {
+                Some(EValue::IntList(items)) => items.iter().any(|&i| dynamic(i as usize)),
+                Some(EValue::TensorList(items) | EValue::OptionalTensorList(items)) => {
+                    items.iter().any(|&i| i >= 0 && dynamic(i as usize))
+                }
+                _ => false,
+            }
     })
+}
+
+/// Run a symbolic-int call: the tensor sizes it reads are current ones.
+fn run_sym(values: &mut Values, call: &SymCall) -> Result<()> {
+    let scalar = |v: usize| match values.get(v)? {
+        Slot::Value(e) => {
+            as_scalar(e).ok_or_else(|| Error::format(format!("value {v} is {e:?}, not a scalar")))
+        }
+        Slot::Tensor(_) => Err(Error::format(format!(
+            "value {v} is a tensor, not a scalar"
+        ))),
+    };
+    let result = match call {
+        SymCall::Size { tensor, dim, .. } => {
+            let shape = &values.tensor_slot(*tensor)?.shape;
+            let d = etmetal_core::shape::normalize_dim(*dim, shape.len())?;
+            Scalar::Int(shape[d] as i64)
+        }
+        SymCall::Numel { tensor, .. } => {
+            Scalar::Int(etmetal_core::shape::numel(&values.tensor_slot(*tensor)?.shape)? as i64)
+        }
+        SymCall::Prim { op, operands, .. } => {
+            let x = operands
+                .iter()
+                .map(|&v| scalar(v))
+                .collect::<Result<Vec<_>>>()?;
+            op.eval(&x)?
+        }
+    };
+    values.set_scalar(call.out(), result)
 }
 
 impl Method {
@@ -104,7 +171,9 @@ impl Method {
         max_arena_bytes: u64,
     ) -> Result<Method> {
         let p = &file.program.execution_plan[plan];
-        let values = Values::new(file, plan, max_arena_bytes)?;
+        let mut values = Values::new(file, plan, max_arena_bytes)?;
+        // values that symbolic-int calls write
+        let mut runtime = BTreeSet::new();
         let io = |list: &[i32], what: &str| -> Result<Vec<(usize, TensorSpec)>> {
             list.iter()
                 .enumerate()
@@ -138,10 +207,23 @@ impl Method {
                 Instruction::KernelCall(c) => {
                     let operator = &p.operators[c.op_index as usize];
                     let name = operator.qualified_name();
+                    if let Some(call) = decode_sym(&p.values, operator, &c.args) {
+                        let call = call.map_err(at)?;
+                        // at load the dynamic tensors have their bound
+                        // shapes: the Ints are those of the largest inputs,
+                        // which the calls decoded below see
+                        run_sym(&mut values, &call).map_err(|e| {
+                            at(e.context(format!("kernel {name} at the upper bounds")))
+                        })?;
+                        runtime.insert(call.out());
+                        steps.push(PreparedInstruction::Sym { name, call });
+                        continue;
+                    }
                     let DecodedCall {
                         ops,
                         unwritten: left,
-                    } = decode_call(&p.values, operator, &c.args).map_err(at)?;
+                    } = decode_call(values.table(), operator, &c.args).map_err(at)?;
+                    let dynamic = reads_dynamic(&values, &c.args, &runtime);
                     let ops = ops
                         .into_iter()
                         .map(|d| Method::prepare(&values, d.op, &d.inputs, d.outputs))
@@ -164,7 +246,15 @@ impl Method {
                     for v in left {
                         unwritten.insert(v, name.clone());
                     }
-                    PreparedInstruction::Kernel { name, ops }
+                    if dynamic {
+                        PreparedInstruction::DynamicKernel {
+                            name,
+                            operator: operator.clone(),
+                            args: c.args.clone(),
+                        }
+                    } else {
+                        PreparedInstruction::Kernel { name, ops }
+                    }
                 }
                 Instruction::DelegateCall(c) => {
                     let d = &p.delegates[c.delegate_index as usize];
@@ -280,11 +370,16 @@ impl Method {
             .iter()
             .map(|&v| spec(values, v).map(|s| (s.dtype, s.shape)))
             .collect::<Result<Vec<_>>>()?;
+        let bounded = outputs
+            .iter()
+            .map(|&v| values.tensor_slot(v).map(|t| t.dynamic))
+            .collect::<Result<Vec<_>>>()?;
         Ok(PreparedOp {
             op,
             inputs,
             outputs,
             specs,
+            bounded,
         })
     }
 
@@ -371,7 +466,9 @@ impl Method {
     }
 
     /// Run the method. Inputs must match [`Method::input_specs`] in count,
-    /// dtype and shape; float32 given for a bfloat16 input is rounded.
+    /// dtype and shape (a dynamic dim: any size up to its bound); float32
+    /// given for a bfloat16 input is rounded. Outputs have their actual
+    /// shapes.
     pub fn execute(&mut self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>> {
         let specs: Vec<TensorSpec> = self.inputs.iter().map(|(_, s)| s.clone()).collect();
         let inputs = check_inputs(&specs, inputs)
@@ -408,11 +505,32 @@ impl Method {
     fn step(&mut self, pc: usize) -> Result<usize> {
         let values = &mut self.values;
         let states = &mut self.states;
+        if let PreparedInstruction::Delegate {
+            id, args, outputs, ..
+        } = &self.steps[pc]
+        {
+            static_delegate_args(values, id, args, *outputs)?;
+        }
         match &mut self.steps[pc] {
             PreparedInstruction::Kernel { name, ops } => {
                 for o in ops.iter() {
                     run_op(values, o).map_err(|e| e.context(format!("kernel {name}")))?;
                 }
+            }
+            PreparedInstruction::DynamicKernel {
+                name,
+                operator,
+                args,
+            } => {
+                let at = |e: Error| e.context(format!("kernel {name}"));
+                let call = decode_call(values.table(), operator, args).map_err(at)?;
+                for d in call.ops {
+                    let o = Method::prepare(values, d.op, &d.inputs, d.outputs).map_err(at)?;
+                    run_op(values, &o).map_err(at)?;
+                }
+            }
+            PreparedInstruction::Sym { name, call } => {
+                run_sym(values, call).map_err(|e| e.context(format!("kernel {name}")))?
             }
             PreparedInstruction::Delegate {
                 id,
@@ -484,6 +602,24 @@ fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
             return Ok(());
         }
     }
+    // a view planned on its input's bytes (ExecuTorch's `et_view`) only
+    // takes its shape
+    if let (Op::Reshape { shape }, [Some(Operand::Value(x))], [y]) =
+        (&o.op, o.inputs.as_slice(), o.outputs.as_slice())
+    {
+        if values.same_start(*x, *y) {
+            let from = &values.tensor_slot(*x)?.shape;
+            if etmetal_core::shape::numel(from)? != etmetal_core::shape::numel(shape)? {
+                return Err(Error::shape(format!(
+                    "cannot view value {x} of shape {from:?} as {shape:?}"
+                )));
+            }
+            return values.set_shape(*y, shape);
+        }
+    }
+    // a dynamic output's shape is known once the kernel has run: the
+    // reference kernels compute it
+    let dynamic = o.bounded.iter().any(|&b| b);
     let reads: Vec<Option<usize>> = o
         .inputs
         .iter()
@@ -492,7 +628,12 @@ fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
             _ => None,
         })
         .collect();
-    if let Some((mut ins, mut outs)) = values.views(&reads, &o.outputs)? {
+    let fast = if dynamic {
+        None
+    } else {
+        values.views(&reads, &o.outputs)?
+    };
+    if let Some((mut ins, mut outs)) = fast {
         for (view, operand) in ins.iter_mut().zip(&o.inputs) {
             if let Some(Operand::Scalar(t)) = operand {
                 *view = Some(etmetal_cpu::View::of(t));
@@ -518,7 +659,7 @@ fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
         })
         .collect::<Result<Vec<_>>>()?;
     let refs: Vec<Option<&Tensor>> = owned.iter().map(Option::as_ref).collect();
-    let results = etmetal_cpu::execute(&o.op, &refs, &o.specs)?;
+    let results = etmetal_cpu::execute_bounded(&o.op, &refs, &o.specs, &o.bounded)?;
     for (&v, t) in o.outputs.iter().zip(&results) {
         values.write(v, t)?;
     }
@@ -580,6 +721,8 @@ fn resident_state(
                     .iter()
                     .enumerate()
                     .any(|(p, &a)| a == v && (k, p) != (keeper, position)),
+                PreparedInstruction::DynamicKernel { args, .. } => args.contains(&(v as i32)),
+                PreparedInstruction::Sym { .. } => false,
                 PreparedInstruction::Move { from, to } => *from == v || *to == v,
                 PreparedInstruction::JumpFalse { cond, .. } => *cond == v,
                 PreparedInstruction::Free => false,
@@ -590,6 +733,37 @@ fn resident_state(
                  but other instructions or the method's inputs/outputs use it"
             )));
         }
+    }
+    Ok(())
+}
+
+/// The GPU delegate runs the static shapes it was compiled for: a dynamic
+/// input must be at its bound (an error otherwise), and a dynamic output
+/// takes it.
+fn static_delegate_args(
+    values: &mut Values,
+    id: &str,
+    args: &[usize],
+    outputs: usize,
+) -> Result<()> {
+    let inputs = args.len().saturating_sub(outputs);
+    for (k, &v) in args.iter().enumerate() {
+        let Ok(t) = values.tensor_slot(v) else {
+            continue;
+        };
+        if !t.dynamic || t.shape == t.bound {
+            continue;
+        }
+        if k < inputs {
+            return Err(Error::unsupported(format!(
+                "delegate `{id}` was compiled for the static shape {:?} of its input {k} \
+                 (value {v}), which is {:?} in this execute; the GPU delegate takes static \
+                 shapes only",
+                t.bound, t.shape
+            )));
+        }
+        let bound = t.bound.clone();
+        values.set_shape(v, &bound)?;
     }
     Ok(())
 }

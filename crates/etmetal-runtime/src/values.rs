@@ -2,8 +2,14 @@
 //! offsets, so values that ExecuTorch lets alias share bytes), in the mapped
 //! file (constants), or, when unplanned, as owned tensors; everything else
 //! is the program's `EValue`.
+//!
+//! A dynamic tensor (`DYNAMIC_BOUND`) is planned at its upper bound and
+//! carries its current shape, set by each write within that bound. The
+//! values also keep the program's `EValue` table with current shapes and
+//! the `Int`s computed at run time, from which the calls that depend on them
+//! are decoded at every execute.
 
-use etmetal_core::{DType, Error, Result, Tensor};
+use etmetal_core::{DType, Error, Result, Scalar, Tensor, TensorSpec};
 use etmetal_cpu::{View, ViewMut};
 use etmetal_pte::{EValue, PteFile, TensorDataLocation, TensorShapeDynamism};
 
@@ -16,8 +22,27 @@ enum Place {
 
 pub(crate) struct TensorSlot {
     pub dtype: DType,
+    /// The current shape; a static tensor's never changes.
     pub shape: Vec<usize>,
+    /// The planned shape: for a dynamic tensor, the upper bound of each dim.
+    pub bound: Vec<usize>,
+    pub dynamic: bool,
     place: Place,
+}
+
+impl TensorSlot {
+    /// What the tensor may hold: its shape, or its bound per dim.
+    pub fn spec(&self) -> TensorSpec {
+        TensorSpec {
+            dtype: self.dtype,
+            shape: self.bound.clone(),
+            dynamic: if self.dynamic {
+                vec![true; self.bound.len()]
+            } else {
+                vec![]
+            },
+        }
+    }
 }
 
 pub(crate) enum Slot {
@@ -28,6 +53,9 @@ pub(crate) enum Slot {
 /// Every value of a method plus the arenas that back its planned tensors.
 pub(crate) struct Values {
     slots: Vec<Slot>,
+    /// The plan's values with current shapes and run-time `Int`s (see the
+    /// module docs); changed only with `slots`.
+    table: Vec<EValue>,
     /// Indexed by `memory_id`; entry 0 (ExecuTorch's constant placeholder) is empty.
     arenas: Vec<Arena>,
     /// Planned tensors with an initial value (mutable buffers: state kept
@@ -172,6 +200,7 @@ impl Values {
         }
         let mut values = Values {
             slots,
+            table: p.values.clone(),
             arenas,
             initial,
             fqns,
@@ -215,13 +244,18 @@ impl Values {
                 t.dim_order
             )));
         }
-        if t.shape_dynamism != TensorShapeDynamism::Static {
-            return Err(Error::unsupported(format!(
-                "{}: dynamic shape {:?}",
-                at(),
-                t.shape_dynamism
-            )));
-        }
+        let dynamic = match t.shape_dynamism {
+            TensorShapeDynamism::Static => false,
+            TensorShapeDynamism::DynamicBound => true,
+            TensorShapeDynamism::DynamicUnbound => {
+                return Err(Error::unsupported(format!(
+                    "{}: an unbounded dynamic shape (DYNAMIC_UNBOUND, sizes {:?}); etmetal \
+                     runs dynamic shapes with an upper bound only (torch.export Dim with max=)",
+                    at(),
+                    t.sizes
+                )))
+            }
+        };
         if t.extra_tensor_info
             .as_ref()
             .is_some_and(|e| e.location == TensorDataLocation::External)
@@ -253,7 +287,9 @@ impl Values {
         };
         Ok(Slot::Tensor(TensorSlot {
             dtype: t.scalar_type,
+            bound: shape.clone(),
             shape,
+            dynamic,
             place,
         }))
     }
@@ -301,22 +337,82 @@ impl Values {
         }
     }
 
-    /// Store `tensor` as value `v`: dtype and shape must be the value's.
-    pub fn write(&mut self, v: usize, tensor: &Tensor) -> Result<()> {
+    /// The program's values with current shapes and run-time scalars.
+    pub fn table(&self) -> &[EValue] {
+        &self.table
+    }
+
+    /// Give dynamic tensor `v` the shape `shape`, which must lie within its
+    /// bound (a static tensor keeps its shape).
+    pub fn set_shape(&mut self, v: usize, shape: &[usize]) -> Result<()> {
         let Some(Slot::Tensor(t)) = self.slots.get_mut(v) else {
+            return Err(Error::format(format!("value {v} is not a tensor")));
+        };
+        if t.shape == shape {
+            return Ok(());
+        }
+        if let Some(why) = t.spec().mismatch(shape) {
+            return Err(Error::shape(format!(
+                "value {v} ({}): {why}",
+                if t.dynamic {
+                    "dynamic, planned at its bound"
+                } else {
+                    "static"
+                }
+            )));
+        }
+        t.shape = shape.to_vec();
+        if let Some(EValue::Tensor(e)) = self.table.get_mut(v) {
+            e.sizes = shape.iter().map(|&s| s as i32).collect();
+        }
+        Ok(())
+    }
+
+    /// Store scalar `s` as value `v` (the result of a symbolic-int call).
+    pub fn set_scalar(&mut self, v: usize, s: Scalar) -> Result<()> {
+        let e = match s {
+            Scalar::Int(i) => EValue::Int(i),
+            Scalar::Float(f) => EValue::Double(f),
+            Scalar::Bool(b) => EValue::Bool(b),
+        };
+        match self.slots.get_mut(v) {
+            Some(Slot::Value(slot @ (EValue::Int(_) | EValue::Double(_) | EValue::Bool(_)))) => {
+                *slot = e.clone();
+                self.table[v] = e;
+                Ok(())
+            }
+            Some(other) => Err(Error::format(format!(
+                "value {v} is {}, not an Int, Double or Bool to write a scalar into",
+                match other {
+                    Slot::Tensor(_) => "a tensor".to_string(),
+                    Slot::Value(e) => format!("{e:?}"),
+                }
+            ))),
+            None => Err(Error::format(format!("value {v} does not exist"))),
+        }
+    }
+
+    /// Store `tensor` as value `v`: dtype must be the value's, and shape
+    /// too (for a dynamic tensor: within its bound, which it then takes).
+    pub fn write(&mut self, v: usize, tensor: &Tensor) -> Result<()> {
+        let Some(Slot::Tensor(t)) = self.slots.get(v) else {
             return Err(Error::format(format!(
                 "value {v} is not a tensor and cannot be written"
             )));
         };
-        if tensor.dtype() != t.dtype || tensor.shape() != t.shape.as_slice() {
+        if tensor.dtype() != t.dtype {
             return Err(Error::shape(format!(
-                "value {v} is {} {:?}, the result is {} {:?}",
+                "value {v} is {} {}, the result is {} {:?}",
                 t.dtype,
-                t.shape,
+                t.spec().shape_text(),
                 tensor.dtype(),
                 tensor.shape()
             )));
         }
+        self.set_shape(v, tensor.shape())?;
+        let Some(Slot::Tensor(t)) = self.slots.get_mut(v) else {
+            unreachable!("checked to be a tensor above");
+        };
         match &mut t.place {
             Place::Constant(_) => Err(Error::format(format!(
                 "value {v} is a constant and cannot be written"
@@ -339,17 +435,23 @@ impl Values {
         }
     }
 
-    /// Whether `a` and `b` are the same bytes of planned memory with the
-    /// same dtype and shape.
-    pub fn same_tensor(&self, a: usize, b: usize) -> bool {
+    /// Whether `a` and `b` start at the same byte of planned memory with
+    /// the same dtype (a view ExecuTorch planned in place).
+    pub fn same_start(&self, a: usize, b: usize) -> bool {
         match (self.slots.get(a), self.slots.get(b)) {
             (Some(Slot::Tensor(x)), Some(Slot::Tensor(y))) => {
                 matches!((&x.place, &y.place), (Place::Arena { memory: m, offset: o }, Place::Arena { memory: n, offset: p }) if m == n && o == p)
                     && x.dtype == y.dtype
-                    && x.shape == y.shape
             }
             _ => false,
         }
+    }
+
+    /// Whether `a` and `b` are the same bytes of planned memory with the
+    /// same dtype and shape.
+    pub fn same_tensor(&self, a: usize, b: usize) -> bool {
+        self.same_start(a, b)
+            && matches!((self.slots.get(a), self.slots.get(b)), (Some(Slot::Tensor(x)), Some(Slot::Tensor(y))) if x.shape == y.shape)
     }
 
     /// Tensors `inputs` read in place and `outputs` written in place, for
@@ -478,7 +580,8 @@ impl Values {
                 let e = e.clone();
                 match self.slots.get_mut(to) {
                     Some(slot @ Slot::Value(_)) => {
-                        *slot = Slot::Value(e);
+                        *slot = Slot::Value(e.clone());
+                        self.table[to] = e;
                         Ok(())
                     }
                     _ => Err(Error::format(format!(

@@ -273,9 +273,11 @@ fn step_shape(model: &Model, method: &str) -> Result<(usize, usize)> {
         [TensorSpec {
             dtype: DType::I64,
             shape: tokens,
+            ..
         }, TensorSpec {
             dtype: DType::I64,
             shape: positions,
+            ..
         }] if tokens.len() == 2 && tokens[0] == 1 && positions.as_slice() == [tokens[1]] => {
             tokens[1]
         }

@@ -133,6 +133,7 @@ impl Model {
                 .map(|v| TensorSpec {
                     dtype: g.value(v).dtype,
                     shape: g.value(v).shape.clone(),
+                    dynamic: vec![],
                 })
                 .collect()),
             Program::Pte { methods, .. } => Ok(methods[self.method_index(name)?].output_specs()),
@@ -273,6 +274,7 @@ fn graph_inputs(graph: &Graph) -> Vec<TensorSpec> {
         .map(|v| TensorSpec {
             dtype: graph.value(v).dtype,
             shape: graph.value(v).shape.clone(),
+            dynamic: vec![],
         })
         .collect()
 }

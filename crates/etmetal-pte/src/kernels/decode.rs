@@ -20,7 +20,7 @@ use etmetal_core::{
 };
 
 use super::Decoded;
-use crate::schema::{EValue, Operator, Tensor};
+use crate::schema::{EValue, Operator, Tensor, TensorShapeDynamism};
 
 mod custom;
 
@@ -140,6 +140,21 @@ impl<'a> Args<'a> {
 
     fn dtype(&self, pos: usize) -> Result<DType> {
         Ok(self.meta(pos)?.scalar_type)
+    }
+
+    /// The shape of the out tensor at `out`: its sizes when static; when it
+    /// is planned at an upper bound (`DYNAMIC_BOUND`), `actual` computes it
+    /// from the call's arguments and the inputs' current shapes.
+    fn out_shape(
+        &self,
+        out: usize,
+        actual: impl FnOnce() -> Result<Vec<usize>>,
+    ) -> Result<Vec<usize>> {
+        if self.meta(out)?.shape_dynamism == TensorShapeDynamism::Static {
+            self.shape(out)
+        } else {
+            actual()
+        }
     }
 
     /// `Tensor?`: `None` for `Null`.
@@ -386,19 +401,44 @@ fn contiguous_dim_order(a: &Args, pos: usize) -> Result<()> {
     Ok(())
 }
 
-/// One slice per output of a split along `dim`.
-fn split(a: &Args, dim: usize, pieces: &[usize]) -> Result<DecodedCall> {
+/// One slice per output of a split along `dim`; `lens(size)` gives the
+/// pieces' lengths when the outputs are dynamic (planned at a bound).
+fn split(
+    a: &Args,
+    dim: usize,
+    pieces: &[usize],
+    lens: impl Fn(usize) -> Result<Vec<usize>>,
+) -> Result<DecodedCall> {
     let x = a.tensor(0)?;
     let size = *a.shape(0)?.get(dim).unwrap_or(&1);
+    let dynamic = pieces.iter().any(|&out| {
+        matches!(&a.values[out], EValue::Tensor(t) if t.shape_dynamism != TensorShapeDynamism::Static)
+    });
+    let lens = if dynamic {
+        let lens = lens(size)?;
+        if lens.len() != pieces.len() {
+            return Err(Error::shape(format!(
+                "a split of {size} elements into {} pieces has {} outputs",
+                lens.len(),
+                pieces.len()
+            )));
+        }
+        lens
+    } else {
+        pieces
+            .iter()
+            .map(|&out| {
+                let len = a.values.get(out).and_then(|v| match v {
+                    EValue::Tensor(t) => t.sizes.get(dim).map(|&s| s.max(0) as usize),
+                    _ => None,
+                });
+                len.ok_or_else(|| Error::format(format!("split output {out} has no dim {dim}")))
+            })
+            .collect::<Result<Vec<_>>>()?
+    };
     let mut start = 0usize;
     let mut ops = Vec::new();
-    for &out in pieces {
-        let len = a.values.get(out).and_then(|v| match v {
-            EValue::Tensor(t) => t.sizes.get(dim).map(|&s| s.max(0) as usize),
-            _ => None,
-        });
-        let len =
-            len.ok_or_else(|| Error::format(format!("split output {out} has no dim {dim}")))?;
+    for (&out, len) in pieces.iter().zip(lens) {
         let end = start.saturating_add(len);
         if end > size {
             return Err(Error::shape(format!(
@@ -438,25 +478,81 @@ fn reduce(
     )
 }
 
-/// `Full` of the out tensor's shape and dtype.
-fn full(a: &Args, value: Scalar, out: usize) -> Result<DecodedCall> {
+/// `Full` of the out tensor's shape and dtype; `size` is the argument
+/// holding the shape (`None`: the shape of `self`, argument 0).
+fn full(a: &Args, value: Scalar, size: Option<usize>, out: usize) -> Result<DecodedCall> {
     let op = Op::Full {
-        shape: a.shape(out)?,
+        shape: a.out_shape(out, || match size {
+            Some(pos) => a.sizes(pos),
+            None => a.shape(0),
+        })?,
         value,
         dtype: a.dtype(out)?,
     };
     one(op, vec![], vec![a.tensor(out)?])
 }
 
-/// The same elements under the out tensor's shape.
-fn reshape(a: &Args, out: usize) -> Result<DecodedCall> {
+/// The same elements under the out tensor's shape; when that is dynamic,
+/// `actual(input shape)` computes it.
+fn reshape(
+    a: &Args,
+    out: usize,
+    actual: impl FnOnce(&[usize]) -> Result<Vec<usize>>,
+) -> Result<DecodedCall> {
     one(
         Op::Reshape {
-            shape: a.shape(out)?,
+            shape: a.out_shape(out, || actual(&a.shape(0)?))?,
         },
         vec![Some(a.tensor(0)?)],
         vec![a.tensor(out)?],
     )
+}
+
+/// `view(size)`: `size` with at most one `-1`, which takes what the other
+/// dims leave of the input's elements.
+fn view_shape(size: &[i64], input: &[usize]) -> Result<Vec<usize>> {
+    let numel: usize = input.iter().product();
+    let known: i64 = size.iter().filter(|&&s| s != -1).product();
+    let free = size.iter().filter(|&&s| s == -1).count();
+    let bad = || {
+        Error::shape(format!(
+            "cannot view a tensor of shape {input:?} as {size:?}"
+        ))
+    };
+    if size.iter().any(|&s| s < -1) || free > 1 {
+        return Err(bad());
+    }
+    let shape: Vec<usize> = size
+        .iter()
+        .map(|&s| match s {
+            -1 if known > 0 => numel / known as usize,
+            -1 => 0,
+            s => s as usize,
+        })
+        .collect();
+    if shape.iter().product::<usize>() != numel {
+        return Err(bad());
+    }
+    Ok(shape)
+}
+
+/// `expand(size)`: `size` aligned right with the input; `-1` keeps a dim.
+fn expand_shape(size: &[i64], input: &[usize]) -> Result<Vec<usize>> {
+    let lead = size.len().checked_sub(input.len()).ok_or_else(|| {
+        Error::shape(format!(
+            "cannot expand shape {input:?} to fewer dims {size:?}"
+        ))
+    })?;
+    size.iter()
+        .enumerate()
+        .map(|(i, &s)| match (s, i.checked_sub(lead)) {
+            (-1, Some(d)) => Ok(input[d]),
+            (s, _) if s >= 0 => Ok(s as usize),
+            _ => Err(Error::shape(format!(
+                "cannot expand shape {input:?} to {size:?}"
+            ))),
+        })
+        .collect()
 }
 
 /// A pooling call's `(kernel_size, stride)` at arguments 1 and 2; an empty
@@ -504,9 +600,14 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
                 contiguous_dim_order(a, 2)?;
                 one(Op::Identity, vec![Some(a.tensor(0)?)], vec![a.tensor(3)?])
             }
+            // (self, size, out): a view, `out` planned at `self`'s bytes;
+            // ExecuTorch emits it for the view/reshape of a dynamic tensor
+            ("executorch_prim::et_view", "default" | "") => {
+                reshape(a, 2, |x| view_shape(&a.ints(1)?, x))
+            }
             ("dim_order_ops::_empty_dim_order", "out") => {
                 contiguous_dim_order(a, 1)?;
-                full(a, Scalar::Int(0), 2)
+                full(a, Scalar::Int(0), Some(0), 2)
             }
             _ => custom::decode(a, name, overload).unwrap_or_else(|| Err(unsupported(a))),
         };
@@ -939,9 +1040,25 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
 
         // ---- layout (shapes are the out tensor's: `-1` sizes are resolved there)
         // (self, size, out)
-        ("view_copy", "out") => reshape(a, 2),
+        ("view_copy", "out") => reshape(a, 2, |x| view_shape(&a.ints(1)?, x)),
         // (self, dim | dims, out)
-        ("squeeze_copy", "dim_out" | "dims_out") | ("unsqueeze_copy", "out") => reshape(a, 2),
+        ("squeeze_copy", "dim_out" | "dims_out") => reshape(a, 2, |x| {
+            let dims = match overload {
+                "dim_out" => vec![a.int(1)?],
+                _ => a.ints(1)?,
+            };
+            let dims = a.dims(&dims, 0)?;
+            Ok(x.iter()
+                .enumerate()
+                .filter(|&(d, &s)| !(s == 1 && dims.contains(&d)))
+                .map(|(_, &s)| s)
+                .collect())
+        }),
+        ("unsqueeze_copy", "out") => reshape(a, 2, |x| {
+            let mut shape = x.to_vec();
+            shape.insert(normalize_dim(a.int(1)?, x.len() + 1)?, 1);
+            Ok(shape)
+        }),
         // (self, dims, out)
         ("permute_copy", "out") => {
             let dims = a.dims(&a.ints(1)?, 0)?;
@@ -975,7 +1092,9 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
         }
         // (self, size, implicit, out)
         ("expand_copy", "out") => one(
-            Op::Expand { shape: a.shape(3)? },
+            Op::Expand {
+                shape: a.out_shape(3, || expand_shape(&a.ints(1)?, &a.shape(0)?))?,
+            },
             vec![Some(a.tensor(0)?)],
             vec![a.tensor(3)?],
         ),
@@ -1054,12 +1173,20 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
         // (self, split_sizes, dim, out Tensor[])
         ("split_with_sizes_copy", "out") => {
             let dim = a.dim(2, 0)?;
-            split(a, dim, &a.tensor_list(3)?)
+            split(a, dim, &a.tensor_list(3)?, |_| a.sizes(1))
         }
         // (self, split_size, dim, out Tensor[])
         ("split_copy", "Tensor_out") => {
             let dim = a.dim(2, 0)?;
-            split(a, dim, &a.tensor_list(3)?)
+            split(a, dim, &a.tensor_list(3)?, |size| {
+                let piece = usize::try_from(a.int(1)?)
+                    .ok()
+                    .filter(|&p| p > 0)
+                    .ok_or_else(|| Error::format("split size must be positive"))?;
+                Ok((0..size.div_ceil(piece).max(1))
+                    .map(|k| piece.min(size - (k * piece).min(size)))
+                    .collect())
+            })
         }
         // (self, pad, value, out)
         ("constant_pad_nd", "out") => {
@@ -1080,18 +1207,18 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
 
         // ---- creation: shape and dtype are the out tensor's
         // (size, fill_value, out)
-        ("full", "out") => full(a, a.scalar(1)?, 2),
+        ("full", "out") => full(a, a.scalar(1)?, Some(0), 2),
         // (self, fill_value, memory_format?, out)
-        ("full_like", "out") => full(a, a.scalar(1)?, 3),
+        ("full_like", "out") => full(a, a.scalar(1)?, None, 3),
         // (self, value, out)
-        ("fill", "Scalar_out") => full(a, a.scalar(1)?, 2),
+        ("fill", "Scalar_out") => full(a, a.scalar(1)?, None, 2),
         // (size, out)
-        ("zeros", "out") => full(a, Scalar::Int(0), 1),
-        ("ones", "out") => full(a, Scalar::Int(1), 1),
+        ("zeros", "out") => full(a, Scalar::Int(0), Some(0), 1),
+        ("ones", "out") => full(a, Scalar::Int(1), Some(0), 1),
         // (size, memory_format?, out): contents are unspecified; zeros are one choice
-        ("empty", "out") => full(a, Scalar::Int(0), 2),
+        ("empty", "out") => full(a, Scalar::Int(0), Some(0), 2),
         // (s, out)
-        ("scalar_tensor", "out") => full(a, a.scalar(0)?, 1),
+        ("scalar_tensor", "out") => full(a, a.scalar(0)?, None, 1),
         // (end, out)
         ("arange", "out") => {
             let op = Op::Arange {

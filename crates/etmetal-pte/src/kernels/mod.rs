@@ -8,9 +8,11 @@
 
 mod decode;
 mod encode;
+mod sym;
 
 pub use decode::{decode, decode_call, DecodedCall};
 pub use encode::{encode, kernel_outputs};
+pub use sym::{decode_sym, Prim, SymCall};
 
 use etmetal_core::{DType, Op, Scalar};
 

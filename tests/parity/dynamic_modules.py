@@ -1,0 +1,91 @@
+"""Modules exported with a dynamic dim, shared by the runtime fixtures
+(`scripts/make_dynamic_fixtures.py`) and the parity test
+(`test_dynamic_runtime.py`).
+
+Each entry: (name, make, inputs_at, sizes) where `make()` returns
+(module, example inputs, dynamic_shapes) and `inputs_at(size)` the inputs
+at one size of the dynamic dim; `sizes` are the smallest, an odd one and
+the largest of its range.
+"""
+
+import torch
+from torch.export import Dim
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class ViewSlice(torch.nn.Module):
+    """sym_size, a SymInt product, a view of a dynamic dim, a slice ending
+    at a SymInt and an arange of one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 6)
+
+    def forward(self, x):
+        y = torch.relu(self.lin(x))
+        z = y.view(y.shape[0] * 2, 3)
+        return z[: x.shape[0]] * 2, torch.arange(x.shape[0]), z.reshape(-1, 2).sum(1)
+
+
+class Attention(torch.nn.Module):
+    """One attention block over a dynamic sequence length."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.out = torch.nn.Linear(d, d)
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).split(d, dim=-1)
+        shape = (b, s, self.heads, d // self.heads)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
+        att = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, s, d)
+        return x + self.out(y)
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+        self.fc = torch.nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x):
+        y = torch.nn.functional.max_pool2d(torch.relu(self.conv(x)), 2)
+        return self.fc(y.flatten(1))
+
+
+def _mlp():
+    return Mlp(), (torch.randn(3, 4),), {"x": {0: Dim("b", min=1, max=8)}}
+
+
+def _view_slice():
+    return ViewSlice(), (torch.randn(3, 4),), {"x": {0: Dim("b", min=1, max=8)}}
+
+
+def _attention():
+    return Attention(), (torch.randn(1, 5, 8),), {"x": {1: Dim("seq", min=1, max=16)}}
+
+
+def _conv():
+    return ConvNet(), (torch.randn(2, 2, 8, 8),), {"x": {0: Dim("b", min=1, max=4)}}
+
+
+MODULES = [
+    ("dyn_mlp", _mlp, lambda n: (torch.randn(n, 4),), [1, 5, 8]),
+    ("dyn_view_slice", _view_slice, lambda n: (torch.randn(n, 4),), [1, 3, 8]),
+    ("dyn_attention", _attention, lambda n: (torch.randn(1, n, 8),), [1, 7, 16]),
+    ("dyn_conv", _conv, lambda n: (torch.randn(n, 2, 8, 8),), [1, 3, 4]),
+]
