@@ -178,6 +178,8 @@ pub fn execute_into(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -
     Ok(fast::run(op, inputs, outputs))
 }
 
+pub use fast::output_shape as fast_output_shape;
+
 fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
     let one = |t: Tensor| Ok(vec![t]);
     match ctx.op {

@@ -617,9 +617,9 @@ fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
             return values.set_shape(*y, shape);
         }
     }
-    // a dynamic output's shape is known once the kernel has run: the
-    // reference kernels compute it
-    let dynamic = o.bounded.iter().any(|&b| b);
+    // A dynamic output takes the shape the kernel computes: the fast
+    // path's when one takes the op, else the reference kernel's.
+    let dynamic = o.bounded.iter().any(|&b| b) && !fast_shape(values, o);
     let reads: Vec<Option<usize>> = o
         .inputs
         .iter()
@@ -664,6 +664,27 @@ fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
         values.write(v, t)?;
     }
     Ok(())
+}
+
+/// Give the one dynamic output of `o` the shape a fast path would write;
+/// false when there is none (or it lies outside the bound: the reference
+/// kernel then says why).
+fn fast_shape(values: &mut Values, o: &PreparedOp) -> bool {
+    let [out] = o.outputs[..] else {
+        return false;
+    };
+    let shapes: Vec<Option<Vec<usize>>> = o
+        .inputs
+        .iter()
+        .map(|i| match i {
+            Some(Operand::Value(v)) => values.tensor_slot(*v).ok().map(|t| t.shape.clone()),
+            Some(Operand::Scalar(t)) => Some(t.shape().to_vec()),
+            None => None,
+        })
+        .collect();
+    let shapes: Vec<Option<&[usize]>> = shapes.iter().map(Option::as_deref).collect();
+    etmetal_cpu::fast_output_shape(&o.op, &shapes)
+        .is_some_and(|shape| values.set_shape(out, &shape).is_ok())
 }
 
 /// Ask each delegate which mutable buffers it keeps resident, and check

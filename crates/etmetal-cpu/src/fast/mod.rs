@@ -56,6 +56,49 @@ pub fn run(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> bool {
     }
 }
 
+/// The shape of the one output a fast path writes for inputs of these
+/// shapes, from the rules the fast paths check (`None`: no fast path, or
+/// inputs that are not its case). A caller whose outputs are sized at run
+/// time (dynamic shapes) sizes the output view with it; the fast path still
+/// checks every shape and declines what it does not take.
+pub fn output_shape(op: &Op, inputs: &[Option<&[usize]>]) -> Option<Vec<usize>> {
+    use etmetal_core::shape::broadcast_shapes;
+    let x = inputs.first().copied().flatten()?;
+    let y = || inputs.get(1).copied().flatten();
+    match op {
+        Op::Unary(_)
+        | Op::Cast { .. }
+        | Op::Identity
+        | Op::Softmax { .. }
+        | Op::LayerNorm { .. } => Some(x.to_vec()),
+        Op::Reshape { shape } => Some(shape.clone()),
+        Op::Binary(_) => broadcast_shapes(x, y()?).ok(),
+        Op::Where => broadcast_shapes(
+            &broadcast_shapes(x, y()?).ok()?,
+            inputs.get(2).copied().flatten()?,
+        )
+        .ok(),
+        Op::Permute { .. } | Op::Expand { .. } | Op::Slice { .. } | Op::Select { .. } => {
+            crate::layout::strided_view(op, x)?.ok().map(|v| v.shape)
+        }
+        Op::MatMul => match (x, y()?) {
+            (&[m, _], &[_, n]) => Some(vec![m, n]),
+            (&[b, m, _], &[_, _, n]) => Some(vec![b, m, n]),
+            _ => None,
+        },
+        // (bias, mat1, mat2)
+        Op::Addmm { .. } => match (y()?, inputs.get(2).copied().flatten()?) {
+            (&[m, _], &[_, n]) => Some(vec![m, n]),
+            _ => None,
+        },
+        Op::Convolution(p) if !p.transposed => {
+            let g = crate::conv::geometry(x, y()?, p).ok()?;
+            Some([&[g.n, g.cout][..], &g.osp].concat())
+        }
+        _ => None,
+    }
+}
+
 /// The output positions `o < outs` of a sliding window along one axis whose
 /// tap `k` reads input position `o·stride + k·dil − pad` inside `0..size`:
 /// a range `lo..hi` (empty when there are none).
