@@ -560,6 +560,18 @@ fn run(
         .and_then(|b| b.device())
         .map(|d| d.description());
     let inputs = load_inputs(&model, method, input_paths)?;
+    // a dynamic input's bounds, and the size it runs at
+    for (i, (spec, t)) in model.method_inputs(method)?.iter().zip(&inputs).enumerate() {
+        if spec.is_dynamic() {
+            say!(
+                out,
+                "input_{i}: {} {} (dynamic), given {:?}",
+                spec.dtype,
+                spec.shape_text(),
+                t.shape()
+            );
+        }
+    }
     let start = Instant::now();
     let outputs = model.execute_method(method, inputs.clone())?;
     let elapsed = start.elapsed();

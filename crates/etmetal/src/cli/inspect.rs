@@ -182,6 +182,17 @@ fn signature(plan: &ExecutionPlan, values: &[i32]) -> String {
     let all: Vec<String> = values
         .iter()
         .map(|v| match plan.values.get(*v as usize) {
+            // a DYNAMIC_BOUND tensor's sizes are upper bounds
+            Some(EValue::Tensor(t))
+                if t.shape_dynamism != etmetal_pte::TensorShapeDynamism::Static =>
+            {
+                let spec = etmetal_core::TensorSpec {
+                    dtype: t.scalar_type,
+                    shape: t.sizes.iter().map(|&s| s.max(0) as usize).collect(),
+                    dynamic: vec![true; t.sizes.len()],
+                };
+                format!("{} {} (dynamic)", t.scalar_type, spec.shape_text())
+            }
             Some(EValue::Tensor(t)) => format!("{} {:?}", t.scalar_type, t.sizes),
             Some(other) => format!("{other:?}"),
             None => format!("value {v} (out of range)"),
