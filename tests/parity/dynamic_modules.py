@@ -67,6 +67,31 @@ class ConvNet(torch.nn.Module):
         return self.fc(y.flatten(1))
 
 
+class Decoder(torch.nn.Module):
+    """A decoder step over a dynamic number of tokens: embedding, RMS norm,
+    positions from an arange, a causal mask built at run time, SDPA, a cat
+    and the last token's row."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 8)
+        self.norm = torch.nn.RMSNorm(8)
+        self.q = torch.nn.Linear(8, 8)
+        self.k = torch.nn.Linear(8, 8)
+
+    def forward(self, tokens):
+        b, t = tokens.shape
+        x = self.norm(self.emb(tokens))
+        pos = torch.arange(t).unsqueeze(0).expand(b, t)
+        q = self.q(x).view(b, t, 2, 4).transpose(1, 2)
+        k = self.k(x).view(b, t, 2, 4).transpose(1, 2)
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        att = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf")).softmax(-1)
+        y = torch.cat([att @ k, att @ q], dim=-1).transpose(1, 2).reshape(b, t, 16)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
+        return y.mean(-1) + pos, y[:, -1], sdpa
+
+
 def _mlp():
     return Mlp(), (torch.randn(3, 4),), {"x": {0: Dim("b", min=1, max=8)}}
 
@@ -83,9 +108,14 @@ def _conv():
     return ConvNet(), (torch.randn(2, 2, 8, 8),), {"x": {0: Dim("b", min=1, max=4)}}
 
 
+def _decoder():
+    return Decoder(), (torch.randint(0, 20, (2, 5)),), {"tokens": {1: Dim("t", min=1, max=12)}}
+
+
 MODULES = [
     ("dyn_mlp", _mlp, lambda n: (torch.randn(n, 4),), [1, 5, 8]),
     ("dyn_view_slice", _view_slice, lambda n: (torch.randn(n, 4),), [1, 3, 8]),
     ("dyn_attention", _attention, lambda n: (torch.randn(1, n, 8),), [1, 7, 16]),
     ("dyn_conv", _conv, lambda n: (torch.randn(n, 2, 8, 8),), [1, 3, 4]),
+    ("dyn_decoder", _decoder, lambda n: (torch.randint(0, 20, (2, n)),), [1, 7, 12]),
 ]

@@ -2,7 +2,8 @@
 
 Each module of `dynamic_modules.py` (an MLP with a dynamic batch, an
 attention block with a dynamic sequence, a conv net with a dynamic batch, a
-view/slice/arange of a dynamic dim) is exported with its `Dim` range and
+view/slice/arange of a dynamic dim, a decoder block over a dynamic
+number of tokens with a causal mask built at run time) is exported with its `Dim` range and
 lowered by ExecuTorch (`to_edge(...).to_executorch()`, portable kernels): the
 `.pte` plans its tensors at the upper bound (DYNAMIC_BOUND). The same file
 runs in `etmetal run` at the smallest, an odd and the largest size of the

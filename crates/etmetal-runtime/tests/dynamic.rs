@@ -55,7 +55,13 @@ fn assert_close(what: &str, got: &[Tensor], want: &[Tensor]) {
     }
 }
 
-const NAMES: [&str; 4] = ["dyn_mlp", "dyn_view_slice", "dyn_attention", "dyn_conv"];
+const NAMES: [&str; 5] = [
+    "dyn_mlp",
+    "dyn_view_slice",
+    "dyn_attention",
+    "dyn_conv",
+    "dyn_decoder",
+];
 
 #[test]
 fn runs_at_every_size_and_matches_eager() {
