@@ -1279,6 +1279,15 @@ mod tests {
                 extra_tensor_info: None,
             }))
         }
+        /// A DYNAMIC_BOUND f32 tensor: `sizes` are its current shape
+        /// (the runtime keeps them so) or, for an out tensor, its bound.
+        fn dynamic(&mut self, sizes: &[i32]) -> i32 {
+            let v = self.f32(sizes);
+            if let EValue::Tensor(t) = &mut self.0[v as usize] {
+                t.shape_dynamism = TensorShapeDynamism::DynamicBound;
+            }
+            v
+        }
         fn f32(&mut self, sizes: &[i32]) -> i32 {
             self.t(DType::F32, sizes)
         }
@@ -1877,5 +1886,122 @@ mod tests {
         let (d, no) = (v.int(3), v.bool(false));
         let e = v.call("aten::_softmax.out", &[x, d, no, x, x]).unwrap_err();
         assert!(e.to_string().contains("dim 3 is out of range"), "{e}");
+    }
+
+    /// A dynamic out tensor's shape comes from the call's arguments and the
+    /// inputs' current shapes, not from its planned bound.
+    #[test]
+    fn dynamic_outputs_take_the_shape_the_arguments_give() {
+        let mut v = Values::default();
+        // x is [3, 4] now (bound [8, 4]); the outs are planned at bounds
+        let x = v.dynamic(&[3, 4]);
+        let out = v.dynamic(&[32]);
+        let size = v.ints(&[-1, 2]);
+        assert_eq!(
+            v.one("aten::view_copy.out", &[x, size, out, out]).0,
+            Op::Reshape { shape: vec![6, 2] }
+        );
+        assert_eq!(
+            v.one("executorch_prim::et_view.default", &[x, size, out]).0,
+            Op::Reshape { shape: vec![6, 2] }
+        );
+        let bad = v.ints(&[5, -1]);
+        let e = v
+            .call("aten::view_copy.out", &[x, bad, out, out])
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Shape);
+        assert!(
+            e.to_string()
+                .contains("cannot view a tensor of shape [3, 4] as [5, -1]"),
+            "{e}"
+        );
+
+        let out3 = v.dynamic(&[2, 8, 4]);
+        let size = v.ints(&[2, -1, 4]);
+        let implicit = v.bool(false);
+        assert_eq!(
+            v.one("aten::expand_copy.out", &[x, size, implicit, out3, out3])
+                .0,
+            Op::Expand {
+                shape: vec![2, 3, 4]
+            }
+        );
+        let zero = v.int(0);
+        assert_eq!(
+            v.one("aten::unsqueeze_copy.out", &[x, zero, out3, out3]).0,
+            Op::Reshape {
+                shape: vec![1, 3, 4]
+            }
+        );
+        let one = v.dynamic(&[1, 4]);
+        let out2 = v.dynamic(&[8]);
+        assert_eq!(
+            v.one("aten::squeeze_copy.dim_out", &[one, zero, out2, out2])
+                .0,
+            Op::Reshape { shape: vec![4] }
+        );
+        let (sizes, fill) = (v.ints(&[3, 2]), v.float(1.5));
+        assert_eq!(
+            v.one("aten::full.out", &[sizes, fill, out3, out3]).0,
+            Op::Full {
+                shape: vec![3, 2],
+                value: Scalar::Float(1.5),
+                dtype: DType::F32
+            }
+        );
+        let format = v.null();
+        assert_eq!(
+            v.one("aten::full_like.out", &[x, fill, format, out3, out3])
+                .0,
+            Op::Full {
+                shape: vec![3, 4],
+                value: Scalar::Float(1.5),
+                dtype: DType::F32
+            }
+        );
+
+        // split pieces from split_sizes / split_size, not the planned outs
+        let (p0, p1) = (v.dynamic(&[8, 4]), v.dynamic(&[8, 4]));
+        let pieces = v.list(&[p0, p1]);
+        let (lens, dim0) = (v.ints(&[1, 2]), v.int(0));
+        let c = v
+            .call("aten::split_with_sizes_copy.out", &[x, lens, dim0, pieces])
+            .unwrap();
+        let slices: Vec<Op> = c.ops.into_iter().map(|d| d.op).collect();
+        assert_eq!(
+            slices,
+            vec![
+                Op::Slice {
+                    dim: 0,
+                    start: 0,
+                    end: 1,
+                    step: 1
+                },
+                Op::Slice {
+                    dim: 0,
+                    start: 1,
+                    end: 3,
+                    step: 1
+                },
+            ]
+        );
+        let two = v.int(2);
+        let c = v
+            .call("aten::split_copy.Tensor_out", &[x, two, dim0, pieces])
+            .unwrap();
+        assert_eq!(
+            c.ops[1].op,
+            Op::Slice {
+                dim: 0,
+                start: 2,
+                end: 3,
+                step: 1
+            }
+        );
+        let three = v.int(3);
+        let e = v
+            .call("aten::split_copy.Tensor_out", &[x, three, dim0, pieces])
+            .unwrap_err();
+        assert!(e.to_string().contains("into 1 pieces has 2 outputs"), "{e}");
     }
 }
