@@ -7,9 +7,17 @@
 
 use std::path::{Path, PathBuf};
 
-use etmetal_core::{npy, DType, Error, ErrorKind, Tensor};
-use etmetal_pte::{EValue, Instruction, PteFile, Segment, TensorShapeDynamism};
-use etmetal_runtime::Program;
+use std::sync::Arc;
+
+use etmetal_core::{npy, DType, Error, ErrorKind, Result, Tensor};
+use etmetal_pte::{
+    BackendDelegate, BackendDelegateDataReference, BackendDelegateInlineData, Chain, CompileSpec,
+    DataLocation, DelegateCall, EValue, ExecutionPlan, Instruction, PteFile, Segment,
+    TensorShapeDynamism,
+};
+use etmetal_runtime::{
+    Backend, BackendRegistry, DelegateArg, DelegateHandle, LoadOptions, NamedData, Program,
+};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
@@ -136,7 +144,7 @@ fn inputs_outside_the_bound_are_refused_by_name() {
 
 /// `name`'s program changed by `edit`, written and read back (the writer
 /// and the reader both verify).
-fn edited(name: &str, edit: impl FnOnce(&mut etmetal_pte::Program)) -> Result<Program, Error> {
+fn edited(name: &str, edit: impl FnOnce(&mut etmetal_pte::Program)) -> Result<Program> {
     let file = PteFile::load(fixtures().join(format!("{name}.pte"))).unwrap();
     let segments: Vec<Vec<u8>> = (0..file.program.segments.len())
         .map(|i| file.segment(i).unwrap().to_vec())
@@ -295,6 +303,93 @@ fn a_symbolic_call_with_a_tensor_operand_is_a_format_error() {
     let msg = e.to_string();
     assert!(
         msg.contains("executorch_prim::mul.Scalar") && msg.contains("argument 1"),
+        "{msg}"
+    );
+}
+
+/// A delegate that computes nothing: what matters is whether it is called.
+struct Static;
+struct StaticHandle;
+
+impl Backend for Static {
+    fn id(&self) -> &str {
+        "StaticTest"
+    }
+    fn init(
+        &self,
+        _processed: &[u8],
+        _specs: &[CompileSpec],
+        _named: &dyn NamedData,
+    ) -> Result<Box<dyn DelegateHandle>> {
+        Ok(Box::new(StaticHandle))
+    }
+}
+
+impl DelegateHandle for StaticHandle {
+    fn execute(&mut self, _args: &mut [DelegateArg]) -> Result<()> {
+        Ok(())
+    }
+    fn output_count(&self) -> usize {
+        1
+    }
+}
+
+#[test]
+fn a_delegate_refuses_a_dynamic_input_below_its_static_shape() {
+    let mut input = etmetal_pte::Tensor::planned(DType::F32, &[4, 2], 1, 0);
+    input.shape_dynamism = TensorShapeDynamism::DynamicBound;
+    let output = etmetal_pte::Tensor::planned(DType::F32, &[4, 2], 1, 32);
+    let plan = ExecutionPlan {
+        name: "forward".into(),
+        values: vec![EValue::Tensor(input), EValue::Tensor(output)],
+        inputs: vec![0],
+        outputs: vec![1],
+        chains: vec![Chain {
+            inputs: vec![0],
+            outputs: vec![1],
+            instructions: vec![Instruction::DelegateCall(DelegateCall {
+                delegate_index: 0,
+                args: vec![0, 1],
+            })],
+            stacktrace: None,
+        }],
+        delegates: vec![BackendDelegate {
+            id: "StaticTest".into(),
+            processed: BackendDelegateDataReference {
+                location: DataLocation::Inline,
+                index: 0,
+            },
+            compile_specs: vec![],
+        }],
+        non_const_buffer_sizes: vec![0, 64],
+        ..ExecutionPlan::default()
+    };
+    let program = etmetal_pte::Program {
+        execution_plan: vec![plan],
+        backend_delegate_data: vec![BackendDelegateInlineData { data: vec![1; 16] }],
+        ..etmetal_pte::Program::default()
+    };
+    let mut backends = BackendRegistry::new();
+    backends.register(Arc::new(Static)).unwrap();
+    let program = Program::from_bytes(&etmetal_pte::serialize(&program, &[]).unwrap())
+        .unwrap()
+        .with_options(LoadOptions {
+            backends,
+            ..LoadOptions::default()
+        });
+    let mut method = program.method("forward").unwrap();
+    method
+        .execute(vec![Tensor::zeros(DType::F32, &[4, 2]).unwrap()])
+        .unwrap();
+    let e = method
+        .execute(vec![Tensor::zeros(DType::F32, &[2, 2]).unwrap()])
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    let msg = e.to_string();
+    assert!(
+        msg.contains(
+            "delegate `StaticTest` was compiled for the static shape [4, 2] of its input 0"
+        ) && msg.contains("which is [2, 2]"),
         "{msg}"
     );
 }
