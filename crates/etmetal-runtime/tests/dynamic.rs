@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use std::sync::Arc;
 
-use etmetal_core::{npy, DType, Error, ErrorKind, Result, Tensor};
+use etmetal_core::{npy, DType, ErrorKind, Result, Tensor};
 use etmetal_pte::{
     BackendDelegate, BackendDelegateDataReference, BackendDelegateInlineData, Chain, CompileSpec,
     DataLocation, DelegateCall, EValue, ExecutionPlan, Instruction, PteFile, Segment,
