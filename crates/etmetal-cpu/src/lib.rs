@@ -178,7 +178,7 @@ pub fn execute_into(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -
     Ok(fast::run(op, inputs, outputs))
 }
 
-pub use fast::output_shape as fast_output_shape;
+pub use fast::output_shape;
 
 fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
     let one = |t: Tensor| Ok(vec![t]);
@@ -433,6 +433,40 @@ mod tests {
         );
         let e = run1(Op::Identity, &[&x], DType::I64, &[2]).unwrap_err();
         assert!(e.to_string().contains("int64"), "{e}");
+    }
+
+    #[test]
+    fn bounded_outputs_take_any_shape_within_the_bound() {
+        let x = f32t(&[2, 3], &[1.0; 6]);
+        let bound = [(DType::F32, vec![4, 3])];
+        let out = execute_bounded(&Op::Identity, &[Some(&x)], &bound, &[true]).unwrap();
+        assert_eq!(out[0].shape(), &[2, 3]);
+        let e = execute_bounded(
+            &Op::Identity,
+            &[Some(&x)],
+            &[(DType::F32, vec![4, 2])],
+            &[true],
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Shape);
+        assert!(
+            e.to_string()
+                .contains("output 0 computed shape [2, 3], outside its upper bound [4, 2]"),
+            "{e}"
+        );
+        // not bounded: exact
+        assert!(execute_bounded(&Op::Identity, &[Some(&x)], &bound, &[false]).is_err());
+        // the shapes the fast paths are sized with
+        let add = Op::Binary(etmetal_core::BinaryOp::Add);
+        assert_eq!(
+            output_shape(&add, &[Some(&[2, 3]), Some(&[2, 1])]),
+            Some(vec![2, 3])
+        );
+        assert_eq!(output_shape(&add, &[Some(&[2, 3]), Some(&[3, 1])]), None);
+        assert_eq!(
+            output_shape(&Op::MatMul, &[Some(&[5, 3]), Some(&[3, 7])]),
+            Some(vec![5, 7])
+        );
     }
 
     #[test]

@@ -619,7 +619,7 @@ fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
     }
     // A dynamic output takes the shape the kernel computes: the fast
     // path's when one takes the op, else the reference kernel's.
-    let dynamic = o.bounded.iter().any(|&b| b) && !fast_shape(values, o);
+    let dynamic = o.bounded.iter().any(|&b| b) && !known_shape(values, o)?;
     let reads: Vec<Option<usize>> = o
         .inputs
         .iter()
@@ -666,12 +666,12 @@ fn run_op(values: &mut Values, o: &PreparedOp) -> Result<()> {
     Ok(())
 }
 
-/// Give the one dynamic output of `o` the shape a fast path would write;
-/// false when there is none (or it lies outside the bound: the reference
-/// kernel then says why).
-fn fast_shape(values: &mut Values, o: &PreparedOp) -> bool {
+/// Give the one dynamic output of `o` its shape before the kernel runs,
+/// where [`etmetal_cpu::output_shape`] knows it (false otherwise): an error
+/// if it is outside the bound, before anything that size is allocated.
+fn known_shape(values: &mut Values, o: &PreparedOp) -> Result<bool> {
     let [out] = o.outputs[..] else {
-        return false;
+        return Ok(false);
     };
     let shapes: Vec<Option<Vec<usize>>> = o
         .inputs
@@ -683,8 +683,13 @@ fn fast_shape(values: &mut Values, o: &PreparedOp) -> bool {
         })
         .collect();
     let shapes: Vec<Option<&[usize]>> = shapes.iter().map(Option::as_deref).collect();
-    etmetal_cpu::fast_output_shape(&o.op, &shapes)
-        .is_some_and(|shape| values.set_shape(out, &shape).is_ok())
+    let Some(shape) = etmetal_cpu::output_shape(&o.op, &shapes) else {
+        return Ok(false);
+    };
+    values
+        .set_shape(out, &shape)
+        .map_err(|e| e.context(o.op.name()))?;
+    Ok(true)
 }
 
 /// Ask each delegate which mutable buffers it keeps resident, and check

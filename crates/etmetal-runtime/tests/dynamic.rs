@@ -236,7 +236,8 @@ fn a_result_over_its_bound_is_a_shape_error() {
     assert_eq!(e.kind(), ErrorKind::Shape);
     let msg = e.to_string();
     assert!(
-        msg.contains("aten::addmm.out") && msg.contains("outside its upper bound [2, 8]"),
+        msg.contains("aten::addmm.out")
+            && msg.contains("dim 0 is 5, above its upper bound 2 (shape [5, 8]"),
         "{msg}"
     );
 }

@@ -56,13 +56,17 @@ pub fn run(op: &Op, inputs: &[Option<View>], outputs: &mut [ViewMut]) -> bool {
     }
 }
 
-/// The shape of the one output a fast path writes for inputs of these
-/// shapes, from the rules the fast paths check (`None`: no fast path, or
-/// inputs that are not its case). A caller whose outputs are sized at run
-/// time (dynamic shapes) sizes the output view with it; the fast path still
-/// checks every shape and declines what it does not take.
+/// The shape of `op`'s one output for inputs of these shapes, where the op
+/// states it or a rule the fast paths check gives it (`None`: another op,
+/// or inputs that are not the rule's case). A caller whose outputs are
+/// sized at run time (dynamic shapes) checks it against the bound before
+/// anything is allocated and sizes the fast path's output view with it; the
+/// fast path still checks every shape and declines what it does not take.
 pub fn output_shape(op: &Op, inputs: &[Option<&[usize]>]) -> Option<Vec<usize>> {
     use etmetal_core::shape::broadcast_shapes;
+    if let Op::Full { shape, .. } = op {
+        return Some(shape.clone());
+    }
     let x = inputs.first().copied().flatten()?;
     let y = || inputs.get(1).copied().flatten();
     match op {

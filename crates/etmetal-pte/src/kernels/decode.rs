@@ -511,29 +511,35 @@ fn reshape(
 /// `view(size)`: `size` with at most one `-1`, which takes what the other
 /// dims leave of the input's elements.
 fn view_shape(size: &[i64], input: &[usize]) -> Result<Vec<usize>> {
-    let numel: usize = input.iter().product();
-    let known: i64 = size.iter().filter(|&&s| s != -1).product();
-    let free = size.iter().filter(|&&s| s == -1).count();
     let bad = || {
         Error::shape(format!(
             "cannot view a tensor of shape {input:?} as {size:?}"
         ))
     };
+    let free = size.iter().filter(|&&s| s == -1).count();
     if size.iter().any(|&s| s < -1) || free > 1 {
         return Err(bad());
     }
+    let numel = checked_product(input.iter().copied()).ok_or_else(bad)?;
+    let known =
+        checked_product(size.iter().filter(|&&s| s != -1).map(|&s| s as usize)).ok_or_else(bad)?;
     let shape: Vec<usize> = size
         .iter()
         .map(|&s| match s {
-            -1 if known > 0 => numel / known as usize,
+            -1 if known > 0 => numel / known,
             -1 => 0,
             s => s as usize,
         })
         .collect();
-    if shape.iter().product::<usize>() != numel {
+    if checked_product(shape.iter().copied()) != Some(numel) {
         return Err(bad());
     }
     Ok(shape)
+}
+
+fn checked_product(dims: impl Iterator<Item = usize>) -> Option<usize> {
+    dims.into_iter()
+        .try_fold(1usize, |acc, s| acc.checked_mul(s))
 }
 
 /// `expand(size)`: `size` aligned right with the input; `-1` keeps a dim.
