@@ -106,7 +106,8 @@ pub fn check_inputs(specs: &[TensorSpec], inputs: Vec<Tensor>) -> Result<Vec<Ten
         .map(|(i, (t, spec))| {
             let rounds = t.dtype() == DType::F32 && matches!(spec.dtype, DType::BF16 | DType::F16);
             let t = if rounds { t.cast(spec.dtype)? } else { t };
-            if t.dtype() != spec.dtype {
+            let why = spec.mismatch(t.shape());
+            if t.dtype() != spec.dtype || (why.is_some() && !spec.is_dynamic()) {
                 return Err(Error::invalid_input(format!(
                     "input {i}: expected {} {}, got {} {:?}",
                     spec.dtype,
@@ -115,7 +116,8 @@ pub fn check_inputs(specs: &[TensorSpec], inputs: Vec<Tensor>) -> Result<Vec<Ten
                     t.shape()
                 )));
             }
-            if let Some(why) = spec.mismatch(t.shape()) {
+            // a dynamic input: which dim is off, and its bound
+            if let Some(why) = why {
                 return Err(Error::invalid_input(format!("input {i}: {why}")));
             }
             Ok(t)
@@ -140,7 +142,10 @@ mod tests {
         );
         let wide = Tensor::zeros(DType::F32, &[3]).unwrap();
         let err = check_inputs(&specs, vec![wide]).unwrap_err().to_string();
-        assert!(err.contains("input 0: dim 0 is 3, expected 2"), "{err}");
+        assert!(
+            err.contains("input 0: expected bfloat16 [2], got bfloat16 [3]"),
+            "{err}"
+        );
         let ok = check_inputs(
             &specs,
             vec![Tensor::from_f32(DType::F32, &[2], &[1.0, 2.5]).unwrap()],
