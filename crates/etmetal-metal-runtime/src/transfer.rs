@@ -1,0 +1,139 @@
+//! Host tensors to and from their GPU form ([`GpuRepr`]), converted in
+//! one pass, in parallel, straight between the tensor's own memory and a
+//! mapped staging buffer: no intermediate copy on either side.
+
+use etmetal_core::{DType, Error, Result, View, ViewMut};
+use etmetal_metal::payload::{gpu_bytes, GpuRepr};
+use rayon::prelude::*;
+use wgpu::WriteOnly;
+
+/// Elements (bytes for 16-bit floats, see [`widths`]) per parallel task:
+/// 256 KiB and more of copying keeps rayon's per-task cost under 1%, and
+/// still gives every core of a 16-core host work from 4 MiB up.
+const CHUNK: usize = 1 << 18;
+
+/// A piece of a mapped buffer that one task writes.
+struct Part<'a>(WriteOnly<'a, [u8]>);
+
+// SAFETY: a `WriteOnly` is an exclusive reference, as `&mut [u8]` is, and
+// the parts are disjoint. (wgpu makes `WriteOnly<T>` Send for `T: Send`
+// with an implied `Sized`, which leaves out slices.)
+unsafe impl Send for Part<'_> {}
+
+/// Host bytes and GPU bytes per element: `(host, gpu)`; 16-bit floats are
+/// the host bytes as they are (two a word), so one "element" is one byte.
+fn widths(dtype: DType, repr: GpuRepr) -> (usize, usize) {
+    match repr {
+        GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16 => (1, 1),
+        GpuRepr::I64AsI32 => (8, 4),
+        GpuRepr::Widened => (dtype.size(), 4),
+    }
+}
+
+/// Write `src` in its GPU form into `dst` (at least [`gpu_bytes`] long;
+/// bytes past the tensor, the padding of an odd-length 16-bit tensor, are
+/// zeroed). `what` names the tensor in the error raised when an int64
+/// value does not fit the GPU's 32-bit integers.
+pub(crate) fn upload(src: &View, dst: WriteOnly<'_, [u8]>, what: &str) -> Result<()> {
+    let repr = GpuRepr::of(src.dtype)?;
+    let need = gpu_bytes(src.dtype, src.numel())? as usize;
+    let (host, gpu) = widths(src.dtype, repr);
+    let n = src.bytes.len() / host;
+    if dst.len() < need || src.bytes.len() != n * host {
+        return Err(Error::internal(format!(
+            "{what}: {} host bytes do not go into a GPU region of {} bytes ({need} needed)",
+            src.bytes.len(),
+            dst.len()
+        )));
+    }
+    let (body, mut tail) = dst.split_at(n * gpu);
+    let mut tasks = Vec::with_capacity(n.div_ceil(CHUNK).max(1));
+    let mut rest = body;
+    for (c, s) in src.bytes.chunks(CHUNK * host).enumerate() {
+        let (d, r) = rest.split_at(s.len() / host * gpu);
+        tasks.push((c * CHUNK, s, Part(d)));
+        rest = r;
+    }
+    // the first element that does not fit, in element order
+    let bad = tasks
+        .into_par_iter()
+        .map(|(first, s, Part(mut d))| match repr {
+            GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16 => {
+                d.copy_from_slice(s);
+                None
+            }
+            GpuRepr::I64AsI32 => {
+                let (words, _) = d.into_chunks::<4>();
+                let mut bad = None;
+                words.write_iter(s.chunks_exact(8).enumerate().map(|(i, c)| {
+                    let v = i64::from_le_bytes(c.try_into().expect("8-byte chunk"));
+                    let narrow = i32::try_from(v).unwrap_or_else(|_| {
+                        bad.get_or_insert((first + i, v));
+                        0
+                    });
+                    narrow.to_le_bytes()
+                }));
+                bad
+            }
+            GpuRepr::Widened => {
+                let (words, _) = d.into_chunks::<4>();
+                let signed = src.dtype == DType::I8;
+                words.write_iter(s.iter().map(|&b| match signed {
+                    true => i32::from(b as i8).to_le_bytes(),
+                    false => u32::from(b).to_le_bytes(),
+                }));
+                None
+            }
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .flatten()
+        .next();
+    if let Some((i, v)) = bad {
+        return Err(Error::limit(format!(
+            "{what}: int64 element {i} = {v} does not fit the GPU's 32-bit integers"
+        )));
+    }
+    tail.fill(0);
+    Ok(())
+}
+
+/// Convert GPU bytes `src` (at least [`gpu_bytes`] long) into `out`, in
+/// place: the one read of a delegate output, into the method's memory.
+pub(crate) fn download(src: &[u8], out: &mut ViewMut) -> Result<()> {
+    let (dtype, numel) = (out.dtype, out.numel());
+    let need = gpu_bytes(dtype, numel)? as usize;
+    if src.len() < need {
+        return Err(Error::internal(format!(
+            "GPU buffer of {} bytes holds less than a {} tensor of shape {:?} ({need} bytes)",
+            src.len(),
+            dtype.name(),
+            out.shape
+        )));
+    }
+    let repr = GpuRepr::of(dtype)?;
+    let (host, gpu) = widths(dtype, repr);
+    let word = |c: &[u8]| i32::from_le_bytes(c.try_into().expect("4-byte chunk"));
+    out.bytes
+        .par_chunks_mut(CHUNK * host)
+        .zip(src.par_chunks(CHUNK * gpu))
+        .for_each(|(d, s)| match repr {
+            GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16 => {
+                d.copy_from_slice(&s[..d.len()]);
+            }
+            GpuRepr::I64AsI32 => {
+                for (d, s) in d.chunks_exact_mut(8).zip(s.chunks_exact(4)) {
+                    d.copy_from_slice(&i64::from(word(s)).to_le_bytes());
+                }
+            }
+            GpuRepr::Widened => {
+                for (d, s) in d.iter_mut().zip(s.chunks_exact(4)) {
+                    *d = match dtype {
+                        DType::Bool => u8::from(word(s) != 0),
+                        _ => word(s) as u8,
+                    };
+                }
+            }
+        });
+    Ok(())
+}
