@@ -770,7 +770,7 @@ impl GpuDelegate {
                     inputs.push(Some(t));
                     (t.dtype, t.shape)
                 }
-                DelegateArg::Output(t) if k >= ni => (t.dtype, &*t.shape),
+                DelegateArg::Output(t) if k >= ni => (t.dtype, t.shape),
                 _ => {
                     let want = if k < ni { "a tensor" } else { "an output" };
                     return Err(Error::invalid_input(format!(
