@@ -1,6 +1,8 @@
-//! One loaded delegate: weights, arenas, pipelines and bind groups made
-//! once at load; an execute writes the inputs, records every dispatch into
-//! one compute pass, submits once and reads the outputs back, with the
+//! One loaded delegate: weights (uploaded from the named data in steps),
+//! arenas, pipelines, bind groups and the input and read-back buffers made
+//! once at load; an execute converts the lent inputs into the mapped input
+//! buffer, records their copies into the arena and every dispatch into one
+//! compute pass, submits once and converts the outputs back, with the
 //! status words of the payload's run-time checks (zeroed in the same
 //! command buffer): a set bit fails the execute. Mutable buffers the
 //! payload marks as [`payload::State`] stay in the arena across
