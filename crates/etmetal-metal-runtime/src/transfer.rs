@@ -137,3 +137,100 @@ pub(crate) fn download(src: &[u8], out: &mut ViewMut) -> Result<()> {
         });
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use etmetal_core::Tensor;
+
+    use super::*;
+
+    /// `t` uploaded into a buffer filled with 0xAA, and that buffer.
+    fn uploaded(t: &Tensor) -> Result<Vec<u8>> {
+        let mut gpu = vec![0xAA; gpu_bytes(t.dtype(), t.numel())? as usize];
+        upload(&View::of(t), WriteOnly::from_mut(gpu.as_mut_slice()), "x")?;
+        Ok(gpu)
+    }
+
+    fn round_trip(t: &Tensor) -> Tensor {
+        let gpu = uploaded(t).unwrap();
+        let mut back = Tensor::zeros(t.dtype(), t.shape()).unwrap();
+        download(&gpu, &mut ViewMut::of(&mut back)).unwrap();
+        back
+    }
+
+    // one element, and past one parallel chunk with an odd tail
+    const SIZES: [usize; 2] = [1, CHUNK + 3];
+
+    #[test]
+    fn every_gpu_form_round_trips_exactly() {
+        for n in SIZES {
+            let ints: Vec<i64> = (0..n as i64).map(|i| (i % 300) - 150).collect();
+            let floats: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 7.0).collect();
+            let tensors = [
+                Tensor::from_f32(DType::F32, &[n], &floats),
+                Tensor::from_f32(DType::BF16, &[n], &floats),
+                Tensor::from_f32(DType::F16, &[n], &floats),
+                Tensor::from_i64(DType::I64, &[n], &ints),
+                Tensor::from_i64(DType::I32, &[n], &ints),
+                Tensor::from_i64(
+                    DType::I8,
+                    &[n],
+                    &ints.iter().map(|v| v % 100).collect::<Vec<_>>(),
+                ),
+                Tensor::from_i64(
+                    DType::U8,
+                    &[n],
+                    &ints.iter().map(|v| v.abs()).collect::<Vec<_>>(),
+                ),
+                Tensor::from_i64(
+                    DType::Bool,
+                    &[n],
+                    &ints.iter().map(|v| v & 1).collect::<Vec<_>>(),
+                ),
+            ];
+            for t in tensors {
+                let t = t.unwrap();
+                assert!(round_trip(&t).bytes() == t.bytes(), "{} n={n}", t.dtype());
+            }
+        }
+    }
+
+    #[test]
+    fn gpu_words_are_what_kernels_read() {
+        let t = Tensor::from_i64(DType::I8, &[2], &[-3, 5]).unwrap();
+        assert_eq!(uploaded(&t).unwrap(), [253, 255, 255, 255, 5, 0, 0, 0]);
+        let t = Tensor::from_i64(DType::I64, &[2], &[-2, 1 << 20]).unwrap();
+        assert_eq!(uploaded(&t).unwrap(), [254, 255, 255, 255, 0, 0, 16, 0]);
+        // an odd 16-bit tensor: the last word's upper half is zeroed
+        let t = Tensor::from_f32(DType::BF16, &[3], &[1.0, 2.0, 3.0]).unwrap();
+        let gpu = uploaded(&t).unwrap();
+        assert_eq!(&gpu[..6], t.bytes());
+        assert_eq!(&gpu[6..], [0, 0]);
+    }
+
+    #[test]
+    fn int64_past_i32_names_its_first_element() {
+        let n = 3 * CHUNK;
+        let mut v = vec![0i64; n];
+        v[CHUNK + 1] = i64::from(i32::MAX) + 1;
+        v[2 * CHUNK] = i64::from(i32::MIN) - 1;
+        let t = Tensor::from_i64(DType::I64, &[n], &v).unwrap();
+        let e = uploaded(&t).unwrap_err().to_string();
+        let first = format!("x: int64 element {} = 2147483648 does not fit", CHUNK + 1);
+        assert!(e.contains(&first), "{e}");
+    }
+
+    #[test]
+    fn a_short_gpu_region_is_an_error() {
+        let t = Tensor::from_f32(DType::F32, &[4], &[1.0; 4]).unwrap();
+        let mut small = vec![0u8; 8];
+        let e = upload(
+            &View::of(&t),
+            WriteOnly::from_mut(small.as_mut_slice()),
+            "x",
+        );
+        assert!(e.is_err());
+        let mut out = Tensor::zeros(DType::F32, &[4]).unwrap();
+        assert!(download(&small, &mut ViewMut::of(&mut out)).is_err());
+    }
+}
