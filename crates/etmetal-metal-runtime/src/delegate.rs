@@ -1,6 +1,8 @@
-//! One loaded delegate: weights, arenas, pipelines and bind groups made
-//! once at load; an execute writes the inputs, records every dispatch into
-//! one compute pass, submits once and reads the outputs back, with the
+//! One loaded delegate: weights (uploaded from the named data in steps),
+//! arenas, pipelines, bind groups and the input and read-back buffers made
+//! once at load; an execute converts the lent inputs into the mapped input
+//! buffer, records their copies into the arena and every dispatch into one
+//! compute pass, submits once and converts the outputs back, with the
 //! status words of the payload's run-time checks (zeroed in the same
 //! command buffer): a set bit fails the execute. Mutable buffers the
 //! payload marks as [`payload::State`] stay in the arena across
@@ -10,19 +12,18 @@
 //! alternative's dispatches run in its place (chosen once, at load; only
 //! the kernels that run are built).
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use etmetal_core::{Error, Result};
+use etmetal_core::{Error, Result, View, ViewMut};
 use etmetal_metal::payload::{self, Access, Dispatch, Fault, Location, Needs, Payload};
 use etmetal_runtime::{DelegateArg, DelegateHandle, NamedData};
-use wgpu::util::DeviceExt;
 
 use crate::device::{CoopOffer, GpuDevice};
+use crate::transfer;
 
 /// What a backend has created on the GPU so far (all its delegates).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -273,6 +274,43 @@ pub(crate) fn plan(payload: &Payload, offer: Option<&CoopOffer>, max_bindings: u
     launches
 }
 
+/// Bytes of a weight written per step at load. Each step's staging memory
+/// is freed once the GPU has copied it, and the step's pages of the mapped
+/// file are given back ([`NamedData::release`]), so that loading holds at
+/// most about two steps in host memory beside what the device keeps (on a
+/// GPU that shares host memory, as lavapipe does, the weights themselves).
+const WEIGHT_STEP: usize = 8 << 20;
+
+/// Write weight `data` (the named data, a multiple of 4 bytes) into `buffer`
+/// step by step, waiting for each step's copy.
+fn upload_weight(
+    gpu: &GpuDevice,
+    buffer: &wgpu::Buffer,
+    data: &[u8],
+    named_data: &dyn NamedData,
+    timeout: Duration,
+) -> Result<()> {
+    for (i, step) in data.chunks(WEIGHT_STEP).enumerate() {
+        let index = scoped(
+            gpu,
+            || format!("uploading bytes {}.. of the weight", i * WEIGHT_STEP),
+            || {
+                gpu.queue
+                    .write_buffer(buffer, (i * WEIGHT_STEP) as u64, step);
+                gpu.queue.submit([])
+            },
+        )?;
+        gpu.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: Some(index),
+                timeout: Some(timeout),
+            })
+            .map_err(|e| Error::internal(format!("waiting for the GPU to take a weight: {e}")))?;
+        named_data.release(step);
+    }
+    Ok(())
+}
+
 struct Output {
     region: Region,
     /// Offset into the staging buffer.
@@ -299,6 +337,14 @@ pub(crate) struct GpuDelegate {
     /// Per payload check: its status region and offset in the staging buffer.
     statuses: Vec<(Region, u64)>,
     staging: wgpu::Buffer,
+    /// Where the inputs' GPU bytes are written (MAP_WRITE, mapped between
+    /// executes); `None` when every input is resident state.
+    upload: Option<wgpu::Buffer>,
+    /// Per input, its offset in `upload` (`None` for resident state, which
+    /// is written, when its host copy is newer, through a queue write).
+    upload_at: Vec<Option<u64>>,
+    /// Whether `upload` is mapped (it is not after a failed execute).
+    upload_mapped: bool,
     /// Made at the first profiled execute (on a device with timestamp queries).
     profiler: Option<Profiler>,
     /// Set when an execute timed out with the read-back still pending.
@@ -388,12 +434,16 @@ impl GpuDelegate {
                                 )));
                             }
                             let buffer = scoped(&gpu, what, || {
-                                device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                                device.create_buffer(&wgpu::BufferDescriptor {
                                     label: Some(key),
-                                    contents: data,
-                                    usage: wgpu::BufferUsages::STORAGE,
+                                    size,
+                                    usage: wgpu::BufferUsages::STORAGE
+                                        | wgpu::BufferUsages::COPY_DST,
+                                    mapped_at_creation: false,
                                 })
                             })?;
+                            upload_weight(&gpu, &buffer, data, named_data, timeout)
+                                .map_err(|e| e.context(what()))?;
                             let i = new_buffer(&mut buffers, buffer);
                             by_key.insert(key, (i, size));
                             i
@@ -595,7 +645,7 @@ impl GpuDelegate {
             bind_groups.push(group);
         }
 
-        let state = payload
+        let state: HashMap<usize, (Region, Region)> = payload
             .state
             .iter()
             .map(|st| {
@@ -603,6 +653,38 @@ impl GpuDelegate {
                 (st.input, (input, regions[st.new_value]))
             })
             .collect();
+        let mut upload_size = 0;
+        let upload_at: Vec<Option<u64>> = payload
+            .inputs
+            .iter()
+            .enumerate()
+            .map(|(k, &id)| {
+                let at = upload_size;
+                (!state.contains_key(&k)).then(|| {
+                    upload_size += regions[id].size;
+                    at
+                })
+            })
+            .collect();
+        let upload = (upload_size > 0)
+            .then(|| {
+                scoped(
+                    &gpu,
+                    || format!("allocating the {upload_size}-byte input buffer"),
+                    || {
+                        device.create_buffer(&wgpu::BufferDescriptor {
+                            label: Some("inputs"),
+                            size: upload_size,
+                            usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
+                            mapped_at_creation: true,
+                        })
+                    },
+                )
+            })
+            .transpose()?;
+        counters
+            .buffers
+            .fetch_add(u64::from(upload.is_some()), Ordering::Relaxed);
         let mut staging_size = 0;
         let outputs: Vec<Output> = payload
             .outputs
@@ -653,6 +735,9 @@ impl GpuDelegate {
             state,
             statuses,
             staging,
+            upload,
+            upload_at,
+            upload_mapped: true,
             profiler: None,
             stuck: false,
         })
@@ -660,8 +745,8 @@ impl GpuDelegate {
 
     /// Check the call's arguments against the payload (every one a tensor
     /// of the dtype and shape of its buffer, or `Resident` for state) and
-    /// return the GPU bytes of the inputs to write.
-    fn gpu_inputs<'a>(&self, args: &'a [DelegateArg]) -> Result<Vec<Option<Cow<'a, [u8]>>>> {
+    /// return the inputs to write (`None` for resident state kept current).
+    fn gpu_inputs<'a, 'b>(&self, args: &'a [DelegateArg<'b>]) -> Result<Vec<Option<&'a View<'b>>>> {
         let (ni, no) = (self.payload.inputs.len(), self.payload.outputs.len());
         if args.len() != ni + no {
             return Err(Error::invalid_input(format!(
@@ -683,7 +768,10 @@ impl GpuDelegate {
                 continue;
             }
             let (dtype, shape) = match arg {
-                DelegateArg::Tensor(t) if k < ni => (t.dtype(), t.shape()),
+                DelegateArg::Tensor(t) if k < ni => {
+                    inputs.push(Some(t));
+                    (t.dtype, t.shape)
+                }
                 DelegateArg::Output(t) if k >= ni => (t.dtype, t.shape),
                 _ => {
                     let want = if k < ni { "a tensor" } else { "an output" };
@@ -703,14 +791,66 @@ impl GpuDelegate {
                     shape
                 )));
             }
-            if let DelegateArg::Tensor(t) = arg {
-                inputs.push(Some(payload::to_gpu(
-                    t,
-                    &format!("delegate input {k} (`{}`)", b.name),
-                )?));
-            }
         }
         Ok(inputs)
+    }
+
+    /// Convert the inputs given (`None`: resident state kept current)
+    /// straight into GPU memory: the mapped input buffer (unmapped here, for
+    /// the execute's command buffer to copy), or, for state, a queue write.
+    fn write_inputs(&mut self, inputs: &[Option<&View>]) -> Result<()> {
+        let gpu = self.gpu.clone();
+        if let (Some(upload), false) = (&self.upload, self.upload_mapped) {
+            // a failed execute left it unmapped
+            let index = gpu.queue.submit([]);
+            Self::wait_mapped(
+                &gpu,
+                self.timeout,
+                &mut self.stuck,
+                index,
+                &[(upload, wgpu::MapMode::Write)],
+            )?;
+            self.upload_mapped = true;
+        }
+        let mut mapped = match &self.upload {
+            Some(b) => Some(
+                b.get_mapped_range_mut(..)
+                    .map_err(|e| Error::internal(format!("writing the inputs: {e}")))?,
+            ),
+            None => None,
+        };
+        for (k, (input, &id)) in inputs.iter().zip(&self.payload.inputs).enumerate() {
+            let Some(view) = input else { continue };
+            let r = self.regions[id];
+            let what = format!("delegate input {k} (`{}`)", self.payload.buffers[id].name);
+            match (self.upload_at[k], mapped.as_mut()) {
+                (Some(at), Some(m)) => {
+                    let (at, size) = (at as usize, r.size as usize);
+                    transfer::upload(view, m.slice(at..at + size), &what)?;
+                }
+                _ => {
+                    let size = wgpu::BufferSize::new(r.size)
+                        .ok_or_else(|| Error::internal(format!("{what}: an empty GPU region")))?;
+                    let mut staged = scoped(
+                        &gpu,
+                        || format!("writing {what}"),
+                        || {
+                            gpu.queue
+                                .write_buffer_with(&self.buffers[r.buffer], r.offset, size)
+                        },
+                    )?
+                    .ok_or_else(|| Error::internal(format!("{what}: the GPU refused the write")))?;
+                    transfer::upload(view, staged.slice(..), &what)?;
+                }
+            }
+            self.counters.uploaded.fetch_add(r.size, Ordering::Relaxed);
+        }
+        drop(mapped);
+        if let Some(upload) = &self.upload {
+            upload.unmap();
+            self.upload_mapped = false;
+        }
+        Ok(())
     }
 
     fn execute(&mut self, args: &mut [DelegateArg]) -> Result<()> {
@@ -720,6 +860,15 @@ impl GpuDelegate {
             ));
         }
         let inputs = self.gpu_inputs(args)?;
+        self.write_inputs(&inputs)?;
+        // what the command buffer copies from the input buffer into the arena
+        let copies: Vec<(u64, Region)> = inputs
+            .iter()
+            .zip(&self.payload.inputs)
+            .zip(&self.upload_at)
+            .filter_map(|((given, &id), at)| given.and(*at).map(|at| (at, self.regions[id])))
+            .collect();
+        drop(inputs);
         let gpu = self.gpu.clone();
         let profile = self.counters.profiling.load(Ordering::Relaxed)
             && gpu
@@ -735,15 +884,6 @@ impl GpuDelegate {
             )?);
         }
         let profiler = self.profiler.as_ref().filter(|_| profile);
-        for (&id, bytes) in self.payload.inputs.iter().zip(&inputs) {
-            let Some(bytes) = bytes else { continue };
-            let r = self.regions[id];
-            gpu.queue
-                .write_buffer(&self.buffers[r.buffer], r.offset, &bytes[..]);
-            self.counters
-                .uploaded
-                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        }
         let index = scoped(
             &gpu,
             || {
@@ -760,6 +900,17 @@ impl GpuDelegate {
                         .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                             label: Some("etmetal delegate"),
                         });
+                if let Some(upload) = &self.upload {
+                    for (at, r) in &copies {
+                        encoder.copy_buffer_to_buffer(
+                            upload,
+                            *at,
+                            &self.buffers[r.buffer],
+                            r.offset,
+                            r.size,
+                        );
+                    }
+                }
                 for (r, _) in &self.statuses {
                     encoder.clear_buffer(&self.buffers[r.buffer], r.offset, Some(r.size));
                 }
@@ -822,9 +973,13 @@ impl GpuDelegate {
         self.counters.submits.fetch_add(1, Ordering::Relaxed);
         let staged = self.outputs.iter().map(|o| o.region.size).sum::<u64>();
         self.counters.read_back.fetch_add(staged, Ordering::Relaxed);
-        let mut mapped = vec![&self.staging];
-        mapped.extend(profiler.map(|p| &p.readback));
+        let read = wgpu::MapMode::Read;
+        let mut mapped = vec![(&self.staging, read)];
+        mapped.extend(profiler.map(|p| (&p.readback, read)));
+        // the input buffer is mapped again for the next execute
+        mapped.extend(self.upload.iter().map(|b| (b, wgpu::MapMode::Write)));
         Self::wait_mapped(&gpu, self.timeout, &mut self.stuck, index, &mapped)?;
+        self.upload_mapped = self.upload.is_some();
         if let Some(p) = profiler {
             let times = p
                 .seconds()?
@@ -860,7 +1015,7 @@ impl GpuDelegate {
                         let start = o.staging_offset as usize;
                         let bytes = &view[start..start + o.region.size as usize];
                         match arg {
-                            DelegateArg::Output(out) => payload::from_gpu_into(bytes, out),
+                            DelegateArg::Output(out) => transfer::download(bytes, out),
                             _ => Err(Error::internal("delegate output argument changed")),
                         }
                     })
@@ -870,20 +1025,20 @@ impl GpuDelegate {
         result
     }
 
-    /// Map `buffers` for reading once submission `index` is done, waiting at
-    /// most `timeout`; `stuck` is set when the GPU did not finish (the
-    /// delegate then refuses later executes).
+    /// Map `buffers` (each for reading or writing) once submission `index`
+    /// is done, waiting at most `timeout`; `stuck` is set when the GPU did
+    /// not finish (the delegate then refuses later executes).
     fn wait_mapped(
         gpu: &GpuDevice,
         timeout: Duration,
         stuck: &mut bool,
         index: wgpu::SubmissionIndex,
-        buffers: &[&wgpu::Buffer],
+        buffers: &[(&wgpu::Buffer, wgpu::MapMode)],
     ) -> Result<()> {
         let (tx, rx) = mpsc::channel();
-        for b in buffers {
+        for (b, mode) in buffers {
             let tx = tx.clone();
-            b.map_async(wgpu::MapMode::Read, .., move |r| drop(tx.send(r)));
+            b.map_async(*mode, .., move |r| drop(tx.send(r)));
         }
         let polled = gpu.device.poll(wgpu::PollType::Wait {
             submission_index: Some(index),
@@ -966,12 +1121,20 @@ impl GpuDelegate {
         self.counters
             .read_back
             .fetch_add(region.size, Ordering::Relaxed);
-        Self::wait_mapped(&gpu, self.timeout, &mut self.stuck, index, &[&readback])?;
+        Self::wait_mapped(
+            &gpu,
+            self.timeout,
+            &mut self.stuck,
+            index,
+            &[(&readback, wgpu::MapMode::Read)],
+        )?;
         let b = &self.payload.buffers[self.payload.inputs[input]];
         let view = readback
             .get_mapped_range(..)
             .map_err(|e| Error::internal(format!("reading state back: {e}")))?;
-        payload::from_gpu(&view, b.dtype, &b.shape)
+        let mut t = etmetal_core::Tensor::zeros(b.dtype, &b.shape)?;
+        transfer::download(&view, &mut ViewMut::of(&mut t))?;
+        Ok(t)
     }
 }
 

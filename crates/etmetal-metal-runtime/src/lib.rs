@@ -23,6 +23,7 @@
 
 mod delegate;
 mod device;
+mod transfer;
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use etmetal_core::{DType, Error, ErrorKind, Tensor, ViewMut};
+use etmetal_core::{DType, Error, ErrorKind, Tensor, View, ViewMut};
 use etmetal_metal::payload::{
     to_gpu, Access, Alternative, Buffer, Dispatch, Kernel, Location, Needs, Payload, Requirements,
     VERSION_MAJOR, VERSION_MINOR,
@@ -180,8 +180,7 @@ fn exec(
         .collect();
     let mut a: Vec<DelegateArg> = inputs
         .iter()
-        .cloned()
-        .map(DelegateArg::Tensor)
+        .map(|t| DelegateArg::Tensor(View::of(t)))
         .chain(outs.iter_mut().map(|t| DelegateArg::Output(ViewMut::of(t))))
         .collect();
     h.execute(&mut a)?;
@@ -229,13 +228,13 @@ fn affine_over_weights_and_load_once() {
     let (payload, named) = affine();
     let b = backend();
     let mut h = b.init(&payload.encode(), &[], &named).unwrap();
-    // 1 arena + 2 weights (p.w once) + 1 read-back buffer; 1 pipeline.
+    // 1 arena + 2 weights (p.w once) + 1 input and 1 read-back buffer; 1 pipeline.
     let loaded = b.stats();
     assert_eq!(
         loaded,
         GpuStats {
             pipelines_created: 1,
-            buffers_allocated: 4,
+            buffers_allocated: 5,
             submits: 0,
             bytes_uploaded: 0,
             bytes_read_back: 0,
@@ -491,7 +490,7 @@ fn wrong_arguments_are_named() {
     .unwrap_err();
     assert!(e.to_string().contains("got float32 [3, 2]"), "{e}");
 
-    let mut too_few = vec![DelegateArg::Tensor(good.clone())];
+    let mut too_few = vec![DelegateArg::Tensor(View::of(&good))];
     let e = h.execute(&mut too_few).unwrap_err();
     assert!(
         e.to_string()
@@ -499,7 +498,7 @@ fn wrong_arguments_are_named() {
         "{e}"
     );
 
-    let mut not_tensor = vec![DelegateArg::Int(3), DelegateArg::Tensor(good.clone())];
+    let mut not_tensor = vec![DelegateArg::Int(3), DelegateArg::Tensor(View::of(&good))];
     let e = h.execute(&mut not_tensor).unwrap_err();
     assert!(
         e.to_string().contains("input 0 (`a`): expected a tensor"),
@@ -507,8 +506,8 @@ fn wrong_arguments_are_named() {
     );
 
     let mut not_output = vec![
-        DelegateArg::Tensor(good.clone()),
-        DelegateArg::Tensor(good.clone()),
+        DelegateArg::Tensor(View::of(&good)),
+        DelegateArg::Tensor(View::of(&good)),
     ];
     let e = h.execute(&mut not_output).unwrap_err();
     assert!(
@@ -518,7 +517,7 @@ fn wrong_arguments_are_named() {
 
     let mut wrong = Tensor::zeros(DType::F32, &[6]).unwrap();
     let mut bad_out = vec![
-        DelegateArg::Tensor(good.clone()),
+        DelegateArg::Tensor(View::of(&good)),
         DelegateArg::Output(ViewMut::of(&mut wrong)),
     ];
     let e = h.execute(&mut bad_out).unwrap_err();

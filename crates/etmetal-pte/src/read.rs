@@ -23,6 +23,8 @@ pub struct PteFile {
     pub program: Program,
     pub header: Option<ExtendedHeader>,
     data: SharedBytes,
+    /// The file mapping behind `data`, for [`PteFile::release`].
+    map: Option<Arc<memmap2::Mmap>>,
 }
 
 impl std::fmt::Debug for PteFile {
@@ -47,8 +49,49 @@ impl PteFile {
         // SAFETY: the map is read-only; like every mmap reader we rely on the
         // file not being truncated or rewritten while it is loaded.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path.display(), e))?;
-        PteFile::from_shared(Arc::new(map)).map_err(|e| e.context(path.display().to_string()))
+        let map = Arc::new(map);
+        let mut pte =
+            PteFile::from_shared(map.clone()).map_err(|e| e.context(path.display().to_string()))?;
+        pte.map = Some(map);
+        Ok(pte)
     }
+
+    /// Give the pages of `bytes` (a part of this file, e.g. named data a
+    /// delegate has uploaded to its GPU) back to the system, so that they
+    /// leave the process's resident memory; a later read maps them in again
+    /// from the file. Only for a mapped file (else, and for bytes outside
+    /// the file, nothing happens): a weight is then held once, on its
+    /// device, not also in the page-cache pages of this process.
+    #[cfg(unix)]
+    pub fn release(&self, bytes: &[u8]) {
+        let Some(map) = &self.map else { return };
+        let base = map.as_ptr() as usize;
+        let start = bytes.as_ptr() as usize;
+        if start < base || start + bytes.len() > base + map.len() {
+            return;
+        }
+        // Whole pages inside `bytes` only: 64 KiB is a multiple of every
+        // page size in use (4 KiB, Apple's 16 KiB), and the map is page-aligned.
+        const PAGE: usize = 64 << 10;
+        let (from, to) = (
+            (start - base).next_multiple_of(PAGE),
+            start - base + bytes.len(),
+        );
+        let to = to - to % PAGE;
+        if to > from {
+            // SAFETY: the map is read-only, so dropped pages are read again
+            // from the file: no content is lost and borrows of it stay valid.
+            // (`DontNeed` is unchecked because on a written private map it
+            // would lose the writes.)
+            let _ = unsafe {
+                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, from, to - from)
+            };
+        }
+    }
+
+    /// Elsewhere the pages stay (no `madvise`).
+    #[cfg(not(unix))]
+    pub fn release(&self, _bytes: &[u8]) {}
 
     /// Parse and verify bytes that tensors may go on sharing.
     pub fn from_shared(data: SharedBytes) -> Result<PteFile> {
@@ -57,6 +100,7 @@ impl PteFile {
             program,
             header,
             data,
+            map: None,
         })
     }
 

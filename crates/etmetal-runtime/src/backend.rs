@@ -5,14 +5,16 @@ use std::sync::Arc;
 
 use std::collections::HashMap;
 
-use etmetal_core::{Error, Result, Tensor, ViewMut};
+use etmetal_core::{Error, Result, Tensor, View, ViewMut};
 use etmetal_pte::{CompileSpec, PteFile};
 
 /// One argument of a delegate call, as the method holds it.
 #[derive(Debug)]
 pub enum DelegateArg<'a> {
-    /// An input tensor.
-    Tensor(Tensor),
+    /// An input tensor, lent from where the method keeps it (its planned
+    /// memory, or the mapped file for a constant): the delegate converts
+    /// it straight into its device's staging memory, with no copy between.
+    Tensor(View<'a>),
     /// An output: the method's memory for it, which the delegate fills.
     Output(ViewMut<'a>),
     Int(i64),
@@ -66,11 +68,22 @@ pub trait DelegateHandle: Send {
 pub trait NamedData {
     /// The bytes of `key`; an error naming it when the program has none.
     fn get(&self, key: &str) -> Result<&[u8]>;
+
+    /// The caller has copied `bytes` (part of what [`NamedData::get`]
+    /// returned) to its device and will not read them again: a file mapping
+    /// may give those pages back, so that loading does not hold the weights
+    /// twice in host memory. Reading them later stays correct (the pages
+    /// come back from the file). Held in memory: nothing to do.
+    fn release(&self, _bytes: &[u8]) {}
 }
 
 impl NamedData for PteFile {
     fn get(&self, key: &str) -> Result<&[u8]> {
         self.named_data(key)
+    }
+
+    fn release(&self, bytes: &[u8]) {
+        PteFile::release(self, bytes)
     }
 }
 

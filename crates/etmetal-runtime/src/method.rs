@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use etmetal_core::dtype::{result_type, Operand as Promoted};
-use etmetal_core::{check_inputs, DType, Error, Op, Result, Scalar, Tensor, TensorSpec};
+use etmetal_core::{check_inputs, DType, Error, Op, Result, Scalar, Tensor, TensorSpec, View};
 use etmetal_pte::kernels::{decode_call, decode_sym, DecodedCall, SymCall};
 use etmetal_pte::{EValue, Instruction, Operator, PteFile};
 
@@ -540,30 +540,65 @@ impl Method {
                 resident,
             } => {
                 let (ins, outs) = args.split_at(args.len() - *outputs);
-                let mut call = ins
+                // the arguments that are no tensor to lend: scalars, and
+                // resident state whose device copy is current
+                let scalars = ins
                     .iter()
                     .enumerate()
                     .map(|(k, &v)| {
                         let kept = resident.iter().find(|(p, _)| *p == k);
                         if kept.is_some_and(|&(_, s)| states[s].on_device) {
-                            return Ok(DelegateArg::Resident);
+                            return Ok(Some(DelegateArg::Resident));
                         }
                         Ok(match values.get(v)? {
-                            Slot::Tensor(_) => DelegateArg::Tensor(values.read(v)?),
-                            Slot::Value(EValue::Int(i)) => DelegateArg::Int(*i),
-                            Slot::Value(EValue::Double(d)) => DelegateArg::Double(*d),
-                            Slot::Value(EValue::Bool(b)) => DelegateArg::Bool(*b),
-                            Slot::Value(_) => DelegateArg::Other,
+                            Slot::Tensor(_) => None,
+                            Slot::Value(EValue::Int(i)) => Some(DelegateArg::Int(*i)),
+                            Slot::Value(EValue::Double(d)) => Some(DelegateArg::Double(*d)),
+                            Slot::Value(EValue::Bool(b)) => Some(DelegateArg::Bool(*b)),
+                            Slot::Value(_) => Some(DelegateArg::Other),
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
+                let reads: Vec<Option<usize>> = ins
+                    .iter()
+                    .zip(&scalars)
+                    .map(|(&v, a)| a.is_none().then_some(v))
+                    .collect();
+                // Tensor inputs are lent where they live; only when one
+                // overlaps an output (or has no value yet) are they copied,
+                // before the delegate writes.
+                let lend = values.views(&reads, outs)?.is_some();
+                let copies = match lend {
+                    true => vec![],
+                    false => reads
+                        .iter()
+                        .map(|r| r.map(|v| values.read(v)).transpose())
+                        .collect::<Result<Vec<_>>>()?,
+                };
+                let lent_reads = match lend {
+                    true => reads,
+                    false => vec![None; ins.len()],
+                };
                 // outputs are written where they live, not copied back
-                let Some((_, written)) = values.views(&[], outs)? else {
+                let Some((lent, written)) = values.views(&lent_reads, outs)? else {
                     return Err(Error::unsupported(format!(
                         "delegate `{id}`: its outputs {outs:?} must lie in planned memory, \
                          apart from each other"
                     )));
                 };
+                let mut call = Vec::with_capacity(args.len());
+                for (k, (scalar, view)) in scalars.into_iter().zip(lent).enumerate() {
+                    let copy = || copies.get(k).and_then(Option::as_ref).map(View::of);
+                    call.push(match (scalar, view.or_else(copy)) {
+                        (Some(arg), _) => arg,
+                        (None, Some(view)) => DelegateArg::Tensor(view),
+                        (None, None) => {
+                            return Err(Error::internal(format!(
+                                "delegate `{id}`: input {k} was neither lent nor copied"
+                            )))
+                        }
+                    });
+                }
                 call.extend(written.into_iter().map(DelegateArg::Output));
                 handle
                     .execute(&mut call)

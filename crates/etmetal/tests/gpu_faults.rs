@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use etmetal::compile::{compile, CompileOptions};
-use etmetal_core::{npy, DType, Error, ErrorKind, Tensor, ViewMut};
+use etmetal_core::{npy, DType, Error, ErrorKind, Tensor, View, ViewMut};
 use etmetal_metal::payload::{
     to_gpu, Access, Buffer, Dispatch, Kernel, Location, Payload, Requirements, ARENA_ALIGN,
 };
@@ -114,7 +114,7 @@ fn run(b: &MetalBackend, payload: &Payload, named: &Named, x: &Tensor) -> Result
     let out = &payload.buffers[payload.outputs[0]];
     let mut y = Tensor::zeros(out.dtype, &out.shape)?;
     h.execute(&mut [
-        DelegateArg::Tensor(x.clone()),
+        DelegateArg::Tensor(View::of(x)),
         DelegateArg::Output(ViewMut::of(&mut y)),
     ])?;
     Ok(y)
