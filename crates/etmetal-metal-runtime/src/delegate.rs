@@ -22,7 +22,7 @@ use etmetal_metal::payload::{self, Access, Dispatch, Fault, Location, Needs, Pay
 use etmetal_runtime::{DelegateArg, DelegateHandle, NamedData};
 use wgpu::util::DeviceExt;
 
-use crate::device::{CoopOffer, GpuDevice};
+use crate::device::{CoopOffer, GpuDevice, PipelineLock};
 
 /// What a backend has created on the GPU so far (all its delegates).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -454,6 +454,7 @@ impl GpuDelegate {
         let portable = launches.iter().filter(|s| s.variant.is_none()).count();
         let chosen = (payload.dispatches.len() - portable) as u64;
         counters.alternatives.fetch_add(chosen, Ordering::Relaxed);
+        let lock = PipelineLock::get()?;
         let mut pipelines = Vec::with_capacity(payload.kernels.len());
         let mut layouts = Vec::with_capacity(payload.kernels.len());
         for (i, k) in payload.kernels.iter().enumerate() {
@@ -488,6 +489,8 @@ impl GpuDelegate {
             let alternative = launches
                 .iter()
                 .any(|s| s.dispatch.kernel == i && s.variant.is_some());
+            // (the crash workaround under test: see `PipelineLock`)
+            let _serial = lock.hold(&gpu, alternative);
             let (layout, pipeline) = scoped(
                 &gpu,
                 || {
