@@ -1108,6 +1108,10 @@ mod tests {
             ..h200()
         };
         assert!(!apple.meets(&needs(32, 0)));
+        // the 8×8 f32 alternative runs there, and not on the H200
+        let apple8 = etmetal_metal::payload::Needs::f32_8x8x8(32, 24576);
+        assert!(apple.meets(&apple8));
+        assert!(!h200().meets(&apple8));
     }
 
     #[test]

@@ -230,12 +230,26 @@ impl CoopOffer {
         }
         let configurations = adapter.cooperative_matrix_properties();
         let offered = adapter.features().contains(Self::FEATURES) && !configurations.is_empty();
+        let (subgroup_min_size, subgroup_max_size) = Self::subgroup_sizes(&info);
         offered.then_some(CoopOffer {
             configurations,
-            subgroup_min_size: info.subgroup_min_size,
-            subgroup_max_size: info.subgroup_max_size,
+            subgroup_min_size,
+            subgroup_max_size,
             workgroup_storage: storage,
         })
+    }
+
+    /// The subgroup sizes of an adapter that offers cooperative matrices:
+    /// what it reports, except on Metal, where wgpu reports 4..64 for every
+    /// GPU while those with simdgroup matrices (Apple7 and later, the only
+    /// ones wgpu offers them on) run 32-wide simdgroups, as the 8×8 kernels
+    /// assume (unchecked here: no Apple hardware).
+    fn subgroup_sizes(info: &wgpu::AdapterInfo) -> (u32, u32) {
+        if info.backend == wgpu::Backend::Metal {
+            (32, 32)
+        } else {
+            (info.subgroup_min_size, info.subgroup_max_size)
+        }
     }
 
     /// Whether kernels needing `needs` run here: the configuration is
@@ -477,7 +491,20 @@ impl PipelineLock {
 
 #[cfg(test)]
 mod tests {
-    use super::PipelineLock;
+    use super::{CoopOffer, PipelineLock};
+
+    #[test]
+    fn metal_simdgroups_are_taken_as_32_wide() {
+        let info = |backend, min, max| wgpu::AdapterInfo {
+            subgroup_min_size: min,
+            subgroup_max_size: max,
+            ..wgpu::AdapterInfo::new(wgpu::DeviceType::IntegratedGpu, backend)
+        };
+        let metal = info(wgpu::Backend::Metal, 4, 64);
+        assert_eq!(CoopOffer::subgroup_sizes(&metal), (32, 32));
+        let vulkan = info(wgpu::Backend::Vulkan, 32, 64);
+        assert_eq!(CoopOffer::subgroup_sizes(&vulkan), (32, 64));
+    }
 
     #[test]
     fn pipeline_lock_settings_parse() {
