@@ -6,9 +6,14 @@
 //! it where the adapter reports that configuration, and the portable
 //! kernel everywhere else.
 //!
+//! A second alternative, the [`Frag::Float8`] form (`coop_mat8x8` f32:
+//! Apple GPUs' simdgroup matrices through Metal), follows it: the same
+//! kernel over f32 stages, with no scaling. Nothing here runs it.
+//!
 //! Kernel. A workgroup computes a `bm × bn` tile (128×128 in 8 subgroups
 //! of 64×32, or 64×64 in 4 subgroups of 32×32, chosen by workgroup count
-//! as the portable tiles are) over 32-deep slices of k. Slices are staged
+//! as the portable tiles are; 32 rows or columns for skinny products) over
+//! 32-deep slices of k. Slices are staged
 //! in workgroup memory as f16 in two alternating stages, each operand laid
 //! out along its contiguous dim in memory (rows padded by 8 halves so the
 //! matrix loads of a subgroup hit distinct banks), and the next slice is
@@ -267,9 +272,11 @@ impl CoopTile {
 }
 
 /// The tile for `gemm` in form `frag`: 128×128 where that still gives a
-/// large GPU enough workgroups, else 64×64; the 8×8 f32 form 64×64 over
-/// 16-deep slices (its f32 stages double the bytes, and Apple GPUs have
-/// 32 KiB of workgroup memory).
+/// large GPU enough workgroups; 32 rows (columns) where m (n) is below 64,
+/// so a skinny product keeps no subgroup idle; else 64×64. The 8×8 f32
+/// form takes 64×64 over 16-deep slices (its f32 stages double the bytes,
+/// and Apple GPUs have 32 KiB of workgroup memory). Only the 128×128 and
+/// 64×64 tiles of the 16×16 form have been measured (README, Tensor cores).
 fn tile(gemm: &Gemm, frag: Frag) -> CoopTile {
     let groups = |b: usize| (gemm.m.div_ceil(b) * gemm.n.div_ceil(b)) as u64 * gemm.batch as u64;
     if frag == Frag::Float8 {
@@ -289,9 +296,10 @@ fn tile(gemm: &Gemm, frag: Frag) -> CoopTile {
             bk: 32,
         }
     } else {
+        let side = |len: usize| if len < 64 { 32 } else { 64 };
         CoopTile {
-            bm: 64,
-            bn: 64,
+            bm: side(gemm.m),
+            bn: side(gemm.n),
             wm: 32,
             wn: 32,
             bk: 32,
@@ -840,6 +848,22 @@ mod tests {
                 vec![input(b, &[200, 72]), input(b, &[72, 130])],
                 &["range", "range", "coop"],
             ),
+            // skinny: 32-row, 32-column and 32×32 tiles
+            (
+                Op::MatMul,
+                vec![input(b, &[40, 256]), input(b, &[256, 512])],
+                &["range", "range", "coop"],
+            ),
+            (
+                Op::MatMul,
+                vec![input(h, &[300, 128]), input(h, &[128, 48])],
+                &["range", "range", "coop"],
+            ),
+            (
+                Op::MatMul,
+                vec![input(b, &[2, 33, 512]), input(b, &[2, 512, 63])],
+                &["range", "range", "coop"],
+            ),
             // f16 alike; the 128×128 tile (4096 rows)
             (
                 Op::MatMul,
@@ -896,8 +920,9 @@ mod tests {
             let (names, needs) = &alts[0];
             assert_eq!(tags(names), *kinds, "{name}");
             assert_eq!((needs.m, needs.ab), (16, CoopType::F16), "{name}");
+            // (skinny tiles need about 11 KiB)
             assert!(
-                needs.workgroup_storage > 16384 && needs.workgroup_storage <= 49152,
+                needs.workgroup_storage > 8192 && needs.workgroup_storage <= 49152,
                 "{needs:?}"
             );
             let (names, needs) = &alts[1];
@@ -933,6 +958,39 @@ mod tests {
         ] {
             let p = lower_one(op, operands).unwrap();
             assert!(alternatives(&p.payload).is_empty());
+        }
+    }
+
+    /// Tiles by shape and form; each invocation stages whole 4-element
+    /// chunks of both operands, and subgroups cover the tile.
+    #[test]
+    fn tiles_by_shape_and_form() {
+        let g = |m, n| Gemm {
+            batch: 1,
+            m,
+            n,
+            k: 256,
+            a_k_fast: true,
+            b_k_fast: false,
+            coop: None,
+        };
+        let cases = [
+            ((4096, 4096), Frag::Half16, (128, 128, 32)),
+            ((1024, 1024), Frag::Half16, (64, 64, 32)),
+            ((40, 4096), Frag::Half16, (32, 64, 32)),
+            ((4096, 48), Frag::Half16, (64, 32, 32)),
+            ((40, 48), Frag::Half16, (32, 32, 32)),
+            ((4096, 4096), Frag::Float8, (64, 64, 16)),
+            ((40, 48), Frag::Float8, (64, 64, 16)),
+        ];
+        for ((m, n), frag, want) in cases {
+            let t = tile(&g(m, n), frag);
+            assert_eq!((t.bm, t.bn, t.bk), want, "{m}x{n} {frag:?}");
+            for len in [t.bm, t.bn] {
+                assert_eq!(len * t.bk % (4 * t.threads()), 0, "{t:?}");
+            }
+            assert_eq!(t.bm % t.wm + t.bn % t.wn, 0, "{t:?}");
+            assert_eq!((t.wm % frag.size(), t.bk % frag.size()), (0, 0), "{t:?}");
         }
     }
 
