@@ -10,9 +10,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
 PNG = HERE / "ratios.png"
-# H200 SXM leads from the datasheet (plain f32, dense bf16 tensor cores, HBM3e).
-PEAK = {"f32": 67e12, "bf16": 990e12}
+# H200 SXM leads from the datasheet (plain f32, dense bf16 tensor cores, HBM3e);
+# int4 rows compute in bf16.
+PEAK = {"f32": 67e12, "bf16": 990e12, "int4": 990e12}
 PEAK_BW = 4.8e12
+# the decode issue's roofline: what a device-to-device copy reaches on the H200
+ROOFLINE_BW = 4.3e12
 
 
 def load(name):
@@ -26,6 +29,15 @@ def f(v, digits=3):
     if isinstance(v, float):
         return f"{v:.{digits}f}" if abs(v) >= 10 ** -digits or v == 0 else f"{v:.1e}"
     return str(v)
+
+
+def fs(row, key, digits=3):
+    """`row[key]` with its spread over the repeated measurements, where the
+    row has one (`key_spread`: [min, max])."""
+    v, spread = row.get(key), row.get(f"{key}_spread")
+    if v is None or not spread:
+        return f(v, digits)
+    return f"{f(v, digits)} ({f(spread[0], digits)}–{f(spread[1], digits)})"
 
 
 def mib(n):
@@ -50,17 +62,22 @@ def op_rows(gpu):
             continue
         k, t = o["etmetal_kernel_ms"], o["torch_ms"]
         r = ratio(k, t)
-        memory_bound = o["op"].startswith("sdpa_1x")
+        # (results before the `bound` field: the one-query SDPA)
+        memory_bound = o.get("bound", "memory" if o["op"].startswith("sdpa_1x") else "compute") == "memory"
         if memory_bound:
-            rate = lambda ms: None if ms is None else o["bytes"] / (ms * 1e-3) / 1e9  # noqa: E731
+            # (PyTorch's int4 rows move a bf16 weight: `torch_bytes`)
+            rate = lambda ms, b=o["bytes"]: None if ms is None else b / (ms * 1e-3) / 1e9  # noqa: E731
             peak = lambda ms: None if ms is None else o["bytes"] / (ms * 1e-3) / PEAK_BW  # noqa: E731
+            torch_rate = rate(t, o.get("torch_bytes", o["bytes"]))
             unit = "GB/s"
         else:
             rate = lambda ms: None if ms is None else o["flops"] / (ms * 1e-3) / 1e12  # noqa: E731
             peak = lambda ms: None if ms is None else o["flops"] / (ms * 1e-3) / PEAK[o["dtype"]]  # noqa: E731
+            torch_rate = rate(t)
             unit = "TFLOP/s"
-        rows.append([o["op"], o["dtype"], f(t), f(k), f(r, 2), f"{f(rate(k), 1)} / {f(rate(t), 1)} {unit}",
-                     f(None if peak(k) is None else 100 * peak(k), 1), f(o["etmetal_e2e_ms"]), o["dispatches"],
+        rows.append([o["op"], o["dtype"], fs(o, "torch_ms"), fs(o, "etmetal_kernel_ms"), f(r, 2),
+                     f"{f(rate(k), 1)} / {f(torch_rate, 1)} {unit}",
+                     f(None if peak(k) is None else 100 * peak(k), 1), fs(o, "etmetal_e2e_ms"), o["dispatches"],
                      f(o["err"], 1)])
         if r is not None:
             ratios.append((f"{o['op']} {o['dtype']}", r))
@@ -71,20 +88,32 @@ def model_rows(gpu):
     rows, ratios = [], []
     for m in gpu["models"]:
         if "error" in m:
-            rows.append([m["model"], m["dtype"], "error: " + m["error"].splitlines()[-1][:120]] + [""] * 11)
+            rows.append([m["model"], m["dtype"], "error: " + m["error"].splitlines()[-1][:120]] + [""] * 12)
             continue
         r = ratio(m["etmetal_e2e_ms"], m["torch_e2e_ms"])
         top = m["top_kernels"][0] if m["top_kernels"] else None
-        compiled = f(m.get("torch_compile_ms")) if "torch_compile_error" not in m else \
-            "error: " + m["torch_compile_error"][:60]
         placed = f"{m.get('partitions', '–')} / {m.get('kernels', '–')} / {m.get('cpu_nodes', '–')}"
-        rows.append([m["model"], m["dtype"], mib(m["weight_bytes"]), f(m["torch_ms"]), compiled,
-                     f(m["torch_e2e_ms"]), f(m["etmetal_kernel_ms"]), f(m["etmetal_e2e_ms"]), f(r, 2),
-                     f(ratio(m["etmetal_kernel_ms"], m.get("torch_compile_ms")), 2), placed, m["dispatches"],
-                     "–" if top is None else f"{top['kernel']} {100 * top['share']:.0f}%", f(m["err"], 1)])
+        compiled = fs(m, "torch_compile_ms") if "torch_compile_error" not in m else \
+            "error: " + m["torch_compile_error"][:60]
+        rows.append([m["model"], m["dtype"], mib(m["weight_bytes"]), fs(m, "torch_ms"), compiled,
+                     fs(m, "torch_e2e_ms"), fs(m, "etmetal_kernel_ms"), fs(m, "etmetal_e2e_ms"), f(r, 2),
+                     f(ratio(m["etmetal_kernel_ms"], m.get("torch_compile_ms")), 2), roofline(m), placed,
+                     m["dispatches"], "–" if top is None else f"{top['kernel']} {100 * top['share']:.0f}%",
+                     f(m["err"], 1)])
         if r is not None:
             ratios.append((f"{m['model']} {m['dtype']}", r))
     return rows, ratios
+
+
+def roofline(m):
+    """A decode step's roofline (its weight and KV-cache bytes over
+    ROOFLINE_BW) and etmetal's kernel time's % of it; – for other rows."""
+    b = m.get("roofline_bytes")
+    if not b:
+        return "–"
+    ms = (b["weights"] + b["kv_cache"]) / ROOFLINE_BW * 1e3
+    pct = ratio(ms, m["etmetal_kernel_ms"])
+    return f"{ms:.3f} ms, {f(None if pct is None else 100 * pct, 1)}%"
 
 
 def chart(op_ratios, model_ratios):
@@ -113,12 +142,38 @@ def chart(op_ratios, model_ratios):
     return True
 
 
+INT4 = ("int4 rows: bf16 activations (M = 1), the weight compiled with `--quantize int4 --group-size 32`; "
+        "their bytes are the packed weight, scales and zeros, activations and output, and PyTorch does the "
+        "same product in bf16 with a float weight of the same shape (err against the float weight: the "
+        "quantization error included). ")
+LLAMA = ("The Llama-3.2-1B shape (16 layers, hidden 2048, 32/8 heads, MLP 8192, vocabulary 128256, untied "
+         "head, random weights, transformers' static-cache recipe with 1024 positions): a decode step at "
+         "position 512 and a 512-token prefill, in bf16 and int4 (PyTorch runs bf16 for both); roofline: the "
+         "weight bytes the step reads (the embedding one row) plus the K and V cache of 513 positions, over "
+         "4.3 TB/s, and etmetal's kernel time's % of it. ")
+
+
+def repeats(results) -> str:
+    """What the figures are medians of."""
+    n = results.get("repeat")
+    if not n:
+        return "Each figure is one measurement (results from before the harness repeated them)."
+    return f"Each figure is the median of {n} separate measurements, with their (min–max)."
+
+
+def torch_timing(gpu) -> str:
+    if gpu.get("torch_timing") == "profiler":
+        return ("the CUDA kernel time torch.profiler records over the runs, per call (no launch overhead; "
+                "torch.compile likewise)")
+    return "CUDA events around each call (launch overhead included; results from before the profiler timing)"
+
+
 def main():
     gpu, cpu = load("gpu"), load("cpu")
     md = ["# etmetal benchmarks", "",
           "Written by `python3 benchmarks/run.py report` from `benchmarks/results/*.json`; do not edit by hand. "
-          "How each figure is taken: `benchmarks/README.md`. One run of each; ratios are etmetal time over the "
-          "other's (below 1: etmetal is faster).", ""]
+          "How each figure is taken: `benchmarks/README.md`. Ratios are etmetal time over the other's (below 1: "
+          "etmetal is faster).", ""]
     op_ratios = model_ratios = []
     if gpu:
         mach = gpu["machine"]
@@ -126,16 +181,20 @@ def main():
                f"Machine: {mach['gpu']} ({mach['sms']} SMs; nvidia-smi: {mach['nvidia_smi']}), "
                f"{mach['cores']} cores of {mach['cpu']}; PyTorch {mach['torch']} (CUDA {mach['cuda']}). "
                f"etmetal adapter: {next((o['adapter'] for o in gpu['ops'] if 'adapter' in o), '–')}. "
-               f"{gpu['runs']} timed runs after {gpu['warmup']} warm-ups (PyTorch: 5x the runs). etmetal "
+               f"{gpu['runs']} timed runs after {gpu['warmup']} warm-ups (PyTorch: 5x the runs). "
+               f"{repeats(gpu)} etmetal "
                "runs with `--coop auto`: f16/bf16 matrix products on the tensor-core alternatives where the "
                "GPU offers them (kernels named `…_coop`, `…_range` the scaling pre-pass; off by default, "
                "see the README).", ""]
         rows, op_ratios = op_rows(gpu)
         md += ["### Ops", "",
-               "PyTorch: CUDA events around each call, operands on the GPU, TF32 off. etmetal kernel: sum of "
-               "the GPU timestamps of every dispatch, median over the profiled runs. etmetal end to end: one "
+               f"PyTorch: {torch_timing(gpu)}, operands on the GPU, TF32 off. etmetal kernel: sum of "
+               "the GPU timestamps of every dispatch (each in its own compute pass, so no launch gaps), median "
+               "over the profiled runs. etmetal end to end: one "
                "`Method::execute` (host inputs up, dispatches, outputs read back), which PyTorch's column "
-               "does not include. Peak: the datasheet's 67 TFLOP/s f32, 990 TFLOP/s dense bf16, 4.8 TB/s. "
+               "does not include. Peak: the datasheet's 67 TFLOP/s f32, 990 TFLOP/s dense bf16, 4.8 TB/s "
+               "(memory-bound rows: GB/s and % of 4.8 TB/s). " + (INT4 if any(o["dtype"] == "int4" for o in gpu["ops"])
+                                                             else "") +
                "err: ‖etmetal − ref‖/‖ref‖, ref in f64 (f32 rows) or f32 (bf16 rows) from the same inputs. "
                f"bmm runs {4} batches.", "",
                table(["op", "dtype", "PyTorch ms", "etmetal kernel ms", "ratio", "rate etmetal / PyTorch",
@@ -146,15 +205,17 @@ def main():
                "224x224, BERT-base at 128 tokens, the Whisper-tiny encoder over 80x3000 mel frames, the "
                "KV-cache decoders of `benchmarks/run.py`: a prefill of 128 tokens and one decode step). Each is "
                "exported on the GPU machine (`torch.export` + `run_decompositions({})`) and compiled there "
-               "with `etmetal compile --max-buffer 2G`. PyTorch GPU: CUDA events, inputs already on the GPU; "
+               f"with `etmetal compile --max-buffer 2G`. PyTorch GPU: {torch_timing(gpu)}, inputs already on the GPU; "
                "torch.compile: default mode, the same timing after its compiling first call; PyTorch e2e: "
                "host inputs to the GPU, forward, outputs back to the host (wall clock), the same work an "
                "etmetal execute does. ratio e2e = etmetal e2e / PyTorch eager e2e; ratio compiled = etmetal "
-               "kernel / torch.compile GPU. placed: partitions / kernels / nodes left on the CPU. err "
+               "kernel / torch.compile GPU. " + (LLAMA if any(m["model"].startswith("llama1b") for m in gpu["models"])
+                                                else "") +
+               "placed: partitions / kernels / nodes left on the CPU. err "
                "against PyTorch eager's output on the GPU.", "",
                table(["model", "dtype", "weights MiB", "PyTorch GPU ms", "torch.compile GPU ms", "PyTorch e2e ms",
-                      "etmetal kernel ms", "etmetal e2e ms", "ratio e2e", "ratio compiled", "placed",
-                      "dispatches", "top kernel", "err"], rows), ""]
+                      "etmetal kernel ms", "etmetal e2e ms", "ratio e2e", "ratio compiled", "roofline",
+                      "placed", "dispatches", "top kernel", "err"], rows), ""]
         comp = [[m["model"], m["dtype"], f(m.get("compile_s")), f(m.get("torch_compile_first_s"))]
                 for m in gpu["models"] if "error" not in m]
         md += ["Compile on the GPU machine, seconds: `etmetal compile` of the exported program vs "
@@ -182,22 +243,26 @@ def main():
         rows = []
         for m in cpu["models"]:
             def et(kind):
-                return f(m.get(f"et_{kind}_ms")) if f"et_{kind}_ms" in m else \
+                return fs(m, f"et_{kind}_ms") if f"et_{kind}_ms" in m else \
                     "error: " + m.get(f"et_{kind}_error", "?")[:80]
-            rows.append([m["model"], m.get("runs", cpu["runs"]), f(m["etmetal_ms"]), et("portable"), et("xnnpack"),
+            rows.append([m["model"], m.get("runs", cpu["runs"]), fs(m, "etmetal_ms"), et("portable"), et("xnnpack"),
                          f(ratio(m["etmetal_ms"], m.get("et_portable_ms")), 2),
                          f(ratio(m["etmetal_ms"], m.get("et_xnnpack_ms")), 2), f(m["etmetal_err"], 1)])
         md += [table(["model", "runs", "etmetal ms", "ET portable ms", "ET XNNPACK ms", "vs portable", "vs XNNPACK",
                       "etmetal err"], rows), ""]
-        rows = [[m["model"], f(m["compile_s_etmetal_cpu"]), f(m["compile_s_etmetal_metal"]),
-                 f(m.get("compile_s_et_portable")), f(m.get("compile_s_et_xnnpack")),
-                 f(ratio(m.get("compile_s_et_xnnpack"), m["compile_s_etmetal_metal"]), 1)] for m in cpu["models"]]
+        rows = [[m["model"], fs(m, "compile_s_etmetal_cpu"), fs(m, "compile_s_et_xnnpack"),
+                 f(ratio(m["compile_s_etmetal_cpu"], m.get("compile_s_et_xnnpack")), 2),
+                 fs(m, "compile_s_et_portable"), f(ratio(m["compile_s_etmetal_cpu"], m.get("compile_s_et_portable")), 2),
+                 fs(m, "compile_s_etmetal_metal")] for m in cpu["models"]]
         md += ["### Compile time", "",
-               "Seconds from the same f32 `.pt2`: `etmetal compile` (a process, wall clock) vs ExecuTorch "
-               "`torch.export.load` + `to_edge(...)` or `to_edge_transform_and_lower(..., XnnpackPartitioner)` "
-               "+ `to_executorch()` (in one Python process, torch already imported).", "",
-               table(["model", "etmetal cpu s", "etmetal metal s", "ET portable s", "ET XNNPACK s",
-                      "XNNPACK / etmetal metal"], rows), ""]
+               "Seconds from the same f32 `.pt2`, like with like: `etmetal compile --backend cpu` (a process, "
+               "wall clock) beside ExecuTorch's `torch.export.load` + `to_edge_transform_and_lower(..., "
+               "XnnpackPartitioner)` + `to_executorch()`, and beside `to_edge(...)` + `to_executorch()` (portable "
+               "kernels; in one Python process, torch already imported). `etmetal compile --backend metal` "
+               "compares with torch.compile in the GPU section; its time here is for reference. "
+               f"{repeats(cpu)}", "",
+               table(["model", "etmetal cpu s", "ET XNNPACK s", "etmetal cpu / XNNPACK", "ET portable s",
+                      "etmetal cpu / portable", "etmetal metal s"], rows), ""]
         rows = [[m["model"], mib(m["weight_bytes"]), mib(m["peak_rss_after_load"]), mib(m["peak_rss"]),
                  f(ratio(m["peak_rss"], m["weight_bytes"]), 1)] for m in cpu["models"]]
         md += ["### Memory (CPU path)", "",

@@ -10,8 +10,12 @@ path against ExecuTorch's runtime, compile time, peak memory. BENCHMARKS.md
 Timing: each etmetal figure comes from `etmetal run --bench N --bench-json`
 (median of N executes after warm-ups; per-kernel GPU time from timestamp
 queries, the sum of every dispatch, median over N profiled executes).
-PyTorch is timed with CUDA events around each call, median of N, after
-warm-ups; f32 runs with TF32 off. Inputs are random (never zeros or ones).
+PyTorch's GPU figure is its kernel time without launch overhead: the CUDA
+kernels torch.profiler records over N calls, divided by N (CUDA events
+around each call are kept as `torch_call_ms`); f32 runs with TF32 off.
+Every figure is measured REPEAT (3) times, each a separate `etmetal run`
+or profiler session: rows hold the median and `<field>_spread` [min, max].
+Inputs are random (never zeros or ones).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from typing import Callable, NamedTuple
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -39,8 +45,16 @@ sys.path.insert(0, str(REPO / "tests" / "parity"))
 
 WORK = REPO / ".bench"  # ignored: models, binary, scratch
 RESULTS = HERE / "results"
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+# "int4": bf16 activations, weights compiled with `--quantize int4` (PyTorch
+# runs the same product in bf16 with a float weight of the same shape)
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int4": torch.bfloat16}
 RUNS, WARMUP = 20, 5
+REPEAT = 3  # separate measurements of each figure: median and [min, max]
+INT4_GROUP = 32
+# HBM: the datasheet's 4.8 TB/s for ops' % of bandwidth; 4.3 TB/s (what a
+# device-to-device copy reaches on the H200) for the decoder roofline, as
+# the decode issue defines it
+HBM_PEAK, HBM_ROOFLINE = 4.8e12, 4.3e12
 
 
 # ---------------------------------------------------------------- the cases
@@ -74,23 +88,49 @@ def conv1d():
 BMM_BATCH = 4
 
 
-def op_cases():
-    """name -> (module maker, input shapes, flop count, fewest bytes moved per element size)."""
+class OpCase(NamedTuple):
+    """An op row: its module maker, input shapes, flop count and the fewest
+    elements it moves (times the element size: its bytes), for `dtypes`;
+    `memory_bound` rows report bandwidth, `int4_bytes` the bytes an int4
+    row moves (its packed weight, scales and zeros, activations, output)."""
+    make: Callable
+    shapes: list
+    flops: int
+    elems: int
+    dtypes: tuple = ("f32", "bf16")
+    memory_bound: bool = False
+    int4_bytes: int | None = None
+
+
+def int4_linear_bytes(n: int, k: int, size=2) -> int:
+    """Bytes of an int4 weight [n, k]: two codes a byte, a scale and a zero
+    of the activation dtype per group of INT4_GROUP."""
+    return n * k // 2 + 2 * n * (k // INT4_GROUP) * size
+
+
+def op_cases() -> dict[str, OpCase]:
     cases = {}
     for s in (512, 1024, 4096):
         flops = 2 * s**3
-        cases[f"mm_{s}"] = (Mm, [(s, s), (s, s)], flops, 3 * s * s)
-        cases[f"addmm_{s}"] = (Addmm, [(s,), (s, s), (s, s)], flops, 3 * s * s + s)
-        cases[f"bmm_{s}"] = (Bmm, [(BMM_BATCH, s, s)] * 2, BMM_BATCH * flops, BMM_BATCH * 3 * s * s)
+        cases[f"mm_{s}"] = OpCase(Mm, [(s, s), (s, s)], flops, 3 * s * s)
+        cases[f"addmm_{s}"] = OpCase(Addmm, [(s,), (s, s), (s, s)], flops, 3 * s * s + s)
+        cases[f"bmm_{s}"] = OpCase(Bmm, [(BMM_BATCH, s, s)] * 2, BMM_BATCH * flops, BMM_BATCH * 3 * s * s)
     n, cin, length, cout, k = 10, 128, 3000, 1280, 3
-    cases["conv1d_128to1280_10x3000"] = (
+    cases["conv1d_128to1280_10x3000"] = OpCase(
         conv1d, [(n, cin, length)], 2 * n * cout * length * cin * k,
         n * cin * length + cout * cin * k + n * cout * length)
     for name, q, kv in (("sdpa_1x20x1_kv1500", (1, 20, 1, 64), (1, 20, 1500, 64)),
                         ("sdpa_10x20x1500", (10, 20, 1500, 64), (10, 20, 1500, 64))):
         b, h, sq, d = q
         sk = kv[2]
-        cases[name] = (Sdpa, [q, kv, kv], 4 * b * h * sq * sk * d, 2 * b * h * sq * d + 2 * b * h * sk * d)
+        cases[name] = OpCase(Sdpa, [q, kv, kv], 4 * b * h * sq * sk * d, 2 * b * h * sq * d + 2 * b * h * sk * d,
+                             memory_bound=sq == 1)
+    # int4 GEMV of decode (M = 1, bf16 activations): K in, N out, as the
+    # int4 issue names them (4096x14336: Llama-3-8B's up-projection)
+    for k, n in ((4096, 4096), (4096, 14336)):
+        cases[f"int4_gemv_{k}x{n}"] = OpCase(
+            lambda k=k, n=n: nn.Linear(k, n, bias=False), [(1, k)], 2 * k * n, k * n + k + n,
+            dtypes=("int4",), memory_bound=True, int4_bytes=int4_linear_bytes(n, k) + 2 * (k + n))
     return cases
 
 
@@ -113,11 +153,77 @@ def full_decoder(llama: bool) -> nn.Module:
 
 PREFILL, DECODE_LEN = 128, 256
 
+# The Llama-3.2-1B shape of the decode issue (16 layers, hidden 2048, 32/8
+# heads of 64, MLP 8192, vocabulary 128256; the LM head untied, as in the
+# issue's 2858 MiB), random weights, through transformers' ExecuTorch
+# recipe (a static KV cache in buffers): a decode step at position 512 and
+# a 512-token prefill.
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                tie_word_embeddings=False)
+LLAMA_CTX, LLAMA_CACHE = 512, 1024
 
-def model_cases():
-    """name -> (module maker, input maker(generator)): the real-models zoo
-    (tests/parity/models/) at the issue's full sizes, batch 1. Decoders run
-    twice: a prefill of 128 tokens and one decode step at position 128."""
+
+class Step(nn.Module):
+    """A decoder step with positional inputs (tokens, positions), for export."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.m = module
+
+    def forward(self, tokens, positions):
+        return self.m(input_ids=tokens, cache_position=positions)
+
+
+def llama(**config) -> nn.Module:
+    """A random transformers Llama of `config` (LLAMA_1B's keys) in bf16
+    behind transformers' static-cache recipe (scripts/export_llm.py; the
+    cache takes the model's dtype when the recipe is made)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from export_llm import recipe
+
+    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.bfloat16).eval()
+    return Step(recipe(model, LLAMA_CACHE).model)
+
+
+def decoder_roofline_bytes(config: dict, dtype: str, ctx: int) -> dict:
+    """Bytes one decode step at position `ctx` must read: every weight
+    (int4: each linear's packed weight, scales and zeros; the embedding
+    reads one row) and the K and V cache of the `ctx + 1` positions."""
+    c = config
+    h, kv = c["hidden_size"], c["num_key_value_heads"] * c["head_dim"]
+    q = c["num_attention_heads"] * c["head_dim"]
+    linears = [(q, h), (kv, h), (kv, h), (h, q), (c["intermediate_size"], h), (c["intermediate_size"], h),
+               (h, c["intermediate_size"])] * c["num_hidden_layers"] + [(c["vocab_size"], h)]
+    size = 2
+    if dtype == "int4":
+        weights = sum(int4_linear_bytes(n, k) for n, k in linears)
+    else:
+        weights = sum(n * k for n, k in linears) * size
+    norms = (2 * c["num_hidden_layers"] + 1) * h * size
+    cache = 2 * c["num_hidden_layers"] * kv * (ctx + 1) * size
+    return {"weights": weights + norms + h * size, "kv_cache": cache}
+
+
+class ModelCase(NamedTuple):
+    """A model row: its maker, its input maker(generator), the dtypes it
+    runs in, whether the CPU step runs it, and for a decode step the
+    config and position its roofline counts (`decoder_roofline_bytes`);
+    `recipe`: see `export_save`."""
+    make: Callable
+    inputs: Callable
+    dtypes: tuple = ("f32", "bf16")
+    cpu: bool = True
+    roofline: tuple | None = None
+    recipe: bool = False
+
+
+def model_cases() -> dict[str, ModelCase]:
+    """The real-models zoo (tests/parity/models/) at the issue's full sizes,
+    batch 1. Decoders run twice: a prefill of 128 tokens and one decode step
+    at position 128; the Llama-3.2-1B shape in bf16 and int4 (GPU only)."""
     from models.audio import whisper_tiny
     from models.cnn import MobileNetV2, ResNet
     from models.encoders import bert_base, bert_inputs
@@ -125,15 +231,21 @@ def model_cases():
     image = lambda g: (torch.randn(1, 3, 224, 224, generator=g),)  # noqa: E731
     tokens = lambda vocab, n, first: lambda g: (  # noqa: E731
         torch.randint(0, vocab, (1, n), generator=g), torch.arange(first, first + n))
+    vocab = LLAMA_1B["vocab_size"]
     return {
-        "resnet18": (ResNet, image),
-        "mobilenet_v2": (MobileNetV2, image),
-        "bert_base": (bert_base, lambda g: bert_inputs(g, batch=1, vocab=30522)),
-        "whisper_tiny_encoder": (whisper_tiny, lambda g: (torch.randn(1, 80, 3000, generator=g),)),
-        "llama_prefill128": (lambda: full_decoder(True), tokens(32000, PREFILL, 0)),
-        "llama_decode": (lambda: full_decoder(True), tokens(32000, 1, PREFILL)),
-        "gpt_prefill128": (lambda: full_decoder(False), tokens(50257, PREFILL, 0)),
-        "gpt_decode": (lambda: full_decoder(False), tokens(50257, 1, PREFILL)),
+        "resnet18": ModelCase(ResNet, image),
+        "mobilenet_v2": ModelCase(MobileNetV2, image),
+        "bert_base": ModelCase(bert_base, lambda g: bert_inputs(g, batch=1, vocab=30522)),
+        "whisper_tiny_encoder": ModelCase(whisper_tiny, lambda g: (torch.randn(1, 80, 3000, generator=g),)),
+        "llama_prefill128": ModelCase(lambda: full_decoder(True), tokens(32000, PREFILL, 0)),
+        "llama_decode": ModelCase(lambda: full_decoder(True), tokens(32000, 1, PREFILL)),
+        "gpt_prefill128": ModelCase(lambda: full_decoder(False), tokens(50257, PREFILL, 0)),
+        "gpt_decode": ModelCase(lambda: full_decoder(False), tokens(50257, 1, PREFILL)),
+        "llama1b_decode512": ModelCase(lambda: llama(**LLAMA_1B), tokens(vocab, 1, LLAMA_CTX),
+                                       dtypes=("bf16", "int4"), cpu=False, roofline=(LLAMA_1B, LLAMA_CTX),
+                                       recipe=True),
+        "llama1b_prefill512": ModelCase(lambda: llama(**LLAMA_1B), tokens(vocab, LLAMA_CTX, 0),
+                                        dtypes=("bf16", "int4"), cpu=False, recipe=True),
     }
 
 
@@ -143,27 +255,31 @@ def seed_of(name: str) -> int:
 
 def make_model(name: str, dtype: str):
     """Module (eval, weights from the name's seed) and its inputs, both in `dtype` where floating."""
-    make, inputs = model_cases()[name]
+    case = model_cases()[name]
     torch.manual_seed(seed_of(name))
-    module = make().eval()
-    xs = inputs(torch.Generator().manual_seed(seed_of(name) + 1))
-    if dtype == "bf16":
+    module = case.make().eval()
+    xs = case.inputs(torch.Generator().manual_seed(seed_of(name) + 1))
+    if DTYPES[dtype] == torch.bfloat16:
         module = module.to(torch.bfloat16)
         xs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in xs)
     return module, xs
 
 
 def make_op(name: str, dtype: str, device="cpu", seed=0):
-    make, shapes, _, _ = op_cases()[name]
+    case = op_cases()[name]
     torch.manual_seed(seed_of(name))
-    module = make().eval().to(device=device, dtype=DTYPES[dtype])
+    module = case.make().eval().to(device=device, dtype=DTYPES[dtype])
     g = torch.Generator(device=device).manual_seed(seed)
-    xs = tuple(torch.randn(s, generator=g, device=device).to(DTYPES[dtype]) for s in shapes)
+    xs = tuple(torch.randn(s, generator=g, device=device).to(DTYPES[dtype]) for s in case.shapes)
     return module, xs
 
 
 def weight_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+def quant_flags(dtype: str) -> list:
+    return ["--quantize", "int4", "--group-size", INT4_GROUP] if dtype == "int4" else []
 
 
 # ------------------------------------------------------------- helpers
@@ -229,6 +345,39 @@ def median(v):
     return v[len(v) // 2]
 
 
+def repeated(measure: Callable[[], dict], times=REPEAT) -> dict:
+    """`measure()` (a dict of figures; None where it has none) `times`
+    times: each figure's median, and `<figure>_spread` [min, max] where
+    every measurement has it; other entries from the first measurement."""
+    runs = [measure() for _ in range(times)]
+    out = dict(runs[0])
+    for key, v in runs[0].items():
+        values = [r.get(key) for r in runs]
+        if isinstance(v, float) and all(isinstance(x, float) for x in values):
+            out[key] = median(values)
+            out[f"{key}_spread"] = [min(values), max(values)]
+    return out
+
+
+def torch_kernel_ms(fn, runs=RUNS * 5, warmup=WARMUP * 2) -> float:
+    """PyTorch's GPU time of `fn` without launch overhead: the device time
+    of the CUDA kernels (and copies) torch.profiler records over `runs`
+    calls, per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    us = 0.0
+    for e in prof.key_averages():
+        us += getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+    return us / 1e3 / runs
+
+
 def cuda_time_ms(fn, runs=RUNS * 5, warmup=WARMUP * 2) -> float:
     """Median of CUDA-event times around each call."""
     for _ in range(warmup):
@@ -252,7 +401,7 @@ def runs_for(first_ms: float, budget_ms=20_000) -> tuple[int, int]:
     return runs, min(WARMUP, max(1, runs // 4))
 
 
-def wall_time_ms(fn, runs=RUNS, warmup=WARMUP) -> float:
+def wall_times_ms(fn, runs=RUNS, warmup=WARMUP) -> list[float]:
     for _ in range(warmup):
         fn()
     times = []
@@ -260,17 +409,26 @@ def wall_time_ms(fn, runs=RUNS, warmup=WARMUP) -> float:
         t = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t) * 1e3)
-    return median(times)
+    return times
+
+
+def wall_time_ms(fn, runs=RUNS, warmup=WARMUP) -> float:
+    return median(wall_times_ms(fn, runs, warmup))
 
 
 # ------------------------------------------------------------- prepare (here)
 
 
-def export_save(module, xs, path: Path):
+def export_save(module, xs, path: Path, recipe=False):
     """`torch.export.export` as users call it, then `run_decompositions({})`,
     which turns in-place buffer updates (the decoders' KV caches) into buffer
-    mutations as ExecuTorch's `to_edge` does; no op is decomposed."""
-    ep = torch.export.export(copy.deepcopy(module), xs).run_decompositions({})
+    mutations as ExecuTorch's `to_edge` does; no op is decomposed. `recipe`:
+    as transformers' ExecuTorch recipe exports (strict, no decompositions:
+    the importer functionalizes the cache writes itself)."""
+    if recipe:
+        ep = torch.export.export(copy.deepcopy(module), xs, strict=True)
+    else:
+        ep = torch.export.export(copy.deepcopy(module), xs).run_decompositions({})
     torch.export.save(ep, str(path))
     return ep
 
@@ -278,10 +436,11 @@ def export_save(module, xs, path: Path):
 SUMMARY = re.compile(r"EtMetalBackend: (\d+) partition\(s\), (\d+) node\(s\), (\d+) kernel\(s\); (\d+) node\(s\) on the cpu")
 
 
-def compile_for_gpu(pt2: Path, pte: Path) -> dict:
-    """`etmetal compile` for the H200 (tensors up to 2 GiB on the GPU): seconds and the delegation summary."""
+def compile_for_gpu(pt2: Path, pte: Path, dtype: str = "f32") -> dict:
+    """`etmetal compile` for the H200 (tensors up to 2 GiB on the GPU; int4
+    rows quantized): seconds and the delegation summary."""
     t = time.perf_counter()
-    r = sh([binary(), "compile", pt2, "-o", pte, "--max-buffer", "2G"])
+    r = sh([binary(), "compile", pt2, "-o", pte, "--max-buffer", "2G", *quant_flags(dtype)])
     secs = time.perf_counter() - t
     m = SUMMARY.search(r.stdout)
     parts, nodes, kernels, cpu = (int(x) for x in m.groups()) if m else (0, 0, 0, -1)
@@ -289,23 +448,28 @@ def compile_for_gpu(pt2: Path, pte: Path) -> dict:
 
 
 def prepare(args):
-    """Export every op (.pt2) and compile it for the GPU (.pte); export the f32 models for the CPU rows."""
+    """Export every op (.pt2) and compile it for the GPU (.pte); export the
+    f32 models for the CPU rows (`--only`: the cases whose names start so)."""
+    _, wanted = resumed(args)
     (WORK / "ops").mkdir(parents=True, exist_ok=True)
     (WORK / "models").mkdir(parents=True, exist_ok=True)
-    for name in op_cases():
-        for dt in DTYPES:
+    for name, case in op_cases().items():
+        for dt in case.dtypes if wanted(name) else ():
             # Shapes only matter to export; the GPU run draws its own inputs.
             module, xs = make_op(name, dt)
             pt2 = WORK / "ops" / f"{name}.{dt}.pt2"
             export_save(module, xs, pt2)
-            compile_for_gpu(pt2, pt2.with_suffix(".pte"))
+            compile_for_gpu(pt2, pt2.with_suffix(".pte"), dt)
             pt2.unlink()  # the GPU machine needs the .pte only
+            print(f"compiled {pt2.with_suffix('.pte')}", flush=True)
     # Models are exported where they run: full-size .pte files are too big
     # to carry to the GPU machine. The CPU rows take these f32 exports.
     (WORK / "pt2").mkdir(exist_ok=True)
-    for name in model_cases():
-        module, xs = make_model(name, "f32")
-        export_save(module, xs, WORK / "pt2" / f"{name}.f32.pt2")
+    for name, case in model_cases().items():
+        if case.cpu and wanted(name):
+            module, xs = make_model(name, "f32")
+            export_save(module, xs, WORK / "pt2" / f"{name}.f32.pt2")
+            print(f"exported {name}", flush=True)
     print(f"prepared {WORK}")
 
 
@@ -335,7 +499,8 @@ def et_lower(pt2: Path, xnnpack: bool) -> tuple[bytes, float]:
     return prog.buffer, time.perf_counter() - t
 
 
-def et_bench(pte_bytes: bytes, xs) -> tuple[float, torch.Tensor]:
+def et_bench(pte_bytes: bytes, xs) -> tuple[list[float], torch.Tensor]:
+    """ExecuTorch's runtime on `pte_bytes`: the timed runs' ms and the output."""
     from executorch.runtime import Runtime
 
     program = Runtime.get().load_program(pte_bytes)  # kept alive while the method runs
@@ -343,7 +508,12 @@ def et_bench(pte_bytes: bytes, xs) -> tuple[float, torch.Tensor]:
     run = lambda: method.execute(list(xs))  # noqa: E731
     t = time.perf_counter()
     out = run()[0]
-    return wall_time_ms(run, *runs_for((time.perf_counter() - t) * 1e3)), out
+    return wall_times_ms(run, *runs_for((time.perf_counter() - t) * 1e3)), out
+
+
+def spread_of(key: str, times: list[float]) -> dict:
+    """`key`: the median of `times`, `key_spread`: [min, max]."""
+    return {key: median(times), f"{key}_spread": [min(times), max(times)]}
 
 
 def resumed(args) -> tuple[dict, callable]:
@@ -365,8 +535,8 @@ def cpu(args):
     torch.set_num_threads(threads)
     rows = []
     done, wanted = resumed(args)
-    for name in model_cases():
-        if (name, "f32") in done or not wanted(name):
+    for name, case in model_cases().items():
+        if (name, "f32") in done or not wanted(name) or not case.cpu:
             rows.extend([done[name, "f32"]] if (name, "f32") in done else [])
             continue
         module, xs = make_model(name, "f32")
@@ -374,25 +544,29 @@ def cpu(args):
         with torch.no_grad():
             want = as_tuple(module(*xs))[0]
         row = {"model": name, "weight_bytes": weight_bytes(module)}
-        # compile time: etmetal (both backends) vs ExecuTorch lowerings, same .pt2
+        # compile time, REPEAT times: etmetal (both backends) vs ExecuTorch
+        # lowerings of the same .pt2 (the report pairs cpu with XNNPACK)
         cpu_pte = WORK / "models" / f"{name}.cpu.pte"
         for backend in ("cpu", "metal"):
-            t = time.perf_counter()
-            sh([binary(), "compile", pt2, "-o", cpu_pte if backend == "cpu" else WORK / "scratch.pte",
-                "--backend", backend], env=env)
-            row[f"compile_s_etmetal_{backend}"] = time.perf_counter() - t
+            secs = []
+            for _ in range(REPEAT):
+                t = time.perf_counter()
+                sh([binary(), "compile", pt2, "-o", cpu_pte if backend == "cpu" else WORK / "scratch.pte",
+                    "--backend", backend], env=env)
+                secs.append(time.perf_counter() - t)
+            row.update(spread_of(f"compile_s_etmetal_{backend}", secs))
         inputs = write_inputs(xs, WORK / "inputs" / name)
         first = etmetal_bench(cpu_pte, inputs, "cpu", runs=1, warmup=0, env=env)["latency_ms"]["median"]
         runs, warmup = runs_for(first)
         b = etmetal_bench(cpu_pte, inputs, "cpu", runs=runs, warmup=warmup, env=env)
-        row.update(runs=runs, etmetal_ms=b["latency_ms"]["median"], etmetal_err=rel_err(b["output_0"], want),
+        row.update(runs=runs, **spread_of("etmetal_ms", b["times_ms"]), etmetal_err=rel_err(b["output_0"], want),
                    peak_rss_after_load=b["peak_rss_after_load_bytes"], peak_rss=b["peak_rss_bytes"])
         for kind, xnn in (("portable", False), ("xnnpack", True)):
             try:
-                data, secs = et_lower(pt2, xnn)
-                row[f"compile_s_et_{kind}"] = secs
-                ms, got = et_bench(data, xs)
-                row[f"et_{kind}_ms"] = ms
+                lowered = [et_lower(pt2, xnn) for _ in range(REPEAT)]
+                row.update(spread_of(f"compile_s_et_{kind}", [secs for _, secs in lowered]))
+                times, got = et_bench(lowered[0][0], xs)
+                row.update(spread_of(f"et_{kind}_ms", times))
                 row[f"et_{kind}_err"] = rel_err(got.numpy(), want)
             except Exception as e:  # a lowering or runtime refusal is a row, not a crash
                 row[f"et_{kind}_error"] = f"{type(e).__name__}: {e}"[:200]
@@ -400,7 +574,8 @@ def cpu(args):
         rows.append(row)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "cpu.json").write_text(json.dumps({"machine": cpu_info(), "threads": threads, "runs": RUNS,
-                                                  "warmup": WARMUP, "models": rows}, indent=1) + "\n")
+                                                  "warmup": WARMUP, "repeat": REPEAT, "models": rows},
+                                                 indent=1) + "\n")
 
 
 # ------------------------------------------------------------- gpu (H200)
@@ -414,65 +589,90 @@ def gpu_info() -> dict:
             "cuda": torch.version.cuda, "cpu": cpu_info()["cpu"], "cores": os.cpu_count()}
 
 
+def etmetal_repeated(pte: Path, inputs: list[Path], **bench) -> tuple[dict, dict]:
+    """`etmetal run --bench` of `pte` REPEAT times: the kernel and end-to-end
+    figures (median, spread) and the first run's JSON."""
+    first = []
+
+    def measure():
+        b = etmetal_bench(pte, inputs, "auto", **bench)
+        first.append(b)
+        return {"etmetal_kernel_ms": (b.get("gpu") or {}).get("total_ms_median"),
+                "etmetal_e2e_ms": b["latency_ms"]["median"]}
+
+    figures = repeated(measure)
+    return figures, first[0]
+
+
 def gpu_op(name: str, dt: str, scratch: Path) -> dict:
-    _, _, flops, elems = op_cases()[name]
+    case = op_cases()[name]
     module, xs = make_op(name, dt, device="cuda", seed=1)
     with torch.no_grad():
-        torch_ms = cuda_time_ms(lambda: module(*xs))
-        # reference in f64 from the same (rounded) inputs
+        torch_figures = repeated(lambda: {"torch_ms": torch_kernel_ms(lambda: module(*xs)),
+                                          "torch_call_ms": cuda_time_ms(lambda: module(*xs))})
+        # reference in f64 from the same (rounded) inputs; int4 rows: the
+        # float weight's product, so err includes the quantization
         ref = module.double()(*(x.double() for x in xs)) if dt == "f32" else \
             module.float()(*(x.float() for x in xs))
+    size = DTYPES[dt].itemsize
+    moved = case.int4_bytes if dt == "int4" else case.elems * size
     # Above 64 MiB of operands an execute spends most of its time converting
     # and copying on the host (see the e2e column): fewer runs keep the whole
     # harness inside one device call.
-    big = elems * DTYPES[dt].itemsize > 64 << 20
-    b = etmetal_bench(WORK / "ops" / f"{name}.{dt}.pte", write_inputs(xs, scratch / name), "auto",
-                      runs=5 if big else RUNS, warmup=2 if big else WARMUP)
+    big = moved > 64 << 20
+    figures, b = etmetal_repeated(WORK / "ops" / f"{name}.{dt}.pte", write_inputs(xs, scratch / name),
+                                  runs=5 if big else RUNS, warmup=2 if big else WARMUP)
     gpu = b.get("gpu") or {}
-    kernel_ms = gpu.get("total_ms_median")
-    size = DTYPES[dt].itemsize
-    return {"op": name, "dtype": dt, "flops": flops, "bytes": elems * size, "torch_ms": torch_ms,
-            "etmetal_kernel_ms": kernel_ms, "etmetal_e2e_ms": b["latency_ms"]["median"],
+    return {"op": name, "dtype": dt, "flops": case.flops, "bytes": moved, "torch_bytes": case.elems * size,
+            "bound": "memory" if case.memory_bound else "compute", **torch_figures, **figures,
             "dispatches": len(gpu.get("dispatches", [])), "gpu_timing": gpu.get("unavailable"),
             "err": rel_err(b["output_0"], ref), "adapter": b["device"]}
 
 
 def torch_compiled_ms(m, xs) -> dict:
-    """`torch.compile` (default mode) of `m`: the first call's seconds (compilation) and the CUDA-event median."""
+    """`torch.compile` (default mode) of `m`: the first call's seconds
+    (compilation) and its kernel time (REPEAT profiler sessions)."""
     try:
         cm = torch.compile(m)
         t = time.perf_counter()
         cm(*xs)
         torch.cuda.synchronize()
         first = time.perf_counter() - t
-        return {"torch_compile_ms": cuda_time_ms(lambda: cm(*xs)), "torch_compile_first_s": first}
+        return {**repeated(lambda: {"torch_compile_ms": torch_kernel_ms(lambda: cm(*xs))}),
+                "torch_compile_first_s": first}
     except Exception as e:  # a compile failure is a figure, not a crash
         return {"torch_compile_error": f"{type(e).__name__}: {e}"[:300]}
 
 
 def gpu_model(name: str, dt: str, scratch: Path) -> dict:
+    case = model_cases()[name]
     module, xs = make_model(name, dt)
     pt2, pte = scratch / f"{name}.{dt}.pt2", scratch / f"{name}.{dt}.pte"
-    export_save(module, xs, pt2)
-    compiled = compile_for_gpu(pt2, pte)
+    export_save(module, xs, pt2, case.recipe)
+    compiled = compile_for_gpu(pt2, pte, dt)
     pt2.unlink()
     cuda_xs = tuple(x.cuda() for x in xs)
     m = module.cuda()
+    # (int4 rows: PyTorch runs the bf16 model)
     with torch.no_grad():
         # decoders write the same cache slot every call, so outputs repeat
         want = as_tuple(m(*cuda_xs))[0]
-        torch_ms = cuda_time_ms(lambda: m(*cuda_xs))
         # what a caller sees: inputs up, run, outputs down
-        torch_e2e = wall_time_ms(lambda: [o.cpu() for o in as_tuple(m(*(x.cuda() for x in xs)))])
+        e2e = lambda: [o.cpu() for o in as_tuple(m(*(x.cuda() for x in xs)))]  # noqa: E731
+        torch_figures = repeated(lambda: {"torch_ms": torch_kernel_ms(lambda: m(*cuda_xs), RUNS, WARMUP),
+                                          "torch_e2e_ms": wall_time_ms(e2e)})
         compiled_torch = torch_compiled_ms(copy.deepcopy(m), cuda_xs)
-    b = etmetal_bench(pte, write_inputs(xs, scratch / name), "auto")
+    figures, b = etmetal_repeated(pte, write_inputs(xs, scratch / name))
     pte.unlink()
     gpu = b.get("gpu") or {}
     top = sorted(gpu.get("dispatches", []), key=lambda k: -k["median_ms"])[:3]
-    return {"model": name, "dtype": dt, "weight_bytes": weight_bytes(module), "torch_ms": torch_ms,
-            "torch_e2e_ms": torch_e2e, **compiled_torch, **compiled,
-            "etmetal_e2e_ms": b["latency_ms"]["median"],
-            "etmetal_kernel_ms": gpu.get("total_ms_median"), "dispatches": len(gpu.get("dispatches", [])),
+    roofline = None
+    if case.roofline:
+        config, ctx = case.roofline
+        roofline = decoder_roofline_bytes(config, dt, ctx)
+    return {"model": name, "dtype": dt, "weight_bytes": weight_bytes(module), **torch_figures,
+            **compiled_torch, **compiled, **figures, "roofline_bytes": roofline,
+            "dispatches": len(gpu.get("dispatches", [])),
             "top_kernels": [{"kernel": k["kernel"], "ms": k["median_ms"], "share": k["share"]} for k in top],
             "peak_rss": b["peak_rss_bytes"], "peak_rss_after_load": b["peak_rss_after_load_bytes"],
             "err": rel_err(b["output_0"], want)}
@@ -484,8 +684,8 @@ def gpu(args):
     ops, models = [], []
     done, wanted = resumed(args)
     with tempfile.TemporaryDirectory() as d:
-        for name in op_cases():
-            for dt in DTYPES:
+        for name, case in op_cases().items():
+            for dt in case.dtypes:
                 if (name, dt) in done or not wanted(name):
                     ops.extend([done[name, dt]] if (name, dt) in done else [])
                     continue
@@ -494,8 +694,8 @@ def gpu(args):
                 except Exception as e:  # one failing case is a row with its error
                     ops.append({"op": name, "dtype": dt, "error": str(e)[-400:]})
                 print(json.dumps(ops[-1]), flush=True)
-        for name in model_cases():
-            for dt in DTYPES:
+        for name, case in model_cases().items():
+            for dt in case.dtypes:
                 if (name, dt) in done or not wanted(name):
                     models.extend([done[name, dt]] if (name, dt) in done else [])
                     continue
@@ -506,8 +706,8 @@ def gpu(args):
                 print(json.dumps(models[-1]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = Path(args.out) if args.out else RESULTS / "gpu.json"
-    out.write_text(json.dumps({"machine": gpu_info(), "runs": RUNS, "warmup": WARMUP, "ops": ops,
-                               "models": models}, indent=1) + "\n")
+    out.write_text(json.dumps({"machine": gpu_info(), "runs": RUNS, "warmup": WARMUP, "repeat": REPEAT,
+                               "torch_timing": "profiler", "ops": ops, "models": models}, indent=1) + "\n")
     print(f"wrote {out}")
 
 
@@ -516,7 +716,8 @@ if __name__ == "__main__":
     ap.add_argument("step", choices=["prepare", "cpu", "gpu", "report"])
     ap.add_argument("--out", help="gpu: where to write the JSON (default results/gpu.json)")
     ap.add_argument("--resume", help="cpu/gpu: keep the rows of this earlier run's log, measure the rest")
-    ap.add_argument("--only", help="cpu/gpu: measure only the ops/models whose names start with one of these (comma-separated)")
+    ap.add_argument("--only", help="prepare/cpu/gpu: only the ops/models whose names start with one of these "
+                    "(comma-separated)")
     a = ap.parse_args()
     if a.step == "report":
         import report

@@ -2,7 +2,7 @@
 //! and with cooperative matrices where the adapter offers them and a
 //! payload has alternatives that use them ([`CoopOffer`]).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use etmetal_core::{Error, Result};
 use etmetal_metal::payload::{CoopType, Needs, Requirements};
@@ -230,12 +230,26 @@ impl CoopOffer {
         }
         let configurations = adapter.cooperative_matrix_properties();
         let offered = adapter.features().contains(Self::FEATURES) && !configurations.is_empty();
+        let (subgroup_min_size, subgroup_max_size) = Self::subgroup_sizes(&info);
         offered.then_some(CoopOffer {
             configurations,
-            subgroup_min_size: info.subgroup_min_size,
-            subgroup_max_size: info.subgroup_max_size,
+            subgroup_min_size,
+            subgroup_max_size,
             workgroup_storage: storage,
         })
+    }
+
+    /// The subgroup sizes of an adapter that offers cooperative matrices:
+    /// what it reports, except on Metal, where wgpu reports 4..64 for every
+    /// GPU while those with simdgroup matrices (Apple7 and later, the only
+    /// ones wgpu offers them on) run 32-wide simdgroups, as the 8×8 kernels
+    /// assume (unchecked here: no Apple hardware).
+    fn subgroup_sizes(info: &wgpu::AdapterInfo) -> (u32, u32) {
+        if info.backend == wgpu::Backend::Metal {
+            (32, 32)
+        } else {
+            (info.subgroup_min_size, info.subgroup_max_size)
+        }
     }
 
     /// Whether kernels needing `needs` run here: the configuration is
@@ -403,5 +417,103 @@ impl GpuDevice {
 fn record(slot: &Mutex<Option<String>>, message: String) {
     if let Ok(mut s) = slot.lock() {
         s.get_or_insert(message);
+    }
+}
+
+/// Which pipeline builds are serialised process-wide, one at a time
+/// (`ETMETAL_PIPELINE_LOCK=off|coop|device|all`, default `off`): the
+/// switch for the shader-compiler crash seen on the H200 with tensor cores
+/// in multi-threaded test runs (README, Tensor cores; `scripts/coop_crash.sh`
+/// runs each setting). `coop` locks the kernels of tensor-core
+/// alternatives only (tried before: it still crashed once), `device` every
+/// kernel built on a device opened with cooperative matrices (the crash
+/// may need a cooperative-matrix build beside any other), `all` every
+/// kernel of the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PipelineLock {
+    Off,
+    Coop,
+    Device,
+    All,
+}
+
+impl PipelineLock {
+    /// The process's setting, read once from `ETMETAL_PIPELINE_LOCK`.
+    pub fn get() -> Result<PipelineLock> {
+        static SETTING: OnceLock<std::result::Result<PipelineLock, String>> = OnceLock::new();
+        SETTING
+            .get_or_init(|| {
+                let value = std::env::var("ETMETAL_PIPELINE_LOCK").unwrap_or_default();
+                PipelineLock::parse(&value).ok_or(value)
+            })
+            .clone()
+            .map_err(|v| {
+                Error::unsupported(format!(
+                    "ETMETAL_PIPELINE_LOCK=`{v}`: expected off, coop, device or all"
+                ))
+            })
+    }
+
+    fn parse(value: &str) -> Option<PipelineLock> {
+        match value {
+            "" | "off" => Some(PipelineLock::Off),
+            "coop" => Some(PipelineLock::Coop),
+            "device" => Some(PipelineLock::Device),
+            "all" => Some(PipelineLock::All),
+            _ => None,
+        }
+    }
+
+    /// Whether a kernel is built under the lock: `alternative` when it
+    /// belongs to a tensor-core alternative, on `gpu`.
+    fn applies(self, gpu: &GpuDevice, alternative: bool) -> bool {
+        match self {
+            PipelineLock::Off => false,
+            PipelineLock::Coop => alternative,
+            PipelineLock::Device => gpu.coop.is_some(),
+            PipelineLock::All => true,
+        }
+    }
+
+    /// The process-wide lock, held while a kernel is built, where this
+    /// setting says so.
+    pub(crate) fn hold(
+        self,
+        gpu: &GpuDevice,
+        alternative: bool,
+    ) -> Option<MutexGuard<'static, ()>> {
+        static BUILDS: Mutex<()> = Mutex::new(());
+        // a build that panicked leaves nothing half-made behind the lock
+        self.applies(gpu, alternative)
+            .then(|| BUILDS.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{CoopOffer, PipelineLock};
+
+    #[test]
+    fn metal_simdgroups_are_taken_as_32_wide() {
+        let info = |backend, min, max| wgpu::AdapterInfo {
+            subgroup_min_size: min,
+            subgroup_max_size: max,
+            ..wgpu::AdapterInfo::new(wgpu::DeviceType::IntegratedGpu, backend)
+        };
+        let metal = info(wgpu::Backend::Metal, 4, 64);
+        assert_eq!(CoopOffer::subgroup_sizes(&metal), (32, 32));
+        let vulkan = info(wgpu::Backend::Vulkan, 32, 64);
+        assert_eq!(CoopOffer::subgroup_sizes(&vulkan), (32, 64));
+    }
+
+    #[test]
+    fn pipeline_lock_settings_parse() {
+        assert_eq!(PipelineLock::parse(""), Some(PipelineLock::Off));
+        assert_eq!(PipelineLock::parse("off"), Some(PipelineLock::Off));
+        assert_eq!(PipelineLock::parse("coop"), Some(PipelineLock::Coop));
+        assert_eq!(PipelineLock::parse("device"), Some(PipelineLock::Device));
+        assert_eq!(PipelineLock::parse("all"), Some(PipelineLock::All));
+        assert_eq!(PipelineLock::parse("ALL"), None);
+        assert_eq!(PipelineLock::parse("1"), None);
     }
 }

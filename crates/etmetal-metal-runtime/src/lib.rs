@@ -35,7 +35,7 @@ use etmetal_pte::CompileSpec;
 use etmetal_runtime::{Backend, DelegateHandle, NamedData};
 
 pub use delegate::{DispatchTime, GpuStats};
-pub use device::{describe, select_adapter, CoopOffer, DeviceChoice, GpuDevice};
+pub use device::{describe, select_adapter, CoopOffer, DeviceChoice, GpuDevice, PipelineLock};
 pub use etmetal_metal::BACKEND_ID;
 /// The wgpu this runtime runs on (its adapter and device types appear in
 /// this crate's API).

@@ -223,6 +223,21 @@ impl Needs {
         }
     }
 
+    /// 8×8×8 f32 × f32 → f32 matrices (Apple GPUs' simdgroup matrices
+    /// through Metal) in subgroups of `subgroup_size`, with
+    /// `workgroup_storage` bytes of workgroup memory.
+    pub const fn f32_8x8x8(subgroup_size: u32, workgroup_storage: u32) -> Needs {
+        Needs {
+            m: 8,
+            n: 8,
+            k: 8,
+            ab: CoopType::F32,
+            cr: CoopType::F32,
+            subgroup_size,
+            workgroup_storage,
+        }
+    }
+
     /// `16x16x16 f16->f32, subgroup 32`
     pub fn describe(&self) -> String {
         let ty = |t: CoopType| match t {

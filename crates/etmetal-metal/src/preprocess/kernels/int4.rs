@@ -76,7 +76,21 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             k,
             group_size,
         };
-        return tiled(lw, &xr, &packed, &scales, &zeros, out, dims);
+        let d = lw.dispatches.len();
+        tiled(lw, &xr, &packed, &scales, &zeros, out, dims)?;
+        // the tensor-core forms, dequantizing as they stage (gemm/dequant.rs)
+        let operands = super::gemm::Int4Operands {
+            x: &xr,
+            packed: &packed,
+            scales: &scales,
+            zeros: &zeros,
+            group_size,
+            m,
+            n,
+            k,
+            out,
+        };
+        return operands.alternatives(lw, d);
     }
     let mut kb = KernelBuilder::new(&lw.buffers);
     kb.value_fn(&xr, "x")?;

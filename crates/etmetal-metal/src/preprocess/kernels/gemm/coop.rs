@@ -6,9 +6,14 @@
 //! it where the adapter reports that configuration, and the portable
 //! kernel everywhere else.
 //!
+//! A second alternative, the [`Frag::Float8`] form (`coop_mat8x8` f32:
+//! Apple GPUs' simdgroup matrices through Metal), follows it: the same
+//! kernel over f32 stages, with no scaling. Nothing here runs it.
+//!
 //! Kernel. A workgroup computes a `bm × bn` tile (128×128 in 8 subgroups
 //! of 64×32, or 64×64 in 4 subgroups of 32×32, chosen by workgroup count
-//! as the portable tiles are) over 32-deep slices of k. Slices are staged
+//! as the portable tiles are; 32 rows or columns for skinny products) over
+//! 32-deep slices of k. Slices are staged
 //! in workgroup memory as f16 in two alternating stages, each operand laid
 //! out along its contiguous dim in memory (rows padded by 8 halves so the
 //! matrix loads of a subgroup hit distinct banks), and the next slice is
@@ -77,13 +82,70 @@ use crate::preprocess::Lowering;
 /// Invocations of a subgroup the kernel is written for.
 const SUBGROUP: usize = 32;
 
-/// What the kernel needs (its workgroup memory is filled in by
-/// `Lowering::alternative`).
-pub(super) const NEEDS: Needs = Needs::f16_16x16x16(SUBGROUP as u32, 0);
+/// Bytes after each staged row (the 8 rows a matrix load reads at once
+/// start in different banks).
+const PAD_BYTES: usize = 16;
 
-/// Halves after each staged row (16 bytes: the 8 rows a matrix load reads
-/// at once start in different banks).
-const PAD: usize = 8;
+/// The cooperative-matrix form a kernel is written for; a product gets
+/// one alternative of each, and the runtime runs the first its adapter
+/// reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Frag {
+    /// `coop_mat16x16`: f16 operands (scaled into f16's range, see the
+    /// module comment), f32 accumulators; NVIDIA GPUs through Vulkan.
+    Half16,
+    /// `coop_mat8x8`: f32 operands (every f16 or bf16 value converts
+    /// exactly, so no scaling and no pre-pass) and accumulators; Apple
+    /// GPUs' simdgroup matrices through Metal (Apple7 and later, whose
+    /// simdgroups are 32 wide). Nothing here runs it: lavapipe has no
+    /// cooperative matrices and the H200 reports no 8×8 f32 form, so it is
+    /// generated and validated (WGSL and MSL) but unrun.
+    Float8,
+}
+
+impl Frag {
+    pub(super) const ALL: [Frag; 2] = [Frag::Half16, Frag::Float8];
+
+    /// What the kernel needs (its workgroup memory is filled in by
+    /// `Lowering::alternative`).
+    pub(super) fn needs(self) -> Needs {
+        match self {
+            Frag::Half16 => Needs::f16_16x16x16(SUBGROUP as u32, 0),
+            Frag::Float8 => Needs::f32_8x8x8(SUBGROUP as u32, 0),
+        }
+    }
+
+    /// Rows (and columns, and depth) of one matrix.
+    fn size(self) -> usize {
+        match self {
+            Frag::Half16 => 16,
+            Frag::Float8 => 8,
+        }
+    }
+
+    /// The staged operands' WGSL type and its bytes.
+    fn elem(self) -> (&'static str, usize) {
+        match self {
+            Frag::Half16 => ("f16", 2),
+            Frag::Float8 => ("f32", 4),
+        }
+    }
+
+    fn mat(self) -> &'static str {
+        match self {
+            Frag::Half16 => "coop_mat16x16",
+            Frag::Float8 => "coop_mat8x8",
+        }
+    }
+
+    /// The kernel's name tag (`…_coop`, `…_coop8x8`).
+    fn tag(self) -> &'static str {
+        match self {
+            Frag::Half16 => "coop",
+            Frag::Float8 => "coop8x8",
+        }
+    }
+}
 
 /// Multiply-adds (batch·m·n·k) below which a product keeps the portable
 /// kernel only: the range pre-pass and its dispatches would cost more
@@ -209,11 +271,23 @@ impl CoopTile {
     }
 }
 
-/// The tile for `gemm`: 128×128 where that still gives a large GPU
-/// enough workgroups, else 64×64.
-fn tile(gemm: &Gemm) -> CoopTile {
+/// The tile for `gemm` in form `frag`: 128×128 where that still gives a
+/// large GPU enough workgroups; 32 rows (columns) where m (n) is below 64,
+/// so a skinny product keeps no subgroup idle; else 64×64. The 8×8 f32
+/// form takes 64×64 over 16-deep slices (its f32 stages double the bytes,
+/// and Apple GPUs have 32 KiB of workgroup memory). Only the 128×128 and
+/// 64×64 tiles of the 16×16 form have been measured (README, Tensor cores).
+fn tile(gemm: &Gemm, frag: Frag) -> CoopTile {
     let groups = |b: usize| (gemm.m.div_ceil(b) * gemm.n.div_ceil(b)) as u64 * gemm.batch as u64;
-    if gemm.m >= 128 && gemm.n >= 128 && groups(128) >= FILL {
+    if frag == Frag::Float8 {
+        CoopTile {
+            bm: 64,
+            bn: 64,
+            wm: 32,
+            wn: 32,
+            bk: 16,
+        }
+    } else if gemm.m >= 128 && gemm.n >= 128 && groups(128) >= FILL {
         CoopTile {
             bm: 128,
             bn: 128,
@@ -222,9 +296,10 @@ fn tile(gemm: &Gemm) -> CoopTile {
             bk: 32,
         }
     } else {
+        let side = |len: usize| if len < 64 { 32 } else { 64 };
         CoopTile {
-            bm: 64,
-            bn: 64,
+            bm: side(gemm.m),
+            bn: side(gemm.n),
             wm: 32,
             wn: 32,
             bk: 32,
@@ -249,18 +324,21 @@ struct Stage {
     len: usize,
     bk: usize,
     k_fast: bool,
+    /// Bytes of an element.
+    elem: usize,
 }
 
 impl Stage {
     fn pitch(&self) -> usize {
+        let pad = PAD_BYTES / self.elem;
         if self.k_fast {
-            self.bk + PAD
+            self.bk + pad
         } else {
-            self.len + PAD
+            self.len + pad
         }
     }
 
-    /// Halves of one stage.
+    /// Elements of one stage.
     fn size(&self) -> usize {
         if self.k_fast {
             self.len * self.pitch()
@@ -280,7 +358,7 @@ impl Stage {
 
     /// Bytes of both stages as WebGPU counts them.
     fn bytes(&self) -> usize {
-        (2 * self.size() * 2).next_multiple_of(16)
+        (2 * self.size() * self.elem).next_multiple_of(16)
     }
 }
 
@@ -414,20 +492,26 @@ fn prepass<A: GemmArgs + ?Sized>(
 }
 
 /// Build the alternative's dispatches for `gemm` (already lowered as the
-/// portable dispatch, with `split` along k): a pre-pass for each operand
-/// scaled at run time, then the tensor-core kernel, reading the operands
-/// in chunks ([`GemmArgs::chunks`]) and storing through `split`.
+/// portable dispatch, with `split` along k) in form `frag`: for
+/// [`Frag::Half16`] a pre-pass for each operand scaled at run time, then
+/// the tensor-core kernel, reading the operands in chunks
+/// ([`GemmArgs::chunks`]) and storing through `split`.
 pub(super) fn lower<A: GemmArgs + ?Sized>(
     lw: &mut Lowering,
     gemm: &Gemm,
     split: &SplitK,
     args: &A,
+    frag: Frag,
 ) -> Result<()> {
-    let Some([ra, rb]) = gemm.coop else {
+    let Some([mut ra, mut rb]) = gemm.coop else {
         return Ok(());
     };
-    let t = tile(gemm);
-    let (sa, sb) = stages(gemm, &t);
+    if frag == Frag::Float8 {
+        // f32 holds every f16 and bf16 value as it is
+        (ra, rb) = (F16Scaling::Exact(0), F16Scaling::Exact(0));
+    }
+    let t = tile(gemm, frag);
+    let (sa, sb) = stages(gemm, &t, frag);
     let operand = |name, reader, len, k_fast, scaling, stage| CoopOperand {
         name,
         reader,
@@ -449,12 +533,14 @@ pub(super) fn lower<A: GemmArgs + ?Sized>(
         }
     }
     let mut kb = KernelBuilder::new(&lw.buffers);
-    kb.enable("f16");
+    if frag == Frag::Half16 {
+        kb.enable("f16");
+    }
     kb.enable("wgpu_cooperative_matrix");
     let fns = gemm.chunk_reads(&mut kb, args)? + &split.store(&mut kb, args)? + HELPERS;
-    let main = kernel(&mut kb, gemm, &t, split.splits, &operands);
-    let built = kb.finish(&format!("{fns}{main}")).tagged("coop");
-    let storage = sa.bytes() + sb.bytes() + t.subgroups() * 256 * 4;
+    let main = kernel(&mut kb, gemm, &t, split.splits, &operands, frag);
+    let built = kb.finish(&format!("{fns}{main}")).tagged(frag.tag());
+    let storage = sa.bytes() + sb.bytes() + t.subgroups() * frag.size().pow(2) * 4;
     let tiles = (gemm.m.div_ceil(t.bm) * gemm.n.div_ceil(t.bn)) as u64;
     let groups = tiles * (gemm.batch * split.splits) as u64;
     let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
@@ -463,17 +549,20 @@ pub(super) fn lower<A: GemmArgs + ?Sized>(
     lw.add_dispatch(built, ops, [threads, 1, 1], workgroups, storage as u32)
 }
 
-fn stages(gemm: &Gemm, t: &CoopTile) -> (Stage, Stage) {
+fn stages(gemm: &Gemm, t: &CoopTile, frag: Frag) -> (Stage, Stage) {
+    let elem = frag.elem().1;
     (
         Stage {
             len: t.bm,
             bk: t.bk,
             k_fast: gemm.a_k_fast,
+            elem,
         },
         Stage {
             len: t.bn,
             bk: t.bk,
             k_fast: gemm.b_k_fast,
+            elem,
         },
     )
 }
@@ -485,8 +574,12 @@ fn kernel(
     t: &CoopTile,
     splits: usize,
     operands: &[CoopOperand; 2],
+    frag: Frag,
 ) -> String {
     let CoopTile { bm, bn, wm, wn, bk } = *t;
+    let (size, (elem, _), mat) = (frag.size(), frag.elem(), frag.mat());
+    // elements of one matrix (a subgroup's epilogue slot)
+    let sq = size * size;
     let (m, n, k) = (gemm.m, gemm.n, gemm.k);
     let threads = t.threads();
     let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
@@ -494,13 +587,13 @@ fn kernel(
     let per = tiles * gemm.batch;
     let depth = k / splits;
     let nt = depth.div_ceil(bk);
-    let (fm, fnn) = (wm / 16, wn / 16);
+    let (fm, fnn) = (wm / size, wn / size);
     let [oa, ob] = operands;
     let (sa, sb) = (oa.stage, ob.stage);
     let mut s = String::new();
-    let _ = writeln!(s, "var<workgroup> ta: array<f16, {}>;", 2 * sa.size());
-    let _ = writeln!(s, "var<workgroup> tb: array<f16, {}>;", 2 * sb.size());
-    let _ = writeln!(s, "var<workgroup> tc: array<f32, {}>;", t.subgroups() * 256);
+    let _ = writeln!(s, "var<workgroup> ta: array<{elem}, {}>;", 2 * sa.size());
+    let _ = writeln!(s, "var<workgroup> tb: array<{elem}, {}>;", 2 * sb.size());
+    let _ = writeln!(s, "var<workgroup> tc: array<f32, {}>;", t.subgroups() * sq);
     let _ = writeln!(
         s,
         "@compute @workgroup_size({threads})\n\
@@ -521,9 +614,23 @@ fn kernel(
         bn / wn,
         bn / wn,
     );
+    if frag == Frag::Float8 {
+        // Accumulators start as zeros loaded from workgroup memory: naga's
+        // MSL for `coop_mat8x8<f32, C>()` is `simdgroup_float8x8 {}`, whose
+        // contents Metal leaves undefined (unchecked on Apple hardware).
+        let _ = writeln!(
+            s,
+            "  for (var q = lid; q < {}u; q = q + {threads}u) {{ tc[q] = 0.0; }}\n  workgroupBarrier();",
+            t.subgroups() * sq
+        );
+    }
     for i in 0..fm {
         for j in 0..fnn {
-            let _ = writeln!(s, "  var c{i}_{j} = coop_mat16x16<f32, C>();");
+            let init = match frag {
+                Frag::Half16 => format!("{mat}<f32, C>()"),
+                Frag::Float8 => format!("coopLoad<{mat}<f32, C>>(&tc[sg * {sq}u], {size}u)"),
+            };
+            let _ = writeln!(s, "  var c{i}_{j} = {init};");
         }
     }
     let origin = |o: &CoopOperand| if o.name == "a" { "m0" } else { "n0" };
@@ -548,7 +655,7 @@ fn kernel(
     };
     for o in operands {
         for j in 0..per_thread(o) {
-            let _ = writeln!(s, "  var p{}{j}: vec4<f16>;", o.name);
+            let _ = writeln!(s, "  var p{}{j}: vec4<{elem}>;", o.name);
             if !o.scaled() {
                 continue;
             }
@@ -597,7 +704,7 @@ fn kernel(
                 if o.scaled() {
                     v = format!("({v}) * f{}{j}", o.name);
                 }
-                let _ = writeln!(s, "    p{}{j} = vec4<f16>({v});", o.name);
+                let _ = writeln!(s, "    p{}{j} = vec4<{elem}>({v});", o.name);
             }
         }
     };
@@ -640,24 +747,24 @@ fn kernel(
         );
         // A is row-major in memory when k-fast, B when not
         let load = |transposed: bool| if transposed { "coopLoadT" } else { "coopLoad" };
-        for step in 0..bk / 16 {
-            let kk = format!("{}u", 16 * step);
+        for step in 0..bk / size {
+            let kk = format!("{}u", size * step);
             s.push_str("    {\n");
             for i in 0..fm {
                 let _ = writeln!(
                     s,
-                    "      let ma{i} = {}<coop_mat16x16<f16, A>>(&ta[oa + {}], {}u);",
+                    "      let ma{i} = {}<{mat}<{elem}, A>>(&ta[oa + {}], {}u);",
                     load(sa.k_fast),
-                    sa.at(&format!("wr + {}u", 16 * i), &kk),
+                    sa.at(&format!("wr + {}u", size * i), &kk),
                     sa.pitch()
                 );
             }
             for j in 0..fnn {
                 let _ = writeln!(
                     s,
-                    "      let mb{j} = {}<coop_mat16x16<f16, B>>(&tb[ob + {}], {}u);",
+                    "      let mb{j} = {}<{mat}<{elem}, B>>(&tb[ob + {}], {}u);",
                     load(!sb.k_fast),
-                    sb.at(&format!("wc + {}u", 16 * j), &kk),
+                    sb.at(&format!("wc + {}u", size * j), &kk),
                     sb.pitch()
                 );
             }
@@ -685,15 +792,15 @@ fn kernel(
         for j in 0..fnn {
             let _ = writeln!(
                 s,
-                "  coopStoreT(c{i}_{j}, &tc[sg * 256u], 16u);\n  workgroupBarrier();\n\
-                 \x20 for (var q = sl; q < 256u; q = q + {SUBGROUP}u) {{\n\
-                 \x20   let e = sg * 256u + q;\n\
-                 \x20   let r = m0 + wr + {}u + q / 16u;\n\
-                 \x20   let c = n0 + wc + {}u + q % 16u;\n\
+                "  coopStoreT(c{i}_{j}, &tc[sg * {sq}u], {size}u);\n  workgroupBarrier();\n\
+                 \x20 for (var q = sl; q < {sq}u; q = q + {SUBGROUP}u) {{\n\
+                 \x20   let e = sg * {sq}u + q;\n\
+                 \x20   let r = m0 + wr + {}u + q / {size}u;\n\
+                 \x20   let c = n0 + wc + {}u + q % {size}u;\n\
                  \x20   if (r < {m}u && c < {n}u) {{ gstore(sb, r, c, {value}); }}\n  }}\n\
                  \x20 workgroupBarrier();",
-                16 * i,
-                16 * j
+                size * i,
+                size * j
             );
         }
     }
@@ -704,7 +811,7 @@ fn kernel(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::payload::Payload;
+    use crate::payload::{CoopType, Payload};
     use crate::preprocess::kernels::testing::{input, lower_one, weight};
     use etmetal_core::Op;
     use half::{bf16, f16};
@@ -727,8 +834,10 @@ mod tests {
 
     /// Every orientation of the operands, both tiles, split k, batches,
     /// bias, f16 and bf16 of weights and activations: the tensor-core
-    /// kernels validate (naga, with MSL), and the pre-pass runs for every
-    /// operand but weights that one factor converts exactly.
+    /// kernels of both forms validate (naga, with MSL), the 16×16 form's
+    /// pre-pass runs for every operand but weights that one factor converts
+    /// exactly, and the 8×8 f32 form (Apple) follows it with no pre-pass,
+    /// within Apple's 32 KiB of workgroup memory.
     #[test]
     fn coop_alternatives_validate_in_every_form() {
         let (h, b) = (DType::F16, DType::BF16);
@@ -737,6 +846,22 @@ mod tests {
             (
                 Op::MatMul,
                 vec![input(b, &[200, 72]), input(b, &[72, 130])],
+                &["range", "range", "coop"],
+            ),
+            // skinny: 32-row, 32-column and 32×32 tiles
+            (
+                Op::MatMul,
+                vec![input(b, &[40, 256]), input(b, &[256, 512])],
+                &["range", "range", "coop"],
+            ),
+            (
+                Op::MatMul,
+                vec![input(h, &[300, 128]), input(h, &[128, 48])],
+                &["range", "range", "coop"],
+            ),
+            (
+                Op::MatMul,
+                vec![input(b, &[2, 33, 512]), input(b, &[2, 512, 63])],
                 &["range", "range", "coop"],
             ),
             // f16 alike; the 128×128 tile (4096 rows)
@@ -785,15 +910,30 @@ mod tests {
             let p = lower_one(op, operands).unwrap_or_else(|e| panic!("{name}: {e}"));
             let alts = alternatives(&p.payload);
 
-            assert_eq!(alts.len(), 1, "{name}: {alts:?}");
+            assert_eq!(alts.len(), 2, "{name}: {alts:?}");
+            let tags = |names: &[String]| -> Vec<String> {
+                names
+                    .iter()
+                    .map(|n| n.rsplit('_').next().unwrap().to_string())
+                    .collect()
+            };
             let (names, needs) = &alts[0];
-            let got: Vec<&str> = names
-                .iter()
-                .map(|n| n.rsplit('_').next().unwrap())
-                .collect();
-            assert_eq!(got, *kinds, "{name}");
+            assert_eq!(tags(names), *kinds, "{name}");
+            assert_eq!((needs.m, needs.ab), (16, CoopType::F16), "{name}");
+            // (skinny tiles need about 11 KiB)
             assert!(
-                needs.workgroup_storage > 16384 && needs.workgroup_storage <= 49152,
+                needs.workgroup_storage > 8192 && needs.workgroup_storage <= 49152,
+                "{needs:?}"
+            );
+            let (names, needs) = &alts[1];
+            assert_eq!(tags(names), ["coop8x8"], "{name}");
+            assert_eq!(
+                (needs.m, needs.n, needs.k, needs.ab, needs.cr),
+                (8, 8, 8, CoopType::F32, CoopType::F32),
+                "{name}"
+            );
+            assert!(
+                needs.workgroup_storage > 16384 && needs.workgroup_storage <= 32768,
                 "{needs:?}"
             );
             // what the portable kernels need stays within the defaults
@@ -818,6 +958,39 @@ mod tests {
         ] {
             let p = lower_one(op, operands).unwrap();
             assert!(alternatives(&p.payload).is_empty());
+        }
+    }
+
+    /// Tiles by shape and form; each invocation stages whole 4-element
+    /// chunks of both operands, and subgroups cover the tile.
+    #[test]
+    fn tiles_by_shape_and_form() {
+        let g = |m, n| Gemm {
+            batch: 1,
+            m,
+            n,
+            k: 256,
+            a_k_fast: true,
+            b_k_fast: false,
+            coop: None,
+        };
+        let cases = [
+            ((4096, 4096), Frag::Half16, (128, 128, 32)),
+            ((1024, 1024), Frag::Half16, (64, 64, 32)),
+            ((40, 4096), Frag::Half16, (32, 64, 32)),
+            ((4096, 48), Frag::Half16, (64, 32, 32)),
+            ((40, 48), Frag::Half16, (32, 32, 32)),
+            ((4096, 4096), Frag::Float8, (64, 64, 16)),
+            ((40, 48), Frag::Float8, (64, 64, 16)),
+        ];
+        for ((m, n), frag, want) in cases {
+            let t = tile(&g(m, n), frag);
+            assert_eq!((t.bm, t.bn, t.bk), want, "{m}x{n} {frag:?}");
+            for len in [t.bm, t.bn] {
+                assert_eq!(len * t.bk % (4 * t.threads()), 0, "{t:?}");
+            }
+            assert_eq!(t.bm % t.wm + t.bn % t.wn, 0, "{t:?}");
+            assert_eq!((t.wm % frag.size(), t.bk % frag.size()), (0, 0), "{t:?}");
         }
     }
 

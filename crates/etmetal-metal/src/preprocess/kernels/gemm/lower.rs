@@ -43,8 +43,13 @@ impl Gemm {
         let d = lw.dispatches.len();
         lw.add_dispatch(built, ops, [t.threads() as u32, 1, 1], workgroups, storage)?;
         if coop::worth(self) {
-            // the same partial sums or outputs, from the same split of k
-            lw.alternative(d, coop::NEEDS, |lw| coop::lower(lw, self, &split, args))?;
+            // the same partial sums or outputs, from the same split of k;
+            // NVIDIA's 16×16 form first, then Apple's 8×8
+            for frag in coop::Frag::ALL {
+                lw.alternative(d, frag.needs(), |lw| {
+                    coop::lower(lw, self, &split, args, frag)
+                })?;
+            }
         }
         split.sum(lw, args)
     }

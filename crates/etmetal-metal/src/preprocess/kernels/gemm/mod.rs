@@ -14,14 +14,18 @@
 //! - `gemv`: the matrix-vector kernel;
 //! - `split`: split-K partial sums and their sum;
 //! - `lower`: [`Gemm::lower`], the portable dispatch plus the tensor-core
-//!   alternative.
+//!   alternatives;
+//! - `dequant`: the int4 GEMM's operands for the tensor-core kernels, the
+//!   weight dequantized as it is staged.
 
 mod coop;
+mod dequant;
 mod gemv;
 mod lower;
 mod spec;
 mod split;
 mod tiled;
 
+pub(super) use dequant::Int4Operands;
 pub(super) use gemv::{Gemv, GEMV_ROWS};
 pub(super) use spec::{Epilogue, F16Scaling, Gemm, GemmArgs, GemvArgs};
