@@ -28,7 +28,7 @@ mod kernels;
 pub(crate) mod pointwise;
 mod validate;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use etmetal_core::{DType, Error, Op, Result, Scalar};
 use etmetal_graph::{Graph, Node, ValueId};
@@ -149,6 +149,10 @@ pub fn preprocess_with(
             .nodes
             .get(n)
             .ok_or_else(|| Error::internal(format!("partition {} lists node {n}", partition.id)))?;
+        if lw.absorbed.contains(&n) {
+            lw.consume(node);
+            continue;
+        }
         lw.lower_node(node).map_err(|e| {
             e.context(format!(
                 "node `{}` ({}, {})",
@@ -196,12 +200,18 @@ pub(crate) struct Lowering<'g> {
     alternative_storage: Option<u32>,
     /// The node being lowered, for dispatch records.
     current: String,
+    /// The partition's nodes, in lowering order (for a template looking
+    /// at the readers of its output, [`Lowering::sole_reader`]).
+    nodes: &'g [usize],
+    /// Nodes a template has computed with its own (a residual add stored
+    /// by the product before it): lowering them does nothing.
+    absorbed: HashSet<usize>,
 }
 
 impl<'g> Lowering<'g> {
     fn new(
         graph: &'g Graph,
-        partition: &Partition,
+        partition: &'g Partition,
         options: &'g PreprocessOptions,
         weight_key: &dyn Fn(&str, &[u8]) -> String,
     ) -> Result<Lowering<'g>> {
@@ -226,6 +236,8 @@ impl<'g> Lowering<'g> {
             },
             alternative_storage: None,
             current: String::new(),
+            nodes: &partition.nodes,
+            absorbed: HashSet::new(),
         };
         for &n in &partition.nodes {
             for v in graph.nodes[n].inputs.iter().flatten() {
@@ -402,6 +414,28 @@ impl<'g> Lowering<'g> {
     /// Record `lazy` as the value of graph value `v`.
     pub fn define(&mut self, v: ValueId, lazy: LazyRef) {
         self.values.insert(v, lazy);
+    }
+
+    /// The one partition node that reads `v` (once; `v` is no partition
+    /// output), with its index, so a template can compute it too.
+    pub fn sole_reader(&self, v: ValueId) -> Option<(usize, &'g Node)> {
+        if self.readers.get(&v) != Some(&1) {
+            return None;
+        }
+        let graph = self.graph;
+        self.nodes
+            .iter()
+            .map(|&n| (n, &graph.nodes[n]))
+            .find(|(_, node)| node.inputs.contains(&Some(v)))
+    }
+
+    /// Node `n`'s outputs are computed (by the template lowering the node
+    /// before it): `values` are their lazy values; lowering it does nothing.
+    pub fn absorb(&mut self, n: usize, values: &[(ValueId, LazyRef)]) {
+        self.absorbed.insert(n);
+        for (v, lazy) in values {
+            self.values.insert(*v, lazy.clone());
+        }
     }
 
     /// Write `lazy` to a buffer (once: later readers load it).

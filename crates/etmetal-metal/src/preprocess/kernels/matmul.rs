@@ -13,14 +13,14 @@
 use std::fmt::Write;
 
 use etmetal_core::shape::broadcast_shapes;
-use etmetal_core::{DType, Error, Op, Result};
+use etmetal_core::{BinaryOp, DType, Error, Op, Result};
 use etmetal_graph::Node;
 
 use super::gemm::{Epilogue, F16Scaling, Gemm, GemmArgs, Gemv, GemvArgs, GEMV_ROWS};
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{expanded_index, linear, unravel, KernelBuilder};
 use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
-use crate::preprocess::pointwise::{cast, float_literal};
+use crate::preprocess::pointwise::{cast, float_literal, round_to};
 use crate::preprocess::Lowering;
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
@@ -53,7 +53,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
                 Kind::Permute(w, vec![1, 0]),
             );
             (
-                lw.input_view(node, 0)?,
+                gemv_operand(lw, node, wt.shape[1])?,
                 wt,
                 lw.optional_input_view(node, 2)?,
                 1.0,
@@ -118,8 +118,34 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         Some(x) if beta != 0.0 => Some(full(x, m, n)),
         _ => None,
     };
+    let residual = residual(lw, node);
+    let mut a = a;
+    let reads: usize = [
+        Some(&a),
+        Some(&b),
+        bias.as_ref(),
+        residual.as_ref().map(|r| &r.2),
+    ]
+    .into_iter()
+    .flatten()
+    .map(|x| {
+        let mut bufs = vec![];
+        x.buffers(&mut bufs);
+        bufs.len() + usize::from(x.has_checks())
+    })
+    .sum();
+    // the output and the operands' buffers (each counted per operand: an
+    // upper bound) within a kernel's bindings, else A is written out first
+    if !a.is_view() && reads + 1 > lw.options.max_bindings {
+        // (only a linear's input is read as it is: same elements)
+        a = reshaped(&lw.input_view(node, 0)?, a.shape.clone());
+    }
     let out = lw.output_buffer(node, 0)?;
     let out_dtype = lw.buffers.list[out].dtype;
+    let residual = residual.map(|(n, sum, r)| {
+        lw.absorb(n, &[(sum, lw.load(out))]);
+        r
+    });
     let floats = [Some(&a), Some(&b), bias.as_ref()]
         .into_iter()
         .flatten()
@@ -141,6 +167,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         a,
         b,
         bias,
+        residual,
         alpha,
         beta,
         batch,
@@ -173,6 +200,45 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     gemm.lower(lw, &args)
 }
 
+/// Input 0 of a linear layer with `n` outputs: for at most [`GEMV_ROWS`]
+/// rows (a [`Gemv`]) a pointwise value is read as it is, its math
+/// repeated by each workgroup (an RMSNorm's scaling, a SiLU gate: cheaper
+/// than a dispatch writing it out and reading it back); else a view.
+fn gemv_operand(lw: &mut Lowering, node: &Node, n: usize) -> Result<LazyRef> {
+    let x = lw.input(node, 0)?;
+    let k = x.shape.last().copied().unwrap_or(1);
+    let rows = x.shape.iter().product::<usize>() / k.max(1);
+    if x.is_view() || rows > GEMV_ROWS || n == 0 || x.shape.len() < 2 {
+        return lw.input_view(node, 0);
+    }
+    Ok(x)
+}
+
+/// A skip connection `add(product, r)` that is the only reader of the
+/// product, with `r` computed already and every dtype the product's:
+/// the product's store adds `r` (`(add's index, its output, r)`) and the
+/// add is no dispatch of its own.
+fn residual(lw: &Lowering, node: &Node) -> Option<(usize, etmetal_graph::ValueId, LazyRef)> {
+    let out = *node.outputs.first()?;
+    let (n, add) = lw.sole_reader(out)?;
+    if !matches!(add.op, Op::Binary(BinaryOp::Add)) || add.inputs.len() != 2 {
+        return None;
+    }
+    let other = add.inputs.iter().flatten().copied().find(|&v| v != out)?;
+    let sum = *add.outputs.first()?;
+    let (info, total) = (lw.graph.value(out), lw.graph.value(sum));
+    let r = lw.value(other).ok()?;
+    if total.dtype != info.dtype || r.dtype != info.dtype || total.shape != info.shape {
+        return None;
+    }
+    let r = if r.shape == info.shape {
+        r
+    } else {
+        Lazy::new(r.dtype, info.shape.clone(), Kind::Expand(r))
+    };
+    Some((n, sum, r))
+}
+
 /// How a matrix product's kernels read its operands (lazy views of
 /// `[batch…, m, k]` and `[batch…, k, n]`) and store its output (`alpha`,
 /// the bias times `beta`, rounding to the output dtype).
@@ -181,6 +247,9 @@ struct MatmulArgs {
     b: LazyRef,
     /// `[batch…, m, n]`; absent (also when `beta` is 0).
     bias: Option<LazyRef>,
+    /// Added to the rounded product (a skip connection, [`residual`]),
+    /// read at the output's shape.
+    residual: Option<LazyRef>,
     alpha: f64,
     beta: f64,
     /// The broadcast batch dims.
@@ -221,7 +290,13 @@ impl Epilogue for MatmulArgs {
             &["bt".into(), "r".into(), "c".into()],
             &[batches, self.m, self.n],
         );
-        let value = cast(&format!("({value})"), DType::F32, self.out_dtype);
+        let mut value = cast(&format!("({value})"), DType::F32, self.out_dtype);
+        if let Some(r) = &self.residual {
+            // rounded twice, as PyTorch stores the product before the add
+            kb.value_fn(r, "vres")?;
+            let at = unravel("e", &r.shape).join(", ");
+            value = round_to(format!("{value} + vres({at})"), self.out_dtype);
+        }
         let store = kb.store(self.out, "e", &value)?;
         Ok(format!(
             "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {store}\n}}\n\n"
