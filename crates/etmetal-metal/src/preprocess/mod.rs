@@ -438,6 +438,14 @@ impl<'g> Lowering<'g> {
         }
     }
 
+    /// Record `lazy` as the value of `v`, to be fused into its readers
+    /// (materialised first when that would bind or inline too much).
+    pub fn define_fused(&mut self, v: ValueId, lazy: LazyRef) -> Result<()> {
+        let lazy = self.bound_fusion(v, lazy)?;
+        self.values.insert(v, lazy);
+        Ok(())
+    }
+
     /// Write `lazy` to a buffer (once: later readers load it).
     fn materialize_value(&mut self, v: ValueId, lazy: LazyRef) -> Result<LazyRef> {
         let name = self.graph.value(v).name.clone();
@@ -645,8 +653,10 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// Lazy input of a pointwise node, materialised first when another
-    /// node also reads it (computing it twice would cost more than a load).
+    /// Lazy input of a pointwise or layout node, materialised first when
+    /// another node also reads it (computing it twice would cost more than
+    /// a load; a view of it, e.g. each layer's `unsqueeze` of the rotary
+    /// table, then reads the one copy).
     pub(crate) fn fused(&mut self, node: &Node, slot: usize) -> Result<LazyRef> {
         let lazy = self.input(node, slot)?;
         let v = node.inputs[slot].expect("input() checked the slot");
@@ -699,23 +709,23 @@ impl<'g> Lowering<'g> {
                 broadcast(self.fused(node, 2)?),
             )),
             Op::Cast { .. } | Op::Identity => Some(Kind::Cast(self.fused(node, 0)?)),
-            Op::Reshape { .. } => Some(Kind::Reshape(self.input(node, 0)?)),
-            Op::Permute { dims } => Some(Kind::Permute(self.input(node, 0)?, dims.clone())),
-            Op::Expand { .. } => Some(Kind::Expand(self.input(node, 0)?)),
+            Op::Reshape { .. } => Some(Kind::Reshape(self.fused(node, 0)?)),
+            Op::Permute { dims } => Some(Kind::Permute(self.fused(node, 0)?, dims.clone())),
+            Op::Expand { .. } => Some(Kind::Expand(self.fused(node, 0)?)),
             Op::Slice {
                 dim, start, step, ..
             } => Some(Kind::Slice {
-                x: self.input(node, 0)?,
+                x: self.fused(node, 0)?,
                 dim: *dim,
                 start: *start,
                 step: *step,
             }),
             Op::Select { dim, index } => Some(Kind::Select {
-                x: self.input(node, 0)?,
+                x: self.fused(node, 0)?,
                 dim: *dim,
                 index: *index,
             }),
-            Op::Repeat { .. } => Some(Kind::Repeat(self.input(node, 0)?)),
+            Op::Repeat { .. } => Some(Kind::Repeat(self.fused(node, 0)?)),
             Op::Cat { dim } => {
                 let parts = (0..node.inputs.len())
                     .map(|i| self.fused(node, i))

@@ -10,10 +10,19 @@ use super::rows::{
 };
 use crate::payload::Fault;
 use crate::preprocess::emit::{entry, linear, unravel, KernelBuilder};
+use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, compute_type, float_literal};
 use crate::preprocess::Lowering;
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
+    if let Op::Reduce { op, dims, .. } = &node.op {
+        let x = lw.input(node, 0)?;
+        if dims.iter().all(|&d| x.shape.get(d) == Some(&1))
+            && (!dims.is_empty() || x.shape.iter().all(|&s| s == 1))
+        {
+            return unit_reduce(lw, node, *op, x);
+        }
+    }
     let x = lw.fused(node, 0)?;
     let rank = x.shape.len();
     let all: Vec<usize> = (0..rank).collect();
@@ -265,6 +274,22 @@ fn softmax(
     ));
     main.push_str("}\n");
     dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
+}
+
+/// A reduction over dims of size 1 (a decode step's one position: an
+/// `index_copy_` of one row matches it against the cache): each output is
+/// its one input element, so it is a lazy cast fused into its readers, not
+/// a kernel.
+fn unit_reduce(lw: &mut Lowering, node: &Node, op: ReduceOp, x: LazyRef) -> Result<()> {
+    let (_, dtype, shape) = lw.output_info(node, 0)?;
+    let x = reshaped(&x, shape.clone());
+    let x = match op {
+        // `any` of a uint8 tensor is a uint8 0 or 1
+        ReduceOp::Any | ReduceOp::All => Lazy::new(DType::Bool, shape.clone(), Kind::Cast(x)),
+        _ => x,
+    };
+    let lazy = Lazy::of_node(dtype, shape, Kind::Cast(x), &node.name);
+    lw.define_fused(node.outputs[0], lazy)
 }
 
 fn zero(ty: &str) -> String {
