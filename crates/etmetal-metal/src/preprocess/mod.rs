@@ -661,7 +661,7 @@ impl<'g> Lowering<'g> {
         let lazy = self.input(node, slot)?;
         let v = node.inputs[slot].expect("input() checked the slot");
         let shared = self.readers.get(&v).copied().unwrap_or(0) > 1;
-        if !lazy.is_view() && shared {
+        if !lazy.is_cheap() && shared {
             return self.materialize_value(v, lazy);
         }
         Ok(lazy)
@@ -756,19 +756,19 @@ impl<'g> Lowering<'g> {
                 step: *step,
             }),
             Op::Embedding => Some(Kind::Gather {
-                src: self.input(node, 0)?,
+                src: self.fused(node, 0)?,
                 dim: 0,
                 index: self.fused(node, 1)?,
                 at: expr::GatherAt::Leading,
             }),
             Op::IndexSelect { dim } => Some(Kind::Gather {
-                src: self.input(node, 0)?,
+                src: self.fused(node, 0)?,
                 dim: *dim,
                 index: self.fused(node, 1)?,
                 at: expr::GatherAt::Dim,
             }),
             Op::Gather { dim } => Some(Kind::Gather {
-                src: self.input(node, 0)?,
+                src: self.fused(node, 0)?,
                 dim: *dim,
                 index: self.fused(node, 1)?,
                 at: expr::GatherAt::Same,
