@@ -449,7 +449,15 @@ impl<'g> Lowering<'g> {
     /// Write `lazy` to a buffer (once: later readers load it).
     fn materialize_value(&mut self, v: ValueId, lazy: LazyRef) -> Result<LazyRef> {
         let name = self.graph.value(v).name.clone();
-        let buf = self.temp(&name, lazy.dtype, &lazy.shape)?;
+        let mut desc = BufferDesc::new(&name, lazy.dtype, &lazy.shape, Place::Temp)?;
+        if self.outputs.contains(&v) {
+            // a partition output (a new KV cache) is written in its host
+            // form (16-bit packed), so `finish` takes this buffer as it is
+            // instead of copying it
+            desc.storage =
+                BufferDesc::new(&name, lazy.dtype, &lazy.shape, Place::Output(0))?.storage;
+        }
+        let buf = self.add_buffer(desc)?;
         self.write_flat(&lazy, buf)?;
         let loaded = self.load(buf);
         self.values.insert(v, loaded.clone());
