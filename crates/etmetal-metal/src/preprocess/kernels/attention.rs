@@ -143,7 +143,9 @@ fn operands(lw: &mut Lowering, node: &Node) -> Result<[Option<LazyRef>; 4]> {
             .filter(|&i| ops[i].as_ref().is_some_and(|x| !x.is_view()))
             .max_by_key(|&i| {
                 let mut b = vec![];
-                ops[i].as_ref().map(|x| x.buffers(&mut b));
+                if let Some(x) = &ops[i] {
+                    x.buffers(&mut b);
+                }
                 b.len()
             });
         let Some(slot) = widest else {
