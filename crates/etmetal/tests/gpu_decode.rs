@@ -13,14 +13,14 @@ use etmetal_core::{DType, Tensor};
 use etmetal_graph::Graph;
 
 /// Dispatches a decoder layer's step may take: two RMSNorms (1 each: the
-/// sum of squares; the scaling is read by the q, k, v and gate, up
-/// products), q, k, v (3), the new key and value caches (2: each a
+/// sum of squares; the scaling is read by the products), q, k and v as one
+/// matrix-vector dispatch (1), the new key and value caches (2: each a
 /// partition output written once, which attention reads), the rotary q
 /// (1: attention would bind more than 8 buffers computing it too),
 /// attention with the causal mask computed as it reads it (1), o and down
-/// with their residual adds in the store (2), gate and up (2; the SiLU
-/// gate is read by down). Before these fusions: 27.
-const LAYER_DISPATCHES: usize = 13;
+/// with their residual adds in the store (2), gate and up as one (1; the
+/// SiLU gate is read by down). Before these fusions: 29.
+const LAYER_DISPATCHES: usize = 11;
 
 fn decoder(layers: usize, dtype: DType) -> Graph {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -429,6 +429,21 @@ impl<'g> Lowering<'g> {
             .find(|(_, node)| node.inputs.contains(&Some(v)))
     }
 
+    /// The partition's nodes after `node`, not yet computed.
+    pub fn nodes_after(&self, node: &Node) -> Vec<(usize, &'g Node)> {
+        let graph = self.graph;
+        let at = self
+            .nodes
+            .iter()
+            .position(|&n| std::ptr::eq(&graph.nodes[n], node));
+        let Some(at) = at else { return vec![] };
+        self.nodes[at + 1..]
+            .iter()
+            .filter(|n| !self.absorbed.contains(n))
+            .map(|&n| (n, &graph.nodes[n]))
+            .collect()
+    }
+
     /// Node `n`'s outputs are computed (by the template lowering the node
     /// before it): `values` are their lazy values; lowering it does nothing.
     pub fn absorb(&mut self, n: usize, values: &[(ValueId, LazyRef)]) {

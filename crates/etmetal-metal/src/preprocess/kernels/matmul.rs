@@ -24,6 +24,130 @@ use crate::preprocess::pointwise::{cast, float_literal, round_to};
 use crate::preprocess::Lowering;
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
+    let (args, k) = product(lw, node, String::new())?;
+    let (m, n) = (args.m, args.n);
+    let batches: usize = args.batch.iter().product();
+    if m <= GEMV_ROWS && is_transpose(&args.b) {
+        let siblings = siblings(lw, node, &args, k);
+        if !siblings.is_empty() {
+            return lower_siblings(lw, args, k, &siblings);
+        }
+        return Gemv {
+            batch: batches,
+            m,
+            n,
+            k,
+        }
+        .lower(lw, &args);
+    }
+    let gemm = Gemm {
+        batch: batches,
+        m,
+        n,
+        k,
+        a_k_fast: !is_transpose(&args.a),
+        b_k_fast: is_transpose(&args.b),
+        coop: F16Scaling::of(lw, &args.a)
+            .zip(F16Scaling::of(lw, &args.b))
+            .map(|(x, y)| [x, y]),
+    };
+    gemm.lower(lw, &args)
+}
+
+/// The later linear layers of one row block that read `node`'s input and
+/// can be computed now (their weights and biases are constants, their
+/// residuals computed), as many as one kernel binds with `node`'s: a
+/// layer's q, k and v, or gate and up, are one dispatch.
+fn siblings<'g>(
+    lw: &Lowering<'g>,
+    node: &Node,
+    args: &MatmulArgs,
+    k: usize,
+) -> Vec<(usize, &'g Node)> {
+    if node.op != Op::Linear || !args.batch.is_empty() {
+        return vec![];
+    }
+    let mut bufs = vec![];
+    for x in [
+        Some(&args.a),
+        Some(&args.b),
+        args.bias.as_ref(),
+        args.residual.as_ref(),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        x.buffers(&mut bufs);
+    }
+    let checks = args.a.has_checks();
+    let mut outputs = 1;
+    let dtype = lw.graph.value(node.outputs[0]).dtype;
+    let mut found = vec![];
+    for (n, other) in lw.nodes_after(node) {
+        let same = other.op == Op::Linear
+            && other.inputs.first() == node.inputs.first()
+            && other.outputs.len() == 1
+            && lw.graph.value(other.outputs[0]).dtype == dtype;
+        if !same {
+            continue;
+        }
+        let ready = |slot: usize| match other.inputs.get(slot).copied().flatten() {
+            Some(v) => lw.value(v).ok().filter(|x| x.is_view()),
+            None => None,
+        };
+        let Some(w) = ready(1) else { continue };
+        if w.shape.len() != 2 || w.shape[1] != k {
+            continue;
+        }
+        let bias = match other.inputs.get(2).copied().flatten() {
+            Some(_) => match ready(2) {
+                Some(b) => Some(b),
+                None => continue,
+            },
+            None => None,
+        };
+        let mut more = bufs.clone();
+        w.buffers(&mut more);
+        if let Some(b) = &bias {
+            b.buffers(&mut more);
+        }
+        if let Some((_, _, r)) = residual(lw, other) {
+            r.buffers(&mut more);
+        }
+        if more.len() + outputs + 1 + usize::from(checks) > lw.options.max_bindings {
+            continue;
+        }
+        bufs = more;
+        outputs += 1;
+        found.push((n, other));
+    }
+    found
+}
+
+/// `args` and its `siblings` as one matrix-vector dispatch.
+fn lower_siblings(
+    lw: &mut Lowering,
+    args: MatmulArgs,
+    k: usize,
+    siblings: &[(usize, &Node)],
+) -> Result<()> {
+    let m = args.m;
+    let mut all = vec![args];
+    for (i, &(n, node)) in siblings.iter().enumerate() {
+        lw.absorb(n, &[]);
+        let (p, _) = product(lw, node, format!("_{}", i + 1))?;
+        all.push(p);
+    }
+    let members: Vec<(usize, String, &dyn GemvArgs)> = all
+        .iter()
+        .map(|p| (p.n, p.tag.clone(), p as &dyn GemvArgs))
+        .collect();
+    Gemv::lower_group(lw, m, k, &members)
+}
+
+/// A matrix product's operands, output and store ([`MatmulArgs`], its
+/// functions named with `tag`) and `k`.
+fn product(lw: &mut Lowering, node: &Node, tag: String) -> Result<(MatmulArgs, usize)> {
     let (a, b, bias, alpha, beta) = match &node.op {
         Op::MatMul => (
             lw.input_view(node, 0)?,
@@ -175,29 +299,9 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         n,
         out,
         out_dtype,
+        tag,
     };
-    let batches: usize = args.batch.iter().product();
-    if m <= GEMV_ROWS && is_transpose(&args.b) {
-        return Gemv {
-            batch: batches,
-            m,
-            n,
-            k,
-        }
-        .lower(lw, &args);
-    }
-    let gemm = Gemm {
-        batch: batches,
-        m,
-        n,
-        k,
-        a_k_fast: !is_transpose(&args.a),
-        b_k_fast: is_transpose(&args.b),
-        coop: F16Scaling::of(lw, &args.a)
-            .zip(F16Scaling::of(lw, &args.b))
-            .map(|(x, y)| [x, y]),
-    };
-    gemm.lower(lw, &args)
+    Ok((args, k))
 }
 
 /// Input 0 of a linear layer with `n` outputs: for at most [`GEMV_ROWS`]
@@ -258,6 +362,9 @@ struct MatmulArgs {
     n: usize,
     out: BufferIdx,
     out_dtype: DType,
+    /// Appended to the names of its matrix-vector functions (`xa`, `xb`,
+    /// `gstore`, …), so products of one kernel have their own.
+    tag: String,
 }
 
 impl MatmulArgs {
@@ -277,8 +384,9 @@ impl Epilogue for MatmulArgs {
             format!("{} * v", float_literal(self.alpha))
         };
         if let Some(bias) = &self.bias {
-            kb.value_fn(bias, "vbias")?;
-            let read = format!("vbias({})", self.at("bt", &["r", "c"]));
+            let f = format!("vbias{}", self.tag);
+            kb.value_fn(bias, &f)?;
+            let read = format!("{f}({})", self.at("bt", &["r", "c"]));
             value = if self.beta == 1.0 {
                 format!("{read} + {value}")
             } else {
@@ -293,13 +401,15 @@ impl Epilogue for MatmulArgs {
         let mut value = cast(&format!("({value})"), DType::F32, self.out_dtype);
         if let Some(r) = &self.residual {
             // rounded twice, as PyTorch stores the product before the add
-            kb.value_fn(r, "vres")?;
+            let f = format!("vres{}", self.tag);
+            kb.value_fn(r, &f)?;
             let at = unravel("e", &r.shape).join(", ");
-            value = round_to(format!("{value} + vres({at})"), self.out_dtype);
+            value = round_to(format!("{value} + {f}({at})"), self.out_dtype);
         }
         let store = kb.store(self.out, "e", &value)?;
         Ok(format!(
-            "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {store}\n}}\n\n"
+            "fn gstore{}(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {store}\n}}\n\n",
+            self.tag
         ))
     }
 }
@@ -331,8 +441,9 @@ impl GemmArgs for MatmulArgs {
 
 impl GemvArgs for MatmulArgs {
     fn k_chunks(&self, kb: &mut KernelBuilder) -> Result<String> {
-        let fns = chunk_reader(kb, &self.a, "xa", &self.batch, false)?;
-        Ok(fns + &chunk_reader(kb, &self.b, "xb", &self.batch, true)?)
+        let (xa, xb) = (format!("xa{}", self.tag), format!("xb{}", self.tag));
+        let fns = chunk_reader(kb, &self.a, &xa, &self.batch, false)?;
+        Ok(fns + &chunk_reader(kb, &self.b, &xb, &self.batch, true)?)
     }
 }
 
