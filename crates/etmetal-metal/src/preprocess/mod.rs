@@ -180,6 +180,32 @@ pub fn preprocess_with(
     Ok(pre)
 }
 
+/// An integer constant holding 0, 1, 2, … in row-major order (a decoder's
+/// `positions` buffer, the importer's position table of `index_copy_`) as
+/// an index expression: no buffer to bind or store.
+fn counting(t: &etmetal_core::Tensor) -> Option<LazyRef> {
+    if !matches!(t.dtype(), DType::I32 | DType::I64)
+        || t.numel() == 0
+        || t.numel() > i32::MAX as usize
+    {
+        return None;
+    }
+    let counts = t
+        .to_i64_vec()
+        .iter()
+        .enumerate()
+        .all(|(i, &v)| v == i as i64);
+    if !counts {
+        return None;
+    }
+    let iota = Kind::Iota {
+        start: Scalar::Int(0),
+        step: Scalar::Int(1),
+    };
+    let flat = Lazy::new(t.dtype(), vec![t.numel()], iota);
+    Some(expr::reshaped(&flat, t.shape().to_vec()))
+}
+
 /// Lowering state of one partition.
 pub(crate) struct Lowering<'g> {
     pub graph: &'g Graph,
@@ -273,6 +299,8 @@ impl<'g> Lowering<'g> {
                     Scalar::Int(tensor.to_i64_vec()[0])
                 };
                 Lazy::new(info.dtype, vec![], Kind::Literal(value))
+            } else if let Some(iota) = counting(tensor) {
+                iota
             } else {
                 let bytes =
                     payload::to_gpu(tensor, &format!("weight `{}`", info.name))?.into_owned();
