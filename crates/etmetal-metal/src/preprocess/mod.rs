@@ -232,6 +232,24 @@ pub(crate) struct Lowering<'g> {
     /// Nodes a template has computed with its own (a residual add stored
     /// by the product before it): lowering them does nothing.
     absorbed: HashSet<usize>,
+    /// Row means not dispatched yet ([`RowStat`]).
+    pub pending: Vec<RowStat>,
+}
+
+/// A mean over the last dim of a few rows (an RMSNorm's mean of squares)
+/// whose kernel waits until a dispatch binds its buffer: a matrix-vector
+/// product reading it computes it itself (`kernels::matmul`), so when only
+/// products read it, it is never dispatched.
+#[derive(Clone)]
+pub(crate) struct RowStat {
+    pub buf: BufferIdx,
+    /// The values averaged, `[rows, cols]` f32.
+    pub x: LazyRef,
+    pub rows: usize,
+    pub cols: usize,
+    /// The node's op, for the dispatch record.
+    pub label: String,
+    pub node: String,
 }
 
 impl<'g> Lowering<'g> {
@@ -264,6 +282,7 @@ impl<'g> Lowering<'g> {
             current: String::new(),
             nodes: &partition.nodes,
             absorbed: HashSet::new(),
+            pending: vec![],
         };
         for &n in &partition.nodes {
             for v in graph.nodes[n].inputs.iter().flatten() {
@@ -563,6 +582,17 @@ impl<'g> Lowering<'g> {
         workgroups: [u32; 3],
         workgroup_storage: u32,
     ) -> Result<()> {
+        // a row mean this kernel reads is dispatched first
+        while let Some(i) = self
+            .pending
+            .iter()
+            .position(|st| built.bindings.contains(&st.buf))
+        {
+            let stat = self.pending.remove(i);
+            let label = std::mem::replace(&mut self.current, stat.label.clone());
+            kernels::row_mean(self, &stat)?;
+            self.current = label;
+        }
         let Built {
             wgsl,
             mut bindings,
@@ -853,6 +883,16 @@ impl<'g> Lowering<'g> {
     }
 
     fn finish(mut self) -> Result<Preprocessed> {
+        // a row mean that is a partition output is computed after all
+        for v in self.outputs.clone() {
+            let mut read = vec![];
+            self.value(v)?.buffers(&mut read);
+            while let Some(i) = self.pending.iter().position(|st| read.contains(&st.buf)) {
+                let stat = self.pending.remove(i);
+                self.current = stat.label.clone();
+                kernels::row_mean(&mut self, &stat)?;
+            }
+        }
         self.current = "output".into();
         let mut outputs = vec![];
         for (k, &v) in self.outputs.clone().iter().enumerate() {

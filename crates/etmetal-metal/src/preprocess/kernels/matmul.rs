@@ -21,7 +21,7 @@ use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{expanded_index, linear, unravel, KernelBuilder};
 use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, float_literal, round_to};
-use crate::preprocess::Lowering;
+use crate::preprocess::{Lowering, RowStat};
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     let (args, k) = product(lw, node, String::new())?;
@@ -77,7 +77,7 @@ fn siblings<'g>(
     .into_iter()
     .flatten()
     {
-        x.buffers(&mut bufs);
+        add_reads(lw, x, &mut bufs);
     }
     let checks = args.a.has_checks();
     let mut outputs = 1;
@@ -112,7 +112,7 @@ fn siblings<'g>(
             b.buffers(&mut more);
         }
         if let Some((_, _, r)) = residual(lw, other) {
-            r.buffers(&mut more);
+            add_reads(lw, &r, &mut more);
         }
         if more.len() + outputs + 1 + usize::from(checks) > lw.options.max_bindings {
             continue;
@@ -254,7 +254,7 @@ fn product(lw: &mut Lowering, node: &Node, tag: String) -> Result<(MatmulArgs, u
     .flatten()
     .map(|x| {
         let mut bufs = vec![];
-        x.buffers(&mut bufs);
+        add_reads(lw, x, &mut bufs);
         bufs.len() + usize::from(x.has_checks())
     })
     .sum();
@@ -287,11 +287,25 @@ fn product(lw: &mut Lowering, node: &Node, tag: String) -> Result<(MatmulArgs, u
         )));
     }
 
+    // the row means A reads (an RMSNorm's), computed by the kernel itself
+    let gemv = m <= GEMV_ROWS && is_transpose(&b);
+    let mut read = vec![];
+    a.buffers(&mut read);
+    let stats = match gemv {
+        true => lw
+            .pending
+            .iter()
+            .filter(|st| read.contains(&st.buf))
+            .map(|st| (st.clone(), lw.buffers.list[st.buf].dtype))
+            .collect(),
+        false => vec![],
+    };
     let args = MatmulArgs {
         a,
         b,
         bias,
         residual,
+        stats,
         alpha,
         beta,
         batch,
@@ -365,6 +379,24 @@ struct MatmulArgs {
     /// Appended to the names of its matrix-vector functions (`xa`, `xb`,
     /// `gstore`, …), so products of one kernel have their own.
     tag: String,
+    /// Row means A reads that the matrix-vector kernel computes first
+    /// (with the dtype they are stored in).
+    stats: Vec<(RowStat, DType)>,
+}
+
+/// Add the buffers a kernel binds to read `x` to `bufs`: a pending row
+/// mean's are those of what it averages (a matrix-vector kernel computes
+/// it; elsewhere it is dispatched first and read: one buffer less).
+fn add_reads(lw: &Lowering, x: &LazyRef, bufs: &mut Vec<BufferIdx>) {
+    let mut read = vec![];
+    x.buffers(&mut read);
+    for b in read {
+        match lw.pending.iter().find(|st| st.buf == b) {
+            Some(st) => st.x.buffers(bufs),
+            None if !bufs.contains(&b) => bufs.push(b),
+            None => {}
+        }
+    }
 }
 
 impl MatmulArgs {
@@ -440,6 +472,36 @@ impl GemmArgs for MatmulArgs {
 }
 
 impl GemvArgs for MatmulArgs {
+    fn prologue(&self, kb: &mut KernelBuilder, threads: usize) -> Result<(String, String)> {
+        let (mut decls, mut s) = (String::new(), String::new());
+        for (j, (st, dtype)) in self.stats.iter().enumerate() {
+            let (name, f) = (format!("st{}_{j}", self.tag), format!("sx{}_{j}", self.tag));
+            kb.value_fn(&st.x, &f)?;
+            kb.substitute(st.buf, &name);
+            let _ = writeln!(decls, "var<workgroup> {name}: array<f32, {}>;", st.rows);
+            let mean = cast(
+                &format!("(red[0] / {})", float_literal(st.cols as f64)),
+                DType::F32,
+                *dtype,
+            );
+            // each row: strided sums, halved in workgroup memory
+            for r in 0..st.rows {
+                let _ = writeln!(
+                    s,
+                    "  {{\n    var acc = 0.0;\n\
+                     \x20   for (var c = lid; c < {cols}u; c = c + {threads}u) {{ acc = acc + {f}({r}u, c); }}\n\
+                     \x20   red[lid] = acc;\n    workgroupBarrier();\n\
+                     \x20   for (var h = {half}u; h > 0u; h = h >> 1u) {{\n\
+                     \x20     if (lid < h) {{ red[lid] = red[lid] + red[lid + h]; }}\n      workgroupBarrier();\n    }}\n\
+                     \x20   if (lid == 0u) {{ {name}[{r}u] = {mean}; }}\n    workgroupBarrier();\n  }}",
+                    cols = st.cols,
+                    half = threads / 2
+                );
+            }
+        }
+        Ok((decls, s))
+    }
+
     fn k_chunks(&self, kb: &mut KernelBuilder) -> Result<String> {
         let (xa, xb) = (format!("xa{}", self.tag), format!("xb{}", self.tag));
         let fns = chunk_reader(kb, &self.a, &xa, &self.batch, false)?;

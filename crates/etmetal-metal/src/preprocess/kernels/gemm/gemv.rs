@@ -67,12 +67,13 @@ impl Gemv {
         let (threads, cols, splits) = self.shape(most);
         let split = SplitK::new(lw, splits, self.batch, self.m, self.n)?;
         let mut kb = KernelBuilder::new(&lw.buffers);
+        let (decls, pro) = args.prologue(&mut kb, threads)?;
         let fns = args.k_chunks(&mut kb)? + &split.store(&mut kb, args)?;
         let main = format!(
-            "{fns}\n{}{}  let g = {FLAT_GROUP};\n{}}}\n",
+            "{fns}\n{decls}{}{}  let g = {FLAT_GROUP};\n{}}}\n",
             self.shared(threads, cols),
             entry(threads as u32),
-            self.body(threads, cols, splits, "")
+            self.body(threads, cols, splits, "", &pro)
         );
         let built = kb.finish(&main);
         let groups = (self.n.div_ceil(cols) * self.batch * splits) as u64;
@@ -105,7 +106,11 @@ impl Gemv {
         let (threads, cols, _) = whole.shape(1);
         let mut kb = KernelBuilder::new(&lw.buffers);
         let mut fns = String::new();
+        let mut pros = vec![];
         for (_, _, args) in members {
+            let (decls, pro) = args.prologue(&mut kb, threads)?;
+            fns += &decls;
+            pros.push(pro);
             fns += &args.k_chunks(&mut kb)?;
             fns += &args.store(&mut kb)?;
         }
@@ -115,7 +120,7 @@ impl Gemv {
             entry(threads as u32)
         );
         let mut start = 0;
-        for (n, tag, _) in members {
+        for ((n, tag, _), pro) in members.iter().zip(&pros) {
             let part = Gemv {
                 batch: 1,
                 m,
@@ -126,7 +131,7 @@ impl Gemv {
             let _ = writeln!(
                 main,
                 "  if (g0 < {end}u) {{\n  let g = g0 - {start}u;\n{}  return;\n  }}",
-                part.body(threads, cols, 1, tag)
+                part.body(threads, cols, 1, tag, pro)
             );
             start = end;
         }
@@ -147,8 +152,16 @@ impl Gemv {
     }
 
     /// The statements of a workgroup `g` (a `u32` in scope) computing its
-    /// block of columns, calling the functions tagged `tag`.
-    fn body(&self, threads: usize, cols: usize, splits: usize, tag: &str) -> String {
+    /// block of columns after the `prologue`, calling the functions tagged
+    /// `tag`.
+    fn body(
+        &self,
+        threads: usize,
+        cols: usize,
+        splits: usize,
+        tag: &str,
+        prologue: &str,
+    ) -> String {
         let (m, n) = (self.m, self.n);
         // k of a split (a multiple of 4 when split)
         let depth = self.k / splits;
@@ -165,6 +178,7 @@ impl Gemv {
             blocks * self.batch,
             self.batch
         );
+        s.push_str(prologue);
         for j in 0..cols {
             // a last block's missing columns read the last one (not stored)
             let _ = writeln!(s, "  let c{j} = min(n0 + {j}u, {}u);", n - 1);

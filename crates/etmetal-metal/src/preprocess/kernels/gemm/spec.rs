@@ -82,6 +82,14 @@ pub(crate) trait GemvArgs: Epilogue {
     /// (`Gemv::lower_group`) append their tag to these names and to
     /// `gstore`'s.
     fn k_chunks(&self, kb: &mut KernelBuilder) -> Result<String>;
+
+    /// What a workgroup of `threads` invocations computes before the
+    /// product, called before the readers are emitted: `(module-level
+    /// declarations, statements)` (row statistics of A it reads from
+    /// workgroup memory).
+    fn prologue(&self, _kb: &mut KernelBuilder, _threads: usize) -> Result<(String, String)> {
+        Ok(Default::default())
+    }
 }
 
 impl Gemm {
