@@ -4,15 +4,19 @@ a static KV cache in buffers, the hybrid sliding-window cache for Gemma 3).
 
 Writes into OUT: `forward.pt2` (a decode step: input_ids [1, 1],
 cache_position [1]), `prefill.pt2` (input_ids [1, P], cache_position [P])
-unless --prefill 0, and the tokenizer files (tokenizer.json,
-tokenizer_config.json, generation_config.json). Then:
+unless --prefill 0, `decode.pt2` (the decode step returning the next
+greedy token, the argmax of its logits, int64 [1]: a greedy step then
+reads back 8 bytes, not the vocabulary's logits) unless --no-decode, and
+the tokenizer files (tokenizer.json, tokenizer_config.json,
+generation_config.json). Then:
 
-    etmetal compile OUT/forward.pt2 --method prefill=OUT/prefill.pt2 -o model.pte
+    etmetal compile OUT/forward.pt2 --method prefill=OUT/prefill.pt2 \
+        --method decode=OUT/decode.pt2 -o model.pte
     etmetal generate model.pte --tokenizer OUT/tokenizer.json --prompt "..."
 
 Usage (the project venv has torch, transformers, gguf and accelerate):
     python scripts/export_llm.py MODEL_DIR [--gguf FILE.gguf] -o OUT
-        [--max-cache-len 256] [--prefill 32] [--dtype float32|bfloat16]
+        [--max-cache-len 256] [--prefill 32] [--no-decode] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -54,9 +58,30 @@ def export_step(wrapper, tokens: int, start: int = 0) -> torch.export.ExportedPr
         return wrapper.export(input_ids=input_ids, cache_position=cache_position)
 
 
-def export(model, tokenizer, out: Path, max_cache_len: int, prefill: int) -> list[Path]:
-    """forward.pt2 (and prefill.pt2 when `prefill` > 0) plus the tokenizer
-    files in `out`; the .pt2 paths, forward first."""
+def export_greedy_step(wrapper) -> torch.export.ExportedProgram:
+    """The decode step (one token) returning the argmax of its logits,
+    int64 [1]. The exported module keeps the recipe's own (its class is
+    swapped for a subclass), so its KV-cache buffers have the names of the
+    other methods' and are one state with them in the program."""
+    wrapper = copy.deepcopy(wrapper)
+    step = wrapper.model
+
+    class GreedyStep(type(step)):
+        def forward(self, input_ids, cache_position):
+            logits = super().forward(input_ids=input_ids, cache_position=cache_position)
+            return logits[:, -1].argmax(-1)
+
+    step.__class__ = GreedyStep
+    kwargs = {"input_ids": torch.zeros((1, 1), dtype=torch.long),
+              "cache_position": torch.zeros(1, dtype=torch.long)}
+    with torch.no_grad():
+        return torch.export.export(step, args=(), kwargs=kwargs, strict=True)
+
+
+def export(model, tokenizer, out: Path, max_cache_len: int, prefill: int, decode: bool = True) -> list[Path]:
+    """forward.pt2 (and prefill.pt2 when `prefill` > 0, decode.pt2 when
+    `decode`) plus the tokenizer files in `out`; the .pt2 paths, forward
+    first."""
     out.mkdir(parents=True, exist_ok=True)
     wrapper = recipe(model, max_cache_len)
     files = []
@@ -65,6 +90,10 @@ def export(model, tokenizer, out: Path, max_cache_len: int, prefill: int) -> lis
             continue
         path = out / f"{name}.pt2"
         torch.export.save(export_step(wrapper, tokens), path)
+        files.append(path)
+    if decode:
+        path = out / "decode.pt2"
+        torch.export.save(export_greedy_step(wrapper), path)
         files.append(path)
     tokenizer.save_pretrained(out)
     model.generation_config.save_pretrained(out)
@@ -78,11 +107,13 @@ def main():
     ap.add_argument("-o", "--out", type=Path, required=True)
     ap.add_argument("--max-cache-len", type=int, default=256)
     ap.add_argument("--prefill", type=int, default=32, help="tokens a prefill call takes (0: none)")
+    ap.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
+                    help="also export `decode`, the step returning its greedy token (default: yes)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     model, tokenizer = load(args.model, args.gguf, getattr(torch, args.dtype))
-    files = export(model, tokenizer, args.out, args.max_cache_len, args.prefill)
-    method = f" --method prefill={files[1]}" if len(files) > 1 else ""
+    files = export(model, tokenizer, args.out, args.max_cache_len, args.prefill, args.decode)
+    method = "".join(f" --method {f.stem}={f}" for f in files[1:])
     print(f"wrote {', '.join(map(str, files))} and the tokenizer files in {args.out}")
     print(f"next: etmetal compile {files[0]}{method} -o model.pte")
     print(f"then: etmetal generate model.pte --tokenizer {args.out / 'tokenizer.json'} --prompt TEXT")

@@ -7,7 +7,10 @@
 //! and decoders written by hand for on-device generation
 //! (`forward(tokens, input_pos)`) both take it. `forward` is the decode
 //! step (T = 1); an optional `prefill` method (T = P) takes the prompt P
-//! tokens a call, the last chunk padded (see [`generate`]).
+//! tokens a call, the last chunk padded (see [`generate`]); an optional
+//! `decode` method is the decode step returning its greedy token (the
+//! argmax of its logits, int64 [1]: scripts/export_llm.py exports it), so
+//! greedy decoding reads back one token a step instead of the logits.
 //!
 //! Text goes in and out through a Hugging Face `tokenizer.json`
 //! ([`TextTokenizer`]); tokens are turned into text as they come
@@ -26,6 +29,10 @@ use crate::Model;
 const SIGNATURE: &str = "(tokens int64 [1, T], positions int64 [T]) -> logits [1, T, vocab] \
      (transformers' TorchExportableModuleForDecoderOnlyLM: input_ids, cache_position), \
      with the KV cache in mutable buffers";
+
+/// The method that takes a decode step and returns its greedy token,
+/// used instead of `forward` when sampling is greedy.
+const GREEDY_METHOD: &str = "decode";
 
 /// A tokenizer.json and the end-of-sequence tokens that go with it.
 pub struct TextTokenizer {
@@ -260,14 +267,72 @@ fn step_inputs(tokens: &[i64], start: usize) -> Result<Vec<Tensor>> {
     ])
 }
 
+fn not_a_step(method: &str, what: String) -> Error {
+    Error::invalid_input(format!(
+        "method `{method}` is not a decoder step: {what}; expected {SIGNATURE}"
+    ))
+}
+
 /// A decoder method's T (tokens a call) and logits rows (T, or 1 where it
 /// returns the last position's only), checked against [`SIGNATURE`].
 fn step_shape(model: &Model, method: &str) -> Result<(usize, usize)> {
-    let bad = |what: String| {
-        Error::invalid_input(format!(
-            "method `{method}` is not a decoder step: {what}; expected {SIGNATURE}"
-        ))
-    };
+    let bad = |what: String| not_a_step(method, what);
+    let t = step_tokens(model, method)?;
+    let outputs = model.method_outputs(method)?;
+    let logits = outputs
+        .first()
+        .ok_or_else(|| bad("it returns nothing".into()))?;
+    let vocab = logits.shape.last().copied().unwrap_or(0);
+    let rows = logits.shape.iter().product::<usize>() / vocab.max(1);
+    if !logits.dtype.is_float() || vocab == 0 || (rows != t && rows != 1) {
+        return Err(bad(format!(
+            "its first output is {} {:?}",
+            logits.dtype, logits.shape
+        )));
+    }
+    Ok((t, rows))
+}
+
+/// Whether [`GREEDY_METHOD`] is a one-token step returning one int64
+/// token (else an error saying what it is).
+fn check_greedy_step(model: &Model) -> Result<()> {
+    let method = GREEDY_METHOD;
+    let t = step_tokens(model, method)?;
+    let outputs = model.method_outputs(method)?;
+    match outputs.first() {
+        Some(TensorSpec {
+            dtype: DType::I64,
+            shape,
+        }) if t == 1 && shape.iter().product::<usize>() == 1 => Ok(()),
+        first => Err(not_a_step(
+            method,
+            format!(
+                "it takes {t} tokens and returns {}; the greedy step takes 1 and returns \
+                 its next token, int64 [1]",
+                first.map_or("nothing".into(), |s| format!("{} {:?}", s.dtype, s.shape))
+            ),
+        )),
+    }
+}
+
+/// The token a greedy step returned.
+fn step_token(outputs: &[Tensor]) -> Result<u32> {
+    let token = outputs.first().map(|t| t.to_i64_vec());
+    match token.as_deref() {
+        Some(&[id]) => u32::try_from(id).map_err(|_| {
+            Error::invalid_input(format!(
+                "method `{GREEDY_METHOD}` returned token {id}, not a token id"
+            ))
+        }),
+        _ => Err(Error::internal(format!(
+            "method `{GREEDY_METHOD}` returned no token"
+        ))),
+    }
+}
+
+/// A decoder method's T (tokens a call), from its inputs.
+fn step_tokens(model: &Model, method: &str) -> Result<usize> {
+    let bad = |what: String| not_a_step(method, what);
     let inputs = model.method_inputs(method)?;
     let t = match inputs.as_slice() {
         [TensorSpec {
@@ -289,19 +354,7 @@ fn step_shape(model: &Model, method: &str) -> Result<(usize, usize)> {
             return Err(bad(format!("it takes ({})", list.join(", "))));
         }
     };
-    let outputs = model.method_outputs(method)?;
-    let logits = outputs
-        .first()
-        .ok_or_else(|| bad("it returns nothing".into()))?;
-    let vocab = logits.shape.last().copied().unwrap_or(0);
-    let rows = logits.shape.iter().product::<usize>() / vocab.max(1);
-    if !logits.dtype.is_float() || vocab == 0 || (rows != t && rows != 1) {
-        return Err(bad(format!(
-            "its first output is {} {:?}",
-            logits.dtype, logits.shape
-        )));
-    }
-    Ok((t, rows))
+    Ok(t)
 }
 
 /// How many positions the KV cache holds: the sequence dimension (2) of
@@ -331,6 +384,9 @@ pub struct Stats {
     pub decode_seconds: f64,
     /// Generation stopped at the end of the KV cache.
     pub cache_full: bool,
+    /// The method that took the decode steps (`forward`, or `decode`
+    /// returning its greedy token).
+    pub decode_method: String,
 }
 
 impl Stats {
@@ -343,13 +399,14 @@ impl Stats {
             n => format!("{n} calls of `prefill`"),
         };
         format!(
-            "prefill: {} tokens in {:.3} s ({:.1} tokens/s, {how}); decode: {} tokens in {:.3} s ({:.1} tokens/s)",
+            "prefill: {} tokens in {:.3} s ({:.1} tokens/s, {how}); decode: {} tokens in {:.3} s ({:.1} tokens/s, method `{}`)",
             self.prompt_tokens,
             self.prefill_seconds,
             rate(self.prompt_tokens, self.prefill_seconds),
             self.decode_tokens,
             self.decode_seconds,
-            rate(self.decode_tokens, self.decode_seconds)
+            rate(self.decode_tokens, self.decode_seconds),
+            self.decode_method
         )
     }
 }
@@ -389,7 +446,10 @@ fn logits_row(outputs: &[Tensor], row: usize, method: &str) -> Result<Vec<f32>> 
 /// last token at the positions after it (a causal decoder's earlier
 /// positions do not see them, and decode overwrites their cache entries
 /// before any position does), where that stays inside the cache; what is
-/// left goes token by token through `forward`.
+/// left goes token by token through `forward`. With greedy sampling and a
+/// [`GREEDY_METHOD`] in the program, the tokens after prefill and every
+/// decode step go through it instead: the same step, which returns its
+/// token rather than the logits.
 pub fn generate(
     model: &mut Model,
     prompt: &[u32],
@@ -410,6 +470,11 @@ pub fn generate(
         true => Some(step_shape(model, "prefill")?),
         false => None,
     };
+    let greedy = options.sampling.temperature <= 0.0 && model.has_method(GREEDY_METHOD);
+    if greedy {
+        check_greedy_step(model)?;
+    }
+    let step_method = if greedy { GREEDY_METHOD } else { "forward" };
     model.reset_state()?;
     let cache = cache_len(model)?;
     if let Some(cache) = cache.filter(|&c| prompt.len() > c) {
@@ -421,6 +486,7 @@ pub fn generate(
     let tokens: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
     let mut stats = Stats {
         prompt_tokens: prompt.len(),
+        decode_method: step_method.to_string(),
         ..Stats::default()
     };
     let mut rng = Rng(options.sampling.seed);
@@ -446,13 +512,22 @@ pub fn generate(
             pos += n;
         }
     }
+    // the token after the prompt: a greedy step's, else picked from logits
+    let mut stepped = None;
     for (k, &t) in tokens.iter().enumerate().skip(pos) {
         let outputs = model
-            .execute(step_inputs(&[t], k)?)
+            .execute_method(step_method, step_inputs(&[t], k)?)
             .map_err(|e| e.context(format!("prompt token at position {k}")))?;
-        logits = logits_row(&outputs, 0, "forward")?;
+        if greedy {
+            stepped = Some(step_token(&outputs)?);
+        } else {
+            logits = logits_row(&outputs, 0, step_method)?;
+        }
     }
-    let mut next = pick(&logits, &options.sampling, &mut rng);
+    let mut next = match stepped {
+        Some(token) => token,
+        None => pick(&logits, &options.sampling, &mut rng),
+    };
     stats.prefill_seconds = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut made = 0;
@@ -468,13 +543,17 @@ pub fn generate(
             break;
         }
         let outputs = model
-            .execute(step_inputs(&[next as i64], at)?)
+            .execute_method(step_method, step_inputs(&[next as i64], at)?)
             .map_err(|e| e.context(format!("decode at position {at}")))?;
-        next = pick(
-            &logits_row(&outputs, 0, "forward")?,
-            &options.sampling,
-            &mut rng,
-        );
+        next = if greedy {
+            step_token(&outputs)?
+        } else {
+            pick(
+                &logits_row(&outputs, 0, step_method)?,
+                &options.sampling,
+                &mut rng,
+            )
+        };
         stats.decode_tokens += 1;
     }
     stats.decode_seconds = t1.elapsed().as_secs_f64();

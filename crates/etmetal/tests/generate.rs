@@ -1,7 +1,8 @@
 //! `etmetal generate` as a user runs it, on tests/fixtures/llm/ (a tiny
 //! random-weight Llama exported through transformers' ExecuTorch recipe,
 //! made by scripts/make_llm_fixture.py): the text must be exactly what
-//! eager transformers generated greedily from the same prompt.
+//! eager transformers generated greedily from the same prompt, whether
+//! greedy steps return logits (`forward`) or their token (`decode`).
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -16,15 +17,16 @@ fn llm(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// The fixture compiled with `backend`, with its `prefill` method or not.
-fn compile(dir: &Path, backend: &str, prefill: bool) -> PathBuf {
-    let pte = dir.join(format!("llm-{backend}-{prefill}.pte"));
+/// The fixture compiled with `backend`, with `forward` and its `methods`
+/// (`prefill`, `decode`; each from the fixture's file of that name).
+fn compile(dir: &Path, backend: &str, methods: &[&str]) -> PathBuf {
+    let pte = dir.join(format!("llm-{backend}-{}.pte", methods.join("-")));
     let mut args = vec![
         "compile".to_string(),
         llm("forward.pt2").display().to_string(),
     ];
-    if prefill {
-        let method = format!("prefill={}", llm("prefill.pt2").display());
+    for name in methods {
+        let method = format!("{name}={}", llm(&format!("{name}.pt2")).display());
         args.extend(["--method".into(), method]);
     }
     args.extend([
@@ -73,18 +75,24 @@ fn greedy_text_matches_eager_transformers_on_the_gpu_and_the_cpu() {
     let dir = scratch("gen", "greedy");
     let want = std::fs::read_to_string(llm("expected.txt")).unwrap() + "\n";
     for (backend, device) in [("metal", "auto"), ("cpu", "cpu")] {
-        for prefill in [true, false] {
-            let pte = compile(&dir, backend, prefill);
+        for methods in [&["prefill"][..], &[], &["decode"], &["prefill", "decode"]] {
+            let pte = compile(&dir, backend, methods);
             let out = generate(&pte, device, &[]);
-            assert_eq!(ok(&out), want, "{backend}, prefill method: {prefill}");
+            assert_eq!(ok(&out), want, "{backend}, methods {methods:?}");
             let stderr = String::from_utf8_lossy(&out.stderr);
-            let how = if prefill {
+            let how = if methods.contains(&"prefill") {
                 "1 call of `prefill`"
             } else {
                 "token by token"
             };
+            // the greedy step's token, not its logits, where there is one
+            let step = if methods.contains(&"decode") {
+                "method `decode`"
+            } else {
+                "method `forward`"
+            };
             assert!(
-                stderr.contains("tokens/s") && stderr.contains(how),
+                stderr.contains("tokens/s") && stderr.contains(how) && stderr.contains(step),
                 "{stderr}"
             );
         }
@@ -94,14 +102,18 @@ fn greedy_text_matches_eager_transformers_on_the_gpu_and_the_cpu() {
 #[test]
 fn sampling_repeats_with_a_seed_and_eos_stops() {
     let dir = scratch("gen", "sample");
-    let pte = compile(&dir, "cpu", true);
-    let sample = |seed: &str| {
-        ok(&generate(
+    let pte = compile(&dir, "cpu", &["prefill", "decode"]);
+    let run = |seed: &str| {
+        generate(
             &pte,
             "cpu",
             &["--temperature", "1.5", "--top-p", "0.9", "--seed", seed],
-        ))
+        )
     };
+    let sample = |seed: &str| ok(&run(seed));
+    // sampling needs the logits: `forward`, never the greedy `decode`
+    let stderr = String::from_utf8_lossy(&run("5").stderr).to_string();
+    assert!(stderr.contains("method `forward`"), "{stderr}");
     assert_eq!(sample("5"), sample("5"));
     assert_ne!(sample("5"), sample("6"));
     // the first greedy token as the end-of-sequence token: only the prompt
@@ -117,7 +129,7 @@ fn sampling_repeats_with_a_seed_and_eos_stops() {
 #[test]
 fn errors_name_what_is_wrong() {
     let dir = scratch("gen", "errors");
-    let pte = compile(&dir, "cpu", false);
+    let pte = compile(&dir, "cpu", &[]);
     let fail = |out: Output, needle: &str| {
         assert_eq!(out.status.code(), Some(2), "{out:?}");
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -158,5 +170,23 @@ fn errors_name_what_is_wrong() {
     fail(
         generate(&pte, "cpu", &["--eos", "<no such token>"]),
         "no token `<no such token>`",
+    );
+    // a `decode` that returns logits is no greedy step
+    let wrong = dir.join("wrong-decode.pte");
+    let method = format!("decode={}", llm("prefill.pt2").display());
+    let forward = llm("forward.pt2");
+    ok(&etmetal(&[
+        "compile",
+        forward.to_str().unwrap(),
+        "--method",
+        &method,
+        "-o",
+        wrong.to_str().unwrap(),
+        "--backend",
+        "cpu",
+    ]));
+    fail(
+        generate(&wrong, "cpu", &[]),
+        "method `decode` is not a decoder step: it takes 8 tokens and returns float32 [1, 8, 300]",
     );
 }

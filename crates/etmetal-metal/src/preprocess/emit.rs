@@ -28,6 +28,9 @@ pub(crate) struct KernelBuilder<'a> {
     sites: Vec<Site>,
     /// WGSL extensions the kernel enables (`f16`).
     extensions: Vec<&'static str>,
+    /// Buffers read from workgroup memory instead (a row statistic the
+    /// kernel computes itself), by the array's name.
+    substitutes: HashMap<BufferIdx, String>,
 }
 
 /// The statements of one function being emitted, with its memo of values
@@ -65,7 +68,14 @@ impl<'a> KernelBuilder<'a> {
             fused: vec![],
             sites: vec![],
             extensions: vec![],
+            substitutes: HashMap::new(),
         }
+    }
+
+    /// Read `buf` from the workgroup array `name` (same elements), not
+    /// from a binding.
+    pub fn substitute(&mut self, buf: BufferIdx, name: &str) {
+        self.substitutes.insert(buf, name.to_string());
     }
 
     /// Enable WGSL extension `name` (`enable name;` heads the module).
@@ -143,6 +153,9 @@ impl<'a> KernelBuilder<'a> {
     /// A WGSL expression reading element `e` (a u32 expression) of `buf`
     /// as its compute type.
     pub fn load(&mut self, buf: BufferIdx, e: &str) -> String {
+        if let Some(name) = self.substitutes.get(&buf) {
+            return format!("{name}[{e}]");
+        }
         let b = self.binding(buf);
         let desc = &self.buffers.list[buf];
         match desc.storage {

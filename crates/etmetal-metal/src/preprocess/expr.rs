@@ -152,6 +152,22 @@ impl Lazy {
         }
     }
 
+    /// Whether reading it again costs less than a dispatch writing it once:
+    /// a view, or a view of a gather from a view at indices that are one
+    /// (a rotary table's row at a decode step's position).
+    pub fn is_cheap(&self) -> bool {
+        match &self.kind {
+            Kind::Gather { src, index, .. } => src.is_view() && index.is_view(),
+            Kind::Permute(x, _)
+            | Kind::Expand(x)
+            | Kind::Reshape(x)
+            | Kind::Slice { x, .. }
+            | Kind::Select { x, .. }
+            | Kind::Repeat(x) => x.is_cheap(),
+            _ => self.is_view(),
+        }
+    }
+
     /// The lazy values it reads, in order.
     fn children(&self) -> Vec<&LazyRef> {
         match &self.kind {

@@ -28,7 +28,7 @@ mod kernels;
 pub(crate) mod pointwise;
 mod validate;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use etmetal_core::{DType, Error, Op, Result, Scalar};
 use etmetal_graph::{Graph, Node, ValueId};
@@ -149,6 +149,10 @@ pub fn preprocess_with(
             .nodes
             .get(n)
             .ok_or_else(|| Error::internal(format!("partition {} lists node {n}", partition.id)))?;
+        if lw.absorbed.contains(&n) {
+            lw.consume(node);
+            continue;
+        }
         lw.lower_node(node).map_err(|e| {
             e.context(format!(
                 "node `{}` ({}, {})",
@@ -176,6 +180,32 @@ pub fn preprocess_with(
     Ok(pre)
 }
 
+/// An integer constant holding 0, 1, 2, … in row-major order (a decoder's
+/// `positions` buffer, the importer's position table of `index_copy_`) as
+/// an index expression: no buffer to bind or store.
+fn counting(t: &etmetal_core::Tensor) -> Option<LazyRef> {
+    if !matches!(t.dtype(), DType::I32 | DType::I64)
+        || t.numel() == 0
+        || t.numel() > i32::MAX as usize
+    {
+        return None;
+    }
+    let counts = t
+        .to_i64_vec()
+        .iter()
+        .enumerate()
+        .all(|(i, &v)| v == i as i64);
+    if !counts {
+        return None;
+    }
+    let iota = Kind::Iota {
+        start: Scalar::Int(0),
+        step: Scalar::Int(1),
+    };
+    let flat = Lazy::new(t.dtype(), vec![t.numel()], iota);
+    Some(expr::reshaped(&flat, t.shape().to_vec()))
+}
+
 /// Lowering state of one partition.
 pub(crate) struct Lowering<'g> {
     pub graph: &'g Graph,
@@ -196,12 +226,36 @@ pub(crate) struct Lowering<'g> {
     alternative_storage: Option<u32>,
     /// The node being lowered, for dispatch records.
     current: String,
+    /// The partition's nodes, in lowering order (for a template looking
+    /// at the readers of its output, [`Lowering::sole_reader`]).
+    nodes: &'g [usize],
+    /// Nodes a template has computed with its own (a residual add stored
+    /// by the product before it): lowering them does nothing.
+    absorbed: HashSet<usize>,
+    /// Row means not dispatched yet ([`RowStat`]).
+    pub pending: Vec<RowStat>,
+}
+
+/// A mean over the last dim of a few rows (an RMSNorm's mean of squares)
+/// whose kernel waits until a dispatch binds its buffer: a matrix-vector
+/// product reading it computes it itself (`kernels::matmul`), so when only
+/// products read it, it is never dispatched.
+#[derive(Clone)]
+pub(crate) struct RowStat {
+    pub buf: BufferIdx,
+    /// The values averaged, `[rows, cols]` f32.
+    pub x: LazyRef,
+    pub rows: usize,
+    pub cols: usize,
+    /// The node's op, for the dispatch record.
+    pub label: String,
+    pub node: String,
 }
 
 impl<'g> Lowering<'g> {
     fn new(
         graph: &'g Graph,
-        partition: &Partition,
+        partition: &'g Partition,
         options: &'g PreprocessOptions,
         weight_key: &dyn Fn(&str, &[u8]) -> String,
     ) -> Result<Lowering<'g>> {
@@ -226,6 +280,9 @@ impl<'g> Lowering<'g> {
             },
             alternative_storage: None,
             current: String::new(),
+            nodes: &partition.nodes,
+            absorbed: HashSet::new(),
+            pending: vec![],
         };
         for &n in &partition.nodes {
             for v in graph.nodes[n].inputs.iter().flatten() {
@@ -261,6 +318,8 @@ impl<'g> Lowering<'g> {
                     Scalar::Int(tensor.to_i64_vec()[0])
                 };
                 Lazy::new(info.dtype, vec![], Kind::Literal(value))
+            } else if let Some(iota) = counting(tensor) {
+                iota
             } else {
                 let bytes =
                     payload::to_gpu(tensor, &format!("weight `{}`", info.name))?.into_owned();
@@ -404,10 +463,63 @@ impl<'g> Lowering<'g> {
         self.values.insert(v, lazy);
     }
 
+    /// The one partition node that reads `v` (once; `v` is no partition
+    /// output), with its index, so a template can compute it too.
+    pub fn sole_reader(&self, v: ValueId) -> Option<(usize, &'g Node)> {
+        if self.readers.get(&v) != Some(&1) {
+            return None;
+        }
+        let graph = self.graph;
+        self.nodes
+            .iter()
+            .map(|&n| (n, &graph.nodes[n]))
+            .find(|(_, node)| node.inputs.contains(&Some(v)))
+    }
+
+    /// The partition's nodes after `node`, not yet computed.
+    pub fn nodes_after(&self, node: &Node) -> Vec<(usize, &'g Node)> {
+        let graph = self.graph;
+        let at = self
+            .nodes
+            .iter()
+            .position(|&n| std::ptr::eq(&graph.nodes[n], node));
+        let Some(at) = at else { return vec![] };
+        self.nodes[at + 1..]
+            .iter()
+            .filter(|n| !self.absorbed.contains(n))
+            .map(|&n| (n, &graph.nodes[n]))
+            .collect()
+    }
+
+    /// Node `n`'s outputs are computed (by the template lowering the node
+    /// before it): `values` are their lazy values; lowering it does nothing.
+    pub fn absorb(&mut self, n: usize, values: &[(ValueId, LazyRef)]) {
+        self.absorbed.insert(n);
+        for (v, lazy) in values {
+            self.values.insert(*v, lazy.clone());
+        }
+    }
+
+    /// Record `lazy` as the value of `v`, to be fused into its readers
+    /// (materialised first when that would bind or inline too much).
+    pub fn define_fused(&mut self, v: ValueId, lazy: LazyRef) -> Result<()> {
+        let lazy = self.bound_fusion(v, lazy)?;
+        self.values.insert(v, lazy);
+        Ok(())
+    }
+
     /// Write `lazy` to a buffer (once: later readers load it).
     fn materialize_value(&mut self, v: ValueId, lazy: LazyRef) -> Result<LazyRef> {
         let name = self.graph.value(v).name.clone();
-        let buf = self.temp(&name, lazy.dtype, &lazy.shape)?;
+        let mut desc = BufferDesc::new(&name, lazy.dtype, &lazy.shape, Place::Temp)?;
+        if self.outputs.contains(&v) {
+            // a partition output (a new KV cache) is written in its host
+            // form (16-bit packed), so `finish` takes this buffer as it is
+            // instead of copying it
+            desc.storage =
+                BufferDesc::new(&name, lazy.dtype, &lazy.shape, Place::Output(0))?.storage;
+        }
+        let buf = self.add_buffer(desc)?;
         self.write_flat(&lazy, buf)?;
         let loaded = self.load(buf);
         self.values.insert(v, loaded.clone());
@@ -470,6 +582,17 @@ impl<'g> Lowering<'g> {
         workgroups: [u32; 3],
         workgroup_storage: u32,
     ) -> Result<()> {
+        // a row mean this kernel reads is dispatched first
+        while let Some(i) = self
+            .pending
+            .iter()
+            .position(|st| built.bindings.contains(&st.buf))
+        {
+            let stat = self.pending.remove(i);
+            let label = std::mem::replace(&mut self.current, stat.label.clone());
+            kernels::row_mean(self, &stat)?;
+            self.current = label;
+        }
         let Built {
             wgsl,
             mut bindings,
@@ -611,13 +734,15 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// Lazy input of a pointwise node, materialised first when another
-    /// node also reads it (computing it twice would cost more than a load).
+    /// Lazy input of a pointwise or layout node, materialised first when
+    /// another node also reads it (computing it twice would cost more than
+    /// a load; a view of it, e.g. each layer's `unsqueeze` of the rotary
+    /// table, then reads the one copy).
     pub(crate) fn fused(&mut self, node: &Node, slot: usize) -> Result<LazyRef> {
         let lazy = self.input(node, slot)?;
         let v = node.inputs[slot].expect("input() checked the slot");
         let shared = self.readers.get(&v).copied().unwrap_or(0) > 1;
-        if !lazy.is_view() && shared {
+        if !lazy.is_cheap() && shared {
             return self.materialize_value(v, lazy);
         }
         Ok(lazy)
@@ -665,23 +790,23 @@ impl<'g> Lowering<'g> {
                 broadcast(self.fused(node, 2)?),
             )),
             Op::Cast { .. } | Op::Identity => Some(Kind::Cast(self.fused(node, 0)?)),
-            Op::Reshape { .. } => Some(Kind::Reshape(self.input(node, 0)?)),
-            Op::Permute { dims } => Some(Kind::Permute(self.input(node, 0)?, dims.clone())),
-            Op::Expand { .. } => Some(Kind::Expand(self.input(node, 0)?)),
+            Op::Reshape { .. } => Some(Kind::Reshape(self.fused(node, 0)?)),
+            Op::Permute { dims } => Some(Kind::Permute(self.fused(node, 0)?, dims.clone())),
+            Op::Expand { .. } => Some(Kind::Expand(self.fused(node, 0)?)),
             Op::Slice {
                 dim, start, step, ..
             } => Some(Kind::Slice {
-                x: self.input(node, 0)?,
+                x: self.fused(node, 0)?,
                 dim: *dim,
                 start: *start,
                 step: *step,
             }),
             Op::Select { dim, index } => Some(Kind::Select {
-                x: self.input(node, 0)?,
+                x: self.fused(node, 0)?,
                 dim: *dim,
                 index: *index,
             }),
-            Op::Repeat { .. } => Some(Kind::Repeat(self.input(node, 0)?)),
+            Op::Repeat { .. } => Some(Kind::Repeat(self.fused(node, 0)?)),
             Op::Cat { dim } => {
                 let parts = (0..node.inputs.len())
                     .map(|i| self.fused(node, i))
@@ -712,19 +837,19 @@ impl<'g> Lowering<'g> {
                 step: *step,
             }),
             Op::Embedding => Some(Kind::Gather {
-                src: self.input(node, 0)?,
+                src: self.fused(node, 0)?,
                 dim: 0,
                 index: self.fused(node, 1)?,
                 at: expr::GatherAt::Leading,
             }),
             Op::IndexSelect { dim } => Some(Kind::Gather {
-                src: self.input(node, 0)?,
+                src: self.fused(node, 0)?,
                 dim: *dim,
                 index: self.fused(node, 1)?,
                 at: expr::GatherAt::Dim,
             }),
             Op::Gather { dim } => Some(Kind::Gather {
-                src: self.input(node, 0)?,
+                src: self.fused(node, 0)?,
                 dim: *dim,
                 index: self.fused(node, 1)?,
                 at: expr::GatherAt::Same,
@@ -758,6 +883,16 @@ impl<'g> Lowering<'g> {
     }
 
     fn finish(mut self) -> Result<Preprocessed> {
+        // a row mean that is a partition output is computed after all
+        for v in self.outputs.clone() {
+            let mut read = vec![];
+            self.value(v)?.buffers(&mut read);
+            while let Some(i) = self.pending.iter().position(|st| read.contains(&st.buf)) {
+                let stat = self.pending.remove(i);
+                self.current = stat.label.clone();
+                kernels::row_mean(&mut self, &stat)?;
+            }
+        }
         self.current = "output".into();
         let mut outputs = vec![];
         for (k, &v) in self.outputs.clone().iter().enumerate() {

@@ -59,10 +59,12 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             node.op.name()
         )));
     };
-    let q = lw.input_view(node, 0)?;
-    let k = lw.input_view(node, 1)?;
-    let v = lw.input_view(node, 2)?;
-    let mask = lw.optional_input_view(node, 3)?;
+    let [q, k, v, mask] = operands(lw, node)?;
+    let (q, k, v) = (
+        q.ok_or_else(|| Error::invalid_input("input 0 is missing"))?,
+        k.ok_or_else(|| Error::invalid_input("input 1 is missing"))?,
+        v.ok_or_else(|| Error::invalid_input("input 2 is missing"))?,
+    );
     let g = Geometry::new(&q, &k, &v, enable_gqa)?;
     if is_causal && mask.is_some() {
         return Err(Error::invalid_input(
@@ -109,6 +111,47 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         decode(lw, &a)
     } else {
         prefill(lw, &a)
+    }
+}
+
+/// q, k, v and the mask. The decode kernel reads q once a workgroup and
+/// k, v and the mask once a key, so for at most [`DECODE_ROWS`] query rows
+/// a pointwise operand is computed as it is read (a rotary embedding, the
+/// cache with a decode step's new row, a causal mask) instead of written
+/// out by a kernel of its own; those with the most buffers are written out
+/// while the kernel would bind too many. The prefill kernel reads views.
+fn operands(lw: &mut Lowering, node: &Node) -> Result<[Option<LazyRef>; 4]> {
+    let rows = lw.input(node, 0)?.shape.iter().rev().nth(1).copied();
+    let decode = rows.is_some_and(|l| l <= DECODE_ROWS);
+    let mut ops = [None, None, None, None];
+    for (slot, op) in ops.iter_mut().enumerate() {
+        *op = if decode {
+            lw.optional_input(node, slot)?
+        } else {
+            lw.optional_input_view(node, slot)?
+        };
+    }
+    loop {
+        let mut bufs = vec![];
+        ops.iter().flatten().for_each(|x| x.buffers(&mut bufs));
+        let checks = ops.iter().flatten().any(|x| x.has_checks());
+        // the output, key-split partials and a status buffer besides
+        if bufs.len() + 2 + usize::from(checks) <= lw.options.max_bindings {
+            return Ok(ops);
+        }
+        let widest = (0..4)
+            .filter(|&i| ops[i].as_ref().is_some_and(|x| !x.is_view()))
+            .max_by_key(|&i| {
+                let mut b = vec![];
+                if let Some(x) = &ops[i] {
+                    x.buffers(&mut b);
+                }
+                b.len()
+            });
+        let Some(slot) = widest else {
+            return Ok(ops);
+        };
+        ops[slot] = lw.optional_input_view(node, slot)?;
     }
 }
 

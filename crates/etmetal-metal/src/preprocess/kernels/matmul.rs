@@ -13,17 +13,141 @@
 use std::fmt::Write;
 
 use etmetal_core::shape::broadcast_shapes;
-use etmetal_core::{DType, Error, Op, Result};
+use etmetal_core::{BinaryOp, DType, Error, Op, Result};
 use etmetal_graph::Node;
 
 use super::gemm::{Epilogue, F16Scaling, Gemm, GemmArgs, Gemv, GemvArgs, GEMV_ROWS};
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{expanded_index, linear, unravel, KernelBuilder};
 use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
-use crate::preprocess::pointwise::{cast, float_literal};
-use crate::preprocess::Lowering;
+use crate::preprocess::pointwise::{cast, float_literal, round_to};
+use crate::preprocess::{Lowering, RowStat};
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
+    let (args, k) = product(lw, node, String::new())?;
+    let (m, n) = (args.m, args.n);
+    let batches: usize = args.batch.iter().product();
+    if m <= GEMV_ROWS && is_transpose(&args.b) {
+        let siblings = siblings(lw, node, &args, k);
+        if !siblings.is_empty() {
+            return lower_siblings(lw, args, k, &siblings);
+        }
+        return Gemv {
+            batch: batches,
+            m,
+            n,
+            k,
+        }
+        .lower(lw, &args);
+    }
+    let gemm = Gemm {
+        batch: batches,
+        m,
+        n,
+        k,
+        a_k_fast: !is_transpose(&args.a),
+        b_k_fast: is_transpose(&args.b),
+        coop: F16Scaling::of(lw, &args.a)
+            .zip(F16Scaling::of(lw, &args.b))
+            .map(|(x, y)| [x, y]),
+    };
+    gemm.lower(lw, &args)
+}
+
+/// The later linear layers of one row block that read `node`'s input and
+/// can be computed now (their weights and biases are constants, their
+/// residuals computed), as many as one kernel binds with `node`'s: a
+/// layer's q, k and v, or gate and up, are one dispatch.
+fn siblings<'g>(
+    lw: &Lowering<'g>,
+    node: &Node,
+    args: &MatmulArgs,
+    k: usize,
+) -> Vec<(usize, &'g Node)> {
+    if node.op != Op::Linear || !args.batch.is_empty() {
+        return vec![];
+    }
+    let mut bufs = vec![];
+    for x in [
+        Some(&args.a),
+        Some(&args.b),
+        args.bias.as_ref(),
+        args.residual.as_ref(),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        add_reads(lw, x, &mut bufs);
+    }
+    let checks = args.a.has_checks();
+    let mut outputs = 1;
+    let dtype = lw.graph.value(node.outputs[0]).dtype;
+    let mut found = vec![];
+    for (n, other) in lw.nodes_after(node) {
+        let same = other.op == Op::Linear
+            && other.inputs.first() == node.inputs.first()
+            && other.outputs.len() == 1
+            && lw.graph.value(other.outputs[0]).dtype == dtype;
+        if !same {
+            continue;
+        }
+        let ready = |slot: usize| match other.inputs.get(slot).copied().flatten() {
+            Some(v) => lw.value(v).ok().filter(|x| x.is_view()),
+            None => None,
+        };
+        let Some(w) = ready(1) else { continue };
+        if w.shape.len() != 2 || w.shape[1] != k {
+            continue;
+        }
+        let bias = match other.inputs.get(2).copied().flatten() {
+            Some(_) => match ready(2) {
+                Some(b) => Some(b),
+                None => continue,
+            },
+            None => None,
+        };
+        let mut more = bufs.clone();
+        w.buffers(&mut more);
+        if let Some(b) = &bias {
+            b.buffers(&mut more);
+        }
+        if let Some((_, _, r)) = residual(lw, other) {
+            add_reads(lw, &r, &mut more);
+        }
+        if more.len() + outputs + 1 + usize::from(checks) > lw.options.max_bindings {
+            continue;
+        }
+        bufs = more;
+        outputs += 1;
+        found.push((n, other));
+    }
+    found
+}
+
+/// `args` and its `siblings` as one matrix-vector dispatch.
+fn lower_siblings(
+    lw: &mut Lowering,
+    args: MatmulArgs,
+    k: usize,
+    siblings: &[(usize, &Node)],
+) -> Result<()> {
+    let m = args.m;
+    let mut all = vec![args];
+    for (i, &(n, node)) in siblings.iter().enumerate() {
+        lw.absorb(n, &[]);
+        let (p, _) = product(lw, node, format!("_{}", i + 1))?;
+        all.push(p);
+    }
+    let members: Vec<(usize, String, &dyn GemvArgs)> = all
+        .iter()
+        .map(|p| (p.n, p.tag.clone(), p as &dyn GemvArgs))
+        .collect();
+    Gemv::lower_group(lw, m, k, &members)
+}
+
+/// A matrix product's operands, output and store ([`MatmulArgs`], its
+/// functions named with `tag`) and `k`.
+fn product(lw: &mut Lowering, node: &Node, tag: String) -> Result<(MatmulArgs, usize)> {
     let (a, b, bias, alpha, beta) = match &node.op {
         Op::MatMul => (
             lw.input_view(node, 0)?,
@@ -53,7 +177,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
                 Kind::Permute(w, vec![1, 0]),
             );
             (
-                lw.input_view(node, 0)?,
+                gemv_operand(lw, node, wt.shape[1])?,
                 wt,
                 lw.optional_input_view(node, 2)?,
                 1.0,
@@ -118,8 +242,34 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         Some(x) if beta != 0.0 => Some(full(x, m, n)),
         _ => None,
     };
+    let residual = residual(lw, node);
+    let mut a = a;
+    let reads: usize = [
+        Some(&a),
+        Some(&b),
+        bias.as_ref(),
+        residual.as_ref().map(|r| &r.2),
+    ]
+    .into_iter()
+    .flatten()
+    .map(|x| {
+        let mut bufs = vec![];
+        add_reads(lw, x, &mut bufs);
+        bufs.len() + usize::from(x.has_checks())
+    })
+    .sum();
+    // the output and the operands' buffers (each counted per operand: an
+    // upper bound) within a kernel's bindings, else A is written out first
+    if !a.is_view() && reads + 1 > lw.options.max_bindings {
+        // (only a linear's input is read as it is: same elements)
+        a = reshaped(&lw.input_view(node, 0)?, a.shape.clone());
+    }
     let out = lw.output_buffer(node, 0)?;
     let out_dtype = lw.buffers.list[out].dtype;
+    let residual = residual.map(|(n, sum, r)| {
+        lw.absorb(n, &[(sum, lw.load(out))]);
+        r
+    });
     let floats = [Some(&a), Some(&b), bias.as_ref()]
         .into_iter()
         .flatten()
@@ -137,10 +287,25 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         )));
     }
 
+    // the row means A reads (an RMSNorm's), computed by the kernel itself
+    let gemv = m <= GEMV_ROWS && is_transpose(&b);
+    let mut read = vec![];
+    a.buffers(&mut read);
+    let stats = match gemv {
+        true => lw
+            .pending
+            .iter()
+            .filter(|st| read.contains(&st.buf))
+            .map(|st| (st.clone(), lw.buffers.list[st.buf].dtype))
+            .collect(),
+        false => vec![],
+    };
     let args = MatmulArgs {
         a,
         b,
         bias,
+        residual,
+        stats,
         alpha,
         beta,
         batch,
@@ -148,29 +313,48 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         n,
         out,
         out_dtype,
+        tag,
     };
-    let batches: usize = args.batch.iter().product();
-    if m <= GEMV_ROWS && is_transpose(&args.b) {
-        return Gemv {
-            batch: batches,
-            m,
-            n,
-            k,
-        }
-        .lower(lw, &args);
+    Ok((args, k))
+}
+
+/// Input 0 of a linear layer with `n` outputs: for at most [`GEMV_ROWS`]
+/// rows (a [`Gemv`]) a pointwise value is read as it is, its math
+/// repeated by each workgroup (an RMSNorm's scaling, a SiLU gate: cheaper
+/// than a dispatch writing it out and reading it back); else a view.
+fn gemv_operand(lw: &mut Lowering, node: &Node, n: usize) -> Result<LazyRef> {
+    let x = lw.input(node, 0)?;
+    let k = x.shape.last().copied().unwrap_or(1);
+    let rows = x.shape.iter().product::<usize>() / k.max(1);
+    if x.is_view() || rows > GEMV_ROWS || n == 0 || x.shape.len() < 2 {
+        return lw.input_view(node, 0);
     }
-    let gemm = Gemm {
-        batch: batches,
-        m,
-        n,
-        k,
-        a_k_fast: !is_transpose(&args.a),
-        b_k_fast: is_transpose(&args.b),
-        coop: F16Scaling::of(lw, &args.a)
-            .zip(F16Scaling::of(lw, &args.b))
-            .map(|(x, y)| [x, y]),
+    Ok(x)
+}
+
+/// A skip connection `add(product, r)` that is the only reader of the
+/// product, with `r` computed already and every dtype the product's:
+/// the product's store adds `r` (`(add's index, its output, r)`) and the
+/// add is no dispatch of its own.
+fn residual(lw: &Lowering, node: &Node) -> Option<(usize, etmetal_graph::ValueId, LazyRef)> {
+    let out = *node.outputs.first()?;
+    let (n, add) = lw.sole_reader(out)?;
+    if !matches!(add.op, Op::Binary(BinaryOp::Add)) || add.inputs.len() != 2 {
+        return None;
+    }
+    let other = add.inputs.iter().flatten().copied().find(|&v| v != out)?;
+    let sum = *add.outputs.first()?;
+    let (info, total) = (lw.graph.value(out), lw.graph.value(sum));
+    let r = lw.value(other).ok()?;
+    if total.dtype != info.dtype || r.dtype != info.dtype || total.shape != info.shape {
+        return None;
+    }
+    let r = if r.shape == info.shape {
+        r
+    } else {
+        Lazy::new(r.dtype, info.shape.clone(), Kind::Expand(r))
     };
-    gemm.lower(lw, &args)
+    Some((n, sum, r))
 }
 
 /// How a matrix product's kernels read its operands (lazy views of
@@ -181,6 +365,9 @@ struct MatmulArgs {
     b: LazyRef,
     /// `[batch…, m, n]`; absent (also when `beta` is 0).
     bias: Option<LazyRef>,
+    /// Added to the rounded product (a skip connection, [`residual`]),
+    /// read at the output's shape.
+    residual: Option<LazyRef>,
     alpha: f64,
     beta: f64,
     /// The broadcast batch dims.
@@ -189,6 +376,27 @@ struct MatmulArgs {
     n: usize,
     out: BufferIdx,
     out_dtype: DType,
+    /// Appended to the names of its matrix-vector functions (`xa`, `xb`,
+    /// `gstore`, …), so products of one kernel have their own.
+    tag: String,
+    /// Row means A reads that the matrix-vector kernel computes first
+    /// (with the dtype they are stored in).
+    stats: Vec<(RowStat, DType)>,
+}
+
+/// Add the buffers a kernel binds to read `x` to `bufs`: a pending row
+/// mean's are those of what it averages (a matrix-vector kernel computes
+/// it; elsewhere it is dispatched first and read: one buffer less).
+fn add_reads(lw: &Lowering, x: &LazyRef, bufs: &mut Vec<BufferIdx>) {
+    let mut read = vec![];
+    x.buffers(&mut read);
+    for b in read {
+        match lw.pending.iter().find(|st| st.buf == b) {
+            Some(st) => st.x.buffers(bufs),
+            None if !bufs.contains(&b) => bufs.push(b),
+            None => {}
+        }
+    }
 }
 
 impl MatmulArgs {
@@ -208,8 +416,9 @@ impl Epilogue for MatmulArgs {
             format!("{} * v", float_literal(self.alpha))
         };
         if let Some(bias) = &self.bias {
-            kb.value_fn(bias, "vbias")?;
-            let read = format!("vbias({})", self.at("bt", &["r", "c"]));
+            let f = format!("vbias{}", self.tag);
+            kb.value_fn(bias, &f)?;
+            let read = format!("{f}({})", self.at("bt", &["r", "c"]));
             value = if self.beta == 1.0 {
                 format!("{read} + {value}")
             } else {
@@ -221,10 +430,18 @@ impl Epilogue for MatmulArgs {
             &["bt".into(), "r".into(), "c".into()],
             &[batches, self.m, self.n],
         );
-        let value = cast(&format!("({value})"), DType::F32, self.out_dtype);
+        let mut value = cast(&format!("({value})"), DType::F32, self.out_dtype);
+        if let Some(r) = &self.residual {
+            // rounded twice, as PyTorch stores the product before the add
+            let f = format!("vres{}", self.tag);
+            kb.value_fn(r, &f)?;
+            let at = unravel("e", &r.shape).join(", ");
+            value = round_to(format!("{value} + {f}({at})"), self.out_dtype);
+        }
         let store = kb.store(self.out, "e", &value)?;
         Ok(format!(
-            "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {store}\n}}\n\n"
+            "fn gstore{}(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {store}\n}}\n\n",
+            self.tag
         ))
     }
 }
@@ -255,9 +472,40 @@ impl GemmArgs for MatmulArgs {
 }
 
 impl GemvArgs for MatmulArgs {
+    fn prologue(&self, kb: &mut KernelBuilder, threads: usize) -> Result<(String, String)> {
+        let (mut decls, mut s) = (String::new(), String::new());
+        for (j, (st, dtype)) in self.stats.iter().enumerate() {
+            let (name, f) = (format!("st{}_{j}", self.tag), format!("sx{}_{j}", self.tag));
+            kb.value_fn(&st.x, &f)?;
+            kb.substitute(st.buf, &name);
+            let _ = writeln!(decls, "var<workgroup> {name}: array<f32, {}>;", st.rows);
+            let mean = cast(
+                &format!("(red[0] / {})", float_literal(st.cols as f64)),
+                DType::F32,
+                *dtype,
+            );
+            // each row: strided sums, halved in workgroup memory
+            for r in 0..st.rows {
+                let _ = writeln!(
+                    s,
+                    "  {{\n    var acc = 0.0;\n\
+                     \x20   for (var c = lid; c < {cols}u; c = c + {threads}u) {{ acc = acc + {f}({r}u, c); }}\n\
+                     \x20   red[lid] = acc;\n    workgroupBarrier();\n\
+                     \x20   for (var h = {half}u; h > 0u; h = h >> 1u) {{\n\
+                     \x20     if (lid < h) {{ red[lid] = red[lid] + red[lid + h]; }}\n      workgroupBarrier();\n    }}\n\
+                     \x20   if (lid == 0u) {{ {name}[{r}u] = {mean}; }}\n    workgroupBarrier();\n  }}",
+                    cols = st.cols,
+                    half = threads / 2
+                );
+            }
+        }
+        Ok((decls, s))
+    }
+
     fn k_chunks(&self, kb: &mut KernelBuilder) -> Result<String> {
-        let fns = chunk_reader(kb, &self.a, "xa", &self.batch, false)?;
-        Ok(fns + &chunk_reader(kb, &self.b, "xb", &self.batch, true)?)
+        let (xa, xb) = (format!("xa{}", self.tag), format!("xb{}", self.tag));
+        let fns = chunk_reader(kb, &self.a, &xa, &self.batch, false)?;
+        Ok(fns + &chunk_reader(kb, &self.b, &xb, &self.batch, true)?)
     }
 }
 

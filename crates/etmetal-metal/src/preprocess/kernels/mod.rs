@@ -20,6 +20,8 @@ mod topk;
 use etmetal_core::{Error, Result};
 use etmetal_graph::Node;
 
+pub(crate) use reduce::row_mean;
+
 use super::Lowering;
 use crate::op_table::{form, Form};
 

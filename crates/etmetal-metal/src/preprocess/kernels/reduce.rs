@@ -5,15 +5,25 @@
 use etmetal_core::{DType, Error, Op, ReduceOp, Result};
 use etmetal_graph::Node;
 
+use super::gemm::GEMV_ROWS;
 use super::rows::{
     as_f32, as_rows, col_loop, dispatch_rows, row_head, shared, tree_reduce, Combine, ROW_WORKGROUP,
 };
 use crate::payload::Fault;
 use crate::preprocess::emit::{entry, linear, unravel, KernelBuilder};
+use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, compute_type, float_literal};
-use crate::preprocess::Lowering;
+use crate::preprocess::{Lowering, RowStat};
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
+    if let Op::Reduce { op, dims, .. } = &node.op {
+        let x = lw.input(node, 0)?;
+        if dims.iter().all(|&d| x.shape.get(d) == Some(&1))
+            && (!dims.is_empty() || x.shape.iter().all(|&s| s == 1))
+        {
+            return unit_reduce(lw, node, *op, x);
+        }
+    }
     let x = lw.fused(node, 0)?;
     let rank = x.shape.len();
     let all: Vec<usize> = (0..rank).collect();
@@ -26,77 +36,32 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     };
     match &node.op {
         Op::Reduce { op, dims, .. } => {
-            let (rows_x, rows, cols) = as_rows(&x, &dims_or_all(dims));
+            let reduced = dims_or_all(dims);
+            let (rows_x, rows, cols) = as_rows(&x, &reduced);
             let out = lw.output_buffer(node, 0)?;
-            let out_dtype = lw.buffers.list[out].dtype;
-            let acc_dtype = match op {
-                ReduceOp::Mean => DType::F32,
-                ReduceOp::Sum | ReduceOp::Prod => out_dtype,
-                ReduceOp::Max | ReduceOp::Min => x.dtype,
-                ReduceOp::Any | ReduceOp::All => DType::I32,
-            };
-            let ty = compute_type(acc_dtype);
-            let acc_ty = if ty == "bool" { "i32" } else { ty };
-            let acc_dtype = if ty == "bool" { DType::I32 } else { acc_dtype };
-            let mut kb = KernelBuilder::new(&lw.buffers);
-            kb.value_fn(&rows_x, "x")?;
-            // int64 sums and products accumulate in i32, every step checked
-            let checked = acc_dtype == DType::I64 && matches!(op, ReduceOp::Sum | ReduceOp::Prod);
-            let bit = if checked {
-                kb.site(&node.name, node.op.name(), Fault::Overflow)
-            } else {
-                0
-            };
-            let (init, combine): (String, Combine) = match op {
-                ReduceOp::Sum if checked => (
-                    zero(acc_ty),
-                    Box::new(move |a, b| format!("add_ck({a}, {b}, {bit}u)")),
-                ),
-                ReduceOp::Prod if checked => (
-                    one(acc_ty),
-                    Box::new(move |a, b| format!("mul_ck({a}, {b}, {bit}u)")),
-                ),
-                ReduceOp::Sum | ReduceOp::Mean => {
-                    (zero(acc_ty), Box::new(|a, b| format!("({a} + {b})")))
-                }
-                ReduceOp::Prod => (one(acc_ty), Box::new(|a, b| format!("({a} * {b})"))),
-                ReduceOp::Max if acc_ty == "f32" => (
-                    lowest(acc_ty),
-                    Box::new(|a, b| format!("max_nan({a}, {b})")),
-                ),
-                ReduceOp::Min if acc_ty == "f32" => (
-                    highest(acc_ty),
-                    Box::new(|a, b| format!("min_nan({a}, {b})")),
-                ),
-                ReduceOp::Max => (lowest(acc_ty), Box::new(|a, b| format!("max({a}, {b})"))),
-                ReduceOp::Min => (highest(acc_ty), Box::new(|a, b| format!("min({a}, {b})"))),
-                ReduceOp::Any => ("0i".into(), Box::new(|a, b| format!("max({a}, {b})"))),
-                ReduceOp::All => ("1i".into(), Box::new(|a, b| format!("min({a}, {b})"))),
-            };
-            let read = match op {
-                ReduceOp::Any | ReduceOp::All => cast(
-                    &cast("x(row, c)", x.dtype, DType::Bool),
-                    DType::Bool,
-                    DType::I32,
-                ),
-                _ => cast("x(row, c)", x.dtype, acc_dtype),
-            };
-            let mut main = shared("red", acc_ty);
-            main.push_str(&entry(ROW_WORKGROUP));
-            main.push_str(&row_head(rows));
-            main.push_str(&format!("  var acc: {acc_ty} = {init};\n"));
-            main.push_str(&col_loop(
-                cols,
-                &format!("    acc = {};\n", combine("acc", &read)),
-            ));
-            main.push_str(&tree_reduce("red", "acc", "total", &|a, b| combine(a, b)));
-            let mut total = "total".to_string();
-            if *op == ReduceOp::Mean {
-                total = format!("(total / {})", float_literal(cols as f64));
+            // a few rows' mean over the last dim (an RMSNorm's) waits for
+            // its reader: a matrix-vector product computes it itself
+            let last = reduced == [rank.max(1) - 1];
+            if *op == ReduceOp::Mean && last && rows <= GEMV_ROWS && x.dtype.is_float() {
+                lw.pending.push(RowStat {
+                    buf: out,
+                    x: rows_x,
+                    rows,
+                    cols,
+                    label: lw.op_label(),
+                    node: node.name.clone(),
+                });
+                return Ok(());
             }
-            let store = kb.store(out, "row", &cast(&total, acc_dtype, out_dtype))?;
-            main.push_str(&format!("  if (lid == 0u) {{ {store} }}\n}}\n"));
-            dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
+            reduce_rows(
+                lw,
+                *op,
+                &rows_x,
+                rows,
+                cols,
+                out,
+                (&node.name, node.op.name()),
+            )
         }
         Op::Var {
             dims, correction, ..
@@ -265,6 +230,108 @@ fn softmax(
     ));
     main.push_str("}\n");
     dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
+}
+
+/// The row kernel of `op` over `[rows, cols]` `x` into `out` (`node`
+/// and its op name its checks).
+fn reduce_rows(
+    lw: &mut Lowering,
+    op: ReduceOp,
+    x: &LazyRef,
+    rows: usize,
+    cols: usize,
+    out: usize,
+    (node, op_name): (&str, &str),
+) -> Result<()> {
+    let out_dtype = lw.buffers.list[out].dtype;
+    let acc_dtype = match op {
+        ReduceOp::Mean => DType::F32,
+        ReduceOp::Sum | ReduceOp::Prod => out_dtype,
+        ReduceOp::Max | ReduceOp::Min => x.dtype,
+        ReduceOp::Any | ReduceOp::All => DType::I32,
+    };
+    let ty = compute_type(acc_dtype);
+    let acc_ty = if ty == "bool" { "i32" } else { ty };
+    let acc_dtype = if ty == "bool" { DType::I32 } else { acc_dtype };
+    let mut kb = KernelBuilder::new(&lw.buffers);
+    kb.value_fn(x, "x")?;
+    // int64 sums and products accumulate in i32, every step checked
+    let checked = acc_dtype == DType::I64 && matches!(op, ReduceOp::Sum | ReduceOp::Prod);
+    let bit = if checked {
+        kb.site(node, op_name, Fault::Overflow)
+    } else {
+        0
+    };
+    let (init, combine): (String, Combine) = match op {
+        ReduceOp::Sum if checked => (
+            zero(acc_ty),
+            Box::new(move |a, b| format!("add_ck({a}, {b}, {bit}u)")),
+        ),
+        ReduceOp::Prod if checked => (
+            one(acc_ty),
+            Box::new(move |a, b| format!("mul_ck({a}, {b}, {bit}u)")),
+        ),
+        ReduceOp::Sum | ReduceOp::Mean => (zero(acc_ty), Box::new(|a, b| format!("({a} + {b})"))),
+        ReduceOp::Prod => (one(acc_ty), Box::new(|a, b| format!("({a} * {b})"))),
+        ReduceOp::Max if acc_ty == "f32" => (
+            lowest(acc_ty),
+            Box::new(|a, b| format!("max_nan({a}, {b})")),
+        ),
+        ReduceOp::Min if acc_ty == "f32" => (
+            highest(acc_ty),
+            Box::new(|a, b| format!("min_nan({a}, {b})")),
+        ),
+        ReduceOp::Max => (lowest(acc_ty), Box::new(|a, b| format!("max({a}, {b})"))),
+        ReduceOp::Min => (highest(acc_ty), Box::new(|a, b| format!("min({a}, {b})"))),
+        ReduceOp::Any => ("0i".into(), Box::new(|a, b| format!("max({a}, {b})"))),
+        ReduceOp::All => ("1i".into(), Box::new(|a, b| format!("min({a}, {b})"))),
+    };
+    let read = match op {
+        ReduceOp::Any | ReduceOp::All => cast(
+            &cast("x(row, c)", x.dtype, DType::Bool),
+            DType::Bool,
+            DType::I32,
+        ),
+        _ => cast("x(row, c)", x.dtype, acc_dtype),
+    };
+    let mut main = shared("red", acc_ty);
+    main.push_str(&entry(ROW_WORKGROUP));
+    main.push_str(&row_head(rows));
+    main.push_str(&format!("  var acc: {acc_ty} = {init};\n"));
+    main.push_str(&col_loop(
+        cols,
+        &format!("    acc = {};\n", combine("acc", &read)),
+    ));
+    main.push_str(&tree_reduce("red", "acc", "total", &|a, b| combine(a, b)));
+    let mut total = "total".to_string();
+    if op == ReduceOp::Mean {
+        total = format!("(total / {})", float_literal(cols as f64));
+    }
+    let store = kb.store(out, "row", &cast(&total, acc_dtype, out_dtype))?;
+    main.push_str(&format!("  if (lid == 0u) {{ {store} }}\n}}\n"));
+    dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
+}
+
+/// Dispatch a deferred row mean.
+pub(crate) fn row_mean(lw: &mut Lowering, st: &RowStat) -> Result<()> {
+    let site = (st.node.as_str(), st.label.as_str());
+    reduce_rows(lw, ReduceOp::Mean, &st.x, st.rows, st.cols, st.buf, site)
+}
+
+/// A reduction over dims of size 1 (a decode step's one position: an
+/// `index_copy_` of one row matches it against the cache): each output is
+/// its one input element, so it is a lazy cast fused into its readers, not
+/// a kernel.
+fn unit_reduce(lw: &mut Lowering, node: &Node, op: ReduceOp, x: LazyRef) -> Result<()> {
+    let (_, dtype, shape) = lw.output_info(node, 0)?;
+    let x = reshaped(&x, shape.clone());
+    let x = match op {
+        // `any` of a uint8 tensor is a uint8 0 or 1
+        ReduceOp::Any | ReduceOp::All => Lazy::new(DType::Bool, shape.clone(), Kind::Cast(x)),
+        _ => x,
+    };
+    let lazy = Lazy::of_node(dtype, shape, Kind::Cast(x), &node.name);
+    lw.define_fused(node.outputs[0], lazy)
 }
 
 fn zero(ty: &str) -> String {

@@ -17,7 +17,7 @@ use crate::payload::Fault;
 use crate::preprocess::emit::{
     entry, grid, linear, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP,
 };
-use crate::preprocess::expr::LazyRef;
+use crate::preprocess::expr::{GatherAt, Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, compute_type, int_literal};
 use crate::preprocess::Lowering;
 
@@ -209,6 +209,23 @@ fn index(lw: &mut Lowering, node: &Node) -> Result<()> {
     if indexed.is_empty() {
         lw.define(node.outputs[0], x);
         return Ok(());
+    }
+    // one 1-D index on the first dim is an index_select: a lazy gather fused
+    // into its readers (a rotary table's row at a decode step's position)
+    if let [(0, i)] = indexed.as_slice() {
+        if i.shape.len() == 1 {
+            let (_, dtype, shape) = lw.output_info(node, 0)?;
+            let gather = Kind::Gather {
+                src: x,
+                dim: 0,
+                index: i.clone(),
+                at: GatherAt::Dim,
+            };
+            return lw.define_fused(
+                node.outputs[0],
+                Lazy::of_node(dtype, shape, gather, &node.name),
+            );
+        }
     }
     let mut b: Vec<usize> = vec![];
     for (_, i) in &indexed {

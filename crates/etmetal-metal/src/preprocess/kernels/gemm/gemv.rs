@@ -67,8 +67,14 @@ impl Gemv {
         let (threads, cols, splits) = self.shape(most);
         let split = SplitK::new(lw, splits, self.batch, self.m, self.n)?;
         let mut kb = KernelBuilder::new(&lw.buffers);
+        let (decls, pro) = args.prologue(&mut kb, threads)?;
         let fns = args.k_chunks(&mut kb)? + &split.store(&mut kb, args)?;
-        let main = format!("{fns}\n{}", self.main(threads, cols, splits));
+        let main = format!(
+            "{fns}\n{decls}{}{}  let g = {FLAT_GROUP};\n{}}}\n",
+            self.shared(threads, cols),
+            entry(threads as u32),
+            self.body(threads, cols, splits, "", &pro)
+        );
         let built = kb.finish(&main);
         let groups = (self.n.div_ceil(cols) * self.batch * splits) as u64;
         let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
@@ -78,7 +84,84 @@ impl Gemv {
         split.sum(lw, args)
     }
 
-    fn main(&self, threads: usize, cols: usize, splits: usize) -> String {
+    /// Products of one `[m, k]` input by weights of `n_i` columns each (a
+    /// layer's q, k and v, or gate and up) in one dispatch: the columns
+    /// blocks of all, each workgroup taking a block of one product. Each
+    /// member's reads and store are its [`GemvArgs`], whose functions carry
+    /// the member's tag (`xa{tag}`, `xb{tag}`, `gstore{tag}`). `k` is not
+    /// split: the members' columns together fill the GPU.
+    pub fn lower_group(
+        lw: &mut Lowering,
+        m: usize,
+        k: usize,
+        members: &[(usize, String, &dyn GemvArgs)],
+    ) -> Result<()> {
+        let total: usize = members.iter().map(|(n, _, _)| n).sum();
+        let whole = Gemv {
+            batch: 1,
+            m,
+            n: total,
+            k,
+        };
+        let (threads, cols, _) = whole.shape(1);
+        let mut kb = KernelBuilder::new(&lw.buffers);
+        let mut fns = String::new();
+        let mut pros = vec![];
+        for (_, _, args) in members {
+            let (decls, pro) = args.prologue(&mut kb, threads)?;
+            fns += &decls;
+            pros.push(pro);
+            fns += &args.k_chunks(&mut kb)?;
+            fns += &args.store(&mut kb)?;
+        }
+        let mut main = format!(
+            "{fns}\n{}{}  let g0 = {FLAT_GROUP};\n",
+            whole.shared(threads, cols),
+            entry(threads as u32)
+        );
+        let mut start = 0;
+        for ((n, tag, _), pro) in members.iter().zip(&pros) {
+            let part = Gemv {
+                batch: 1,
+                m,
+                n: *n,
+                k,
+            };
+            let end = start + n.div_ceil(cols);
+            let _ = writeln!(
+                main,
+                "  if (g0 < {end}u) {{\n  let g = g0 - {start}u;\n{}  return;\n  }}",
+                part.body(threads, cols, 1, tag, pro)
+            );
+            start = end;
+        }
+        main.push_str("}\n");
+        let built = kb.finish(&main);
+        let workgroups = grid(start as u64, lw.options.max_workgroups_per_dim)?;
+        let storage = (4 * m * cols * threads) as u32;
+        let ops = vec![lw.op_label()];
+        lw.add_dispatch(built, ops, [threads as u32, 1, 1], workgroups, storage)
+    }
+
+    /// The workgroup memory the partial sums are reduced in.
+    fn shared(&self, threads: usize, cols: usize) -> String {
+        format!(
+            "var<workgroup> red: array<f32, {}>;\n",
+            self.m * cols * threads
+        )
+    }
+
+    /// The statements of a workgroup `g` (a `u32` in scope) computing its
+    /// block of columns after the `prologue`, calling the functions tagged
+    /// `tag`.
+    fn body(
+        &self,
+        threads: usize,
+        cols: usize,
+        splits: usize,
+        tag: &str,
+        prologue: &str,
+    ) -> String {
         let (m, n) = (self.m, self.n);
         // k of a split (a multiple of 4 when split)
         let depth = self.k / splits;
@@ -86,17 +169,16 @@ impl Gemv {
         let sums = m * cols;
         let blocks = n.div_ceil(cols);
         let mut s = String::new();
-        let _ = writeln!(s, "var<workgroup> red: array<f32, {}>;", sums * threads);
-        s.push_str(&entry(threads as u32));
         let _ = writeln!(
             s,
-            "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
+            "  if (g >= {}u) {{ return; }}\n\
              \x20 let kbase = (g / {}u) * {depth}u;\n  let sb = g / {blocks}u;\n\
              \x20 let bt = sb % {}u;\n  let n0 = (g % {blocks}u) * {cols}u;",
             blocks * self.batch * splits,
             blocks * self.batch,
             self.batch
         );
+        s.push_str(prologue);
         for j in 0..cols {
             // a last block's missing columns read the last one (not stored)
             let _ = writeln!(s, "  let c{j} = min(n0 + {j}u, {}u);", n - 1);
@@ -111,10 +193,10 @@ impl Gemv {
             "  for (var q = lid; q < {chunks}u; q = q + {threads}u) {{\n    let k = kbase + q * 4u;"
         );
         for j in 0..cols {
-            let _ = writeln!(s, "    let b{j} = xb(bt, c{j}, k);");
+            let _ = writeln!(s, "    let b{j} = xb{tag}(bt, c{j}, k);");
         }
         for i in 0..m {
-            let _ = writeln!(s, "    let a{i} = xa(bt, {i}u, k);");
+            let _ = writeln!(s, "    let a{i} = xa{tag}(bt, {i}u, k);");
             for j in 0..cols {
                 let _ = writeln!(s, "    s{i}_{j} = s{i}_{j} + dot(a{i}, b{j});");
             }
@@ -141,7 +223,7 @@ impl Gemv {
         let _ = writeln!(
             s,
             "  if (lid < {sums}u) {{\n    let c = n0 + lid % {cols}u;\n\
-             \x20   if (c < {n}u) {{ gstore(sb, lid / {cols}u, c, red[lid * {threads}u]); }}\n  }}\n}}"
+             \x20   if (c < {n}u) {{ gstore{tag}(sb, lid / {cols}u, c, red[lid * {threads}u]); }}\n  }}"
         );
         s
     }

@@ -11,7 +11,8 @@
 //! - `tiled`: the portable register-tiled kernel;
 //! - `coop`: the cooperative-matrix (tensor-core) kernel for 16-bit
 //!   operands, with its scaling into f16's range;
-//! - `gemv`: the matrix-vector kernel;
+//! - `gemv`: the matrix-vector kernel (also several products of one
+//!   input in one dispatch);
 //! - `split`: split-K partial sums and their sum;
 //! - `lower`: [`Gemm::lower`], the portable dispatch plus the tensor-core
 //!   alternatives;

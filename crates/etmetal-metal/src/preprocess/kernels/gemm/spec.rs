@@ -78,8 +78,18 @@ pub(crate) trait GemmArgs: Epilogue {
 pub(crate) trait GemvArgs: Epilogue {
     /// `xa(bt, r, k) -> vec4<f32>` and `xb(bt, c, k)`: elements `k … k+3`
     /// (`k` a multiple of 4, zeros past the end) of row `r` of A and of
-    /// column `c` of B.
+    /// column `c` of B. Products sharing a dispatch
+    /// (`Gemv::lower_group`) append their tag to these names and to
+    /// `gstore`'s.
     fn k_chunks(&self, kb: &mut KernelBuilder) -> Result<String>;
+
+    /// What a workgroup of `threads` invocations computes before the
+    /// product, called before the readers are emitted: `(module-level
+    /// declarations, statements)` (row statistics of A it reads from
+    /// workgroup memory).
+    fn prologue(&self, _kb: &mut KernelBuilder, _threads: usize) -> Result<(String, String)> {
+        Ok(Default::default())
+    }
 }
 
 impl Gemm {

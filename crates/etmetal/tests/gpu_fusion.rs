@@ -1,0 +1,245 @@
+//! The decode-step fusions against the CPU kernels, on this machine's
+//! adapter, at odd and even sizes in f32 and bf16: a matrix-vector product
+//! computing an RMSNorm (its mean of squares in a prologue, its scaling as
+//! the input read) or reading a SiLU gate, storing a residual add, several
+//! products of one input in one dispatch; reductions over size-1 dims (one position's `index_copy_`)
+//! fused into their readers; argmax over a vocabulary-sized last dim (the
+//! greedy token).
+
+mod common;
+
+use common::gpu::{check_graph, compile_whole_within, random, OpCase};
+use etmetal_core::{BinaryOp, DType, Op, ReduceOp, Tensor, UnaryOp};
+use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
+use etmetal_metal::partitioner::DeviceLimits;
+
+const TOL: f32 = 1e-4;
+const BF16_TOL: f32 = 2e-2;
+
+/// A graph built node by node, inputs given as tensors.
+#[derive(Default)]
+struct Builder {
+    graph: Graph,
+    inputs: Vec<Tensor>,
+    weights: usize,
+}
+
+impl Builder {
+    fn input(&mut self, t: Tensor) -> ValueId {
+        let name = format!("x{}", self.inputs.len());
+        let v = self.graph.add_value(name, t.dtype(), t.shape().to_vec());
+        self.graph.inputs.push((v, InputKind::User));
+        self.inputs.push(t);
+        v
+    }
+
+    fn weight(&mut self, t: Tensor) -> ValueId {
+        self.weights += 1;
+        let name = format!("w{}", self.weights);
+        let v = self.graph.add_constant(name.clone(), t);
+        self.graph
+            .inputs
+            .push((v, InputKind::Parameter { fqn: name }));
+        v
+    }
+
+    fn node(&mut self, op: Op, inputs: &[Option<ValueId>]) -> ValueId {
+        let mut node = Node {
+            name: format!("n{}", self.graph.nodes.len()),
+            target: "test".into(),
+            op,
+            inputs: inputs.to_vec(),
+            outputs: vec![],
+        };
+        let (dtype, shape) = etmetal_graph::infer::infer(&self.graph, &node)
+            .unwrap_or_else(|e| panic!("infer: {e}"))
+            .remove(0);
+        let v = self.graph.add_value(node.name.clone(), dtype, shape);
+        node.outputs.push(v);
+        self.graph.nodes.push(node);
+        v
+    }
+
+    fn binary(&mut self, op: BinaryOp, a: ValueId, b: ValueId) -> ValueId {
+        self.node(Op::Binary(op), &[Some(a), Some(b)])
+    }
+
+    /// GPU and CPU agree, every dispatch is a kernel of one of the ops
+    /// `kernels` names (the others fused into them) or a copy packing a
+    /// 16-bit output (products store f32 intermediates), and the products
+    /// take at most `products` dispatches.
+    fn check(
+        mut self,
+        outputs: &[ValueId],
+        tol: f32,
+        what: &str,
+        kernels: &[&str],
+        products: usize,
+    ) {
+        let packs = outputs
+            .iter()
+            .any(|&v| self.graph.value(v).dtype.size() == 2);
+        for &v in outputs {
+            self.graph.outputs.push((v, OutputKind::User));
+        }
+        let payload = &compile_whole_within(&self.graph, &DeviceLimits::default()).methods[0]
+            .partitions[0]
+            .payload;
+        let linear = payload
+            .dispatches
+            .iter()
+            .filter(|d| payload.kernels[d.kernel].ops[0] == "linear")
+            .count();
+        assert!(linear <= products, "{what}: {linear} product dispatches");
+        for d in &payload.dispatches {
+            let k = &payload.kernels[d.kernel];
+            let op = k.ops[0].as_str();
+            assert!(
+                kernels.contains(&op) || (packs && op == "copy"),
+                "{what}: a dispatch of its own for {:?}",
+                k.ops
+            );
+        }
+        check_graph(&self.graph, self.inputs, tol, what);
+    }
+}
+
+fn tol(dtype: DType) -> f32 {
+    if dtype == DType::BF16 {
+        BF16_TOL
+    } else {
+        TOL
+    }
+}
+
+/// `x + linear(rms_norm(x) · g, w)` written out as a decoder does (mean of
+/// squares, rsqrt, two products) beside two more products of the same
+/// input: the products compute the mean of squares and read the scaling
+/// as their input, store the residual adds, and share dispatches.
+#[test]
+fn rms_norm_into_a_product_with_a_residual_add() {
+    for dtype in [DType::F32, DType::BF16] {
+        for (m, k, n, seed) in [
+            (1, 37, 19, 1),
+            (3, 64, 64, 2),
+            (8, 130, 33, 3),
+            (1, 256, 514, 4),
+        ] {
+            let mut b = Builder::default();
+            let x = b.input(random(dtype, &[1, m, k], seed));
+            let sq = b.binary(BinaryOp::Mul, x, x);
+            let mean = Op::Reduce {
+                op: ReduceOp::Mean,
+                dims: vec![2],
+                keepdim: true,
+            };
+            let ms = b.node(mean, &[Some(sq)]);
+            let eps = b.weight(Tensor::scalar_f64(dtype, 1e-6).unwrap());
+            let ms = b.binary(BinaryOp::Add, ms, eps);
+            let r = b.node(Op::Unary(UnaryOp::Rsqrt), &[Some(ms)]);
+            let h = b.binary(BinaryOp::Mul, x, r);
+            let g = b.weight(random(dtype, &[k], seed + 10));
+            let h = b.binary(BinaryOp::Mul, h, g);
+            let w = b.weight(random(dtype, &[k, k], seed + 20));
+            let y = b.node(Op::Linear, &[Some(h), Some(w), None]);
+            let y = b.binary(BinaryOp::Add, x, y);
+            // a second product from the same norm, with a bias, whose add
+            // reads a broadcast residual
+            let w2 = b.weight(random(dtype, &[n, k], seed + 30));
+            let bias = b.weight(random(dtype, &[n], seed + 40));
+            let z = b.node(Op::Linear, &[Some(h), Some(w2), Some(bias)]);
+            let res = b.input(random(dtype, &[n], seed + 50));
+            let z = b.binary(BinaryOp::Add, z, res);
+            // a third (a layer's v): the three products are one dispatch
+            let w3 = b.weight(random(dtype, &[n + 5, k], seed + 60));
+            let v = b.node(Op::Linear, &[Some(h), Some(w3), None]);
+            let what = format!("{dtype} m {m} k {k} n {n}");
+            // z's bias and residual would bind too many buffers beside y's;
+            // each product computes the norm's mean of squares itself
+            b.check(&[y, z, v], tol(dtype), &what, &["linear"], 2);
+        }
+    }
+}
+
+/// `down(silu(gate) · up) + x`: the down product reads the gate as its
+/// input and stores the residual add.
+#[test]
+fn silu_gate_into_the_down_product() {
+    for dtype in [DType::F32, DType::BF16] {
+        for (m, k, n, seed) in [(1, 45, 21, 5), (2, 128, 64, 6), (5, 258, 7, 7)] {
+            let mut b = Builder::default();
+            let gate = b.input(random(dtype, &[1, m, k], seed));
+            let up = b.input(random(dtype, &[1, m, k], seed + 1));
+            let x = b.input(random(dtype, &[1, m, n], seed + 2));
+            let s = b.node(Op::Unary(UnaryOp::Silu), &[Some(gate)]);
+            let h = b.binary(BinaryOp::Mul, s, up);
+            let w = b.weight(random(dtype, &[n, k], seed + 3));
+            let y = b.node(Op::Linear, &[Some(h), Some(w), None]);
+            let y = b.binary(BinaryOp::Add, y, x);
+            let what = format!("{dtype} m {m} k {k} n {n}");
+            b.check(&[y], tol(dtype), &what, &["linear"], 1);
+        }
+    }
+}
+
+/// Reductions over dims of size 1 are casts of their input, fused into
+/// their readers (int32 sums widen to int64, `any` of int32 is a bool).
+#[test]
+fn reductions_over_size_one_dims() {
+    let x = random(DType::F32, &[3, 1, 5], 11);
+    for (op, keepdim, dtype) in [
+        (ReduceOp::Sum, false, DType::F32),
+        (ReduceOp::Mean, true, DType::BF16),
+        (ReduceOp::Max, false, DType::F32),
+        (ReduceOp::Prod, true, DType::F32),
+        (ReduceOp::Any, false, DType::F32),
+        (ReduceOp::All, true, DType::F32),
+    ] {
+        let t = Tensor::from_f32(dtype, x.shape(), &x.to_f32_vec()).unwrap();
+        let mut b = Builder::default();
+        let v = b.input(t);
+        let r = b.node(
+            Op::Reduce {
+                op,
+                dims: vec![1],
+                keepdim,
+            },
+            &[Some(v)],
+        );
+        // (the output written by a flat kernel: no reduction kernel)
+        b.check(&[r], 0.0, &format!("{op:?} {dtype}"), &["copy"], 0);
+    }
+    let ints = Tensor::from_i64(DType::I32, &[2, 1, 3], &[0, 3, -5, 1, 0, 7]).unwrap();
+    for op in [ReduceOp::Any, ReduceOp::Sum] {
+        let mut b = Builder::default();
+        let v = b.input(ints.clone());
+        let r = b.node(
+            Op::Reduce {
+                op,
+                dims: vec![1],
+                keepdim: false,
+            },
+            &[Some(v)],
+        );
+        b.check(&[r], 0.0, &format!("{op:?} int32"), &["copy"], 0);
+    }
+}
+
+/// The greedy token: argmax over a vocabulary-sized last dim (odd sizes).
+#[test]
+fn argmax_over_a_vocabulary() {
+    for (dtype, shape, seed) in [
+        (DType::F32, vec![1, 1, 32003], 21),
+        (DType::BF16, vec![1, 50257], 22),
+        (DType::F32, vec![3, 1001], 23),
+    ] {
+        let last = shape.len() - 1;
+        OpCase::new(Op::ArgReduce {
+            max: true,
+            dim: Some(last),
+            keepdim: false,
+        })
+        .input(random(dtype, &shape, seed))
+        .check(0.0);
+    }
+}
