@@ -303,6 +303,7 @@ fn check_greedy_step(model: &Model) -> Result<()> {
         Some(TensorSpec {
             dtype: DType::I64,
             shape,
+            ..
         }) if t == 1 && shape.iter().product::<usize>() == 1 => Ok(()),
         first => Err(not_a_step(
             method,
