@@ -3,11 +3,11 @@
 //! mapped staging buffer: no intermediate copy on either side.
 
 use etmetal_core::{DType, Error, Result, View, ViewMut};
-use etmetal_metal::payload::{gpu_bytes, GpuRepr};
+use etmetal_metal::payload::{gpu_bytes, gpu_words, host_from_gpu, int64_does_not_fit, GpuRepr};
 use rayon::prelude::*;
 use wgpu::WriteOnly;
 
-/// Elements (bytes for 16-bit floats, see [`widths`]) per parallel task:
+/// Conversion units ([`GpuRepr::unit`]) per parallel task:
 /// 256 KiB and more of copying keeps rayon's per-task cost under 1%, and
 /// still gives every core of a 16-core host work from 4 MiB up.
 const CHUNK: usize = 1 << 18;
@@ -20,16 +20,6 @@ struct Part<'a>(WriteOnly<'a, [u8]>);
 // with an implied `Sized`, which leaves out slices.)
 unsafe impl Send for Part<'_> {}
 
-/// Host bytes and GPU bytes per element: `(host, gpu)`; 16-bit floats are
-/// the host bytes as they are (two a word), so one "element" is one byte.
-fn widths(dtype: DType, repr: GpuRepr) -> (usize, usize) {
-    match repr {
-        GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16 => (1, 1),
-        GpuRepr::I64AsI32 => (8, 4),
-        GpuRepr::Widened => (dtype.size(), 4),
-    }
-}
-
 /// Write `src` in its GPU form into `dst` (at least [`gpu_bytes`] long;
 /// bytes past the tensor, the padding of an odd-length 16-bit tensor, are
 /// zeroed). `what` names the tensor in the error raised when an int64
@@ -37,7 +27,7 @@ fn widths(dtype: DType, repr: GpuRepr) -> (usize, usize) {
 pub(crate) fn upload(src: &View, dst: WriteOnly<'_, [u8]>, what: &str) -> Result<()> {
     let repr = GpuRepr::of(src.dtype)?;
     let need = gpu_bytes(src.dtype, src.numel())? as usize;
-    let (host, gpu) = widths(src.dtype, repr);
+    let (host, gpu) = repr.unit(src.dtype);
     let n = src.bytes.len() / host;
     if dst.len() < need || src.bytes.len() != n * host {
         return Err(Error::internal(format!(
@@ -57,42 +47,27 @@ pub(crate) fn upload(src: &View, dst: WriteOnly<'_, [u8]>, what: &str) -> Result
     // the first element that does not fit, in element order
     let bad = tasks
         .into_par_iter()
-        .map(|(first, s, Part(mut d))| match repr {
-            GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16 => {
+        .map(|(first, s, Part(mut d))| {
+            if repr.same_layout() {
                 d.copy_from_slice(s);
-                None
+                return None;
             }
-            GpuRepr::I64AsI32 => {
-                let (words, _) = d.into_chunks::<4>();
-                let mut bad = None;
-                words.write_iter(s.chunks_exact(8).enumerate().map(|(i, c)| {
-                    let v = i64::from_le_bytes(c.try_into().expect("8-byte chunk"));
-                    let narrow = i32::try_from(v).unwrap_or_else(|_| {
-                        bad.get_or_insert((first + i, v));
-                        0
-                    });
-                    narrow.to_le_bytes()
-                }));
-                bad
-            }
-            GpuRepr::Widened => {
-                let (words, _) = d.into_chunks::<4>();
-                let signed = src.dtype == DType::I8;
-                words.write_iter(s.iter().map(|&b| match signed {
-                    true => i32::from(b as i8).to_le_bytes(),
-                    false => u32::from(b).to_le_bytes(),
-                }));
-                None
-            }
+            let (words, _) = d.into_chunks::<4>();
+            let mut bad = None;
+            words.write_iter(gpu_words(src.dtype, s).map(|w| {
+                w.unwrap_or_else(|(i, v)| {
+                    bad.get_or_insert((first + i, v));
+                    [0; 4]
+                })
+            }));
+            bad
         })
         .collect::<Vec<_>>()
         .into_iter()
         .flatten()
         .next();
     if let Some((i, v)) = bad {
-        return Err(Error::limit(format!(
-            "{what}: int64 element {i} = {v} does not fit the GPU's 32-bit integers"
-        )));
+        return Err(int64_does_not_fit(what, i, v));
     }
     tail.fill(0);
     Ok(())
@@ -112,29 +87,11 @@ pub(crate) fn download(src: &[u8], out: &mut ViewMut) -> Result<()> {
         )));
     }
     let repr = GpuRepr::of(dtype)?;
-    let (host, gpu) = widths(dtype, repr);
-    let word = |c: &[u8]| i32::from_le_bytes(c.try_into().expect("4-byte chunk"));
+    let (host, gpu) = repr.unit(dtype);
     out.bytes
         .par_chunks_mut(CHUNK * host)
         .zip(src.par_chunks(CHUNK * gpu))
-        .for_each(|(d, s)| match repr {
-            GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16 => {
-                d.copy_from_slice(&s[..d.len()]);
-            }
-            GpuRepr::I64AsI32 => {
-                for (d, s) in d.chunks_exact_mut(8).zip(s.chunks_exact(4)) {
-                    d.copy_from_slice(&i64::from(word(s)).to_le_bytes());
-                }
-            }
-            GpuRepr::Widened => {
-                for (d, s) in d.iter_mut().zip(s.chunks_exact(4)) {
-                    *d = match dtype {
-                        DType::Bool => u8::from(word(s) != 0),
-                        _ => word(s) as u8,
-                    };
-                }
-            }
-        });
+        .for_each(|(d, s)| host_from_gpu(dtype, s, d));
     Ok(())
 }
 

@@ -41,7 +41,7 @@
 
 use std::borrow::Cow;
 
-use etmetal_core::{DType, Error, Result, Tensor, ViewMut};
+use etmetal_core::{DType, Error, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 pub const MAGIC: &[u8; 4] = b"EMTL";
@@ -389,6 +389,54 @@ pub fn gpu_bytes(dtype: DType, numel: usize) -> Result<u64> {
     Ok(bytes.max(4))
 }
 
+impl GpuRepr {
+    /// Host bytes and GPU bytes of one conversion unit: `(host, gpu)`.
+    /// Layout-preserving forms convert byte for byte (16-bit floats keep the
+    /// host bytes, two elements a word), so a unit is one byte there.
+    pub fn unit(self, dtype: DType) -> (usize, usize) {
+        match self {
+            GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16 => (1, 1),
+            GpuRepr::I64AsI32 => (8, 4),
+            GpuRepr::Widened => (dtype.size(), 4),
+        }
+    }
+
+    /// Whether host and GPU bytes are the same (a copy converts).
+    pub fn same_layout(self) -> bool {
+        matches!(self, GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16)
+    }
+}
+
+/// The GPU words of the host elements `src` of `dtype`, for the forms that
+/// change layout (int64 narrowed, bool/u8/i8 widened). An int64 that does not
+/// fit the GPU's 32-bit integers gives `Err((its index in src, value))`.
+pub fn gpu_words(
+    dtype: DType,
+    src: &[u8],
+) -> impl Iterator<Item = std::result::Result<[u8; 4], (usize, i64)>> + '_ {
+    let narrow = dtype == DType::I64;
+    let signed = dtype == DType::I8;
+    let width = if narrow { 8 } else { 1 };
+    src.chunks_exact(width).enumerate().map(move |(i, c)| {
+        if narrow {
+            let v = i64::from_le_bytes(c.try_into().expect("8-byte chunk"));
+            i32::try_from(v).map(i32::to_le_bytes).map_err(|_| (i, v))
+        } else if signed {
+            Ok(i32::from(c[0] as i8).to_le_bytes())
+        } else {
+            Ok(u32::from(c[0]).to_le_bytes())
+        }
+    })
+}
+
+/// The error of an int64 element `value` at `index` of tensor `what` that
+/// does not fit the GPU's 32-bit integers.
+pub fn int64_does_not_fit(what: &str, index: usize, value: i64) -> Error {
+    Error::limit(format!(
+        "{what}: int64 element {index} = {value} does not fit the GPU's 32-bit integers"
+    ))
+}
+
 /// The GPU bytes of a host tensor, borrowed when the host layout already is
 /// the GPU's (f32, i32, and 16-bit floats of even length); `what` names it
 /// in the error raised when an int64 value does not fit in i32.
@@ -396,77 +444,42 @@ pub fn to_gpu<'t>(tensor: &'t Tensor, what: &str) -> Result<Cow<'t, [u8]>> {
     let bytes = tensor.bytes();
     let size = gpu_bytes(tensor.dtype(), tensor.numel())? as usize;
     let repr = GpuRepr::of(tensor.dtype())?;
-    if matches!(repr, GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16) && bytes.len() == size {
+    if repr.same_layout() && bytes.len() == size {
         return Ok(Cow::Borrowed(bytes));
     }
     let mut out = Vec::with_capacity(size);
-    match repr {
-        GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16 => out.extend_from_slice(bytes),
-        GpuRepr::I64AsI32 => {
-            for (i, chunk) in bytes.chunks_exact(8).enumerate() {
-                let v = i64::from_le_bytes(chunk.try_into().expect("8-byte chunk"));
-                let narrow = i32::try_from(v).map_err(|_| {
-                    Error::limit(format!(
-                        "{what}: int64 element {i} = {v} does not fit the GPU's 32-bit integers"
-                    ))
-                })?;
-                out.extend_from_slice(&narrow.to_le_bytes());
-            }
-        }
-        GpuRepr::Widened => {
-            let signed = tensor.dtype() == DType::I8;
-            for &b in bytes {
-                let v = if signed { b as i8 as i32 } else { b as i32 };
-                out.extend_from_slice(&v.to_le_bytes());
-            }
+    if repr.same_layout() {
+        out.extend_from_slice(bytes);
+    } else {
+        for word in gpu_words(tensor.dtype(), bytes) {
+            out.extend_from_slice(&word.map_err(|(i, v)| int64_does_not_fit(what, i, v))?);
         }
     }
     out.resize(size, 0);
     Ok(Cow::Owned(out))
 }
 
-/// The host tensor of GPU bytes `bytes` (at least [`gpu_bytes`] long).
-pub fn from_gpu(bytes: &[u8], dtype: DType, shape: &[usize]) -> Result<Tensor> {
-    let mut t = Tensor::zeros(dtype, shape)?;
-    from_gpu_into(bytes, &mut ViewMut::of(&mut t))?;
-    Ok(t)
-}
-
-/// Convert GPU bytes `bytes` (at least [`gpu_bytes`] long) into `out`, in
-/// place (a delegate output written where the method keeps it).
-pub fn from_gpu_into(bytes: &[u8], out: &mut ViewMut) -> Result<()> {
-    let (dtype, numel) = (out.dtype, out.numel());
-    let need = gpu_bytes(dtype, numel)? as usize;
-    if bytes.len() < need {
-        return Err(Error::internal(format!(
-            "GPU buffer of {} bytes holds less than a {} tensor of shape {:?} ({need} bytes)",
-            bytes.len(),
-            dtype.name(),
-            out.shape
-        )));
-    }
+/// Convert whole GPU units `src` into host elements `dst` of `dtype`
+/// ([`GpuRepr::unit`] bytes each side): int64 widened back from i32,
+/// bool/u8/i8 narrowed from a word (a bool is any non-zero word).
+pub fn host_from_gpu(dtype: DType, src: &[u8], dst: &mut [u8]) {
     let word = |c: &[u8]| i32::from_le_bytes(c.try_into().expect("4-byte chunk"));
-    let dst = &mut *out.bytes;
-    match GpuRepr::of(dtype)? {
-        // the same layout: one copy
-        GpuRepr::F32 | GpuRepr::I32 | GpuRepr::Packed16 => {
-            dst.copy_from_slice(&bytes[..dst.len()]);
-        }
-        GpuRepr::I64AsI32 => {
-            for (d, src) in dst.chunks_exact_mut(8).zip(bytes.chunks_exact(4)) {
-                d.copy_from_slice(&(word(src) as i64).to_le_bytes());
+    match GpuRepr::of(dtype) {
+        Ok(GpuRepr::I64AsI32) => {
+            for (d, s) in dst.chunks_exact_mut(8).zip(src.chunks_exact(4)) {
+                d.copy_from_slice(&i64::from(word(s)).to_le_bytes());
             }
         }
-        GpuRepr::Widened => {
-            for (d, src) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+        Ok(GpuRepr::Widened) => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
                 *d = match dtype {
-                    DType::Bool => (word(src) != 0) as u8,
-                    _ => word(src) as u8,
+                    DType::Bool => u8::from(word(s) != 0),
+                    _ => word(s) as u8,
                 };
             }
         }
+        _ => dst.copy_from_slice(&src[..dst.len()]),
     }
-    Ok(())
 }
 
 impl Payload {
@@ -904,13 +917,16 @@ mod tests {
 
     #[test]
     fn gpu_repr_round_trips_host_tensors() {
+        // the host tensor of GPU bytes `g`, shaped like `like`
+        let back = |g: &[u8], like: &Tensor| {
+            let mut t = Tensor::zeros(like.dtype(), like.shape()).unwrap();
+            host_from_gpu(like.dtype(), g, t.bytes_mut());
+            t
+        };
         let t = Tensor::from_i64(DType::I64, &[3], &[-5, 0, 1 << 30]).unwrap();
         let g = to_gpu(&t, "x").unwrap();
         assert_eq!(g.len(), 12);
-        assert_eq!(
-            from_gpu(&g, DType::I64, &[3]).unwrap().to_i64_vec(),
-            [-5, 0, 1 << 30]
-        );
+        assert_eq!(back(&g, &t).to_i64_vec(), [-5, 0, 1 << 30]);
         let big = Tensor::from_i64(DType::I64, &[1], &[1 << 40]).unwrap();
         assert!(to_gpu(&big, "input 0")
             .unwrap_err()
@@ -919,14 +935,11 @@ mod tests {
         let b = Tensor::from_bytes(DType::Bool, &[3], &[1, 0, 1]).unwrap();
         let g = to_gpu(&b, "m").unwrap();
         assert_eq!(g[..], [1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]);
-        assert_eq!(from_gpu(&g, DType::Bool, &[3]).unwrap().bytes(), [1, 0, 1]);
+        assert_eq!(back(&g, &b).bytes(), [1, 0, 1]);
         let h = Tensor::from_f32(DType::BF16, &[3], &[1.0, -2.0, 0.5]).unwrap();
         let g = to_gpu(&h, "h").unwrap();
         assert_eq!(g.len(), 8);
-        assert_eq!(
-            from_gpu(&g, DType::BF16, &[3]).unwrap().to_f32_vec(),
-            [1.0, -2.0, 0.5]
-        );
+        assert_eq!(back(&g, &h).to_f32_vec(), [1.0, -2.0, 0.5]);
         let i8s = Tensor::from_bytes(DType::I8, &[1], &[0xff]).unwrap();
         assert_eq!(to_gpu(&i8s, "c").unwrap()[..], [0xff; 4]);
         // f32 of the GPU's layout is not copied
