@@ -223,6 +223,24 @@ impl SymExpr {
         }
     }
 
+    /// `(k, c)` when the expression is `k*name + c` (`k != 0`): how a
+    /// symbol is read back from a size derived from it (`2*s` → `s`).
+    pub fn affine_in(&self, name: &str) -> Option<(i64, i64)> {
+        let term = |t: &SymExpr| match t.split_coef() {
+            (c, None) => Some((0, c)),
+            (k, Some(SymExpr::Sym(s))) if s == name => Some((k, 0)),
+            _ => None,
+        };
+        let (k, c) = match self {
+            SymExpr::Add(ts) => ts.iter().try_fold((0, 0), |(k, c), t| {
+                let (k2, c2) = term(t)?;
+                Some((k + k2, c + c2))
+            })?,
+            e => term(e)?,
+        };
+        (k != 0).then_some((k, c))
+    }
+
     /// The symbols the expression reads, each once, sorted.
     pub fn symbols(&self) -> Vec<&str> {
         fn walk<'a>(e: &'a SymExpr, out: &mut Vec<&'a str>) {
@@ -530,6 +548,11 @@ mod tests {
         let at = |v: i64| e.eval(&HashMap::from([("s77".to_string(), v)])).unwrap();
         assert_eq!(at(5), 5 / 2 + 15 - 1);
         assert_eq!(at(1), 2);
+        assert_eq!(e.affine_in("s77"), None);
+        let lin = SymExpr::add(SymExpr::mul(c(2), s("s77")), c(-1));
+        assert_eq!(lin.affine_in("s77"), Some((2, -1)));
+        assert_eq!(s("s77").affine_in("s77"), Some((1, 0)));
+        assert_eq!(lin.affine_in("t"), None);
         let m = SymExpr::parse_srepr(&format!("Max(Integer(5), {sym})")).unwrap();
         assert_eq!(m, SymExpr::max(s("s77"), c(5)));
         let err = SymExpr::parse_srepr(&format!("CeilToInt({sym})")).unwrap_err();

@@ -3,7 +3,7 @@
 //! one writes the original node's outputs, checked against what they were
 //! (symbolic sizes included, for dynamic shapes).
 
-use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor, UnaryOp};
+use etmetal_core::{BinaryOp, DType, Error, Op, Result, SymExpr, Tensor, UnaryOp};
 
 use crate::infer::infer;
 use crate::infer_sym::{assign_sym, infer_sym};
@@ -49,6 +49,20 @@ impl<'g> Rewrite<'g> {
         node.outputs.push(v);
         assign_sym(self.graph, &node)?;
         self.nodes.push(node);
+        Ok(v)
+    }
+
+    /// A node whose output has the symbolic sizes `dims` (bounded by its
+    /// inferred shape): what the inputs' sizes do not tell, as a slice of
+    /// a constant made at the bound.
+    pub fn sized(
+        &mut self,
+        op: Op,
+        inputs: &[Option<ValueId>],
+        dims: Vec<SymExpr>,
+    ) -> Result<ValueId> {
+        let v = self.node(op, inputs)?;
+        self.graph.set_sym_dims(v, dims)?;
         Ok(v)
     }
 

@@ -492,11 +492,12 @@ fn sym_args(g: &Graph, node: &etmetal_graph::Node) -> Result<Vec<(usize, SymArg)
         } => {
             let x = input(0)?;
             let size = g.sym_dims(x)[*dim].clone();
-            if size.as_const().is_some() {
+            let n = out()?[*dim].clone();
+            if size.as_const().is_some() && n.as_const().is_some() {
                 return Ok(vec![]);
             }
-            let n = out()?[*dim].clone();
-            let (start, end) = if *step == 1 && *end == g.value(x).shape[*dim] {
+            let to_end = size.as_const().is_none() && *end == g.value(x).shape[*dim];
+            let (start, end) = if *step == 1 && to_end {
                 // to the end of the dim: start where the `n` last begin
                 (SymExpr::sub(size.clone(), n), size)
             } else {
@@ -603,11 +604,28 @@ impl PlanBuilder<'_, '_> {
         let i = match e {
             SymExpr::Const(_) => unreachable!("handled above"),
             SymExpr::Sym(name) => {
-                let (v, dim) = self.sym_source(name)?;
-                let t = self.tensor(v)?;
-                let d = self.push(EValue::Int(dim as i64));
-                let out = self.push(EValue::Int(0));
-                calls.kernel("aten::sym_size", "int", vec![t, d, out]);
+                // the size `k*name + c` of a user input dim, solved for `name`
+                let (v, dim, k, c) = self.sym_source(name)?;
+                let size = self.graph.sym_dims(v)[dim].clone();
+                let mut out = match self.sym_ids.get(&size) {
+                    Some(&i) => i,
+                    None => {
+                        let t = self.tensor(v)?;
+                        let d = self.push(EValue::Int(dim as i64));
+                        let out = self.push(EValue::Int(0));
+                        calls.kernel("aten::sym_size", "int", vec![t, d, out]);
+                        self.sym_ids.insert(size, out);
+                        out
+                    }
+                };
+                if c != 0 {
+                    let c = self.push(EValue::Int(c));
+                    out = self.prim(calls, "sub", out, c);
+                }
+                if k != 1 {
+                    let k = self.push(EValue::Int(k));
+                    out = self.prim(calls, "floordiv", out, k);
+                }
                 out
             }
             SymExpr::Add(terms) => {
@@ -664,18 +682,33 @@ impl PlanBuilder<'_, '_> {
         out
     }
 
-    /// A user input and dim whose size is symbol `name`.
-    fn sym_source(&self, name: &str) -> Result<(ValueId, usize)> {
-        let want = SymExpr::sym(name);
-        self.graph
-            .user_inputs()
-            .find_map(|v| {
-                let dims = self.graph.sym.dims.get(&v)?;
-                dims.iter().position(|d| *d == want).map(|d| (v, d))
-            })
+    /// A user input and dim whose size is `k*name + c`, with `(k, c)`;
+    /// a dim that is the symbol itself first.
+    fn sym_source(&self, name: &str) -> Result<(ValueId, usize, i64, i64)> {
+        let mut found = vec![];
+        for v in self.graph.user_inputs() {
+            for (d, e) in self
+                .graph
+                .sym
+                .dims
+                .get(&v)
+                .into_iter()
+                .flatten()
+                .enumerate()
+            {
+                if let Some((k, c)) = e.affine_in(name) {
+                    found.push((v, d, k, c));
+                }
+            }
+        }
+        found
+            .into_iter()
+            .min_by_key(|&(_, _, k, c)| (k != 1 || c != 0, k.abs()))
+            .filter(|&(_, _, k, _)| k > 0)
             .ok_or_else(|| {
                 Error::unsupported(format!(
-                    "symbol `{name}` is the size of no user input dim, so its value is unknown at run time"
+                    "symbol `{name}` is not k*{name} + c for a size of a user input, so \
+                     its value is unknown at run time"
                 ))
             })
     }
