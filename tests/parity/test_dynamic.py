@@ -9,7 +9,8 @@ PyTorch at the same inputs:
   with `etmetal run` (the encoding both sides share).
 
 The modules: an MLP with a dynamic batch, a transformer block with a
-dynamic sequence length, a conv net with a dynamic batch, and some of the
+dynamic sequence length, a decoder's prefill over a dynamic token count
+(last-token logits), a conv net with a dynamic batch, and some of the
 seed backend's test modules (executorch/backends/apple/metal/tests/
 test_modules.py, written out here: importing it needs macOS libraries)
 with a dynamic dim. Also: `--backend metal` keeps the dynamic nodes on the
@@ -79,6 +80,27 @@ class ConvNet(nn.Module):
         x = F.max_pool2d(F.relu(self.bn(self.conv1(x))), 2)
         x = F.adaptive_avg_pool2d(F.relu(self.conv2(x)), 1).flatten(1)
         return self.fc(x)
+
+
+class Decoder(nn.Module):
+    """An LLM prefill over `tokens`: embeddings and positions (arange), RMS
+    norm, causal attention, logits of the last token and of the last three."""
+
+    def __init__(self, vocab=50, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.emb, self.pos, self.norm = nn.Embedding(vocab, d), nn.Embedding(64, d), nn.RMSNorm(d)
+        self.qkv, self.o = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        b, t = tokens.shape
+        x = self.emb(tokens) + self.pos(torch.arange(t))
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        heads = lambda z: z.reshape(b, t, self.heads, -1).permute(0, 2, 1, 3)
+        a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        logits = self.head(x + self.o(a.permute(0, 2, 1, 3).reshape(b, t, -1)))
+        return logits[:, -1, :], logits[:, -3:, :]
 
 
 # The seed's test modules (same definitions as test_modules.py).
@@ -157,6 +179,7 @@ def batch0(n_inputs: int = 1):
 CASES = [
     Case("mlp_batch", Mlp, lambda n: [(n, 16)], batch0(), 1, 32, 7),
     Case("block_seq", Block, lambda n: [(2, n, 32)], lambda d: ({1: d},), 1, 48, 13),
+    Case("decoder_tokens", Decoder, lambda n: [(1, n)], lambda d: ({1: d},), 3, 64, 11),
     Case("convnet_batch", ConvNet, lambda n: [(n, 3, 16, 16)], batch0(), 1, 4, 3),
     Case("seed_add", Add, lambda n: [(n,), (n,)], batch0(2), 1, 64, 37),
     Case("seed_linear_bias", LinearWithBias, lambda n: [(n, 7)], batch0(), 1, 256, 127),
@@ -179,6 +202,8 @@ CASES_BY_NAME = {c.name: c for c in CASES}
 
 def inputs_at(case: Case, n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(n)
+    if case.make is Decoder:
+        return [torch.randint(0, 50, s, generator=g) for s in case.shapes(n)]
     return [torch.randn(*s, generator=g) for s in case.shapes(n)]
 
 
@@ -276,7 +301,7 @@ def test_etmetal_runs_each_size(name, n, backend, etmetal, root):
     check(f"{name} at {n}, --backend {backend}, etmetal run", got, eager(name, inputs))
 
 
-@pytest.mark.parametrize("name", ["mlp_batch", "block_seq"])
+@pytest.mark.parametrize("name", ["mlp_batch", "block_seq", "decoder_tokens"])
 def test_executorch_made_pte_runs_in_etmetal(name, etmetal, root):
     """The other direction of the shared encoding: `to_executorch()`'s file."""
     _, ep = exported(name)

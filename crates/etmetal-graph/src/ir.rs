@@ -67,6 +67,12 @@ pub struct SymShapes {
     pub ranges: SymRanges,
     /// Only values with at least one non-constant size are listed.
     pub dims: BTreeMap<ValueId, Vec<SymExpr>>,
+    /// The int arguments of the node writing each value, as the program
+    /// wrote them, where they count along a dynamic dim and the op's own
+    /// (clamped at the bound) would be wrong at other sizes: a slice's
+    /// `[start, end]`, a select's `[index]` (negative counts from the end,
+    /// as the kernels read them).
+    pub args: BTreeMap<ValueId, Vec<SymExpr>>,
 }
 
 #[derive(Clone, Debug, Default)]

@@ -484,6 +484,18 @@ fn sym_args(g: &Graph, node: &etmetal_graph::Node) -> Result<Vec<(usize, SymArg)
         // full(size, fill_value)
         Op::Full { .. } => vec![(0, SymArg::Ints(out()?))],
         // slice_copy(self, dim, start, end, step)
+        // slice_copy(self, dim, start, end, step) as the program wrote it
+        Op::Slice { .. } if g.sym.args.contains_key(&node.outputs[0]) => {
+            let a = &g.sym.args[&node.outputs[0]];
+            vec![
+                (2, SymArg::Int(a[0].clone())),
+                (3, SymArg::Int(a[1].clone())),
+            ]
+        }
+        // select_copy(self, dim, index)
+        Op::Select { .. } if g.sym.args.contains_key(&node.outputs[0]) => {
+            vec![(2, SymArg::Int(g.sym.args[&node.outputs[0]][0].clone()))]
+        }
         Op::Slice {
             dim,
             start,

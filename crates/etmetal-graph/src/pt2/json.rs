@@ -346,6 +346,22 @@ impl<'a> Args<'a> {
         .map_err(|e: Error| e.context(format!("argument `{name}`")))
     }
 
+    /// An int argument as a symbolic size (`None` when absent or `None`).
+    pub fn sym_int(&self, name: &str) -> Result<Option<SymExpr>> {
+        match self.get(name)? {
+            None => Ok(None),
+            Some(("as_sym_int", v)) if v.get("as_name").is_some() => {
+                let n = v.get("as_name").and_then(Value::as_str).unwrap_or("");
+                let (e, _) = self.syms.get(n).ok_or_else(|| {
+                    Error::format(format!("symbolic int `{n}` is not in sym_int_values"))
+                })?;
+                self.read_sym.set(true);
+                Ok(Some(e.clone()))
+            }
+            Some(_) => self.opt_int(name).map(|v| v.map(SymExpr::Const)),
+        }
+    }
+
     pub fn string(&self, name: &str) -> Result<Option<&'a str>> {
         match self.get(name)? {
             None => Ok(None),

@@ -226,13 +226,14 @@ impl<'m> Lowerer<'m> {
                         | Op::Full { .. }
                         | Op::Arange { .. }
                         | Op::Slice { .. }
+                        | Op::Select { .. }
                         | Op::Identity
                 )
             };
             if let Some(node) = nodes.iter().find(|n| !derived(&n.op)) {
                 return Err(Error::unsupported(format!(
                     "a symbolic int argument read by {} (only sizes of view, reshape, expand, \
-                     slice, arange and full/zeros/ones may be symbolic)",
+                     slice, select, arange and full/zeros/ones may be symbolic)",
                     node.op.name()
                 )));
             }
@@ -247,6 +248,19 @@ impl<'m> Lowerer<'m> {
                 self.graph.value(*v).name,
                 t.shape()
             )));
+        }
+        Ok(())
+    }
+
+    /// Keep the program's own int arguments of the node just lowered (see
+    /// [`crate::ir::SymShapes::args`]) when its dim `dim` of `x` is dynamic
+    /// or an argument is symbolic.
+    fn keep_sym_args(&mut self, x: ValueId, dim: usize, args: Vec<SymExpr>) -> Result<()> {
+        let dynamic = self.graph.sym_dims(x)[dim].as_const().is_none()
+            || args.iter().any(|a| a.as_const().is_none());
+        let out = self.graph.nodes.last().and_then(|n| n.outputs.first());
+        if let (true, Some(&out)) = (dynamic, out) {
+            self.graph.sym.args.insert(out, args);
         }
         Ok(())
     }
@@ -1279,7 +1293,10 @@ impl<'m> Lowerer<'m> {
                         step,
                     },
                     vec![Some(x)],
-                )
+                )?;
+                let start = a.sym_int("start")?.unwrap_or(SymExpr::Const(0));
+                let end = a.sym_int("end")?.unwrap_or(SymExpr::Const(i64::MAX));
+                self.keep_sym_args(x, dim, vec![start, end])
             }
             ("narrow", "default") => {
                 let x = self.t(c, "self")?;
@@ -1300,7 +1317,17 @@ impl<'m> Lowerer<'m> {
                     end: (start + len) as usize,
                     step: 1,
                 };
-                self.finish(c, op, vec![Some(x)])
+                self.finish(c, op, vec![Some(x)])?;
+                let start = a.sym_int("start")?.unwrap_or(SymExpr::Const(0));
+                let len = a.sym_int("length")?.unwrap_or(SymExpr::Const(0));
+                // a negative start counts from the end, so its end does too
+                let end = match start.as_const() {
+                    Some(s) if s < 0 && s + len.as_const().unwrap_or(0) == 0 => {
+                        SymExpr::Const(i64::MAX)
+                    }
+                    _ => SymExpr::add(start.clone(), len),
+                };
+                self.keep_sym_args(x, dim, vec![start, end])
             }
             ("select", "int") => {
                 let x = self.t(c, "self")?;
@@ -1311,7 +1338,9 @@ impl<'m> Lowerer<'m> {
                     usize::try_from(if i < 0 { i + n as i64 } else { i }).map_err(|_| {
                         Error::shape(format!("select index {i} of dim {dim} of {shape:?}"))
                     })?;
-                self.finish(c, Op::Select { dim, index }, vec![Some(x)])
+                self.finish(c, Op::Select { dim, index }, vec![Some(x)])?;
+                let index = a.sym_int("index")?.unwrap_or(SymExpr::Const(0));
+                self.keep_sym_args(x, dim, vec![index])
             }
             ("split", "Tensor") | ("split_with_sizes", "default") | ("chunk", "default") => {
                 let x = self.t(c, "self")?;
