@@ -607,14 +607,12 @@ impl PlanBuilder<'_, '_> {
     /// first time `e` is needed): `aten::sym_size.int` of a user input for
     /// a symbol, `executorch_prim::*.Scalar` for the arithmetic.
     fn sym_int(&mut self, e: &SymExpr, calls: &mut Calls) -> Result<i32> {
-        if let SymExpr::Const(v) = e {
-            return Ok(self.push(EValue::Int(*v)));
-        }
         if let Some(&i) = self.sym_ids.get(e) {
             return Ok(i);
         }
         let i = match e {
-            SymExpr::Const(_) => unreachable!("handled above"),
+            // a literal each time, as EXIR writes them
+            SymExpr::Const(v) => return Ok(self.push(EValue::Int(*v))),
             SymExpr::Sym(name) => {
                 // the size `k*name + c` of a user input dim, solved for `name`
                 let (v, dim, k, c) = self.sym_source(name)?;
