@@ -2,7 +2,7 @@
 //! symbols of a `torch.export` program (`Dim("seq", min=1, max=2048)`,
 //! written `s77` in the archive), with each symbol's range.
 //!
-//! An expression is built in a canonical form (sums of terms with integer
+//! An expression is built (`+`, `-`, `*` and the constructors) in a canonical form (sums of terms with integer
 //! coefficients, constants folded), so `3*s - 2*s` is `s` and two ways of
 //! writing one size compare equal. It evaluates under bindings (the actual
 //! sizes of a run) and has bounds over the ranges (memory is planned at the
@@ -11,6 +11,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::ops::{Add, Mul, Sub};
 
 use crate::error::{Error, Result};
 
@@ -24,8 +25,8 @@ pub struct SymRange {
 /// The range of every symbol of a program, by name.
 pub type SymRanges = BTreeMap<String, SymRange>;
 
-/// An integer expression over symbols. Build it with the constructors
-/// ([`SymExpr::add`], [`SymExpr::mul`], …), which keep it canonical.
+/// An integer expression over symbols. Build it with `+`, `-`, `*` and
+/// the constructors ([`SymExpr::floor_div`], …), which keep it canonical.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SymExpr {
     Const(i64),
@@ -91,85 +92,6 @@ impl SymExpr {
                 _ => (1, Some(self.clone())),
             },
             e => (1, Some(e.clone())),
-        }
-    }
-
-    /// `a + b`, with like terms merged (`3*s + -2*s` is `s`).
-    pub fn add(a: SymExpr, b: SymExpr) -> SymExpr {
-        let mut terms: Vec<(SymExpr, i64)> = vec![];
-        let mut constant = 0i64;
-        for t in [a, b] {
-            let parts = match t {
-                SymExpr::Add(ts) => ts,
-                t => vec![t],
-            };
-            for p in parts {
-                match p.split_coef() {
-                    (c, None) => constant = constant.wrapping_add(c),
-                    (c, Some(rest)) => match terms.iter_mut().find(|(r, _)| *r == rest) {
-                        Some((_, k)) => *k = k.wrapping_add(c),
-                        None => terms.push((rest, c)),
-                    },
-                }
-            }
-        }
-        let mut out: Vec<SymExpr> = terms
-            .into_iter()
-            .filter(|(_, k)| *k != 0)
-            .map(|(r, k)| SymExpr::mul(SymExpr::Const(k), r))
-            .collect();
-        out.sort();
-        if constant != 0 || out.is_empty() {
-            out.push(SymExpr::Const(constant));
-        }
-        if out.len() == 1 {
-            out.pop().unwrap_or(SymExpr::Const(0))
-        } else {
-            SymExpr::Add(out)
-        }
-    }
-
-    pub fn sub(a: SymExpr, b: SymExpr) -> SymExpr {
-        SymExpr::add(a, SymExpr::mul(SymExpr::Const(-1), b))
-    }
-
-    /// `a * b`; a constant times a sum distributes (`2*(s + 1)` is `2*s + 2`).
-    pub fn mul(a: SymExpr, b: SymExpr) -> SymExpr {
-        let mut coef = 1i64;
-        let mut factors = vec![];
-        for f in [a, b] {
-            let parts = match f {
-                SymExpr::Mul(fs) => fs,
-                f => vec![f],
-            };
-            for p in parts {
-                match p {
-                    SymExpr::Const(c) => coef = coef.wrapping_mul(c),
-                    p => factors.push(p),
-                }
-            }
-        }
-        if coef == 0 {
-            return SymExpr::Const(0);
-        }
-        match factors.len() {
-            0 => SymExpr::Const(coef),
-            1 => match factors.pop() {
-                Some(SymExpr::Add(ts)) if coef != 1 => ts
-                    .into_iter()
-                    .map(|t| SymExpr::mul(SymExpr::Const(coef), t))
-                    .fold(SymExpr::Const(0), SymExpr::add),
-                Some(f) if coef == 1 => f,
-                Some(f) => SymExpr::Mul(vec![SymExpr::Const(coef), f]),
-                None => SymExpr::Const(coef),
-            },
-            _ => {
-                factors.sort();
-                if coef != 1 {
-                    factors.insert(0, SymExpr::Const(coef));
-                }
-                SymExpr::Mul(factors)
-            }
         }
     }
 
@@ -378,6 +300,100 @@ impl SymExpr {
             )));
         }
         Ok(e)
+    }
+}
+
+impl Add for SymExpr {
+    type Output = SymExpr;
+
+    /// `a + b`, with like terms merged (`3*s + -2*s` is `s`).
+    fn add(self, b: SymExpr) -> SymExpr {
+        let a = self;
+        let mut terms: Vec<(SymExpr, i64)> = vec![];
+        let mut constant = 0i64;
+        for t in [a, b] {
+            let parts = match t {
+                SymExpr::Add(ts) => ts,
+                t => vec![t],
+            };
+            for p in parts {
+                match p.split_coef() {
+                    (c, None) => constant = constant.wrapping_add(c),
+                    (c, Some(rest)) => match terms.iter_mut().find(|(r, _)| *r == rest) {
+                        Some((_, k)) => *k = k.wrapping_add(c),
+                        None => terms.push((rest, c)),
+                    },
+                }
+            }
+        }
+        let mut out: Vec<SymExpr> = terms
+            .into_iter()
+            .filter(|(_, k)| *k != 0)
+            .map(|(r, k)| SymExpr::mul(SymExpr::Const(k), r))
+            .collect();
+        out.sort();
+        if constant != 0 || out.is_empty() {
+            out.push(SymExpr::Const(constant));
+        }
+        if out.len() == 1 {
+            out.pop().unwrap_or(SymExpr::Const(0))
+        } else {
+            SymExpr::Add(out)
+        }
+    }
+}
+
+impl Sub for SymExpr {
+    type Output = SymExpr;
+
+    fn sub(self, b: SymExpr) -> SymExpr {
+        let a = self;
+        SymExpr::add(a, SymExpr::mul(SymExpr::Const(-1), b))
+    }
+}
+
+impl Mul for SymExpr {
+    type Output = SymExpr;
+
+    /// `a * b`; a constant times a sum distributes (`2*(s + 1)` is `2*s + 2`).
+    fn mul(self, b: SymExpr) -> SymExpr {
+        let a = self;
+        let mut coef = 1i64;
+        let mut factors = vec![];
+        for f in [a, b] {
+            let parts = match f {
+                SymExpr::Mul(fs) => fs,
+                f => vec![f],
+            };
+            for p in parts {
+                match p {
+                    SymExpr::Const(c) => coef = coef.wrapping_mul(c),
+                    p => factors.push(p),
+                }
+            }
+        }
+        if coef == 0 {
+            return SymExpr::Const(0);
+        }
+        match factors.len() {
+            0 => SymExpr::Const(coef),
+            1 => match factors.pop() {
+                Some(SymExpr::Add(ts)) if coef != 1 => ts
+                    .into_iter()
+                    .map(|t| SymExpr::mul(SymExpr::Const(coef), t))
+                    .fold(SymExpr::Const(0), SymExpr::add),
+                Some(f) if coef == 1 => f,
+                Some(f) => SymExpr::Mul(vec![SymExpr::Const(coef), f]),
+                None => SymExpr::Const(coef),
+            },
+            _ => {
+                factors.sort();
+                if coef != 1 {
+                    factors.insert(0, SymExpr::Const(coef));
+                }
+                SymExpr::Mul(factors)
+            }
+        }
     }
 }
 

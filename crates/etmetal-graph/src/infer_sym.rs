@@ -9,6 +9,7 @@
 //! an error naming it.
 
 use etmetal_core::{Error, Op, Result, SymExpr};
+use std::ops::{Add, Mul};
 
 use crate::infer::infer;
 use crate::ir::{Graph, Node};

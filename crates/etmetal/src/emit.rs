@@ -36,6 +36,7 @@
 //! arguments name those values (see [`SymArg`]).
 
 use std::collections::HashMap;
+use std::ops::{Add, Mul, Sub};
 
 use etmetal_core::{DType, Error, Op, Result, Scalar, SymExpr};
 use etmetal_graph::plan::plan_memory;

@@ -6,6 +6,7 @@
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ops::Add;
 
 use etmetal_core::dtype::{result_type, Operand};
 use etmetal_core::shape::{normalize_dim, numel};
