@@ -345,6 +345,42 @@ def test_metal_keeps_dynamic_nodes_on_the_cpu_and_delegates_the_rest(etmetal, ro
             check(f"mixed at {n}", got, list(m(*inputs)))
 
 
+class SizeArithmetic(nn.Module):
+    """Two symbols and the size arithmetic torch.export writes for them:
+    sums (cat), floordiv, sym_max, a derived size in zeros, padding, expand
+    with -1, repeat."""
+
+    def forward(self, x, y):
+        n = x.shape[0]
+        a = torch.cat([x, y], 0)
+        return (
+            a[: n // 2 + 3],
+            x.reshape(-1),
+            F.pad(x, (0, 0, 1, 2)),
+            torch.zeros(n * 2 - 1),
+            torch.ones(torch.sym_max(n, 5), 2),
+            x[1:].expand(2, -1, -1),
+            x.unsqueeze(0).repeat(2, 1, 1).sum(0),
+        )
+
+
+def test_size_arithmetic_of_two_symbols(etmetal, root):
+    m = SizeArithmetic()
+    dims = ({0: Dim("rows", min=3, max=16)}, {0: Dim("more", min=1, max=8)})
+    ep = torch.export.export(m, (torch.randn(6, 4), torch.randn(3, 4)), dynamic_shapes=dims)
+    pt2, pte = root / "arith.pt2", root / "arith.pte"
+    torch.export.save(ep, pt2)
+    res = etm(etmetal.binary, "compile", str(pt2), "-o", str(pte), "--backend", "cpu")
+    assert res.returncode == 0, res.stderr
+    method = runtime().load_program(pte).load_method("forward")
+    for n, k in ((3, 1), (16, 8), (7, 3)):
+        inputs = [torch.randn(n, 4), torch.randn(k, 4)]
+        want = list(m(*inputs))
+        check(f"size arithmetic at {n}, {k} in ExecuTorch", [to_npy(t) for t in method.execute(inputs)], want)
+        got = run_etmetal(etmetal.binary, pte, inputs, root / f"arith-{n}-{k}")
+        check(f"size arithmetic at {n}, {k}, etmetal run", got, want)
+
+
 class SymbolicScalar(nn.Module):
     def forward(self, x):
         return x * x.shape[0]  # a SymInt used as a tensor value
