@@ -254,11 +254,13 @@ def fixtures():
     yield "inplace_state", InPlaceState(), (torch.randn(3, 4), torch.tensor([3, 1])), False
 
 
-# Bounded dynamic shapes: name -> (module, example inputs, dynamic_shapes).
+# Bounded dynamic shapes, under dynamic/ (the static fixtures' tests run
+# every top-level .pt2 at its example size): name -> (module, example
+# inputs, dynamic_shapes).
 def dynamic_fixtures():
     torch.manual_seed(0)
     seq = torch.export.Dim("seq", min=1, max=16)
-    yield "dyn_gpt_block", GptBlock().eval(), (torch.randn(1, 5, 16),), ({1: seq},)
+    yield "dynamic/gpt_block_seq", GptBlock().eval(), (torch.randn(1, 5, 16),), ({1: seq},)
 
 
 def save_npy(path, t):

@@ -516,7 +516,7 @@ fn a_symbol_without_an_upper_bound_is_refused_naming_it() {
 
 #[test]
 fn dynamic_sequence_imports_with_symbolic_sizes_at_their_bound() {
-    let g = load("dyn_gpt_block");
+    let g = load("dynamic/gpt_block_seq");
     let s = SymExpr::sym(g.sym.ranges.keys().next().expect("one symbol").clone());
     assert_eq!(g.sym.ranges.len(), 1);
     assert_eq!(g.sym.ranges[&s.to_string()], SymRange { min: 1, max: 16 });

@@ -369,7 +369,7 @@ mod tests {
 
     #[test]
     fn dynamic_shapes_are_bound_tensors_and_sizes_computed_at_run_time() {
-        let bytes = compile_pt2_cpu(&fixture("dyn_gpt_block.pt2")).unwrap();
+        let bytes = compile_pt2_cpu(&fixture("dynamic/gpt_block_seq.pt2")).unwrap();
         let pte = etmetal_pte::parse(&bytes).unwrap();
         let plan = &pte.program.execution_plan[0];
         let tensor = |i: i32| match &plan.values[i as usize] {
