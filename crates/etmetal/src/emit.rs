@@ -484,7 +484,6 @@ fn sym_args(g: &Graph, node: &etmetal_graph::Node) -> Result<Vec<(usize, SymArg)
         Op::Reshape { .. } | Op::Expand { .. } => vec![(1, SymArg::Ints(out()?))],
         // full(size, fill_value)
         Op::Full { .. } => vec![(0, SymArg::Ints(out()?))],
-        // slice_copy(self, dim, start, end, step)
         // slice_copy(self, dim, start, end, step) as the program wrote it
         Op::Slice { .. } if g.sym.args.contains_key(&node.outputs[0]) => {
             let a = &g.sym.args[&node.outputs[0]];
@@ -497,6 +496,7 @@ fn sym_args(g: &Graph, node: &etmetal_graph::Node) -> Result<Vec<(usize, SymArg)
         Op::Select { .. } if g.sym.args.contains_key(&node.outputs[0]) => {
             vec![(2, SymArg::Int(g.sym.args[&node.outputs[0]][0].clone()))]
         }
+        // a slice the rewrites made: its bounds from its sizes
         Op::Slice {
             dim,
             start,
@@ -530,11 +530,7 @@ fn sym_args(g: &Graph, node: &etmetal_graph::Node) -> Result<Vec<(usize, SymArg)
                 let end = SymExpr::add(SymExpr::Const(*a), SymExpr::mul(n, SymExpr::Const(*s)));
                 vec![(1, SymArg::Int(end))]
             }
-            _ => {
-                return Err(Error::unsupported(
-                    "a float arange of dynamic length".to_string(),
-                ))
-            }
+            _ => return Err(Error::unsupported("a float arange of dynamic length")),
         },
         Op::Select { dim, .. } if g.sym_dims(input(0)?)[*dim].as_const().is_none() => {
             return Err(Error::unsupported(

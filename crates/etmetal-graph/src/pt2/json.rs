@@ -110,7 +110,10 @@ pub(crate) fn sym_tensor_meta(
         .collect::<Result<Vec<SymExpr>>>()?;
     let sizes = sym
         .iter()
-        .map(|s| s.upper_bound(ranges))
+        .map(|s| match s.as_const() {
+            Some(n) if n < 0 => Err(Error::format(format!("negative size {n}"))),
+            _ => s.upper_bound(ranges),
+        })
         .collect::<Result<Vec<usize>>>()?;
     let sym = sym.iter().any(|s| s.as_const().is_none()).then_some(sym);
     // Refused here, before any tensor of this shape is allocated.
