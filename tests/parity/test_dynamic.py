@@ -10,7 +10,8 @@ PyTorch at the same inputs:
 
 The modules: an MLP with a dynamic batch, a transformer block with a
 dynamic sequence length, a decoder's prefill over a dynamic token count
-(last-token logits), a conv net with a dynamic batch, and some of the
+(last-token logits), a conv net with a dynamic batch and one with a
+dynamic image size, and some of the
 seed backend's test modules (executorch/backends/apple/metal/tests/
 test_modules.py, written out here: importing it needs macOS libraries)
 with a dynamic dim. Also: `--backend metal` keeps the dynamic nodes on the
@@ -181,6 +182,7 @@ CASES = [
     Case("block_seq", Block, lambda n: [(2, n, 32)], lambda d: ({1: d},), 1, 48, 13),
     Case("decoder_tokens", Decoder, lambda n: [(1, n)], lambda d: ({1: d},), 3, 64, 11),
     Case("convnet_batch", ConvNet, lambda n: [(n, 3, 16, 16)], batch0(), 1, 4, 3),
+    Case("convnet_image", ConvNet, lambda n: [(2, 3, n, n)], lambda d: ({2: d, 3: d},), 10, 32, 13, example=20),
     Case("seed_add", Add, lambda n: [(n,), (n,)], batch0(2), 1, 64, 37),
     Case("seed_linear_bias", LinearWithBias, lambda n: [(n, 7)], batch0(), 1, 256, 127),
     Case("seed_split_cat", SplitCat, lambda n: [(1, 6, n)], lambda d: ({2: d},), 1, 16, 5),

@@ -95,11 +95,33 @@ impl SymExpr {
         }
     }
 
+    /// `a // b`; terms of `a` that are multiples of a constant `b` come
+    /// out of the division (`(s + 2) // 2` is `s // 2 + 1`).
     pub fn floor_div(a: SymExpr, b: SymExpr) -> Result<SymExpr> {
         Ok(match (a.as_const(), b.as_const()) {
             (Some(x), Some(y)) => SymExpr::Const(floor_div(x, y)?),
             (_, Some(0)) => return Err(Error::invalid_input("symbolic size: division by zero")),
             (_, Some(1)) => a,
+            (_, Some(d)) if d > 0 => {
+                let terms = match a {
+                    SymExpr::Add(ts) => ts,
+                    t => vec![t],
+                };
+                let (mut out, mut rest) = (SymExpr::Const(0), SymExpr::Const(0));
+                for t in terms {
+                    match t.split_coef() {
+                        (k, r) if k % d == 0 => {
+                            let q = SymExpr::Const(k / d);
+                            out = out + r.map_or(q.clone(), |r| q * r);
+                        }
+                        _ => rest = rest + t,
+                    }
+                }
+                if rest != SymExpr::Const(0) {
+                    out = out + SymExpr::FloorDiv(Box::new(rest), Box::new(b));
+                }
+                out
+            }
             _ => SymExpr::FloorDiv(Box::new(a), Box::new(b)),
         })
     }
@@ -550,6 +572,16 @@ mod tests {
         assert_eq!(d.to_string(), "2*a + 2");
         assert_eq!(SymExpr::max(s("a"), s("b")), SymExpr::max(s("b"), s("a")));
         assert_eq!(SymExpr::floor_div(c(-7), c(2)).unwrap(), c(-4));
+        // multiples of the divisor come out: (4a + 2b - 2) // 2 = 2a + b - 1
+        let e = SymExpr::add(SymExpr::mul(c(4), s("a")), SymExpr::mul(c(2), s("b")));
+        let e = SymExpr::floor_div(SymExpr::add(e, c(-2)), c(2)).unwrap();
+        assert_eq!(e.to_string(), "b + 2*a + -1");
+        let h = SymExpr::floor_div(SymExpr::add(s("h"), c(3)), c(2)).unwrap();
+        assert_eq!(
+            h,
+            SymExpr::floor_div(SymExpr::add(s("h"), c(3)), c(2)).unwrap()
+        );
+        assert_eq!(h.eval(&HashMap::from([("h".to_string(), 4)])).unwrap(), 3);
         assert_eq!(SymExpr::modulo(c(-7), c(3)).unwrap(), c(2));
     }
 

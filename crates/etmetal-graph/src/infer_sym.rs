@@ -8,6 +8,7 @@
 //! importer read from the file; a node with a dynamic input and no rule is
 //! an error naming it.
 
+use etmetal_core::shape::sym_conv_output_size;
 use etmetal_core::{Error, Op, Result, SymExpr};
 use std::ops::{Add, Mul};
 
@@ -214,41 +215,60 @@ pub fn infer_sym(graph: &Graph, node: &Node) -> Result<Option<Vec<Dims>>> {
             let mut d: Dims = x[..lead - 1].to_vec();
             d.push(w[0].clone());
             for s in 0..sr {
-                // ⌊(in + 2p − dil·(k − 1) − 1) / stride⌋ + 1
-                let k = w[2 + s].as_const().unwrap_or(1);
-                let span = conv.dilation[s] as i64 * (k - 1) + 1;
-                let num = SymExpr::add(
-                    x[lead + s].clone(),
-                    SymExpr::Const(2 * conv.padding[s] as i64 - span),
-                );
-                let q = SymExpr::floor_div(num, SymExpr::Const(conv.stride[s] as i64))?;
-                d.push(SymExpr::add(q, SymExpr::Const(1)));
+                let k = ub_of(graph, node, 1)[2 + s];
+                let (st, p, dil) = (conv.stride[s], conv.padding[s], conv.dilation[s]);
+                d.push(sym_conv_output_size(x[lead + s].clone(), k, st, p, dil)?);
             }
             one(d)
         }
-        // pools over static spatial sizes: only the leading dims are dynamic
-        Op::MaxPool(_) | Op::AvgPool(_) | Op::AdaptiveAvgPool { .. } | Op::Convolution(_) => {
+        Op::MaxPool(_) | Op::AvgPool(_) => {
             let x = x()?;
-            let lead = match &node.op {
-                Op::MaxPool(p) => p.spatial_rank(),
-                Op::AvgPool(p) => p.spatial_rank(),
-                Op::AdaptiveAvgPool { output_size } => output_size.len(),
-                Op::Convolution(conv) => conv.spatial_rank(),
-                _ => x.len(),
+            let window = match &node.op {
+                Op::MaxPool(p) => p.window()?,
+                Op::AvgPool(p) => p.window()?,
+                _ => return Err(Error::internal("not a pool")),
             };
-            let lead = x.len() - lead;
+            let lead = x.len() - window.spatial_rank();
+            let mut d: Dims = x[..lead].to_vec();
+            for (s, size) in x[lead..].iter().enumerate() {
+                d.push(match size.as_const() {
+                    Some(_) => c(ub[0][lead + s]),
+                    // ceil mode drops a last window in the padding: not a sum
+                    None if window.ceil_mode => {
+                        return Err(at(Error::unsupported(
+                            "pooling in ceil mode over a dynamic spatial size",
+                        )))
+                    }
+                    None => sym_conv_output_size(
+                        size.clone(),
+                        window.kernel[s],
+                        window.stride[s],
+                        window.padding[s],
+                        window.dilation[s],
+                    )?,
+                });
+            }
+            Ok(ub.iter().map(|_| d.clone()).collect())
+        }
+        // the output size whatever the input's
+        Op::AdaptiveAvgPool { output_size } => {
+            let x = x()?;
+            let mut d: Dims = x[..x.len() - output_size.len()].to_vec();
+            d.extend(output_size.iter().map(|&n| c(n)));
+            one(d)
+        }
+        // transposed: a dynamic batch only
+        Op::Convolution(conv) => {
+            let x = x()?;
+            let lead = x.len() - conv.spatial_rank();
             if x[lead..].iter().any(|d| d.as_const().is_none()) {
                 return Err(at(Error::unsupported(
-                    "a dynamic spatial size (only its leading dims may be dynamic)",
+                    "a transposed convolution over a dynamic spatial size",
                 )));
             }
-            let mut d: Dims = x[..lead].to_vec();
-            if matches!(node.op, Op::Convolution(_)) {
-                d.truncate(lead.saturating_sub(1));
-            }
-            let first = d.len();
-            d.extend(ub[0][first..].iter().map(|&n| c(n)));
-            Ok(ub.iter().map(|_| d.clone()).collect())
+            let mut d: Dims = x[..lead - 1].to_vec();
+            d.extend(ub[0][lead - 1..].iter().map(|&n| c(n)));
+            one(d)
         }
         Op::Sdpa { .. } => {
             let (q, v) = (x()?, dims(2)?);
@@ -457,6 +477,43 @@ mod tests {
         // a static node stays static
         let ww = add_node(&mut g, Op::Binary(BinaryOp::Add), &[w, w]).unwrap();
         assert!(!g.is_dynamic(ww));
+    }
+
+    #[test]
+    fn pools_of_a_dynamic_image_size() {
+        let mut g = Graph::default();
+        g.sym
+            .ranges
+            .insert("h".into(), SymRange { min: 4, max: 16 });
+        let x = g.add_value("x", DType::F32, vec![1, 2, 16, 16]);
+        let h = SymExpr::sym("h");
+        let c = SymExpr::Const;
+        g.set_sym_dims(x, vec![c(1), c(2), h.clone(), h.clone()])
+            .unwrap();
+        let pool = |ceil_mode| {
+            Op::MaxPool(etmetal_core::MaxPoolAttrs {
+                kernel: vec![2, 2],
+                stride: vec![2, 2],
+                padding: vec![0, 0],
+                dilation: vec![1, 1],
+                ceil_mode,
+                with_indices: false,
+            })
+        };
+        let y = add_node(&mut g, pool(false), &[x]).unwrap();
+        let half = SymExpr::floor_div(h.clone(), c(2)).unwrap();
+        assert_eq!(g.sym_dims(y), [c(1), c(2), half.clone(), half]);
+        let e = add_node(&mut g, pool(true), &[x]).unwrap_err().to_string();
+        assert!(e.contains("ceil mode over a dynamic spatial size"), "{e}");
+        let a = add_node(
+            &mut g,
+            Op::AdaptiveAvgPool {
+                output_size: vec![1, 1],
+            },
+            &[x],
+        )
+        .unwrap();
+        assert!(!g.is_dynamic(a));
     }
 
     #[test]
