@@ -1,7 +1,7 @@
 """Write the small .pt2 fixtures under tests/fixtures/ with deterministic
 inputs and eager PyTorch outputs (.npy), so Rust tests need no Python.
 
-Run with the project venv: /root/.cache/etmetal/venv/bin/python scripts/make_fixtures.py
+Run with the project venv: /root/.cache/etmetal/venv/bin/python scripts/make_fixtures.py [NAME...]
 """
 import copy
 import os
@@ -254,6 +254,15 @@ def fixtures():
     yield "inplace_state", InPlaceState(), (torch.randn(3, 4), torch.tensor([3, 1])), False
 
 
+# Bounded dynamic shapes, under dynamic/ (the static fixtures' tests run
+# every top-level .pt2 at its example size): name -> (module, example
+# inputs, dynamic_shapes).
+def dynamic_fixtures():
+    torch.manual_seed(0)
+    seq = torch.export.Dim("seq", min=1, max=16)
+    yield "dynamic/gpt_block_seq", GptBlock().eval(), (torch.randn(1, 5, 16),), ({1: seq},)
+
+
 def save_npy(path, t):
     t = t.detach()
     if t.dtype == torch.bfloat16:
@@ -261,12 +270,23 @@ def save_npy(path, t):
     np.save(path, t.numpy())
 
 
-def main():
-    os.makedirs(OUT, exist_ok=True)
+def all_fixtures():
     for name, module, args, decompose in fixtures():
+        yield name, module, args, decompose, None
+    for name, module, args, dynamic in dynamic_fixtures():
+        yield name, module, args, False, dynamic
+
+
+def main():
+    """Write every fixture, or those named on the command line."""
+    os.makedirs(OUT, exist_ok=True)
+    only = set(sys.argv[1:])
+    for name, module, args, decompose, dynamic in all_fixtures():
+        if only and name not in only:
+            continue
         # export a copy: exporting runs nothing, but a stateful module's
         # buffers must start from their initial values in eager below
-        ep = torch.export.export(copy.deepcopy(module), args)
+        ep = torch.export.export(copy.deepcopy(module), args, dynamic_shapes=dynamic)
         if decompose:
             ep = ep.run_decompositions()
         torch.export.save(ep, os.path.join(OUT, name + ".pt2"))

@@ -18,6 +18,7 @@ pub mod npy;
 pub mod op;
 pub mod shape;
 pub mod spec;
+pub mod sym;
 pub mod tensor;
 
 pub use dtype::DType;
@@ -26,4 +27,5 @@ pub use op::{
     AvgPoolAttrs, BinaryOp, ConvAttrs, MaxPoolAttrs, Op, PoolWindow, ReduceOp, Scalar, UnaryOp,
 };
 pub use spec::{check_inputs, TensorSpec};
+pub use sym::{SymExpr, SymRange, SymRanges};
 pub use tensor::{Tensor, View, ViewMut};

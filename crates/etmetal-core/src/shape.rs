@@ -5,6 +5,7 @@
 //! expanded dims.
 
 use crate::error::{Error, Result};
+use crate::sym::SymExpr;
 
 /// Number of elements, or an error when the product overflows.
 pub fn numel(shape: &[usize]) -> Result<usize> {
@@ -124,6 +125,22 @@ pub fn conv_output_size(
         )));
     }
     Ok((padded - span) / stride + 1)
+}
+
+/// [`conv_output_size`] of a symbolic input size (bounded dynamic shapes):
+/// `⌊(input + 2·padding − dilation·(kernel − 1) − 1) / stride⌋ + 1`, also
+/// a pool's without `ceil_mode`.
+pub fn sym_conv_output_size(
+    input: SymExpr,
+    kernel: usize,
+    stride: usize,
+    padding: usize,
+    dilation: usize,
+) -> Result<SymExpr> {
+    check_window(kernel, stride, dilation)?;
+    let span = (dilation * (kernel - 1) + 1) as i64;
+    let num = input + SymExpr::Const(2 * padding as i64 - span);
+    Ok(SymExpr::floor_div(num, SymExpr::Const(stride as i64))? + SymExpr::Const(1))
 }
 
 /// PyTorch's output size of a transposed convolution along one spatial dim:
@@ -257,6 +274,22 @@ pub fn attention_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn symbolic_conv_output_size_is_the_static_one_at_every_size() {
+        use std::collections::HashMap;
+        for (k, st, p, dil) in [(3, 1, 1, 1), (3, 2, 0, 1), (2, 2, 0, 1), (5, 3, 2, 2)] {
+            let e = sym_conv_output_size(SymExpr::sym("h"), k, st, p, dil).unwrap();
+            for h in 5..40 {
+                let got = e
+                    .eval(&HashMap::from([("h".to_string(), h as i64)]))
+                    .unwrap();
+                let want = conv_output_size(h, k, st, p, dil).unwrap();
+                assert_eq!(got, want as i64, "h={h} k={k} s={st} p={p} d={dil}");
+            }
+        }
+        assert!(sym_conv_output_size(SymExpr::sym("h"), 3, 0, 0, 1).is_err());
+    }
 
     #[test]
     fn strides_and_contiguity() {

@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use etmetal_core::{DType, Error, Op, Result, Tensor};
+use etmetal_core::{DType, Error, Op, Result, SymExpr, SymRanges, Tensor};
 
 /// Index of a value in [`Graph::values`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -10,6 +10,7 @@ pub struct ValueId(pub usize);
 
 /// A tensor value: its name in the source program, dtype and static shape.
 /// Values are always contiguous; strides in the source are only checked.
+/// A value of dynamic shape (see [`SymShapes`]) holds its upper bounds.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ValueInfo {
     pub name: String,
@@ -56,6 +57,24 @@ pub enum OutputKind {
     },
 }
 
+/// The bounded dynamic shapes of a graph (`torch.export.Dim`): each
+/// symbol's range, and the symbolic sizes of every value whose shape
+/// depends on a symbol. Such a value's [`ValueInfo::shape`] holds the upper
+/// bounds of its sizes, so memory planning and the passes that only need
+/// sizes see a static graph at the bound. Empty for a static program.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SymShapes {
+    pub ranges: SymRanges,
+    /// Only values with at least one non-constant size are listed.
+    pub dims: BTreeMap<ValueId, Vec<SymExpr>>,
+    /// The int arguments of the node writing each value, as the program
+    /// wrote them, where they count along a dynamic dim and the op's own
+    /// (clamped at the bound) would be wrong at other sizes: a slice's
+    /// `[start, end]`, a select's `[index]` (negative counts from the end,
+    /// as the kernels read them).
+    pub args: BTreeMap<ValueId, Vec<SymExpr>>,
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
     pub values: Vec<ValueInfo>,
@@ -71,6 +90,8 @@ pub struct Graph {
     /// programs ExecuTorch hands a partitioner): zeros in `constants`, so
     /// nothing may depend on their values.
     pub fake_constants: BTreeSet<ValueId>,
+    /// Symbolic sizes (bounded dynamic shapes); empty when all are static.
+    pub sym: SymShapes,
 }
 
 impl Graph {
@@ -98,6 +119,48 @@ impl Graph {
         let id = self.add_value(name, tensor.dtype(), tensor.shape().to_vec());
         self.constants.insert(id, tensor);
         id
+    }
+
+    /// Whether `v`'s shape depends on a symbol.
+    pub fn is_dynamic(&self, v: ValueId) -> bool {
+        self.sym.dims.contains_key(&v)
+    }
+
+    /// The sizes of `v`: symbolic for a dynamic value, constants otherwise.
+    pub fn sym_dims(&self, v: ValueId) -> Vec<SymExpr> {
+        match self.sym.dims.get(&v) {
+            Some(d) => d.clone(),
+            None => self.values[v.0]
+                .shape
+                .iter()
+                .map(|&n| SymExpr::Const(n as i64))
+                .collect(),
+        }
+    }
+
+    /// Give `v` the sizes `dims`, whose upper bounds must be its shape
+    /// (the one check that inference of sizes and of bounds agree).
+    pub fn set_sym_dims(&mut self, v: ValueId, dims: Vec<SymExpr>) -> Result<()> {
+        let bounds = dims
+            .iter()
+            .map(|d| d.upper_bound(&self.sym.ranges))
+            .collect::<Result<Vec<usize>>>()?;
+        let info = &self.values[v.0];
+        if bounds != info.shape {
+            let shown: Vec<String> = dims.iter().map(ToString::to_string).collect();
+            return Err(Error::shape(format!(
+                "value `{}`: sizes [{}] are bounded by {bounds:?}, its shape is {:?}",
+                info.name,
+                shown.join(", "),
+                info.shape
+            )));
+        }
+        if dims.iter().all(|d| d.as_const().is_some()) {
+            self.sym.dims.remove(&v);
+        } else {
+            self.sym.dims.insert(v, dims);
+        }
+        Ok(())
     }
 
     /// User inputs in call order.

@@ -11,7 +11,7 @@
 //!   reduced-precision inputs (as PyTorch does);
 //! - `Sdpa` → `softmax(q @ kᵀ * scale + mask) @ v` in f32 for reduced
 //!   precision, GQA heads repeated by reshape/expand, the causal mask a
-//!   constant;
+//!   constant (for a dynamic length, made at the bound and sliced to it);
 //! - `Reduce(All)` → `!any(!x)`; upper `Triangle` → `where(mask, x, 0)`;
 //! - 1-D max/avg/adaptive pooling → the 2-D kernels on `[N, C, 1, L]`;
 //! - bf16/f16 `Convolution` → the f32 kernel between casts (weights
@@ -23,7 +23,8 @@
 
 use etmetal_core::shape::gqa_group;
 use etmetal_core::{
-    AvgPoolAttrs, BinaryOp, DType, Error, MaxPoolAttrs, Op, ReduceOp, Result, Tensor, UnaryOp,
+    AvgPoolAttrs, BinaryOp, DType, Error, MaxPoolAttrs, Op, ReduceOp, Result, SymExpr, Tensor,
+    UnaryOp,
 };
 
 use crate::ir::{Graph, Node, ValueId};
@@ -301,10 +302,27 @@ fn sdpa(
         let keep: Vec<u8> = (0..l * s_len)
             .map(|i| (i % s_len <= i / s_len) as u8)
             .collect();
-        let m = b.constant(
+        let mut m = b.constant(
             "causal_mask",
             Tensor::from_bytes(DType::Bool, &[l, s_len], &keep)?,
         );
+        let (ld, sd) = (
+            b.graph.sym_dims(q)[r - 2].clone(),
+            b.graph.sym_dims(k)[r - 2].clone(),
+        );
+        if ld.as_const().is_none() || sd.as_const().is_none() {
+            // a dynamic length: the mask at the bound, cut to the actual
+            // sizes (an entry depends on its position only)
+            let cut = |dim, end| Op::Slice {
+                dim,
+                start: 0,
+                end,
+                step: 1,
+            };
+            let rows = vec![ld.clone(), SymExpr::Const(s_len as i64)];
+            m = b.sized(cut(0, l), &[Some(m)], rows)?;
+            m = b.sized(cut(1, s_len), &[Some(m)], vec![ld, sd])?;
+        }
         scores = b.node(Op::Where, &[Some(m), Some(scores), Some(neg_inf)])?;
     }
     if let Some(m) = mask {

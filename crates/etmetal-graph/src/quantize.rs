@@ -296,6 +296,9 @@ pub fn quantize_int4(
                 let out = node.outputs[0];
                 let info = graph.value(out).clone();
                 let mm = graph.add_value(format!("{}.int4_mm", node.name), info.dtype, info.shape);
+                if let Some(dims) = graph.sym.dims.get(&out).cloned() {
+                    graph.sym.dims.insert(mm, dims); // the sum has the product's sizes
+                }
                 nodes.push(quant(vec![mm]));
                 nodes.push(Node {
                     name: format!("{}.bias", node.name),

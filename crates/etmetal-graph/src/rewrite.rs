@@ -1,10 +1,12 @@
 //! Building the replacement of one node, for the rewriting passes
 //! (`decompose`, `to_portable`): new nodes get inferred values, the last
-//! one writes the original node's outputs, checked against what they were.
+//! one writes the original node's outputs, checked against what they were
+//! (symbolic sizes included, for dynamic shapes).
 
-use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor, UnaryOp};
+use etmetal_core::{BinaryOp, DType, Error, Op, Result, SymExpr, Tensor, UnaryOp};
 
 use crate::infer::infer;
+use crate::infer_sym::{assign_sym, infer_sym};
 use crate::ir::{Graph, Node, ValueId};
 
 /// The replacement of one node: intermediates get new values, the last
@@ -45,7 +47,22 @@ impl<'g> Rewrite<'g> {
             .graph
             .add_value(format!("{}.out", node.name), dtype, shape);
         node.outputs.push(v);
+        assign_sym(self.graph, &node)?;
         self.nodes.push(node);
+        Ok(v)
+    }
+
+    /// A node whose output has the symbolic sizes `dims` (bounded by its
+    /// inferred shape): what the inputs' sizes do not tell, as a slice of
+    /// a constant made at the bound.
+    pub fn sized(
+        &mut self,
+        op: Op,
+        inputs: &[Option<ValueId>],
+        dims: Vec<SymExpr>,
+    ) -> Result<ValueId> {
+        let v = self.node(op, inputs)?;
+        self.graph.set_sym_dims(v, dims)?;
         Ok(v)
     }
 
@@ -139,6 +156,14 @@ impl<'g> Rewrite<'g> {
             return Err(Error::internal(format!(
                 "rewrite infers {got:?}, the node had {:?} {:?}",
                 info.dtype, info.shape
+            )));
+        }
+        let want_dims = self.graph.sym_dims(*want);
+        let got_dims = infer_sym(self.graph, last)?.and_then(|mut d| d.pop());
+        if got_dims.unwrap_or_else(|| self.graph.sym_dims(v)) != want_dims {
+            return Err(Error::unsupported(format!(
+                "node `{}`: its rewrite changes the symbolic sizes of its output",
+                self.base.name
             )));
         }
         Ok(self.nodes)

@@ -6,7 +6,8 @@ use std::io::{Cursor, Read, Write};
 use std::path::PathBuf;
 
 use etmetal_core::{
-    npy, AvgPoolAttrs, BinaryOp, ConvAttrs, DType, ErrorKind, MaxPoolAttrs, Op, Tensor,
+    npy, AvgPoolAttrs, BinaryOp, ConvAttrs, DType, ErrorKind, MaxPoolAttrs, Op, SymExpr, SymRange,
+    Tensor,
 };
 use etmetal_graph::{
     decompose, eliminate_dead_code, import_pt2, infer, load_pt2, Graph, InputKind, OutputKind,
@@ -493,16 +494,57 @@ fn metadata_that_disagrees_with_inference_is_rejected() {
 }
 
 #[test]
-fn dynamic_shapes_are_unsupported() {
+fn a_symbol_without_an_upper_bound_is_refused_naming_it() {
+    let sym = serde_json::json!({"as_expr": {"expr_str": "Symbol('s0', positive=True, integer=True)", "hint": {"as_int": 2}}});
     let bytes = edited_json("mlp", "models/model.json", |v| {
-        v["graph_module"]["graph"]["tensor_values"]["x"]["sizes"][0] = serde_json::json!({"as_expr": {"expr_str": "Symbol('s0', positive=True, integer=True)", "hint": {"as_int": 2}}});
+        v["graph_module"]["graph"]["tensor_values"]["x"]["sizes"][0] = sym.clone();
+    });
+    let e = err(&bytes);
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(e.to_string().contains("symbol `s0` has no range"), "{e}");
+    let bytes = edited_json("mlp", "models/model.json", |v| {
+        v["graph_module"]["graph"]["tensor_values"]["x"]["sizes"][0] = sym.clone();
+        v["range_constraints"] = serde_json::json!({"s0": {"min_val": 2, "max_val": null}});
     });
     let e = err(&bytes);
     assert_eq!(e.kind(), ErrorKind::Unsupported);
     assert!(
-        e.to_string().contains("dynamic shape") && e.to_string().contains("s0"),
+        e.to_string().contains("symbol `s0` has no upper bound"),
         "{e}"
     );
+}
+
+#[test]
+fn dynamic_sequence_imports_with_symbolic_sizes_at_their_bound() {
+    let g = load("dynamic/gpt_block_seq");
+    let s = SymExpr::sym(g.sym.ranges.keys().next().expect("one symbol").clone());
+    assert_eq!(g.sym.ranges.len(), 1);
+    assert_eq!(g.sym.ranges[&s.to_string()], SymRange { min: 1, max: 16 });
+    let x = g.user_inputs().next().unwrap();
+    assert_eq!(g.value(x).shape, [1, 16, 16]);
+    assert_eq!(
+        g.sym_dims(x),
+        [SymExpr::Const(1), s.clone(), SymExpr::Const(16)]
+    );
+    let y = g.user_outputs().next().unwrap();
+    assert_eq!(g.sym_dims(y), g.sym_dims(x));
+    // weights stay static; every dynamic value is bounded by its shape
+    for (v, kind) in &g.inputs {
+        assert_eq!(g.is_dynamic(*v), *kind == InputKind::User);
+    }
+    for (v, dims) in &g.sym.dims {
+        let ub: Vec<usize> = dims
+            .iter()
+            .map(|d| d.upper_bound(&g.sym.ranges).unwrap())
+            .collect();
+        assert_eq!(ub, g.value(*v).shape, "{}", g.value(*v).name);
+    }
+    // decompositions keep the symbolic sizes (a rewrite that would not is refused)
+    let mut d = g.clone();
+    decompose(&mut d, &|_| false);
+    let y = d.user_outputs().next().unwrap();
+    assert_eq!(d.sym_dims(y), g.sym_dims(x));
+    assert!(d.nodes.iter().all(|n| n.op.name() != "linear"));
 }
 
 #[test]

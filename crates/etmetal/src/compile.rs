@@ -327,7 +327,7 @@ fn check_signature(g: &Graph) -> Result<()> {
 mod tests {
     use super::*;
     use etmetal_core::DType;
-    use etmetal_pte::Instruction;
+    use etmetal_pte::{EValue, Instruction, KernelCall, TensorShapeDynamism};
     use std::path::PathBuf;
 
     fn fixture(name: &str) -> PathBuf {
@@ -365,6 +365,67 @@ mod tests {
             };
             assert!(!first.args.is_empty());
         }
+    }
+
+    #[test]
+    fn dynamic_shapes_are_bound_tensors_and_sizes_computed_at_run_time() {
+        let bytes = compile_pt2_cpu(&fixture("dynamic/gpt_block_seq.pt2")).unwrap();
+        let pte = etmetal_pte::parse(&bytes).unwrap();
+        let plan = &pte.program.execution_plan[0];
+        let tensor = |i: i32| match &plan.values[i as usize] {
+            EValue::Tensor(t) => t.clone(),
+            other => panic!("value {i} is {other:?}"),
+        };
+        let x = tensor(plan.inputs[0]);
+        assert_eq!(x.sizes, [1, 16, 16]);
+        assert_eq!(x.shape_dynamism, TensorShapeDynamism::DynamicBound);
+        assert_eq!(
+            tensor(plan.outputs[0]).shape_dynamism,
+            TensorShapeDynamism::DynamicBound
+        );
+        // weights are static
+        assert!(plan.values.iter().any(|v| matches!(v,
+            EValue::Tensor(t) if t.data_buffer_idx > 0 && t.shape_dynamism == TensorShapeDynamism::Static)));
+        let names: Vec<String> = plan
+            .operators
+            .iter()
+            .map(|o| format!("{}.{}", o.name, o.overload))
+            .collect();
+        assert!(
+            names.contains(&"aten::sym_size.int".to_string()),
+            "{names:?}"
+        );
+        // the sequence length is read once, from the input's dim 1, and
+        // every int list naming it names that value
+        let sym_size = names
+            .iter()
+            .position(|n| n == "aten::sym_size.int")
+            .unwrap() as i32;
+        let calls: Vec<&KernelCall> = plan.chains[0]
+            .instructions
+            .iter()
+            .filter_map(|i| match i {
+                Instruction::KernelCall(k) if k.op_index == sym_size => Some(k),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].args[0], plan.inputs[0]);
+        assert_eq!(plan.values[calls[0].args[1] as usize], EValue::Int(1));
+        let seq = calls[0].args[2];
+        let named = plan
+            .values
+            .iter()
+            .any(|v| matches!(v, EValue::IntList(items) if items.contains(&(seq as i64))));
+        assert!(named, "no int list names the sequence length");
+        // the static program is unchanged by the dynamic support
+        let fixed = compile_pt2_cpu(&fixture("gpt_block.pt2")).unwrap();
+        let fixed = etmetal_pte::parse(&fixed).unwrap();
+        assert!(fixed.program.execution_plan[0]
+            .values
+            .iter()
+            .all(|v| !matches!(v,
+            EValue::Tensor(t) if t.shape_dynamism != TensorShapeDynamism::Static)));
     }
 
     #[test]

@@ -25,10 +25,20 @@
 //! writing the new value back. Without that pass EXIR leaves
 //! `data_buffer_idx` 0 (initial state meaningless); etmetal always keeps
 //! the initial value. A buffer a delegate keeps on the GPU has no `copy_`.
+//!
+//! Bounded dynamic shapes are encoded as EXIR 1.5.1's `to_executorch()`
+//! encodes them: a tensor whose shape depends on a symbol is
+//! `DYNAMIC_BOUND` with its upper-bound sizes (memory is planned at the
+//! bound, and the portable kernels resize their outputs); a symbolic size
+//! an argument needs is an `Int` value written at run time by
+//! `aten::sym_size.int` on a user input and `executorch_prim::*.Scalar`
+//! arithmetic, computed once, before the first call that reads it; `int[]`
+//! arguments name those values (see [`SymArg`]).
 
 use std::collections::HashMap;
+use std::ops::{Add, Mul, Sub};
 
-use etmetal_core::{DType, Error, Op, Result, Scalar};
+use etmetal_core::{DType, Error, Op, Result, Scalar, SymExpr};
 use etmetal_graph::plan::plan_memory;
 use etmetal_graph::{Graph, InputKind, ValueId};
 use etmetal_pte::kernels::{encode, kernel_outputs, CallArg, TensorMeta};
@@ -36,6 +46,7 @@ use etmetal_pte::{
     AllocationDetails, BackendDelegate, BackendDelegateDataReference, Chain, ContainerMetadata,
     DataLocation, DelegateCall, EValue, ExecutionPlan, ExtraTensorInfo, Instruction, KernelCall,
     NamedDataStore, Operator, Program, Segment, SubsegmentOffsets, Tensor as PteTensor,
+    TensorShapeDynamism,
 };
 
 /// One method ready to emit: portable ops and delegate calls.
@@ -238,8 +249,11 @@ fn write_plan<'a>(
         let mut outs = node.outputs.clone();
         let extra = scratch_metas(&g, i)?;
         let name = node.name.clone();
-        for (k, (dtype, shape)) in extra.into_iter().enumerate() {
+        for (k, ((dtype, shape), dims)) in extra.into_iter().enumerate() {
             let v = g.add_value(format!("{name}.scratch{k}"), dtype, shape);
+            if let Some(dims) = dims {
+                g.set_sym_dims(v, dims)?;
+            }
             scratch.push((i, v));
             outs.push(v);
         }
@@ -256,13 +270,16 @@ fn write_plan<'a>(
         parts,
         values: vec![],
         ids: HashMap::new(),
+        sym_ids: HashMap::new(),
     };
     let inputs: Vec<i32> = g
         .user_inputs()
         .map(|v| b.tensor(v))
         .collect::<Result<_>>()?;
-    let mut operators: Vec<Operator> = vec![];
-    let mut instructions = Vec::with_capacity(g.nodes.len());
+    let mut calls = Calls {
+        operators: vec![],
+        instructions: Vec::with_capacity(g.nodes.len()),
+    };
     for (node, outs) in g.nodes.iter().zip(&kernel_outs) {
         let at = |e: Error| {
             e.context(format!(
@@ -280,57 +297,60 @@ fn write_plan<'a>(
             for i in 0..outs.len() {
                 args.push(b.out(outs, i).map_err(at)?);
             }
-            instructions.push(Instruction::DelegateCall(DelegateCall {
-                delegate_index: index as i32,
-                args,
-            }));
+            calls
+                .instructions
+                .push(Instruction::DelegateCall(DelegateCall {
+                    delegate_index: index as i32,
+                    args,
+                }));
             continue;
         }
         let meta = |v: ValueId| -> TensorMeta { (g.value(v).dtype, g.value(v).shape.clone()) };
         let in_metas: Vec<Option<TensorMeta>> = node.inputs.iter().map(|s| s.map(meta)).collect();
         let out_metas: Vec<TensorMeta> = outs.iter().map(|v| meta(*v)).collect();
         let call = encode(&node.op, &in_metas, &out_metas).map_err(at)?;
-        let op = Operator {
-            name: call.name,
-            overload: call.overload,
-        };
-        let op_index = match operators.iter().position(|o| *o == op) {
-            Some(i) => i,
-            None => {
-                operators.push(op);
-                operators.len() - 1
-            }
-        };
-        let args = call
-            .args
+        let op_index = calls.operator(call.name, call.overload);
+        let dynamic = node
+            .inputs
             .iter()
-            .map(|a| b.arg(a, &node.inputs, outs))
-            .collect::<Result<Vec<i32>>>()
-            .map_err(at)?;
-        instructions.push(Instruction::KernelCall(KernelCall {
-            op_index: op_index as i32,
-            args,
-        }));
+            .flatten()
+            .chain(outs)
+            .any(|&v| g.is_dynamic(v));
+        let sym = if dynamic {
+            sym_args(&g, node).map_err(at)?
+        } else {
+            vec![]
+        };
+        let mut args = Vec::with_capacity(call.args.len());
+        for (k, a) in call.args.iter().enumerate() {
+            let arg = match sym.iter().find(|(i, _)| *i == k) {
+                Some((_, SymArg::Int(e))) => b.sym_int(e, &mut calls),
+                Some((_, SymArg::Ints(es))) => es
+                    .iter()
+                    .map(|e| b.sym_int(e, &mut calls).map(i64::from))
+                    .collect::<Result<Vec<i64>>>()
+                    .map(|items| b.push(EValue::IntList(items))),
+                None => b.arg(a, &node.inputs, outs),
+            };
+            args.push(arg.map_err(at)?);
+        }
+        calls
+            .instructions
+            .push(Instruction::KernelCall(KernelCall { op_index, args }));
     }
     for &(buffer, new) in &mutated {
-        let op = Operator {
-            name: "aten::copy_".into(),
-            overload: String::new(),
-        };
-        let op_index = match operators.iter().position(|o| *o == op) {
-            Some(i) => i,
-            None => {
-                operators.push(op);
-                operators.len() - 1
-            }
-        };
+        let op_index = calls.operator("aten::copy_".into(), String::new());
         let (dst, src) = (b.tensor(buffer)?, b.tensor(new)?);
         let non_blocking = b.push(EValue::Bool(false));
-        instructions.push(Instruction::KernelCall(KernelCall {
-            op_index: op_index as i32,
+        calls.instructions.push(Instruction::KernelCall(KernelCall {
+            op_index,
             args: vec![dst, src, non_blocking, dst],
         }));
     }
+    let Calls {
+        operators,
+        instructions,
+    } = calls;
     let outputs: Vec<i32> = g
         .user_outputs()
         .map(|v| b.tensor(v))
@@ -375,21 +395,21 @@ fn write_plan<'a>(
     })
 }
 
-/// Dtype and shape of the tensors node `i`'s kernel writes beyond the node's outputs.
-fn scratch_metas(g: &Graph, i: usize) -> Result<Vec<TensorMeta>> {
+/// Dtype and shape of the tensors node `i`'s kernel writes beyond the
+/// node's outputs, with their symbolic sizes when the node's are dynamic.
+fn scratch_metas(g: &Graph, i: usize) -> Result<Vec<(TensorMeta, Option<Vec<SymExpr>>)>> {
     let node = &g.nodes[i];
     let extra = kernel_outputs(&node.op).saturating_sub(node.outputs.len());
     if extra == 0 {
         return Ok(vec![]);
     }
-    let x = node
-        .inputs
-        .first()
-        .copied()
-        .flatten()
-        .map(|v| g.value(v))
-        .ok_or_else(|| Error::invalid_input(format!("node `{}`: input 0 is missing", node.name)))?;
-    let stats: TensorMeta = match &node.op {
+    let xv =
+        node.inputs.first().copied().flatten().ok_or_else(|| {
+            Error::invalid_input(format!("node `{}`: input 0 is missing", node.name))
+        })?;
+    let (x, xd) = (g.value(xv), g.sym_dims(xv));
+    let one = SymExpr::Const(1);
+    let (stats, dims): (TensorMeta, Vec<SymExpr>) = match &node.op {
         Op::LayerNorm {
             normalized_dims, ..
         } => {
@@ -399,17 +419,28 @@ fn scratch_metas(g: &Graph, i: usize) -> Result<Vec<TensorMeta>> {
                 .copied()
                 .chain(std::iter::repeat_n(1, x.shape.len() - lead))
                 .collect();
-            (x.dtype, shape)
+            let dims = xd[..lead]
+                .iter()
+                .cloned()
+                .chain(std::iter::repeat_n(one, x.shape.len() - lead))
+                .collect();
+            ((x.dtype, shape), dims)
         }
         Op::GroupNorm { groups, .. } => (
-            x.dtype,
-            vec![x.shape.first().copied().unwrap_or(1), *groups],
+            (
+                x.dtype,
+                vec![x.shape.first().copied().unwrap_or(1), *groups],
+            ),
+            vec![
+                xd.first().cloned().unwrap_or(one),
+                SymExpr::Const(*groups as i64),
+            ],
         ),
         // inference batch norm writes no statistics: ExecuTorch sizes them 0
-        Op::BatchNorm { .. } => (x.dtype, vec![0]),
+        Op::BatchNorm { .. } => ((x.dtype, vec![0]), vec![SymExpr::Const(0)]),
         Op::MaxPool(_) => {
-            let out = g.value(node.outputs[0]);
-            (DType::I64, out.shape.clone())
+            let out = node.outputs[0];
+            ((DType::I64, g.value(out).shape.clone()), g.sym_dims(out))
         }
         other => {
             return Err(Error::internal(format!(
@@ -418,7 +449,140 @@ fn scratch_metas(g: &Graph, i: usize) -> Result<Vec<TensorMeta>> {
             )))
         }
     };
-    Ok(vec![stats; extra])
+    let dynamic = dims.iter().any(|d| d.as_const().is_none());
+    Ok(vec![(stats, dynamic.then_some(dims)); extra])
+}
+
+/// A kernel argument that holds symbolic sizes: an `int` or an `int[]`.
+enum SymArg {
+    Int(SymExpr),
+    Ints(Vec<SymExpr>),
+}
+
+/// The arguments of node `node`'s kernel call (indices into the encoded
+/// `args`) whose ints depend on a dynamic size, as symbolic sizes: the
+/// encoder writes them at the upper bound. Sizes come from the symbolic
+/// shapes of the node's values (EXIR passes the program's SymInts there);
+/// an int argument that cannot be recomputed from them is an error.
+fn sym_args(g: &Graph, node: &etmetal_graph::Node) -> Result<Vec<(usize, SymArg)>> {
+    let input = |slot: usize| {
+        node.inputs
+            .get(slot)
+            .copied()
+            .flatten()
+            .ok_or_else(|| Error::invalid_input(format!("input {slot} is missing")))
+    };
+    let out = || {
+        node.outputs
+            .first()
+            .map(|&v| g.sym_dims(v))
+            .ok_or_else(|| Error::internal("a node without outputs"))
+    };
+    let c = |n: usize| SymExpr::Const(n as i64);
+    Ok(match &node.op {
+        // view_copy(self, size), expand_copy(self, size, implicit)
+        Op::Reshape { .. } | Op::Expand { .. } => vec![(1, SymArg::Ints(out()?))],
+        // full(size, fill_value)
+        Op::Full { .. } => vec![(0, SymArg::Ints(out()?))],
+        // slice_copy(self, dim, start, end, step) as the program wrote it
+        Op::Slice { .. } if g.sym.args.contains_key(&node.outputs[0]) => {
+            let a = &g.sym.args[&node.outputs[0]];
+            vec![
+                (2, SymArg::Int(a[0].clone())),
+                (3, SymArg::Int(a[1].clone())),
+            ]
+        }
+        // select_copy(self, dim, index)
+        Op::Select { .. } if g.sym.args.contains_key(&node.outputs[0]) => {
+            vec![(2, SymArg::Int(g.sym.args[&node.outputs[0]][0].clone()))]
+        }
+        // a slice the rewrites made: its bounds from its sizes
+        Op::Slice {
+            dim,
+            start,
+            end,
+            step,
+        } => {
+            let x = input(0)?;
+            let size = g.sym_dims(x)[*dim].clone();
+            let n = out()?[*dim].clone();
+            if size.as_const().is_some() && n.as_const().is_some() {
+                return Ok(vec![]);
+            }
+            let to_end = size.as_const().is_none() && *end == g.value(x).shape[*dim];
+            let (start, end) = if *step == 1 && to_end {
+                // to the end of the dim: start where the `n` last begin
+                (SymExpr::sub(size.clone(), n), size)
+            } else {
+                // a static start: end after the `n`-th element
+                let span = SymExpr::add(
+                    SymExpr::mul(SymExpr::sub(n, SymExpr::Const(1)), c(*step)),
+                    SymExpr::Const(1),
+                );
+                (c(*start), SymExpr::add(c(*start), span))
+            };
+            vec![(2, SymArg::Int(start)), (3, SymArg::Int(end))]
+        }
+        // arange(start, end, step): the end after `n` steps
+        Op::Arange { start, step, .. } => match (start, step) {
+            (Scalar::Int(a), Scalar::Int(s)) => {
+                let n = out()?[0].clone();
+                let end = SymExpr::add(SymExpr::Const(*a), SymExpr::mul(n, SymExpr::Const(*s)));
+                vec![(1, SymArg::Int(end))]
+            }
+            _ => return Err(Error::unsupported("a float arange of dynamic length")),
+        },
+        Op::Select { dim, .. } if g.sym_dims(input(0)?)[*dim].as_const().is_none() => {
+            return Err(Error::unsupported(
+                "select on a dynamic dim (its index is only known at the upper bound)",
+            ))
+        }
+        // native_layer_norm(input, normalized_shape, …)
+        Op::LayerNorm {
+            normalized_dims, ..
+        } => {
+            let x = g.sym_dims(input(0)?);
+            let lead = x.len().saturating_sub(*normalized_dims);
+            vec![(1, SymArg::Ints(x[lead..].to_vec()))]
+        }
+        // native_group_norm(input, weight, bias, N, C, HxW, group, eps)
+        Op::GroupNorm { .. } => {
+            let x = g.sym_dims(input(0)?);
+            let hxw = x[2..].iter().cloned().fold(SymExpr::Const(1), SymExpr::mul);
+            vec![
+                (3, SymArg::Int(x[0].clone())),
+                (4, SymArg::Int(x[1].clone())),
+                (5, SymArg::Int(hxw)),
+            ]
+        }
+        _ => vec![],
+    })
+}
+
+/// The operators and instructions of one chain, as they are added.
+struct Calls {
+    operators: Vec<Operator>,
+    instructions: Vec<Instruction>,
+}
+
+impl Calls {
+    /// The index of operator `name.overload`, added at its first use.
+    fn operator(&mut self, name: String, overload: String) -> i32 {
+        let op = Operator { name, overload };
+        match self.operators.iter().position(|o| *o == op) {
+            Some(i) => i as i32,
+            None => {
+                self.operators.push(op);
+                self.operators.len() as i32 - 1
+            }
+        }
+    }
+
+    fn kernel(&mut self, name: &str, overload: &str, args: Vec<i32>) {
+        let op_index = self.operator(name.into(), overload.into());
+        self.instructions
+            .push(Instruction::KernelCall(KernelCall { op_index, args }));
+    }
 }
 
 /// The values table of the plan, built as the kernel calls need entries.
@@ -430,9 +594,132 @@ struct PlanBuilder<'a, 'p> {
     parts: &'a mut ProgramParts<'p>,
     values: Vec<EValue>,
     ids: HashMap<ValueId, i32>,
+    /// The `Int` value computed for each symbolic size.
+    sym_ids: HashMap<SymExpr, i32>,
 }
 
 impl PlanBuilder<'_, '_> {
+    /// The `Int` value holding symbolic size `e` at run time: a literal
+    /// for a constant, else computed by kernel calls added to `calls` (the
+    /// first time `e` is needed): `aten::sym_size.int` of a user input for
+    /// a symbol, `executorch_prim::*.Scalar` for the arithmetic.
+    fn sym_int(&mut self, e: &SymExpr, calls: &mut Calls) -> Result<i32> {
+        if let Some(&i) = self.sym_ids.get(e) {
+            return Ok(i);
+        }
+        let i = match e {
+            // a literal each time, as EXIR writes them
+            SymExpr::Const(v) => return Ok(self.push(EValue::Int(*v))),
+            SymExpr::Sym(name) => {
+                // the size `k*name + c` of a user input dim, solved for `name`
+                let (v, dim, k, c) = self.sym_source(name)?;
+                let size = self.graph.sym_dims(v)[dim].clone();
+                let mut out = match self.sym_ids.get(&size) {
+                    Some(&i) => i,
+                    None => {
+                        let t = self.tensor(v)?;
+                        let d = self.push(EValue::Int(dim as i64));
+                        let out = self.push(EValue::Int(0));
+                        calls.kernel("aten::sym_size", "int", vec![t, d, out]);
+                        self.sym_ids.insert(size, out);
+                        out
+                    }
+                };
+                if c != 0 {
+                    let c = self.push(EValue::Int(c));
+                    out = self.prim(calls, "sub", out, c);
+                }
+                if k != 1 {
+                    let k = self.push(EValue::Int(k));
+                    out = self.prim(calls, "floordiv", out, k);
+                }
+                out
+            }
+            SymExpr::Add(terms) => {
+                let mut acc = self.sym_int(&terms[0], calls)?;
+                for t in &terms[1..] {
+                    // `a + -k*x` as `a - k*x`, as Python writes it
+                    let negative = match t {
+                        SymExpr::Const(v) => *v < 0,
+                        SymExpr::Mul(fs) => fs[0].as_const().is_some_and(|k| k < 0),
+                        _ => false,
+                    };
+                    acc = if negative {
+                        let y =
+                            self.sym_int(&SymExpr::mul(SymExpr::Const(-1), t.clone()), calls)?;
+                        self.prim(calls, "sub", acc, y)
+                    } else {
+                        let y = self.sym_int(t, calls)?;
+                        self.prim(calls, "add", acc, y)
+                    };
+                }
+                acc
+            }
+            SymExpr::Mul(factors) => {
+                let mut acc = self.sym_int(&factors[0], calls)?;
+                for f in &factors[1..] {
+                    let y = self.sym_int(f, calls)?;
+                    acc = self.prim(calls, "mul", acc, y);
+                }
+                acc
+            }
+            SymExpr::FloorDiv(a, b)
+            | SymExpr::Mod(a, b)
+            | SymExpr::Max(a, b)
+            | SymExpr::Min(a, b) => {
+                let op = match e {
+                    SymExpr::FloorDiv(..) => "floordiv",
+                    SymExpr::Mod(..) => "mod",
+                    SymExpr::Max(..) => "sym_max",
+                    _ => "sym_min",
+                };
+                let x = self.sym_int(a, calls)?;
+                let y = self.sym_int(b, calls)?;
+                self.prim(calls, op, x, y)
+            }
+        };
+        self.sym_ids.insert(e.clone(), i);
+        Ok(i)
+    }
+
+    /// `executorch_prim::{op}.Scalar(x, y)` into a new `Int` value.
+    fn prim(&mut self, calls: &mut Calls, op: &str, x: i32, y: i32) -> i32 {
+        let out = self.push(EValue::Int(0));
+        calls.kernel(&format!("executorch_prim::{op}"), "Scalar", vec![x, y, out]);
+        out
+    }
+
+    /// A user input and dim whose size is `k*name + c`, with `(k, c)`;
+    /// a dim that is the symbol itself first.
+    fn sym_source(&self, name: &str) -> Result<(ValueId, usize, i64, i64)> {
+        let mut found = vec![];
+        for v in self.graph.user_inputs() {
+            for (d, e) in self
+                .graph
+                .sym
+                .dims
+                .get(&v)
+                .into_iter()
+                .flatten()
+                .enumerate()
+            {
+                if let Some((k, c)) = e.affine_in(name) {
+                    found.push((v, d, k, c));
+                }
+            }
+        }
+        found
+            .into_iter()
+            .min_by_key(|&(_, _, k, c)| (k != 1 || c != 0, k.abs()))
+            .filter(|&(_, _, k, _)| k > 0)
+            .ok_or_else(|| {
+                Error::unsupported(format!(
+                    "symbol `{name}` is not k*{name} + c for a size of a user input, so \
+                     its value is unknown at run time"
+                ))
+            })
+    }
+
     fn push(&mut self, v: EValue) -> i32 {
         self.values.push(v);
         self.values.len() as i32 - 1
@@ -464,7 +751,7 @@ impl PlanBuilder<'_, '_> {
             memory_offset_low: offset as u32,
             memory_offset_high: (offset >> 32) as u32,
         };
-        let t = if let Some(&i) = self.state.get(&v) {
+        let mut t = if let Some(&i) = self.state.get(&v) {
             let s = &self.parts.state[i];
             let mut t =
                 PteTensor::contiguous(info.dtype, sizes, i as u32 + 1, Some(at(2, s.offset)));
@@ -482,6 +769,9 @@ impl PlanBuilder<'_, '_> {
             })?;
             PteTensor::contiguous(info.dtype, sizes, 0, Some(at(1, offset)))
         };
+        if self.graph.is_dynamic(v) {
+            t.shape_dynamism = TensorShapeDynamism::DynamicBound;
+        }
         let i = self.push(EValue::Tensor(t));
         self.ids.insert(v, i);
         Ok(i)

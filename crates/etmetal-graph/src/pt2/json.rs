@@ -1,9 +1,10 @@
 //! Reading the torch.export serde JSON (FORMATS.md B.4–B.5): union objects
 //! with one key, `SymInt`s, tensor metadata, and a node's named arguments.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 
-use etmetal_core::{DType, Error, Result, Scalar};
+use etmetal_core::{DType, Error, Result, Scalar, SymExpr, SymRanges};
 use serde_json::Value;
 
 pub(crate) fn field<'a>(v: &'a Value, key: &str) -> Result<&'a Value> {
@@ -38,7 +39,23 @@ pub(crate) fn short(v: &Value) -> String {
     }
 }
 
-/// A static `SymInt`; a symbolic one is rejected (static shapes only).
+/// A `SymInt` (`{"as_int": n}` or `{"as_expr": {"expr_str": …}}`).
+pub(crate) fn sym_size(v: &Value) -> Result<SymExpr> {
+    match union(v)? {
+        ("as_int", n) => n
+            .as_i64()
+            .map(SymExpr::Const)
+            .ok_or_else(|| Error::format(format!("`as_int` is not an integer: {n}"))),
+        ("as_expr", e) => SymExpr::parse_srepr(
+            field(e, "expr_str")?
+                .as_str()
+                .ok_or_else(|| Error::format("`expr_str` is not a string"))?,
+        ),
+        (tag, _) => Err(Error::format(format!("unexpected SymInt `{tag}`"))),
+    }
+}
+
+/// A static `SymInt`; a symbolic one is rejected (weights and strides).
 pub(crate) fn sym_int(v: &Value) -> Result<i64> {
     match union(v)? {
         ("as_int", n) => n
@@ -65,16 +82,40 @@ pub(crate) fn sym_ints(v: &Value) -> Result<Vec<i64>> {
 /// intermediate): as large as the runtime's default arena limit.
 pub const MAX_TENSOR_BYTES: u64 = 16 << 30;
 
+/// A static tensor's `(dtype, sizes)`.
 pub(crate) fn tensor_meta(meta: &Value) -> Result<(DType, Vec<usize>)> {
+    let (dtype, sizes, sym) = sym_tensor_meta(meta, &SymRanges::new())?;
+    match sym {
+        None => Ok((dtype, sizes)),
+        Some(_) => Err(Error::unsupported("a dynamic shape here (only static)")),
+    }
+}
+
+/// `(dtype, sizes, symbolic sizes)` of a `TensorMeta`: the sizes at their
+/// upper bounds over `ranges`, and the symbolic ones when any is not a
+/// constant.
+pub(crate) fn sym_tensor_meta(
+    meta: &Value,
+    ranges: &SymRanges,
+) -> Result<(DType, Vec<usize>, Option<Vec<SymExpr>>)> {
     let code = field(meta, "dtype")?
         .as_i64()
         .ok_or_else(|| Error::format("`dtype` is not an integer"))?;
     let dtype = DType::from_torch_serde(code)?;
-    let sizes = sym_ints(field(meta, "sizes")?)?;
-    let sizes = sizes
-        .into_iter()
-        .map(|s| usize::try_from(s).map_err(|_| Error::format(format!("negative size {s}"))))
+    let sym = field(meta, "sizes")?
+        .as_array()
+        .ok_or_else(|| Error::format("expected a list of SymInts"))?
+        .iter()
+        .map(sym_size)
+        .collect::<Result<Vec<SymExpr>>>()?;
+    let sizes = sym
+        .iter()
+        .map(|s| match s.as_const() {
+            Some(n) if n < 0 => Err(Error::format(format!("negative size {n}"))),
+            _ => s.upper_bound(ranges),
+        })
         .collect::<Result<Vec<usize>>>()?;
+    let sym = sym.iter().any(|s| s.as_const().is_none()).then_some(sym);
     // Refused here, before any tensor of this shape is allocated.
     let bytes = sizes
         .iter()
@@ -91,7 +132,7 @@ pub(crate) fn tensor_meta(meta: &Value) -> Result<(DType, Vec<usize>)> {
             )));
         }
     }
-    Ok((dtype, sizes))
+    Ok((dtype, sizes, sym))
 }
 
 /// Whether a `TensorMeta` describes a dense tensor: contiguous strides and
@@ -133,10 +174,18 @@ pub(crate) fn float(v: &Value) -> Result<f64> {
 /// absent, so every getter takes the schema default.
 pub(crate) struct Args<'a> {
     map: HashMap<&'a str, &'a Value>,
+    /// The program's SymInt values, by name, with their upper bounds.
+    syms: &'a SymInts,
+    /// Set when an argument named a SymInt (read at its upper bound).
+    read_sym: Cell<bool>,
 }
 
+/// The SymInt values of a program (`sym_int_values`): name → (expression,
+/// upper bound).
+pub(crate) type SymInts = HashMap<String, (SymExpr, i64)>;
+
 impl<'a> Args<'a> {
-    pub fn new(inputs: &'a Value) -> Result<Args<'a>> {
+    pub fn new(inputs: &'a Value, syms: &'a SymInts) -> Result<Args<'a>> {
         let list = inputs
             .as_array()
             .ok_or_else(|| Error::format("node `inputs` is not a list"))?;
@@ -147,7 +196,31 @@ impl<'a> Args<'a> {
                 .ok_or_else(|| Error::format("argument name is not a string"))?;
             map.insert(name, field(a, "arg")?);
         }
-        Ok(Args { map })
+        Ok(Args {
+            map,
+            syms,
+            read_sym: Cell::new(false),
+        })
+    }
+
+    /// Whether an argument read so far named a SymInt.
+    pub fn read_sym(&self) -> bool {
+        self.read_sym.get()
+    }
+
+    /// An int or `SymIntArgument` (`{as_name}` reads the SymInt at its
+    /// upper bound, the size the graph is planned at).
+    fn int_value(&self, v: &Value) -> Result<i64> {
+        if let Some(name) = v.get("as_name").and_then(Value::as_str) {
+            let (_, ub) = self.syms.get(name).ok_or_else(|| {
+                Error::format(format!("symbolic int `{name}` is not in sym_int_values"))
+            })?;
+            self.read_sym.set(true);
+            return Ok(*ub);
+        }
+        unwrap_sym(v)
+            .as_i64()
+            .ok_or_else(|| Error::format(format!("expected an int, got {}", short(v))))
     }
 
     /// The argument's union, or `None` when absent or `as_none`.
@@ -200,7 +273,10 @@ impl<'a> Args<'a> {
     pub fn scalar(&self, name: &str) -> Result<Option<Scalar>> {
         match self.get(name)? {
             None => Ok(None),
-            Some(("as_int" | "as_sym_int", v)) => Ok(Some(Scalar::Int(int_value(v)?))),
+            Some(("as_int" | "as_sym_int", v)) => Ok(Some(Scalar::Int(self.int_value(v)?))),
+            Some(("as_sym_float", v)) if v.get("as_name").is_some() => Err(Error::unsupported(
+                format!("argument `{name}`: a symbolic float"),
+            )),
             Some(("as_float" | "as_sym_float", v)) => {
                 Ok(Some(Scalar::Float(float(unwrap_sym(v))?)))
             }
@@ -255,20 +331,38 @@ impl<'a> Args<'a> {
     pub fn ints(&self, name: &str) -> Result<Option<Vec<i64>>> {
         match self.get(name)? {
             None => Ok(None),
-            Some(("as_ints", Value::Array(items))) => {
-                items.iter().map(int_value).collect::<Result<_>>().map(Some)
-            }
+            Some(("as_ints", Value::Array(items))) => items
+                .iter()
+                .map(|v| self.int_value(v))
+                .collect::<Result<_>>()
+                .map(Some),
             Some(("as_sym_ints", v)) => v
                 .as_array()
                 .ok_or_else(|| Error::format("bad as_sym_ints"))?
                 .iter()
-                .map(int_value)
+                .map(|v| self.int_value(v))
                 .collect::<Result<_>>()
                 .map(Some),
-            Some(("as_int", v)) => Ok(Some(vec![int_value(v)?])),
+            Some(("as_int" | "as_sym_int", v)) => Ok(Some(vec![self.int_value(v)?])),
             Some((tag, _)) => Err(Self::bad(name, "a list of ints", tag)),
         }
         .map_err(|e: Error| e.context(format!("argument `{name}`")))
+    }
+
+    /// An int argument as a symbolic size (`None` when absent or `None`).
+    pub fn sym_int(&self, name: &str) -> Result<Option<SymExpr>> {
+        match self.get(name)? {
+            None => Ok(None),
+            Some(("as_sym_int", v)) if v.get("as_name").is_some() => {
+                let n = v.get("as_name").and_then(Value::as_str).unwrap_or("");
+                let (e, _) = self.syms.get(n).ok_or_else(|| {
+                    Error::format(format!("symbolic int `{n}` is not in sym_int_values"))
+                })?;
+                self.read_sym.set(true);
+                Ok(Some(e.clone()))
+            }
+            Some(_) => self.opt_int(name).map(|v| v.map(SymExpr::Const)),
+        }
     }
 
     pub fn string(&self, name: &str) -> Result<Option<&'a str>> {
@@ -302,15 +396,4 @@ fn tensor_ref(v: &Value) -> Result<&str> {
 /// `SymIntArgument` / `SymFloatArgument` are `{as_int|as_float: …}` or `{as_name}`.
 fn unwrap_sym(v: &Value) -> &Value {
     v.get("as_int").or_else(|| v.get("as_float")).unwrap_or(v)
-}
-
-fn int_value(v: &Value) -> Result<i64> {
-    if v.get("as_name").is_some() {
-        return Err(Error::unsupported(
-            "symbolic int argument (dynamic shapes are not supported)",
-        ));
-    }
-    unwrap_sym(v)
-        .as_i64()
-        .ok_or_else(|| Error::format(format!("expected an int, got {}", short(v))))
 }

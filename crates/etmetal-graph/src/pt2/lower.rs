@@ -5,17 +5,19 @@
 //! (batch-norm statistics, layer-norm mean/rstd) dropped.
 
 use std::cell::Cell;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ops::Add;
 
 use etmetal_core::dtype::{result_type, Operand};
 use etmetal_core::shape::{normalize_dim, numel};
 use etmetal_core::{
     AvgPoolAttrs, BinaryOp, ConvAttrs, DType, Error, ErrorKind, MaxPoolAttrs, Op, ReduceOp, Result,
-    Scalar, Tensor, UnaryOp,
+    Scalar, SymExpr, Tensor, UnaryOp,
 };
 
 use super::json::Args;
 use crate::infer::infer;
+use crate::infer_sym::assign_sym;
 use crate::ir::{Graph, Node, ValueId};
 
 mod composite;
@@ -74,8 +76,14 @@ impl<'j> Ctx<'j> {
 pub(crate) struct Lowerer<'m> {
     pub graph: Graph,
     names: HashMap<String, Bound>,
-    /// `tensor_values` of the source graph: the shapes the file promises.
+    /// `tensor_values` of the source graph: the shapes the file promises
+    /// (dynamic sizes at their upper bounds).
     meta: &'m HashMap<String, (DType, Vec<usize>)>,
+    /// The symbolic sizes of the file's dynamic tensors.
+    sym_meta: &'m HashMap<String, Vec<SymExpr>>,
+    /// Values of the node being lowered whose symbolic sizes inference
+    /// could not give (why): the file's must, when the value is bound.
+    sym_pending: BTreeMap<ValueId, String>,
     /// Names that some node or graph output reads.
     used: HashSet<String>,
     /// Set when a node read an output of a failed node.
@@ -117,6 +125,7 @@ impl<'m> Lowerer<'m> {
     pub fn new(
         graph: Graph,
         meta: &'m HashMap<String, (DType, Vec<usize>)>,
+        sym_meta: &'m HashMap<String, Vec<SymExpr>>,
         used: HashSet<String>,
         dense: HashSet<String>,
     ) -> Lowerer<'m> {
@@ -124,6 +133,8 @@ impl<'m> Lowerer<'m> {
             graph,
             names: HashMap::new(),
             meta,
+            sym_meta,
+            sym_pending: BTreeMap::new(),
             used,
             hit_failed: false,
             views: inplace::Views::new(),
@@ -162,9 +173,12 @@ impl<'m> Lowerer<'m> {
     /// the functional form of an in-place node (see [`inplace`]).
     pub fn lower(&mut self, c: &Ctx, in_place: bool) -> Result<bool> {
         self.hit_failed = false;
+        self.sym_pending.clear();
+        let first_value = self.graph.values.len();
         let lowered = self
             .lower_node(c)
-            .and_then(|()| self.track_aliases(c, in_place));
+            .and_then(|()| self.track_aliases(c, in_place))
+            .and_then(|()| self.check_dynamic(c, first_value));
         match lowered {
             Ok(()) => {
                 // the source name goes to the last node, which gives the
@@ -191,6 +205,65 @@ impl<'m> Lowerer<'m> {
                 }
             }
         }
+    }
+
+    /// What a lowering of a dynamic-shape node may not do, since its
+    /// result would hold only at the upper bound: leave a size unknown,
+    /// read a SymInt into an op whose int arguments the emitter does not
+    /// recompute from sizes, or make a constant from a dynamic shape.
+    fn check_dynamic(&self, c: &Ctx, first_value: usize) -> Result<()> {
+        if let Some(why) = self.sym_pending.values().next() {
+            return Err(Error::unsupported(why.clone()));
+        }
+        let n = c.emitted.get();
+        let nodes = &self.graph.nodes[self.graph.nodes.len() - n..];
+        if c.args.read_sym() {
+            // the emitter derives these ops' ints from their symbolic sizes
+            let derived = |op: &Op| {
+                matches!(
+                    op,
+                    Op::Reshape { .. }
+                        | Op::Expand { .. }
+                        | Op::Full { .. }
+                        | Op::Arange { .. }
+                        | Op::Slice { .. }
+                        | Op::Select { .. }
+                        | Op::Identity
+                )
+            };
+            if let Some(node) = nodes.iter().find(|n| !derived(&n.op)) {
+                return Err(Error::unsupported(format!(
+                    "a symbolic int argument read by {} (only sizes of view, reshape, expand, \
+                     slice, select, arange and full/zeros/ones may be symbolic)",
+                    node.op.name()
+                )));
+            }
+        }
+        let reads_dynamic = nodes
+            .iter()
+            .any(|n| n.inputs.iter().flatten().any(|&v| self.graph.is_dynamic(v)));
+        let mut made = self.graph.constants.range(ValueId(first_value)..);
+        if let (true, Some((v, t))) = (reads_dynamic, made.find(|(_, t)| !t.shape().is_empty())) {
+            return Err(Error::unsupported(format!(
+                "its lowering makes the constant `{}` of shape {:?} for a dynamic shape",
+                self.graph.value(*v).name,
+                t.shape()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Keep the program's own int arguments of the node just lowered (see
+    /// [`crate::ir::SymShapes::args`]) when its dim `dim` of `x` is dynamic
+    /// or an argument is symbolic.
+    fn keep_sym_args(&mut self, x: ValueId, dim: usize, args: Vec<SymExpr>) -> Result<()> {
+        let dynamic = self.graph.sym_dims(x)[dim].as_const().is_none()
+            || args.iter().any(|a| a.as_const().is_none());
+        let out = self.graph.nodes.last().and_then(|n| n.outputs.first());
+        if let (true, Some(&out)) = (dynamic, out) {
+            self.graph.sym.args.insert(out, args);
+        }
+        Ok(())
     }
 
     fn rank(&self, v: ValueId) -> usize {
@@ -287,6 +360,12 @@ impl<'m> Lowerer<'m> {
                     .add_value(format!("{}.out{i}", node.name), dtype, shape),
             );
         }
+        if let Err(e) = assign_sym(&mut self.graph, &node) {
+            // the file's sizes may settle it (see `bind`)
+            for &v in &node.outputs {
+                self.sym_pending.insert(v, e.message().to_string());
+            }
+        }
         let outs = node.outputs.clone();
         self.graph.nodes.push(node);
         Ok(outs)
@@ -310,6 +389,15 @@ impl<'m> Lowerer<'m> {
                     info.dtype, info.shape
                 )));
             }
+            // the file's symbolic sizes are the truth for its values
+            if self.graph.is_dynamic(v) || self.sym_meta.contains_key(name) {
+                let dims = match self.sym_meta.get(name) {
+                    Some(d) => d.clone(),
+                    None => shape.iter().map(|&n| SymExpr::Const(n as i64)).collect(),
+                };
+                self.graph.set_sym_dims(v, dims)?;
+            }
+            self.sym_pending.remove(&v);
         }
         self.graph.values[v.0].name = name.clone();
         self.names.insert(name.clone(), Bound::Value(v));
@@ -800,7 +888,14 @@ impl<'m> Lowerer<'m> {
                 let shape = self.shape(other);
                 self.finish(c, Op::Expand { shape }, vec![Some(x)])
             }
-            ("_assert_tensor_metadata", _) => Ok(()),
+            // range checks of SymInts: export proved them over the ranges
+            (
+                "_assert_tensor_metadata"
+                | "_assert_scalar"
+                | "sym_constrain_range"
+                | "sym_constrain_range_for_size",
+                _,
+            ) => Ok(()),
             (
                 "clone" | "contiguous" | "alias" | "alias_copy" | "detach" | "detach_"
                 | "lift_fresh_copy",
@@ -1199,7 +1294,10 @@ impl<'m> Lowerer<'m> {
                         step,
                     },
                     vec![Some(x)],
-                )
+                )?;
+                let start = a.sym_int("start")?.unwrap_or(SymExpr::Const(0));
+                let end = a.sym_int("end")?.unwrap_or(SymExpr::Const(i64::MAX));
+                self.keep_sym_args(x, dim, vec![start, end])
             }
             ("narrow", "default") => {
                 let x = self.t(c, "self")?;
@@ -1220,7 +1318,17 @@ impl<'m> Lowerer<'m> {
                     end: (start + len) as usize,
                     step: 1,
                 };
-                self.finish(c, op, vec![Some(x)])
+                self.finish(c, op, vec![Some(x)])?;
+                let start = a.sym_int("start")?.unwrap_or(SymExpr::Const(0));
+                let len = a.sym_int("length")?.unwrap_or(SymExpr::Const(0));
+                // a negative start counts from the end, so its end does too
+                let end = match start.as_const() {
+                    Some(s) if s < 0 && s + len.as_const().unwrap_or(0) == 0 => {
+                        SymExpr::Const(i64::MAX)
+                    }
+                    _ => SymExpr::add(start.clone(), len),
+                };
+                self.keep_sym_args(x, dim, vec![start, end])
             }
             ("select", "int") => {
                 let x = self.t(c, "self")?;
@@ -1231,7 +1339,9 @@ impl<'m> Lowerer<'m> {
                     usize::try_from(if i < 0 { i + n as i64 } else { i }).map_err(|_| {
                         Error::shape(format!("select index {i} of dim {dim} of {shape:?}"))
                     })?;
-                self.finish(c, Op::Select { dim, index }, vec![Some(x)])
+                self.finish(c, Op::Select { dim, index }, vec![Some(x)])?;
+                let index = a.sym_int("index")?.unwrap_or(SymExpr::Const(0));
+                self.keep_sym_args(x, dim, vec![index])
             }
             ("split", "Tensor") | ("split_with_sizes", "default") | ("chunk", "default") => {
                 let x = self.t(c, "self")?;

@@ -11,12 +11,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use etmetal_core::error::ResultExt;
-use etmetal_core::{DType, Error, Result};
+use etmetal_core::{DType, Error, Result, SymExpr, SymRange, SymRanges};
 use serde_json::Value;
 
 use crate::ir::{Graph, InputKind, OutputKind};
 use archive::Archive;
-use json::{field, is_dense, short, tensor_meta, union, Args};
+use json::{field, is_dense, short, sym_size, sym_tensor_meta, union, Args, SymInts};
 use lower::{functional_target, is_unsupported, Ctx, Lowerer};
 
 /// The torch.export serde schema major version this importer reads.
@@ -100,7 +100,7 @@ fn node_outputs(node: &Value) -> Result<Vec<Option<String>>> {
             ("as_none", _) => out.push(None),
             (tag, _) => {
                 return Err(Error::unsupported(format!(
-                    "node output of kind `{tag}` (symbolic values are not supported)"
+                    "node output of kind `{tag}` beside tensors"
                 )))
             }
         }
@@ -142,6 +142,58 @@ fn used_names(graph: &Value) -> HashSet<String> {
         walk(o, &mut out);
     }
     out
+}
+
+/// Whether every output of `node` is a symbolic value (`sym_size`,
+/// `operator.add` of SymInts, `torch.sym_max`, …): the file states each
+/// one's expression in `sym_int_values`, so the node itself is not lowered.
+fn is_symbolic_node(node: &Value) -> bool {
+    let outs = node.get("outputs").and_then(Value::as_array);
+    outs.is_some_and(|o| {
+        !o.is_empty()
+            && o.iter()
+                .all(|v| union(v).is_ok_and(|(tag, _)| tag.starts_with("as_sym_")))
+    })
+}
+
+/// The symbols' ranges (`range_constraints`); a symbol without an upper
+/// bound is refused, since memory is planned at the bound.
+fn ranges(program: &Value) -> Result<SymRanges> {
+    let mut out = SymRanges::new();
+    let Some(rc) = program.get("range_constraints").and_then(Value::as_object) else {
+        return Ok(out);
+    };
+    for (name, r) in rc {
+        let bound = |key: &str| r.get(key).and_then(Value::as_i64);
+        let max = bound("max_val").ok_or_else(|| {
+            Error::unsupported(format!(
+                "symbol `{name}` has no upper bound: export with torch.export.Dim(…, max=N)"
+            ))
+        })?;
+        out.insert(
+            name.clone(),
+            SymRange {
+                min: bound("min_val").unwrap_or(0),
+                max,
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// The program's SymInt values (`sym_int_values`), with their upper bounds.
+fn sym_ints(g: &Value, ranges: &SymRanges) -> Result<SymInts> {
+    let mut out = SymInts::new();
+    if let Some(values) = g.get("sym_int_values").and_then(Value::as_object) {
+        for (name, v) in values {
+            let e = sym_size(v).with_context(|| format!("symbolic int `{name}`"))?;
+            let (_, hi) = e
+                .bounds(ranges)
+                .with_context(|| format!("symbolic int `{name}`"))?;
+            out.insert(name.clone(), (e, hi));
+        }
+    }
+    Ok(out)
 }
 
 struct Payloads {
@@ -194,19 +246,28 @@ fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Gra
     let g = field(module, "graph")?;
     let signature = field(module, "signature")?;
 
+    let ranges = ranges(program)?;
+    let syms = sym_ints(g, &ranges)?;
     let mut meta: HashMap<String, (DType, Vec<usize>)> = HashMap::new();
+    let mut sym_meta: HashMap<String, Vec<SymExpr>> = HashMap::new();
     let mut dense = HashSet::new();
     if let Some(tv) = g.get("tensor_values").and_then(Value::as_object) {
         for (name, m) in tv {
-            let (dtype, shape) = tensor_meta(m).with_context(|| format!("tensor `{name}`"))?;
+            let (dtype, shape, sym) =
+                sym_tensor_meta(m, &ranges).with_context(|| format!("tensor `{name}`"))?;
             if is_dense(m, &shape) {
                 dense.insert(name.clone());
             }
             meta.insert(name.clone(), (dtype, shape));
+            if let Some(sym) = sym {
+                sym_meta.insert(name.clone(), sym);
+            }
         }
     }
     let payloads = Payloads::read(archive, model)?;
-    let mut lowerer = Lowerer::new(Graph::default(), &meta, used_names(g), dense);
+    let mut graph = Graph::default();
+    graph.sym.ranges = ranges;
+    let mut lowerer = Lowerer::new(graph, &meta, &sym_meta, used_names(g), dense);
 
     // Placeholders: one per input spec, in signature order.
     let specs = field(signature, "input_specs")?
@@ -255,6 +316,14 @@ fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Gra
             | InputKind::Constant { fqn } => Some(fqn.clone()),
         };
         let id = lowerer.graph.add_value(name, dtype, shape.clone());
+        if let Some(sym) = sym_meta.get(name) {
+            if fqn.is_some() {
+                return Err(Error::unsupported(format!(
+                    "input `{name}`: a weight or buffer of dynamic shape"
+                )));
+            }
+            lowerer.graph.set_sym_dims(id, sym.clone())?;
+        }
         if let Some(fqn) = fqn {
             let (t, fake) = payloads
                 .tensor(archive, &fqn)
@@ -280,6 +349,9 @@ fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Gra
         .ok_or_else(|| Error::format("`nodes` is not a list"))?;
     let mut unsupported = vec![];
     for (i, n) in nodes.iter().enumerate() {
+        if is_symbolic_node(n) {
+            continue;
+        }
         let target = str_field(n, "target")?.to_string();
         let name = n
             .get("name")
@@ -287,7 +359,7 @@ fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Gra
             .map_or_else(|| format!("node{i}"), str::to_string);
         let where_ = format!("node `{name}` ({target})");
         let outputs = node_outputs(n).context(where_.clone());
-        let args = Args::new(field(n, "inputs")?).context(where_.clone());
+        let args = Args::new(field(n, "inputs")?, &syms).context(where_.clone());
         let functional = functional_target(&target);
         let lowered = outputs
             .and_then(|o| args.map(|a| (o, a)))
