@@ -2,7 +2,7 @@
 //! one pass, in parallel, straight between the tensor's own memory and a
 //! mapped staging buffer: no intermediate copy on either side.
 
-use etmetal_core::{DType, Error, Result, View, ViewMut};
+use etmetal_core::{Error, Result, View, ViewMut};
 use etmetal_metal::payload::{gpu_bytes, gpu_words, host_from_gpu, int64_does_not_fit, GpuRepr};
 use rayon::prelude::*;
 use wgpu::WriteOnly;
@@ -97,7 +97,7 @@ pub(crate) fn download(src: &[u8], out: &mut ViewMut) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use etmetal_core::Tensor;
+    use etmetal_core::{DType, Tensor};
 
     use super::*;
 
