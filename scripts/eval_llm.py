@@ -69,15 +69,15 @@ def binary() -> Path:
     return Path(os.environ.get("ETMETAL_BIN") or (target if target.is_absolute() else REPO / target) / "release" / "etmetal")
 
 
-def etmetal(*args, timeout=3600) -> subprocess.CompletedProcess:
-    cmd = [str(binary()), *map(str, args)]
+def etmetal(exe: Path, *args, timeout=3600) -> subprocess.CompletedProcess:
+    cmd = [str(exe), *map(str, args)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         raise RuntimeError(f"$ {' '.join(cmd)}\n{p.stderr}{p.stdout}")
     return p
 
 
-def compile_pte(export: Path, out: Path, backend: str, int4: bool, extra=(), prefill_only=False) -> str:
+def compile_pte(exe: Path, export: Path, out: Path, backend: str, int4: bool, extra=(), prefill_only=False) -> str:
     """Compile the (bfloat16) export's forward and prefill, or its prefill
     alone as `forward`; int4 where asked. The command."""
     args = ["compile", export / ("prefill.pt2" if prefill_only else "forward.pt2"), "-o", out,
@@ -86,24 +86,24 @@ def compile_pte(export: Path, out: Path, backend: str, int4: bool, extra=(), pre
         args += ["--method", f"prefill={export / 'prefill.pt2'}"]
     if int4:
         args += ["--quantize", "int4", "--group-size", "32"]
-    etmetal(*args)
+    etmetal(exe, *args)
     return " ".join(map(str, ["etmetal", *args]))
 
 
-def chunk_of(pte: Path, method: str) -> int:
+def chunk_of(exe: Path, pte: Path, method: str) -> int:
     """Tokens a call of `method` takes (its first input is int64 [1, T])."""
-    shown = etmetal("inspect", pte).stdout
+    shown = etmetal(exe, "inspect", pte).stdout
     m = re.search(rf"method `{method}`:\n  inputs:  int64 \[1, (\d+)\]", shown)
     if not m:
         raise RuntimeError(f"{pte}: no method `{method}` taking int64 [1, T]:\n{shown[:2000]}")
     return int(m.group(1))
 
 
-def replay_logits(pte: Path, ids: list[int], device: str, method: str = "prefill") -> Iterator[np.ndarray]:
+def replay_logits(exe: Path, pte: Path, ids: list[int], device: str, method: str = "prefill") -> Iterator[np.ndarray]:
     """Logits [n, vocab] of `ids` teacher-forced through `pte`, one chunk
     (of the method's T tokens, the last padded with the last token) at a
     time, the KV cache carried from chunk to chunk; row i predicts ids[i + 1]."""
-    chunk = chunk_of(pte, method)
+    chunk = chunk_of(exe, pte, method)
     with tempfile.TemporaryDirectory(prefix="eval_llm_") as work:
         work = Path(work)
         steps = 0
@@ -114,7 +114,7 @@ def replay_logits(pte: Path, ids: list[int], device: str, method: str = "prefill
             np.save(work / f"step{steps}_input0.npy", np.array([part], dtype=np.int64))
             np.save(work / f"step{steps}_input1.npy", np.arange(start, start + chunk, dtype=np.int64))
             steps += 1
-        etmetal("generate", pte, "--replay", work, "--steps", steps, "--device", device)
+        etmetal(exe, "generate", pte, "--replay", work, "--steps", steps, "--device", device)
         for k in range(steps):
             out = work / f"step{k}_output0.npy"
             logits = np.load(out)[0, : min(chunk, len(ids) - k * chunk)]
@@ -158,9 +158,9 @@ def teacher_forced(sources: dict[str, Iterator[np.ndarray]], targets: list[int],
     }
 
 
-def decode_rate(pte: Path, tokenizer: Path, prompt: str, device: str, tokens: int) -> tuple[str, dict]:
+def decode_rate(exe: Path, pte: Path, tokenizer: Path, prompt: str, device: str, tokens: int) -> tuple[str, dict]:
     """`etmetal generate`'s text and its prefill/decode figures."""
-    p = etmetal("generate", pte, "--tokenizer", tokenizer, "--prompt", prompt, "--max-tokens", tokens,
+    p = etmetal(exe, "generate", pte, "--tokenizer", tokenizer, "--prompt", prompt, "--max-tokens", tokens,
                 "--device", device)
     m = re.search(r"decode: (\d+) tokens in ([\d.]+) s \(([\d.]+) tokens/s\)", p.stderr)
     if not m:
@@ -182,6 +182,7 @@ def main():
     ap.add_argument("--max-buffer", help="passed to compile (metal)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/int4_accuracy.json")
     args = ap.parse_args()
+    exe = binary()
 
     sys.path.insert(0, str(REPO / "scripts"))
     import export_llm
@@ -196,7 +197,7 @@ def main():
         result["compile"] = {}
         for name, path in files.items():
             t0 = time.time()
-            cmd = compile_pte(args.export, path, args.compile, name == "int4", extra)
+            cmd = compile_pte(exe, args.export, path, args.compile, name == "int4", extra)
             result["compile"][name] = {"command": cmd, "seconds": round(time.time() - t0, 1)}
             print(f"compiled {path} in {time.time() - t0:.0f} s", flush=True)
     result["size_bytes"] = {name: path.stat().st_size for name, path in files.items()}
@@ -206,10 +207,10 @@ def main():
     ids = tokenizer(args.text.read_text())["input_ids"]
     inputs, targets = ids[:-1], ids[1:]
     t0 = time.time()
-    chunk = chunk_of(args.bf16, "prefill")
+    chunk = chunk_of(exe, args.bf16, "prefill")
     bf16_model = copy.deepcopy(model).to(torch.bfloat16)
-    sources = {"etmetal bf16": replay_logits(args.bf16, inputs, args.device),
-               "etmetal int4": replay_logits(args.int4, inputs, args.device),
+    sources = {"etmetal bf16": replay_logits(exe, args.bf16, inputs, args.device),
+               "etmetal int4": replay_logits(exe, args.int4, inputs, args.device),
                "eager f32": eager_logits(model, inputs, chunk),
                "eager bf16": eager_logits(bf16_model, inputs, chunk)}
     pairs = [("etmetal bf16", "etmetal int4"), ("eager bf16", "etmetal bf16"), ("eager f32", "eager bf16"),
@@ -229,7 +230,7 @@ def main():
             out = model.generate(**enc, max_new_tokens=GREEDY_TOKENS, do_sample=False)
         row = {"prompt": prompt, "eager f32": tokenizer.decode(out[0], skip_special_tokens=True)}
         for name, path in files.items():
-            row[f"etmetal {name}"], rate = decode_rate(path, tok_json, prompt, args.device, GREEDY_TOKENS)
+            row[f"etmetal {name}"], rate = decode_rate(exe, path, tok_json, prompt, args.device, GREEDY_TOKENS)
             for k in decode[name]:
                 decode[name][k] += rate[k]
         result["greedy"].append(row)
