@@ -121,12 +121,14 @@ def int4_accuracy_section():
         return []
     tf, size = r["teacher_forced"], r["size_bytes"]
     md = ["## int4 on real weights: accuracy, size, decode speed", "",
-          f"`scripts/eval_llm.py` on {r['model']}: one export (transformers' ExecuTorch recipe, "
-          "`scripts/export_llm.py`), compiled twice with `--dtype bf16`, once with `--quantize int4 "
-          f"--group-size 32`. Text: `{r['text']}` ({tf['tokens']} next-token predictions), teacher-forced "
-          "through each `.pte`'s `prefill` chunk by chunk with the KV cache, and through eager transformers "
-          f"in one call. Machine: {r['machine']['cores']} cores of {r['machine']['cpu']}, etmetal on "
-          f"`--device {r['machine']['device']}`. Command: `{r['command']}`.", "",
+          f"`scripts/eval_llm.py` on {r['model']}: one bfloat16 export (transformers' ExecuTorch recipe, "
+          "`scripts/export_llm.py --dtype bfloat16`) compiled twice, once with `--quantize int4 "
+          "--group-size 32` (the commands: the script's docstring). Text: "
+          f"`{r['text']}` ({tf['tokens']} next-token predictions), teacher-forced through each `.pte`'s "
+          "`prefill` chunk by chunk with the KV cache, and through eager transformers in one call. "
+          f"Machine: {r['machine']['cores']} cores of {r['machine']['cpu']} (shared: other builds ran "
+          f"meanwhile, so the rates are rough), etmetal on `--device {r['machine']['device']}`; decode "
+          f"tokens/s summed over the greedy prompts. Command: `{r['command']}`.", "",
           table(["model", "perplexity"], [[k, f(v, 3)] for k, v in tf["perplexity"].items()]), "",
           table(["pair", "next-token agreement", "mean KL (nats)"],
                 [[k, f"{100 * v:.2f}%", f(tf["kl"][k], 4)] for k, v in tf["agreement"].items()]), "",

@@ -19,7 +19,18 @@ up to 256; on this text such a file's perplexity was 53.9 against eager
 bf16's 30.6. A bfloat16 export keeps those casts, as eager bf16 does.
 
 (`--compile cpu|metal` makes the two `.pte` files from `--export` first, at
-the `--bf16`/`--int4` paths.) It measures:
+the `--bf16`/`--int4` paths.) On a GPU machine (the H200 figures, not yet
+taken), with the export and the GGUF there (both exceed what a device call
+carries):
+
+    python scripts/eval_llm.py --compile metal --max-buffer 2G --device vulkan \
+        --bf16 bf16.pte --int4 int4.pte --export $E --model DIR --gguf FILE \
+        --out benchmarks/results/int4_accuracy_h200.json
+    # or the decode rate alone, from each .pte:
+    etmetal generate int4.pte --tokenizer $E/tokenizer.json --device vulkan \
+        --prompt "The capital of France is" --max-tokens 64
+
+It measures:
 
 - teacher forcing: the text (with the BOS the tokenizer adds) goes through
   each `.pte`'s `prefill` method chunk by chunk with the KV cache
