@@ -200,7 +200,7 @@ def main():
 
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "device": args.device, "torch": torch.__version__},
-              "model": args.gguf or args.model, "text": str(args.text),
+              "model": args.gguf or args.model, "text": str(args.text.resolve().relative_to(REPO)) if args.text.resolve().is_relative_to(REPO) else str(args.text),
               "command": " ".join(["python", *sys.argv])}
     files = {"bf16": args.bf16, "int4": args.int4}
     if args.compile:
