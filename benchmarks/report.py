@@ -168,6 +168,34 @@ def torch_timing(gpu) -> str:
     return "CUDA events around each call (launch overhead included; results from before the profiler timing)"
 
 
+def int4_accuracy_section():
+    """BENCHMARKS.md's int4 section, from results/int4_accuracy.json
+    (scripts/eval_llm.py); empty where that file is missing."""
+    r = load("int4_accuracy")
+    if not r:
+        return []
+    tf, size = r["teacher_forced"], r["size_bytes"]
+    md = ["## int4 on real weights: accuracy, size, decode speed", "",
+          f"`scripts/eval_llm.py` on {r['model']}: one bfloat16 export (transformers' ExecuTorch recipe, "
+          "`scripts/export_llm.py --dtype bfloat16`) compiled twice, once with `--quantize int4 "
+          "--group-size 32` (the commands: the script's docstring). Text: "
+          f"`{r['text']}` ({tf['tokens']} next-token predictions), teacher-forced through each `.pte`'s "
+          "`prefill` chunk by chunk with the KV cache, and through eager transformers in one call. "
+          f"Machine: {r['machine']['cores']} cores of {r['machine']['cpu']} (shared: other builds ran "
+          f"meanwhile, so the rates are rough), etmetal on `--device {r['machine']['device']}`; decode "
+          f"tokens/s summed over the greedy prompts. Command: `{r['command']}`.", "",
+          table(["model", "perplexity"], [[k, f(v, 3)] for k, v in tf["perplexity"].items()]), "",
+          table(["pair", "next-token agreement", "mean KL (nats)"],
+                [[k, f"{100 * v:.2f}%", f(tf["kl"][k], 4)] for k, v in tf["agreement"].items()]), "",
+          table(["file", "MiB on disk", "decode tokens/s"],
+                [[k, mib(v), f(r["decode"][k]["decode_tokens_per_s"], 2)] for k, v in size.items()]), "",
+          f"int4 / bf16 size: {r['size_ratio']:.3f}. Greedy text ({len(r['greedy'])} prompts):", ""]
+    for g in r["greedy"]:
+        md += [f"- `{g['prompt']}`"] + [f"  - {k}: {json.dumps(v, ensure_ascii=False)}"
+                                       for k, v in g.items() if k != "prompt"]
+    return md + [""]
+
+
 def main():
     gpu, cpu = load("gpu"), load("cpu")
     md = ["# etmetal benchmarks", "",
@@ -271,6 +299,7 @@ def main():
                table(["model", "weights", "peak RSS after load", "peak RSS", "peak / weights"], rows), ""]
     else:
         md += ["## CPU", "", "Not run: no `results/cpu.json`.", ""]
+    md += int4_accuracy_section()
     if gpu and chart(op_ratios, model_ratios):
         md += ["## Chart", "", "![etmetal / PyTorch time ratios](benchmarks/ratios.png)", ""]
     elif PNG.exists():

@@ -16,7 +16,11 @@
 //! (every `nn.Linear`): it is the largest matmul of a decoder step, so it
 //! gains most from 4-bit reads. Where it is tied to the embedding, the
 //! float table stays for the embedding beside the int4 copy (the file grows
-//! by the int4 copy); `--quantize-skip lm_head` keeps it in float.
+//! by the int4 copy); `--quantize-skip lm_head` keeps it in float, and for
+//! a tied head, whose weight carries the embedding's name, the embedding's
+//! name does (`--quantize-skip embed_tokens`). On Gemma 3 270M (tied) the
+//! head's share of the loss is small: keeping it in float raised next-token
+//! agreement with bf16 from 75.4% to 76.9% (the simulation below).
 //!
 //! Quantization is asymmetric min-max per group (`zero = min`,
 //! `scale = (max - min) / 15`), then refined: alternately refit scale and
@@ -31,7 +35,13 @@
 //!   student-t(3) 256x4096: min-max 1.00e-2, refined 8.49e-3 (-15%)
 //!   the 16x32 weight of tests/fixtures/llama_block.pt2 (trained shapes,
 //!   not a real checkpoint): min-max 3.71e-3, refined 3.20e-3 (-14%)
-//! so the refinement is on.
+//! On real weights (Gemma 3 270M, group 32, every linear of eager
+//! transformers replaced by its dequantized weight, 1165 tokens of
+//! tests/parity/data/around_the_world_ch1.txt against the bf16 model):
+//! min-max 5.82e-3, 69.4% next-token agreement, perplexity 40.1; refined
+//! 4.64e-3, 75.4%, 37.8 (bf16: 30.5). So the refinement is on; what
+//! `etmetal compile` itself gives is measured by scripts/eval_llm.py
+//! (BENCHMARKS.md).
 
 use etmetal_core::int4::{as_words, pack, GROUP_SIZES};
 use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor};
