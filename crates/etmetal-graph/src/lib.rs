@@ -16,7 +16,7 @@ mod rewrite;
 mod test_util;
 
 pub use decompose::{decompose, eliminate_dead_code};
-pub use fold::fold_conv_affine;
+pub use fold::{fold_constants, fold_conv_affine};
 pub use infer::infer;
 pub use ir::{Graph, InputKind, Node, OutputKind, ValueId, ValueInfo};
 pub use pt2::{import_pt2, load_pt2};
