@@ -31,7 +31,9 @@ pub const FOLD_MAX_BYTES: usize = 1 << 20;
 
 /// Replace by constants the outputs of every node whose inputs are all
 /// constants and that the CPU kernels evaluate; returns how many nodes were
-/// folded. Not folded: a node that reads a mutated buffer or a fake
+/// folded. `state` names (by fully qualified name) the buffers that other
+/// methods of the program mutate: state too, though this graph only reads
+/// them. Not folded: a node that reads a mutated buffer or a fake
 /// constant (its value is not known at compile time), a delegate call, a
 /// node writing a graph output, a node with an output over
 /// [`FOLD_MAX_BYTES`], a node the CPU kernels refuse (left for the backend
@@ -39,12 +41,19 @@ pub const FOLD_MAX_BYTES: usize = 1 << 20;
 /// constant) that an unfolded node or a graph output also reads: folding it
 /// would store a copy of that weight beside it. The weights only folded
 /// nodes read are left unread, for [`crate::eliminate_dead_code`].
-pub fn fold_constants(graph: &mut Graph) -> Result<usize> {
-    let mutated: HashSet<ValueId> = graph
+///
+/// Shapes are all static in the IR; a node with a symbolic shape, once
+/// there are some, must not fold.
+pub fn fold_constants(graph: &mut Graph, state: &[String]) -> Result<usize> {
+    let mut mutated: HashSet<ValueId> = graph
         .buffer_mutations()?
         .into_iter()
         .map(|(b, _)| b)
         .collect();
+    mutated.extend(graph.inputs.iter().filter_map(|(v, k)| match k {
+        InputKind::Buffer { fqn, .. } if state.contains(fqn) => Some(*v),
+        _ => None,
+    }));
     let known = |v: &ValueId| {
         graph.constants.contains_key(v) && !graph.fake_constants.contains(v) && !mutated.contains(v)
     };
@@ -410,7 +419,7 @@ mod tests {
         let y = bin(&mut g, BinaryOp::Add, x, bias);
         g.outputs.push((y, OutputKind::User));
         let nodes = g.nodes.len();
-        assert_eq!(fold_constants(&mut g).unwrap(), nodes - 1);
+        assert_eq!(fold_constants(&mut g, &[]).unwrap(), nodes - 1);
         crate::eliminate_dead_code(&mut g);
         assert_eq!(ops(&g), ["add"]);
         reinfers(&g);
@@ -446,7 +455,7 @@ mod tests {
         );
         let y = bin(&mut g, BinaryOp::Add, x, mask);
         g.outputs.push((y, OutputKind::User));
-        assert_eq!(fold_constants(&mut g).unwrap(), 6);
+        assert_eq!(fold_constants(&mut g, &[]).unwrap(), 6);
         assert_eq!(ops(&g), ["add"]);
         // torch.zeros(4, 4).masked_fill(~torch.ones(4, 4).tril().bool(), -inf)
         let got = g.constants[&mask].to_f32_vec();
@@ -474,7 +483,7 @@ mod tests {
         g.outputs.push((small, OutputKind::User));
         g.outputs.push((sum, OutputKind::User));
         // a graph output stays computed too: only the arange under it folds
-        assert_eq!(fold_constants(&mut g).unwrap(), 1);
+        assert_eq!(fold_constants(&mut g, &[]).unwrap(), 1);
         assert_eq!(ops(&g), ["arange", "reshape", "add"]);
         assert_eq!(g.nodes[0].outputs, [large]);
         assert_eq!(g.constants[&g.nodes[1].inputs[0].unwrap()].numel(), n);
@@ -511,8 +520,15 @@ mod tests {
         ));
         g.outputs.push((y, OutputKind::User));
         let before = g.nodes.clone();
-        assert_eq!(fold_constants(&mut g).unwrap(), 0);
+        assert_eq!(fold_constants(&mut g, &[]).unwrap(), 0);
         assert_eq!(g.nodes, before);
+        // a method that only reads the buffer another method writes
+        g.outputs.remove(0);
+        crate::eliminate_dead_code(&mut g);
+        let before = g.nodes.clone();
+        assert_eq!(fold_constants(&mut g, &["cache".into()]).unwrap(), 0);
+        assert_eq!(g.nodes, before);
+        assert_eq!(fold_constants(&mut g, &[]).unwrap(), 1, "read-only here");
     }
 
     #[test]
@@ -529,7 +545,7 @@ mod tests {
         let wt = un(&mut g, Op::Permute { dims: vec![1, 0] }, w);
         let y = push(&mut g, "mm", Op::MatMul, vec![Some(e), Some(wt)]);
         g.outputs.push((y, OutputKind::User));
-        assert_eq!(fold_constants(&mut g).unwrap(), 0);
+        assert_eq!(fold_constants(&mut g, &[]).unwrap(), 0);
         assert_eq!(ops(&g), ["embedding", "permute", "mat_mul"]);
     }
 

@@ -124,13 +124,21 @@ pub fn compile_methods(
     let mut lowered = Vec::with_capacity(methods.len());
     let mut reports = Vec::with_capacity(methods.len());
     let mut named_data = NamedDataStore::new();
+    // buffers any method writes: state in every method
+    let state: Vec<String> = (methods.iter())
+        .flat_map(|(_, g)| &g.outputs)
+        .filter_map(|(_, kind)| match kind {
+            OutputKind::BufferMutation { fqn } => Some(fqn.clone()),
+            _ => None,
+        })
+        .collect();
     for (k, (name, graph)) in methods.iter().enumerate() {
         if name.is_empty() || methods[..k].iter().any(|(n, _)| n == name) {
             return Err(Error::invalid_input(format!(
                 "method name `{name}` is empty or given twice"
             )));
         }
-        let (l, r) = lower(name, graph, options, &mut named_data, progress)
+        let (l, r) = lower(name, graph, &state, options, &mut named_data, progress)
             .map_err(|e| e.context(format!("method `{name}`")))?;
         lowered.push(l);
         reports.push(r);
@@ -143,10 +151,12 @@ pub fn compile_methods(
 
 /// Lower one method; its delegates' weights go to `named_data`, which
 /// holds the methods lowered before it (a weight stored there under the
-/// same name with other bytes gets a key of this method's own).
+/// same name with other bytes gets a key of this method's own). `state`:
+/// the buffers any method of the program mutates.
 fn lower(
     name: &str,
     graph: &Graph,
+    state: &[String],
     options: &CompileOptions,
     named_data: &mut NamedDataStore,
     progress: &mut dyn FnMut(&str),
@@ -160,7 +170,7 @@ fn lower(
     let mut folded = 0;
     if options.backend == Backend::Metal {
         etmetal_graph::decompose(&mut g, &ops_to_not_decompose);
-        folded += etmetal_graph::fold_constants(&mut g)?;
+        folded += etmetal_graph::fold_constants(&mut g, state)?;
         etmetal_graph::eliminate_dead_code(&mut g);
         let parts = partition(&g, &options.partition)?;
         for (i, reason) in &parts.cpu_nodes {
@@ -217,7 +227,7 @@ fn lower(
         g = with_delegate_calls(&g, &parts, &resident);
     }
     etmetal_graph::decompose(&mut g, &|_| false);
-    folded += etmetal_graph::fold_constants(&mut g)?;
+    folded += etmetal_graph::fold_constants(&mut g, state)?;
     etmetal_graph::fold_conv_affine(&mut g)?;
     to_portable(&mut g)?;
     etmetal_graph::eliminate_dead_code(&mut g);

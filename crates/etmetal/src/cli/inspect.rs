@@ -44,7 +44,7 @@ pub fn inspect(out: &mut String, path: &Path, verbose: bool) -> Result<()> {
 fn summarize_partitions(out: &mut String, path: &Path) -> Result<()> {
     let mut g = etmetal_graph::load_pt2(path)?;
     etmetal_graph::decompose(&mut g, &ops_to_not_decompose);
-    let folded = etmetal_graph::fold_constants(&mut g)?;
+    let folded = etmetal_graph::fold_constants(&mut g, &[])?;
     etmetal_graph::eliminate_dead_code(&mut g);
     let parts = partition(&g, &PartitionOptions::default())?;
     let delegated: usize = parts.partitions.iter().map(|p| p.nodes.len()).sum();
