@@ -34,7 +34,7 @@ FAST = {
     "hf_llama_position_ids",
     "hf_gemma3_text",
     "hf_gpt2",
-    "hf_t5_encoder",
+    "hf_t5_encoder",  # position bias computed at compile time (etmetal-graph's fold_constants)
     "hf_wav2vec2",
     "timm_resnet18",
 }
@@ -168,16 +168,6 @@ def hf(cls_name: str, config_name: str, keys: tuple = TEXT, encoder: bool = Fals
         return MainOutput(model.get_encoder() if encoder else model, keys)
 
     return make
-
-
-T5_BLOCKED = (
-    "the relative-position buckets cast log(0) = -inf to int64 (PyTorch gives INT64_MIN, "
-    "then `where` masks it out); the GPU's checked 32-bit integers fail the execute on it, "
-    "and with --skip-op cast the value cannot enter the GPU. The bias depends on no input: "
-    "folding input-free subgraphs at compile time would remove it"
-)
-
-
 
 
 def transformers_entries() -> list[Entry]:
@@ -331,7 +321,6 @@ def transformers_entries() -> list[Entry]:
             "hf_t5_encoder",
             hf("T5EncoderModel", "T5Config", vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
             tokens(),
-            blocked=T5_BLOCKED,
         ),
         Entry(
             "hf_bart_encoder",

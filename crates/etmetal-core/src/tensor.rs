@@ -224,7 +224,8 @@ impl Tensor {
     }
 
     /// A tensor from f32 values, converted (rounded to nearest even for
-    /// bf16/f16, truncated towards zero for integers, `!= 0` for bool).
+    /// bf16/f16, `!= 0` for bool, to integers as PyTorch on x86 does:
+    /// NaN and values out of range give the minimum of int64 or int32).
     pub fn from_f32(dtype: DType, shape: &[usize], values: &[f32]) -> Result<Tensor> {
         let f64s: Vec<f64> = values.iter().map(|&v| v as f64).collect();
         Tensor::from_f64(dtype, shape, &f64s)
@@ -249,11 +250,9 @@ impl Tensor {
                 DType::F16 => dst.copy_from_slice(&f16::from_f64(v).to_le_bytes()),
                 DType::BF16 => dst.copy_from_slice(&bf16::from_f64(v).to_le_bytes()),
                 DType::Bool => dst[0] = (v != 0.0) as u8,
-                DType::U8 => dst[0] = v as u8,
-                DType::I8 => dst[0] = (v as i8) as u8,
-                DType::I16 => dst.copy_from_slice(&(v as i16).to_le_bytes()),
-                DType::I32 => dst.copy_from_slice(&(v as i32).to_le_bytes()),
-                DType::I64 => dst.copy_from_slice(&(v as i64).to_le_bytes()),
+                DType::U8 | DType::I8 | DType::I16 | DType::I32 | DType::I64 => {
+                    dst.copy_from_slice(&float_to_int(v, dtype).to_le_bytes()[..w])
+                }
             }
         }
         Ok(t)
@@ -439,6 +438,29 @@ impl Tensor {
     }
 }
 
+/// `v` converted to integer `dtype` (its two's-complement bits in the low
+/// bytes) as PyTorch's casts do on x86, whose truncating conversion
+/// (`cvttsd2si`) gives the type's minimum for NaN, ±inf and values out of
+/// range: int64 and int32 convert directly; the narrower types through
+/// int32, keeping its low bits (`-3.7` → uint8 253, `inf` → int8 0).
+/// Rust's `as` would saturate instead (`-inf` → `i64::MIN` but `inf` →
+/// `i64::MAX`, NaN → 0). `log(0)` cast to int64 (T5's position buckets)
+/// depends on this.
+fn float_to_int(v: f64, dtype: DType) -> i64 {
+    let trunc = |bits: u32| {
+        let limit = 2f64.powi(bits as i32 - 1);
+        if v.is_nan() || v < -limit || v >= limit {
+            i64::MIN >> (64 - bits)
+        } else {
+            v as i64
+        }
+    };
+    match dtype {
+        DType::I64 => trunc(64),
+        _ => trunc(32),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -462,6 +484,28 @@ mod tests {
         assert_eq!(t.to_f32_vec(), vec![1.0]);
         let t = Tensor::from_f32(DType::BF16, &[1], &[1.0 + 3.0 / 256.0]).unwrap();
         assert_eq!(t.to_f32_vec(), vec![1.0 + 4.0 / 256.0]);
+    }
+
+    #[test]
+    fn float_to_int_casts_as_pytorch_on_x86() {
+        let v = [
+            f64::NEG_INFINITY,
+            f64::INFINITY,
+            f64::NAN,
+            1e30,
+            3e9,
+            3.7,
+            -3.7,
+        ];
+        let cast = |dtype| Tensor::from_f64(dtype, &[7], &v).unwrap().to_i64_vec();
+        // torch.tensor(v).to(dtype) on x86-64, torch 2.15
+        let min = i64::MIN;
+        assert_eq!(cast(DType::I64), [min, min, min, min, 3_000_000_000, 3, -3]);
+        let min = i32::MIN as i64;
+        assert_eq!(cast(DType::I32), [min, min, min, min, min, 3, -3]);
+        assert_eq!(cast(DType::I16), [0, 0, 0, 0, 0, 3, -3]);
+        assert_eq!(cast(DType::I8), [0, 0, 0, 0, 0, 3, -3]);
+        assert_eq!(cast(DType::U8), [0, 0, 0, 0, 0, 3, 253]);
     }
 
     #[test]

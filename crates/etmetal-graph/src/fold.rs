@@ -1,4 +1,12 @@
-//! Fold a per-channel scale and shift into the convolution before them:
+//! Compile-time folding.
+//!
+//! [`fold_constants`] evaluates, with the CPU kernels, every node that
+//! depends on no input (only on weights, literals and other such nodes) and
+//! stores its result as a constant, so no backend sees that subgraph:
+//! T5's relative-position buckets, masks built from `arange`.
+//!
+//! [`fold_conv_affine`] folds a per-channel scale and shift into the
+//! convolution before them:
 //! `conv(x, w, b) * s + t` becomes `conv(x, w·s, b·s + t)` when `w`, `b`,
 //! `s` and `t` are constants, as an eval-mode batch norm leaves them after
 //! [`crate::decompose`]. One kernel then does the work of three, and
@@ -9,7 +17,130 @@ use std::collections::{HashMap, HashSet};
 
 use etmetal_core::{BinaryOp, ConvAttrs, DType, Op, Result, Tensor};
 
-use crate::ir::{Graph, Node, ValueId};
+use crate::ir::{Graph, InputKind, Node, ValueId};
+
+/// The largest output, in bytes, that [`fold_constants`] stores in place
+/// of the node computing it. A folded output is stored in the program and
+/// read from memory on every run; up to this size that costs less than a
+/// kernel launch. A larger one stays computed: it is most often a large
+/// tensor made from almost nothing (an `arange`, `full` or `expand`, or a
+/// mask grown from them), cheap to compute and costly to store — what
+/// ExecuTorch's `constant_prop_pass` avoids by skipping `full` and torch's
+/// constant folding by skipping constructors and view-like expansions.
+pub const FOLD_MAX_BYTES: usize = 1 << 20;
+
+/// Replace by constants the outputs of every node whose inputs are all
+/// constants and that the CPU kernels evaluate; returns how many nodes were
+/// folded. `state` names (by fully qualified name) the buffers that other
+/// methods of the program mutate: state too, though this graph only reads
+/// them. Not folded: a node that reads a mutated buffer or a fake
+/// constant (its value is not known at compile time), a delegate call, a
+/// node writing a graph output, a node with an output over
+/// [`FOLD_MAX_BYTES`], a node the CPU kernels refuse (left for the backend
+/// to report), and a node reading a weight (a parameter, buffer or lifted
+/// constant) that an unfolded node or a graph output also reads: folding it
+/// would store a copy of that weight beside it. The weights only folded
+/// nodes read are left unread, for [`crate::eliminate_dead_code`].
+///
+/// A node with an output of symbolic size, or with int arguments that
+/// depend on a symbol (`Graph::sym`), is not folded either: its value
+/// differs from one run to the next.
+pub fn fold_constants(graph: &mut Graph, state: &[String]) -> Result<usize> {
+    let mut mutated: HashSet<ValueId> = graph
+        .buffer_mutations()?
+        .into_iter()
+        .map(|(b, _)| b)
+        .collect();
+    mutated.extend(graph.inputs.iter().filter_map(|(v, k)| match k {
+        InputKind::Buffer { fqn, .. } if state.contains(fqn) => Some(*v),
+        _ => None,
+    }));
+    let known = |v: &ValueId| {
+        graph.constants.contains_key(v) && !graph.fake_constants.contains(v) && !mutated.contains(v)
+    };
+    let base: HashSet<ValueId> = graph.constants.keys().copied().filter(known).collect();
+    let weights: HashSet<ValueId> = (graph.inputs.iter())
+        .filter(|(_, k)| *k != InputKind::User)
+        .map(|(v, _)| *v)
+        .collect();
+    let outputs: HashSet<ValueId> = graph.outputs.iter().map(|(v, _)| *v).collect();
+    let mut readers: HashMap<ValueId, Vec<usize>> = HashMap::new();
+    for (i, n) in graph.nodes.iter().enumerate() {
+        for v in n.inputs.iter().flatten() {
+            readers.entry(*v).or_default().push(i);
+        }
+    }
+    // computed values survive the rounds: a node is evaluated once
+    let mut computed: HashMap<ValueId, Tensor> = HashMap::new();
+    let mut blocked: HashSet<usize> = HashSet::new();
+    let folded = loop {
+        let mut folded: Vec<usize> = vec![];
+        let mut constant = base.clone();
+        for (i, node) in graph.nodes.iter().enumerate() {
+            let candidate = !blocked.contains(&i)
+                && !matches!(node.op, Op::Delegate { .. })
+                && node.inputs.iter().flatten().all(|v| constant.contains(v))
+                && node.outputs.iter().all(|o| {
+                    let info = graph.value(*o);
+                    !outputs.contains(o)
+                        && !graph.is_dynamic(*o)
+                        && !graph.sym.args.contains_key(o)
+                        && info.dtype.size() * info.shape.iter().product::<usize>()
+                            <= FOLD_MAX_BYTES
+                });
+            if !candidate {
+                continue;
+            }
+            if !node.outputs.iter().all(|o| computed.contains_key(o)) {
+                let value = |v: &ValueId| computed.get(v).or_else(|| graph.constants.get(v));
+                let inputs: Vec<Option<&Tensor>> = node
+                    .inputs
+                    .iter()
+                    .map(|s| s.as_ref().and_then(value))
+                    .collect();
+                let expect: Vec<_> = (node.outputs.iter())
+                    .map(|o| (graph.value(*o).dtype, graph.value(*o).shape.clone()))
+                    .collect();
+                let Ok(results) = etmetal_cpu::execute(&node.op, &inputs, &expect) else {
+                    blocked.insert(i);
+                    continue;
+                };
+                computed.extend(node.outputs.iter().copied().zip(results));
+            }
+            constant.extend(node.outputs.iter().copied());
+            folded.push(i);
+        }
+        let here: HashSet<usize> = folded.iter().copied().collect();
+        let shares = |i: &usize| {
+            graph.nodes[*i].inputs.iter().flatten().any(|v| {
+                weights.contains(v)
+                    && (outputs.contains(v) || readers[v].iter().any(|r| !here.contains(r)))
+            })
+        };
+        let sharing: Vec<usize> = folded.iter().copied().filter(shares).collect();
+        if sharing.is_empty() {
+            break here;
+        }
+        blocked.extend(sharing);
+    };
+    // the folded values unfolded nodes read become constants; the rest go
+    let written: HashSet<ValueId> = (folded.iter())
+        .flat_map(|&i| graph.nodes[i].outputs.iter().copied())
+        .collect();
+    for (i, node) in graph.nodes.iter().enumerate() {
+        for v in node.inputs.iter().flatten() {
+            if !folded.contains(&i) && written.contains(v) {
+                graph.constants.insert(*v, computed[v].clone());
+            }
+        }
+    }
+    let mut i = 0;
+    graph.nodes.retain(|_| {
+        i += 1;
+        !folded.contains(&(i - 1))
+    });
+    Ok(folded.len())
+}
 
 /// Fold every `Mul`/`Add` of a per-output-channel (or single) f32 constant
 /// that is the only reader of a forward convolution's output with
@@ -173,8 +304,287 @@ fn fold(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::{InputKind, OutputKind};
+    use crate::ir::OutputKind;
     use crate::test_util::{ops, push, reinfers};
+    use etmetal_core::{Scalar, SymExpr, SymRange, UnaryOp};
+
+    fn arange(g: &mut Graph, name: &str, n: i64) -> ValueId {
+        let op = Op::Arange {
+            start: Scalar::Int(0),
+            end: Scalar::Int(n),
+            step: Scalar::Int(1),
+            dtype: DType::I64,
+        };
+        push(g, name, op, vec![])
+    }
+
+    fn reshape(g: &mut Graph, x: ValueId, shape: &[usize]) -> ValueId {
+        let op = Op::Reshape {
+            shape: shape.to_vec(),
+        };
+        push(g, "view", op, vec![Some(x)])
+    }
+
+    fn bin(g: &mut Graph, op: BinaryOp, a: ValueId, b: ValueId) -> ValueId {
+        push(g, op.name(), Op::Binary(op), vec![Some(a), Some(b)])
+    }
+
+    fn un(g: &mut Graph, op: Op, x: ValueId) -> ValueId {
+        push(g, op.name(), op, vec![Some(x)])
+    }
+
+    fn scalar(g: &mut Graph, dtype: DType, v: f64) -> ValueId {
+        g.add_constant("_scalar", Tensor::scalar_f64(dtype, v).unwrap())
+    }
+
+    fn user(g: &mut Graph, dtype: DType, shape: &[usize]) -> ValueId {
+        let x = g.add_value("x", dtype, shape.to_vec());
+        g.inputs.push((x, InputKind::User));
+        x
+    }
+
+    fn param(g: &mut Graph, fqn: &str, t: Tensor) -> ValueId {
+        let w = g.add_constant(fqn, t);
+        g.inputs.push((w, InputKind::Parameter { fqn: fqn.into() }));
+        w
+    }
+
+    /// HF T5's `_relative_position_bucket(memory - context, bidirectional=True,
+    /// num_buckets=8, max_distance=20)` for 6 queries and 10 keys, op by op
+    /// as torch.export records it: `log(0)` is `-inf`, cast to int64, then
+    /// masked out by the `where`.
+    fn t5_buckets(g: &mut Graph) -> ValueId {
+        let (i64_, f32_) = (DType::I64, DType::F32);
+        let (q, k) = (arange(g, "q", 6), arange(g, "k", 10));
+        let (q, k) = (reshape(g, q, &[6, 1]), reshape(g, k, &[1, 10]));
+        let rel = bin(g, BinaryOp::Sub, k, q);
+        let zero = scalar(g, i64_, 0.0);
+        let after = bin(g, BinaryOp::Gt, rel, zero);
+        let after = un(g, Op::Cast { dtype: i64_ }, after);
+        let half = scalar(g, i64_, 4.0);
+        let buckets = bin(g, BinaryOp::Mul, after, half);
+        let rel = un(g, Op::Unary(UnaryOp::Abs), rel);
+        let max_exact = scalar(g, i64_, 2.0);
+        let small = bin(g, BinaryOp::Lt, rel, max_exact);
+        let f = un(g, Op::Cast { dtype: f32_ }, rel);
+        let two = scalar(g, f32_, 2.0);
+        let f = bin(g, BinaryOp::Div, f, two);
+        let f = un(g, Op::Unary(UnaryOp::Log), f);
+        let log_ratio = scalar(g, f32_, (20.0f64 / 2.0).ln());
+        let f = bin(g, BinaryOp::Div, f, log_ratio);
+        let f = bin(g, BinaryOp::Mul, f, two);
+        let large = un(g, Op::Cast { dtype: i64_ }, f);
+        let large = bin(g, BinaryOp::Add, large, max_exact);
+        let last = scalar(g, i64_, 3.0);
+        let large = bin(g, BinaryOp::Minimum, large, last);
+        let args = vec![Some(small), Some(rel), Some(large)];
+        let picked = push(g, "where", Op::Where, args);
+        bin(g, BinaryOp::Add, buckets, picked)
+    }
+
+    /// T5's buckets as eager PyTorch computes them (transformers'
+    /// `T5Attention._relative_position_bucket`, same arguments).
+    const T5_BUCKETS: [[i64; 10]; 6] = [
+        [0, 5, 6, 6, 6, 6, 6, 7, 7, 7],
+        [1, 0, 5, 6, 6, 6, 6, 6, 7, 7],
+        [2, 1, 0, 5, 6, 6, 6, 6, 6, 7],
+        [2, 2, 1, 0, 5, 6, 6, 6, 6, 6],
+        [2, 2, 2, 1, 0, 5, 6, 6, 6, 6],
+        [2, 2, 2, 2, 1, 0, 5, 6, 6, 6],
+    ];
+
+    #[test]
+    fn t5_position_bias_folds_to_pytorchs_values() {
+        let mut g = Graph::default();
+        let x = user(&mut g, DType::F32, &[1, 2, 6, 10]);
+        let buckets = t5_buckets(&mut g);
+        // relative_attention_bias: bucket b, head h holds 10 b + h
+        let table: Vec<f32> = (0..16).map(|i| (i / 2 * 10 + i % 2) as f32).collect();
+        let w = param(
+            &mut g,
+            "rel_bias.weight",
+            Tensor::from_f32(DType::F32, &[8, 2], &table).unwrap(),
+        );
+        let bias = push(
+            &mut g,
+            "embedding",
+            Op::Embedding,
+            vec![Some(w), Some(buckets)],
+        );
+        let bias = un(
+            &mut g,
+            Op::Permute {
+                dims: vec![2, 0, 1],
+            },
+            bias,
+        );
+        let bias = reshape(&mut g, bias, &[1, 2, 6, 10]);
+        let y = bin(&mut g, BinaryOp::Add, x, bias);
+        g.outputs.push((y, OutputKind::User));
+        let nodes = g.nodes.len();
+        assert_eq!(fold_constants(&mut g, &[]).unwrap(), nodes - 1);
+        crate::eliminate_dead_code(&mut g);
+        assert_eq!(ops(&g), ["add"]);
+        reinfers(&g);
+        // the folded bias replaced the table, which nothing reads now
+        assert!(!g.constants.contains_key(&w));
+        assert_eq!(g.inputs.len(), 1);
+        let got = g.constants[&bias].to_f32_vec();
+        for h in 0..2 {
+            for (i, row) in T5_BUCKETS.iter().enumerate() {
+                for (j, b) in row.iter().enumerate() {
+                    assert_eq!(got[(h * 6 + i) * 10 + j], (b * 10 + h as i64) as f32);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn causal_mask_from_arange_folds() {
+        let mut g = Graph::default();
+        let x = user(&mut g, DType::F32, &[4, 4]);
+        let (i, j) = (arange(&mut g, "i", 4), arange(&mut g, "j", 4));
+        let (i, j) = (reshape(&mut g, i, &[4, 1]), reshape(&mut g, j, &[1, 4]));
+        let keep = bin(&mut g, BinaryOp::Ge, i, j);
+        let (zero, ninf) = (
+            scalar(&mut g, DType::F32, 0.0),
+            scalar(&mut g, DType::F32, f64::NEG_INFINITY),
+        );
+        let mask = push(
+            &mut g,
+            "where",
+            Op::Where,
+            vec![Some(keep), Some(zero), Some(ninf)],
+        );
+        let y = bin(&mut g, BinaryOp::Add, x, mask);
+        g.outputs.push((y, OutputKind::User));
+        assert_eq!(fold_constants(&mut g, &[]).unwrap(), 6);
+        assert_eq!(ops(&g), ["add"]);
+        // torch.zeros(4, 4).masked_fill(~torch.ones(4, 4).tril().bool(), -inf)
+        let got = g.constants[&mask].to_f32_vec();
+        for (k, v) in got.iter().enumerate() {
+            let want = if k % 4 <= k / 4 {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            };
+            assert_eq!(*v, want, "element {k}");
+        }
+    }
+
+    #[test]
+    fn a_value_of_symbolic_size_is_not_folded() {
+        // the causal mask of `causal_mask_from_arange_folds`, its rows sliced
+        // to a dynamic length: computed at every run, not stored at the bound
+        let mut g = Graph::default();
+        let x = user(&mut g, DType::F32, &[4, 4]);
+        let (i, j) = (arange(&mut g, "i", 4), arange(&mut g, "j", 4));
+        let (i, j) = (reshape(&mut g, i, &[4, 1]), reshape(&mut g, j, &[1, 4]));
+        let keep = bin(&mut g, BinaryOp::Ge, i, j);
+        let (zero, ninf) = (
+            scalar(&mut g, DType::F32, 0.0),
+            scalar(&mut g, DType::F32, f64::NEG_INFINITY),
+        );
+        let mask = push(
+            &mut g,
+            "where",
+            Op::Where,
+            vec![Some(keep), Some(zero), Some(ninf)],
+        );
+        let rows = SymExpr::sym("s0");
+        g.sym
+            .ranges
+            .insert("s0".into(), SymRange { min: 1, max: 4 });
+        g.sym
+            .dims
+            .insert(mask, vec![rows.clone(), SymExpr::Const(4)]);
+        g.sym.dims.insert(x, vec![rows, SymExpr::Const(4)]);
+        let y = bin(&mut g, BinaryOp::Add, x, mask);
+        g.outputs.push((y, OutputKind::User));
+        assert_eq!(fold_constants(&mut g, &[]).unwrap(), 5);
+        assert_eq!(ops(&g), ["where", "add"]);
+        assert!(!g.constants.contains_key(&mask));
+    }
+
+    #[test]
+    fn a_large_arange_stays_computed() {
+        let mut g = Graph::default();
+        let n = FOLD_MAX_BYTES / 8;
+        let x = user(&mut g, DType::I64, &[n + 1]);
+        let (small, large) = (
+            arange(&mut g, "small", n as i64),
+            arange(&mut g, "large", n as i64 + 1),
+        );
+        let small = reshape(&mut g, small, &[n, 1]);
+        let sum = bin(&mut g, BinaryOp::Add, x, large);
+        g.outputs.push((small, OutputKind::User));
+        g.outputs.push((sum, OutputKind::User));
+        // a graph output stays computed too: only the arange under it folds
+        assert_eq!(fold_constants(&mut g, &[]).unwrap(), 1);
+        assert_eq!(ops(&g), ["arange", "reshape", "add"]);
+        assert_eq!(g.nodes[0].outputs, [large]);
+        assert_eq!(g.constants[&g.nodes[1].inputs[0].unwrap()].numel(), n);
+    }
+
+    #[test]
+    fn mutated_buffers_and_fake_constants_are_not_folded() {
+        let mut g = Graph::default();
+        let x = user(&mut g, DType::F32, &[2]);
+        let b = g.add_constant(
+            "b_cache",
+            Tensor::from_f32(DType::F32, &[2], &[1.0, 2.0]).unwrap(),
+        );
+        let buffer = InputKind::Buffer {
+            fqn: "cache".into(),
+            persistent: true,
+        };
+        g.inputs.push((b, buffer));
+        let w = param(&mut g, "w", Tensor::zeros(DType::F32, &[2]).unwrap());
+        g.fake_constants.insert(w);
+        let two = scalar(&mut g, DType::F32, 2.0);
+        let (read, fake) = (
+            bin(&mut g, BinaryOp::Mul, b, two),
+            bin(&mut g, BinaryOp::Mul, w, two),
+        );
+        let new = bin(&mut g, BinaryOp::Add, b, two);
+        let y = bin(&mut g, BinaryOp::Add, x, read);
+        let y = bin(&mut g, BinaryOp::Add, y, fake);
+        g.outputs.push((
+            new,
+            OutputKind::BufferMutation {
+                fqn: "cache".into(),
+            },
+        ));
+        g.outputs.push((y, OutputKind::User));
+        let before = g.nodes.clone();
+        assert_eq!(fold_constants(&mut g, &[]).unwrap(), 0);
+        assert_eq!(g.nodes, before);
+        // a method that only reads the buffer another method writes
+        g.outputs.remove(0);
+        crate::eliminate_dead_code(&mut g);
+        let before = g.nodes.clone();
+        assert_eq!(fold_constants(&mut g, &["cache".into()]).unwrap(), 0);
+        assert_eq!(g.nodes, before);
+        assert_eq!(fold_constants(&mut g, &[]).unwrap(), 1, "read-only here");
+    }
+
+    #[test]
+    fn a_weight_another_node_reads_is_not_copied() {
+        let mut g = Graph::default();
+        let ids = user(&mut g, DType::I64, &[3]);
+        let w = param(
+            &mut g,
+            "tok.weight",
+            Tensor::from_f32(DType::F32, &[4, 2], &[1.0; 8]).unwrap(),
+        );
+        let e = push(&mut g, "embedding", Op::Embedding, vec![Some(w), Some(ids)]);
+        // tied output projection: the transposed table
+        let wt = un(&mut g, Op::Permute { dims: vec![1, 0] }, w);
+        let y = push(&mut g, "mm", Op::MatMul, vec![Some(e), Some(wt)]);
+        g.outputs.push((y, OutputKind::User));
+        assert_eq!(fold_constants(&mut g, &[]).unwrap(), 0);
+        assert_eq!(ops(&g), ["embedding", "permute", "mat_mul"]);
+    }
 
     /// `bn(conv(x, w))` with 2 output channels; `also_read` makes the
     /// convolution's output a graph output too.

@@ -17,7 +17,7 @@ mod rewrite;
 mod test_util;
 
 pub use decompose::{decompose, eliminate_dead_code};
-pub use fold::fold_conv_affine;
+pub use fold::{fold_constants, fold_conv_affine};
 pub use infer::infer;
 pub use infer_sym::{assign_sym, infer_sym};
 pub use ir::{Graph, InputKind, Node, OutputKind, SymShapes, ValueId, ValueInfo};

@@ -1,11 +1,13 @@
 //! `etmetal compile`: the pipeline from a graph to an ExecuTorch `.pte`.
 //!
 //! With the Metal backend: decompose all but the ops the backend takes
-//! whole → partition → decide, before any preprocess, which mutable
+//! whole → fold the nodes that depend on no input into constants
+//! ([`fold_constants`](etmetal_graph::fold_constants)) → partition → decide, before any preprocess, which mutable
 //! buffers a partition keeps on the GPU and under which named-data key each
 //! weight is stored ([`Boundary`]) → [`preprocess_with`] each partition
 //! into a delegate payload → replace each partition by one delegate-call
 //! node. Then, for what stays on the CPU: decompose everything → fold
+//! input-free nodes again (with the CPU backend, the only time) → fold
 //! batch-norm scales and shifts into the convolutions before them →
 //! [`to_portable`] → dead-code elimination. The [`emit`](crate::emit)
 //! module writes the methods, payloads and named data as one `.pte`; with
@@ -79,6 +81,8 @@ pub struct MethodReport {
     pub cpu_nodes: Vec<(String, String, String)>,
     /// Fully qualified names of the mutable buffers kept on the GPU.
     pub resident_state: Vec<String>,
+    /// Nodes that depend on no input, computed at compile time.
+    pub folded_nodes: usize,
 }
 
 /// Import the `.pt2` at `path` and compile it with [`compile_cpu`].
@@ -120,13 +124,21 @@ pub fn compile_methods(
     let mut lowered = Vec::with_capacity(methods.len());
     let mut reports = Vec::with_capacity(methods.len());
     let mut named_data = NamedDataStore::new();
+    // buffers any method writes: state in every method
+    let state: Vec<String> = (methods.iter())
+        .flat_map(|(_, g)| &g.outputs)
+        .filter_map(|(_, kind)| match kind {
+            OutputKind::BufferMutation { fqn } => Some(fqn.clone()),
+            _ => None,
+        })
+        .collect();
     for (k, (name, graph)) in methods.iter().enumerate() {
         if name.is_empty() || methods[..k].iter().any(|(n, _)| n == name) {
             return Err(Error::invalid_input(format!(
                 "method name `{name}` is empty or given twice"
             )));
         }
-        let (l, r) = lower(name, graph, options, &mut named_data, progress)
+        let (l, r) = lower(name, graph, &state, options, &mut named_data, progress)
             .map_err(|e| e.context(format!("method `{name}`")))?;
         lowered.push(l);
         reports.push(r);
@@ -139,10 +151,12 @@ pub fn compile_methods(
 
 /// Lower one method; its delegates' weights go to `named_data`, which
 /// holds the methods lowered before it (a weight stored there under the
-/// same name with other bytes gets a key of this method's own).
+/// same name with other bytes gets a key of this method's own). `state`:
+/// the buffers any method of the program mutates.
 fn lower(
     name: &str,
     graph: &Graph,
+    state: &[String],
     options: &CompileOptions,
     named_data: &mut NamedDataStore,
     progress: &mut dyn FnMut(&str),
@@ -153,8 +167,10 @@ fn lower(
     let mut reports = vec![];
     let mut cpu_nodes = vec![];
     let mut resident = vec![];
+    let mut folded = 0;
     if options.backend == Backend::Metal {
         etmetal_graph::decompose(&mut g, &ops_to_not_decompose);
+        folded += etmetal_graph::fold_constants(&mut g, state)?;
         etmetal_graph::eliminate_dead_code(&mut g);
         let parts = partition(&g, &options.partition)?;
         for (i, reason) in &parts.cpu_nodes {
@@ -211,6 +227,7 @@ fn lower(
         g = with_delegate_calls(&g, &parts, &resident);
     }
     etmetal_graph::decompose(&mut g, &|_| false);
+    folded += etmetal_graph::fold_constants(&mut g, state)?;
     etmetal_graph::fold_conv_affine(&mut g)?;
     to_portable(&mut g)?;
     etmetal_graph::eliminate_dead_code(&mut g);
@@ -226,6 +243,7 @@ fn lower(
             partitions: reports,
             cpu_nodes,
             resident_state: resident.into_iter().map(|r| r.fqn).collect(),
+            folded_nodes: folded,
         },
     ))
 }

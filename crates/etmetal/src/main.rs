@@ -442,6 +442,13 @@ fn compile_cmd(
             m.partitions.len(),
             m.cpu_nodes.len()
         );
+        if m.folded_nodes > 0 {
+            say!(
+                out,
+                "  {} node(s) depend on no input: computed at compile time",
+                m.folded_nodes
+            );
+        }
         if !m.resident_state.is_empty() {
             say!(
                 out,

@@ -550,3 +550,33 @@ fn inspect_opens_with_a_summary_and_lists_everything_when_verbose() {
         assert!(rest.contains(needle), "missing {needle:?} in:\n{verbose}");
     }
 }
+
+#[test]
+fn compile_and_inspect_report_the_nodes_computed_at_compile_time() {
+    // llama_block slices its rotary tables (buffers) by a constant length
+    let dir = scratch("cli", "folded");
+    let pt2 = fixture("llama_block.pt2");
+    let pte = dir.join("llama_block.pte");
+    let folded = |args: &[&str]| {
+        let res = etmetal(args);
+        let stdout = String::from_utf8_lossy(&res.stdout).into_owned();
+        assert!(
+            res.status.success(),
+            "{}",
+            String::from_utf8_lossy(&res.stderr)
+        );
+        let line = stdout.lines().find(|l| l.contains("depend on no input"));
+        line.map(str::trim)
+            .map(str::to_string)
+            .unwrap_or_else(|| panic!("{stdout}"))
+    };
+    let inspected = folded(&["inspect", pt2.to_str().unwrap()]);
+    let compiled = folded(&[
+        "compile",
+        pt2.to_str().unwrap(),
+        "-o",
+        pte.to_str().unwrap(),
+    ]);
+    assert_eq!(inspected, compiled);
+    assert!(!inspected.starts_with("0 "), "{inspected}");
+}

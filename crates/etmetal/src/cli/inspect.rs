@@ -44,6 +44,7 @@ pub fn inspect(out: &mut String, path: &Path, verbose: bool) -> Result<()> {
 fn summarize_partitions(out: &mut String, path: &Path) -> Result<()> {
     let mut g = etmetal_graph::load_pt2(path)?;
     etmetal_graph::decompose(&mut g, &ops_to_not_decompose);
+    let folded = etmetal_graph::fold_constants(&mut g, &[])?;
     etmetal_graph::eliminate_dead_code(&mut g);
     let parts = partition(&g, &PartitionOptions::default())?;
     let delegated: usize = parts.partitions.iter().map(|p| p.nodes.len()).sum();
@@ -55,6 +56,12 @@ fn summarize_partitions(out: &mut String, path: &Path) -> Result<()> {
         parts.partitions.len(),
         parts.cpu_nodes.len()
     );
+    if folded > 0 {
+        say!(
+            out,
+            "  {folded} node(s) depend on no input: computed at compile time"
+        );
+    }
     for (i, reason) in &parts.cpu_nodes {
         let node = &g.nodes[*i];
         say!(out, "  cpu: `{}` ({}): {reason}", node.name, node.op.name());
