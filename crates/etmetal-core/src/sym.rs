@@ -245,7 +245,7 @@ impl SymExpr {
             SymExpr::Const(c) => Ok((*c, *c)),
             SymExpr::Sym(s) => ranges.get(s).map(|r| (r.min, r.max)).ok_or_else(|| {
                 Error::unsupported(format!(
-                    "symbol `{s}` has no range (export with torch.export.Dim(min=…, max=…))"
+                    "symbol `{s}` has no upper bound: export with torch.export.Dim(…, max=N)"
                 ))
             }),
             SymExpr::Add(xs) => xs.iter().try_fold((0i64, 0i64), |(lo, hi), x| {
@@ -628,7 +628,7 @@ mod tests {
         assert_eq!(b(SymExpr::max(s("b"), c(5))), (5, 8));
         assert_eq!(SymExpr::add(s("a"), c(1)).upper_bound(&ranges).unwrap(), 17);
         let err = s("z").bounds(&ranges).unwrap_err().to_string();
-        assert!(err.contains("symbol `z` has no range"), "{err}");
+        assert!(err.contains("symbol `z` has no upper bound"), "{err}");
         assert!(SymExpr::sub(c(1), s("a")).upper_bound(&ranges).is_err());
         assert!(SymExpr::floor_div(c(4), SymExpr::sub(s("b"), c(1)))
             .unwrap()

@@ -156,8 +156,10 @@ fn is_symbolic_node(node: &Value) -> bool {
     })
 }
 
-/// The symbols' ranges (`range_constraints`); a symbol without an upper
-/// bound is refused, since memory is planned at the bound.
+/// The symbols' ranges (`range_constraints`). A symbol without an upper
+/// bound is left out: memory is planned at the bound, so a size that uses
+/// it is refused where it is read ([`SymExpr::bounds`]), while one that no
+/// size uses (torch.export may list such leftovers) is harmless.
 fn ranges(program: &Value) -> Result<SymRanges> {
     let mut out = SymRanges::new();
     let Some(rc) = program.get("range_constraints").and_then(Value::as_object) else {
@@ -165,18 +167,10 @@ fn ranges(program: &Value) -> Result<SymRanges> {
     };
     for (name, r) in rc {
         let bound = |key: &str| r.get(key).and_then(Value::as_i64);
-        let max = bound("max_val").ok_or_else(|| {
-            Error::unsupported(format!(
-                "symbol `{name}` has no upper bound: export with torch.export.Dim(…, max=N)"
-            ))
-        })?;
-        out.insert(
-            name.clone(),
-            SymRange {
-                min: bound("min_val").unwrap_or(0),
-                max,
-            },
-        );
+        if let Some(max) = bound("max_val") {
+            let min = bound("min_val").unwrap_or(0);
+            out.insert(name.clone(), SymRange { min, max });
+        }
     }
     Ok(out)
 }
