@@ -247,9 +247,8 @@ impl<'m> Lowerer<'m> {
             .iter()
             .any(|n| n.inputs.iter().flatten().any(|&v| self.graph.is_dynamic(v)));
         let mut made = self.graph.constants.range(ValueId(first_value)..);
-        let sized = |(v, t): &(&ValueId, &Tensor)| {
-            !t.shape().is_empty() && !self.static_tables.contains(v)
-        };
+        let sized =
+            |(v, t): &(&ValueId, &Tensor)| !t.shape().is_empty() && !self.static_tables.contains(v);
         if let (true, Some((v, t))) = (reads_dynamic, made.find(sized)) {
             return Err(Error::unsupported(format!(
                 "its lowering makes the constant `{}` of shape {:?} for a dynamic shape",
