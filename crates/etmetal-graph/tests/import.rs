@@ -573,14 +573,19 @@ fn dynamic_prefill_writes_its_static_kv_cache() {
         assert_eq!(g.sym_dims(arange[0].outputs[0]), std::slice::from_ref(&s));
     }
     for add in ["add_", "add__1"] {
-        // the fill counter += seq_len: the sum of a dynamic-length full of ones
+        // the fill counter += seq_len: seq_len's lower bound (1) plus the
+        // sum of a full of seq_len - 1 ones
         let n = node(&g, add);
         assert!(!g.is_dynamic(n.outputs[0]));
-        let sum = producer(n.inputs[1].unwrap());
+        let plus_lower = producer(n.inputs[1].unwrap());
+        assert_eq!(plus_lower.op, Op::Binary(BinaryOp::Add));
+        let lower = &g.constants[&plus_lower.inputs[1].unwrap()];
+        assert_eq!(lower.to_i64_vec(), [1]);
+        let sum = producer(plus_lower.inputs[0].unwrap());
         assert!(matches!(sum.op, Op::Reduce { .. }), "{:?}", sum.op);
         let ones = producer(sum.inputs[0].unwrap());
         assert!(matches!(ones.op, Op::Full { .. }), "{:?}", ones.op);
-        assert_eq!(g.sym_dims(ones.outputs[0]), std::slice::from_ref(&s));
+        assert_eq!(g.sym_dims(ones.outputs[0]), [s.clone() - SymExpr::Const(1)]);
     }
 }
 

@@ -362,27 +362,28 @@ impl<'m> Lowerer<'m> {
     }
 
     /// A 0-d int64 tensor holding the SymInt `e` (a scalar operand such as
-    /// the sequence length a KV cache's fill counter adds): the sum of
-    /// `e` ones, so it follows the size at run time.
+    /// the sequence length a KV cache's fill counter adds): its lower
+    /// bound plus the sum of `e - lower` ones, so it follows the size at
+    /// run time.
     fn sym_scalar(&mut self, c: &Ctx, e: SymExpr) -> Result<ValueId> {
         let (lo, hi) = e.bounds(&self.graph.sym.ranges)?;
-        if lo < 0 {
-            return Err(Error::unsupported(format!(
-                "a symbolic int operand `{e}` that may be negative"
-            )));
-        }
         let full = Op::Full {
-            shape: vec![hi as usize],
+            shape: vec![(hi - lo) as usize],
             value: Scalar::Int(1),
             dtype: DType::I64,
         };
-        let ones = self.emit_sized(c, full, vec![e])?;
+        let ones = self.emit_sized(c, full, vec![e - SymExpr::Const(lo)])?;
         let sum = Op::Reduce {
             op: ReduceOp::Sum,
             dims: vec![0],
             keepdim: false,
         };
-        self.emit1(c, sum, vec![Some(ones)])
+        let sum = self.emit1(c, sum, vec![Some(ones)])?;
+        if lo == 0 {
+            return Ok(sum);
+        }
+        let lo = self.constant(c, "lower", Scalar::Int(lo), DType::I64)?;
+        self.emit1(c, Op::Binary(BinaryOp::Add), vec![Some(sum), Some(lo)])
     }
 
     /// A 0-d constant for a Python scalar operand.
