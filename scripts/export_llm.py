@@ -3,8 +3,10 @@ transformers' own ExecuTorch recipe (`TorchExportableModuleForDecoderOnlyLM`:
 a static KV cache in buffers, the hybrid sliding-window cache for Gemma 3).
 
 Writes into OUT: `forward.pt2` (a decode step: input_ids [1, 1],
-cache_position [1]), `prefill.pt2` (input_ids [1, P], cache_position [P])
-unless --prefill 0, `decode.pt2` (the decode step returning the next
+cache_position [1]), `prefill.pt2` (input_ids [1, P], cache_position [P];
+with --dynamic-prefill, any length from 1 to P: `etmetal generate` then
+runs a prompt in one call at its length, on CPU kernels, where a static
+prefill pads it to P on the GPU) unless --prefill 0, `decode.pt2` (the decode step returning the next
 greedy token, the argmax of its logits, int64 [1]: a greedy step then
 reads back 8 bytes, not the vocabulary's logits) unless --no-decode, and
 the tokenizer files (tokenizer.json, tokenizer_config.json,
@@ -16,7 +18,8 @@ generation_config.json). Then:
 
 Usage (the project venv has torch, transformers, gguf and accelerate):
     python scripts/export_llm.py MODEL_DIR [--gguf FILE.gguf] -o OUT
-        [--max-cache-len 256] [--prefill 32] [--no-decode] [--dtype float32|bfloat16]
+        [--max-cache-len 256] [--prefill 32] [--dynamic-prefill] [--no-decode]
+        [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -48,14 +51,23 @@ def recipe(model, max_cache_len: int):
     return TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_cache_len)
 
 
-def export_step(wrapper, tokens: int, start: int = 0) -> torch.export.ExportedProgram:
-    """The recipe's export of a step that takes `tokens` tokens (a copy, so
-    the wrapper's cache is left as it was)."""
+def export_step(wrapper, tokens: int, start: int = 0, dynamic: bool = False) -> torch.export.ExportedProgram:
+    """The recipe's export of a step that takes `tokens` tokens, or with
+    `dynamic` any number from 1 to `tokens` (a copy, so the wrapper's cache
+    is left as it was)."""
     wrapper = copy.deepcopy(wrapper)
+    shapes = None
+    if dynamic:
+        seq = torch.export.Dim("seq", min=1, max=tokens)
+        shapes = {"input_ids": {1: seq}, "cache_position": {0: seq}}
+        if tokens < 2:
+            raise ValueError(f"a dynamic prefill of up to {tokens} token(s): give a bound of 2 or more")
+        # an example of 2 or more tokens (torch.export specializes a size of 1)
+        tokens = max(2, tokens // 2)
     input_ids = torch.zeros((1, tokens), dtype=torch.long)
     cache_position = torch.arange(start, start + tokens, dtype=torch.long)
     with torch.no_grad():
-        return wrapper.export(input_ids=input_ids, cache_position=cache_position)
+        return wrapper.export(input_ids=input_ids, cache_position=cache_position, dynamic_shapes=shapes)
 
 
 def export_greedy_step(wrapper) -> torch.export.ExportedProgram:
@@ -78,10 +90,11 @@ def export_greedy_step(wrapper) -> torch.export.ExportedProgram:
         return torch.export.export(step, args=(), kwargs=kwargs, strict=True)
 
 
-def export(model, tokenizer, out: Path, max_cache_len: int, prefill: int, decode: bool = True) -> list[Path]:
-    """forward.pt2 (and prefill.pt2 when `prefill` > 0, decode.pt2 when
-    `decode`) plus the tokenizer files in `out`; the .pt2 paths, forward
-    first."""
+def export(model, tokenizer, out: Path, max_cache_len: int, prefill: int, decode: bool = True,
+           dynamic_prefill: bool = False) -> list[Path]:
+    """forward.pt2 (and prefill.pt2 when `prefill` > 0, of up to `prefill`
+    tokens with `dynamic_prefill`; decode.pt2 when `decode`) plus the
+    tokenizer files in `out`; the .pt2 paths, forward first."""
     out.mkdir(parents=True, exist_ok=True)
     wrapper = recipe(model, max_cache_len)
     files = []
@@ -89,7 +102,8 @@ def export(model, tokenizer, out: Path, max_cache_len: int, prefill: int, decode
         if tokens == 0:
             continue
         path = out / f"{name}.pt2"
-        torch.export.save(export_step(wrapper, tokens), path)
+        dynamic = dynamic_prefill and name == "prefill"
+        torch.export.save(export_step(wrapper, tokens, dynamic=dynamic), path)
         files.append(path)
     if decode:
         path = out / "decode.pt2"
@@ -107,12 +121,15 @@ def main():
     ap.add_argument("-o", "--out", type=Path, required=True)
     ap.add_argument("--max-cache-len", type=int, default=256)
     ap.add_argument("--prefill", type=int, default=32, help="tokens a prefill call takes (0: none)")
+    ap.add_argument("--dynamic-prefill", action="store_true",
+                    help="export `prefill` for any prompt length from 1 to --prefill (its nodes run on the CPU)")
     ap.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
                     help="also export `decode`, the step returning its greedy token (default: yes)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     model, tokenizer = load(args.model, args.gguf, getattr(torch, args.dtype))
-    files = export(model, tokenizer, args.out, args.max_cache_len, args.prefill, args.decode)
+    files = export(model, tokenizer, args.out, args.max_cache_len, args.prefill, args.decode,
+                   args.dynamic_prefill)
     method = "".join(f" --method {f.stem}={f}" for f in files[1:])
     print(f"wrote {', '.join(map(str, files))} and the tokenizer files in {args.out}")
     print(f"next: etmetal compile {files[0]}{method} -o model.pte")

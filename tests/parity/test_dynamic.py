@@ -15,8 +15,10 @@ dynamic image size, and some of the
 seed backend's test modules (executorch/backends/apple/metal/tests/
 test_modules.py, written out here: importing it needs macOS libraries)
 with a dynamic dim. Also: `--backend metal` keeps the dynamic nodes on the
-CPU (reason "dynamic shape") and delegates the static ones, and what the
-importer cannot size symbolically is an error naming the node.
+CPU (reason "dynamic shape") and delegates the static ones, SymInts used as
+tensor values and a KV-cache write of a dynamic number of rows follow the
+size, and what the importer cannot handle symbolically is an error naming
+the node.
 """
 
 from __future__ import annotations
@@ -385,13 +387,64 @@ def test_size_arithmetic_of_two_symbols(etmetal, root):
 
 class SymbolicScalar(nn.Module):
     def forward(self, x):
-        return x * x.shape[0]  # a SymInt used as a tensor value
+        # SymInts used as tensor values (as a KV cache's fill counter adds
+        # the sequence length), one whose range crosses zero
+        return x * x.shape[0], x * (x.shape[0] - 4)
+
+
+class SymbolicFloat(nn.Module):
+    def forward(self, x):
+        return x * (x.shape[0] / 2)  # a SymFloat
+
+
+class CacheWrite(nn.Module):
+    """A decoder's KV-cache write of a dynamic number of rows at run-time
+    positions (`index_put_` and `index_copy_` into static buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, 2, 32, 4))
+        self.register_buffer("v", torch.zeros(1, 2, 32, 4))
+
+    def forward(self, x, pos):
+        torch.ops.aten.index_put_(self.k, [None, None, pos], x)
+        self.v.index_copy_(2, pos, 2 * x)
+        return self.k.sum(2) + self.v.sum(2), self.k[:, :, :8] - self.v[:, :, :8]
+
+
+def export_dynamic(module, inputs, shapes, pt2: Path):
+    torch.export.save(torch.export.export(module, inputs, dynamic_shapes=shapes), pt2)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "metal"])
+def test_symint_values_follow_the_size(backend, etmetal, root):
+    pt2, pte = root / "symbolic_scalar.pt2", root / f"symbolic_scalar.{backend}.pte"
+    export_dynamic(SymbolicScalar(), (torch.randn(4, 2),), ({0: Dim("n", min=1, max=8)},), pt2)
+    res = etm(etmetal.binary, "compile", str(pt2), "-o", str(pte), "--backend", backend)
+    assert res.returncode == 0, res.stderr
+    for n in [1, 3, 8]:
+        x = torch.randn(n, 2)
+        got = run_etmetal(etmetal.binary, pte, [x], root / f"symbolic-{backend}-{n}")
+        check(f"SymInt values at {n}, --backend {backend}", got, list(SymbolicScalar()(x)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "metal"])
+def test_kv_cache_write_of_dynamic_rows(backend, etmetal, root):
+    pt2, pte = root / "cache_write.pt2", root / f"cache_write.{backend}.pte"
+    seq = Dim("seq", min=1, max=16)
+    export_dynamic(CacheWrite(), (torch.randn(1, 2, 5, 4), torch.arange(5)), ({2: seq}, {0: seq}), pt2)
+    res = etm(etmetal.binary, "compile", str(pt2), "-o", str(pte), "--backend", backend)
+    assert res.returncode == 0, res.stderr
+    for n, start in [(1, 0), (5, 3), (16, 16)]:
+        inputs = [torch.randn(1, 2, n, 4), torch.arange(start, start + n)]
+        got = run_etmetal(etmetal.binary, pte, inputs, root / f"cache-{backend}-{n}")
+        # a fresh module: each `etmetal run` starts from the initial buffers
+        check(f"cache write of {n} rows at {start}, --backend {backend}", got, list(CacheWrite()(*inputs)))
 
 
 def test_unsupported_symbolic_use_names_the_node(etmetal, root):
-    ep = torch.export.export(SymbolicScalar(), (torch.randn(4, 2),), dynamic_shapes=({0: Dim("n", min=1, max=8)},))
-    pt2 = root / "symbolic_scalar.pt2"
-    torch.export.save(ep, pt2)
+    pt2 = root / "symbolic_float.pt2"
+    export_dynamic(SymbolicFloat(), (torch.randn(4, 2),), ({0: Dim("n", min=1, max=8)},), pt2)
     res = etm(etmetal.binary, "compile", str(pt2), "-o", str(root / "x.pte"), "--backend", "cpu")
     assert res.returncode == 2, res.stderr
-    assert "node `mul`" in res.stderr and "symbolic int" in res.stderr, res.stderr
+    assert "node `mul`" in res.stderr and "symbolic float" in res.stderr, res.stderr

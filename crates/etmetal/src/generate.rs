@@ -7,7 +7,9 @@
 //! and decoders written by hand for on-device generation
 //! (`forward(tokens, input_pos)`) both take it. `forward` is the decode
 //! step (T = 1); an optional `prefill` method (T = P) takes the prompt P
-//! tokens a call, the last chunk padded (see [`generate`]); an optional
+//! tokens a call, the last chunk padded (see [`generate`]), or, exported
+//! with a dynamic T (`Dim("seq", max=P)`), the whole prompt in one call at
+//! its length; an optional
 //! `decode` method is the decode step returning its greedy token (the
 //! argmax of its logits, int64 [1]: scripts/export_llm.py exports it), so
 //! greedy decoding reads back one token a step instead of the logits.
@@ -273,11 +275,12 @@ fn not_a_step(method: &str, what: String) -> Error {
     ))
 }
 
-/// A decoder method's T (tokens a call) and logits rows (T, or 1 where it
-/// returns the last position's only), checked against [`SIGNATURE`].
-fn step_shape(model: &Model, method: &str) -> Result<(usize, usize)> {
+/// A decoder method's T (tokens a call, the bound where it is dynamic),
+/// logits rows (T, or 1 where it returns the last position's only) and
+/// whether T is dynamic, checked against [`SIGNATURE`].
+fn step_shape(model: &Model, method: &str) -> Result<(usize, usize, bool)> {
     let bad = |what: String| not_a_step(method, what);
-    let t = step_tokens(model, method)?;
+    let (t, dynamic) = step_tokens(model, method)?;
     let outputs = model.method_outputs(method)?;
     let logits = outputs
         .first()
@@ -290,14 +293,14 @@ fn step_shape(model: &Model, method: &str) -> Result<(usize, usize)> {
             logits.dtype, logits.shape
         )));
     }
-    Ok((t, rows))
+    Ok((t, rows, dynamic))
 }
 
 /// Whether [`GREEDY_METHOD`] is a one-token step returning one int64
 /// token (else an error saying what it is).
 fn check_greedy_step(model: &Model) -> Result<()> {
     let method = GREEDY_METHOD;
-    let t = step_tokens(model, method)?;
+    let (t, _) = step_tokens(model, method)?;
     let outputs = model.method_outputs(method)?;
     match outputs.first() {
         Some(TensorSpec {
@@ -331,12 +334,13 @@ fn step_token(outputs: &[Tensor]) -> Result<u32> {
     }
 }
 
-/// A decoder method's T (tokens a call), from its inputs.
-fn step_tokens(model: &Model, method: &str) -> Result<usize> {
+/// A decoder method's T (tokens a call, its bound where it is dynamic)
+/// and whether it is dynamic, from its inputs.
+fn step_tokens(model: &Model, method: &str) -> Result<(usize, bool)> {
     let bad = |what: String| not_a_step(method, what);
     let inputs = model.method_inputs(method)?;
     let t = match inputs.as_slice() {
-        [TensorSpec {
+        [spec @ TensorSpec {
             dtype: DType::I64,
             shape: tokens,
             ..
@@ -345,7 +349,7 @@ fn step_tokens(model: &Model, method: &str) -> Result<usize> {
             shape: positions,
             ..
         }] if tokens.len() == 2 && tokens[0] == 1 && positions.as_slice() == [tokens[1]] => {
-            tokens[1]
+            (tokens[1], spec.dynamic.get(1).copied().unwrap_or(false))
         }
         _ => {
             let list: Vec<String> = inputs
@@ -447,7 +451,8 @@ fn logits_row(outputs: &[Tensor], row: usize, method: &str) -> Result<Vec<f32>> 
 /// last token at the positions after it (a causal decoder's earlier
 /// positions do not see them, and decode overwrites their cache entries
 /// before any position does), where that stays inside the cache; what is
-/// left goes token by token through `forward`. With greedy sampling and a
+/// left goes token by token through `forward`. A `prefill` of dynamic T
+/// takes the whole prompt in one call at its length (up to its bound). With greedy sampling and a
 /// [`GREEDY_METHOD`] in the program, the tokens after prefill and every
 /// decode step go through it instead: the same step, which returns its
 /// token rather than the logits.
@@ -460,7 +465,7 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(Error::invalid_input("the prompt has no tokens"));
     }
-    let (decode_t, _) = step_shape(model, "forward")?;
+    let (decode_t, _, _) = step_shape(model, "forward")?;
     if decode_t != 1 {
         return Err(Error::invalid_input(format!(
             "method `forward` takes {decode_t} tokens a call, not 1: it is not a decode step \
@@ -484,6 +489,12 @@ pub fn generate(
             prompt.len()
         )));
     }
+    if let Some((bound, _, true)) = prefill.filter(|&(p, _, _)| prompt.len() > p) {
+        return Err(Error::invalid_input(format!(
+            "the prompt has {} tokens, more than method `prefill` takes (T <= {bound})",
+            prompt.len()
+        )));
+    }
     let tokens: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
     let mut stats = Stats {
         prompt_tokens: prompt.len(),
@@ -494,17 +505,19 @@ pub fn generate(
     let t0 = Instant::now();
     let mut pos = 0;
     let mut logits = vec![];
-    if let Some((p, rows)) = prefill {
+    if let Some((p, rows, dynamic)) = prefill {
         while pos < tokens.len() {
             let n = (tokens.len() - pos).min(p);
-            // a short chunk is padded only where its logits row is there
-            // and its positions stay inside the cache
-            let fits = n == p || (rows == p && cache.is_some_and(|c| pos + p <= c));
+            // a dynamic prefill takes the chunk as it is; a static one pads
+            // a short chunk only where its logits row is there and its
+            // positions stay inside the cache
+            let padded = if dynamic { n } else { p };
+            let fits = n == padded || (rows == p && cache.is_some_and(|c| pos + p <= c));
             if !fits {
                 break;
             }
             let mut chunk = tokens[pos..pos + n].to_vec();
-            chunk.resize(p, tokens[pos + n - 1]);
+            chunk.resize(padded, tokens[pos + n - 1]);
             let outputs = model
                 .execute_method("prefill", step_inputs(&chunk, pos)?)
                 .map_err(|e| e.context(format!("prefill at position {pos}")))?;

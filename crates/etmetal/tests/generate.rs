@@ -2,7 +2,9 @@
 //! random-weight Llama exported through transformers' ExecuTorch recipe,
 //! made by scripts/make_llm_fixture.py): the text must be exactly what
 //! eager transformers generated greedily from the same prompt, whether
-//! greedy steps return logits (`forward`) or their token (`decode`).
+//! greedy steps return logits (`forward`) or their token (`decode`), and
+//! with tests/fixtures/llm_dynamic/'s `prefill` of dynamic length at every
+//! prompt length up to its bound.
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -20,13 +22,23 @@ fn llm(name: &str) -> PathBuf {
 /// The fixture compiled with `backend`, with `forward` and its `methods`
 /// (`prefill`, `decode`; each from the fixture's file of that name).
 fn compile(dir: &Path, backend: &str, methods: &[&str]) -> PathBuf {
-    let pte = dir.join(format!("llm-{backend}-{}.pte", methods.join("-")));
+    let files: Vec<_> = methods
+        .iter()
+        .map(|&name| (name, llm(&format!("{name}.pt2"))))
+        .collect();
+    compile_files(dir, backend, &files, "")
+}
+
+/// [`compile`] with the methods' files given; `tag` tells the `.pte` apart.
+fn compile_files(dir: &Path, backend: &str, methods: &[(&str, PathBuf)], tag: &str) -> PathBuf {
+    let names: Vec<&str> = methods.iter().map(|m| m.0).collect();
+    let pte = dir.join(format!("llm-{backend}-{}{tag}.pte", names.join("-")));
     let mut args = vec![
         "compile".to_string(),
         llm("forward.pt2").display().to_string(),
     ];
-    for name in methods {
-        let method = format!("{name}={}", llm(&format!("{name}.pt2")).display());
+    for (name, file) in methods {
+        let method = format!("{name}={}", file.display());
         args.extend(["--method".into(), method]);
     }
     args.extend([
@@ -53,6 +65,16 @@ fn prompt() -> (String, String) {
 
 fn generate(pte: &Path, device: &str, extra: &[&str]) -> Output {
     let (prompt, max_tokens) = prompt();
+    generate_from(pte, device, &prompt, &max_tokens, extra)
+}
+
+fn generate_from(
+    pte: &Path,
+    device: &str,
+    prompt: &str,
+    max_tokens: &str,
+    extra: &[&str],
+) -> Output {
     let tokenizer = llm("tokenizer.json");
     let mut args = vec![
         "generate",
@@ -60,9 +82,9 @@ fn generate(pte: &Path, device: &str, extra: &[&str]) -> Output {
         "--tokenizer",
         tokenizer.to_str().unwrap(),
         "--prompt",
-        &prompt,
+        prompt,
         "--max-tokens",
-        &max_tokens,
+        max_tokens,
         "--device",
         device,
     ];
@@ -96,6 +118,45 @@ fn greedy_text_matches_eager_transformers_on_the_gpu_and_the_cpu() {
                 "{stderr}"
             );
         }
+    }
+}
+
+#[test]
+fn dynamic_prefill_takes_every_prompt_length_in_one_call() {
+    let dir = scratch("gen", "dynamic");
+    let fixture = llm("../llm_dynamic/cases.json");
+    let spec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+    let bound = spec["bound"].as_u64().unwrap();
+    let methods = [
+        ("prefill", llm("../llm_dynamic/prefill.pt2")),
+        ("decode", llm("decode.pt2")),
+    ];
+    for (backend, device) in [("metal", "auto"), ("cpu", "cpu")] {
+        let pte = compile_files(&dir, backend, &methods, "-dynamic");
+        for case in spec["cases"].as_array().unwrap() {
+            let prompt = case["prompt"].as_str().unwrap();
+            let max_tokens = case["max_tokens"].to_string();
+            let out = generate_from(&pte, device, prompt, &max_tokens, &[]);
+            let want = format!("{}\n", case["text"].as_str().unwrap());
+            assert_eq!(ok(&out), want, "{backend}, {} tokens", case["tokens"]);
+            // the whole prompt in one call at its length, no token by token
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let line = format!("prefill: {} tokens", case["tokens"]);
+            assert!(
+                stderr.contains(&line) && stderr.contains("1 call of `prefill`"),
+                "{stderr}"
+            );
+        }
+        let too_long = spec["too_long"].as_str().unwrap();
+        let out = generate_from(&pte, device, too_long, "4", &[]);
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let want = format!(
+            "the prompt has {} tokens, more than method `prefill` takes (T <= {bound})",
+            bound + 1
+        );
+        assert!(stderr.contains(&want), "{stderr}");
     }
 }
 

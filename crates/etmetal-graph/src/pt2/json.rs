@@ -208,6 +208,11 @@ impl<'a> Args<'a> {
         self.read_sym.get()
     }
 
+    /// Undo the mark of a SymInt read that the lowering handled at run time.
+    pub fn set_read_sym(&self, read: bool) {
+        self.read_sym.set(read);
+    }
+
     /// An int or `SymIntArgument` (`{as_name}` reads the SymInt at its
     /// upper bound, the size the graph is planned at).
     fn int_value(&self, v: &Value) -> Result<i64> {

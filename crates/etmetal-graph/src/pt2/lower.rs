@@ -96,6 +96,9 @@ pub(crate) struct Lowerer<'m> {
     dense: HashSet<String>,
     /// `dequantize_affine` results awaiting the linear they fuse into.
     dequant: HashMap<String, quant::Dequant>,
+    /// Constants a lowering made whose sizes are the same at every
+    /// dynamic size (see [`Lowerer::add_static_table`]).
+    static_tables: HashSet<ValueId>,
 }
 
 /// The dtype of a Python scalar operand next to a tensor of dtype `t`: the
@@ -141,6 +144,7 @@ impl<'m> Lowerer<'m> {
             placeholders: vec![],
             dense,
             dequant: HashMap::new(),
+            static_tables: HashSet::new(),
         }
     }
 
@@ -243,7 +247,9 @@ impl<'m> Lowerer<'m> {
             .iter()
             .any(|n| n.inputs.iter().flatten().any(|&v| self.graph.is_dynamic(v)));
         let mut made = self.graph.constants.range(ValueId(first_value)..);
-        if let (true, Some((v, t))) = (reads_dynamic, made.find(|(_, t)| !t.shape().is_empty())) {
+        let sized =
+            |(v, t): &(&ValueId, &Tensor)| !t.shape().is_empty() && !self.static_tables.contains(v);
+        if let (true, Some((v, t))) = (reads_dynamic, made.find(sized)) {
             return Err(Error::unsupported(format!(
                 "its lowering makes the constant `{}` of shape {:?} for a dynamic shape",
                 self.graph.value(*v).name,
@@ -334,6 +340,50 @@ impl<'m> Lowerer<'m> {
     fn add_table(&mut self, c: &Ctx, what: &str, t: Tensor) -> ValueId {
         let name = format!("{}.{what}.{}", c.name, self.graph.values.len());
         self.graph.add_constant(name, t)
+    }
+
+    /// [`Self::add_table`] for a table whose sizes the caller checked do
+    /// not follow a dynamic size (so a dynamic-shape node may make it).
+    fn add_static_table(&mut self, c: &Ctx, what: &str, t: Tensor) -> ValueId {
+        let v = self.add_table(c, what, t);
+        self.static_tables.insert(v);
+        v
+    }
+
+    /// A helper node of symbolic output sizes `dims` (`Full`, `Arange`:
+    /// ops whose sizes come from attributes, which the emitter recomputes
+    /// from these).
+    fn emit_sized(&mut self, c: &Ctx, op: Op, dims: Vec<SymExpr>) -> Result<ValueId> {
+        let v = self.emit1(c, op, vec![])?;
+        if dims.iter().any(|d| d.as_const().is_none()) {
+            self.graph.set_sym_dims(v, dims)?;
+        }
+        Ok(v)
+    }
+
+    /// A 0-d int64 tensor holding the SymInt `e` (a scalar operand such as
+    /// the sequence length a KV cache's fill counter adds): its lower
+    /// bound plus the sum of `e - lower` ones, so it follows the size at
+    /// run time.
+    fn sym_scalar(&mut self, c: &Ctx, e: SymExpr) -> Result<ValueId> {
+        let (lo, hi) = e.bounds(&self.graph.sym.ranges)?;
+        let full = Op::Full {
+            shape: vec![(hi - lo) as usize],
+            value: Scalar::Int(1),
+            dtype: DType::I64,
+        };
+        let ones = self.emit_sized(c, full, vec![e - SymExpr::Const(lo)])?;
+        let sum = Op::Reduce {
+            op: ReduceOp::Sum,
+            dims: vec![0],
+            keepdim: false,
+        };
+        let sum = self.emit1(c, sum, vec![Some(ones)])?;
+        if lo == 0 {
+            return Ok(sum);
+        }
+        let lo = self.constant(c, "lower", Scalar::Int(lo), DType::I64)?;
+        self.emit1(c, Op::Binary(BinaryOp::Add), vec![Some(sum), Some(lo)])
     }
 
     /// A 0-d constant for a Python scalar operand.
@@ -432,6 +482,19 @@ impl<'m> Lowerer<'m> {
     fn operand(&mut self, c: &Ctx, arg: &str, other: Option<ValueId>) -> Result<ValueId> {
         if c.args.is_tensor(arg)? {
             return self.t(c, arg);
+        }
+        let read_before = c.args.read_sym();
+        let symbolic =
+            matches!(c.args.get(arg)?, Some(("as_sym_int", v)) if v.get("as_name").is_some());
+        if let Some(e) = symbolic.then(|| c.args.sym_int(arg)).transpose()?.flatten() {
+            // read here at run time, not at the bound
+            c.args.set_read_sym(read_before);
+            let v = self.sym_scalar(c, e)?;
+            let dtype = match other {
+                Some(o) => promoted_scalar_dtype(Scalar::Int(0), self.dtype(o)),
+                None => DType::I64,
+            };
+            return self.cast_to(c, v, dtype);
         }
         let s = self.req_scalar(c, arg)?;
         let dtype = match other {
@@ -1760,9 +1823,14 @@ impl<'m> Lowerer<'m> {
         let rows = self.cast_to(c, rows, self.dtype(x))?;
         let index = self.cast_to(c, index, DType::I64)?;
         let index = self.emit1(c, Op::Reshape { shape: vec![k, 1] }, vec![Some(index)])?;
+        if self.graph.sym_dims(x)[dim].as_const().is_none() {
+            return Err(Error::unsupported(format!(
+                "index_copy into dim {dim} of dynamic size"
+            )));
+        }
         let positions = (0..n as i64).collect::<Vec<_>>();
         let positions = Tensor::from_i64(DType::I64, &[1, n], &positions)?;
-        let positions = self.add_table(c, "positions", positions);
+        let positions = self.add_static_table(c, "positions", positions);
         let hits = self.emit1(
             c,
             Op::Binary(BinaryOp::Eq),
@@ -1775,8 +1843,15 @@ impl<'m> Lowerer<'m> {
         };
         let named = self.emit1(c, any, vec![Some(hits)])?;
         // the source row of each position: sum over m of m * [index[m] == j]
-        let ms = Tensor::from_i64(DType::I64, &[k, 1], &(0..k as i64).collect::<Vec<_>>())?;
-        let ms = self.add_table(c, "rows", ms);
+        let rows_k = self.graph.sym_dims(index)[0].clone();
+        let arange = Op::Arange {
+            start: Scalar::Int(0),
+            end: Scalar::Int(k as i64),
+            step: Scalar::Int(1),
+            dtype: DType::I64,
+        };
+        let ms = self.emit_sized(c, arange, vec![rows_k])?;
+        let ms = self.emit1(c, Op::Reshape { shape: vec![k, 1] }, vec![Some(ms)])?;
         let hits = self.cast_to(c, hits, DType::I64)?;
         let weighted = self.emit1(c, Op::Binary(BinaryOp::Mul), vec![Some(hits), Some(ms)])?;
         let sum = Op::Reduce {
