@@ -439,23 +439,30 @@ mod tests {
         }
     }
 
-    #[test]
-    fn causal_mask_from_arange_folds() {
-        let mut g = Graph::default();
-        let x = user(&mut g, DType::F32, &[4, 4]);
-        let (i, j) = (arange(&mut g, "i", 4), arange(&mut g, "j", 4));
-        let (i, j) = (reshape(&mut g, i, &[4, 1]), reshape(&mut g, j, &[1, 4]));
-        let keep = bin(&mut g, BinaryOp::Ge, i, j);
+    /// A user input `x` [4, 4] and a causal mask built from `arange`s
+    /// (`where(i >= j, 0, -inf)`): six nodes that depend on no input.
+    fn causal_mask(g: &mut Graph) -> (ValueId, ValueId) {
+        let x = user(g, DType::F32, &[4, 4]);
+        let (i, j) = (arange(g, "i", 4), arange(g, "j", 4));
+        let (i, j) = (reshape(g, i, &[4, 1]), reshape(g, j, &[1, 4]));
+        let keep = bin(g, BinaryOp::Ge, i, j);
         let (zero, ninf) = (
-            scalar(&mut g, DType::F32, 0.0),
-            scalar(&mut g, DType::F32, f64::NEG_INFINITY),
+            scalar(g, DType::F32, 0.0),
+            scalar(g, DType::F32, f64::NEG_INFINITY),
         );
         let mask = push(
-            &mut g,
+            g,
             "where",
             Op::Where,
             vec![Some(keep), Some(zero), Some(ninf)],
         );
+        (x, mask)
+    }
+
+    #[test]
+    fn causal_mask_from_arange_folds() {
+        let mut g = Graph::default();
+        let (x, mask) = causal_mask(&mut g);
         let y = bin(&mut g, BinaryOp::Add, x, mask);
         g.outputs.push((y, OutputKind::User));
         assert_eq!(fold_constants(&mut g, &[]).unwrap(), 6);
@@ -477,20 +484,7 @@ mod tests {
         // the causal mask of `causal_mask_from_arange_folds`, its rows sliced
         // to a dynamic length: computed at every run, not stored at the bound
         let mut g = Graph::default();
-        let x = user(&mut g, DType::F32, &[4, 4]);
-        let (i, j) = (arange(&mut g, "i", 4), arange(&mut g, "j", 4));
-        let (i, j) = (reshape(&mut g, i, &[4, 1]), reshape(&mut g, j, &[1, 4]));
-        let keep = bin(&mut g, BinaryOp::Ge, i, j);
-        let (zero, ninf) = (
-            scalar(&mut g, DType::F32, 0.0),
-            scalar(&mut g, DType::F32, f64::NEG_INFINITY),
-        );
-        let mask = push(
-            &mut g,
-            "where",
-            Op::Where,
-            vec![Some(keep), Some(zero), Some(ninf)],
-        );
+        let (x, mask) = causal_mask(&mut g);
         let rows = SymExpr::sym("s0");
         g.sym
             .ranges
