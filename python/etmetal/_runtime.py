@@ -58,8 +58,14 @@ class Method:
         return self._method.name
 
     def input_specs(self) -> List[tuple]:
-        """`(dtype name, shape)` of each input."""
+        """`(dtype name, shape)` of each input; a dynamic input's shape is
+        its upper bound (see `dynamic_inputs`)."""
         return self._method.input_specs()
+
+    def dynamic_inputs(self) -> List[List[bool]]:
+        """For each input, which dims are dynamic: any size up to the shape
+        `input_specs` gives (a program exported with `torch.export.Dim`)."""
+        return self._method.dynamic_inputs()
 
     def execute(self, *tensors) -> List[np.ndarray]:
         """Run on NumPy arrays or torch tensors; the outputs as NumPy arrays."""

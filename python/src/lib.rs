@@ -285,12 +285,23 @@ impl Method {
         &self.name
     }
 
-    /// `(dtype name, shape)` of each input.
+    /// `(dtype name, shape)` of each input; a dynamic input's shape is its
+    /// upper bound.
     fn input_specs(&self) -> PyResult<Vec<(String, Vec<usize>)>> {
         let m = self.lock()?;
         Ok(m.input_specs()
             .into_iter()
             .map(|s| (s.dtype.name().to_string(), s.shape))
+            .collect())
+    }
+
+    /// For each input, which dims are dynamic: any size up to the shape
+    /// `input_specs` gives (ExecuTorch's bounded dynamic shapes).
+    fn dynamic_inputs(&self) -> PyResult<Vec<Vec<bool>>> {
+        let m = self.lock()?;
+        Ok(m.input_specs()
+            .into_iter()
+            .map(|s| (0..s.shape.len()).map(|d| s.dim_is_dynamic(d)).collect())
             .collect())
     }
 

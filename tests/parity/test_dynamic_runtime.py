@@ -73,3 +73,23 @@ def test_size_above_the_bound_is_refused(pte_runner, tmp_path):
     res = pte_runner.run(pte, (torch.randn(9, 4),), tmp_path / "run")
     assert res.returncode == 2, res.describe()
     assert "method `forward`: input 0: dim 0 is 9, above its upper bound 8" in res.stderr, res.describe()
+
+
+def test_python_package_reports_the_bounds_and_runs_below_them(tmp_path):
+    """`etmetal.load` shows which input dims are dynamic and up to what
+    size, and runs the program at a smaller size."""
+    import etmetal as etm
+
+    module, buffer = program("dyn_mlp")
+    pte = tmp_path / "dyn_mlp.pte"
+    pte.write_bytes(buffer)
+    method = etm.load(pte, device="cpu").method("forward")
+    assert method.input_specs() == [("float32", [8, 4])]
+    # ExecuTorch bounds a whole tensor, so every dim of the input is dynamic
+    assert method.dynamic_inputs() == [[True, True]]
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        want = module(x)
+    (got,) = method.execute(x)
+    assert got.shape == tuple(want.shape), got.shape
+    assert not compare(got, want, ATOL, RTOL)

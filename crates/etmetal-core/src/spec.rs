@@ -31,7 +31,8 @@ impl TensorSpec {
         self.dynamic.iter().any(|&d| d)
     }
 
-    fn dim_is_dynamic(&self, d: usize) -> bool {
+    /// Whether dim `d` is dynamic (any size up to `shape[d]`).
+    pub fn dim_is_dynamic(&self, d: usize) -> bool {
         self.dynamic.get(d).copied().unwrap_or(false)
     }
 
