@@ -130,47 +130,12 @@ fn bool_inputs_and_outputs_at_odd_sizes_come_back_exactly() {
     }
 }
 
-/// `acc += x; return acc * 2` over `n` elements of `dtype`, `acc` a buffer
-/// starting at `i % 5`.
+/// The accumulator over `n` elements of `dtype`, `acc` starting at `i % 5`.
 fn accumulator(dtype: DType, n: usize) -> Graph {
-    let mut g = Graph::default();
-    let init = match dtype {
+    common::graphs::accumulator(match dtype {
         DType::I64 => ints(n, |i| (i % 5) as i64),
         _ => floats(dtype, n, |i| (i % 5) as f32),
-    };
-    let acc = g.add_constant("b_acc", init);
-    g.inputs.push((
-        acc,
-        InputKind::Buffer {
-            fqn: "acc".into(),
-            persistent: true,
-        },
-    ));
-    let x = g.add_value("x", dtype, vec![n]);
-    g.inputs.push((x, InputKind::User));
-    let two = match dtype {
-        DType::I64 => Tensor::from_i64(dtype, &[], &[2]).unwrap(),
-        _ => Tensor::from_f32(dtype, &[], &[2.0]).unwrap(),
-    };
-    let two = g.add_constant("two", two);
-    let new = g.add_value("new", dtype, vec![n]);
-    let y = g.add_value("y", dtype, vec![n]);
-    for (name, op, a, b, out) in [
-        ("add", BinaryOp::Add, acc, x, new),
-        ("mul", BinaryOp::Mul, new, two, y),
-    ] {
-        g.nodes.push(Node {
-            name: name.into(),
-            target: "test".into(),
-            op: Op::Binary(op),
-            inputs: vec![Some(a), Some(b)],
-            outputs: vec![out],
-        });
-    }
-    g.outputs
-        .push((new, OutputKind::BufferMutation { fqn: "acc".into() }));
-    g.outputs.push((y, OutputKind::User));
-    g
+    })
 }
 
 #[test]

@@ -14,41 +14,11 @@ use etmetal_metal_runtime::{DeviceChoice, GpuStats, MetalBackend};
 use etmetal_pte::Instruction;
 use etmetal_runtime::LoadOptions;
 
-/// `acc += x; return acc * 2` with `acc` a registered buffer starting at `[1, 2]`.
+mod common;
+
+/// The accumulator (`acc += x; return acc * 2`) with `acc` starting at `[1, 2]`.
 fn accumulator() -> Graph {
-    let mut g = Graph::default();
-    let acc = g.add_constant(
-        "b_acc",
-        Tensor::from_f32(DType::F32, &[2], &[1.0, 2.0]).unwrap(),
-    );
-    g.inputs.push((
-        acc,
-        InputKind::Buffer {
-            fqn: "acc".into(),
-            persistent: true,
-        },
-    ));
-    let x = g.add_value("x", DType::F32, vec![2]);
-    g.inputs.push((x, InputKind::User));
-    let two = g.add_constant("two", Tensor::from_f32(DType::F32, &[], &[2.0]).unwrap());
-    let new = g.add_value("new", DType::F32, vec![2]);
-    let y = g.add_value("y", DType::F32, vec![2]);
-    for (name, op, a, b, out) in [
-        ("add", BinaryOp::Add, acc, x, new),
-        ("mul", BinaryOp::Mul, new, two, y),
-    ] {
-        g.nodes.push(Node {
-            name: name.into(),
-            target: "test".into(),
-            op: Op::Binary(op),
-            inputs: vec![Some(a), Some(b)],
-            outputs: vec![out],
-        });
-    }
-    g.outputs
-        .push((new, OutputKind::BufferMutation { fqn: "acc".into() }));
-    g.outputs.push((y, OutputKind::User));
-    g
+    common::graphs::accumulator(Tensor::from_f32(DType::F32, &[2], &[1.0, 2.0]).unwrap())
 }
 
 #[test]

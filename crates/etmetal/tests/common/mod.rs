@@ -1,2 +1,3 @@
 pub mod gpu;
+pub mod graphs;
 pub mod threads;
