@@ -666,14 +666,17 @@ def gpu_model(name: str, dt: str, scratch: Path) -> dict:
     pte.unlink()
     gpu = b.get("gpu") or {}
     top = sorted(gpu.get("dispatches", []), key=lambda k: -k["median_ms"])[:3]
-    roofline = None
+    roofline, breakdown = None, None
     if case.roofline:
         config, ctx = case.roofline
         roofline = decoder_roofline_bytes(config, dt, ctx)
+        # the decode issue asks for one step's per-kernel breakdown
+        breakdown = [{"kernel": k["kernel"], "ms": k["median_ms"]} for k in gpu.get("dispatches", [])]
     return {"model": name, "dtype": dt, "weight_bytes": weight_bytes(module), **torch_figures,
             **compiled_torch, **compiled, **figures, "roofline_bytes": roofline,
             "dispatches": len(gpu.get("dispatches", [])),
             "top_kernels": [{"kernel": k["kernel"], "ms": k["median_ms"], "share": k["share"]} for k in top],
+            **({"dispatch_ms": breakdown} if breakdown else {}),
             "peak_rss": b["peak_rss_bytes"], "peak_rss_after_load": b["peak_rss_after_load_bytes"],
             "err": rel_err(b["output_0"], want)}
 
