@@ -8,6 +8,8 @@
 #   bash scripts/coop_crash.sh run [crash|stress|locks]...
 #       # on the GPU machine (carry .gl and .bench/coop); each part appends
 #       # to $OUT/coop_crash.txt (or ./coop_crash.txt); all three by default.
+#       # TIMES=N repeats the test binary N times (10); LOCKS="device all"
+#       # picks the lock settings `locks` tries.
 #       # A device command may run 10 minutes: give each part its own call
 #       # if the first takes long.
 #
@@ -102,7 +104,7 @@ run() {
         case $part in
         crash)
             # 1. the crash, unchanged (the binary's default: a test thread a core)
-            ETMETAL_PIPELINE_LOCK=off repeat "gpu_matmul off x$threads" 10 $DIR/gpu_matmul
+            ETMETAL_PIPELINE_LOCK=off repeat "gpu_matmul off x$threads" ${TIMES:-10} $DIR/gpu_matmul
             ETMETAL_PIPELINE_LOCK=off repeat "gpu_matmul off single-threaded" 1 $DIR/gpu_matmul --test-threads=1
             ;;
         stress)
@@ -120,8 +122,9 @@ run() {
             ;;
         locks)
             # 3. the test binary under each lock
-            for lock in coop device all; do
-                ETMETAL_PIPELINE_LOCK=$lock repeat "gpu_matmul lock=$lock x$threads" 10 $DIR/gpu_matmul
+            # (`coop` last: it already failed once before)
+            for lock in ${LOCKS:-device all coop}; do
+                ETMETAL_PIPELINE_LOCK=$lock repeat "gpu_matmul lock=$lock x$threads" ${TIMES:-10} $DIR/gpu_matmul
             done
             ;;
         *)
