@@ -86,6 +86,26 @@ class StridedWrite(nn.Module):
         return y * 2
 
 
+class Regions(nn.Module):
+    """`torch.no_grad()` and disabled-autocast blocks, as transformers'
+    rotary embeddings write them: a plain export keeps each as a region
+    call (`wrap_with_set_grad_enabled`, `wrap_with_autocast`)."""
+
+    def forward(self, x):
+        y = x * 2
+        with torch.no_grad():
+            z = y.sin() + 1
+            with torch.autocast("cpu", enabled=False):
+                w = z.float() @ y.T
+        return z * y, w
+
+
+class Autocast(nn.Module):
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return x @ x.T
+
+
 def r(*shape):
     return lambda g: torch.randn(*shape, generator=g)
 
@@ -118,6 +138,7 @@ CASES = [
     ("scatter_one_hot", lambda: Lambda(lambda x, i: (x.scatter(1, i, -x), x.scatter(0, i[:2].remainder(4), 7.5), torch.zeros(4, 5).scatter_add(1, i, x), F.one_hot(i, 5), F.one_hot(i[0, 0], 5))), [r(4, 5), lambda g: torch.stack([torch.randperm(5, generator=g) for _ in range(4)])]),
     ("index_add_accumulate", lambda: Lambda(lambda x, s: (x.index_add(1, torch.tensor([0, 2, 2, 4]), s, alpha=0.5), x.index_put((torch.tensor([3, 0, 3]),), s[0, :3].reshape(3, 1), accumulate=True))), [r(4, 5), r(4, 4)]),
     ("sort", lambda: Lambda(lambda x: (*torch.sort(x), *torch.sort(x, dim=0, descending=True), torch.argsort(x, dim=1, descending=True))), [r(5, 6)]),
+    ("no_grad_autocast_regions", Regions, [r(3, 4)]),
     ("flip_prelu_pixel_shuffle", lambda: Lambda(lambda x, w: (torch.flip(x, (1, 3)), F.prelu(x, w), F.pixel_shuffle(x, 2), F.pixel_unshuffle(x, 2))), [r(1, 4, 4, 6), r(4)]),
 ]
 
@@ -168,4 +189,22 @@ def test_hinted_rewrite_works(name, f, etmetal, tmp_path):
     res = etmetal.run(save(ep.run_decompositions(), tmp_path / "decomposed.pt2"), (x,), tmp_path / "decomposed")
     assert res.returncode == 0, res.describe()
     problem = compare(res.outputs[0], want[0], TOL, TOL)
+    assert problem is None, problem
+
+
+def test_enabled_autocast_is_refused_then_decomposed(etmetal, tmp_path):
+    """An enabled autocast region changes dtypes, which only
+    `run_decompositions()` spells out: the plain export is refused naming the
+    rewrite, the decomposed one runs (bf16 products, so bf16's tolerance)."""
+    module = Autocast().eval()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    want = zoo.eager_outputs(module, (x,))
+    ep = torch.export.export(module, (x,), strict=False)
+    assert "wrap_with_autocast" in str(ep.graph)
+    res = etmetal.run(save(ep, tmp_path / "default.pt2"), (x,), tmp_path / "default")
+    assert res.returncode == 2 and "torch.autocast" in res.stderr and "ep.run_decompositions()" in res.stderr, \
+        res.describe()
+    res = etmetal.run(save(ep.run_decompositions(), tmp_path / "decomposed.pt2"), (x,), tmp_path / "decomposed")
+    assert res.returncode == 0, res.describe()
+    problem = compare(res.outputs[0], want[0], 2e-2, 2e-2)
     assert problem is None, problem

@@ -5,6 +5,7 @@ mod archive;
 mod json;
 pub use json::MAX_TENSOR_BYTES;
 mod lower;
+mod regions;
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -237,7 +238,9 @@ impl Payloads {
 fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Graph> {
     check_schema(program)?;
     let module = field(program, "graph_module")?;
-    let g = field(module, "graph")?;
+    // (`torch.no_grad()`/autocast blocks of a pre-dispatch export inlined)
+    let g = regions::inline_regions(field(module, "graph")?)?;
+    let g: &Value = &g;
     let signature = field(module, "signature")?;
 
     let ranges = ranges(program)?;
