@@ -22,7 +22,7 @@ use etmetal_core::{Error, Result, View, ViewMut};
 use etmetal_metal::payload::{self, Access, Dispatch, Fault, Location, Needs, Payload};
 use etmetal_runtime::{DelegateArg, DelegateHandle, NamedData};
 
-use crate::device::{CoopOffer, GpuDevice, PipelineLock};
+use crate::device::{CoopOffer, GpuDevice};
 use crate::transfer;
 
 /// What a backend has created on the GPU so far (all its delegates).
@@ -504,7 +504,6 @@ impl GpuDelegate {
         let portable = launches.iter().filter(|s| s.variant.is_none()).count();
         let chosen = (payload.dispatches.len() - portable) as u64;
         counters.alternatives.fetch_add(chosen, Ordering::Relaxed);
-        let lock = PipelineLock::get()?;
         let mut pipelines = Vec::with_capacity(payload.kernels.len());
         let mut layouts = Vec::with_capacity(payload.kernels.len());
         for (i, k) in payload.kernels.iter().enumerate() {
@@ -539,8 +538,6 @@ impl GpuDelegate {
             let alternative = launches
                 .iter()
                 .any(|s| s.dispatch.kernel == i && s.variant.is_some());
-            // (the crash workaround under test: see `PipelineLock`)
-            let _serial = lock.hold(&gpu, alternative);
             let (layout, pipeline) = scoped(
                 &gpu,
                 || {

@@ -1,8 +1,8 @@
-//! Choosing an adapter and opening a device with the limits a payload needs,
-//! and with cooperative matrices where the adapter offers them and a
-//! payload has alternatives that use them ([`CoopOffer`]).
+//! Choosing an adapter and opening a device with everything it offers, and
+//! with cooperative matrices where it offers them and the backend runs
+//! payload alternatives ([`CoopOffer`]).
 
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use etmetal_core::{Error, Result};
 use etmetal_metal::payload::{CoopType, Needs, Requirements};
@@ -49,14 +49,11 @@ pub struct GpuDevice {
     pub info: wgpu::AdapterInfo,
     /// The limits the device was opened with.
     pub limits: wgpu::Limits,
-    /// What the device was opened for; a payload needing no more reuses it.
-    pub requested: Requirements,
     /// The cooperative-matrix support the device was opened with (none
-    /// unless a payload with alternatives asked and the adapter has it).
+    /// unless asked for and the adapter has it).
     pub coop: Option<CoopOffer>,
-    /// Whether the adapter could give cooperative matrices (so a later
-    /// payload with alternatives gets a device opened with them).
-    adapter_coop: bool,
+    /// How limit errors name it: the adapter, and whether it is capped.
+    label: String,
     /// Errors reported outside any error scope, and device loss, kept for
     /// the next check instead of wgpu's default panic.
     pub(crate) uncaptured: Arc<Mutex<Option<String>>>,
@@ -306,17 +303,45 @@ impl GpuDevice {
     /// Open the adapter `choice` selects with the limits `req` asks for
     /// (wgpu's defaults where it asks for less, never beyond the adapter's).
     pub fn open(choice: DeviceChoice, req: &Requirements) -> Result<Arc<GpuDevice>> {
-        GpuDevice::open_capped(choice, req, None, false)
+        GpuDevice::open_capped(choice, Some(req), None, false)
+    }
+
+    /// The process's device for `choice` within `cap`, with cooperative
+    /// matrices when `coop` and the adapter has them: opened once, with
+    /// every limit the adapter offers within the cap, and kept for the life
+    /// of the process. Every backend and delegate asking the same shares
+    /// it, so no device is ever opened beside work on another or destroyed
+    /// while others build pipelines: on the H200, a test binary whose
+    /// backend re-opened its device for larger requirements (and dropped
+    /// the old one as its delegates finished) crashed NVIDIA's driver in
+    /// 2 of 5 multi-threaded runs, and serialising every pipeline build did
+    /// not help (7 of 10 crashed), so the crash was not the builds' own.
+    pub fn shared(
+        choice: DeviceChoice,
+        cap: Option<&Requirements>,
+        coop: bool,
+    ) -> Result<Arc<GpuDevice>> {
+        type Key = (DeviceChoice, Option<Requirements>, bool);
+        static DEVICES: Mutex<Vec<(Key, Arc<GpuDevice>)>> = Mutex::new(Vec::new());
+        let key = (choice, cap.cloned(), coop);
+        let mut devices = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, d)) = devices.iter().find(|(k, _)| *k == key) {
+            return Ok(d.clone());
+        }
+        let d = GpuDevice::open_capped(choice, None, cap, coop)?;
+        devices.push((key, d.clone()));
+        Ok(d)
     }
 
     /// [`GpuDevice::open`] on an adapter taken to offer at most `cap`, as a
     /// smaller GPU would: the device is opened with no more than `cap`, and
-    /// a `req` beyond it fails as it would on that GPU. With `coop`, the
+    /// a `req` beyond it fails as it would on that GPU; with no `req`, with
+    /// every limit the adapter offers within the cap. With `coop`, the
     /// device is also opened with the adapter's cooperative matrices (and
     /// its largest workgroup memory), where it has them.
     pub fn open_capped(
         choice: DeviceChoice,
-        req: &Requirements,
+        req: Option<&Requirements>,
         cap: Option<&Requirements>,
         coop: bool,
     ) -> Result<Arc<GpuDevice>> {
@@ -332,19 +357,26 @@ impl GpuDevice {
             }
             name.push_str(" with capped limits");
         }
-        check(req, &available, features, &name)?;
-        let mut limits = wgpu::Limits::default().or_worse_values_from(&available);
-        merge_limits(&mut limits, req, u64::max);
-        let mut required_features = if req.shader_f16 {
+        let (mut limits, f16) = match req {
+            Some(req) => {
+                check(req, &available, features, &name)?;
+                let mut limits = wgpu::Limits::default().or_worse_values_from(&available);
+                merge_limits(&mut limits, req, u64::max);
+                (limits, req.shader_f16)
+            }
+            None => (
+                available.clone(),
+                features.contains(wgpu::Features::SHADER_F16),
+            ),
+        };
+        let mut required_features = if f16 {
             wgpu::Features::SHADER_F16
         } else {
             wgpu::Features::empty()
         };
         // Timestamps cost nothing unless written; profiled executes use them.
         required_features |= adapter.features() & wgpu::Features::TIMESTAMP_QUERY;
-        let offer = CoopOffer::of(&adapter, cap);
-        let adapter_coop = offer.is_some();
-        let coop = offer.filter(|_| coop);
+        let coop = CoopOffer::of(&adapter, cap).filter(|_| coop);
         let mut experimental_features = wgpu::ExperimentalFeatures::disabled();
         if let Some(offer) = &coop {
             required_features |= CoopOffer::FEATURES;
@@ -383,23 +415,21 @@ impl GpuDevice {
             queue,
             info,
             limits,
-            requested: req.clone(),
             coop,
-            adapter_coop,
+            label: name,
             uncaptured,
         }))
     }
 
-    /// Whether a delegate needing `req`, and wanting cooperative matrices
-    /// when `coop`, is best loaded on this device (not when the adapter
-    /// could give cooperative matrices this device was opened without).
-    pub fn suits(&self, req: &Requirements, coop: bool) -> bool {
-        self.satisfies(req) && !(coop && self.adapter_coop && self.coop.is_none())
-    }
-
     /// Whether a delegate needing `req` can load on this device.
     pub fn satisfies(&self, req: &Requirements) -> bool {
-        check(req, &self.limits, self.device.features(), "").is_ok()
+        self.check(req).is_ok()
+    }
+
+    /// An error naming the first limit or feature `req` needs beyond this
+    /// device.
+    pub fn check(&self, req: &Requirements) -> Result<()> {
+        check(req, &self.limits, self.device.features(), &self.label)
     }
 
     /// `describe` of the adapter.
@@ -420,78 +450,9 @@ fn record(slot: &Mutex<Option<String>>, message: String) {
     }
 }
 
-/// Which pipeline builds are serialised process-wide, one at a time
-/// (`ETMETAL_PIPELINE_LOCK=off|coop|device|all`, default `off`): the
-/// switch for the shader-compiler crash seen on the H200 with tensor cores
-/// in multi-threaded test runs (README, Tensor cores; `scripts/coop_crash.sh`
-/// runs each setting). `coop` locks the kernels of tensor-core
-/// alternatives only (tried before: it still crashed once), `device` every
-/// kernel built on a device opened with cooperative matrices (the crash
-/// may need a cooperative-matrix build beside any other), `all` every
-/// kernel of the process.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PipelineLock {
-    Off,
-    Coop,
-    Device,
-    All,
-}
-
-impl PipelineLock {
-    /// The process's setting, read once from `ETMETAL_PIPELINE_LOCK`.
-    pub fn get() -> Result<PipelineLock> {
-        static SETTING: OnceLock<std::result::Result<PipelineLock, String>> = OnceLock::new();
-        SETTING
-            .get_or_init(|| {
-                let value = std::env::var("ETMETAL_PIPELINE_LOCK").unwrap_or_default();
-                PipelineLock::parse(&value).ok_or(value)
-            })
-            .clone()
-            .map_err(|v| {
-                Error::unsupported(format!(
-                    "ETMETAL_PIPELINE_LOCK=`{v}`: expected off, coop, device or all"
-                ))
-            })
-    }
-
-    fn parse(value: &str) -> Option<PipelineLock> {
-        match value {
-            "" | "off" => Some(PipelineLock::Off),
-            "coop" => Some(PipelineLock::Coop),
-            "device" => Some(PipelineLock::Device),
-            "all" => Some(PipelineLock::All),
-            _ => None,
-        }
-    }
-
-    /// Whether a kernel is built under the lock: `alternative` when it
-    /// belongs to a tensor-core alternative, on `gpu`.
-    fn applies(self, gpu: &GpuDevice, alternative: bool) -> bool {
-        match self {
-            PipelineLock::Off => false,
-            PipelineLock::Coop => alternative,
-            PipelineLock::Device => gpu.coop.is_some(),
-            PipelineLock::All => true,
-        }
-    }
-
-    /// The process-wide lock, held while a kernel is built, where this
-    /// setting says so.
-    pub(crate) fn hold(
-        self,
-        gpu: &GpuDevice,
-        alternative: bool,
-    ) -> Option<MutexGuard<'static, ()>> {
-        static BUILDS: Mutex<()> = Mutex::new(());
-        // a build that panicked leaves nothing half-made behind the lock
-        self.applies(gpu, alternative)
-            .then(|| BUILDS.lock().unwrap_or_else(|p| p.into_inner()))
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{CoopOffer, PipelineLock};
+    use super::CoopOffer;
 
     #[test]
     fn metal_simdgroups_are_taken_as_32_wide() {
@@ -504,16 +465,5 @@ mod tests {
         assert_eq!(CoopOffer::subgroup_sizes(&metal), (32, 32));
         let vulkan = info(wgpu::Backend::Vulkan, 32, 64);
         assert_eq!(CoopOffer::subgroup_sizes(&vulkan), (32, 64));
-    }
-
-    #[test]
-    fn pipeline_lock_settings_parse() {
-        assert_eq!(PipelineLock::parse(""), Some(PipelineLock::Off));
-        assert_eq!(PipelineLock::parse("off"), Some(PipelineLock::Off));
-        assert_eq!(PipelineLock::parse("coop"), Some(PipelineLock::Coop));
-        assert_eq!(PipelineLock::parse("device"), Some(PipelineLock::Device));
-        assert_eq!(PipelineLock::parse("all"), Some(PipelineLock::All));
-        assert_eq!(PipelineLock::parse("ALL"), None);
-        assert_eq!(PipelineLock::parse("1"), None);
     }
 }

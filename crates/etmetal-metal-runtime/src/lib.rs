@@ -35,7 +35,7 @@ use etmetal_pte::CompileSpec;
 use etmetal_runtime::{Backend, DelegateHandle, NamedData};
 
 pub use delegate::{DispatchTime, GpuStats};
-pub use device::{describe, select_adapter, CoopOffer, DeviceChoice, GpuDevice, PipelineLock};
+pub use device::{describe, select_adapter, CoopOffer, DeviceChoice, GpuDevice};
 pub use etmetal_metal::BACKEND_ID;
 /// The wgpu this runtime runs on (its adapter and device types appear in
 /// this crate's API).
@@ -82,8 +82,8 @@ impl MetalBackend {
     /// `false` every dispatch runs its portable kernel, as on a device
     /// without them. Off by default: on the H200 a multi-threaded test
     /// run with them on crashed, now and then, inside NVIDIA's shader
-    /// compiler (see the README's Tensor cores). The device is opened with
-    /// cooperative matrices only for payloads that have alternatives.
+    /// compiler (see the README's Tensor cores). With `true` the device is
+    /// opened with cooperative matrices where the adapter has them.
     pub fn with_cooperative_matrix(mut self, on: bool) -> MetalBackend {
         self.coop = on;
         self
@@ -148,22 +148,19 @@ impl MetalBackend {
         self.device.lock().ok().and_then(|d| d.clone())
     }
 
-    /// The shared device if it suits `req` (and cooperative matrices when
-    /// `coop`), else a new one opened for the union of what it was opened
-    /// for and this (delegates already loaded keep the old one).
-    fn device_for(&self, req: &Requirements, coop: bool) -> Result<Arc<GpuDevice>> {
+    /// The backend's device (the process's for its choice, cap and
+    /// cooperative-matrix setting, see [`GpuDevice::shared`]), or an error
+    /// naming the first limit `req` needs beyond it.
+    fn device_for(&self, req: &Requirements) -> Result<Arc<GpuDevice>> {
         let mut slot = self
             .device
             .lock()
             .map_err(|_| Error::internal("the GPU device lock is poisoned"))?;
-        if let Some(d) = slot.as_ref().filter(|d| d.suits(req, coop)) {
-            return Ok(d.clone());
-        }
-        let (want, coop) = match slot.as_ref() {
-            Some(d) => (d.requested.union(req), coop || d.coop.is_some()),
-            None => (req.clone(), coop),
+        let d = match slot.as_ref() {
+            Some(d) => d.clone(),
+            None => GpuDevice::shared(self.choice, self.cap.as_ref(), self.coop)?,
         };
-        let d = GpuDevice::open_capped(self.choice, &want, self.cap.as_ref(), coop)?;
+        d.check(req)?;
         *slot = Some(d.clone());
         Ok(d)
     }
@@ -181,12 +178,7 @@ impl Backend for MetalBackend {
         named_data: &dyn NamedData,
     ) -> Result<Box<dyn DelegateHandle>> {
         let payload = Payload::decode(processed)?;
-        let coop = self.coop
-            && payload
-                .dispatches
-                .iter()
-                .any(|d| !d.alternatives.is_empty());
-        let gpu = self.device_for(&payload.requirements, coop)?;
+        let gpu = self.device_for(&payload.requirements)?;
         Ok(Box::new(delegate::GpuDelegate::load(
             gpu,
             self.counters.clone(),

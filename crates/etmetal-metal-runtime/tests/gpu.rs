@@ -548,25 +548,36 @@ fn requirement_beyond_the_adapter_fails_at_load_naming_the_limit() {
 }
 
 #[test]
-fn larger_requirements_of_a_later_delegate_get_a_device_that_meets_them() {
+fn every_delegate_and_backend_shares_one_device_opened_with_all_the_adapter_offers() {
     let (payload, named) = affine();
     let b = backend();
     let first = b.init(&payload.encode(), &[], &named).unwrap();
     let d1 = b.device().unwrap();
+    // opened with the adapter's limits: a later delegate needing more than
+    // wgpu's defaults loads on the same device (no device is re-opened
+    // beside work on the old one: see `GpuDevice::shared`)
     let mut bigger = payload.clone();
     let offered = d1.adapter.limits().max_buffer_size;
     assert!(
-        offered > d1.limits.max_buffer_size,
+        offered > bigger.requirements.max_buffer_size,
         "this adapter offers no max_buffer_size beyond wgpu's default"
     );
+    assert_eq!(d1.limits.max_buffer_size, offered);
     bigger.requirements.max_buffer_size = offered;
     let _second = b.init(&bigger.encode(), &[], &named).unwrap();
-    let d2 = b.device().unwrap();
+    assert!(Arc::ptr_eq(&d1, &b.device().unwrap()));
+    // another backend of the same settings shares it; a capped one does not
+    let other = backend();
+    let _third = other.init(&payload.encode(), &[], &named).unwrap();
+    assert!(Arc::ptr_eq(&d1, &other.device().unwrap()));
+    let capped = backend().with_limit_cap(Requirements::default());
+    let _fourth = capped.init(&payload.encode(), &[], &named).unwrap();
+    let d2 = capped.device().unwrap();
     assert!(!Arc::ptr_eq(&d1, &d2));
-    assert!(d2.satisfies(&bigger.requirements) && d2.satisfies(&payload.requirements));
-    // The same requirements again reuse the device.
-    let _third = b.init(&payload.encode(), &[], &named).unwrap();
-    assert!(Arc::ptr_eq(&d2, &b.device().unwrap()));
+    assert_eq!(
+        d2.limits.max_buffer_size,
+        Requirements::default().max_buffer_size
+    );
     drop(first);
 }
 

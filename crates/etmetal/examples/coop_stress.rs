@@ -3,7 +3,7 @@
 //! binary, run multi-threaded, died inside NVIDIA's compiler in 2 of 3
 //! runs. Each hypothesis below builds the same kernels in one pattern, so
 //! the pattern that crashes names the cause. `scripts/coop_crash.sh` runs
-//! them all (with each `ETMETAL_PIPELINE_LOCK` setting where it matters).
+//! them all.
 //!
 //! ```text
 //! coop_stress list                      the adapter's offer and the cases
@@ -12,8 +12,6 @@
 //!     at a time: a kernel that crashes the compiler alone shows here)
 //! coop_stress threads [--threads T] [--rounds R]
 //!     one device, T threads loading the cases at once (concurrent builds)
-//! coop_stress devices [--threads T] [--rounds R]
-//!     T threads, each with its own device, loading the cases at once
 //! coop_stress churn   [--threads T] [--rounds R]
 //!     one thread loading the cases while T-1 threads open instances,
 //!     adapters and devices and drop them, building nothing
@@ -36,7 +34,7 @@ use std::thread;
 
 use etmetal_core::{ConvAttrs, DType, Op};
 use etmetal_metal::payload::Requirements;
-use etmetal_metal_runtime::{select_adapter, DeviceChoice, GpuDevice, MetalBackend, PipelineLock};
+use etmetal_metal_runtime::{select_adapter, DeviceChoice, GpuDevice, MetalBackend};
 use gpu::{compile_whole, load_method_on, random, OpCase};
 
 const BF: DType = DType::BF16;
@@ -168,11 +166,10 @@ fn main() {
         .iter()
         .position(|a| a == "--case")
         .and_then(|i| args.get(i + 1));
-    let lock = PipelineLock::get().unwrap_or_else(|e| panic!("{e}"));
     let (_, adapter) = select_adapter(DeviceChoice::Auto).unwrap_or_else(|e| panic!("{e}"));
     let info = adapter.get_info();
     eprintln!(
-        "adapter {} ({:?}, driver {} {}), subgroups {}..{}, pipeline lock {lock:?}",
+        "adapter {} ({:?}, driver {} {}), subgroups {}..{}",
         info.name,
         info.backend,
         info.driver,
@@ -221,14 +218,6 @@ fn main() {
                 }
             });
         }
-        "devices" => on_threads(threads, |t| {
-            for r in 0..rounds {
-                let gpu = backend();
-                for i in 0..all.len() {
-                    load_and_run(hyp, &gpu, &all[(i + t) % all.len()], t, r);
-                }
-            }
-        }),
         "churn" => on_threads(threads, |t| {
             if t == 0 {
                 let gpu = backend();
@@ -244,13 +233,13 @@ fn main() {
                 for r in 0..rounds * all.len() {
                     eprintln!("begin churn device thread {t} round {r}");
                     let req = Requirements::default();
-                    let d = GpuDevice::open_capped(DeviceChoice::Auto, &req, None, true);
+                    let d = GpuDevice::open_capped(DeviceChoice::Auto, Some(&req), None, true);
                     drop(d.unwrap_or_else(|e| panic!("churn: {e}")));
                 }
             }
         }),
         other => {
-            eprintln!("unknown hypothesis `{other}`: list, kernel, threads, devices or churn");
+            eprintln!("unknown hypothesis `{other}`: list, kernel, threads or churn");
             std::process::exit(2);
         }
     }
