@@ -220,7 +220,6 @@ impl Gemv {
             blocks * self.batch,
             self.batch
         );
-        s.push_str(prologue);
         for j in 0..cols {
             // a last block's missing columns read the last one (not stored)
             let _ = writeln!(s, "  let c{j} = min(n0 + {j}u, {}u);", n - 1);
@@ -234,8 +233,8 @@ impl Gemv {
         // them, then one at a time
         let step = unroll * threads;
         let full = chunks / step * step;
-        let mut step_body = |u: usize, from: &str, to: usize, by: usize| {
-            let _ = writeln!(s, "  for (var q = {from}lid; q < {to}u; q = q + {by}u) {{");
+        // the right operand's chunks `q + x·threads`, x < u
+        let loads = |s: &mut String, u: usize| {
             for x in 0..u {
                 let _ = writeln!(
                     s,
@@ -246,6 +245,8 @@ impl Gemv {
                     let _ = writeln!(s, "    let b{x}_{j} = xb{tag}(bt, c{j}, k{x});");
                 }
             }
+        };
+        let math = |s: &mut String, u: usize| {
             for x in 0..u {
                 for i in 0..m {
                     let _ = writeln!(s, "    let a{x}_{i} = xa{tag}(bt, {i}u, k{x});");
@@ -254,13 +255,31 @@ impl Gemv {
                     }
                 }
             }
-            s.push_str("  }\n");
         };
+        let mut from = 0;
         if full > 0 {
-            step_body(unroll, "", full, step);
+            // the first pass's loads go out before the prologue, whose
+            // barriers would otherwise hold them back
+            s.push_str("  {\n    let q = lid;\n");
+            loads(&mut s, unroll);
+            s.push_str(prologue);
+            math(&mut s, unroll);
+            s.push_str("  }\n");
+            from = step;
+        } else {
+            s.push_str(prologue);
         }
-        if full < chunks {
-            step_body(1, &format!("{full}u + "), chunks, threads);
+        for (u, to, by) in [(unroll, full, step), (1, chunks, threads)] {
+            if from < to {
+                let _ = writeln!(
+                    s,
+                    "  for (var q = {from}u + lid; q < {to}u; q = q + {by}u) {{"
+                );
+                loads(&mut s, u);
+                math(&mut s, u);
+                s.push_str("  }\n");
+            }
+            from = from.max(to);
         }
         let sums: Vec<String> = (0..m)
             .flat_map(|i| (0..cols).map(move |j| format!("s{i}_{j}")))
