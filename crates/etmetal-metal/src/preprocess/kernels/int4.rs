@@ -3,13 +3,13 @@
 //! words (8 codes a word; the passes give the GPU that view, since a uint8
 //! buffer is widened to a word an element).
 //!
-//! Decode (M <= 8, [`qmv`]) is bound by the weight bytes, read once: a
+//! Decode (M <= 8, [`Qmv::lower`]) is bound by the weight bytes, read once: a
 //! workgroup owns a few output channels and every activation row; its
 //! invocations stride over the packed rows 16 bytes (4 words, 32 codes) at
 //! a time, consecutive invocations on consecutive chunks (coalesced), read
 //! a chunk's scale and zero once (every group of 32 or more holds whole
 //! chunks) and dequantize in registers without integer-to-float
-//! conversions (see [`qmv`]); f32 partial sums meet in workgroup memory
+//! conversions; f32 partial sums meet in workgroup memory
 //! (`gemm::reduce_sums`, no subgroup size assumed). Larger M takes the
 //! tiled kernel ([`tiled`]) or its tensor-core forms.
 //!
@@ -20,10 +20,10 @@
 //! [`Op::Int4Linear`]: etmetal_core::Op::Int4Linear
 //! [`Op::GatherQmv`]: etmetal_core::Op::GatherQmv
 
+use std::fmt::Write;
+
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
-
-use std::fmt::Write;
 
 use super::gemm::reduce_sums;
 use super::rows::as_rows;

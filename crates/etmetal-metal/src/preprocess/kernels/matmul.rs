@@ -3,7 +3,7 @@
 //! register-tiled [`Gemm`] (with a tensor-core alternative for 16-bit
 //! operands), or, for at most 8 rows per batch against a `k`-contiguous
 //! right operand (a decode step's linear layers), a [`Gemv`] that reads
-//! the weight once in coalesced 4-element chunks.
+//! the weight once in coalesced 16-byte chunks.
 //!
 //! Operands are lazy views, so `weight.T`, permutes and expands are index
 //! arithmetic in the kernels' reads ([`MatmulArgs`]); a contiguous run of
