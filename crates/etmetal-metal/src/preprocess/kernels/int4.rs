@@ -153,6 +153,10 @@ impl Qmv<'_> {
     /// `w = q·scale + zero` is applied per chunk as `scale·Σxq + zero·Σx`.
     fn lower(&self, lw: &mut Lowering) -> Result<()> {
         let (m, n, words, gs) = (self.m, self.n, self.words, self.group_size);
+        if m == 0 || n == 0 {
+            // nothing to write
+            return Ok(());
+        }
         let k = words * 8;
         let mut kb = KernelBuilder::new(&lw.buffers);
         kb.value_fn(self.scales, "sc")?;
