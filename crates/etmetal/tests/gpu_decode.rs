@@ -72,3 +72,30 @@ fn fused_decode_step_matches_the_cpu_kernels() {
         assert_close(&got[0], expected.last().unwrap(), tol, &what);
     }
 }
+
+/// The same step with every linear in int4 (groups of 32, the decoder's
+/// widths are 32 and 64): the int4 matrix-vector kernels of each layer and
+/// the head match the CPU kernels on the quantized graph.
+#[test]
+fn int4_decode_step_matches_the_cpu_kernels() {
+    for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 2e-2)] {
+        let inputs = vec![
+            Tensor::from_i64(DType::I64, &[1, 1], &[3]).unwrap(),
+            Tensor::from_i64(DType::I64, &[1], &[5]).unwrap(),
+        ];
+        let what = format!("int4 2-layer decode step, {dtype}");
+        let mut graph = decoder(2, dtype);
+        let report = etmetal_graph::quantize::quantize_int4(&mut graph, 32, &[]).unwrap();
+        assert!(report.skipped.is_empty(), "{what}: {:?}", report.skipped);
+        assert!(
+            graph
+                .nodes
+                .iter()
+                .any(|n| matches!(n.op, etmetal_core::Op::Int4Linear { .. })),
+            "{what}: nothing quantized"
+        );
+        let expected = etmetal::eval::run_graph(&graph, inputs.clone()).unwrap();
+        let got = run_pte(compile_whole(&graph), inputs);
+        assert_close(&got[0], expected.last().unwrap(), tol, &what);
+    }
+}

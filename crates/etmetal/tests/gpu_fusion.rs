@@ -243,3 +243,86 @@ fn argmax_over_a_vocabulary() {
         .check(0.0);
     }
 }
+
+/// Int32 words of random 4-bit codes (every bit pattern is eight codes).
+fn random_words(shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let words: Vec<i64> = (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            i64::from((s >> 32) as u32 as i32)
+        })
+        .collect();
+    Tensor::from_i64(DType::I32, shape, &words).unwrap()
+}
+
+/// The matrix-vector product's 16-byte chunks at shapes that stress its
+/// indexing: `k` of a few elements, not a multiple of the chunk (8 for
+/// 16-bit weights, 4 for f32) or of the 4-element fallback, columns not a
+/// multiple of a workgroup's (2051 columns: 4 a workgroup), a deep `k`
+/// split among workgroups, a depth with whole unrolled passes and a tail,
+/// and up to 8 rows, in f32, bf16 and f16.
+#[test]
+fn matrix_vector_chunks_at_odd_shapes() {
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for (m, k, n, seed) in [
+            (1, 1, 5, 31),
+            (2, 3, 7, 32),
+            (1, 8, 9, 33),
+            (3, 12, 2051, 34),
+            (1, 1020, 33, 35),
+            (4, 1022, 17, 36),
+            (1, 4096, 6, 37),
+            (1, 2400, 2051, 38),
+            (8, 264, 130, 39),
+        ] {
+            OpCase::new(Op::Linear)
+                .input(random(dtype, &[m, k], seed))
+                .weight(random(dtype, &[n, k], seed + 1))
+                .absent()
+                .check(tol(dtype));
+        }
+    }
+}
+
+/// The int4 decode kernel (16-byte word chunks, a scale and zero per
+/// chunk, codes turned into floats in registers) at every group size, for
+/// 1 to 8 rows, channels not a multiple of a workgroup's, depths with
+/// whole unrolled passes and a tail; and gather_qmv, each row its expert.
+#[test]
+fn int4_matrix_vector_at_every_group_size() {
+    for dtype in [DType::F32, DType::BF16] {
+        for (g, m, n, k, seed) in [
+            (32, 1, 37, 256, 41),
+            (64, 3, 19, 512, 42),
+            (128, 8, 2051, 256, 43),
+            (256, 1, 2051, 1280 + 256, 44),
+            (32, 1, 7, 9600, 45),
+            (128, 2, 1030, 4096, 46),
+        ] {
+            let scales = random(dtype, &[n, k / g], seed + 2).to_f32_vec();
+            // small scales keep every output within bf16's reach of the CPU's
+            let scales: Vec<f32> = scales.iter().map(|s| s * 0.05).collect();
+            let what = format!("int4 {dtype} g {g} m {m} n {n} k {k}");
+            let (graph, inputs) = OpCase::new(Op::Int4Linear { group_size: g })
+                .input(random(dtype, &[m, k], seed))
+                .weight(random_words(&[n, k / 8], seed + 1))
+                .weight(Tensor::from_f32(dtype, &[n, k / g], &scales).unwrap())
+                .weight(random(dtype, &[n, k / g], seed + 3))
+                .build();
+            check_graph(&graph, inputs, tol(dtype), &what);
+        }
+    }
+    let (e, p, n, k, g) = (3, 4, 70, 512, 64);
+    let (graph, inputs) = OpCase::new(Op::GatherQmv { group_size: g })
+        .input(random(DType::F32, &[p, k], 47))
+        .weight(random_words(&[e, n, k / 8], 48))
+        .weight(random(DType::F32, &[e, n, k / g], 49))
+        .weight(random(DType::F32, &[e, n, k / g], 50))
+        .input(Tensor::from_i64(DType::I32, &[p], &[2, 0, 2, 1]).unwrap())
+        .build();
+    check_graph(&graph, inputs, TOL, "gather_qmv");
+}

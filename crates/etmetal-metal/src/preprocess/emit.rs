@@ -19,8 +19,10 @@ pub(crate) struct KernelBuilder<'a> {
     buffers: &'a Buffers,
     /// Buffers in binding order.
     pub bindings: Vec<BufferIdx>,
-    /// Per binding: bound as an array of 4-element chunks ([`Self::load4`]).
-    chunked: Vec<bool>,
+    /// Per binding: bound as an array of chunks of this many elements
+    /// ([`Self::load4`], [`Self::load8`], [`Self::load_words4`]), 0 when
+    /// element by element.
+    chunked: Vec<u8>,
     functions: String,
     /// Pointwise ops inlined from lazy values, for the kernel's op list.
     fused: Vec<String>,
@@ -105,10 +107,10 @@ impl<'a> KernelBuilder<'a> {
 
     /// The binding index of `buf`, adding it on first use.
     pub fn binding(&mut self, buf: BufferIdx) -> usize {
-        self.bind_as(buf, false)
+        self.bind_as(buf, 0)
     }
 
-    fn bind_as(&mut self, buf: BufferIdx, chunked: bool) -> usize {
+    fn bind_as(&mut self, buf: BufferIdx, chunked: u8) -> usize {
         let found = (0..self.bindings.len())
             .find(|&i| self.bindings[i] == buf && self.chunked[i] == chunked);
         found.unwrap_or_else(|| {
@@ -125,7 +127,7 @@ impl<'a> KernelBuilder<'a> {
     pub fn load4(&mut self, buf: BufferIdx, c: &str) -> Result<String> {
         let desc = &self.buffers.list[buf];
         let (storage, dtype, name) = (desc.storage, desc.dtype, desc.name.clone());
-        let b = self.bind_as(buf, true);
+        let b = self.bind_as(buf, 4);
         let unpack = match (storage, dtype) {
             (Storage::F32, _) => return Ok(format!("b{b}[{c}]")),
             (Storage::Packed16, DType::BF16) => {
@@ -148,6 +150,83 @@ impl<'a> KernelBuilder<'a> {
             );
         }
         Ok(format!("{f}({c})"))
+    }
+
+    /// An `array<vec4<f32>, 2>` expression reading elements `8·c … 8·c + 7`
+    /// of float buffer `buf` in 16-byte loads (`c` a u32 expression): one
+    /// `vec4<u32>` when 16-bit packed, else two `vec4<f32>`. The caller
+    /// ensures the chunk lies inside the buffer.
+    pub fn load8(&mut self, buf: BufferIdx, c: &str) -> Result<String> {
+        let desc = &self.buffers.list[buf];
+        let (storage, dtype, name) = (desc.storage, desc.dtype, desc.name.clone());
+        let (b, body) = match (storage, dtype) {
+            (Storage::F32, _) => {
+                let b = self.bind_as(buf, 4);
+                (
+                    b,
+                    format!("array<vec4<f32>, 2>(b{b}[2u * c], b{b}[2u * c + 1u])"),
+                )
+            }
+            (Storage::Packed16, DType::BF16) => {
+                let b = self.bind_as(buf, 8);
+                let half = |x: &str, y: &str| {
+                    format!("bitcast<vec4<f32>>(vec4<u32>(w.{x} << 16u, w.{x} & 0xffff0000u, w.{y} << 16u, w.{y} & 0xffff0000u))")
+                };
+                (
+                    b,
+                    format!(
+                        "array<vec4<f32>, 2>({}, {})",
+                        half("x", "y"),
+                        half("z", "w")
+                    ),
+                )
+            }
+            (Storage::Packed16, _) => {
+                let b = self.bind_as(buf, 8);
+                let half = |x: &str, y: &str| {
+                    format!("vec4<f32>(f16dec(w.{x}), f16dec(w.{x} >> 16u), f16dec(w.{y}), f16dec(w.{y} >> 16u))")
+                };
+                (
+                    b,
+                    format!(
+                        "array<vec4<f32>, 2>({}, {})",
+                        half("x", "y"),
+                        half("z", "w")
+                    ),
+                )
+            }
+            (Storage::I32, _) => {
+                return Err(Error::internal(format!(
+                    "buffer `{name}` holds integers: no float chunks"
+                )))
+            }
+        };
+        let f = format!("ld8_b{b}");
+        if !self.functions.contains(&format!("fn {f}(")) {
+            let read = match storage {
+                Storage::F32 => String::new(),
+                _ => format!("  let w = b{b}[c];\n"),
+            };
+            let _ = write!(
+                self.functions,
+                "fn {f}(c: u32) -> array<vec4<f32>, 2> {{\n{read}  return {body};\n}}\n\n"
+            );
+        }
+        Ok(format!("{f}({c})"))
+    }
+
+    /// A `vec4<u32>` expression reading words `4·c … 4·c + 3` of 32-bit
+    /// integer buffer `buf` in one 16-byte load (`c` a u32 expression).
+    pub fn load_words4(&mut self, buf: BufferIdx, c: &str) -> Result<String> {
+        let desc = &self.buffers.list[buf];
+        if desc.storage != Storage::I32 {
+            return Err(Error::internal(format!(
+                "buffer `{}` does not hold 32-bit integers",
+                desc.name
+            )));
+        }
+        let b = self.bind_as(buf, 4);
+        Ok(format!("bitcast<vec4<u32>>(b{b}[{c}])"))
     }
 
     /// A WGSL expression reading element `e` (a u32 expression) of `buf`
@@ -481,11 +560,13 @@ impl<'a> KernelBuilder<'a> {
                 Access::ReadWrite => "read_write",
             };
             let elem = match (desc.storage, self.chunked[i]) {
-                (Storage::F32, false) => "f32",
-                (Storage::F32, true) => "vec4<f32>",
-                (Storage::I32, _) => "i32",
-                (Storage::Packed16, false) => "u32",
-                (Storage::Packed16, true) => "vec2<u32>",
+                (Storage::F32, 0) => "f32",
+                (Storage::F32, _) => "vec4<f32>",
+                (Storage::I32, 0) => "i32",
+                (Storage::I32, _) => "vec4<i32>",
+                (Storage::Packed16, 0) => "u32",
+                (Storage::Packed16, 4) => "vec2<u32>",
+                (Storage::Packed16, _) => "vec4<u32>",
             };
             let _ = writeln!(
                 s,

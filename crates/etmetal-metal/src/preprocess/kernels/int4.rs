@@ -3,15 +3,15 @@
 //! words (8 codes a word; the passes give the GPU that view, since a uint8
 //! buffer is widened to a word an element).
 //!
-//! One workgroup takes one output channel `n` for a block of up to
-//! [`ROWS`] activation rows: its invocations stride over the packed row a
-//! word at a time (consecutive invocations read consecutive words), and per
-//! word apply `scale * dot(x, q) + zero * sum(x)` for every row of the
-//! block, so each packed row is streamed from memory once per block. For
-//! decode (M <= 8) that is once: the kernel is bound by the weight bytes.
-//! The partial sums meet in a workgroup-memory tree reduction, which
-//! assumes no subgroup size (lavapipe has 8, NVIDIA 32). Larger M takes
-//! the tiled kernel ([`tiled`]).
+//! Decode (M <= 8, [`Qmv::lower`]) is bound by the weight bytes, read once: a
+//! workgroup owns a few output channels and every activation row; its
+//! invocations stride over the packed rows 16 bytes (4 words, 32 codes) at
+//! a time, consecutive invocations on consecutive chunks (coalesced), read
+//! a chunk's scale and zero once (every group of 32 or more holds whole
+//! chunks) and dequantize in registers without integer-to-float
+//! conversions; f32 partial sums meet in workgroup memory
+//! (`gemm::reduce_sums`, no subgroup size assumed). Larger M takes the
+//! tiled kernel ([`tiled`]) or its tensor-core forms.
 //!
 //! `metal::gather_qmv` ([`Op::GatherQmv`]) is the same kernel with a block
 //! of one row, whose expert index picks the weight (an index out of range
@@ -20,12 +20,15 @@
 //! [`Op::Int4Linear`]: etmetal_core::Op::Int4Linear
 //! [`Op::GatherQmv`]: etmetal_core::Op::GatherQmv
 
+use std::fmt::Write;
+
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
-use super::rows::{as_rows, dispatch_rows, row_head, ROW_WORKGROUP};
+use super::gemm::reduce_sums;
+use super::rows::as_rows;
 use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
-use crate::preprocess::expr::LazyRef;
+use crate::preprocess::expr::{Kind, LazyRef};
 use crate::preprocess::BufferIdx;
 use crate::preprocess::Lowering;
 
@@ -92,80 +95,264 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         };
         return operands.alternatives(lw, d);
     }
-    let mut kb = KernelBuilder::new(&lw.buffers);
-    kb.value_fn(&xr, "x")?;
-    kb.value_fn(&packed, "wq")?;
-    kb.value_fn(&scales, "sc")?;
-    kb.value_fn(&zeros, "ze")?;
-    // gather_qmv: each row its own expert, so a block is one row
-    let (mb, expert, at_e) = if let Some(idx) = idx {
-        kb.value_fn(&idx, "ex")?;
-        let count = packed.shape[0];
-        (
-            1,
-            format!("  let e = u32(clamp(i32(ex(m0)), 0i, {}i));\n", count - 1),
-            "e, ",
-        )
-    } else {
-        (m.clamp(1, ROWS), String::new(), "")
+    let q = Qmv {
+        x: &xr,
+        packed: &packed,
+        scales: &scales,
+        zeros: &zeros,
+        experts: idx.as_ref(),
+        out,
+        m,
+        n,
+        words,
+        group_size,
     };
-    let blocks = m.div_ceil(mb);
-    let at = format!("(m0 + j) * {n}u + n");
-    let store = kb.store(out, &at, &format!("red[j * {ROW_WORKGROUP}u]"))?;
-    let wpg = group_size / 8;
-    let mut main = format!(
-        "var<workgroup> red: array<f32, {}>;\n",
-        ROW_WORKGROUP as usize * mb
-    );
-    main.push_str(&entry(ROW_WORKGROUP));
-    main.push_str(&row_head(n * blocks));
-    main.push_str(&format!(
-        "  let n = row % {n}u;\n  let m0 = (row / {n}u) * {mb}u;\n"
-    ));
-    main.push_str(&expert);
-    main.push_str(&format!(
-        "  var acc: array<f32, {mb}>;\n\
-         \x20 for (var j = 0u; j < {mb}u; j = j + 1u) {{ acc[j] = 0.0; }}\n\
-         \x20 for (var w = lid; w < {words}u; w = w + {ROW_WORKGROUP}u) {{\n\
-         \x20   let q = bitcast<u32>(wq({at_e}n, w));\n\
-         \x20   let g = w / {wpg}u;\n\
-         \x20   let s = sc({at_e}n, g);\n    let z = ze({at_e}n, g);\n\
-         \x20   for (var j = 0u; j < {mb}u; j = j + 1u) {{\n\
-         \x20     let mr = min(m0 + j, {last}u);\n\
-         \x20     var dq = 0.0;\n      var sx = 0.0;\n\
-         \x20     for (var i = 0u; i < 8u; i = i + 1u) {{\n\
-         \x20       let xv = x(mr, w * 8u + i);\n\
-         \x20       dq = dq + xv * f32((q >> (4u * i)) & 15u);\n\
-         \x20       sx = sx + xv;\n\
-         \x20     }}\n\
-         \x20     acc[j] = acc[j] + s * dq + z * sx;\n\
-         \x20   }}\n\
-         \x20 }}\n\
-         \x20 for (var j = 0u; j < {mb}u; j = j + 1u) {{ red[j * {wg}u + lid] = acc[j]; }}\n\
-         \x20 workgroupBarrier();\n\
-         \x20 for (var h = {half}u; h > 0u; h = h >> 1u) {{\n\
-         \x20   if (lid < h) {{\n\
-         \x20     for (var j = 0u; j < {mb}u; j = j + 1u) {{\n\
-         \x20       red[j * {wg}u + lid] = red[j * {wg}u + lid] + red[j * {wg}u + lid + h];\n\
-         \x20     }}\n\
-         \x20   }}\n\
-         \x20   workgroupBarrier();\n\
-         \x20 }}\n\
-         \x20 if (lid == 0u) {{\n\
-         \x20   for (var j = 0u; j < {mb}u; j = j + 1u) {{\n\
-         \x20     if (m0 + j < {m}u) {{ {store} }}\n\
-         \x20   }}\n\
-         \x20 }}\n}}\n",
-        last = m - 1,
-        wg = ROW_WORKGROUP,
-        half = ROW_WORKGROUP / 2,
-    ));
-    dispatch_rows(
-        lw,
-        kb.finish(&main),
-        n * blocks,
-        ROW_WORKGROUP * 4 * mb as u32,
-    )
+    q.lower(lw)
+}
+
+/// The operands of a decode-sized int4 product (see [`Qmv::lower`]).
+struct Qmv<'a> {
+    /// `[m, k]`.
+    x: &'a LazyRef,
+    /// `[(experts,) n, words]` int32 words.
+    packed: &'a LazyRef,
+    /// `[(experts,) n, k / group_size]` each.
+    scales: &'a LazyRef,
+    zeros: &'a LazyRef,
+    /// gather_qmv: each row's expert `[m]`.
+    experts: Option<&'a LazyRef>,
+    /// `[m, n]`.
+    out: BufferIdx,
+    m: usize,
+    n: usize,
+    words: usize,
+    group_size: usize,
+}
+
+/// Independent 16-byte weight loads an invocation issues before using
+/// them (channels × unrolled chunks; as the matrix-vector GEMM's).
+const QMV_LOADS: usize = 8;
+
+/// Workgroups wanted before a workgroup takes fewer channels (four of 128
+/// invocations on each of an H200's 132 units).
+const QMV_FILL: usize = 512;
+
+impl Qmv<'_> {
+    /// Append the kernel. A workgroup takes `cols` channels (4, 2 or 1:
+    /// the most that keep [`QMV_FILL`] workgroups) for a block of rows
+    /// (every row; one for gather_qmv, whose rows pick their own expert).
+    /// Its invocations stride over the packed rows in chunks of `cw` words
+    /// (4, one `vec4<u32>` load, where the words, the groups and the
+    /// buffer allow, else 1), unrolled so about [`QMV_LOADS`] loads are in
+    /// flight. Codes become floats without conversions: the code at bits
+    /// `4i … 4i+3` of a half word, masked in place into the mantissa of
+    /// 1.0, is `1 + q·2^(4i-23)` exactly, so one AND/OR and a subtraction
+    /// give `q·2^(4i-23)`; the products with x gather per lane in a vector
+    /// scaled back by `2^(23-4i)` once per chunk (I2F runs at an eighth of
+    /// the FMA rate on NVIDIA GPUs, too slow for 8.6 G codes per ms).
+    /// `w = q·scale + zero` is applied per chunk as `scale·Σxq + zero·Σx`.
+    fn lower(&self, lw: &mut Lowering) -> Result<()> {
+        let (m, n, words, gs) = (self.m, self.n, self.words, self.group_size);
+        if m == 0 || n == 0 {
+            // nothing to write
+            return Ok(());
+        }
+        let k = words * 8;
+        let mut kb = KernelBuilder::new(&lw.buffers);
+        kb.value_fn(self.scales, "sc")?;
+        kb.value_fn(self.zeros, "ze")?;
+        let (mb, at_e) = match self.experts {
+            Some(idx) => {
+                kb.value_fn(idx, "ex")?;
+                (1, "e, ")
+            }
+            None => (m.clamp(1, ROWS), ""),
+        };
+        let mblocks = m.div_ceil(mb);
+        let whole = matches!(self.packed.kind, Kind::Load(_));
+        let cw = if whole && words % 4 == 0 && gs % 32 == 0 {
+            4
+        } else {
+            1
+        };
+        let mut fns = String::new();
+        // the words of chunk `q` of channel `c` (of expert `e`)
+        let lead = if self.experts.is_some() {
+            "e: u32, "
+        } else {
+            ""
+        };
+        match (&self.packed.kind, cw) {
+            (Kind::Load(buf), 4) => {
+                let at = match self.experts {
+                    Some(_) => format!("(e * {n}u + c) * {}u + q", words / 4),
+                    None => format!("c * {}u + q", words / 4),
+                };
+                let load = kb.load_words4(*buf, &at)?;
+                let _ = writeln!(
+                    fns,
+                    "fn wc({lead}c: u32, q: u32) -> vec4<u32> {{ return {load}; }}"
+                );
+            }
+            _ => {
+                kb.value_fn(self.packed, "wq")?;
+                let _ = writeln!(
+                    fns,
+                    "fn wc({lead}c: u32, q: u32) -> u32 {{ return bitcast<u32>(wq({at_e}c, q)); }}"
+                );
+            }
+        }
+        // eight activations from `k` (a multiple of 8) of row `r`
+        let xw = match x_run(self.x) {
+            Some(buf) => kb.load8(buf, &format!("(r * {k}u + k) / 8u"))?,
+            None => {
+                kb.value_fn(self.x, "x")?;
+                let quad = |h: usize| {
+                    let l: Vec<String> = (4 * h..4 * h + 4)
+                        .map(|i| format!("x(r, k + {i}u)"))
+                        .collect();
+                    format!("vec4<f32>({})", l.join(", "))
+                };
+                format!("array<vec4<f32>, 2>({}, {})", quad(0), quad(1))
+            }
+        };
+        let _ = writeln!(
+            fns,
+            "fn xw(r: u32, k: u32) -> array<vec4<f32>, 2> {{ return {xw}; }}\n\
+             // codes 0..3 of the low half of `w`, code i times 2^(4i-23)\n\
+             fn nib(w: u32) -> vec4<f32> {{\n\
+             \x20 let v = (vec4<u32>(w) & vec4<u32>(0xfu, 0xf0u, 0xf00u, 0xf000u)) | vec4<u32>(0x3f800000u);\n\
+             \x20 return bitcast<vec4<f32>>(v) - vec4<f32>(1.0);\n}}"
+        );
+
+        let chunks = words / cw;
+        let cols = [4, 2]
+            .into_iter()
+            .find(|&c| mb * c <= 32 && n.div_ceil(c) * mblocks >= QMV_FILL)
+            .unwrap_or(1);
+        let threads = chunks.div_ceil(2).next_power_of_two().clamp(32, 128);
+        let unroll = (QMV_LOADS / cols).min(chunks / threads).max(1);
+        let blocks = n.div_ceil(cols);
+        let sums = mb * cols;
+
+        let mut s = format!(
+            "{fns}\nvar<workgroup> red: array<f32, {}>;\n{}",
+            sums * threads,
+            entry(threads as u32)
+        );
+        let _ = writeln!(
+            s,
+            "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
+             \x20 let n0 = (g % {blocks}u) * {cols}u;\n  let m0 = (g / {blocks}u) * {mb}u;",
+            blocks * mblocks
+        );
+        if self.experts.is_some() {
+            let count = self.packed.shape[0];
+            let _ = writeln!(s, "  let e = u32(clamp(i32(ex(m0)), 0i, {}i));", count - 1);
+        }
+        for j in 0..cols {
+            // a last block's missing channels read the last one (not stored)
+            let _ = writeln!(s, "  let c{j} = min(n0 + {j}u, {}u);", n - 1);
+        }
+        for i in 0..mb {
+            let _ = writeln!(s, "  let r{i} = min(m0 + {i}u, {}u);", m - 1);
+            for j in 0..cols {
+                let _ = writeln!(s, "  var s{i}_{j} = 0.0;");
+            }
+        }
+        let scale = "vec4<f32>(8388608.0, 524288.0, 32768.0, 2048.0)";
+        let step = unroll * threads;
+        let full = chunks / step * step;
+        let mut pass = |u: usize, from: &str, to: usize, by: usize| {
+            let _ = writeln!(s, "  for (var q = {from}lid; q < {to}u; q = q + {by}u) {{");
+            for x in 0..u {
+                let _ = writeln!(s, "    let q{x} = q + {}u;", x * threads);
+                for j in 0..cols {
+                    let _ = writeln!(s, "    let w{x}_{j} = wc({at_e}c{j}, q{x});");
+                }
+            }
+            for x in 0..u {
+                let _ = writeln!(
+                    s,
+                    "    let k{x} = q{x} * {}u;\n    let g{x} = k{x} / {gs}u;",
+                    8 * cw
+                );
+                for i in 0..mb {
+                    let mut total = vec![];
+                    for w in 0..cw {
+                        let _ = writeln!(s, "    let x{x}_{i}_{w} = xw(r{i}, k{x} + {}u);", 8 * w);
+                        total.push(format!("x{x}_{i}_{w}[0] + x{x}_{i}_{w}[1]"));
+                    }
+                    let _ = writeln!(
+                        s,
+                        "    let sx{x}_{i} = dot({}, vec4<f32>(1.0));",
+                        total.join(" + ")
+                    );
+                }
+                for j in 0..cols {
+                    let _ = writeln!(
+                        s,
+                        "    let sc{x}_{j} = sc({at_e}c{j}, g{x});\n    let ze{x}_{j} = ze({at_e}c{j}, g{x});"
+                    );
+                    for w in 0..cw {
+                        let word = match cw {
+                            4 => format!("w{x}_{j}[{w}]"),
+                            _ => format!("w{x}_{j}"),
+                        };
+                        let _ = writeln!(
+                            s,
+                            "    let lo{x}_{j}_{w} = nib({word});\n    let hi{x}_{j}_{w} = nib({word} >> 16u);"
+                        );
+                    }
+                    for i in 0..mb {
+                        let terms: Vec<String> = (0..cw)
+                            .map(|w| format!("x{x}_{i}_{w}[0] * lo{x}_{j}_{w} + x{x}_{i}_{w}[1] * hi{x}_{j}_{w}"))
+                            .collect();
+                        let _ = writeln!(
+                            s,
+                            "    s{i}_{j} = s{i}_{j} + sc{x}_{j} * dot({}, {scale}) + ze{x}_{j} * sx{x}_{i};",
+                            terms.join(" + ")
+                        );
+                    }
+                }
+            }
+            s.push_str("  }\n");
+        };
+        if full > 0 {
+            pass(unroll, "", full, step);
+        }
+        if full < chunks {
+            pass(1, &format!("{full}u + "), chunks, threads);
+        }
+        let names: Vec<String> = (0..mb)
+            .flat_map(|i| (0..cols).map(move |j| format!("s{i}_{j}")))
+            .collect();
+        let write = kb.store(self.out, &format!("r * {n}u + c"), "v")?;
+        let store = format!(
+            "let c = n0 + lid % {cols}u;\n    let r = m0 + lid / {cols}u;\n\
+             \x20   if (c < {n}u && r < {m}u) {{ {write} }}"
+        );
+        s.push_str(&reduce_sums(&names, threads, &store));
+        s.push_str("}\n");
+        let built = kb.finish(&s);
+        let workgroups = grid((blocks * mblocks) as u64, lw.options.max_workgroups_per_dim)?;
+        let ops = vec![lw.op_label()];
+        let storage = (4 * sums * threads) as u32;
+        lw.add_dispatch(built, ops, [threads as u32, 1, 1], workgroups, storage)
+    }
+}
+
+/// The buffer `x` (`[m, k]` rows) reads row-major and whole, so eight
+/// elements from a multiple of 8 are one chunk of it.
+fn x_run(x: &LazyRef) -> Option<BufferIdx> {
+    match &x.kind {
+        Kind::Load(buf) => Some(*buf),
+        Kind::Reshape(inner) => match inner.kind {
+            Kind::Load(buf) => Some(buf),
+            _ => None,
+        },
+        _ => None,
+    }
 }
 
 /// Output tile edge of the tiled kernel, and its K step (one step lies in
@@ -258,4 +445,44 @@ fn tiled(
     let ops = vec![lw.op_label()];
     let storage = (2 * TILE * (TILE + 1) * 4) as u32;
     lw.add_dispatch(kb.finish(&main), ops, [wg, 1, 1], workgroups, storage)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::preprocess::kernels::testing::{input, lower_one, weight};
+    use etmetal_core::{DType, Op};
+
+    fn decode(dtype: DType, m: usize, n: usize, k: usize, g: usize) -> String {
+        let p = lower_one(
+            Op::Int4Linear { group_size: g },
+            vec![
+                input(dtype, &[m, k]),
+                weight(DType::I32, &[n, k / 8]),
+                weight(dtype, &[n, k / g]),
+                weight(dtype, &[n, k / g]),
+            ],
+        )
+        .unwrap_or_else(|e| panic!("{dtype:?} {m}x{n}x{k} g{g}: {e}"));
+        let kernel = &p.payload.kernels[p.payload.dispatches[0].kernel];
+        kernel.wgsl.clone()
+    }
+
+    /// The decode kernel reads the packed weight and 16-bit activations in
+    /// 16-byte loads for every group size of 32 or more (validated by naga,
+    /// with MSL).
+    #[test]
+    fn decode_reads_16_byte_chunks() {
+        for g in [32, 64, 128, 256] {
+            for (dtype, m) in [(DType::BF16, 1), (DType::F16, 3), (DType::F32, 8)] {
+                let wgsl = decode(dtype, m, 72, 512, g);
+                assert!(wgsl.contains("array<vec4<i32>>"), "g{g}: words one by one");
+                let x = match dtype {
+                    DType::F32 => "array<vec4<f32>>",
+                    _ => "array<vec4<u32>>",
+                };
+                assert!(wgsl.contains(x), "{dtype:?}: activations not in chunks");
+                assert!(!wgsl.contains("f32(q"), "a code converted from an integer");
+            }
+        }
+    }
 }

@@ -3,7 +3,7 @@
 //! register-tiled [`Gemm`] (with a tensor-core alternative for 16-bit
 //! operands), or, for at most 8 rows per batch against a `k`-contiguous
 //! right operand (a decode step's linear layers), a [`Gemv`] that reads
-//! the weight once in coalesced 4-element chunks.
+//! the weight once in coalesced 16-byte chunks.
 //!
 //! Operands are lazy views, so `weight.T`, permutes and expands are index
 //! arithmetic in the kernels' reads ([`MatmulArgs`]); a contiguous run of
@@ -465,8 +465,8 @@ impl GemmArgs for MatmulArgs {
     }
 
     fn chunks(&self, kb: &mut KernelBuilder) -> Result<Option<String>> {
-        let fns = chunk_reader(kb, &self.a, "ca", &self.batch, is_transpose(&self.a))?;
-        let fns = fns + &chunk_reader(kb, &self.b, "cb", &self.batch, is_transpose(&self.b))?;
+        let fns = chunk_reader(kb, &self.a, "ca", &self.batch, is_transpose(&self.a), 4)?;
+        let fns = fns + &chunk_reader(kb, &self.b, "cb", &self.batch, is_transpose(&self.b), 4)?;
         Ok(Some(fns))
     }
 }
@@ -502,24 +502,30 @@ impl GemvArgs for MatmulArgs {
         Ok((decls, s))
     }
 
-    fn k_chunks(&self, kb: &mut KernelBuilder) -> Result<String> {
+    fn k_chunks(&self, kb: &mut KernelBuilder, lanes: usize) -> Result<String> {
         let (xa, xb) = (format!("xa{}", self.tag), format!("xb{}", self.tag));
-        let fns = chunk_reader(kb, &self.a, &xa, &self.batch, false)?;
-        Ok(fns + &chunk_reader(kb, &self.b, &xb, &self.batch, true)?)
+        let fns = chunk_reader(kb, &self.a, &xa, &self.batch, false, lanes)?;
+        Ok(fns + &chunk_reader(kb, &self.b, &xb, &self.batch, true, lanes)?)
+    }
+
+    fn b_dtype(&self) -> DType {
+        self.b.dtype
     }
 }
 
-/// Emit `fn name(bt: u32, j: u32, k: u32) -> vec4<f32>`: elements `k … k+3`
-/// (`k` a multiple of 4, zeros past the end) of row `j` of a product's
-/// `[batch…, rows, K]` left operand `x`, or of column `j` of its
-/// `[batch…, K, cols]` right operand (`column`). A contiguous run of a
-/// buffer is read in one vector load, anything else element by element.
+/// Emit `fn name(bt: u32, j: u32, k: u32)`: elements `k … k+lanes-1`
+/// (`k` a multiple of `lanes`, 4 or 8; zeros past the end) of row `j` of a
+/// product's `[batch…, rows, K]` left operand `x`, or of column `j` of its
+/// `[batch…, K, cols]` right operand (`column`), as a `vec4<f32>` (4) or an
+/// `array<vec4<f32>, 2>` (8). A contiguous run of a buffer is read in
+/// vector loads, anything else element by element.
 fn chunk_reader(
     kb: &mut KernelBuilder,
     x: &LazyRef,
     name: &str,
     batch: &[usize],
     column: bool,
+    lanes: usize,
 ) -> Result<String> {
     let r = x.shape.len();
     let kdim = x.shape[if column { r - 2 } else { r - 1 }];
@@ -532,30 +538,44 @@ fn chunk_reader(
         }
         idx
     };
+    let ty = match lanes {
+        4 => "vec4<f32>",
+        _ => "array<vec4<f32>, 2>",
+    };
     let body = match k_run(x, &idx("k")) {
-        Some((buf, at, shape)) if kdim.is_multiple_of(4) => {
-            let c = format!("({}) / 4u", linear(&at, &shape));
-            format!("return {};", kb.load4(buf, &c)?)
+        Some((buf, at, shape)) if kdim.is_multiple_of(lanes) => {
+            let c = format!("({}) / {lanes}u", linear(&at, &shape));
+            let load = match lanes {
+                4 => kb.load4(buf, &c)?,
+                _ => kb.load8(buf, &c)?,
+            };
+            format!("return {load};")
         }
         _ => {
             let f = format!("v{name}");
             kb.value_fn(x, &f)?;
-            let lanes: Vec<String> = (0..4)
-                .map(|i| {
-                    let ki = format!("min(k + {i}u, {}u)", kdim - 1);
-                    let call = format!("{f}({})", idx(&ki).join(", "));
-                    if kdim.is_multiple_of(4) || i == 0 {
-                        call
-                    } else {
-                        format!("select(0.0, {call}, k + {i}u < {kdim}u)")
-                    }
-                })
-                .collect();
-            format!("return vec4<f32>({});", lanes.join(", "))
+            let lane = |i: usize| {
+                let ki = format!("min(k + {i}u, {}u)", kdim - 1);
+                let call = format!("{f}({})", idx(&ki).join(", "));
+                if kdim.is_multiple_of(lanes) || i == 0 {
+                    call
+                } else {
+                    format!("select(0.0, {call}, k + {i}u < {kdim}u)")
+                }
+            };
+            let quad = |q: usize| {
+                let l: Vec<String> = (4 * q..4 * q + 4).map(lane).collect();
+                format!("vec4<f32>({})", l.join(", "))
+            };
+            let quads: Vec<String> = (0..lanes / 4).map(quad).collect();
+            match lanes {
+                4 => format!("return {};", quads[0]),
+                _ => format!("return {ty}({});", quads.join(", ")),
+            }
         }
     };
     Ok(format!(
-        "fn {name}(bt: u32, j: u32, k: u32) -> vec4<f32> {{\n  {body}\n}}\n\n"
+        "fn {name}(bt: u32, j: u32, k: u32) -> {ty} {{\n  {body}\n}}\n\n"
     ))
 }
 
@@ -644,12 +664,12 @@ mod tests {
     }
 
     /// Decode-step linears (one row) are matrix-vector kernels reading the
-    /// weight in 4-element chunks, with enough workgroups for a large GPU.
+    /// weight in 16-byte chunks, with enough workgroups for a large GPU.
     #[test]
     fn decode_linears_read_weight_chunks() {
         for (dtype, k, n, chunk) in [
             (DType::F32, 1024, 1024, Some("array<vec4<f32>>")),
-            (DType::BF16, 1024, 32000, Some("array<vec2<u32>>")),
+            (DType::BF16, 1024, 32000, Some("array<vec4<u32>>")),
             (DType::F32, 1022, 2048, None),
         ] {
             let p = lower_one(

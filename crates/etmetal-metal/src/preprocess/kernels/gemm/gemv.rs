@@ -1,6 +1,6 @@
 //! The matrix-vector form of a product: for at most [`GEMV_ROWS`] rows
 //! per batch against a right operand contiguous along `k` (a decode
-//! step's linear layers), read once in coalesced 4-element chunks.
+//! step's linear layers), read once in coalesced 16-byte chunks.
 
 use std::fmt::Write;
 
@@ -23,16 +23,23 @@ const GEMV_SUMS: usize = 32;
 /// four 128-invocation workgroups on each of an H200's 132 units.
 const GEMV_FILL: u64 = 512;
 
+/// Independent 16-byte loads of the right operand an invocation issues
+/// before it uses them (columns × unrolled chunks): enough bytes in flight
+/// per unit to cover HBM latency without a deep queue of workgroups.
+const GEMV_LOADS: usize = 8;
+
 /// A matrix-vector-like product: `m ≤ 8` rows per batch times a right
 /// operand whose columns are contiguous along `k` (`[n, k]` weights). It is
 /// memory-bound on the right operand, so each element of it is read once:
 /// a workgroup owns `cols` columns and every row, its invocations stride
-/// over `k` in 4-element chunks (neighbours read neighbouring chunks: one
-/// coalesced vector load each where the operand is a buffer), keep
-/// `rows × cols` partial sums, and reduce them across the workgroup in
-/// workgroup memory; too few columns for a large GPU split a deep `k`
-/// among workgroups ([`SplitK`]). The caller's [`GemvArgs`] read the
-/// operands in chunks along `k` and store the results.
+/// over `k` in chunks of 16 bytes of the right operand (8 elements when
+/// 16-bit, else 4; neighbours read neighbouring chunks, so a subgroup's
+/// loads are one coalesced run), issuing up to [`GEMV_LOADS`] loads before
+/// using them, keep `rows × cols` f32 partial sums, and add them up across
+/// the workgroup in workgroup memory ([`reduce_sums`]); too few columns for
+/// a large GPU split a deep `k` among workgroups ([`SplitK`]). The caller's
+/// [`GemvArgs`] read the operands in chunks along `k` and store the
+/// results.
 pub(crate) struct Gemv {
     pub batch: usize,
     pub m: usize,
@@ -40,12 +47,35 @@ pub(crate) struct Gemv {
     pub k: usize,
 }
 
+/// How a [`Gemv`]'s workgroups divide the product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Plan {
+    /// Invocations of a workgroup.
+    threads: usize,
+    /// Columns a workgroup owns.
+    cols: usize,
+    /// Parts `k` is split into among workgroups.
+    splits: usize,
+    /// Elements of a chunk (one 16-byte load of the right operand).
+    lanes: usize,
+    /// Chunks of each column an invocation loads at once.
+    unroll: usize,
+}
+
 impl Gemv {
-    /// `(invocations, columns, splits)` of a workgroup: the most columns
-    /// (≤ 4) that keep enough workgroups, `k` split when there still are too
-    /// few and each part keeps 128 invocations busy, and enough invocations
-    /// to cover a part of `k` once (at most 128); at most `most` splits.
-    fn shape(&self, most: usize) -> (usize, usize, usize) {
+    /// The most columns (≤ 4) that keep enough workgroups, `k` split when
+    /// there still are too few and each part keeps 32 invocations busy
+    /// with two chunks,
+    /// enough invocations for two chunks each of a part of `k` (32 to
+    /// 128), unrolled to about [`GEMV_LOADS`] loads; at most `most` splits.
+    /// `wide`: the right operand is 16-bit (8-element chunks where `k`
+    /// allows).
+    fn plan(&self, most: usize, wide: bool) -> Plan {
+        let lanes = if wide && self.k.is_multiple_of(8) {
+            8
+        } else {
+            4
+        };
         let cols = [4, 2]
             .into_iter()
             .find(|&c| {
@@ -53,10 +83,20 @@ impl Gemv {
             })
             .unwrap_or(1);
         let groups = (self.n.div_ceil(cols) * self.batch) as u64;
-        let splits = split_k(groups, GEMV_FILL, self.k, 4 * 128, 4, most);
-        let chunks = (self.k / splits).div_ceil(4).max(1);
-        let threads = chunks.next_power_of_two().clamp(32, 128);
-        (threads, cols, splits)
+        let splits = split_k(groups, GEMV_FILL, self.k, lanes * 64, lanes, most);
+        let chunks = (self.k / splits).div_ceil(lanes).max(1);
+        let threads = chunks.div_ceil(2).next_power_of_two().clamp(32, 128);
+        let unroll = (GEMV_LOADS / cols)
+            .min(GEMV_LOADS / self.m.max(1))
+            .min(chunks / threads)
+            .max(1);
+        Plan {
+            threads,
+            cols,
+            splits,
+            lanes,
+            unroll,
+        }
     }
 
     pub fn lower(&self, lw: &mut Lowering, args: &impl GemvArgs) -> Result<()> {
@@ -64,23 +104,24 @@ impl Gemv {
             return Ok(());
         }
         let most = SplitK::most(lw, self.batch, self.m, self.n)?;
-        let (threads, cols, splits) = self.shape(most);
-        let split = SplitK::new(lw, splits, self.batch, self.m, self.n)?;
+        let plan = self.plan(most, args.b_dtype().size() == 2);
+        let split = SplitK::new(lw, plan.splits, self.batch, self.m, self.n)?;
         let mut kb = KernelBuilder::new(&lw.buffers);
-        let (decls, pro) = args.prologue(&mut kb, threads)?;
-        let fns = args.k_chunks(&mut kb)? + &split.store(&mut kb, args)?;
+        let (decls, pro) = args.prologue(&mut kb, plan.threads)?;
+        let fns = args.k_chunks(&mut kb, plan.lanes)? + &split.store(&mut kb, args)?;
         let main = format!(
-            "{fns}\n{decls}{}{}  let g = {FLAT_GROUP};\n{}}}\n",
-            self.shared(threads, cols),
-            entry(threads as u32),
-            self.body(threads, cols, splits, "", &pro)
+            "{fns}\n{}{decls}{}{}  let g = {FLAT_GROUP};\n{}}}\n",
+            dot_fn(plan.lanes),
+            self.shared(&plan),
+            entry(plan.threads as u32),
+            self.body(&plan, "", &pro)
         );
         let built = kb.finish(&main);
-        let groups = (self.n.div_ceil(cols) * self.batch * splits) as u64;
+        let groups = (self.n.div_ceil(plan.cols) * self.batch * plan.splits) as u64;
         let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
-        let storage = (4 * self.m * cols * threads) as u32;
+        let storage = (4 * self.m * plan.cols * plan.threads) as u32;
         let ops = vec![lw.op_label()];
-        lw.add_dispatch(built, ops, [threads as u32, 1, 1], workgroups, storage)?;
+        lw.add_dispatch(built, ops, [plan.threads as u32, 1, 1], workgroups, storage)?;
         split.sum(lw, args)
     }
 
@@ -103,21 +144,23 @@ impl Gemv {
             n: total,
             k,
         };
-        let (threads, cols, _) = whole.shape(1);
+        let wide = members.iter().all(|(_, _, a)| a.b_dtype().size() == 2);
+        let plan = whole.plan(1, wide);
         let mut kb = KernelBuilder::new(&lw.buffers);
         let mut fns = String::new();
         let mut pros = vec![];
         for (_, _, args) in members {
-            let (decls, pro) = args.prologue(&mut kb, threads)?;
+            let (decls, pro) = args.prologue(&mut kb, plan.threads)?;
             fns += &decls;
             pros.push(pro);
-            fns += &args.k_chunks(&mut kb)?;
+            fns += &args.k_chunks(&mut kb, plan.lanes)?;
             fns += &args.store(&mut kb)?;
         }
         let mut main = format!(
-            "{fns}\n{}{}  let g0 = {FLAT_GROUP};\n",
-            whole.shared(threads, cols),
-            entry(threads as u32)
+            "{fns}\n{}{}{}  let g0 = {FLAT_GROUP};\n",
+            dot_fn(plan.lanes),
+            whole.shared(&plan),
+            entry(plan.threads as u32)
         );
         let mut start = 0;
         for ((n, tag, _), pro) in members.iter().zip(&pros) {
@@ -127,46 +170,45 @@ impl Gemv {
                 n: *n,
                 k,
             };
-            let end = start + n.div_ceil(cols);
+            let end = start + n.div_ceil(plan.cols);
             let _ = writeln!(
                 main,
                 "  if (g0 < {end}u) {{\n  let g = g0 - {start}u;\n{}  return;\n  }}",
-                part.body(threads, cols, 1, tag, pro)
+                part.body(&plan, tag, pro)
             );
             start = end;
         }
         main.push_str("}\n");
         let built = kb.finish(&main);
         let workgroups = grid(start as u64, lw.options.max_workgroups_per_dim)?;
-        let storage = (4 * m * cols * threads) as u32;
+        let storage = (4 * m * plan.cols * plan.threads) as u32;
         let ops = vec![lw.op_label()];
-        lw.add_dispatch(built, ops, [threads as u32, 1, 1], workgroups, storage)
+        lw.add_dispatch(built, ops, [plan.threads as u32, 1, 1], workgroups, storage)
     }
 
     /// The workgroup memory the partial sums are reduced in.
-    fn shared(&self, threads: usize, cols: usize) -> String {
+    fn shared(&self, plan: &Plan) -> String {
         format!(
             "var<workgroup> red: array<f32, {}>;\n",
-            self.m * cols * threads
+            self.m * plan.cols * plan.threads
         )
     }
 
     /// The statements of a workgroup `g` (a `u32` in scope) computing its
     /// block of columns after the `prologue`, calling the functions tagged
     /// `tag`.
-    fn body(
-        &self,
-        threads: usize,
-        cols: usize,
-        splits: usize,
-        tag: &str,
-        prologue: &str,
-    ) -> String {
+    fn body(&self, plan: &Plan, tag: &str, prologue: &str) -> String {
         let (m, n) = (self.m, self.n);
-        // k of a split (a multiple of 4 when split)
+        let Plan {
+            threads,
+            cols,
+            splits,
+            lanes,
+            unroll,
+        } = *plan;
+        // k of a split (a multiple of the chunk when split)
         let depth = self.k / splits;
-        let chunks = depth.div_ceil(4);
-        let sums = m * cols;
+        let chunks = depth.div_ceil(lanes);
         let blocks = n.div_ceil(cols);
         let mut s = String::new();
         let _ = writeln!(
@@ -178,7 +220,6 @@ impl Gemv {
             blocks * self.batch,
             self.batch
         );
-        s.push_str(prologue);
         for j in 0..cols {
             // a last block's missing columns read the last one (not stored)
             let _ = writeln!(s, "  let c{j} = min(n0 + {j}u, {}u);", n - 1);
@@ -188,66 +229,143 @@ impl Gemv {
                 let _ = writeln!(s, "  var s{i}_{j} = 0.0;");
             }
         }
-        let _ = writeln!(
-            s,
-            "  for (var q = lid; q < {chunks}u; q = q + {threads}u) {{\n    let k = kbase + q * 4u;"
-        );
-        for j in 0..cols {
-            let _ = writeln!(s, "    let b{j} = xb{tag}(bt, c{j}, k);");
-        }
-        for i in 0..m {
-            let _ = writeln!(s, "    let a{i} = xa{tag}(bt, {i}u, k);");
-            for j in 0..cols {
-                let _ = writeln!(s, "    s{i}_{j} = s{i}_{j} + dot(a{i}, b{j});");
+        // `unroll` chunks of each column at once while every invocation has
+        // them, then one at a time
+        let step = unroll * threads;
+        let full = chunks / step * step;
+        // the right operand's chunks `q + x·threads`, x < u
+        let loads = |s: &mut String, u: usize| {
+            for x in 0..u {
+                let _ = writeln!(
+                    s,
+                    "    let k{x} = kbase + (q + {}u) * {lanes}u;",
+                    x * threads
+                );
+                for j in 0..cols {
+                    let _ = writeln!(s, "    let b{x}_{j} = xb{tag}(bt, c{j}, k{x});");
+                }
             }
-        }
-        s.push_str("  }\n");
-        for i in 0..m {
-            for j in 0..cols {
-                let _ = writeln!(s, "  red[{}u + lid] = s{i}_{j};", (i * cols + j) * threads);
+        };
+        let math = |s: &mut String, u: usize| {
+            for x in 0..u {
+                for i in 0..m {
+                    let _ = writeln!(s, "    let a{x}_{i} = xa{tag}(bt, {i}u, k{x});");
+                    for j in 0..cols {
+                        let _ = writeln!(s, "    s{i}_{j} = s{i}_{j} + dotc(a{x}_{i}, b{x}_{j});");
+                    }
+                }
             }
+        };
+        let mut from = 0;
+        if full > 0 {
+            // the first pass's loads go out before the prologue, whose
+            // barriers would otherwise hold them back
+            s.push_str("  {\n    let q = lid;\n");
+            loads(&mut s, unroll);
+            s.push_str(prologue);
+            math(&mut s, unroll);
+            s.push_str("  }\n");
+            from = step;
+        } else {
+            s.push_str(prologue);
         }
-        s.push_str("  workgroupBarrier();\n");
-        // halve the partial sums of every output at once
-        let mut half = threads / 2;
-        while half >= 1 {
-            let _ = writeln!(
-                s,
-                "  for (var e = lid; e < {}u; e = e + {threads}u) {{\n\
-                 \x20   let o = (e / {half}u) * {threads}u + e % {half}u;\n\
-                 \x20   red[o] = red[o] + red[o + {half}u];\n  }}\n  workgroupBarrier();",
-                sums * half
-            );
-            half /= 2;
+        for (u, to, by) in [(unroll, full, step), (1, chunks, threads)] {
+            if from < to {
+                let _ = writeln!(
+                    s,
+                    "  for (var q = {from}u + lid; q < {to}u; q = q + {by}u) {{"
+                );
+                loads(&mut s, u);
+                math(&mut s, u);
+                s.push_str("  }\n");
+            }
+            from = from.max(to);
         }
-        let _ = writeln!(
-            s,
-            "  if (lid < {sums}u) {{\n    let c = n0 + lid % {cols}u;\n\
-             \x20   if (c < {n}u) {{ gstore{tag}(sb, lid / {cols}u, c, red[lid * {threads}u]); }}\n  }}"
+        let sums: Vec<String> = (0..m)
+            .flat_map(|i| (0..cols).map(move |j| format!("s{i}_{j}")))
+            .collect();
+        let store = format!(
+            "let c = n0 + lid % {cols}u;\n\
+             \x20   if (c < {n}u) {{ gstore{tag}(sb, lid / {cols}u, c, v); }}"
         );
+        s.push_str(&reduce_sums(&sums, threads, &store));
         s
     }
 }
 
+/// `fn dotc(a, b) -> f32` for chunks of `lanes` elements: WGSL's `dot` for
+/// a `vec4<f32>`, a helper summing both halves of an 8-element chunk.
+fn dot_fn(lanes: usize) -> String {
+    match lanes {
+        4 => "fn dotc(a: vec4<f32>, b: vec4<f32>) -> f32 { return dot(a, b); }\n".into(),
+        _ => "fn dotc(a: array<vec4<f32>, 2>, b: array<vec4<f32>, 2>) -> f32 {\n\
+              \x20 return dot(a[0], b[0]) + dot(a[1], b[1]);\n}\n"
+            .into(),
+    }
+}
+
+/// Partial sums of a strip of the reduction (see [`reduce_sums`]).
+const STRIPS: usize = 8;
+
+/// Statements adding up, over a workgroup of `threads` invocations (a power
+/// of two, at least [`STRIPS`]), each invocation's f32 partial sums named
+/// `sums` (in `red`, a workgroup array of `sums.len() × threads` f32), then
+/// running `store` in invocation `lid < sums.len()` with `v` the total of
+/// sum `lid`. Two barriers whatever the workgroup size: every invocation
+/// adds up a strip of `threads / STRIPS` partials of one sum, and the
+/// storing invocation adds up the strips; no subgroup size is assumed
+/// (lavapipe has 8, NVIDIA 32). Call it in uniform control flow.
+pub(crate) fn reduce_sums(sums: &[String], threads: usize, store: &str) -> String {
+    let count = sums.len();
+    let width = threads / STRIPS;
+    let mut s = String::new();
+    for (i, name) in sums.iter().enumerate() {
+        let _ = writeln!(s, "  red[{}u + lid] = {name};", i * threads);
+    }
+    let _ = writeln!(
+        s,
+        "  workgroupBarrier();\n\
+         \x20 for (var e = lid; e < {strips}u; e = e + {threads}u) {{\n\
+         \x20   let o = (e / {STRIPS}u) * {threads}u + (e % {STRIPS}u) * {width}u;\n\
+         \x20   var t = red[o];\n\
+         \x20   for (var i = 1u; i < {width}u; i = i + 1u) {{ t = t + red[o + i]; }}\n\
+         \x20   red[o] = t;\n  }}\n  workgroupBarrier();\n\
+         \x20 if (lid < {count}u) {{\n\
+         \x20   var v = 0.0;\n\
+         \x20   for (var p = 0u; p < {STRIPS}u; p = p + 1u) {{ v = v + red[lid * {threads}u + p * {width}u]; }}\n\
+         \x20   {store}\n  }}",
+        strips = count * STRIPS,
+    );
+    s
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Gemv;
+    use super::{Gemv, Plan};
 
     #[test]
     fn few_columns_split_deep_k() {
-        let gemv = |n, k| {
-            Gemv {
+        let gemv = |n, k, wide| {
+            let p: Plan = Gemv {
                 batch: 1,
                 m: 1,
                 n,
                 k,
             }
-            .shape(usize::MAX)
+            .plan(usize::MAX, wide);
+            (p.threads, p.cols, p.splits, p.lanes, p.unroll)
         };
-        // (invocations, columns, splits)
-        assert_eq!(gemv(64, 4096), (128, 1, 8));
-        assert_eq!(gemv(1024, 1024), (128, 2, 1));
-        assert_eq!(gemv(32000, 1024), (128, 4, 1));
-        assert_eq!(gemv(10, 2047), (128, 1, 1));
+        // (invocations, columns, splits, lanes, unroll)
+        assert_eq!(gemv(64, 4096, false), (64, 1, 8, 4, 2));
+        assert_eq!(gemv(64, 4096, true), (32, 1, 8, 8, 2));
+        assert_eq!(gemv(1024, 1024, false), (128, 2, 1, 4, 2));
+        assert_eq!(gemv(32000, 1024, false), (128, 4, 1, 4, 2));
+        // k not a multiple of 8: 4-element chunks
+        assert_eq!(gemv(10, 2047, true), (128, 1, 1, 4, 4));
+        // a Llama-3.2-1B decode step: q (2048 → 2048), down (8192 → 2048)
+        // and the head (2048 → 128256), bf16
+        assert_eq!(gemv(2048, 2048, true), (128, 4, 1, 8, 2));
+        assert_eq!(gemv(2048, 8192, true), (128, 4, 1, 8, 2));
+        assert_eq!(gemv(128256, 2048, true), (128, 4, 1, 8, 2));
     }
 }

@@ -28,5 +28,5 @@ mod split;
 mod tiled;
 
 pub(super) use dequant::Int4Operands;
-pub(super) use gemv::{Gemv, GEMV_ROWS};
+pub(super) use gemv::{reduce_sums, Gemv, GEMV_ROWS};
 pub(super) use spec::{Epilogue, F16Scaling, Gemm, GemmArgs, GemvArgs};

@@ -4,7 +4,7 @@
 //! provides ([`GemmArgs`], [`GemvArgs`], [`Epilogue`]; burn's `MatmulArgs`
 //! is the model). The leaf of the family: the emitters build on it.
 
-use etmetal_core::Result;
+use etmetal_core::{DType, Result};
 
 use crate::preprocess::emit::KernelBuilder;
 
@@ -76,12 +76,17 @@ pub(crate) trait GemmArgs: Epilogue {
 
 /// How a matrix-vector product (`Gemv`) reads its operands.
 pub(crate) trait GemvArgs: Epilogue {
-    /// `xa(bt, r, k) -> vec4<f32>` and `xb(bt, c, k)`: elements `k … k+3`
-    /// (`k` a multiple of 4, zeros past the end) of row `r` of A and of
-    /// column `c` of B. Products sharing a dispatch
+    /// `xa(bt, r, k)` and `xb(bt, c, k)`: elements `k … k+lanes-1` (`k` a
+    /// multiple of `lanes`, zeros past the end) of row `r` of A and of
+    /// column `c` of B, as a `vec4<f32>` (`lanes` 4) or an
+    /// `array<vec4<f32>, 2>` (`lanes` 8, where [`GemvArgs::b_dtype`] is
+    /// 16-bit: one 16-byte load of B). Products sharing a dispatch
     /// (`Gemv::lower_group`) append their tag to these names and to
     /// `gstore`'s.
-    fn k_chunks(&self, kb: &mut KernelBuilder) -> Result<String>;
+    fn k_chunks(&self, kb: &mut KernelBuilder, lanes: usize) -> Result<String>;
+
+    /// The element type of B, the operand whose bytes bound the kernel.
+    fn b_dtype(&self) -> DType;
 
     /// What a workgroup of `threads` invocations computes before the
     /// product, called before the readers are emitted: `(module-level
