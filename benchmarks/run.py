@@ -644,16 +644,23 @@ def torch_compiled_ms(m, xs) -> dict:
         return {"torch_compile_error": f"{type(e).__name__}: {e}"[:300]}
 
 
-def gpu_model(name: str, dt: str, scratch: Path) -> dict:
+def torch_side(name: str, dt: str, scratch: Path, shared: dict) -> dict:
+    """A model row's export and PyTorch figures. int4 rows run PyTorch on
+    the bf16 model, so a model's bf16 and int4 rows share both (`shared`
+    keeps the last model's: the export, and PyTorch's eager, end-to-end
+    and torch.compile figures)."""
+    key = (name, DTYPES[dt])
+    if key in shared:
+        return shared[key]
+    for old in shared.values():
+        old["pt2"].unlink(missing_ok=True)
+    shared.clear()
     case = model_cases()[name]
     module, xs = make_model(name, dt)
-    pt2, pte = scratch / f"{name}.{dt}.pt2", scratch / f"{name}.{dt}.pte"
+    pt2 = scratch / f"{name}.{dt}.pt2"
     export_save(module, xs, pt2, case.recipe)
-    compiled = compile_for_gpu(pt2, pte, dt)
-    pt2.unlink()
     cuda_xs = tuple(x.cuda() for x in xs)
     m = module.cuda()
-    # (int4 rows: PyTorch runs the bf16 model)
     with torch.no_grad():
         # decoders write the same cache slot every call, so outputs repeat
         want = as_tuple(m(*cuda_xs))[0]
@@ -662,6 +669,17 @@ def gpu_model(name: str, dt: str, scratch: Path) -> dict:
         torch_figures = repeated(lambda: {"torch_ms": torch_kernel_ms(lambda: m(*cuda_xs), RUNS, WARMUP),
                                           "torch_e2e_ms": wall_time_ms(e2e)})
         compiled_torch = torch_compiled_ms(copy.deepcopy(m), cuda_xs)
+    shared[key] = {"pt2": pt2, "xs": xs, "want": want, "weight_bytes": weight_bytes(module),
+                   "figures": {**torch_figures, **compiled_torch}}
+    return shared[key]
+
+
+def gpu_model(name: str, dt: str, scratch: Path, shared: dict) -> dict:
+    case = model_cases()[name]
+    side = torch_side(name, dt, scratch, shared)
+    xs, want = side["xs"], side["want"]
+    pte = scratch / f"{name}.{dt}.pte"
+    compiled = compile_for_gpu(side["pt2"], pte, dt)
     figures, b = etmetal_repeated(pte, write_inputs(xs, scratch / name))
     pte.unlink()
     gpu = b.get("gpu") or {}
@@ -672,8 +690,8 @@ def gpu_model(name: str, dt: str, scratch: Path) -> dict:
         roofline = decoder_roofline_bytes(config, dt, ctx)
         # the decode issue asks for one step's per-kernel breakdown
         breakdown = [{"kernel": k["kernel"], "ms": k["median_ms"]} for k in gpu.get("dispatches", [])]
-    return {"model": name, "dtype": dt, "weight_bytes": weight_bytes(module), **torch_figures,
-            **compiled_torch, **compiled, **figures, "roofline_bytes": roofline,
+    return {"model": name, "dtype": dt, "weight_bytes": side["weight_bytes"], **side["figures"],
+            **compiled, **figures, "roofline_bytes": roofline,
             "dispatches": len(gpu.get("dispatches", [])),
             "top_kernels": [{"kernel": k["kernel"], "ms": k["median_ms"], "share": k["share"]} for k in top],
             **({"dispatch_ms": breakdown} if breakdown else {}),
@@ -684,7 +702,7 @@ def gpu_model(name: str, dt: str, scratch: Path) -> dict:
 def gpu(args):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    ops, models = [], []
+    ops, models, shared = [], [], {}
     done, wanted = resumed(args)
     with tempfile.TemporaryDirectory() as d:
         for name, case in op_cases().items():
@@ -703,7 +721,7 @@ def gpu(args):
                     models.extend([done[name, dt]] if (name, dt) in done else [])
                     continue
                 try:
-                    models.append(gpu_model(name, dt, Path(d)))
+                    models.append(gpu_model(name, dt, Path(d), shared))
                 except Exception as e:
                     models.append({"model": name, "dtype": dt, "error": str(e)[-400:]})
                 print(json.dumps(models[-1]), flush=True)
