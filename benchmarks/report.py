@@ -58,7 +58,7 @@ def op_rows(gpu):
     rows, ratios = [], []
     for o in gpu["ops"]:
         if "error" in o:
-            rows.append([o["op"], o["dtype"], "error: " + o["error"].splitlines()[-1][:120]] + [""] * 8)
+            rows.append([o["op"], o["dtype"], run_of(o), "error: " + o["error"].splitlines()[-1][:120]] + [""] * 8)
             continue
         k, t = o["etmetal_kernel_ms"], o["torch_ms"]
         r = ratio(k, t)
@@ -75,7 +75,7 @@ def op_rows(gpu):
             peak = lambda ms: None if ms is None else o["flops"] / (ms * 1e-3) / PEAK[o["dtype"]]  # noqa: E731
             torch_rate = rate(t)
             unit = "TFLOP/s"
-        rows.append([o["op"], o["dtype"], fs(o, "torch_ms"), fs(o, "etmetal_kernel_ms"), f(r, 2),
+        rows.append([o["op"], o["dtype"], run_of(o), fs(o, "torch_ms"), fs(o, "etmetal_kernel_ms"), f(r, 2),
                      f"{f(rate(k), 1)} / {f(torch_rate, 1)} {unit}",
                      f(None if peak(k) is None else 100 * peak(k), 1), fs(o, "etmetal_e2e_ms"), o["dispatches"],
                      f(o["err"], 1)])
@@ -88,14 +88,14 @@ def model_rows(gpu):
     rows, ratios = [], []
     for m in gpu["models"]:
         if "error" in m:
-            rows.append([m["model"], m["dtype"], "error: " + m["error"].splitlines()[-1][:120]] + [""] * 12)
+            rows.append([m["model"], m["dtype"], run_of(m), "error: " + m["error"].splitlines()[-1][:120]] + [""] * 12)
             continue
         r = ratio(m["etmetal_e2e_ms"], m["torch_e2e_ms"])
         top = m["top_kernels"][0] if m["top_kernels"] else None
         placed = f"{m.get('partitions', '–')} / {m.get('kernels', '–')} / {m.get('cpu_nodes', '–')}"
         compiled = fs(m, "torch_compile_ms") if "torch_compile_error" not in m else \
             "error: " + m["torch_compile_error"][:60]
-        rows.append([m["model"], m["dtype"], mib(m["weight_bytes"]), fs(m, "torch_ms"), compiled,
+        rows.append([m["model"], m["dtype"], run_of(m), mib(m["weight_bytes"]), fs(m, "torch_ms"), compiled,
                      fs(m, "torch_e2e_ms"), fs(m, "etmetal_kernel_ms"), fs(m, "etmetal_e2e_ms"), f(r, 2),
                      f(ratio(m["etmetal_kernel_ms"], m.get("torch_compile_ms")), 2), roofline(m), placed,
                      m["dispatches"], "–" if top is None else f"{top['kernel']} {100 * top['share']:.0f}%",
@@ -153,19 +153,62 @@ LLAMA = ("The Llama-3.2-1B shape (16 layers, hidden 2048, 32/8 heads, MLP 8192, 
          "4.3 TB/s, and etmetal's kernel time's % of it. ")
 
 
+def run_of(row) -> str:
+    """The run a row comes from (`run.py merge` folds several into one
+    file): its date, and `events` where PyTorch's figure was CUDA events
+    around each call (launch overhead included) and each figure one
+    measurement, as before the profiler timing."""
+    if row.get("torch_timing", "events") == "profiler":
+        return row.get("run", "–")
+    return f"{row.get('run', '–')} (events)"
+
+
+def rows_of(results) -> list:
+    return results.get("ops", []) + results.get("models", [])
+
+
 def repeats(results) -> str:
-    """What the figures are medians of."""
-    n = results.get("repeat")
-    if not n:
+    """What the figures are medians of (per row where runs were merged)."""
+    ns = {r.get("repeat", results.get("repeat")) for r in rows_of(results)} or {results.get("repeat")}
+    if ns == {None} or ns == {1}:
         return "Each figure is one measurement (results from before the harness repeated them)."
-    return f"Each figure is the median of {n} separate measurements, with their (min–max)."
+    n = max(x for x in ns if x)
+    also = " (rows marked `events` in the run column: one measurement)" if len(ns) > 1 else ""
+    return f"Each figure is the median of {n} separate measurements, with their (min–max){also}."
+
+
+PROFILER = ("the CUDA kernel time torch.profiler records over the runs, per call (no launch overhead; "
+            "torch.compile likewise)")
+EVENTS = "CUDA events around each call (launch overhead included; results from before the profiler timing)"
 
 
 def torch_timing(gpu) -> str:
-    if gpu.get("torch_timing") == "profiler":
-        return ("the CUDA kernel time torch.profiler records over the runs, per call (no launch overhead; "
-                "torch.compile likewise)")
-    return "CUDA events around each call (launch overhead included; results from before the profiler timing)"
+    kinds = {r.get("torch_timing", gpu.get("torch_timing", "events")) for r in rows_of(gpu)}
+    if kinds == {"profiler"}:
+        return PROFILER
+    if "profiler" in kinds:
+        return f"{PROFILER}; rows marked `events` in the run column: {EVENTS}"
+    return EVENTS
+
+
+def host_path_section():
+    """BENCHMARKS.md's host-path section, from results/host_path.json
+    (benchmarks/host_path.py); empty where that file is missing."""
+    r = load("host_path")
+    if not r:
+        return []
+    mach = r["machine"]
+    rows = [[row["dtype"], mib(row["bytes"]) if row["bytes"] >= 1 << 20 else f"{row['bytes'] >> 10} KiB",
+             f(row["etmetal_e2e_ms"]), f(row["etmetal_kernel_ms"]), f(row["etmetal_host_ms"]),
+             f(row["torch_copies_ms"]), f(row["host_over_torch"], 2)] for row in r["rows"]]
+    return ["## Host path: an execute's host work vs PyTorch's copies", "",
+            f"`benchmarks/host_path.py` on {mach.get('gpu', 'no GPU')} ({mach['cores']} cores, PyTorch "
+            f"{mach['torch']}): `etmetal run --bench` of `x * 1` compiled for the GPU (median end to end of one "
+            "`Method::execute`; host = end to end minus the kernel's timestamp time) beside PyTorch's "
+            "`x.cuda()` + `.cpu()` of a pageable host tensor of the same bytes (median wall time). "
+            "Below 1 in the last column: etmetal's host work takes less time than PyTorch's two copies.", "",
+            table(["dtype", "MiB", "etmetal e2e ms", "etmetal kernel ms", "etmetal host ms",
+                   "PyTorch copies ms", "host / PyTorch"], rows), ""]
 
 
 def int4_accuracy_section():
@@ -225,7 +268,7 @@ def main():
                                                              else "") +
                "err: ‖etmetal − ref‖/‖ref‖, ref in f64 (f32 rows) or f32 (bf16 rows) from the same inputs. "
                f"bmm runs {4} batches.", "",
-               table(["op", "dtype", "PyTorch ms", "etmetal kernel ms", "ratio", "rate etmetal / PyTorch",
+               table(["op", "dtype", "run", "PyTorch ms", "etmetal kernel ms", "ratio", "rate etmetal / PyTorch",
                       "etmetal % of peak", "etmetal e2e ms", "dispatches", "err"], rows), ""]
         rows, model_ratios = model_rows(gpu)
         md += ["### Models (batch 1)", "",
@@ -241,7 +284,7 @@ def main():
                                                 else "") +
                "placed: partitions / kernels / nodes left on the CPU. err "
                "against PyTorch eager's output on the GPU.", "",
-               table(["model", "dtype", "weights MiB", "PyTorch GPU ms", "torch.compile GPU ms", "PyTorch e2e ms",
+               table(["model", "dtype", "run", "weights MiB", "PyTorch GPU ms", "torch.compile GPU ms", "PyTorch e2e ms",
                       "etmetal kernel ms", "etmetal e2e ms", "ratio e2e", "ratio compiled", "roofline",
                       "placed", "dispatches", "top kernel", "err"], rows), ""]
         comp = [[m["model"], m["dtype"], f(m.get("compile_s")), f(m.get("torch_compile_first_s"))]
@@ -299,6 +342,7 @@ def main():
                table(["model", "weights", "peak RSS after load", "peak RSS", "peak / weights"], rows), ""]
     else:
         md += ["## CPU", "", "Not run: no `results/cpu.json`.", ""]
+    md += host_path_section()
     md += int4_accuracy_section()
     if gpu and chart(op_ratios, model_ratios):
         md += ["## Chart", "", "![etmetal / PyTorch time ratios](benchmarks/ratios.png)", ""]

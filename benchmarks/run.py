@@ -727,14 +727,40 @@ def gpu(args):
                 print(json.dumps(models[-1]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = Path(args.out) if args.out else RESULTS / "gpu.json"
-    out.write_text(json.dumps({"machine": gpu_info(), "runs": RUNS, "warmup": WARMUP, "repeat": REPEAT,
-                               "torch_timing": "profiler", "ops": ops, "models": models}, indent=1) + "\n")
+    run = {"run": time.strftime("%Y-%m-%d", time.gmtime()), "torch_timing": "profiler", "repeat": REPEAT}
+    out.write_text(json.dumps({"machine": gpu_info(), "runs": RUNS, "warmup": WARMUP, **run,
+                               "ops": [{**run, **o} for o in ops], "models": [{**run, **m} for m in models]},
+                              indent=1) + "\n")
     print(f"wrote {out}")
+
+
+def merge(args):
+    """Fold the rows of later `gpu` runs (`args.files`, e.g. ones that
+    measured a few cases with `--only`) into results/gpu.json: a row
+    measured again replaces the old one, the rest stay, each tagged with
+    the run it came from (rows from before runs were tagged: the first
+    run, with CUDA-event timing and one measurement)."""
+    path = RESULTS / "gpu.json"
+    base = json.loads(path.read_text())
+    first = {"run": "2026-12-04", "torch_timing": base.get("torch_timing", "events"), "repeat": base.get("repeat", 1)}
+    for kind, key in (("ops", "op"), ("models", "model")):
+        rows = {(r[key], r["dtype"]): {**first, **r} for r in base[kind]}
+        for f in args.files:
+            for r in json.loads(Path(f).read_text())[kind]:
+                if "error" in r and (r[key], r["dtype"]) in rows and "error" not in rows[r[key], r["dtype"]]:
+                    print(f"{f}: keeping the earlier {r[key]} {r['dtype']}: this run failed ({r['error'][-120:]})")
+                    continue
+                rows[r[key], r["dtype"]] = r
+        base[kind] = list(rows.values())
+    base["machine"] = json.loads(Path(args.files[-1]).read_text())["machine"] if args.files else base["machine"]
+    path.write_text(json.dumps(base, indent=1) + "\n")
+    print(f"merged {len(args.files)} run(s) into {path}")
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("step", choices=["prepare", "cpu", "gpu", "report"])
+    ap.add_argument("step", choices=["prepare", "cpu", "gpu", "merge", "report"])
+    ap.add_argument("files", nargs="*", help="merge: gpu result files to fold into results/gpu.json")
     ap.add_argument("--out", help="gpu: where to write the JSON (default results/gpu.json)")
     ap.add_argument("--resume", help="cpu/gpu: keep the rows of this earlier run's log, measure the rest")
     ap.add_argument("--only", help="prepare/cpu/gpu: only the ops/models whose names start with one of these "
@@ -745,4 +771,4 @@ if __name__ == "__main__":
 
         report.main()
     else:
-        {"prepare": prepare, "cpu": cpu, "gpu": gpu}[a.step](a)
+        {"prepare": prepare, "cpu": cpu, "gpu": gpu, "merge": merge}[a.step](a)
