@@ -263,15 +263,21 @@ def check(where: str, got: list[np.ndarray], want: list[torch.Tensor]):
     assert not problems, f"{where}\n" + "\n".join(problems)
 
 
-def run_etmetal(binary: Path, pte: Path, inputs: list[torch.Tensor], work: Path) -> list[np.ndarray]:
+def run_etmetal_raw(binary: Path, pte: Path, inputs: list[torch.Tensor], work: Path) -> subprocess.CompletedProcess:
+    """`etmetal run` of `inputs`, writing outputs to `work/out`."""
     work.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, t in enumerate(inputs):
         paths.append(str(work / f"input_{i}.npy"))
         np.save(paths[-1], to_npy(t))
-    out = work / "out"
-    res = etm(binary, "run", str(pte), "--inputs", ",".join(paths), "--output-dir", str(out), "--device", "auto")
+    return etm(binary, "run", str(pte), "--inputs", ",".join(paths), "--output-dir", str(work / "out"),
+               "--device", "auto")
+
+
+def run_etmetal(binary: Path, pte: Path, inputs: list[torch.Tensor], work: Path) -> list[np.ndarray]:
+    res = run_etmetal_raw(binary, pte, inputs, work)
     assert res.returncode == 0, f"etmetal run {pte.name} failed (exit {res.returncode}):\n{res.stderr}"
+    out = work / "out"
     outputs = []
     while (out / f"output_{len(outputs)}.npy").exists():
         outputs.append(np.load(out / f"output_{len(outputs)}.npy"))
@@ -319,17 +325,19 @@ def test_executorch_made_pte_runs_in_etmetal(name, etmetal, root):
 
 
 class StaticAndDynamic(nn.Module):
-    """A static branch (GPU) beside a dynamic one (CPU)."""
+    """A linear over a dynamic batch and a static one (GPU, one delegate)
+    and a sum over the dynamic batch (CPU)."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x, y):
-        return self.fc(x).relu(), torch.tanh(self.fc(y))
+        h = self.fc(x).relu()
+        return h, torch.tanh(self.fc(y)), h.sum(0)
 
 
-def test_metal_keeps_dynamic_nodes_on_the_cpu_and_delegates_the_rest(etmetal, root):
+def test_metal_delegates_dynamic_nodes_and_keeps_dynamic_reductions_on_the_cpu(etmetal, root):
     m = StaticAndDynamic().eval()
     ex = (torch.randn(4, 8), torch.randn(3, 8))
     ep = torch.export.export(m, ex, dynamic_shapes=({0: Dim("rows", min=1, max=16)}, None))
@@ -337,8 +345,10 @@ def test_metal_keeps_dynamic_nodes_on_the_cpu_and_delegates_the_rest(etmetal, ro
     torch.export.save(ep, pt2)
     res = etm(etmetal.binary, "compile", str(pt2), "-o", str(pte), "--backend", "metal")
     assert res.returncode == 0, res.stderr
-    cpu_lines = [ln for ln in (res.stdout + res.stderr).splitlines() if "cpu:" in ln]
-    assert cpu_lines and all("dynamic shape" in ln for ln in cpu_lines), res.stdout + res.stderr
+    out = res.stdout + res.stderr
+    cpu_lines = [ln for ln in out.splitlines() if "cpu:" in ln]
+    # the one CPU node: the sum over the dynamic batch, named with its dim
+    assert len(cpu_lines) == 1 and "reduce_sum reduces over dynamic dim `s" in cpu_lines[0], out
     inspect = etm(etmetal.binary, "inspect", str(pte))
     assert inspect.returncode == 0, inspect.stderr
     assert "1 delegate call(s)" in inspect.stdout, inspect.stdout
@@ -347,6 +357,9 @@ def test_metal_keeps_dynamic_nodes_on_the_cpu_and_delegates_the_rest(etmetal, ro
         got = run_etmetal(etmetal.binary, pte, inputs, root / f"mixed-{n}")
         with torch.no_grad():
             check(f"mixed at {n}", got, list(m(*inputs)))
+    # outside the range: an error naming the method, the input and the dim
+    bad = run_etmetal_raw(etmetal.binary, pte, [torch.randn(17, 8), torch.randn(3, 8)], root / "mixed-17")
+    assert bad.returncode == 2 and "forward" in bad.stderr and "input 0" in bad.stderr, bad.stderr
 
 
 class SizeArithmetic(nn.Module):

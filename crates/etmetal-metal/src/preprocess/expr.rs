@@ -59,13 +59,13 @@ pub(crate) enum Kind {
     Slice {
         x: LazyRef,
         dim: usize,
-        start: usize,
+        start: Pos,
         step: usize,
     },
     Select {
         x: LazyRef,
         dim: usize,
-        index: usize,
+        index: Pos,
     },
     /// Concatenation along `dim`.
     Cat(Vec<LazyRef>, usize),
@@ -91,6 +91,14 @@ pub(crate) enum Kind {
         index: LazyRef,
         at: GatherAt,
     },
+}
+
+/// A position along a dim: fixed, or counted from a dynamic end and read
+/// from the sizes uniform at run time (payload 1.3).
+#[derive(Debug)]
+pub(crate) enum Pos {
+    At(usize),
+    Run(crate::payload::Size),
 }
 
 /// Where in the output index the index tensor is read.
