@@ -3,8 +3,10 @@
 //! A GPU buffer keeps the layout of its upper bound (`preprocess::sizes`),
 //! so a kernel is right at any size when each valid output element reads
 //! only valid input elements at the positions it reads at the bound. That
-//! holds for elementwise ops, views whose index arithmetic does not count
-//! from a dynamic size, rows and reductions over static dims, products
+//! holds for elementwise ops, views (a slice, select or gather counting
+//! from a dynamic end reads the size at run time), rows over static dims,
+//! reductions (past a dynamic end they read their identity; a mean's
+//! divisor would be the bound), products
 //! contracting a static dim, convolution and pooling over a dynamic batch,
 //! and attention over a static number of keys (or causal attention over
 //! as many keys as queries, where a valid query never reaches a key past
@@ -12,7 +14,7 @@
 //! take the actual sizes; the reason names the op and the dynamic dim.
 
 use etmetal_core::sym::SymExpr;
-use etmetal_core::Op;
+use etmetal_core::{Op, ReduceOp};
 use etmetal_graph::{Graph, Node, ValueId};
 
 use crate::op_table::{form, Form};
@@ -84,12 +86,10 @@ pub(super) fn dynamic_supported(graph: &Graph, node: &Node) -> Result<(), String
                 None => Ok(()),
             }
         }
-        Op::IndexSelect { dim } | Op::Gather { dim } => {
-            match dynamic_at(&x, &mut std::iter::once(*dim)) {
-                Some(e) => refuse("indexes dynamic dim", &e),
-                None => Ok(()),
-            }
-        }
+        // (a gather counts negative indices back from the run-time size)
+        Op::IndexSelect { .. } | Op::Gather { .. } => Ok(()),
+        // (past the run-time size a reduction reads its identity)
+        Op::Reduce { op, .. } if *op != ReduceOp::Mean => Ok(()),
         Op::Reduce { dims: ds, .. } | Op::Var { dims: ds, .. } => {
             let all: Vec<usize> = if ds.is_empty() {
                 (0..x.len()).collect()

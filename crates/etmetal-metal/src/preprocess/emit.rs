@@ -424,11 +424,22 @@ impl<'a> KernelBuilder<'a> {
                 };
                 format!("select({zero}, {a}, {keep})")
             }
+            Kind::Masked { x, valid, fill } => {
+                let a = self.emit(f, x, idx)?;
+                let a = pointwise::cast(&a, x.dtype, v.dtype);
+                let inside: Vec<String> = valid
+                    .iter()
+                    .map(|(d, n)| format!("{} < {}", idx[*d], self.size(n)))
+                    .collect();
+                let fill = pointwise::literal(*fill, v.dtype)?;
+                format!("select({fill}, {a}, {})", inside.join(" && "))
+            }
             Kind::Gather {
                 src,
                 dim,
                 index,
                 at,
+                len,
             } => {
                 let at_idx: Vec<String> = match at {
                     GatherAt::Same => idx.to_vec(),
@@ -438,10 +449,14 @@ impl<'a> KernelBuilder<'a> {
                 let raw = self.emit(f, index, &at_idx)?;
                 let raw = pointwise::cast(&raw, index.dtype, DType::I32);
                 let n = src.shape[*dim] as i64;
-                // negative indices count from the end; out of range clamps
+                // negative indices count from the end (the run-time one of a
+                // dynamic dim); out of range clamps into the buffer
+                let end = match len {
+                    Pos::At(n) => pointwise::int_literal(*n as i64)?,
+                    Pos::Run(n) => format!("i32({})", self.size(n)),
+                };
                 let i = f.index(format!(
-                    "u32(clamp(select({raw}, {raw} + {}, {raw} < 0i), 0i, {}))",
-                    pointwise::int_literal(n)?,
+                    "u32(clamp(select({raw}, {raw} + {end}, {raw} < 0i), 0i, {}))",
                     pointwise::int_literal((n - 1).max(0))?
                 ));
                 let inner: Vec<String> = match at {

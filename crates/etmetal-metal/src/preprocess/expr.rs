@@ -90,6 +90,15 @@ pub(crate) enum Kind {
         dim: usize,
         index: LazyRef,
         at: GatherAt,
+        /// The size of `dim` that negative indices count back from.
+        len: Pos,
+    },
+    /// `x` where the index along each `(dim, size)` is below the run-time
+    /// size, else `fill` (a reduction's identity past a dynamic end).
+    Masked {
+        x: LazyRef,
+        valid: Vec<(usize, crate::payload::Size)>,
+        fill: Scalar,
     },
 }
 
@@ -189,6 +198,7 @@ impl Lazy {
             | Kind::Select { x, .. }
             | Kind::Pad { x, .. }
             | Kind::Triangle { x, .. }
+            | Kind::Masked { x, .. }
             | Kind::Repeat(x) => vec![x],
             Kind::Binary { a, b, .. } => vec![a, b],
             Kind::Where(c, a, b) => vec![c, a, b],

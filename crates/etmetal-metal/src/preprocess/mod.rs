@@ -898,18 +898,21 @@ impl<'g> Lowering<'g> {
                 dim: 0,
                 index: self.fused(node, 1)?,
                 at: expr::GatherAt::Leading,
+                len: self.dim_len(node, 0)?,
             }),
             Op::IndexSelect { dim } => Some(Kind::Gather {
                 src: self.fused(node, 0)?,
                 dim: *dim,
                 index: self.fused(node, 1)?,
                 at: expr::GatherAt::Dim,
+                len: self.dim_len(node, *dim)?,
             }),
             Op::Gather { dim } => Some(Kind::Gather {
                 src: self.fused(node, 0)?,
                 dim: *dim,
                 index: self.fused(node, 1)?,
                 at: expr::GatherAt::Same,
+                len: self.dim_len(node, *dim)?,
             }),
             _ => None,
         };
@@ -923,6 +926,16 @@ impl<'g> Lowering<'g> {
         }
         self.consume(node);
         Ok(())
+    }
+
+    /// The size of dim `dim` of `node`'s input 0: at run time where dynamic.
+    pub fn dim_len(&self, node: &Node, dim: usize) -> Result<expr::Pos> {
+        let x = node.inputs[0].ok_or_else(|| Error::internal("no input 0"))?;
+        let e = self.sizes.local(&self.graph.sym_dims(x))[dim].clone();
+        Ok(match e.as_const() {
+            Some(n) => expr::Pos::At(n as usize),
+            None => expr::Pos::Run(self.sizes.size(&e)?),
+        })
     }
 
     /// Where a slice (`slice`: its start, clamped into the dim) or a select

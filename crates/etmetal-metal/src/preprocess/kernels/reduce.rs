@@ -2,7 +2,7 @@
 //! argmax/argmin, max/min with indices, softmax and log-softmax: all row
 //! kernels (see [`super::rows`]).
 
-use etmetal_core::{DType, Error, Op, ReduceOp, Result};
+use etmetal_core::{DType, Error, Op, ReduceOp, Result, Scalar};
 use etmetal_graph::Node;
 
 use super::gemm::GEMV_ROWS;
@@ -37,6 +37,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     match &node.op {
         Op::Reduce { op, dims, .. } => {
             let reduced = dims_or_all(dims);
+            let x = masked(lw, node, x, &reduced, *op)?;
             let (rows_x, rows, cols) = as_rows(&x, &reduced);
             let out = lw.output_buffer(node, 0)?;
             // a few rows' mean over the last dim (an RMSNorm's) waits for
@@ -114,6 +115,48 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             other.name()
         ))),
     }
+}
+
+/// `x` with each dynamic dim of `reduced` read past its run-time size as
+/// the identity of `op`, so the tail of the bound layout adds nothing (the
+/// partitioner keeps a mean over a dynamic dim, whose divisor would be the
+/// bound, on the CPU).
+fn masked(
+    lw: &Lowering,
+    node: &Node,
+    x: LazyRef,
+    reduced: &[usize],
+    op: ReduceOp,
+) -> Result<LazyRef> {
+    let Some(v) = node.inputs[0].filter(|&v| lw.graph.is_dynamic(v)) else {
+        return Ok(x);
+    };
+    let dims = lw.sizes.local(&lw.graph.sym_dims(v));
+    let valid = reduced
+        .iter()
+        .filter(|&&d| dims[d].as_const().is_none())
+        .map(|&d| Ok((d, lw.sizes.size(&dims[d])?)))
+        .collect::<Result<Vec<_>>>()?;
+    if valid.is_empty() {
+        return Ok(x);
+    }
+    let float = x.dtype.is_float();
+    let fill = match op {
+        ReduceOp::Sum | ReduceOp::Mean => Scalar::Int(0),
+        ReduceOp::Prod => Scalar::Int(1),
+        ReduceOp::Max if float => Scalar::Float(f64::NEG_INFINITY),
+        ReduceOp::Max => Scalar::Int(i64::from(i32::MIN)),
+        ReduceOp::Min if float => Scalar::Float(f64::INFINITY),
+        ReduceOp::Min => Scalar::Int(i64::from(i32::MAX)),
+        ReduceOp::Any => Scalar::Bool(false),
+        ReduceOp::All => Scalar::Bool(true),
+    };
+    let kind = Kind::Masked {
+        x: x.clone(),
+        valid,
+        fill,
+    };
+    Ok(Lazy::new(x.dtype, x.shape.clone(), kind))
 }
 
 /// argmax/argmin (first index of the extreme value, as PyTorch), with the
