@@ -126,14 +126,8 @@ impl Sizes {
         if dims.iter().all(|(e, _)| e.as_const().is_some()) {
             return Ok(None);
         }
-        let mut stride = 1i64;
-        let mut last = SymExpr::Const(0);
-        for (e, bound) in dims.iter().rev() {
-            last = last + (e.clone() - SymExpr::Const(1)) * SymExpr::Const(stride);
-            stride *= *bound as i64;
-        }
         let per = SymExpr::Const(per as i64);
-        let cells = last + SymExpr::Const(1);
+        let cells = extent(dims);
         let e = SymExpr::floor_div(cells + per.clone() - SymExpr::Const(1), per)?;
         Ok(Size::of(&e, &self.names))
     }
@@ -165,6 +159,19 @@ impl Sizes {
         };
         format!("{f}({a}, {b})")
     }
+}
+
+/// The cells of a row-major box of bounds `dims.1` up to and including
+/// its last valid cell (`dims.0` the valid counts): where valid cells of a
+/// bound layout end (`[2, s]` in `[2, S]`: `S + s`).
+pub(crate) fn extent(dims: &[(SymExpr, usize)]) -> SymExpr {
+    let mut stride = 1i64;
+    let mut last = SymExpr::Const(0);
+    for (e, bound) in dims.iter().rev() {
+        last = last + (e.clone() - SymExpr::Const(1)) * SymExpr::Const(stride);
+        stride *= *bound as i64;
+    }
+    last + SymExpr::Const(1)
 }
 
 /// Each buffer's actual dims where they are dynamic.

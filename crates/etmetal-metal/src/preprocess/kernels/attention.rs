@@ -28,6 +28,7 @@
 //! As the CPU kernel, a row whose every key is masked gives zeros.
 
 use etmetal_core::shape::{attention_batch, broadcast_shapes, AttentionBatch};
+use etmetal_core::sym::SymExpr;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
@@ -36,6 +37,7 @@ use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::LazyRef;
 use crate::preprocess::pointwise::{cast, float_literal};
+use crate::preprocess::sizes::extent;
 use crate::preprocess::Lowering;
 
 /// The largest head dim (of q/k and of v) the kernel takes.
@@ -106,6 +108,17 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         mask,
         is_causal,
         out,
+        dynamic: node
+            .outputs
+            .first()
+            .filter(|&&o| lw.graph.is_dynamic(o))
+            .map(|&o| {
+                let dims = lw.sizes.local(&lw.graph.sym_dims(o));
+                let bounds = lw.graph.value(o).shape.iter().copied();
+                let dims: Vec<(SymExpr, usize)> = dims.into_iter().zip(bounds).collect();
+                let r = dims.len();
+                [extent(&dims[..r - 2]), dims[r - 2].0.clone()]
+            }),
     };
     if a.g.l <= DECODE_ROWS {
         decode(lw, &a)
@@ -169,6 +182,8 @@ struct Attn {
     out_dtype: DType,
     /// Batch·heads.
     nb: usize,
+    /// The run-time `(batch·heads, query rows)` where the output is dynamic.
+    dynamic: Option<[SymExpr; 2]>,
 }
 
 /// The partial results of a key split: `n` splits of each row, each
@@ -610,12 +625,28 @@ fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
     main.push_str("}\n");
     let workgroups = grid(total as u64, lw.options.max_workgroups_per_dim)?;
     let storage = (16 * region + 4 * (bc * pstride + br)) as u32;
-    lw.add_dispatch(
+    // at run time, the row blocks of the valid query rows
+    let actual = match &a.dynamic {
+        Some([nb, rows]) => {
+            let c = |n: usize| SymExpr::Const(n as i64);
+            let row_blocks = SymExpr::floor_div(rows.clone() + c(br - 1), c(br))?;
+            let dims = [
+                (nb.clone(), a.nb),
+                (row_blocks, blocks),
+                (c(nsplit), nsplit),
+                (c(slices), slices),
+            ];
+            lw.sizes.groups(&dims, 1)?
+        }
+        None => None,
+    };
+    lw.add_dispatch_sized(
         kb.finish(&main),
         vec![lw.op_label()],
         [wg as u32, 1, 1],
         workgroups,
         storage,
+        actual,
     )?;
     match split {
         Some(sp) => combine(lw, a, &sp),

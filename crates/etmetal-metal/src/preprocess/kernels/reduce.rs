@@ -7,7 +7,8 @@ use etmetal_graph::Node;
 
 use super::gemm::GEMV_ROWS;
 use super::rows::{
-    as_f32, as_rows, col_loop, dispatch_rows, row_head, shared, tree_reduce, Combine, ROW_WORKGROUP,
+    as_f32, as_rows, col_loop, dispatch_rows_of, row_head, shared, tree_reduce, Combine,
+    ROW_WORKGROUP,
 };
 use crate::payload::Fault;
 use crate::preprocess::emit::{entry, linear, unravel, KernelBuilder};
@@ -99,7 +100,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
                 &cast(&format!("(total / {divisor})"), DType::F32, out_dtype),
             )?;
             main.push_str(&format!("  if (lid == 0u) {{ {store} }}\n}}\n"));
-            dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
+            dispatch_rows_of(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4, Some(out))
         }
         Op::ArgReduce { max, dim, .. } => {
             let reduced = dim.map_or(all.clone(), |d| vec![d]);
@@ -223,7 +224,7 @@ fn arg_reduce(
         stores.push_str(&kb.store(values, "row", &cast("rv[0]", value_dtype, vd))?);
     }
     main.push_str(&format!("  if (lid == 0u) {{ {stores} }}\n}}\n"));
-    dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 8)
+    dispatch_rows_of(lw, kb.finish(&main), rows, ROW_WORKGROUP * 8, Some(indices))
 }
 
 fn softmax(
@@ -272,7 +273,9 @@ fn softmax(
         &format!("    let at = {at};\n    {store}\n"),
     ));
     main.push_str("}\n");
-    dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
+    // over the last dim a row is a run of the output
+    let runs = (dim + 1 == shape.len()).then_some(out);
+    dispatch_rows_of(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4, runs)
 }
 
 /// The row kernel of `op` over `[rows, cols]` `x` into `out` (`node`
@@ -352,7 +355,7 @@ fn reduce_rows(
     }
     let store = kb.store(out, "row", &cast(&total, acc_dtype, out_dtype))?;
     main.push_str(&format!("  if (lid == 0u) {{ {store} }}\n}}\n"));
-    dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
+    dispatch_rows_of(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4, Some(out))
 }
 
 /// Dispatch a deferred row mean.

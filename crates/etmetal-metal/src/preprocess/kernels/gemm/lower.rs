@@ -41,7 +41,9 @@ impl Gemm {
         let storage = (2 * 4 * (sa + sb)) as u32;
         let ops = vec![lw.op_label()];
         let d = lw.dispatches.len();
-        lw.add_dispatch(built, ops, [t.threads() as u32, 1, 1], workgroups, storage)?;
+        let actual = self.groups(lw, t.bm, t.bn, splits)?;
+        let size = [t.threads() as u32, 1, 1];
+        lw.add_dispatch_sized(built, ops, size, workgroups, storage, actual)?;
         if coop::worth(self) {
             // the same partial sums or outputs, from the same split of k;
             // NVIDIA's 16×16 form first, then Apple's 8×8
