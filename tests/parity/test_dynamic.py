@@ -14,8 +14,9 @@ dynamic sequence length, a decoder's prefill over a dynamic token count
 dynamic image size, and some of the
 seed backend's test modules (executorch/backends/apple/metal/tests/
 test_modules.py, written out here: importing it needs macOS libraries)
-with a dynamic dim. Also: `--backend metal` keeps the dynamic nodes on the
-CPU (reason "dynamic shape") and delegates the static ones, SymInts used as
+with a dynamic dim. With `--backend metal` the dynamic nodes run on the GPU at
+the run-time size (each case lists the ops that stay on the CPU, reason
+"dynamic shape: <op> ... `<dim>`"), on a GPU adapter. Also: SymInts used as
 tensor values and a KV-cache write of a dynamic number of rows follow the
 size, and what the importer cannot handle symbolically is an error naming
 the node.
@@ -24,6 +25,7 @@ the node.
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,6 +171,11 @@ class Case:
     odd: int
     # the size the example inputs of the export have
     example: int | None = None
+    # the ops `--backend metal` keeps on the CPU (all else runs on the GPU at
+    # the run-time size): convolution and pooling over dynamic spatial dims,
+    # attention over a dynamic number of non-causal keys, top-k, and the
+    # arange a decoder makes of its length (no dynamic input to size it)
+    metal_cpu: tuple[str, ...] = ()
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -182,13 +189,15 @@ def batch0(n_inputs: int = 1):
 CASES = [
     Case("mlp_batch", Mlp, lambda n: [(n, 16)], batch0(), 1, 32, 7),
     Case("block_seq", Block, lambda n: [(2, n, 32)], lambda d: ({1: d},), 1, 48, 13),
-    Case("decoder_tokens", Decoder, lambda n: [(1, n)], lambda d: ({1: d},), 3, 64, 11),
+    Case("decoder_tokens", Decoder, lambda n: [(1, n)], lambda d: ({1: d},), 3, 64, 11, metal_cpu=("arange",)),
     Case("convnet_batch", ConvNet, lambda n: [(n, 3, 16, 16)], batch0(), 1, 4, 3),
-    Case("convnet_image", ConvNet, lambda n: [(2, 3, n, n)], lambda d: ({2: d, 3: d},), 10, 32, 13, example=20),
+    Case("convnet_image", ConvNet, lambda n: [(2, 3, n, n)], lambda d: ({2: d, 3: d},), 10, 32, 13, example=20,
+         metal_cpu=("adaptive_avg_pool", "batch_norm", "convolution", "max_pool")),
     Case("seed_add", Add, lambda n: [(n,), (n,)], batch0(2), 1, 64, 37),
     Case("seed_linear_bias", LinearWithBias, lambda n: [(n, 7)], batch0(), 1, 256, 127),
     Case("seed_split_cat", SplitCat, lambda n: [(1, 6, n)], lambda d: ({2: d},), 1, 16, 5),
-    Case("seed_conv1d_length", Conv1dNoBias, lambda n: [(1, 8, n)], lambda d: ({2: d},), 2, 64, 5),
+    Case("seed_conv1d_length", Conv1dNoBias, lambda n: [(1, 8, n)], lambda d: ({2: d},), 2, 64, 5,
+         metal_cpu=("convolution",)),
     Case(
         "seed_sdpa_seq",
         SDPA,
@@ -197,9 +206,10 @@ CASES = [
         1,
         32,
         13,
+        metal_cpu=("sdpa",),
     ),
     Case("seed_narrow_last_dim", NarrowLastDim, lambda n: [(2, 4, 2 * n)], lambda d: ({2: 2 * d},), 1, 16, 5),
-    Case("seed_topk_batch", TopK, lambda n: [(n, 64)], batch0(), 1, 16, 5),
+    Case("seed_topk_batch", TopK, lambda n: [(n, 64)], batch0(), 1, 16, 5, metal_cpu=("top_k",)),
 ]
 CASES_BY_NAME = {c.name: c for c in CASES}
 
@@ -277,8 +287,12 @@ def run_etmetal_raw(binary: Path, pte: Path, inputs: list[torch.Tensor], work: P
 def run_etmetal(binary: Path, pte: Path, inputs: list[torch.Tensor], work: Path) -> list[np.ndarray]:
     res = run_etmetal_raw(binary, pte, inputs, work)
     assert res.returncode == 0, f"etmetal run {pte.name} failed (exit {res.returncode}):\n{res.stderr}"
-    out = work / "out"
-    outputs = []
+    return read_outputs(work)
+
+
+def read_outputs(work: Path) -> list[np.ndarray]:
+    """The outputs a `run_etmetal_raw` of `work` wrote."""
+    out, outputs = work / "out", []
     while (out / f"output_{len(outputs)}.npy").exists():
         outputs.append(np.load(out / f"output_{len(outputs)}.npy"))
     return outputs
@@ -305,9 +319,22 @@ def test_cpu_pte_runs_in_executorch_at_each_size(name, n, etmetal, root):
 @pytest.mark.parametrize("backend", ["cpu", "metal"])
 @pytest.mark.parametrize("name,n", PARAMS)
 def test_etmetal_runs_each_size(name, n, backend, etmetal, root):
-    pte, _ = compiled(etmetal.binary, name, backend, root)
-    inputs = inputs_at(CASES_BY_NAME[name], n)
-    got = run_etmetal(etmetal.binary, pte, inputs, root / f"{name}-{backend}-{n}")
+    pte, summary = compiled(etmetal.binary, name, backend, root)
+    case = CASES_BY_NAME[name]
+    inputs = inputs_at(case, n)
+    work = root / f"{name}-{backend}-{n}"
+    if backend == "metal":
+        # the dynamic nodes run on the GPU, at this size: only the listed ops stay on the CPU
+        cpu_ops = set(re.findall(r"  cpu: `[^`]*` \(([a-z_0-9]+)\)", summary))
+        assert cpu_ops == set(case.metal_cpu), summary
+        res = run_etmetal_raw(etmetal.binary, pte, inputs, work)
+        # on a GPU adapter, unless no node is left for it (a lone CPU op)
+        delegated = re.search(r"EtMetalBackend: [1-9]\d* partition", summary) is not None
+        ran = "ran on gpu" if delegated else "ran on cpu"
+        assert res.returncode == 0 and ran in res.stdout + res.stderr, res.stdout + res.stderr
+        got = read_outputs(work)
+    else:
+        got = run_etmetal(etmetal.binary, pte, inputs, work)
     check(f"{name} at {n}, --backend {backend}, etmetal run", got, eager(name, inputs))
 
 

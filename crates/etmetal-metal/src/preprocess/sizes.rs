@@ -220,4 +220,89 @@ mod tests {
         let e = s.size(&SymExpr::sym("t")).unwrap_err();
         assert!(e.message().contains("`t`"), "{e}");
     }
+
+    /// A linear layer over a dynamic batch `s` in 1..=256, preprocessed.
+    fn dynamic_linear() -> crate::payload::Payload {
+        use etmetal_core::{DType, Op, Tensor};
+        use etmetal_graph::{InputKind, Node, OutputKind};
+        let mut g = Graph::default();
+        g.sym
+            .ranges
+            .insert("s".into(), SymRange { min: 1, max: 256 });
+        let x = g.add_value("x", DType::F32, vec![256, 64]);
+        let w = g.add_value("w", DType::F32, vec![96, 64]);
+        let y = g.add_value("y", DType::F32, vec![256, 96]);
+        g.constants
+            .insert(w, Tensor::zeros(DType::F32, &[96, 64]).unwrap());
+        g.sym
+            .dims
+            .insert(x, vec![SymExpr::sym("s"), SymExpr::Const(64)]);
+        g.sym
+            .dims
+            .insert(y, vec![SymExpr::sym("s"), SymExpr::Const(96)]);
+        g.inputs.push((x, InputKind::User));
+        g.outputs.push((y, OutputKind::User));
+        g.nodes.push(Node {
+            name: "fc".into(),
+            target: "test".into(),
+            op: Op::Linear,
+            inputs: vec![Some(x), Some(w)],
+            outputs: vec![y],
+        });
+        let part = crate::partitioner::Partition {
+            id: 0,
+            nodes: vec![0],
+            inputs: vec![x],
+            outputs: vec![y],
+            constants: vec![w],
+            mutated_buffers: vec![],
+        };
+        let options = crate::preprocess::PreprocessOptions::default();
+        crate::preprocess::preprocess(&g, &part, &options)
+            .unwrap()
+            .payload
+    }
+
+    #[test]
+    fn a_dynamic_linear_runs_the_tiles_of_its_actual_rows() {
+        let p = dynamic_linear();
+        assert_eq!(p.symbols.len(), 1);
+        let sym = &p.symbols[0];
+        assert_eq!(
+            (sym.name.as_str(), sym.input, sym.dim, sym.min, sym.max),
+            ("s", 0, 0, 1, 256)
+        );
+        assert_eq!(
+            p.buffers[p.outputs[0]].dims,
+            [Size::Sym(0), Size::Const(96)]
+        );
+        assert_eq!(p.actual_shape(p.outputs[0], &[5]).unwrap(), [5, 96]);
+        let sized: Vec<_> = p
+            .dispatches
+            .iter()
+            .filter_map(|d| Some((d, d.groups.as_ref()?)))
+            .collect();
+        assert!(
+            !sized.is_empty(),
+            "no dispatch of run-time size: {:?}",
+            p.dispatches
+        );
+        for (d, groups) in sized {
+            let bound: u32 = d.workgroups.iter().product();
+            let (one, all) = (groups.eval(&[1]).unwrap(), groups.eval(&[256]).unwrap());
+            assert_eq!(all, i64::from(bound), "at the bound, every workgroup");
+            assert!(
+                one >= 1 && one < all,
+                "1 row runs {one} of {all} workgroups"
+            );
+        }
+        assert_eq!(&p.encode()[4..8], &[1, 0, 3, 0]);
+        // a size outside the range names the input, the dim and the range
+        let e = p.symbol_values(&[Some(&[300, 64])]).unwrap_err();
+        assert!(
+            e.message()
+                .contains("input 0 (`x`) dim 0 is 300, outside the range 1..=256"),
+            "{e}"
+        );
+    }
 }
