@@ -488,3 +488,50 @@ def test_unsupported_symbolic_use_names_the_node(etmetal, root):
     res = etm(etmetal.binary, "compile", str(pt2), "-o", str(root / "x.pte"), "--backend", "cpu")
     assert res.returncode == 2, res.stderr
     assert "node `mul`" in res.stderr and "symbolic float" in res.stderr, res.stderr
+
+
+def test_llm_dynamic_prefill_runs_on_the_gpu(etmetal, root):
+    """transformers' recipe prefill of a tiny random Llama with a dynamic
+    token count (`scripts/export_llm.py --dynamic-prefill`): one GPU
+    partition (only the aranges and the ones of the length, made from no
+    input, stay on the CPU), whose
+    logits match eager and the `--backend cpu` program at 1, an odd and the
+    largest count."""
+    import copy
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import export_llm
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2,
+                         num_hidden_layers=2)
+    wrapper = export_llm.recipe(LlamaForCausalLM(config).eval(), 32)
+    pt2 = root / "llm_prefill.pt2"
+    torch.export.save(export_llm.export_step(wrapper, 16, dynamic=True), pt2)
+    ptes = {b: root / f"llm_prefill.{b}.pte" for b in ("metal", "cpu")}
+    for backend, pte in ptes.items():
+        res = etm(etmetal.binary, "compile", str(pt2), "-o", str(pte), "--backend", backend)
+        assert res.returncode == 0, res.stderr
+        if backend == "metal":
+            cpu_ops = set(re.findall(r"  cpu: `[^`]*` \(([a-z_0-9]+)\)", res.stdout))
+            assert "1 partition(s)" in res.stdout and cpu_ops == {"arange", "full"}, res.stdout
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 7, 16):
+        inputs = [torch.randint(0, 96, (1, n), generator=g), torch.arange(n)]
+        with torch.no_grad():
+            want = [copy.deepcopy(wrapper).model(input_ids=inputs[0], cache_position=inputs[1])]
+        work = root / f"llm-metal-{n}"
+        res = run_etmetal_raw(etmetal.binary, ptes["metal"], inputs, work)
+        assert res.returncode == 0 and "ran on gpu" in res.stdout, res.stdout + res.stderr
+        gpu = read_outputs(work)
+        assert gpu[0].shape == (1, n, 96), gpu[0].shape
+        scale = float(np.abs(to_npy(want[0])).max())
+        err = np.abs(gpu[0] - to_npy(want[0])).max()
+        assert err <= 1e-4 * scale, f"{n} tokens: GPU logits differ from eager by {err:.3g}"
+        cpu = run_etmetal(etmetal.binary, ptes["cpu"], inputs, root / f"llm-cpu-{n}")
+        err = np.abs(gpu[0] - cpu[0]).max()
+        assert err <= 1e-4 * scale, f"{n} tokens: GPU logits differ from the CPU program's by {err:.3g}"
