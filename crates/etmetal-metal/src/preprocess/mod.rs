@@ -240,6 +240,9 @@ pub(crate) struct Lowering<'g> {
     pub sizes: sizes::Sizes,
     /// The actual dims of buffers holding dynamic graph values.
     pub dims: sizes::BufferDims,
+    /// While a size bucket's variant is lowered: its 0/1 gate, by which
+    /// every dispatch's run-time count is multiplied.
+    pub gate: Option<SymExpr>,
 }
 
 /// A mean over the last dim of a few rows (an RMSNorm's mean of squares)
@@ -291,6 +294,7 @@ impl<'g> Lowering<'g> {
             pending: vec![],
             sizes: sizes::Sizes::of_inputs(graph, &partition.inputs)?,
             dims: HashMap::new(),
+            gate: None,
         };
         for &n in &partition.nodes {
             for v in graph.nodes[n].inputs.iter().flatten() {
@@ -636,6 +640,13 @@ impl<'g> Lowering<'g> {
         workgroup_storage: u32,
         groups: Option<payload::Size>,
     ) -> Result<()> {
+        let groups = match &self.gate {
+            Some(gate) => {
+                let bound = workgroups.iter().map(|&w| u64::from(w)).product();
+                self.sizes.gated(groups, bound, gate)?
+            }
+            None => groups,
+        };
         // a row mean this kernel reads is dispatched first
         while let Some(i) = self
             .pending

@@ -132,6 +132,16 @@ impl Sizes {
         Ok(Size::of(&e, &self.names))
     }
 
+    /// `groups` (none: the `bound` count) times the 0/1 `gate`: a
+    /// dispatch that runs only where the gate is 1 (a size bucket's).
+    pub fn gated(&self, groups: Option<Size>, bound: u64, gate: &SymExpr) -> Result<Option<Size>> {
+        let count = match groups {
+            Some(g) => g.to_sym(&self.names)?,
+            None => SymExpr::Const(bound as i64),
+        };
+        self.size(&(count * gate.clone())).map(Some)
+    }
+
     /// The u32 WGSL expression of `size` reading the sizes uniform `sz`.
     pub fn wgsl(size: &Size) -> String {
         format!("u32({})", Self::wgsl_i32(size))
@@ -159,6 +169,23 @@ impl Sizes {
         };
         format!("{f}({a}, {b})")
     }
+}
+
+/// 1 where `lo < e <= hi` (`lo` 0: no lower end; `hi` `None`: no upper
+/// end), else 0, for `e >= 0`: a size bucket's gate.
+pub(crate) fn bucket(e: &SymExpr, lo: usize, hi: Option<usize>) -> Result<SymExpr> {
+    let (zero, one) = (SymExpr::Const(0), SymExpr::Const(1));
+    // min(1, max(0, (e - 1) // t)): 0 for e <= t, else 1
+    let above = |t: usize| -> Result<SymExpr> {
+        let q = SymExpr::floor_div(e.clone() - one.clone(), SymExpr::Const(t as i64))?;
+        Ok(SymExpr::min(one.clone(), SymExpr::max(zero.clone(), q)))
+    };
+    let over_lo = if lo == 0 { one.clone() } else { above(lo)? };
+    let under_hi = match hi {
+        Some(h) => one.clone() - above(h)?,
+        None => one,
+    };
+    Ok(over_lo * under_hi)
 }
 
 /// The cells of a row-major box of bounds `dims.1` up to and including
@@ -277,25 +304,38 @@ mod tests {
             [Size::Sym(0), Size::Const(96)]
         );
         assert_eq!(p.actual_shape(p.outputs[0], &[5]).unwrap(), [5, 96]);
-        let sized: Vec<_> = p
+        // one GEMM variant a row bucket (up to 64 rows, up to 256), each
+        // running only in its bucket, over the tiles of the actual rows
+        let bound: Vec<i64> = p
             .dispatches
             .iter()
-            .filter_map(|d| Some((d, d.groups.as_ref()?)))
+            .map(|d| d.workgroups.iter().map(|&w| i64::from(w)).product())
             .collect();
-        assert!(
-            !sized.is_empty(),
-            "no dispatch of run-time size: {:?}",
-            p.dispatches
-        );
-        for (d, groups) in sized {
-            let bound: u32 = d.workgroups.iter().product();
-            let (one, all) = (groups.eval(&[1]).unwrap(), groups.eval(&[256]).unwrap());
-            assert_eq!(all, i64::from(bound), "at the bound, every workgroup");
-            assert!(
-                one >= 1 && one < all,
-                "1 row runs {one} of {all} workgroups"
-            );
+        let run = |rows: i64| -> Vec<i64> {
+            let counts = p
+                .dispatches
+                .iter()
+                .zip(&bound)
+                .map(|(d, &b)| match &d.groups {
+                    Some(g) => g.eval(&[rows]).unwrap(),
+                    None => b,
+                });
+            counts.collect()
+        };
+        let first = |counts: Vec<i64>| counts.iter().position(|&c| c > 0);
+        for rows in [1, 64, 65, 256] {
+            let running = run(rows).iter().filter(|&&c| c > 0).count();
+            assert_eq!(running, 1, "at {rows} rows: {:?}", run(rows));
         }
+        assert_eq!(first(run(1)), first(run(64)));
+        assert_eq!(first(run(65)), first(run(256)));
+        let big = first(run(256)).unwrap();
+        assert_ne!(first(run(1)), Some(big));
+        assert_eq!(run(256)[big], bound[big], "at the bound, every workgroup");
+        assert!(
+            run(65)[big] < bound[big],
+            "65 rows run fewer tiles than 256"
+        );
         assert_eq!(&p.encode()[4..8], &[1, 0, 3, 0]);
         // a size outside the range names the input, the dim and the range
         let e = p.symbol_values(&[Some(&[300, 64])]).unwrap_err();

@@ -37,7 +37,7 @@ use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::LazyRef;
 use crate::preprocess::pointwise::{cast, float_literal};
-use crate::preprocess::sizes::extent;
+use crate::preprocess::sizes::{bucket, extent};
 use crate::preprocess::Lowering;
 
 /// The largest head dim (of q/k and of v) the kernel takes.
@@ -121,11 +121,32 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             }),
     };
     if a.g.l <= DECODE_ROWS {
-        decode(lw, &a)
-    } else {
-        prefill(lw, &a)
+        return decode(lw, &a);
     }
+    let rows = match &a.dynamic {
+        Some([_, rows]) if rows.as_const().is_none() => rows.clone(),
+        _ => return prefill(lw, &a, a.g.l),
+    };
+    // query rows of run-time count: the keys split for each row bucket's
+    // largest count, the bucket's kernels gated to it
+    let mut lo = 0;
+    for hi in ROW_BUCKETS
+        .into_iter()
+        .filter(|&e| e < a.g.l)
+        .chain([a.g.l])
+    {
+        let top = (hi < a.g.l).then_some(hi);
+        lw.gate = Some(bucket(&rows, lo, top)?);
+        let lowered = prefill(lw, &a, hi);
+        lw.gate = None;
+        lowered?;
+        lo = hi;
+    }
+    Ok(())
 }
+
+/// Upper ends of the query-row buckets of a prefill of run-time length.
+const ROW_BUCKETS: [usize; 2] = [64, 256];
 
 /// q, k, v and the mask. The decode kernel reads q once a workgroup and
 /// k, v and the mask once a key, so for at most [`DECODE_ROWS`] query rows
@@ -419,7 +440,9 @@ impl Tiling {
 }
 
 /// The prefill kernel (see the module docs).
-fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
+/// The prefill kernel, its keys split for `rows` query rows (the rows
+/// of a bucket of a run-time length; else all of them).
+fn prefill(lw: &mut Lowering, a: &Attn, rows: usize) -> Result<()> {
     let Geometry { l, s, e, ev, .. } = a.g;
     let ninf = float_literal(f64::NEG_INFINITY);
     let br = BLOCK_ROWS;
@@ -439,7 +462,8 @@ fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
     // P is [key][row], rows padded so the score stores do not conflict
     let pstride = br + rt;
     let most = a.most_splits(lw)?;
-    let (nsplit, span) = key_split(a.nb * blocks * slices, s.div_ceil(bc), bc, most);
+    let busy = a.nb * rows.div_ceil(br) * slices;
+    let (nsplit, span) = key_split(busy, s.div_ceil(bc), bc, most);
     let total = a.nb * blocks * slices * nsplit;
     let split = a.split(lw, nsplit)?;
     let mut kb = a.builder(lw)?;
@@ -456,11 +480,23 @@ fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
     } else {
         format!("min({s}u, kbeg + {span}u)")
     };
+    // a run-time row count walks row blocks outermost, so that the valid
+    // ones come first whatever the batch·heads
+    let dynamic_rows = a
+        .dynamic
+        .as_ref()
+        .is_some_and(|[_, r]| r.as_const().is_none());
+    let block_of = match dynamic_rows {
+        true => format!(
+            "  let i0 = (g2 / {}u) * {br}u;\n  let b = g2 % {}u;\n",
+            a.nb, a.nb
+        ),
+        false => format!("  let i0 = (g2 % {blocks}u) * {br}u;\n  let b = g2 / {blocks}u;\n"),
+    };
     main.push_str(&format!(
         "  let g0 = {FLAT_GROUP};\n  if (g0 >= {total}u) {{ return; }}\n\
          \x20 let sl = g0 % {slices}u;\n  let g1 = g0 / {slices}u;\n\
-         \x20 let sp = g1 % {nsplit}u;\n  let g2 = g1 / {nsplit}u;\n\
-         \x20 let i0 = (g2 % {blocks}u) * {br}u;\n  let b = g2 / {blocks}u;\n{}\
+         \x20 let sp = g1 % {nsplit}u;\n  let g2 = g1 / {nsplit}u;\n{block_of}{}\
          \x20 let c0 = sl * {}u;\n  let kbeg = sp * {span}u;\n  let kend = {kend};\n\
          \x20 let tr = lid % {rt}u;\n  let tk = lid / {rt}u;\n\
          \x20 let pr = lid % {rp}u;\n  let pc = lid / {rp}u;\n\
@@ -630,12 +666,12 @@ fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
         Some([nb, rows]) => {
             let c = |n: usize| SymExpr::Const(n as i64);
             let row_blocks = SymExpr::floor_div(rows.clone() + c(br - 1), c(br))?;
-            let dims = [
-                (nb.clone(), a.nb),
-                (row_blocks, blocks),
-                (c(nsplit), nsplit),
-                (c(slices), slices),
-            ];
+            let (batch, rows) = ((nb.clone(), a.nb), (row_blocks, blocks));
+            let (outer, inner) = match rows.0.as_const() {
+                None => (rows, batch),
+                Some(_) => (batch, rows),
+            };
+            let dims = [outer, inner, (c(nsplit), nsplit), (c(slices), slices)];
             lw.sizes.groups(&dims, 1)?
         }
         None => None,

@@ -7,10 +7,10 @@ use etmetal_graph::Node;
 
 use super::gemm::GEMV_ROWS;
 use super::rows::{
-    as_f32, as_rows, col_loop, dispatch_rows_of, row_head, shared, tree_reduce, Combine,
-    ROW_WORKGROUP,
+    as_f32, as_rows, col_loop, col_loop_to, dispatch_rows_of, row_head, shared, tree_reduce,
+    Combine, ROW_WORKGROUP,
 };
-use crate::payload::Fault;
+use crate::payload::{Fault, Size};
 use crate::preprocess::emit::{entry, linear, unravel, KernelBuilder};
 use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, compute_type, float_literal};
@@ -55,12 +55,16 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
                 });
                 return Ok(());
             }
+            // over one dynamic dim, the columns stop at its run-time size
+            let run_cols = match reduced.as_slice() {
+                [d] => run_size(lw, node, *d)?,
+                _ => None,
+            };
             reduce_rows(
                 lw,
                 *op,
                 &rows_x,
-                rows,
-                cols,
+                (rows, cols, run_cols),
                 out,
                 (&node.name, node.op.name()),
             )
@@ -115,6 +119,18 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             "{} is not a reduction",
             other.name()
         ))),
+    }
+}
+
+/// The run-time size of dim `d` of `node`'s input 0 where it is dynamic.
+fn run_size(lw: &Lowering, node: &Node, d: usize) -> Result<Option<Size>> {
+    let Some(v) = node.inputs[0].filter(|&v| lw.graph.is_dynamic(v)) else {
+        return Ok(None);
+    };
+    let e = lw.sizes.local(&lw.graph.sym_dims(v))[d].clone();
+    match e.as_const() {
+        Some(_) => Ok(None),
+        None => lw.sizes.size(&e).map(Some),
     }
 }
 
@@ -284,8 +300,7 @@ fn reduce_rows(
     lw: &mut Lowering,
     op: ReduceOp,
     x: &LazyRef,
-    rows: usize,
-    cols: usize,
+    (rows, cols, run_cols): (usize, usize, Option<Size>),
     out: usize,
     (node, op_name): (&str, &str),
 ) -> Result<()> {
@@ -344,8 +359,12 @@ fn reduce_rows(
     main.push_str(&entry(ROW_WORKGROUP));
     main.push_str(&row_head(rows));
     main.push_str(&format!("  var acc: {acc_ty} = {init};\n"));
-    main.push_str(&col_loop(
-        cols,
+    let end = match &run_cols {
+        Some(n) => kb.size(n),
+        None => format!("{cols}u"),
+    };
+    main.push_str(&col_loop_to(
+        &end,
         &format!("    acc = {};\n", combine("acc", &read)),
     ));
     main.push_str(&tree_reduce("red", "acc", "total", &|a, b| combine(a, b)));
@@ -361,7 +380,14 @@ fn reduce_rows(
 /// Dispatch a deferred row mean.
 pub(crate) fn row_mean(lw: &mut Lowering, st: &RowStat) -> Result<()> {
     let site = (st.node.as_str(), st.label.as_str());
-    reduce_rows(lw, ReduceOp::Mean, &st.x, st.rows, st.cols, st.buf, site)
+    reduce_rows(
+        lw,
+        ReduceOp::Mean,
+        &st.x,
+        (st.rows, st.cols, None),
+        st.buf,
+        site,
+    )
 }
 
 /// A reduction over dims of size 1 (a decode step's one position: an

@@ -78,7 +78,12 @@ pub(crate) fn row_head(rows: usize) -> String {
 }
 
 pub(crate) fn col_loop(cols: usize, body: &str) -> String {
-    format!("  for (var c = lid; c < {cols}u; c = c + {ROW_WORKGROUP}u) {{\n{body}  }}\n")
+    col_loop_to(&format!("{cols}u"), body)
+}
+
+/// [`col_loop`] to the u32 WGSL expression `end` (a run-time size).
+pub(crate) fn col_loop_to(end: &str, body: &str) -> String {
+    format!("  for (var c = lid; c < {end}; c = c + {ROW_WORKGROUP}u) {{\n{body}  }}\n")
 }
 
 /// Dispatch a row kernel: one workgroup a row, `storage` bytes of
