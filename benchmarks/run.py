@@ -699,6 +699,98 @@ def gpu_model(name: str, dt: str, scratch: Path, shared: dict) -> dict:
             "err": rel_err(b["output_0"], want)}
 
 
+# Bounded dynamic shapes (issue 19): one program compiled for a range of
+# sizes against a static program compiled for the size it runs at. A
+# Llama-shaped prefill (LLAMA_1B's widths, DYN_LLAMA_LAYERS layers, bf16,
+# transformers' static-cache recipe with a cache of the bound) with a dynamic
+# sequence length up to 2048, run at 64, 512 and 2048 tokens; ResNet-18 (f32)
+# with a dynamic batch up to 8, run at 1 and 8.
+DYN_LLAMA_LAYERS = 4
+DYN_PREFILL_BOUND, DYN_PREFILL_SIZES = 2048, (64, 512, 2048)
+DYN_BATCH_BOUND, DYN_BATCH_SIZES = 8, (1, 8)
+
+
+def dyn_llama():
+    """The recipe wrapper of the Llama-shaped model and its export at
+    `n` tokens (`dynamic`: 1 to `n`), both as `scripts/export_llm.py` does."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from export_llm import export_step, recipe
+
+    torch.manual_seed(seed_of("dyn_llama_prefill"))
+    config = LlamaConfig(**{**LLAMA_1B, "num_hidden_layers": DYN_LLAMA_LAYERS})
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    wrapper = recipe(model, DYN_PREFILL_BOUND)
+    return lambda n, dynamic=False: export_step(wrapper, n, dynamic=dynamic)
+
+
+def dyn_resnet():
+    """ResNet-18 (f32) and its export at batch `n` (`dynamic`: 1 to `n`)."""
+    from models.cnn import ResNet
+
+    torch.manual_seed(seed_of("dyn_resnet18"))
+    m = ResNet().eval()
+
+    def export(n, dynamic=False):
+        x = torch.randn(max(n // 2, 2) if dynamic else n, 3, 224, 224)
+        shapes = ({0: torch.export.Dim("batch", min=1, max=n)},) if dynamic else None
+        return torch.export.export(m, (x,), dynamic_shapes=shapes)
+
+    return export
+
+
+def dyn_cases() -> dict:
+    """name -> (exporter maker, bound, sizes, inputs at a size)."""
+    g = lambda: torch.Generator().manual_seed(1)  # noqa: E731
+    tokens = lambda n: (torch.randint(0, LLAMA_1B["vocab_size"], (1, n), generator=g()),  # noqa: E731
+                        torch.arange(n))
+    images = lambda n: (torch.randn(n, 3, 224, 224, generator=g()),)  # noqa: E731
+    return {
+        "dyn_llama_prefill": (dyn_llama, DYN_PREFILL_BOUND, DYN_PREFILL_SIZES, tokens),
+        "dyn_resnet18": (dyn_resnet, DYN_BATCH_BOUND, DYN_BATCH_SIZES, images),
+    }
+
+
+def gpu_dynamic(name: str, scratch: Path) -> list[dict]:
+    """Rows of one dynamic case: at each size, etmetal's kernel and e2e
+    time of the dynamic program (compiled once, bound `bound`) and of a
+    static program compiled for that size, their ratios (dynamic / static;
+    the issue asks for at most 1.1), and how far the two outputs differ."""
+    make, bound, sizes, inputs = dyn_cases()[name]
+    export = make()
+
+    def compiled(tag: str, ep) -> tuple[Path, dict]:
+        pt2, pte = scratch / f"{name}.{tag}.pt2", scratch / f"{name}.{tag}.pte"
+        torch.export.save(ep, str(pt2))
+        info = compile_for_gpu(pt2, pte)
+        pt2.unlink()
+        return pte, info
+
+    dyn_pte, dyn_info = compiled("dynamic", export(bound, dynamic=True))
+    rows = []
+    for n in sizes:
+        xs = write_inputs(inputs(n), scratch / f"{name}-{n}")
+        static_pte, static_info = compiled(f"static{n}", export(n))
+        static, sb = etmetal_repeated(static_pte, xs)
+        dynamic, db = etmetal_repeated(dyn_pte, xs)
+        static_pte.unlink()
+        ratio = lambda k: (dynamic[k] / static[k]) if dynamic.get(k) and static.get(k) else None  # noqa: E731
+        rows.append({
+            "model": name, "size": n, "bound": bound,
+            **{f"static_{k}": v for k, v in static.items()}, **{f"dynamic_{k}": v for k, v in dynamic.items()},
+            "kernel_ratio": ratio("etmetal_kernel_ms"), "e2e_ratio": ratio("etmetal_e2e_ms"),
+            "static_compile": static_info, "dynamic_compile": dyn_info,
+            "static_dispatches": len((sb.get("gpu") or {}).get("dispatches", [])),
+            "dynamic_dispatches": len((db.get("gpu") or {}).get("dispatches", [])),
+            "dynamic_vs_static_err": rel_err(db["output_0"], torch.from_numpy(sb["output_0"])),
+            "adapter": db["device"],
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    dyn_pte.unlink()
+    return rows
+
+
 def gpu(args):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -725,12 +817,21 @@ def gpu(args):
                 except Exception as e:
                     models.append({"model": name, "dtype": dt, "error": str(e)[-400:]})
                 print(json.dumps(models[-1]), flush=True)
+        dynamic = []  # (measured again on --resume: a case's rows share its name)
+        for name in dyn_cases():
+            if not wanted(name):
+                continue
+            try:
+                dynamic.extend(gpu_dynamic(name, Path(d)))
+            except Exception as e:
+                dynamic.append({"model": name, "bound": None, "error": str(e)[-400:]})
+                print(json.dumps(dynamic[-1]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = Path(args.out) if args.out else RESULTS / "gpu.json"
     run = {"run": time.strftime("%Y-%m-%d", time.gmtime()), "torch_timing": "profiler", "repeat": REPEAT}
     out.write_text(json.dumps({"machine": gpu_info(), "runs": RUNS, "warmup": WARMUP, **run,
-                               "ops": [{**run, **o} for o in ops], "models": [{**run, **m} for m in models]},
-                              indent=1) + "\n")
+                               "ops": [{**run, **o} for o in ops], "models": [{**run, **m} for m in models],
+                               "dynamic": [{**run, **r} for r in dynamic]}, indent=1) + "\n")
     print(f"wrote {out}")
 
 

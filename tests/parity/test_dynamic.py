@@ -14,8 +14,9 @@ dynamic sequence length, a decoder's prefill over a dynamic token count
 dynamic image size, and some of the
 seed backend's test modules (executorch/backends/apple/metal/tests/
 test_modules.py, written out here: importing it needs macOS libraries)
-with a dynamic dim. Also: `--backend metal` keeps the dynamic nodes on the
-CPU (reason "dynamic shape") and delegates the static ones, SymInts used as
+with a dynamic dim. With `--backend metal` the dynamic nodes run on the GPU at
+the run-time size (each case lists the ops that stay on the CPU, reason
+"dynamic shape: <op> ... `<dim>`"), on a GPU adapter. Also: SymInts used as
 tensor values and a KV-cache write of a dynamic number of rows follow the
 size, and what the importer cannot handle symbolically is an error naming
 the node.
@@ -24,6 +25,7 @@ the node.
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,6 +171,11 @@ class Case:
     odd: int
     # the size the example inputs of the export have
     example: int | None = None
+    # the ops `--backend metal` keeps on the CPU (all else runs on the GPU at
+    # the run-time size): convolution and pooling over dynamic spatial dims,
+    # attention over a dynamic number of non-causal keys, top-k, and the
+    # arange a decoder makes of its length (no dynamic input to size it)
+    metal_cpu: tuple[str, ...] = ()
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -182,13 +189,15 @@ def batch0(n_inputs: int = 1):
 CASES = [
     Case("mlp_batch", Mlp, lambda n: [(n, 16)], batch0(), 1, 32, 7),
     Case("block_seq", Block, lambda n: [(2, n, 32)], lambda d: ({1: d},), 1, 48, 13),
-    Case("decoder_tokens", Decoder, lambda n: [(1, n)], lambda d: ({1: d},), 3, 64, 11),
+    Case("decoder_tokens", Decoder, lambda n: [(1, n)], lambda d: ({1: d},), 3, 64, 11, metal_cpu=("arange",)),
     Case("convnet_batch", ConvNet, lambda n: [(n, 3, 16, 16)], batch0(), 1, 4, 3),
-    Case("convnet_image", ConvNet, lambda n: [(2, 3, n, n)], lambda d: ({2: d, 3: d},), 10, 32, 13, example=20),
+    Case("convnet_image", ConvNet, lambda n: [(2, 3, n, n)], lambda d: ({2: d, 3: d},), 10, 32, 13, example=20,
+         metal_cpu=("adaptive_avg_pool", "batch_norm", "convolution", "max_pool")),
     Case("seed_add", Add, lambda n: [(n,), (n,)], batch0(2), 1, 64, 37),
     Case("seed_linear_bias", LinearWithBias, lambda n: [(n, 7)], batch0(), 1, 256, 127),
     Case("seed_split_cat", SplitCat, lambda n: [(1, 6, n)], lambda d: ({2: d},), 1, 16, 5),
-    Case("seed_conv1d_length", Conv1dNoBias, lambda n: [(1, 8, n)], lambda d: ({2: d},), 2, 64, 5),
+    Case("seed_conv1d_length", Conv1dNoBias, lambda n: [(1, 8, n)], lambda d: ({2: d},), 2, 64, 5,
+         metal_cpu=("convolution",)),
     Case(
         "seed_sdpa_seq",
         SDPA,
@@ -197,9 +206,10 @@ CASES = [
         1,
         32,
         13,
+        metal_cpu=("sdpa",),
     ),
     Case("seed_narrow_last_dim", NarrowLastDim, lambda n: [(2, 4, 2 * n)], lambda d: ({2: 2 * d},), 1, 16, 5),
-    Case("seed_topk_batch", TopK, lambda n: [(n, 64)], batch0(), 1, 16, 5),
+    Case("seed_topk_batch", TopK, lambda n: [(n, 64)], batch0(), 1, 16, 5, metal_cpu=("top_k",)),
 ]
 CASES_BY_NAME = {c.name: c for c in CASES}
 
@@ -263,16 +273,26 @@ def check(where: str, got: list[np.ndarray], want: list[torch.Tensor]):
     assert not problems, f"{where}\n" + "\n".join(problems)
 
 
-def run_etmetal(binary: Path, pte: Path, inputs: list[torch.Tensor], work: Path) -> list[np.ndarray]:
+def run_etmetal_raw(binary: Path, pte: Path, inputs: list[torch.Tensor], work: Path) -> subprocess.CompletedProcess:
+    """`etmetal run` of `inputs`, writing outputs to `work/out`."""
     work.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, t in enumerate(inputs):
         paths.append(str(work / f"input_{i}.npy"))
         np.save(paths[-1], to_npy(t))
-    out = work / "out"
-    res = etm(binary, "run", str(pte), "--inputs", ",".join(paths), "--output-dir", str(out), "--device", "auto")
+    return etm(binary, "run", str(pte), "--inputs", ",".join(paths), "--output-dir", str(work / "out"),
+               "--device", "auto")
+
+
+def run_etmetal(binary: Path, pte: Path, inputs: list[torch.Tensor], work: Path) -> list[np.ndarray]:
+    res = run_etmetal_raw(binary, pte, inputs, work)
     assert res.returncode == 0, f"etmetal run {pte.name} failed (exit {res.returncode}):\n{res.stderr}"
-    outputs = []
+    return read_outputs(work)
+
+
+def read_outputs(work: Path) -> list[np.ndarray]:
+    """The outputs a `run_etmetal_raw` of `work` wrote."""
+    out, outputs = work / "out", []
     while (out / f"output_{len(outputs)}.npy").exists():
         outputs.append(np.load(out / f"output_{len(outputs)}.npy"))
     return outputs
@@ -299,9 +319,22 @@ def test_cpu_pte_runs_in_executorch_at_each_size(name, n, etmetal, root):
 @pytest.mark.parametrize("backend", ["cpu", "metal"])
 @pytest.mark.parametrize("name,n", PARAMS)
 def test_etmetal_runs_each_size(name, n, backend, etmetal, root):
-    pte, _ = compiled(etmetal.binary, name, backend, root)
-    inputs = inputs_at(CASES_BY_NAME[name], n)
-    got = run_etmetal(etmetal.binary, pte, inputs, root / f"{name}-{backend}-{n}")
+    pte, summary = compiled(etmetal.binary, name, backend, root)
+    case = CASES_BY_NAME[name]
+    inputs = inputs_at(case, n)
+    work = root / f"{name}-{backend}-{n}"
+    if backend == "metal":
+        # the dynamic nodes run on the GPU, at this size: only the listed ops stay on the CPU
+        cpu_ops = set(re.findall(r"  cpu: `[^`]*` \(([a-z_0-9]+)\)", summary))
+        assert cpu_ops == set(case.metal_cpu), summary
+        res = run_etmetal_raw(etmetal.binary, pte, inputs, work)
+        # on a GPU adapter, unless no node is left for it (a lone CPU op)
+        delegated = re.search(r"EtMetalBackend: [1-9]\d* partition", summary) is not None
+        ran = "ran on gpu" if delegated else "ran on cpu"
+        assert res.returncode == 0 and ran in res.stdout + res.stderr, res.stdout + res.stderr
+        got = read_outputs(work)
+    else:
+        got = run_etmetal(etmetal.binary, pte, inputs, work)
     check(f"{name} at {n}, --backend {backend}, etmetal run", got, eager(name, inputs))
 
 
@@ -319,17 +352,19 @@ def test_executorch_made_pte_runs_in_etmetal(name, etmetal, root):
 
 
 class StaticAndDynamic(nn.Module):
-    """A static branch (GPU) beside a dynamic one (CPU)."""
+    """A linear over a dynamic batch and a static one (GPU, one delegate)
+    and a mean over the dynamic batch (CPU: its divisor is the run-time size)."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x, y):
-        return self.fc(x).relu(), torch.tanh(self.fc(y))
+        h = self.fc(x).relu()
+        return h, torch.tanh(self.fc(y)), h.mean(0)
 
 
-def test_metal_keeps_dynamic_nodes_on_the_cpu_and_delegates_the_rest(etmetal, root):
+def test_metal_delegates_dynamic_nodes_and_keeps_dynamic_reductions_on_the_cpu(etmetal, root):
     m = StaticAndDynamic().eval()
     ex = (torch.randn(4, 8), torch.randn(3, 8))
     ep = torch.export.export(m, ex, dynamic_shapes=({0: Dim("rows", min=1, max=16)}, None))
@@ -337,8 +372,10 @@ def test_metal_keeps_dynamic_nodes_on_the_cpu_and_delegates_the_rest(etmetal, ro
     torch.export.save(ep, pt2)
     res = etm(etmetal.binary, "compile", str(pt2), "-o", str(pte), "--backend", "metal")
     assert res.returncode == 0, res.stderr
-    cpu_lines = [ln for ln in (res.stdout + res.stderr).splitlines() if "cpu:" in ln]
-    assert cpu_lines and all("dynamic shape" in ln for ln in cpu_lines), res.stdout + res.stderr
+    out = res.stdout + res.stderr
+    cpu_lines = [ln for ln in out.splitlines() if "cpu:" in ln]
+    # the one CPU node: the mean over the dynamic batch, named with its dim
+    assert len(cpu_lines) == 1 and "reduce_mean reduces over dynamic dim `s" in cpu_lines[0], out
     inspect = etm(etmetal.binary, "inspect", str(pte))
     assert inspect.returncode == 0, inspect.stderr
     assert "1 delegate call(s)" in inspect.stdout, inspect.stdout
@@ -347,6 +384,9 @@ def test_metal_keeps_dynamic_nodes_on_the_cpu_and_delegates_the_rest(etmetal, ro
         got = run_etmetal(etmetal.binary, pte, inputs, root / f"mixed-{n}")
         with torch.no_grad():
             check(f"mixed at {n}", got, list(m(*inputs)))
+    # outside the range: an error naming the method, the input and the dim
+    bad = run_etmetal_raw(etmetal.binary, pte, [torch.randn(17, 8), torch.randn(3, 8)], root / "mixed-17")
+    assert bad.returncode == 2 and "forward" in bad.stderr and "input 0" in bad.stderr, bad.stderr
 
 
 class SizeArithmetic(nn.Module):
@@ -448,3 +488,50 @@ def test_unsupported_symbolic_use_names_the_node(etmetal, root):
     res = etm(etmetal.binary, "compile", str(pt2), "-o", str(root / "x.pte"), "--backend", "cpu")
     assert res.returncode == 2, res.stderr
     assert "node `mul`" in res.stderr and "symbolic float" in res.stderr, res.stderr
+
+
+def test_llm_dynamic_prefill_runs_on_the_gpu(etmetal, root):
+    """transformers' recipe prefill of a tiny random Llama with a dynamic
+    token count (`scripts/export_llm.py --dynamic-prefill`): one GPU
+    partition (only the aranges and the ones of the length, made from no
+    input, stay on the CPU), whose
+    logits match eager and the `--backend cpu` program at 1, an odd and the
+    largest count."""
+    import copy
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import export_llm
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2,
+                         num_hidden_layers=2)
+    wrapper = export_llm.recipe(LlamaForCausalLM(config).eval(), 32)
+    pt2 = root / "llm_prefill.pt2"
+    torch.export.save(export_llm.export_step(wrapper, 16, dynamic=True), pt2)
+    ptes = {b: root / f"llm_prefill.{b}.pte" for b in ("metal", "cpu")}
+    for backend, pte in ptes.items():
+        res = etm(etmetal.binary, "compile", str(pt2), "-o", str(pte), "--backend", backend)
+        assert res.returncode == 0, res.stderr
+        if backend == "metal":
+            cpu_ops = set(re.findall(r"  cpu: `[^`]*` \(([a-z_0-9]+)\)", res.stdout))
+            assert "1 partition(s)" in res.stdout and cpu_ops == {"arange", "full"}, res.stdout
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 7, 16):
+        inputs = [torch.randint(0, 96, (1, n), generator=g), torch.arange(n)]
+        with torch.no_grad():
+            want = [copy.deepcopy(wrapper).model(input_ids=inputs[0], cache_position=inputs[1])]
+        work = root / f"llm-metal-{n}"
+        res = run_etmetal_raw(etmetal.binary, ptes["metal"], inputs, work)
+        assert res.returncode == 0 and "ran on gpu" in res.stdout, res.stdout + res.stderr
+        gpu = read_outputs(work)
+        assert gpu[0].shape == (1, n, 96), gpu[0].shape
+        scale = float(np.abs(to_npy(want[0])).max())
+        err = np.abs(gpu[0] - to_npy(want[0])).max()
+        assert err <= 1e-4 * scale, f"{n} tokens: GPU logits differ from eager by {err:.3g}"
+        cpu = run_etmetal(etmetal.binary, ptes["cpu"], inputs, root / f"llm-cpu-{n}")
+        err = np.abs(gpu[0] - cpu[0]).max()
+        assert err <= 1e-4 * scale, f"{n} tokens: GPU logits differ from the CPU program's by {err:.3g}"

@@ -23,7 +23,7 @@ use etmetal_metal::payload::{self, Access, Dispatch, Fault, Location, Needs, Pay
 use etmetal_runtime::{DelegateArg, DelegateHandle, NamedData};
 
 use crate::device::{CoopOffer, GpuDevice};
-use crate::transfer;
+use crate::{bound, transfer};
 
 /// What a backend has created on the GPU so far (all its delegates).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -312,6 +312,8 @@ fn upload_weight(
 }
 
 struct Output {
+    /// Its payload buffer.
+    id: usize,
     region: Region,
     /// Offset into the staging buffer.
     staging_offset: u64,
@@ -349,7 +351,48 @@ pub(crate) struct GpuDelegate {
     profiler: Option<Profiler>,
     /// Set when an execute timed out with the read-back still pending.
     stuck: bool,
+    /// The sizes uniform of a dynamic payload (symbol values, written per
+    /// execute) when a kernel reads it.
+    sizes: Option<wgpu::Buffer>,
 }
+
+/// Write `view` (at its actual shape) into `dst` in the layout of `bound`.
+fn upload_bound(
+    view: &View,
+    bound: &[usize],
+    mut dst: wgpu::WriteOnly<'_, [u8]>,
+    what: &str,
+) -> Result<()> {
+    let runs = bound::runs(view.shape, bound);
+    if runs.len() <= 1 && runs.first().is_none_or(|r| r.1 == 0) {
+        return transfer::upload(view, dst, what);
+    }
+    let g = bound::element_bytes(view.dtype)?;
+    let mut packed = vec![0u8; payload::gpu_bytes(view.dtype, view.numel())? as usize];
+    transfer::upload(view, wgpu::WriteOnly::from(&mut packed[..]), what)?;
+    for (from, to, len) in runs {
+        dst.slice(to * g..(to + len) * g)
+            .copy_from_slice(&packed[from * g..(from + len) * g]);
+    }
+    Ok(())
+}
+
+/// Read `out` (at its actual shape) out of `src`, laid out as `bound`.
+fn download_bound(src: &[u8], bound: &[usize], out: &mut ViewMut) -> Result<()> {
+    let runs = bound::runs(out.shape, bound);
+    if runs.len() <= 1 && runs.first().is_none_or(|r| r.1 == 0) {
+        return transfer::download(src, out);
+    }
+    let g = bound::element_bytes(out.dtype)?;
+    let mut packed = vec![0u8; payload::gpu_bytes(out.dtype, out.numel())? as usize];
+    for (from, to, len) in runs {
+        packed[from * g..(from + len) * g].copy_from_slice(&src[to * g..(to + len) * g]);
+    }
+    transfer::download(&packed, out)
+}
+
+/// Bytes of the sizes uniform (`array<vec4<u32>, 4>`, 16 symbols).
+const SIZES_BYTES: u64 = 64;
 
 impl GpuDelegate {
     pub(crate) fn load(
@@ -550,7 +593,7 @@ impl GpuDelegate {
                     format!("building kernel `{}`{hint}", k.name)
                 },
                 || {
-                    let entries: Vec<wgpu::BindGroupLayoutEntry> = k
+                    let mut entries: Vec<wgpu::BindGroupLayoutEntry> = k
                         .bindings
                         .iter()
                         .enumerate()
@@ -567,6 +610,18 @@ impl GpuDelegate {
                             count: None,
                         })
                         .collect();
+                    if k.sizes {
+                        entries.push(wgpu::BindGroupLayoutEntry {
+                            binding: k.bindings.len() as u32,
+                            visibility: wgpu::ShaderStages::COMPUTE,
+                            ty: wgpu::BindingType::Buffer {
+                                ty: wgpu::BufferBindingType::Uniform,
+                                has_dynamic_offset: false,
+                                min_binding_size: NonZeroU64::new(SIZES_BYTES),
+                            },
+                            count: None,
+                        });
+                    }
                     let layout =
                         device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
                             label: Some(&k.name),
@@ -599,6 +654,25 @@ impl GpuDelegate {
             pipelines.push(Some(pipeline));
         }
 
+        let sizes = payload
+            .kernels
+            .iter()
+            .any(|k| k.sizes)
+            .then(|| {
+                scoped(
+                    &gpu,
+                    || "allocating the sizes uniform".to_string(),
+                    || {
+                        device.create_buffer(&wgpu::BufferDescriptor {
+                            label: Some("sizes"),
+                            size: SIZES_BYTES,
+                            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                            mapped_at_creation: false,
+                        })
+                    },
+                )
+            })
+            .transpose()?;
         let mut bind_groups = Vec::with_capacity(launches.len());
         for (d, dispatch) in launches.iter().map(|s| &s.dispatch).enumerate() {
             let kernel = &payload.kernels[dispatch.kernel];
@@ -617,7 +691,7 @@ impl GpuDelegate {
                 &gpu,
                 || format!("binding the buffers of {label}"),
                 || {
-                    let entries: Vec<wgpu::BindGroupEntry> = dispatch
+                    let mut entries: Vec<wgpu::BindGroupEntry> = dispatch
                         .buffers
                         .iter()
                         .enumerate()
@@ -633,6 +707,12 @@ impl GpuDelegate {
                             }
                         })
                         .collect();
+                    if let (true, Some(u)) = (kernel.sizes, &sizes) {
+                        entries.push(wgpu::BindGroupEntry {
+                            binding: dispatch.buffers.len() as u32,
+                            resource: u.as_entire_binding(),
+                        });
+                    }
                     device.create_bind_group(&wgpu::BindGroupDescriptor {
                         label: Some(&label),
                         layout: layouts[dispatch.kernel]
@@ -692,6 +772,7 @@ impl GpuDelegate {
             .map(|&id| {
                 let region = regions[id];
                 let out = Output {
+                    id,
                     region,
                     staging_offset: staging_size,
                 };
@@ -740,13 +821,36 @@ impl GpuDelegate {
             upload_mapped: true,
             profiler: None,
             stuck: false,
+            sizes,
         })
     }
 
+    /// The symbol values of this execute (none for a static payload), from
+    /// the input tensors' shapes, each checked against its range.
+    fn symbol_values(&self, args: &[DelegateArg]) -> Result<Vec<i64>> {
+        if self.payload.symbols.is_empty() {
+            return Ok(vec![]);
+        }
+        let shapes: Vec<Option<&[usize]>> = args
+            .iter()
+            .take(self.payload.inputs.len())
+            .map(|a| match a {
+                DelegateArg::Tensor(t) => Some(t.shape),
+                _ => None,
+            })
+            .collect();
+        self.payload.symbol_values(&shapes)
+    }
+
     /// Check the call's arguments against the payload (every one a tensor
-    /// of the dtype and shape of its buffer, or `Resident` for state) and
-    /// return the inputs to write (`None` for resident state kept current).
-    fn gpu_inputs<'a, 'b>(&self, args: &'a [DelegateArg<'b>]) -> Result<Vec<Option<&'a View<'b>>>> {
+    /// of the dtype and shape of its buffer at the symbol values `values`,
+    /// or `Resident` for state) and return the inputs to write (`None` for
+    /// resident state kept current).
+    fn gpu_inputs<'a, 'b>(
+        &self,
+        args: &'a [DelegateArg<'b>],
+        values: &[i64],
+    ) -> Result<Vec<Option<&'a View<'b>>>> {
         let (ni, no) = (self.payload.inputs.len(), self.payload.outputs.len());
         if args.len() != ni + no {
             return Err(Error::invalid_input(format!(
@@ -781,12 +885,13 @@ impl GpuDelegate {
                     )));
                 }
             };
-            if dtype != b.dtype || shape != b.shape.as_slice() {
+            let want = self.payload.actual_shape(id, values)?;
+            if dtype != b.dtype || shape != want.as_slice() {
                 return Err(Error::invalid_input(format!(
                     "delegate {what} {index} (`{}`): expected {} {:?}, got {} {:?}",
                     b.name,
                     b.dtype.name(),
-                    b.shape,
+                    want,
                     dtype.name(),
                     shape
                 )));
@@ -823,10 +928,11 @@ impl GpuDelegate {
             let Some(view) = input else { continue };
             let r = self.regions[id];
             let what = format!("delegate input {k} (`{}`)", self.payload.buffers[id].name);
+            let bound = self.payload.buffers[id].shape.clone();
             match (self.upload_at[k], mapped.as_mut()) {
                 (Some(at), Some(m)) => {
                     let (at, size) = (at as usize, r.size as usize);
-                    transfer::upload(view, m.slice(at..at + size), &what)?;
+                    upload_bound(view, &bound, m.slice(at..at + size), &what)?;
                 }
                 _ => {
                     let size = wgpu::BufferSize::new(r.size)
@@ -840,7 +946,7 @@ impl GpuDelegate {
                         },
                     )?
                     .ok_or_else(|| Error::internal(format!("{what}: the GPU refused the write")))?;
-                    transfer::upload(view, staged.slice(..), &what)?;
+                    upload_bound(view, &bound, staged.slice(..), &what)?;
                 }
             }
             self.counters.uploaded.fetch_add(r.size, Ordering::Relaxed);
@@ -859,8 +965,41 @@ impl GpuDelegate {
                 "a previous execute of this delegate timed out on the GPU; load the program again",
             ));
         }
-        let inputs = self.gpu_inputs(args)?;
+        let values = self.symbol_values(args)?;
+        let inputs = self.gpu_inputs(args, &values)?;
         self.write_inputs(&inputs)?;
+        if let Some(u) = &self.sizes {
+            let mut words = [0u32; SIZES_BYTES as usize / 4];
+            for (w, &v) in words.iter_mut().zip(&values) {
+                *w = v as u32;
+            }
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            self.gpu.queue.write_buffer(u, 0, &bytes);
+        }
+        // each launch's workgroup counts at this execute's sizes
+        let counts = self
+            .launches
+            .iter()
+            .map(|l| match &l.dispatch.groups {
+                None => Ok(l.dispatch.workgroups),
+                Some(g) => {
+                    let [x, y, z] = l.dispatch.workgroups;
+                    let n = u64::try_from(g.eval(&values)?).unwrap_or(0);
+                    if n > u64::from(x) * u64::from(y) * u64::from(z) {
+                        return Err(Error::internal(format!(
+                            "dispatch of kernel `{}`: {n} workgroups at these sizes, more than \
+                             its {x}x{y}x{z} at the bound",
+                            self.payload.kernels[l.dispatch.kernel].name
+                        )));
+                    }
+                    let max = self.gpu.limits.max_compute_workgroups_per_dimension;
+                    Ok(match n {
+                        0 => [0, 0, 0],
+                        n => payload::grid(n, max)?,
+                    })
+                }
+            })
+            .collect::<Result<Vec<[u32; 3]>>>()?;
         // what the command buffer copies from the input buffer into the arena
         let copies: Vec<(u64, Region)> = inputs
             .iter()
@@ -916,7 +1055,10 @@ impl GpuDelegate {
                 }
                 let record = |pass: &mut wgpu::ComputePass, d: usize| {
                     let dispatch = &self.launches[d].dispatch;
-                    let [x, y, z] = dispatch.workgroups;
+                    let [x, y, z] = counts[d];
+                    if x == 0 {
+                        return;
+                    }
                     let pipeline = self.pipelines[dispatch.kernel]
                         .as_ref()
                         .expect("a pipeline for every kernel a launch runs");
@@ -1014,8 +1156,9 @@ impl GpuDelegate {
                     .try_for_each(|(o, arg)| {
                         let start = o.staging_offset as usize;
                         let bytes = &view[start..start + o.region.size as usize];
+                        let bound = &self.payload.buffers[o.id].shape;
                         match arg {
-                            DelegateArg::Output(out) => transfer::download(bytes, out),
+                            DelegateArg::Output(out) => download_bound(bytes, bound, out),
                             _ => Err(Error::internal("delegate output argument changed")),
                         }
                     })
@@ -1176,6 +1319,19 @@ impl DelegateHandle for GpuDelegate {
         self.payload.outputs.len()
     }
 
+    fn output_shapes(&self, inputs: &[Option<&[usize]>]) -> Option<Result<Vec<Vec<usize>>>> {
+        if self.payload.symbols.is_empty() {
+            return None;
+        }
+        Some(self.payload.symbol_values(inputs).and_then(|values| {
+            self.payload
+                .outputs
+                .iter()
+                .map(|&id| self.payload.actual_shape(id, &values))
+                .collect()
+        }))
+    }
+
     fn resident_args(&self) -> Vec<usize> {
         let mut v: Vec<usize> = self.state.keys().copied().collect();
         v.sort_unstable();
@@ -1203,6 +1359,7 @@ mod tests {
             nodes: vec![],
             buffers: (0..buffers).collect(),
             workgroups: [1, 1, 1],
+            groups: None,
             alternatives: vec![],
         }
     }
@@ -1297,6 +1454,7 @@ mod tests {
             requirements: Requirements::default(),
             state: vec![],
             checks: vec![],
+            symbols: vec![],
         };
         let kernels = |launches: &[Launch]| -> Vec<usize> {
             launches.iter().map(|s| s.dispatch.kernel).collect()

@@ -21,6 +21,7 @@
 //! # }
 //! ```
 
+mod bound;
 mod delegate;
 mod device;
 mod transfer;

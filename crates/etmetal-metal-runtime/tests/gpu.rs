@@ -8,7 +8,7 @@ use std::sync::Arc;
 use etmetal_core::{DType, Error, ErrorKind, Tensor, View, ViewMut};
 use etmetal_metal::payload::{
     to_gpu, Access, Alternative, Buffer, Dispatch, Kernel, Location, Needs, Payload, Requirements,
-    VERSION_MAJOR, VERSION_MINOR,
+    VERSION_MAJOR,
 };
 use etmetal_metal_runtime::{describe, select_adapter, DeviceChoice, GpuStats, MetalBackend};
 use etmetal_pte::{
@@ -36,6 +36,7 @@ fn arena(name: &str, dtype: DType, shape: &[usize], arena: usize, offset: u64) -
         dtype,
         shape: shape.to_vec(),
         location: Location::Arena { arena, offset },
+        dims: vec![],
     }
 }
 
@@ -45,6 +46,7 @@ fn weight(name: &str, dtype: DType, shape: &[usize], key: &str) -> Buffer {
         dtype,
         shape: shape.to_vec(),
         location: Location::Weight { key: key.into() },
+        dims: vec![],
     }
 }
 
@@ -57,6 +59,7 @@ fn kernel(name: &str, wgsl: String, bindings: &[Access]) -> Kernel {
         entry_point: "main".into(),
         bindings: bindings.to_vec(),
         workgroup_size: [64, 1, 1],
+        sizes: false,
     }
 }
 
@@ -66,6 +69,7 @@ fn dispatch(kernel: usize, buffers: &[usize], workgroups: u32) -> Dispatch {
         nodes: vec![format!("node{kernel}")],
         buffers: buffers.to_vec(),
         workgroups: [workgroups, 1, 1],
+        groups: None,
         alternatives: vec![],
     }
 }
@@ -111,6 +115,7 @@ fn unary(
         requirements: Requirements::default(),
         state: vec![],
         checks: vec![],
+        symbols: vec![],
     }
 }
 
@@ -150,6 +155,7 @@ fn affine() -> (Payload, Named) {
         requirements: Requirements::default(),
         state: vec![],
         checks: vec![],
+        symbols: vec![],
     };
     let f32s = |v: &[f32]| {
         to_gpu(&Tensor::from_f32(DType::F32, &[v.len()], v).unwrap(), "w")
@@ -277,6 +283,7 @@ fn chain_payload(shape: [usize; 2]) -> Payload {
         requirements: Requirements::default(),
         state: vec![],
         checks: vec![],
+        symbols: vec![],
     }
 }
 
@@ -591,7 +598,7 @@ fn load_errors_name_their_cause() {
     let e = b.init(&bytes, &[], &named).err().unwrap();
     assert!(
         e.to_string()
-            .contains(&format!("version {}.{VERSION_MINOR}", VERSION_MAJOR + 1)),
+            .contains(&format!("version {}.2", VERSION_MAJOR + 1)),
         "{e}"
     );
 

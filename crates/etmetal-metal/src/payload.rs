@@ -21,8 +21,18 @@
 //!   copied into the input's range at the end of the command buffer instead
 //!   of being read back.
 //! - A kernel binds its buffers at `@group(0) @binding(i)`, i in the order
-//!   of [`Dispatch::buffers`]; shapes are baked into the WGSL, so there are
-//!   no uniforms.
+//!   of [`Dispatch::buffers`]; static shapes are baked into the WGSL.
+//! - Bounded dynamic shapes (payload 1.3): the payload's [`Symbol`]s are
+//!   read from delegate input dims at each execute (checked against their
+//!   ranges). Every buffer is allocated and laid out at its upper bound
+//!   (row-major strides of [`Buffer::shape`]), so index arithmetic stays
+//!   static; a delegate input is written into that layout and an output
+//!   read out of it at its actual shape ([`Buffer::dims`]). A dispatch's
+//!   [`Dispatch::groups`] is its workgroup count at the actual sizes (the
+//!   valid part of its grid; counts stop mattering for correctness, only
+//!   for time), and a kernel with [`Kernel::sizes`] reads the symbols'
+//!   values from one uniform buffer (`array<vec4<u32>, N>`, symbol `i` at
+//!   `[i / 4][i % 4]`) bound after its storage buffers.
 //! - On the GPU a tensor is stored as [`GpuRepr`] says: int64 narrowed to
 //!   i32 (checked when written), bool/u8/i8 widened to one u32 an element,
 //!   f16/bf16 packed two a u32 (the host bytes, padded to 4).
@@ -41,6 +51,7 @@
 
 use std::borrow::Cow;
 
+use etmetal_core::sym::SymExpr;
 use etmetal_core::{DType, Error, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -48,8 +59,25 @@ pub const MAGIC: &[u8; 4] = b"EMTL";
 /// Bumped when a reader of the previous major version would misread.
 pub const VERSION_MAJOR: u16 = 1;
 /// 1.1: [`Payload::state`] and [`Payload::checks`]; 1.2:
-/// [`Dispatch::alternatives`].
-pub const VERSION_MINOR: u16 = 2;
+/// [`Dispatch::alternatives`]; 1.3: [`Payload::symbols`] and the run-time
+/// sizes that use them. A payload with no symbol is written as 1.2, so
+/// static programs keep their bytes.
+pub const VERSION_MINOR: u16 = 3;
+
+/// Workgroup counts covering `groups` workgroups within the per-dimension
+/// limit (x first, then y); kernels read the flat index
+/// `wid.x + wid.y * nwg.x`.
+pub fn grid(groups: u64, max_per_dim: u32) -> Result<[u32; 3]> {
+    let max = u64::from(max_per_dim);
+    let x = groups.clamp(1, max);
+    let y = groups.div_ceil(x);
+    if y > max {
+        return Err(Error::limit(format!(
+            "{groups} workgroups exceed the {max}×{max} dispatch grid"
+        )));
+    }
+    Ok([x as u32, y as u32, 1])
+}
 
 /// Offsets of arena ranges are multiples of this (wgpu's default and the
 /// largest `min_storage_buffer_offset_alignment` of real adapters).
@@ -79,6 +107,114 @@ pub struct Payload {
     /// divide integers (since 1.1; none in older payloads).
     #[serde(default)]
     pub checks: Vec<Check>,
+    /// The run-time sizes of a bounded-dynamic delegate (payload 1.3).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub symbols: Vec<Symbol>,
+}
+
+/// A run-time size symbol, read from dim `dim` of delegate input `input`
+/// (an index into [`Payload::inputs`]) of size `scale * value + offset`,
+/// within `min..=max`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Symbol {
+    /// The program's name for it (`s0`), for messages.
+    pub name: String,
+    pub input: usize,
+    pub dim: usize,
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub scale: i64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub offset: i64,
+    pub min: i64,
+    pub max: i64,
+}
+
+fn one() -> i64 {
+    1
+}
+fn is_one(x: &i64) -> bool {
+    *x == 1
+}
+fn is_zero(x: &i64) -> bool {
+    *x == 0
+}
+
+/// An integer expression over [`Payload::symbols`] (by index), as
+/// `etmetal_core::sym::SymExpr` writes it, evaluated at each execute.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Size {
+    Const(i64),
+    Sym(usize),
+    Add(Vec<Size>),
+    Mul(Vec<Size>),
+    /// Python's `//`.
+    FloorDiv(Box<Size>, Box<Size>),
+    /// Python's `%`.
+    Mod(Box<Size>, Box<Size>),
+    Max(Box<Size>, Box<Size>),
+    Min(Box<Size>, Box<Size>),
+}
+
+impl Size {
+    /// `e` with its symbols numbered as in `names`; `None` when it uses
+    /// another symbol.
+    pub fn of(e: &SymExpr, names: &[String]) -> Option<Size> {
+        let two = |a: &SymExpr, b: &SymExpr| {
+            Some((Box::new(Size::of(a, names)?), Box::new(Size::of(b, names)?)))
+        };
+        let all = |xs: &[SymExpr]| {
+            xs.iter()
+                .map(|x| Size::of(x, names))
+                .collect::<Option<Vec<_>>>()
+        };
+        Some(match e {
+            SymExpr::Const(c) => Size::Const(*c),
+            SymExpr::Sym(s) => Size::Sym(names.iter().position(|n| n == s)?),
+            SymExpr::Add(xs) => Size::Add(all(xs)?),
+            SymExpr::Mul(xs) => Size::Mul(all(xs)?),
+            SymExpr::FloorDiv(a, b) => two(a, b).map(|(a, b)| Size::FloorDiv(a, b))?,
+            SymExpr::Mod(a, b) => two(a, b).map(|(a, b)| Size::Mod(a, b))?,
+            SymExpr::Max(a, b) => two(a, b).map(|(a, b)| Size::Max(a, b))?,
+            SymExpr::Min(a, b) => two(a, b).map(|(a, b)| Size::Min(a, b))?,
+        })
+    }
+
+    /// The value with symbol `i` at `values[i]`.
+    pub fn eval(&self, values: &[i64]) -> Result<i64> {
+        let names: Vec<String> = (0..values.len()).map(|i| format!("{i}")).collect();
+        let bindings = names.iter().cloned().zip(values.iter().copied()).collect();
+        self.to_sym(&names)?.eval(&bindings)
+    }
+
+    /// The expression with symbol `i` named `names[i]`.
+    pub fn to_sym(&self, names: &[String]) -> Result<SymExpr> {
+        let one = |x: &Size| x.to_sym(names);
+        Ok(match self {
+            Size::Const(c) => SymExpr::Const(*c),
+            Size::Sym(i) => SymExpr::sym(
+                names
+                    .get(*i)
+                    .ok_or_else(|| {
+                        Error::format(format!(
+                            "EtMetalBackend payload: size symbol {i} does not exist"
+                        ))
+                    })?
+                    .clone(),
+            ),
+            Size::Add(xs) => xs
+                .iter()
+                .map(one)
+                .try_fold(SymExpr::Const(0), |a, x| Ok::<_, Error>(a + x?))?,
+            Size::Mul(xs) => xs
+                .iter()
+                .map(one)
+                .try_fold(SymExpr::Const(1), |a, x| Ok::<_, Error>(a * x?))?,
+            Size::FloorDiv(a, b) => SymExpr::floor_div(one(a)?, one(b)?)?,
+            Size::Mod(a, b) => SymExpr::modulo(one(a)?, one(b)?)?,
+            Size::Max(a, b) => SymExpr::max(one(a)?, one(b)?),
+            Size::Min(a, b) => SymExpr::min(one(a)?, one(b)?),
+        })
+    }
 }
 
 /// A mutable buffer the delegate keeps resident: delegate input `input`
@@ -127,8 +263,12 @@ pub struct Buffer {
     /// The host dtype (what the `.pte` declares for the tensor).
     #[serde(with = "dtype_name")]
     pub dtype: DType,
+    /// The size at the upper bound where dynamic (the layout on the GPU).
     pub shape: Vec<usize>,
     pub location: Location,
+    /// The actual size of each dim (payload 1.3): empty when static.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dims: Vec<Size>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -152,6 +292,9 @@ pub struct Kernel {
     /// One entry per binding: whether the kernel writes it.
     pub bindings: Vec<Access>,
     pub workgroup_size: [u32; 3],
+    /// Binds the sizes uniform after its storage buffers (payload 1.3).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sizes: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -166,7 +309,12 @@ pub struct Dispatch {
     /// The graph nodes this dispatch computes, for messages and `inspect`.
     pub nodes: Vec<String>,
     pub buffers: Vec<BufferId>,
+    /// At the upper bound where sizes are dynamic.
     pub workgroups: [u32; 3],
+    /// The flat workgroup count at the actual sizes (payload 1.3), spread
+    /// over the grid as [`grid`] does; none: `workgroups` always.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub groups: Option<Size>,
     /// Faster forms of this dispatch for devices that offer more, in order
     /// of preference (payload 1.2; none in older payloads). Their own
     /// dispatches have no alternatives.
@@ -486,7 +634,12 @@ impl Payload {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = MAGIC.to_vec();
         out.extend_from_slice(&VERSION_MAJOR.to_le_bytes());
-        out.extend_from_slice(&VERSION_MINOR.to_le_bytes());
+        let minor = if self.symbols.is_empty() {
+            2
+        } else {
+            VERSION_MINOR
+        };
+        out.extend_from_slice(&minor.to_le_bytes());
         out.extend_from_slice(
             &serde_json::to_vec(self).expect("a payload always serialises to JSON"),
         );
@@ -600,6 +753,7 @@ impl Payload {
                 }
             }
         }
+        self.verify_sizes()?;
         for (c, check) in self.checks.iter().enumerate() {
             let dispatch = self.dispatches.get(check.dispatch).ok_or_else(|| {
                 bad(format!(
@@ -622,6 +776,53 @@ impl Payload {
                     check.sites.len()
                 )));
             }
+        }
+        Ok(())
+    }
+
+    /// The symbols and every run-time size: symbols read from dims of
+    /// delegate inputs that exist, sizes over symbols that exist.
+    fn verify_sizes(&self) -> Result<()> {
+        let bad = |m: String| Error::format(format!("EtMetalBackend payload: {m}"));
+        let names: Vec<String> = self.symbols.iter().map(|s| s.name.clone()).collect();
+        for (i, s) in self.symbols.iter().enumerate() {
+            let rank = self
+                .inputs
+                .get(s.input)
+                .and_then(|&b| self.buffers.get(b))
+                .map(|b| b.shape.len());
+            if rank.is_none_or(|r| s.dim >= r) || s.min < 0 || s.min > s.max || s.scale <= 0 {
+                return Err(bad(format!(
+                    "symbol {i} `{}` is dim {} of input {} in {}..={}, which does not exist",
+                    s.name, s.dim, s.input, s.min, s.max
+                )));
+            }
+        }
+        for (i, b) in self.buffers.iter().enumerate() {
+            if !b.dims.is_empty() && b.dims.len() != b.shape.len() {
+                return Err(bad(format!(
+                    "buffer {i} `{}`: dims of another rank",
+                    b.name
+                )));
+            }
+            for d in &b.dims {
+                d.to_sym(&names)?;
+            }
+        }
+        let all = self.dispatches.iter().chain(
+            self.dispatches
+                .iter()
+                .flat_map(|d| d.alternatives.iter().flat_map(|a| &a.dispatches)),
+        );
+        for d in all {
+            if let Some(g) = &d.groups {
+                g.to_sym(&names)?;
+            }
+        }
+        if self.kernels.iter().any(|k| k.sizes) && self.symbols.is_empty() {
+            return Err(bad(
+                "a kernel reads run-time sizes, but the payload has no symbols".into(),
+            ));
         }
         Ok(())
     }
@@ -690,6 +891,70 @@ impl Payload {
         self.verify()
     }
 
+    /// The value of each symbol, read from the delegate inputs' shapes
+    /// (`None` for an input given no tensor: resident state), each checked
+    /// against its range.
+    pub fn symbol_values(&self, inputs: &[Option<&[usize]>]) -> Result<Vec<i64>> {
+        self.symbols
+            .iter()
+            .map(|s| {
+                let name = self
+                    .inputs
+                    .get(s.input)
+                    .map_or("?", |&b| self.buffers[b].name.as_str());
+                let shape = inputs.get(s.input).copied().flatten().ok_or_else(|| {
+                    Error::invalid_input(format!(
+                        "delegate input {} (`{name}`) gives size `{}` but is not passed",
+                        s.input, s.name
+                    ))
+                })?;
+                let dim = shape.get(s.dim).map_or(-1, |&n| n as i64);
+                let n = match s.scale {
+                    0 => -1,
+                    k if (dim - s.offset) % k != 0 => -1,
+                    k => (dim - s.offset) / k,
+                };
+                if dim < 0 || n < s.min || n > s.max {
+                    let n = dim;
+                    return Err(Error::invalid_input(format!(
+                        "delegate input {} (`{name}`) dim {} is {n}, outside the range {}..={} \
+                         of its dynamic size `{}` the program was compiled for",
+                        s.input,
+                        s.dim,
+                        s.scale * s.min + s.offset,
+                        s.scale * s.max + s.offset,
+                        s.name
+                    )));
+                }
+                Ok(n)
+            })
+            .collect()
+    }
+
+    /// The actual shape of buffer `id` at symbol values `values`.
+    pub fn actual_shape(&self, id: BufferId, values: &[i64]) -> Result<Vec<usize>> {
+        let b = &self.buffers[id];
+        if b.dims.is_empty() {
+            return Ok(b.shape.clone());
+        }
+        b.dims
+            .iter()
+            .zip(&b.shape)
+            .map(|(d, &bound)| {
+                let n = d.eval(values)?;
+                usize::try_from(n)
+                    .ok()
+                    .filter(|&n| n <= bound)
+                    .ok_or_else(|| {
+                        Error::invalid_input(format!(
+                            "`{}`: size {n} is outside 0..={bound} at these sizes",
+                            b.name
+                        ))
+                    })
+            })
+            .collect()
+    }
+
     /// Names of the weights the payload needs from the named data.
     pub fn weight_keys(&self) -> impl Iterator<Item = &str> {
         self.buffers.iter().filter_map(|b| match &b.location {
@@ -729,6 +994,7 @@ mod tests {
                     dtype: DType::F32,
                     shape: vec![2, 3],
                     location: Location::Weight { key: "p0.w".into() },
+                    dims: vec![],
                 },
                 Buffer {
                     name: "y".into(),
@@ -738,6 +1004,7 @@ mod tests {
                         arena: 0,
                         offset: 0,
                     },
+                    dims: vec![],
                 },
             ],
             kernels: vec![Kernel {
@@ -748,12 +1015,14 @@ mod tests {
                 entry_point: "main".into(),
                 bindings: vec![Access::Read, Access::ReadWrite],
                 workgroup_size: [64, 1, 1],
+                sizes: false,
             }],
             dispatches: vec![Dispatch {
                 kernel: 0,
                 nodes: vec!["mul".into()],
                 buffers: vec![0, 1],
                 workgroups: [1, 1, 1],
+                groups: None,
                 alternatives: vec![],
             }],
             inputs: vec![],
@@ -762,7 +1031,77 @@ mod tests {
             requirements: Requirements::default(),
             state: vec![],
             checks: vec![],
+            symbols: vec![],
         }
+    }
+
+    /// `sample` with `y` an input of dynamic first dim `s` in 1..=2.
+    fn dynamic() -> Payload {
+        let mut p = sample();
+        p.inputs = vec![1];
+        p.outputs = vec![];
+        p.symbols = vec![Symbol {
+            name: "s".into(),
+            input: 0,
+            dim: 0,
+            scale: 1,
+            offset: 0,
+            min: 1,
+            max: 2,
+        }];
+        p.buffers[1].dims = vec![Size::Sym(0), Size::Const(3)];
+        p.dispatches[0].groups = Some(Size::FloorDiv(
+            Box::new(Size::Add(vec![
+                Size::Mul(vec![Size::Const(3), Size::Sym(0)]),
+                Size::Const(63),
+            ])),
+            Box::new(Size::Const(64)),
+        ));
+        p.kernels[0].sizes = true;
+        p
+    }
+
+    #[test]
+    fn dynamic_payloads_are_1_3_and_static_ones_stay_1_2() {
+        let p = dynamic();
+        let bytes = p.encode();
+        assert_eq!(&bytes[4..8], &[1, 0, 3, 0]);
+        let back = Payload::decode(&bytes).unwrap();
+        assert_eq!(back, p);
+        let groups = back.dispatches[0].groups.as_ref().unwrap();
+        assert_eq!(
+            (groups.eval(&[1]).unwrap(), groups.eval(&[30]).unwrap()),
+            (1, 2)
+        );
+        assert_eq!(&sample().encode()[4..8], &[1, 0, 2, 0]);
+        let text = String::from_utf8(sample().encode()[8..].to_vec()).unwrap();
+        for field in ["\"symbols\"", "\"dims\"", "\"groups\"", "\"sizes\""] {
+            assert!(
+                !text.contains(field),
+                "a static payload writes {field}: {text}"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_sizes_are_format_errors() {
+        let mut p = dynamic();
+        p.symbols[0].dim = 2;
+        let e = Payload::decode(&p.encode()).unwrap_err();
+        assert!(
+            e.message().contains("symbol 0 `s` is dim 2 of input 0"),
+            "{e}"
+        );
+        let mut p = dynamic();
+        p.buffers[1].dims = vec![Size::Sym(1), Size::Const(3)];
+        let e = Payload::decode(&p.encode()).unwrap_err();
+        assert!(e.message().contains("size symbol 1 does not exist"), "{e}");
+        let mut p = dynamic();
+        p.symbols.clear();
+        p.buffers[1].dims.clear();
+        p.dispatches[0].groups = None;
+        let e = Payload::decode(&p.encode()).unwrap_err();
+        assert!(e.message().contains("reads run-time sizes"), "{e}");
     }
 
     #[test]
@@ -790,10 +1129,7 @@ mod tests {
         let mut bytes = sample().encode();
         bytes[4..6].copy_from_slice(&(VERSION_MAJOR + 1).to_le_bytes());
         let e = Payload::decode(&bytes).unwrap_err();
-        assert!(
-            e.message().contains(&format!("version 2.{VERSION_MINOR}")),
-            "{e}"
-        );
+        assert!(e.message().contains("version 2.2"), "{e}");
         let mut minor = sample().encode();
         minor[6..8].copy_from_slice(&7u16.to_le_bytes());
         assert!(Payload::decode(&minor).is_ok());

@@ -39,6 +39,15 @@ pub trait DelegateHandle: Send {
     /// How many of the call's arguments, at its end, are outputs.
     fn output_count(&self) -> usize;
 
+    /// For a delegate of bounded-dynamic shapes: the shapes of its outputs
+    /// when its inputs have `inputs` shapes (`None` where an argument is no
+    /// tensor), or the error naming an input outside its range. `None`
+    /// (the default): the delegate runs the static shapes it was compiled
+    /// for, and its dynamic inputs must be at their bound.
+    fn output_shapes(&self, _inputs: &[Option<&[usize]>]) -> Option<Result<Vec<Vec<usize>>>> {
+        None
+    }
+
     /// Put any state the delegate keeps across executes (device-resident
     /// mutable buffers) back to its initial value; stateless delegates
     /// have nothing to do.

@@ -506,10 +506,14 @@ impl Method {
         let values = &mut self.values;
         let states = &mut self.states;
         if let PreparedInstruction::Delegate {
-            id, args, outputs, ..
+            id,
+            args,
+            outputs,
+            handle,
+            ..
         } = &self.steps[pc]
         {
-            static_delegate_args(values, id, args, *outputs)?;
+            delegate_shapes(values, id, handle.as_ref(), args, *outputs)?;
         }
         match &mut self.steps[pc] {
             PreparedInstruction::Kernel { name, ops } => {
@@ -801,13 +805,28 @@ fn resident_state(
 /// The GPU delegate runs the static shapes it was compiled for: a dynamic
 /// input must be at its bound (an error otherwise), and a dynamic output
 /// takes it.
-fn static_delegate_args(
+/// Give a delegate's dynamic outputs their shapes for this execute: those
+/// the delegate computes from its inputs' shapes, or, for a delegate of
+/// static shapes (whose dynamic inputs must be at their bound), the bound.
+fn delegate_shapes(
     values: &mut Values,
     id: &str,
+    handle: &dyn DelegateHandle,
     args: &[usize],
     outputs: usize,
 ) -> Result<()> {
     let inputs = args.len().saturating_sub(outputs);
+    let shapes: Vec<Option<&[usize]>> = args[..inputs]
+        .iter()
+        .map(|&v| values.tensor_slot(v).ok().map(|t| t.shape.as_slice()))
+        .collect();
+    if let Some(out) = handle.output_shapes(&shapes) {
+        let out = out.map_err(|e| e.context(format!("delegate `{id}`")))?;
+        for (&v, shape) in args[inputs..].iter().zip(&out) {
+            values.set_shape(v, shape)?;
+        }
+        return Ok(());
+    }
     for (k, &v) in args.iter().enumerate() {
         let Ok(t) = values.tensor_slot(v) else {
             continue;

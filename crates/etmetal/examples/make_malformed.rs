@@ -713,18 +713,21 @@ fn valid_payload() -> Payload {
                 dtype: DType::F32,
                 shape: vec![4],
                 location: arena(0),
+                dims: vec![],
             },
             Buffer {
                 name: "w".into(),
                 dtype: DType::F32,
                 shape: vec![4],
                 location: Location::Weight { key: "w".into() },
+                dims: vec![],
             },
             Buffer {
                 name: "y".into(),
                 dtype: DType::F32,
                 shape: vec![4],
                 location: arena(256),
+                dims: vec![],
             },
         ],
         kernels: vec![Kernel {
@@ -740,12 +743,14 @@ fn valid_payload() -> Payload {
             entry_point: "main".into(),
             bindings: vec![Access::ReadWrite, Access::Read, Access::ReadWrite],
             workgroup_size: [4, 1, 1],
+            sizes: false,
         }],
         dispatches: vec![Dispatch {
             kernel: 0,
             nodes: vec!["mul".into()],
             buffers: vec![0, 1, 2],
             workgroups: [1, 1, 1],
+            groups: None,
             alternatives: vec![],
         }],
         inputs: vec![0],
@@ -754,6 +759,7 @@ fn valid_payload() -> Payload {
         requirements: Requirements::default(),
         state: vec![],
         checks: vec![],
+        symbols: vec![],
     }
 }
 

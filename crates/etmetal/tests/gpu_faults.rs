@@ -52,6 +52,7 @@ fn scale(n: usize) -> (Payload, Named) {
         dtype: DType::F32,
         shape: vec![n],
         location,
+        dims: vec![],
     };
     let payload = Payload {
         buffers: vec![
@@ -79,12 +80,14 @@ fn scale(n: usize) -> (Payload, Named) {
             entry_point: "main".into(),
             bindings: vec![Access::ReadWrite, Access::Read, Access::ReadWrite],
             workgroup_size: [64, 1, 1],
+            sizes: false,
         }],
         dispatches: vec![Dispatch {
             kernel: 0,
             nodes: vec!["mul".into(), "add".into()],
             buffers: vec![0, 1, 2],
             workgroups: [groups.min(1024), groups.div_ceil(1024), 1],
+            groups: None,
             alternatives: vec![],
         }],
         inputs: vec![0],
@@ -100,6 +103,7 @@ fn scale(n: usize) -> (Payload, Named) {
         },
         state: vec![],
         checks: vec![],
+        symbols: vec![],
     };
     let w: Vec<f32> = (0..n).map(|i| i as f32).collect();
     let w = to_gpu(&Tensor::from_f32(DType::F32, &[n], &w).unwrap(), "w")

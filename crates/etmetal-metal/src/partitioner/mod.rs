@@ -12,6 +12,7 @@
 //! Partition ids follow the schedule, nodes inside a partition keep graph
 //! order, so the result depends on the graph alone.
 
+mod dynamic;
 mod support;
 
 use std::cmp::Reverse;

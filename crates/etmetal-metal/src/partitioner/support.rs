@@ -84,7 +84,7 @@ pub fn supports(graph: &Graph, node: &Node, limits: &DeviceLimits) -> Result<(),
     op_supported(&node.op)?;
     fits_i32(&node.op)?;
     nan_test(graph, node)?;
-    dynamic_shape(graph, node)?;
+    super::dynamic::dynamic_supported(graph, node)?;
     let info = |id: etmetal_graph::ValueId| {
         graph
             .values
@@ -157,25 +157,6 @@ fn nan_test(graph: &Graph, node: &Node) -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-/// GPU kernels are specialised for static sizes: a node that reads or
-/// writes a value of dynamic shape (`torch.export.Dim`) runs on the CPU,
-/// whose kernels take the actual sizes.
-fn dynamic_shape(graph: &Graph, node: &Node) -> Result<(), String> {
-    match node
-        .inputs
-        .iter()
-        .flatten()
-        .chain(&node.outputs)
-        .find(|&&v| graph.is_dynamic(v))
-    {
-        Some(v) => Err(format!(
-            "dynamic shape: `{}` has symbolic sizes",
-            graph.values.get(v.0).map_or("?", |i| i.name.as_str())
-        )),
-        None => Ok(()),
-    }
 }
 
 /// The storage dtypes of GPU buffers.
@@ -554,19 +535,39 @@ mod tests {
     }
 
     #[test]
-    fn a_dynamic_shape_stays_on_the_cpu() {
-        let (mut graph, node) = one_node(Op::Unary(UnaryOp::Exp), &[(F32, &[8])], (F32, &[8]));
+    fn a_dynamic_mean_stays_on_the_cpu_naming_op_and_dim() {
+        let sum = Op::Reduce {
+            op: ReduceOp::Mean,
+            dims: vec![0],
+            keepdim: true,
+        };
+        let (mut graph, node) = one_node(sum, &[(F32, &[8])], (F32, &[1]));
         assert_eq!(supports(&graph, &node, &DeviceLimits::default()), Ok(()));
         graph
             .sym
             .ranges
             .insert("s".into(), etmetal_core::SymRange { min: 1, max: 8 });
-        let y = node.outputs[0];
+        let x = node.inputs[0].unwrap();
         graph
-            .set_sym_dims(y, vec![etmetal_core::SymExpr::sym("s")])
+            .set_sym_dims(x, vec![etmetal_core::SymExpr::sym("s")])
             .unwrap();
         let err = supports(&graph, &node, &DeviceLimits::default()).unwrap_err();
-        assert_eq!(err, "dynamic shape: `y` has symbolic sizes");
+        assert_eq!(
+            err,
+            "dynamic shape: reduce_mean reduces over dynamic dim `s`"
+        );
+        // elementwise at any size: the GPU takes it
+        let (mut graph, node) = one_node(Op::Unary(UnaryOp::Exp), &[(F32, &[8])], (F32, &[8]));
+        graph
+            .sym
+            .ranges
+            .insert("s".into(), etmetal_core::SymRange { min: 1, max: 8 });
+        for v in [node.inputs[0].unwrap(), node.outputs[0]] {
+            graph
+                .set_sym_dims(v, vec![etmetal_core::SymExpr::sym("s")])
+                .unwrap();
+        }
+        assert_eq!(supports(&graph, &node, &DeviceLimits::default()), Ok(()));
     }
 
     #[test]

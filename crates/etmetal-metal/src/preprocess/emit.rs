@@ -8,9 +8,10 @@ use std::fmt::Write;
 use etmetal_core::{DType, Error, Op, Result};
 
 use super::buffers::{BufferIdx, Buffers, Storage};
-use super::expr::{GatherAt, Kind, LazyRef};
+use super::expr::{GatherAt, Kind, LazyRef, Pos};
 use super::pointwise::{self, compute_type};
-use crate::payload::{Access, Fault, Site};
+use super::sizes::{uniform_decl, Sizes};
+use crate::payload::{Access, Fault, Site, Size};
 
 /// Elements handled by one invocation of a flat kernel's workgroup.
 pub(crate) const FLAT_WORKGROUP: u32 = 256;
@@ -33,6 +34,8 @@ pub(crate) struct KernelBuilder<'a> {
     /// Buffers read from workgroup memory instead (a row statistic the
     /// kernel computes itself), by the array's name.
     substitutes: HashMap<BufferIdx, String>,
+    /// Reads the sizes uniform ([`Self::size`]).
+    sizes: bool,
 }
 
 /// The statements of one function being emitted, with its memo of values
@@ -71,7 +74,15 @@ impl<'a> KernelBuilder<'a> {
             sites: vec![],
             extensions: vec![],
             substitutes: HashMap::new(),
+            sizes: false,
         }
+    }
+
+    /// The u32 WGSL expression of run-time size `s` (the kernel binds the
+    /// sizes uniform).
+    pub fn size(&mut self, s: &Size) -> String {
+        self.sizes = true;
+        Sizes::wgsl(s)
     }
 
     /// Read `buf` from the workgroup array `name` (same elements), not
@@ -412,12 +423,22 @@ impl<'a> KernelBuilder<'a> {
                 step,
             } => {
                 let mut inner = idx.to_vec();
-                inner[*dim] = f.index(affine(&idx[*dim], *step, *start));
+                let at = match start {
+                    Pos::At(start) => affine(&idx[*dim], *step, *start),
+                    Pos::Run(start) => {
+                        format!("{} + {}", affine(&idx[*dim], *step, 0), self.size(start))
+                    }
+                };
+                inner[*dim] = f.index(at);
                 return self.emit_as(f, v, key, x, &inner);
             }
             Kind::Select { x, dim, index } => {
                 let mut inner = idx.to_vec();
-                inner.insert(*dim, format!("{index}u"));
+                let at = match index {
+                    Pos::At(index) => format!("{index}u"),
+                    Pos::Run(index) => f.index(self.size(index)),
+                };
+                inner.insert(*dim, at);
                 return self.emit_as(f, v, key, x, &inner);
             }
             Kind::Cat(parts, dim) => {
@@ -482,11 +503,22 @@ impl<'a> KernelBuilder<'a> {
                 };
                 format!("select({zero}, {a}, {keep})")
             }
+            Kind::Masked { x, valid, fill } => {
+                let a = self.emit(f, x, idx)?;
+                let a = pointwise::cast(&a, x.dtype, v.dtype);
+                let inside: Vec<String> = valid
+                    .iter()
+                    .map(|(d, n)| format!("{} < {}", idx[*d], self.size(n)))
+                    .collect();
+                let fill = pointwise::literal(*fill, v.dtype)?;
+                format!("select({fill}, {a}, {})", inside.join(" && "))
+            }
             Kind::Gather {
                 src,
                 dim,
                 index,
                 at,
+                len,
             } => {
                 let at_idx: Vec<String> = match at {
                     GatherAt::Same => idx.to_vec(),
@@ -496,10 +528,14 @@ impl<'a> KernelBuilder<'a> {
                 let raw = self.emit(f, index, &at_idx)?;
                 let raw = pointwise::cast(&raw, index.dtype, DType::I32);
                 let n = src.shape[*dim] as i64;
-                // negative indices count from the end; out of range clamps
+                // negative indices count from the end (the run-time one of a
+                // dynamic dim); out of range clamps into the buffer
+                let end = match len {
+                    Pos::At(n) => pointwise::int_literal(*n as i64)?,
+                    Pos::Run(n) => format!("i32({})", self.size(n)),
+                };
                 let i = f.index(format!(
-                    "u32(clamp(select({raw}, {raw} + {}, {raw} < 0i), 0i, {}))",
-                    pointwise::int_literal(n)?,
+                    "u32(clamp(select({raw}, {raw} + {end}, {raw} < 0i), 0i, {}))",
                     pointwise::int_literal((n - 1).max(0))?
                 ));
                 let inner: Vec<String> = match at {
@@ -544,6 +580,7 @@ impl<'a> KernelBuilder<'a> {
             bindings: self.bindings,
             fused: self.fused,
             sites: self.sites,
+            sizes: self.sizes,
             tag: None,
         }
     }
@@ -580,6 +617,11 @@ impl<'a> KernelBuilder<'a> {
                 self.bindings.len()
             );
         }
+        if self.sizes {
+            s.push_str(&uniform_decl(
+                self.bindings.len() + usize::from(!self.sites.is_empty()),
+            ));
+        }
         s.push('\n');
         // helpers the code calls; a helper may call one listed before it
         let mut text = format!("{}{main}", self.functions);
@@ -609,6 +651,8 @@ pub(crate) struct Built {
     /// Its run-time checks; with any, a status buffer binds after
     /// `bindings`.
     pub sites: Vec<Site>,
+    /// Reads the sizes uniform, bound after the status buffer.
+    pub sizes: bool,
     /// Appended to the kernel's name (`k7_mat_mul_coop`).
     pub tag: Option<&'static str>,
 }
@@ -698,19 +742,7 @@ fn affine(i: &str, step: usize, start: usize) -> String {
     }
 }
 
-/// Workgroup counts covering `groups` workgroups within the per-dimension
-/// limit, and the WGSL expression of the flat workgroup index.
-pub(crate) fn grid(groups: u64, max_per_dim: u32) -> Result<[u32; 3]> {
-    let max = u64::from(max_per_dim);
-    let x = groups.clamp(1, max);
-    let y = groups.div_ceil(x);
-    if y > max {
-        return Err(Error::limit(format!(
-            "{groups} workgroups exceed the {max}×{max} dispatch grid"
-        )));
-    }
-    Ok([x as u32, y as u32, 1])
-}
+pub(crate) use crate::payload::grid;
 
 /// The flat workgroup index in a kernel dispatched with [`grid`].
 pub(crate) const FLAT_GROUP: &str = "(wid.x + wid.y * nwg.x)";

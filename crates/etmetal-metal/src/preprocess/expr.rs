@@ -59,13 +59,13 @@ pub(crate) enum Kind {
     Slice {
         x: LazyRef,
         dim: usize,
-        start: usize,
+        start: Pos,
         step: usize,
     },
     Select {
         x: LazyRef,
         dim: usize,
-        index: usize,
+        index: Pos,
     },
     /// Concatenation along `dim`.
     Cat(Vec<LazyRef>, usize),
@@ -90,7 +90,24 @@ pub(crate) enum Kind {
         dim: usize,
         index: LazyRef,
         at: GatherAt,
+        /// The size of `dim` that negative indices count back from.
+        len: Pos,
     },
+    /// `x` where the index along each `(dim, size)` is below the run-time
+    /// size, else `fill` (a reduction's identity past a dynamic end).
+    Masked {
+        x: LazyRef,
+        valid: Vec<(usize, crate::payload::Size)>,
+        fill: Scalar,
+    },
+}
+
+/// A position along a dim: fixed, or counted from a dynamic end and read
+/// from the sizes uniform at run time (payload 1.3).
+#[derive(Debug)]
+pub(crate) enum Pos {
+    At(usize),
+    Run(crate::payload::Size),
 }
 
 /// Where in the output index the index tensor is read.
@@ -181,6 +198,7 @@ impl Lazy {
             | Kind::Select { x, .. }
             | Kind::Pad { x, .. }
             | Kind::Triangle { x, .. }
+            | Kind::Masked { x, .. }
             | Kind::Repeat(x) => vec![x],
             Kind::Binary { a, b, .. } => vec![a, b],
             Kind::Where(c, a, b) => vec![c, a, b],

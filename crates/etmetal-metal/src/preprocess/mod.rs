@@ -26,10 +26,12 @@ pub(crate) mod emit;
 pub(crate) mod expr;
 mod kernels;
 pub(crate) mod pointwise;
+pub(crate) mod sizes;
 mod validate;
 
 use std::collections::{HashMap, HashSet};
 
+use etmetal_core::sym::SymExpr;
 use etmetal_core::{DType, Error, Op, Result, Scalar};
 use etmetal_graph::{Graph, Node, ValueId};
 
@@ -234,6 +236,13 @@ pub(crate) struct Lowering<'g> {
     absorbed: HashSet<usize>,
     /// Row means not dispatched yet ([`RowStat`]).
     pub pending: Vec<RowStat>,
+    /// The partition's run-time sizes (payload 1.3).
+    pub sizes: sizes::Sizes,
+    /// The actual dims of buffers holding dynamic graph values.
+    pub dims: sizes::BufferDims,
+    /// While a size bucket's variant is lowered: its 0/1 gate, by which
+    /// every dispatch's run-time count is multiplied.
+    pub gate: Option<SymExpr>,
 }
 
 /// A mean over the last dim of a few rows (an RMSNorm's mean of squares)
@@ -283,6 +292,9 @@ impl<'g> Lowering<'g> {
             nodes: &partition.nodes,
             absorbed: HashSet::new(),
             pending: vec![],
+            sizes: sizes::Sizes::of_inputs(graph, &partition.inputs)?,
+            dims: HashMap::new(),
+            gate: None,
         };
         for &n in &partition.nodes {
             for v in graph.nodes[n].inputs.iter().flatten() {
@@ -300,6 +312,7 @@ impl<'g> Lowering<'g> {
                 &info.shape,
                 Place::Input(k),
             )?)?;
+            lw.record_dims(buf, v);
             lw.values.insert(v, lw.load(buf));
         }
         for &v in &partition.constants {
@@ -336,6 +349,25 @@ impl<'g> Lowering<'g> {
             lw.values.insert(v, lazy);
         }
         Ok(lw)
+    }
+
+    /// `buf` holds graph value `v`: its actual dims, where dynamic.
+    pub fn record_dims(&mut self, buf: BufferIdx, v: ValueId) {
+        if let Some(d) = self.graph.sym.dims.get(&v) {
+            self.dims.insert(buf, self.sizes.local(d));
+        }
+    }
+
+    /// `(actual, bound)` of each dim of buffer `buf` (constants where static).
+    pub fn grid_dims(&self, buf: BufferIdx) -> Vec<(SymExpr, usize)> {
+        let shape = &self.buffers.list[buf].shape;
+        match self.dims.get(&buf) {
+            Some(d) => d.iter().cloned().zip(shape.iter().copied()).collect(),
+            None => shape
+                .iter()
+                .map(|&n| (SymExpr::Const(n as i64), n))
+                .collect(),
+        }
     }
 
     /// The GPU bytes of weight buffer `buf` (none for other buffers).
@@ -453,6 +485,7 @@ impl<'g> Lowering<'g> {
     pub fn output_buffer(&mut self, node: &Node, k: usize) -> Result<BufferIdx> {
         let (name, dtype, shape) = self.output_info(node, k)?;
         let buf = self.temp(&name, dtype, &shape)?;
+        self.record_dims(buf, node.outputs[k]);
         let lazy = self.load(buf);
         self.values.insert(node.outputs[k], lazy);
         Ok(buf)
@@ -520,6 +553,7 @@ impl<'g> Lowering<'g> {
                 BufferDesc::new(&name, lazy.dtype, &lazy.shape, Place::Output(0))?.storage;
         }
         let buf = self.add_buffer(desc)?;
+        self.record_dims(buf, v);
         self.write_flat(&lazy, buf)?;
         let loaded = self.load(buf);
         self.values.insert(v, loaded.clone());
@@ -563,9 +597,12 @@ impl<'g> Lowering<'g> {
         }
         let groups = (items as u64).div_ceil(u64::from(FLAT_WORKGROUP));
         let workgroups = grid(groups, self.options.max_workgroups_per_dim)?;
+        let actual = self
+            .sizes
+            .groups(&self.grid_dims(buf), per * FLAT_WORKGROUP as usize)?;
         // named by the pointwise ops it inlines (`copy` when it only moves data)
         let built = kb.finish(&main);
-        self.add_dispatch(built, vec![], [FLAT_WORKGROUP, 1, 1], workgroups, 0)
+        self.add_dispatch_sized(built, vec![], [FLAT_WORKGROUP, 1, 1], workgroups, 0, actual)
     }
 
     pub(crate) fn op_label(&self) -> String {
@@ -582,6 +619,34 @@ impl<'g> Lowering<'g> {
         workgroups: [u32; 3],
         workgroup_storage: u32,
     ) -> Result<()> {
+        self.add_dispatch_sized(
+            built,
+            ops,
+            workgroup_size,
+            workgroups,
+            workgroup_storage,
+            None,
+        )
+    }
+
+    /// [`Self::add_dispatch`] with `groups` workgroups at the actual sizes
+    /// (`workgroups` are the counts at the bound).
+    pub fn add_dispatch_sized(
+        &mut self,
+        built: Built,
+        ops: Vec<String>,
+        workgroup_size: [u32; 3],
+        workgroups: [u32; 3],
+        workgroup_storage: u32,
+        groups: Option<payload::Size>,
+    ) -> Result<()> {
+        let groups = match &self.gate {
+            Some(gate) => {
+                let bound = workgroups.iter().map(|&w| u64::from(w)).product();
+                self.sizes.gated(groups, bound, gate)?
+            }
+            None => groups,
+        };
         // a row mean this kernel reads is dispatched first
         while let Some(i) = self
             .pending
@@ -598,6 +663,7 @@ impl<'g> Lowering<'g> {
             mut bindings,
             fused,
             sites,
+            sizes,
             tag,
         } = built;
         let coop = self.alternative_storage.is_some();
@@ -640,7 +706,7 @@ impl<'g> Lowering<'g> {
                     name = format!("{name}_{tag}");
                 }
                 let writable: Vec<bool> = access.iter().map(|a| *a == Access::ReadWrite).collect();
-                let msl = validate::validate_and_translate(&name, &wgsl, &writable, coop)?;
+                let msl = validate::validate_and_translate(&name, &wgsl, &writable, coop, sizes)?;
                 self.kernels.push(Kernel {
                     name,
                     ops,
@@ -649,6 +715,7 @@ impl<'g> Lowering<'g> {
                     entry_point: "main".into(),
                     bindings: access,
                     workgroup_size,
+                    sizes,
                 });
                 self.kernels.len() - 1
             }
@@ -672,6 +739,7 @@ impl<'g> Lowering<'g> {
             nodes: vec![self.current.clone()],
             buffers: bindings,
             workgroups,
+            groups,
             alternatives: vec![],
         });
         Ok(())
@@ -798,13 +866,13 @@ impl<'g> Lowering<'g> {
             } => Some(Kind::Slice {
                 x: self.fused(node, 0)?,
                 dim: *dim,
-                start: *start,
+                start: self.position(node, *dim, *start, true)?,
                 step: *step,
             }),
             Op::Select { dim, index } => Some(Kind::Select {
                 x: self.fused(node, 0)?,
                 dim: *dim,
-                index: *index,
+                index: self.position(node, *dim, *index, false)?,
             }),
             Op::Repeat { .. } => Some(Kind::Repeat(self.fused(node, 0)?)),
             Op::Cat { dim } => {
@@ -841,18 +909,21 @@ impl<'g> Lowering<'g> {
                 dim: 0,
                 index: self.fused(node, 1)?,
                 at: expr::GatherAt::Leading,
+                len: self.dim_len(node, 0)?,
             }),
             Op::IndexSelect { dim } => Some(Kind::Gather {
                 src: self.fused(node, 0)?,
                 dim: *dim,
                 index: self.fused(node, 1)?,
                 at: expr::GatherAt::Dim,
+                len: self.dim_len(node, *dim)?,
             }),
             Op::Gather { dim } => Some(Kind::Gather {
                 src: self.fused(node, 0)?,
                 dim: *dim,
                 index: self.fused(node, 1)?,
                 at: expr::GatherAt::Same,
+                len: self.dim_len(node, *dim)?,
             }),
             _ => None,
         };
@@ -866,6 +937,49 @@ impl<'g> Lowering<'g> {
         }
         self.consume(node);
         Ok(())
+    }
+
+    /// The size of dim `dim` of `node`'s input 0: at run time where dynamic.
+    pub fn dim_len(&self, node: &Node, dim: usize) -> Result<expr::Pos> {
+        let x = node.inputs[0].ok_or_else(|| Error::internal("no input 0"))?;
+        let e = self.sizes.local(&self.graph.sym_dims(x))[dim].clone();
+        Ok(match e.as_const() {
+            Some(n) => expr::Pos::At(n as usize),
+            None => expr::Pos::Run(self.sizes.size(&e)?),
+        })
+    }
+
+    /// Where a slice (`slice`: its start, clamped into the dim) or a select
+    /// of `node` starts along `dim`: the op's own `at`, or, where the
+    /// program counts it from the end of a dynamic dim, that count at run
+    /// time.
+    fn position(&self, node: &Node, dim: usize, at: usize, slice: bool) -> Result<expr::Pos> {
+        let args = node
+            .outputs
+            .first()
+            .and_then(|o| self.graph.sym.args.get(o));
+        let (Some(args), Some(x)) = (args, node.inputs.first().copied().flatten()) else {
+            return Ok(expr::Pos::At(at));
+        };
+        let size = self.sizes.local(&self.graph.sym_dims(x))[dim].clone();
+        let arg = args.first().cloned().unwrap_or(SymExpr::Const(0));
+        let (lo, hi) = arg.bounds(&self.graph.sym.ranges)?;
+        let from_start = match (lo >= 0, hi < 0) {
+            (true, _) => arg,
+            (_, true) => size.clone() + arg,
+            _ => {
+                return Err(Error::unsupported(format!(
+                    "{} at `{arg}`, which may count from either end",
+                    node.op.name()
+                )))
+            }
+        };
+        let from_start = match slice {
+            true => SymExpr::max(SymExpr::Const(0), SymExpr::min(from_start, size)),
+            false => from_start,
+        };
+        let local = self.sizes.local(std::slice::from_ref(&from_start));
+        Ok(expr::Pos::Run(self.sizes.size(&local[0])?))
     }
 
     /// Materialise `lazy` (the value of `v`) when inlining it further would
@@ -915,10 +1029,12 @@ impl<'g> Lowering<'g> {
                 }
                 None => {
                     let b = self.add_buffer(desc)?;
+                    self.record_dims(b, v);
                     self.write_flat(&lazy, b)?;
                     b
                 }
             };
+            self.record_dims(buf, v);
             outputs.push(buf);
         }
         let arenas = arena::plan(&self.buffers, &self.dispatches)?;
@@ -941,11 +1057,19 @@ impl<'g> Lowering<'g> {
             if let Place::Input(k) = b.place {
                 inputs.push((k, i));
             }
+            let dims = match self.dims.get(&i) {
+                Some(d) => d
+                    .iter()
+                    .map(|e| self.sizes.size(e))
+                    .collect::<Result<_>>()?,
+                None => vec![],
+            };
             buffers.push(payload::Buffer {
                 name: b.name.clone(),
                 dtype: b.payload_dtype(),
                 shape: b.shape.clone(),
                 location,
+                dims,
             });
         }
         inputs.sort();
@@ -962,6 +1086,7 @@ impl<'g> Lowering<'g> {
             requirements: self.requirements,
             state: vec![],
             checks: self.checks,
+            symbols: self.sizes.symbols,
         };
         Ok(Preprocessed {
             payload,

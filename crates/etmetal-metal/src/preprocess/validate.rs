@@ -21,6 +21,7 @@ pub(crate) fn validate_and_translate(
     wgsl: &str,
     bindings: &[bool],
     coop: bool,
+    sizes: bool,
 ) -> Result<String> {
     let module = naga::front::wgsl::parse_str(wgsl).map_err(|e| {
         Error::internal(format!(
@@ -40,10 +41,14 @@ pub(crate) fn validate_and_translate(
                 e.emit_to_string(wgsl)
             ))
         })?;
+    // the sizes uniform (payload 1.3) binds after the storage buffers
+    let uniform = sizes.then_some(false);
     let resources = bindings
         .iter()
+        .copied()
+        .chain(uniform)
         .enumerate()
-        .map(|(i, &writable)| {
+        .map(|(i, writable)| {
             (
                 naga::ResourceBinding {
                     group: 0,
@@ -57,6 +62,7 @@ pub(crate) fn validate_and_translate(
             )
         })
         .collect();
+    let slots = bindings.len() + usize::from(sizes);
     let options = msl::Options {
         lang_version: (2, 4),
         per_entry_point_map: [(
@@ -64,7 +70,7 @@ pub(crate) fn validate_and_translate(
             msl::EntryPointResources {
                 resources,
                 // runtime-sized arrays need their lengths in a buffer after the bindings
-                sizes_buffer: Some(bindings.len() as u8),
+                sizes_buffer: Some(slots as u8),
                 ..Default::default()
             },
         )]

@@ -28,6 +28,7 @@
 //! As the CPU kernel, a row whose every key is masked gives zeros.
 
 use etmetal_core::shape::{attention_batch, broadcast_shapes, AttentionBatch};
+use etmetal_core::sym::SymExpr;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
@@ -36,6 +37,7 @@ use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::LazyRef;
 use crate::preprocess::pointwise::{cast, float_literal};
+use crate::preprocess::sizes::{bucket, extent};
 use crate::preprocess::Lowering;
 
 /// The largest head dim (of q/k and of v) the kernel takes.
@@ -106,13 +108,45 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         mask,
         is_causal,
         out,
+        dynamic: node
+            .outputs
+            .first()
+            .filter(|&&o| lw.graph.is_dynamic(o))
+            .map(|&o| {
+                let dims = lw.sizes.local(&lw.graph.sym_dims(o));
+                let bounds = lw.graph.value(o).shape.iter().copied();
+                let dims: Vec<(SymExpr, usize)> = dims.into_iter().zip(bounds).collect();
+                let r = dims.len();
+                [extent(&dims[..r - 2]), dims[r - 2].0.clone()]
+            }),
     };
     if a.g.l <= DECODE_ROWS {
-        decode(lw, &a)
-    } else {
-        prefill(lw, &a)
+        return decode(lw, &a);
     }
+    let rows = match &a.dynamic {
+        Some([_, rows]) if rows.as_const().is_none() => rows.clone(),
+        _ => return prefill(lw, &a, a.g.l),
+    };
+    // query rows of run-time count: the keys split for each row bucket's
+    // largest count, the bucket's kernels gated to it
+    let mut lo = 0;
+    for hi in ROW_BUCKETS
+        .into_iter()
+        .filter(|&e| e < a.g.l)
+        .chain([a.g.l])
+    {
+        let top = (hi < a.g.l).then_some(hi);
+        lw.gate = Some(bucket(&rows, lo, top)?);
+        let lowered = prefill(lw, &a, hi);
+        lw.gate = None;
+        lowered?;
+        lo = hi;
+    }
+    Ok(())
 }
+
+/// Upper ends of the query-row buckets of a prefill of run-time length.
+const ROW_BUCKETS: [usize; 2] = [64, 256];
 
 /// q, k, v and the mask. The decode kernel reads q once a workgroup and
 /// k, v and the mask once a key, so for at most [`DECODE_ROWS`] query rows
@@ -169,6 +203,8 @@ struct Attn {
     out_dtype: DType,
     /// Batch·heads.
     nb: usize,
+    /// The run-time `(batch·heads, query rows)` where the output is dynamic.
+    dynamic: Option<[SymExpr; 2]>,
 }
 
 /// The partial results of a key split: `n` splits of each row, each
@@ -404,7 +440,9 @@ impl Tiling {
 }
 
 /// The prefill kernel (see the module docs).
-fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
+/// The prefill kernel, its keys split for `rows` query rows (the rows
+/// of a bucket of a run-time length; else all of them).
+fn prefill(lw: &mut Lowering, a: &Attn, rows: usize) -> Result<()> {
     let Geometry { l, s, e, ev, .. } = a.g;
     let ninf = float_literal(f64::NEG_INFINITY);
     let br = BLOCK_ROWS;
@@ -424,7 +462,8 @@ fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
     // P is [key][row], rows padded so the score stores do not conflict
     let pstride = br + rt;
     let most = a.most_splits(lw)?;
-    let (nsplit, span) = key_split(a.nb * blocks * slices, s.div_ceil(bc), bc, most);
+    let busy = a.nb * rows.div_ceil(br) * slices;
+    let (nsplit, span) = key_split(busy, s.div_ceil(bc), bc, most);
     let total = a.nb * blocks * slices * nsplit;
     let split = a.split(lw, nsplit)?;
     let mut kb = a.builder(lw)?;
@@ -441,11 +480,23 @@ fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
     } else {
         format!("min({s}u, kbeg + {span}u)")
     };
+    // a run-time row count walks row blocks outermost, so that the valid
+    // ones come first whatever the batch·heads
+    let dynamic_rows = a
+        .dynamic
+        .as_ref()
+        .is_some_and(|[_, r]| r.as_const().is_none());
+    let block_of = match dynamic_rows {
+        true => format!(
+            "  let i0 = (g2 / {}u) * {br}u;\n  let b = g2 % {}u;\n",
+            a.nb, a.nb
+        ),
+        false => format!("  let i0 = (g2 % {blocks}u) * {br}u;\n  let b = g2 / {blocks}u;\n"),
+    };
     main.push_str(&format!(
         "  let g0 = {FLAT_GROUP};\n  if (g0 >= {total}u) {{ return; }}\n\
          \x20 let sl = g0 % {slices}u;\n  let g1 = g0 / {slices}u;\n\
-         \x20 let sp = g1 % {nsplit}u;\n  let g2 = g1 / {nsplit}u;\n\
-         \x20 let i0 = (g2 % {blocks}u) * {br}u;\n  let b = g2 / {blocks}u;\n{}\
+         \x20 let sp = g1 % {nsplit}u;\n  let g2 = g1 / {nsplit}u;\n{block_of}{}\
          \x20 let c0 = sl * {}u;\n  let kbeg = sp * {span}u;\n  let kend = {kend};\n\
          \x20 let tr = lid % {rt}u;\n  let tk = lid / {rt}u;\n\
          \x20 let pr = lid % {rp}u;\n  let pc = lid / {rp}u;\n\
@@ -610,12 +661,28 @@ fn prefill(lw: &mut Lowering, a: &Attn) -> Result<()> {
     main.push_str("}\n");
     let workgroups = grid(total as u64, lw.options.max_workgroups_per_dim)?;
     let storage = (16 * region + 4 * (bc * pstride + br)) as u32;
-    lw.add_dispatch(
+    // at run time, the row blocks of the valid query rows
+    let actual = match &a.dynamic {
+        Some([nb, rows]) => {
+            let c = |n: usize| SymExpr::Const(n as i64);
+            let row_blocks = SymExpr::floor_div(rows.clone() + c(br - 1), c(br))?;
+            let (batch, rows) = ((nb.clone(), a.nb), (row_blocks, blocks));
+            let (outer, inner) = match rows.0.as_const() {
+                None => (rows, batch),
+                Some(_) => (batch, rows),
+            };
+            let dims = [outer, inner, (c(nsplit), nsplit), (c(slices), slices)];
+            lw.sizes.groups(&dims, 1)?
+        }
+        None => None,
+    };
+    lw.add_dispatch_sized(
         kb.finish(&main),
         vec![lw.op_label()],
         [wg as u32, 1, 1],
         workgroups,
         storage,
+        actual,
     )?;
     match split {
         Some(sp) => combine(lw, a, &sp),

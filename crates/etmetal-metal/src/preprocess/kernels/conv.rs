@@ -12,6 +12,7 @@
 
 use std::fmt::Write;
 
+use etmetal_core::sym::SymExpr;
 use etmetal_core::{AvgPoolAttrs, ConvAttrs, DType, Error, MaxPoolAttrs, Op, PoolWindow, Result};
 use etmetal_graph::Node;
 
@@ -20,6 +21,7 @@ use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::{reshaped, LazyRef};
 use crate::preprocess::pointwise::{cast, float_literal};
+use crate::preprocess::sizes::extent;
 use crate::preprocess::Lowering;
 
 /// Output channels per group from which a convolution is a GEMM (fewer
@@ -182,6 +184,15 @@ fn convolution(
             coop: F16Scaling::of(lw, &w2)
                 .zip(F16Scaling::of(lw, &x))
                 .map(|(a, b)| [a, b]),
+            // a dynamic batch: the columns are images × output positions
+            dynamic: node.inputs[0].filter(|&v| lw.graph.is_dynamic(v)).map(|v| {
+                let dims = lw.sizes.local(&lw.graph.sym_dims(v));
+                let bounds = lw.graph.value(v).shape.iter().copied();
+                let dims: Vec<(SymExpr, usize)> = dims.into_iter().zip(bounds).collect();
+                let images = extent(&dims[..lead]);
+                let c = |n: usize| SymExpr::Const(n as i64);
+                [c(groups), c(cout_g), images * c(os)]
+            }),
         };
         let args = ConvArgs {
             w: w2,
@@ -237,7 +248,7 @@ fn convolution(
     let store = kb.store(out, "e", &value)?;
     let _ = writeln!(s, "  {store}\n}}");
     let built = kb.finish(&s);
-    flat_dispatch(lw, built, total)
+    flat_dispatch(lw, built, total, out)
 }
 
 /// Where a convolution reads its input: spatial dim `d` of the input
@@ -342,15 +353,21 @@ impl GemmArgs for ConvArgs<'_> {
     }
 }
 
+/// A kernel of one invocation per element of `out` (row-major), `total`
+/// of them at the bound.
 fn flat_dispatch(
     lw: &mut Lowering,
     built: crate::preprocess::emit::Built,
     total: usize,
+    out: usize,
 ) -> Result<()> {
     let groups = (total as u64).div_ceil(u64::from(FLAT_WORKGROUP));
     let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
+    let actual = lw
+        .sizes
+        .groups(&lw.grid_dims(out), FLAT_WORKGROUP as usize)?;
     let ops = vec![lw.op_label()];
-    lw.add_dispatch(built, ops, [FLAT_WORKGROUP, 1, 1], workgroups, 0)
+    lw.add_dispatch_sized(built, ops, [FLAT_WORKGROUP, 1, 1], workgroups, 0, actual)
 }
 
 /// Per-spatial-dim window of a (non-adaptive) pooling.
@@ -548,7 +565,7 @@ fn pool(lw: &mut Lowering, node: &Node, kind: Pool) -> Result<()> {
     let store = kb.store(out, "e", &value)?;
     let _ = writeln!(s, "  {store}\n}}");
     let built = kb.finish(&s);
-    flat_dispatch(lw, built, total)
+    flat_dispatch(lw, built, total, out)
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@
 use std::fmt::Write;
 
 use etmetal_core::shape::broadcast_shapes;
+use etmetal_core::sym::SymExpr;
 use etmetal_core::{BinaryOp, DType, Error, Op, Result};
 use etmetal_graph::Node;
 
@@ -21,6 +22,7 @@ use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{expanded_index, linear, unravel, KernelBuilder};
 use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, float_literal, round_to};
+use crate::preprocess::sizes::extent;
 use crate::preprocess::{Lowering, RowStat};
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
@@ -50,8 +52,36 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         coop: F16Scaling::of(lw, &args.a)
             .zip(F16Scaling::of(lw, &args.b))
             .map(|(x, y)| [x, y]),
+        dynamic: dynamic_extent(lw, node, args.batch.len()),
     };
     gemm.lower(lw, &args)
+}
+
+/// The run-time `(batch, m, n)` extents of a product whose output is
+/// dynamic: its dims split as `[batch…, m…, n]` (a linear's leading dims
+/// flattened into m).
+fn dynamic_extent(lw: &Lowering, node: &Node, batch_dims: usize) -> Option<[SymExpr; 3]> {
+    let out = node.outputs[0];
+    if !lw.graph.is_dynamic(out) {
+        return None;
+    }
+    let dims: Vec<(SymExpr, usize)> = lw
+        .sizes
+        .local(&lw.graph.sym_dims(out))
+        .into_iter()
+        .zip(lw.graph.value(out).shape.iter().copied())
+        .collect();
+    let r = dims.len();
+    if r < batch_dims + 2 {
+        return None;
+    }
+    // (the rows of the bound layout up to the last valid one: `[2, s]`
+    // rows of a linear are `S + s`, not `2s`)
+    Some([
+        extent(&dims[..batch_dims]),
+        extent(&dims[batch_dims..r - 1]),
+        dims[r - 1].0.clone(),
+    ])
 }
 
 /// The later linear layers of one row block that read `node`'s input and

@@ -9,7 +9,7 @@ use etmetal_core::{BinaryOp, DType, Error, Op, Result, Scalar, UnaryOp};
 use etmetal_graph::Node;
 
 use super::rows::{
-    as_f32, as_rows, col_loop, dispatch_rows, row_head, shared, tree_reduce, ROW_WORKGROUP,
+    as_f32, as_rows, col_loop, dispatch_rows_of, row_head, shared, tree_reduce, ROW_WORKGROUP,
 };
 use crate::preprocess::emit::{entry, KernelBuilder};
 use crate::preprocess::expr::{Kind, Lazy, LazyRef};
@@ -223,7 +223,7 @@ fn row_norm(lw: &mut Lowering, node: &Node, n: RowNorm) -> Result<()> {
         &format!("    let f = {};\n    {store}\n", n.feature),
     ));
     main.push_str("}\n");
-    dispatch_rows(lw, kb.finish(&main), n.rows, ROW_WORKGROUP * 4)
+    dispatch_rows_of(lw, kb.finish(&main), n.rows, ROW_WORKGROUP * 4, Some(out))
 }
 
 /// `(x - mean[c]) / sqrt(var[c] + eps) * weight[c] + bias[c]` as a lazy

@@ -2,14 +2,15 @@
 //! argmax/argmin, max/min with indices, softmax and log-softmax: all row
 //! kernels (see [`super::rows`]).
 
-use etmetal_core::{DType, Error, Op, ReduceOp, Result};
+use etmetal_core::{DType, Error, Op, ReduceOp, Result, Scalar};
 use etmetal_graph::Node;
 
 use super::gemm::GEMV_ROWS;
 use super::rows::{
-    as_f32, as_rows, col_loop, dispatch_rows, row_head, shared, tree_reduce, Combine, ROW_WORKGROUP,
+    as_f32, as_rows, col_loop, col_loop_to, dispatch_rows_of, row_head, shared, tree_reduce,
+    Combine, ROW_WORKGROUP,
 };
-use crate::payload::Fault;
+use crate::payload::{Fault, Size};
 use crate::preprocess::emit::{entry, linear, unravel, KernelBuilder};
 use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
 use crate::preprocess::pointwise::{cast, compute_type, float_literal};
@@ -37,6 +38,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     match &node.op {
         Op::Reduce { op, dims, .. } => {
             let reduced = dims_or_all(dims);
+            let x = masked(lw, node, x, &reduced, *op)?;
             let (rows_x, rows, cols) = as_rows(&x, &reduced);
             let out = lw.output_buffer(node, 0)?;
             // a few rows' mean over the last dim (an RMSNorm's) waits for
@@ -53,12 +55,16 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
                 });
                 return Ok(());
             }
+            // over one dynamic dim, the columns stop at its run-time size
+            let run_cols = match reduced.as_slice() {
+                [d] => run_size(lw, node, *d)?,
+                _ => None,
+            };
             reduce_rows(
                 lw,
                 *op,
                 &rows_x,
-                rows,
-                cols,
+                (rows, cols, run_cols),
                 out,
                 (&node.name, node.op.name()),
             )
@@ -98,7 +104,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
                 &cast(&format!("(total / {divisor})"), DType::F32, out_dtype),
             )?;
             main.push_str(&format!("  if (lid == 0u) {{ {store} }}\n}}\n"));
-            dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
+            dispatch_rows_of(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4, Some(out))
         }
         Op::ArgReduce { max, dim, .. } => {
             let reduced = dim.map_or(all.clone(), |d| vec![d]);
@@ -114,6 +120,60 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             other.name()
         ))),
     }
+}
+
+/// The run-time size of dim `d` of `node`'s input 0 where it is dynamic.
+fn run_size(lw: &Lowering, node: &Node, d: usize) -> Result<Option<Size>> {
+    let Some(v) = node.inputs[0].filter(|&v| lw.graph.is_dynamic(v)) else {
+        return Ok(None);
+    };
+    let e = lw.sizes.local(&lw.graph.sym_dims(v))[d].clone();
+    match e.as_const() {
+        Some(_) => Ok(None),
+        None => lw.sizes.size(&e).map(Some),
+    }
+}
+
+/// `x` with each dynamic dim of `reduced` read past its run-time size as
+/// the identity of `op`, so the tail of the bound layout adds nothing (the
+/// partitioner keeps a mean over a dynamic dim, whose divisor would be the
+/// bound, on the CPU).
+fn masked(
+    lw: &Lowering,
+    node: &Node,
+    x: LazyRef,
+    reduced: &[usize],
+    op: ReduceOp,
+) -> Result<LazyRef> {
+    let Some(v) = node.inputs[0].filter(|&v| lw.graph.is_dynamic(v)) else {
+        return Ok(x);
+    };
+    let dims = lw.sizes.local(&lw.graph.sym_dims(v));
+    let valid = reduced
+        .iter()
+        .filter(|&&d| dims[d].as_const().is_none())
+        .map(|&d| Ok((d, lw.sizes.size(&dims[d])?)))
+        .collect::<Result<Vec<_>>>()?;
+    if valid.is_empty() {
+        return Ok(x);
+    }
+    let float = x.dtype.is_float();
+    let fill = match op {
+        ReduceOp::Sum | ReduceOp::Mean => Scalar::Int(0),
+        ReduceOp::Prod => Scalar::Int(1),
+        ReduceOp::Max if float => Scalar::Float(f64::NEG_INFINITY),
+        ReduceOp::Max => Scalar::Int(i64::from(i32::MIN)),
+        ReduceOp::Min if float => Scalar::Float(f64::INFINITY),
+        ReduceOp::Min => Scalar::Int(i64::from(i32::MAX)),
+        ReduceOp::Any => Scalar::Bool(false),
+        ReduceOp::All => Scalar::Bool(true),
+    };
+    let kind = Kind::Masked {
+        x: x.clone(),
+        valid,
+        fill,
+    };
+    Ok(Lazy::new(x.dtype, x.shape.clone(), kind))
 }
 
 /// argmax/argmin (first index of the extreme value, as PyTorch), with the
@@ -180,7 +240,7 @@ fn arg_reduce(
         stores.push_str(&kb.store(values, "row", &cast("rv[0]", value_dtype, vd))?);
     }
     main.push_str(&format!("  if (lid == 0u) {{ {stores} }}\n}}\n"));
-    dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 8)
+    dispatch_rows_of(lw, kb.finish(&main), rows, ROW_WORKGROUP * 8, Some(indices))
 }
 
 fn softmax(
@@ -229,7 +289,9 @@ fn softmax(
         &format!("    let at = {at};\n    {store}\n"),
     ));
     main.push_str("}\n");
-    dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
+    // over the last dim a row is a run of the output
+    let runs = (dim + 1 == shape.len()).then_some(out);
+    dispatch_rows_of(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4, runs)
 }
 
 /// The row kernel of `op` over `[rows, cols]` `x` into `out` (`node`
@@ -238,8 +300,7 @@ fn reduce_rows(
     lw: &mut Lowering,
     op: ReduceOp,
     x: &LazyRef,
-    rows: usize,
-    cols: usize,
+    (rows, cols, run_cols): (usize, usize, Option<Size>),
     out: usize,
     (node, op_name): (&str, &str),
 ) -> Result<()> {
@@ -298,8 +359,12 @@ fn reduce_rows(
     main.push_str(&entry(ROW_WORKGROUP));
     main.push_str(&row_head(rows));
     main.push_str(&format!("  var acc: {acc_ty} = {init};\n"));
-    main.push_str(&col_loop(
-        cols,
+    let end = match &run_cols {
+        Some(n) => kb.size(n),
+        None => format!("{cols}u"),
+    };
+    main.push_str(&col_loop_to(
+        &end,
         &format!("    acc = {};\n", combine("acc", &read)),
     ));
     main.push_str(&tree_reduce("red", "acc", "total", &|a, b| combine(a, b)));
@@ -309,13 +374,20 @@ fn reduce_rows(
     }
     let store = kb.store(out, "row", &cast(&total, acc_dtype, out_dtype))?;
     main.push_str(&format!("  if (lid == 0u) {{ {store} }}\n}}\n"));
-    dispatch_rows(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4)
+    dispatch_rows_of(lw, kb.finish(&main), rows, ROW_WORKGROUP * 4, Some(out))
 }
 
 /// Dispatch a deferred row mean.
 pub(crate) fn row_mean(lw: &mut Lowering, st: &RowStat) -> Result<()> {
     let site = (st.node.as_str(), st.label.as_str());
-    reduce_rows(lw, ReduceOp::Mean, &st.x, st.rows, st.cols, st.buf, site)
+    reduce_rows(
+        lw,
+        ReduceOp::Mean,
+        &st.x,
+        (st.rows, st.cols, None),
+        st.buf,
+        site,
+    )
 }
 
 /// A reduction over dims of size 1 (a decode step's one position: an

@@ -78,7 +78,12 @@ pub(crate) fn row_head(rows: usize) -> String {
 }
 
 pub(crate) fn col_loop(cols: usize, body: &str) -> String {
-    format!("  for (var c = lid; c < {cols}u; c = c + {ROW_WORKGROUP}u) {{\n{body}  }}\n")
+    col_loop_to(&format!("{cols}u"), body)
+}
+
+/// [`col_loop`] to the u32 WGSL expression `end` (a run-time size).
+pub(crate) fn col_loop_to(end: &str, body: &str) -> String {
+    format!("  for (var c = lid; c < {end}; c = c + {ROW_WORKGROUP}u) {{\n{body}  }}\n")
 }
 
 /// Dispatch a row kernel: one workgroup a row, `storage` bytes of
@@ -89,7 +94,34 @@ pub(crate) fn dispatch_rows(
     rows: usize,
     storage: u32,
 ) -> Result<()> {
+    dispatch_rows_of(lw, built, rows, storage, None)
+}
+
+/// [`dispatch_rows`] of a kernel whose rows are, in order, consecutive
+/// runs of `out` (a norm's rows, a reduction's outputs): at run time only
+/// the rows up to `out`'s last valid element run.
+pub(crate) fn dispatch_rows_of(
+    lw: &mut Lowering,
+    built: Built,
+    rows: usize,
+    storage: u32,
+    out: Option<usize>,
+) -> Result<()> {
     let workgroups = grid(rows as u64, lw.options.max_workgroups_per_dim)?;
+    let actual = match out {
+        Some(out) => {
+            let per = lw.buffers.list[out].numel() / rows.max(1);
+            lw.sizes.groups(&lw.grid_dims(out), per.max(1))?
+        }
+        None => None,
+    };
     let ops = vec![lw.op_label()];
-    lw.add_dispatch(built, ops, [ROW_WORKGROUP, 1, 1], workgroups, storage)
+    lw.add_dispatch_sized(
+        built,
+        ops,
+        [ROW_WORKGROUP, 1, 1],
+        workgroups,
+        storage,
+        actual,
+    )
 }

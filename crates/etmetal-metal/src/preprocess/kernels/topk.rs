@@ -17,7 +17,7 @@ use crate::payload::Fault;
 use crate::preprocess::emit::{
     entry, grid, linear, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP,
 };
-use crate::preprocess::expr::{GatherAt, Kind, Lazy, LazyRef};
+use crate::preprocess::expr::{GatherAt, Kind, Lazy, LazyRef, Pos};
 use crate::preprocess::pointwise::{cast, compute_type, int_literal};
 use crate::preprocess::Lowering;
 
@@ -216,6 +216,7 @@ fn index(lw: &mut Lowering, node: &Node) -> Result<()> {
         if i.shape.len() == 1 {
             let (_, dtype, shape) = lw.output_info(node, 0)?;
             let gather = Kind::Gather {
+                len: Pos::At(x.shape[0]),
                 src: x,
                 dim: 0,
                 index: i.clone(),

@@ -544,9 +544,17 @@ pub(super) fn lower<A: GemmArgs + ?Sized>(
     let tiles = (gemm.m.div_ceil(t.bm) * gemm.n.div_ceil(t.bn)) as u64;
     let groups = tiles * (gemm.batch * split.splits) as u64;
     let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
+    let actual = gemm.groups(lw, t.bm, t.bn, split.splits)?;
     let ops = vec![lw.op_label()];
     let threads = t.threads() as u32;
-    lw.add_dispatch(built, ops, [threads, 1, 1], workgroups, storage as u32)
+    lw.add_dispatch_sized(
+        built,
+        ops,
+        [threads, 1, 1],
+        workgroups,
+        storage as u32,
+        actual,
+    )
 }
 
 fn stages(gemm: &Gemm, t: &CoopTile, frag: Frag) -> (Stage, Stage) {
@@ -606,11 +614,11 @@ fn kernel(
         "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
          \x20 let ks = g / {per}u;\n  let sb = g / {tiles}u;\n\
          \x20 let bt = sb % {}u;\n  let tile = g % {tiles}u;\n\
-         \x20 let kbase = ks * {depth}u;\n\
-         \x20 let m0 = (tile / {tiles_n}u) * {bm}u;\n  let n0 = (tile % {tiles_n}u) * {bn}u;\n\
+         \x20 let kbase = ks * {depth}u;\n{}\
          \x20 let wr = (sg / {}u) * {wm}u;\n  let wc = (sg % {}u) * {wn}u;",
         per * splits,
         gemm.batch,
+        gemm.tile_origin(bm, bn),
         bn / wn,
         bn / wn,
     );
@@ -973,6 +981,7 @@ mod tests {
             a_k_fast: true,
             b_k_fast: false,
             coop: None,
+            dynamic: None,
         };
         let cases = [
             ((4096, 4096), Frag::Half16, (128, 128, 32)),

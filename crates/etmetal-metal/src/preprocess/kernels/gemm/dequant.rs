@@ -65,6 +65,7 @@ impl Int4Operands<'_> {
             a_k_fast: true,
             b_k_fast: true,
             coop: sixteen.then_some([F16Scaling::Lines, F16Scaling::Lines]),
+            dynamic: None,
         };
         if !coop::worth(&gemm) {
             return Ok(());

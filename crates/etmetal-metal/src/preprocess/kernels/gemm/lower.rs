@@ -8,12 +8,47 @@ use super::coop;
 use super::spec::{Gemm, GemmArgs, FILL};
 use super::split::{split_k, SplitK};
 use crate::preprocess::emit::{grid, Built, KernelBuilder};
+use crate::preprocess::sizes::bucket;
 use crate::preprocess::Lowering;
+
+/// Upper ends of the row buckets of a product of dynamic m: each bucket
+/// gets the tiles (and split of k) a static product of its largest m
+/// would, and runs only when the actual m falls in it.
+const ROW_BUCKETS: [usize; 2] = [64, 256];
 
 impl Gemm {
     /// Validate and append the kernel(s), reading the operands and storing
-    /// the results as `args` says.
+    /// the results as `args` says; a product of dynamic m (and one batch)
+    /// as one variant per row bucket, each gated to its bucket.
     pub fn lower<A: GemmArgs>(&self, lw: &mut Lowering, args: &A) -> Result<()> {
+        let rows = match &self.dynamic {
+            Some([_, m, _]) if m.as_const().is_none() && self.batch == 1 => m.clone(),
+            _ => return self.lower_one(lw, args),
+        };
+        let mut ends: Vec<usize> = ROW_BUCKETS.into_iter().filter(|&e| e < self.m).collect();
+        if ends.is_empty() {
+            return self.lower_one(lw, args);
+        }
+        ends.push(self.m);
+        let mut lo = 0;
+        for &hi in &ends {
+            let variant = Gemm {
+                m: hi,
+                dynamic: self.dynamic.clone(),
+                coop: self.coop,
+                ..*self
+            };
+            let top = (hi < self.m).then_some(hi);
+            lw.gate = Some(bucket(&rows, lo, top)?);
+            let lowered = variant.lower_one(lw, args);
+            lw.gate = None;
+            lowered?;
+            lo = hi;
+        }
+        Ok(())
+    }
+
+    fn lower_one<A: GemmArgs>(&self, lw: &mut Lowering, args: &A) -> Result<()> {
         if self.m == 0 || self.n == 0 || self.batch == 0 {
             // nothing to write
             return Ok(());
@@ -41,7 +76,9 @@ impl Gemm {
         let storage = (2 * 4 * (sa + sb)) as u32;
         let ops = vec![lw.op_label()];
         let d = lw.dispatches.len();
-        lw.add_dispatch(built, ops, [t.threads() as u32, 1, 1], workgroups, storage)?;
+        let actual = self.groups(lw, t.bm, t.bn, splits)?;
+        let size = [t.threads() as u32, 1, 1];
+        lw.add_dispatch_sized(built, ops, size, workgroups, storage, actual)?;
         if coop::worth(self) {
             // the same partial sums or outputs, from the same split of k;
             // NVIDIA's 16×16 form first, then Apple's 8×8

@@ -4,9 +4,12 @@
 //! provides ([`GemmArgs`], [`GemvArgs`], [`Epilogue`]; burn's `MatmulArgs`
 //! is the model). The leaf of the family: the emitters build on it.
 
+use etmetal_core::sym::SymExpr;
 use etmetal_core::{DType, Result};
 
+use crate::payload::Size;
 use crate::preprocess::emit::KernelBuilder;
+use crate::preprocess::Lowering;
 
 /// One batched product `C[bt, r, c] = Σ_k A[bt, r, k] · B[bt, k, c]`. The
 /// caller's [`GemmArgs`] read the operands and store the results. When
@@ -27,6 +30,62 @@ pub(crate) struct Gemm {
     /// How each operand becomes f16 for the tensor-core alternative
     /// (`coop`); `None`: the portable kernel only.
     pub coop: Option<[F16Scaling; 2]>,
+    /// The run-time `(batch, m, n)` of a bounded-dynamic product (none:
+    /// static); its dispatches then run only the tiles within them.
+    pub dynamic: Option<[SymExpr; 3]>,
+}
+
+impl Gemm {
+    /// Whether tiles run n-major (`tile % tiles_m` is the row block): only
+    /// where n is dynamic and m static (a convolution's images), so that
+    /// the valid tiles come first.
+    fn n_major(&self) -> bool {
+        self.dynamic
+            .as_ref()
+            .is_some_and(|[_, m, n]| m.as_const().is_some() && n.as_const().is_none())
+    }
+
+    /// The WGSL of a tile's origin (`m0`, `n0`) from its index `tile`.
+    pub(super) fn tile_origin(&self, bm: usize, bn: usize) -> String {
+        let (tiles_m, tiles_n) = (self.m.div_ceil(bm), self.n.div_ceil(bn));
+        if self.n_major() {
+            format!(
+                "  let m0 = (tile % {tiles_m}u) * {bm}u;\n  let n0 = (tile / {tiles_m}u) * {bn}u;\n"
+            )
+        } else {
+            format!(
+                "  let m0 = (tile / {tiles_n}u) * {bm}u;\n  let n0 = (tile % {tiles_n}u) * {bn}u;\n"
+            )
+        }
+    }
+
+    /// The workgroups covering the valid tiles at run time (grid order:
+    /// split, batch, then tiles as [`Self::tile_origin`] walks them).
+    pub(super) fn groups(
+        &self,
+        lw: &Lowering,
+        bm: usize,
+        bn: usize,
+        splits: usize,
+    ) -> Result<Option<Size>> {
+        let Some([batch, m, n]) = &self.dynamic else {
+            return Ok(None);
+        };
+        let blocks = |e: &SymExpr, b: usize| {
+            SymExpr::floor_div(
+                e.clone() + SymExpr::Const(b as i64 - 1),
+                SymExpr::Const(b as i64),
+            )
+        };
+        let rows = (blocks(m, bm)?, self.m.div_ceil(bm));
+        let cols = (blocks(n, bn)?, self.n.div_ceil(bn));
+        let split = (SymExpr::Const(splits as i64), splits);
+        let dims = match self.n_major() {
+            true => [split, (batch.clone(), self.batch), cols, rows],
+            false => [split, (batch.clone(), self.batch), rows, cols],
+        };
+        lw.sizes.groups(&dims, 1)
+    }
 }
 
 /// How a 16-bit operand becomes f16 for the tensor cores (see the `coop`

@@ -107,12 +107,12 @@ impl Gemm {
             "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
              \x20 let ks = g / {per}u;\n  let sb = g / {tiles}u;\n\
              \x20 let bt = sb % {}u;\n  let tile = g % {tiles}u;\n\
-             \x20 let kbase = ks * {}u;\n\
-             \x20 let m0 = (tile / {tiles_n}u) * {bm}u;\n  let n0 = (tile % {tiles_n}u) * {bn}u;\n\
+             \x20 let kbase = ks * {}u;\n{}\
              \x20 let tx = lid % {}u;\n  let ty = lid / {}u;",
             per * splits,
             self.batch,
             k / splits,
+            self.tile_origin(bm, bn),
             bn / tn,
             bn / tn,
         );
@@ -308,6 +308,7 @@ mod tests {
                 a_k_fast: true,
                 b_k_fast: false,
                 coop: None,
+                dynamic: None,
             };
             let t = g.tile();
             // every invocation stages whole elements of both slices
