@@ -53,6 +53,29 @@ use crate::ir::{Graph, InputKind, Node, ValueId};
 /// after 3-4 on gaussian and heavy-tailed weights.
 const REFINE_ROUNDS: usize = 6;
 
+/// The clip search's candidate ranges, in steps: codes are first rounded
+/// with the step `(max - min) / r`. Below 15 the range is clipped (an
+/// outlier rounds to the end code and the other values get finer steps);
+/// above, it is widened. The integers below 14 fit groups whose values
+/// already sit on a grid of fewer than 16 used levels (a GGUF Q4_K tensor,
+/// dequantized, is such a grid per 32 values): that grid is then found
+/// exactly. llama.cpp's `make_qkx2_quants` searches 14..16 in steps of 0.1.
+const SEARCH_STEPS: [f32; 15] = [
+    10.0, 11.0, 12.0, 13.0, 14.0, 14.2, 14.4, 14.6, 14.8, 15.0, 15.2, 15.4, 15.6, 15.8, 16.0,
+];
+
+/// How [`quantize_weight`] fits each group's scale and zero.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fit {
+    /// `zero = min`, `scale = (max - min) / 15`.
+    MinMax,
+    /// Min-max, then least-squares refinement.
+    Refine,
+    /// The best of min-max and the clip search's ranges, then refinement:
+    /// what `--quantize int4` uses.
+    Search,
+}
+
 /// An int4 weight `[N, K]`: packed codes `[N, K/2]`, scales and zeros
 /// `[N, K/group]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -74,8 +97,29 @@ fn codes(w: &[f32], scale: f32, zero: f32, q: &mut [u8]) -> f64 {
     err
 }
 
-/// `(scale, zero)` of one group, its codes written into `q`.
-fn quantize_group(w: &[f32], refine: bool, q: &mut [u8]) -> (f32, f32) {
+/// The `(scale, zero)` minimising the squared error of `w` for the codes
+/// `q`; None when the codes do not determine a positive scale.
+fn least_squares(w: &[f32], q: &[u8]) -> Option<(f32, f32)> {
+    let n = w.len() as f64;
+    let (mut sq, mut sqq, mut sw, mut sqw) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    for (&v, &c) in w.iter().zip(q) {
+        let (c, v) = (c as f64, v as f64);
+        sq += c;
+        sqq += c * c;
+        sw += v;
+        sqw += c * v;
+    }
+    let det = n * sqq - sq * sq;
+    if det <= 0.0 {
+        return None;
+    }
+    let scale = (n * sqw - sq * sw) / det;
+    (scale > 1e-12).then(|| (scale as f32, ((sw - scale * sq) / n) as f32))
+}
+
+/// `(scale, zero)` of one group, its codes written into `q`; `trial` is
+/// scratch of the group's length.
+fn quantize_group(w: &[f32], fit: Fit, q: &mut [u8], trial: &mut [u8]) -> (f32, f32) {
     let (lo, hi) = w
         .iter()
         .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
@@ -83,68 +127,96 @@ fn quantize_group(w: &[f32], refine: bool, q: &mut [u8]) -> (f32, f32) {
         });
     let mut best = (((hi - lo) / 15.0).max(1e-8), lo);
     let mut best_err = codes(w, best.0, best.1, q);
-    if !refine {
+    if fit == Fit::MinMax {
         return best;
     }
-    let mut trial = vec![0u8; w.len()];
+    if fit == Fit::Search {
+        let span = (hi - lo).max(1e-8);
+        for r in SEARCH_STEPS {
+            let inv = r / span;
+            for (t, v) in trial.iter_mut().zip(w) {
+                *t = ((v - lo) * inv).round().clamp(0.0, 15.0) as u8;
+            }
+            if let Some((scale, zero)) = least_squares(w, trial) {
+                let err = codes(w, scale, zero, trial);
+                if err < best_err {
+                    (best, best_err) = ((scale, zero), err);
+                    q.copy_from_slice(trial);
+                }
+            }
+        }
+    }
+    // Refinement: refit to the codes, re-round the codes, while the error
+    // drops.
     trial.copy_from_slice(q);
-    let n = w.len() as f64;
     for _ in 0..REFINE_ROUNDS {
-        let (mut sq, mut sqq, mut sw, mut sqw) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
-        for (&v, &c) in w.iter().zip(&trial) {
-            let (c, v) = (c as f64, v as f64);
-            sq += c;
-            sqq += c * c;
-            sw += v;
-            sqw += c * v;
-        }
-        let det = n * sqq - sq * sq;
-        if det <= 0.0 {
+        let Some((scale, zero)) = least_squares(w, trial) else {
+            break;
+        };
+        let err = codes(w, scale, zero, trial);
+        if err >= best_err {
             break;
         }
-        let scale = (n * sqw - sq * sw) / det;
-        if scale <= 1e-12 {
-            break;
-        }
-        let zero = (sw - scale * sq) / n;
-        let (scale, zero) = (scale as f32, zero as f32);
-        let err = codes(w, scale, zero, &mut trial);
-        if err < best_err {
-            best_err = err;
-            best = (scale, zero);
-            q.copy_from_slice(&trial);
-        } else {
-            break;
-        }
+        (best, best_err) = ((scale, zero), err);
+        q.copy_from_slice(trial);
     }
     best
 }
 
-/// Quantize `w [N, K]` (row-major) with groups of `group_size` along K.
+/// Quantize `w [N, K]` (row-major) with groups of `group_size` along K,
+/// scales and zeros stored in `dtype`: the codes are rounded to the
+/// stored (rounded) parameters, which the kernels read.
 pub fn quantize_weight(
     w: &[f32],
     n: usize,
     k: usize,
     group_size: usize,
-    refine: bool,
-) -> Int4Weight {
-    let groups = k / group_size;
+    fit: Fit,
+    dtype: DType,
+) -> Result<Int4Weight> {
+    let groups = n * (k / group_size);
     let mut q = vec![0u8; n * k];
-    let mut scales = Vec::with_capacity(n * groups);
-    let mut zeros = Vec::with_capacity(n * groups);
-    for (wg, qg) in w
+    let mut scales = vec![0f32; groups];
+    let mut zeros = vec![0f32; groups];
+    // rows of groups split over the cores: each group is independent
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    let per = groups.div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        for (((w, q), s), z) in w
+            .chunks(per * group_size)
+            .zip(q.chunks_mut(per * group_size))
+            .zip(scales.chunks_mut(per))
+            .zip(zeros.chunks_mut(per))
+        {
+            scope.spawn(move || {
+                let mut trial = vec![0u8; group_size];
+                for (((wg, qg), s), z) in w
+                    .chunks_exact(group_size)
+                    .zip(q.chunks_exact_mut(group_size))
+                    .zip(s.iter_mut())
+                    .zip(z.iter_mut())
+                {
+                    (*s, *z) = quantize_group(wg, fit, qg, &mut trial);
+                }
+            });
+        }
+    });
+    let stored = |v: &[f32]| -> Result<Vec<f32>> {
+        Ok(Tensor::from_f32(dtype, &[v.len()], v)?.to_f32_vec())
+    };
+    let (scales, zeros) = (stored(&scales)?, stored(&zeros)?);
+    for (i, (wg, qg)) in w
         .chunks_exact(group_size)
         .zip(q.chunks_exact_mut(group_size))
+        .enumerate()
     {
-        let (s, z) = quantize_group(wg, refine, qg);
-        scales.push(s);
-        zeros.push(z);
+        codes(wg, scales[i], zeros[i], qg);
     }
-    Int4Weight {
+    Ok(Int4Weight {
         packed: pack(&q),
         scales,
         zeros,
-    }
+    })
 }
 
 /// The float weight `[N, K]` an int4 weight stands for.
@@ -274,7 +346,7 @@ pub fn quantize_int4(
             continue;
         }
         let dtype = graph.value(w).dtype;
-        let q = quantize_weight(&values, n, k, group_size, true);
+        let q = quantize_weight(&values, n, k, group_size, Fit::Search, dtype)?;
         let groups = k / group_size;
         let packed = graph.add_constant(
             format!("{name}.int4"),
@@ -360,40 +432,118 @@ mod tests {
         num / den
     }
 
+    /// Student-t with 3 degrees of freedom: heavy tails as in trained weights.
+    fn heavy_tailed(seed: u64, n: usize) -> Vec<f32> {
+        let chi = gaussian(seed + 1, n * 3);
+        gaussian(seed, n)
+            .iter()
+            .zip(chi.chunks_exact(3))
+            .map(|(a, c)| {
+                a / ((c[0] * c[0] + c[1] * c[1] + c[2] * c[2]) / 3.0)
+                    .sqrt()
+                    .max(1e-3)
+            })
+            .collect()
+    }
+
+    fn f32_error(w: &[f32], n: usize, k: usize, fit: Fit) -> f64 {
+        rel_error(
+            w,
+            &quantize_weight(w, n, k, 32, fit, DType::F32).unwrap(),
+            k,
+            32,
+        )
+    }
+
     #[test]
-    fn refinement_lowers_the_error() {
-        let (n, k, gs) = (64, 1024, 32);
-        let g = gaussian(7, n * k);
-        // student-t with 3 degrees of freedom: heavy tails as in trained weights
-        let chi: Vec<f32> = gaussian(8, n * k * 3)
-            .chunks_exact(3)
-            .map(|c| ((c[0] * c[0] + c[1] * c[1] + c[2] * c[2]) / 3.0).sqrt())
-            .collect();
-        let t: Vec<f32> = g.iter().zip(&chi).map(|(a, b)| a / b.max(1e-3)).collect();
-        for w in [g, t] {
-            let plain = rel_error(&w, &quantize_weight(&w, n, k, gs, false), k, gs);
-            let refined = rel_error(&w, &quantize_weight(&w, n, k, gs, true), k, gs);
+    fn refinement_and_clip_search_lower_the_error() {
+        let (n, k) = (64, 1024);
+        for w in [gaussian(7, n * k), heavy_tailed(7, n * k)] {
+            let plain = f32_error(&w, n, k, Fit::MinMax);
+            let refined = f32_error(&w, n, k, Fit::Refine);
+            let searched = f32_error(&w, n, k, Fit::Search);
             assert!(
                 refined < plain * 0.9,
                 "refined {refined} vs min-max {plain}"
+            );
+            assert!(
+                searched < refined * 0.95,
+                "searched {searched} vs refined {refined}"
             );
             assert!(plain < 2e-2, "{plain}");
         }
     }
 
     #[test]
-    fn codes_and_parameters_reconstruct_the_group() {
-        // A group on the 16-level grid is exact.
-        let w: Vec<f32> = (0..32).map(|i| -1.0 + (i % 16) as f32 * 0.25).collect();
-        let q = quantize_weight(&w, 1, 32, 32, true);
-        assert_eq!(dequantize_weight(&q, 32, 32), w);
-        assert_eq!((q.scales[0], q.zeros[0]), (0.25, -1.0));
-        // A constant group keeps its value.
-        let c = vec![0.5f32; 64];
-        let q = quantize_weight(&c, 2, 32, 32, true);
-        assert!(dequantize_weight(&q, 32, 32)
+    fn clip_search_finds_a_grid_of_fewer_levels() {
+        // Groups already on a 16-level grid whose codes span 1..=13 (a
+        // dequantized GGUF Q4_K tensor's groups often leave an end code
+        // unused): min-max's step is off the grid, the search recovers it.
+        let (n, k) = (16, 64);
+        let mut codes: Vec<u8> = gaussian(3, n * k)
             .iter()
-            .all(|v| (v - 0.5).abs() < 1e-6));
+            .map(|v| (7.0 + 2.0 * v).round().clamp(1.0, 13.0) as u8)
+            .collect();
+        for c in codes.chunks_exact_mut(32) {
+            (c[0], c[1]) = (1, 13);
+        }
+        let w: Vec<f32> = codes
+            .chunks_exact(32)
+            .enumerate()
+            .flat_map(|(g, c)| {
+                let (scale, zero) = (0.125 * (1 + g % 3) as f32, -0.5 * (g % 5) as f32);
+                c.iter().map(move |&c| c as f32 * scale + zero)
+            })
+            .collect();
+        assert!(f32_error(&w, n, k, Fit::Refine) > 1e-5);
+        assert_eq!(f32_error(&w, n, k, Fit::Search), 0.0);
+    }
+
+    #[test]
+    fn codes_are_rounded_to_the_stored_parameters() {
+        // bf16 scales and zeros move the grid a little from the f32 fit:
+        // each value's code is the nearest on the grid the kernels read.
+        let (n, k) = (64, 256);
+        let w = heavy_tailed(11, n * k);
+        let q = quantize_weight(&w, n, k, 32, Fit::Search, DType::BF16).unwrap();
+        for (i, (&v, &c)) in w
+            .iter()
+            .zip(&etmetal_core::int4::unpack(&q.packed))
+            .enumerate()
+        {
+            let (s, z) = (q.scales[i / 32], q.zeros[i / 32]);
+            assert_eq!(
+                Tensor::from_f32(DType::BF16, &[1], &[s])
+                    .unwrap()
+                    .to_f32_vec(),
+                [s]
+            );
+            let d = (c as f32 * s + z - v).abs();
+            let nearest = (0..16)
+                .map(|c| (c as f32 * s + z - v).abs())
+                .fold(f32::INFINITY, f32::min);
+            assert!(
+                d <= nearest,
+                "value {i}: code {c} is {d} away, the nearest {nearest}"
+            );
+        }
+    }
+
+    #[test]
+    fn codes_and_parameters_reconstruct_the_group() {
+        for fit in [Fit::MinMax, Fit::Refine, Fit::Search] {
+            // A group on the 16-level grid is exact.
+            let w: Vec<f32> = (0..32).map(|i| -1.0 + (i % 16) as f32 * 0.25).collect();
+            let q = quantize_weight(&w, 1, 32, 32, fit, DType::BF16).unwrap();
+            assert_eq!(dequantize_weight(&q, 32, 32), w, "{fit:?}");
+            assert_eq!((q.scales[0], q.zeros[0]), (0.25, -1.0), "{fit:?}");
+            // A constant group keeps its value.
+            let c = vec![0.5f32; 64];
+            let q = quantize_weight(&c, 2, 32, 32, fit, DType::F32).unwrap();
+            assert!(dequantize_weight(&q, 32, 32)
+                .iter()
+                .all(|v| (v - 0.5).abs() < 1e-6));
+        }
     }
 
     fn mlp(k: usize) -> Graph {
