@@ -43,6 +43,9 @@
 //! `etmetal compile` itself gives is measured by scripts/eval_llm.py
 //! (BENCHMARKS.md).
 
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
 use etmetal_core::int4::{as_words, pack, GROUP_SIZES};
 use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor};
 
@@ -239,6 +242,9 @@ pub struct QuantizeReport {
     pub quantized: Vec<String>,
     /// `(node, why)` for linears left in float.
     pub skipped: Vec<(String, String)>,
+    /// Quantized nodes whose int4 weight came from the cache (made for
+    /// another method or node), a subset of `quantized`.
+    pub reused: Vec<String>,
 }
 
 fn weight_name(g: &Graph, v: ValueId) -> String {
@@ -257,11 +263,12 @@ fn weight_name(g: &Graph, v: ValueId) -> String {
         .unwrap_or_else(|| g.value(v).name.clone())
 }
 
-/// The weight `[N, K]` (row-major f32) of a linear node, or why not.
+/// A linear node's weight: its value, whether it is stored as `B = W.T`
+/// (a matmul's), and `[N, K]`; or why it is not quantized.
 fn linear_weight(
     g: &Graph,
     node: &Node,
-) -> std::result::Result<(ValueId, Vec<f32>, usize, usize), String> {
+) -> std::result::Result<(ValueId, bool, usize, usize), String> {
     let (w, transposed) = match &node.op {
         Op::Linear => (node.inputs.get(1).copied().flatten(), false),
         Op::MatMul => (node.inputs.get(1).copied().flatten(), true),
@@ -283,19 +290,44 @@ fn linear_weight(
     if x.shape.len() < 2 && transposed {
         return Err("a matmul of a vector".into());
     }
-    let v = t.to_f32_vec();
     let (r, c) = (t.shape()[0], t.shape()[1]);
-    if transposed {
-        let mut wt = vec![0.0f32; r * c];
-        for i in 0..r {
-            for j in 0..c {
-                wt[j * r + i] = v[i * c + j];
-            }
-        }
-        Ok((w, wt, c, r))
+    Ok(if transposed {
+        (w, true, c, r)
     } else {
-        Ok((w, v, r, c))
+        (w, false, r, c)
+    })
+}
+
+/// The weight `t` as `W [N, K]`, row-major f32.
+fn weight_values(t: &Tensor, transposed: bool) -> Vec<f32> {
+    let v = t.to_f32_vec();
+    if !transposed {
+        return v;
     }
+    let (r, c) = (t.shape()[0], t.shape()[1]);
+    let mut wt = vec![0.0f32; r * c];
+    for i in 0..r {
+        for j in 0..c {
+            wt[j * r + i] = v[i * c + j];
+        }
+    }
+    wt
+}
+
+/// The int4 constants (packed codes, scales, zeros) already made from a
+/// weight, so that a weight the methods of one program share (or two
+/// nodes of one graph) is quantized once. Keyed by the weight's name, its
+/// layout and group size, and a hash of its bytes: a method of another
+/// model with a weight of the same name is quantized anew.
+#[derive(Default)]
+pub struct Int4Cache {
+    done: HashMap<(String, bool, usize, u64), [Tensor; 3]>,
+}
+
+fn bytes_hash(t: &Tensor) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (t.dtype().name(), t.shape(), t.bytes()).hash(&mut h);
+    h.finish()
 }
 
 /// Quantize every linear of `graph` to int4 (see the module comment).
@@ -303,6 +335,17 @@ pub fn quantize_int4(
     graph: &mut Graph,
     group_size: usize,
     skip_patterns: &[String],
+) -> Result<QuantizeReport> {
+    quantize_int4_cached(graph, group_size, skip_patterns, &mut Int4Cache::default())
+}
+
+/// [`quantize_int4`], reusing (and adding to) the int4 weights of `cache`:
+/// call it with one cache for every method of a program.
+pub fn quantize_int4_cached(
+    graph: &mut Graph,
+    group_size: usize,
+    skip_patterns: &[String],
+    cache: &mut Int4Cache,
 ) -> Result<QuantizeReport> {
     if !GROUP_SIZES.contains(&group_size) {
         return Err(Error::invalid_input(format!(
@@ -316,7 +359,7 @@ pub fn quantize_int4(
             nodes.push(node);
             continue;
         }
-        let (w, values, n, k) = match linear_weight(graph, &node) {
+        let (w, transposed, n, k) = match linear_weight(graph, &node) {
             Ok(found) => found,
             Err(why) => {
                 if matches!(node.op, Op::Linear) {
@@ -345,21 +388,35 @@ pub fn quantize_int4(
             nodes.push(node);
             continue;
         }
-        let dtype = graph.value(w).dtype;
-        let q = quantize_weight(&values, n, k, group_size, Fit::Search, dtype)?;
-        let groups = k / group_size;
-        let packed = graph.add_constant(
-            format!("{name}.int4"),
-            as_words(&Tensor::from_slice(DType::U8, &[n, k / 2], &q.packed)?)?,
-        );
-        let scales = graph.add_constant(
-            format!("{name}.int4_scales"),
-            Tensor::from_f32(dtype, &[n, groups], &q.scales)?,
-        );
-        let zeros = graph.add_constant(
-            format!("{name}.int4_zeros"),
-            Tensor::from_f32(dtype, &[n, groups], &q.zeros)?,
-        );
+        let t = &graph.constants[&w];
+        let key = (name.clone(), transposed, group_size, bytes_hash(t));
+        let [packed, scales, zeros] = match cache.done.get(&key) {
+            Some(made) => {
+                report.reused.push(node.name.clone());
+                made.clone()
+            }
+            None => {
+                let (dtype, groups) = (t.dtype(), k / group_size);
+                let q = quantize_weight(
+                    &weight_values(t, transposed),
+                    n,
+                    k,
+                    group_size,
+                    Fit::Search,
+                    dtype,
+                )?;
+                let made = [
+                    as_words(&Tensor::from_slice(DType::U8, &[n, k / 2], &q.packed)?)?,
+                    Tensor::from_f32(dtype, &[n, groups], &q.scales)?,
+                    Tensor::from_f32(dtype, &[n, groups], &q.zeros)?,
+                ];
+                cache.done.insert(key, made.clone());
+                made
+            }
+        };
+        let packed = graph.add_constant(format!("{name}.int4"), packed);
+        let scales = graph.add_constant(format!("{name}.int4_scales"), scales);
+        let zeros = graph.add_constant(format!("{name}.int4_zeros"), zeros);
         let x = node.inputs[0];
         let bias = match node.op {
             Op::Linear => node.inputs.get(2).copied().flatten(),
@@ -590,6 +647,33 @@ mod tests {
             (DType::I32, &[16, 8][..])
         );
         assert_eq!(g.value(g.nodes[2].inputs[2].unwrap()).shape, [16, 2]);
+    }
+
+    #[test]
+    fn a_cache_quantizes_shared_weights_once() {
+        let mut cache = Int4Cache::default();
+        let (mut a, mut b) = (mlp(64), mlp(64));
+        let ra = quantize_int4_cached(&mut a, 32, &[], &mut cache).unwrap();
+        let rb = quantize_int4_cached(&mut b, 32, &[], &mut cache).unwrap();
+        assert!(ra.reused.is_empty());
+        assert_eq!((&rb.quantized, &rb.reused), (&ra.quantized, &ra.quantized));
+        let constants = |g: &Graph| {
+            let mut c: Vec<_> = g
+                .constants
+                .iter()
+                .map(|(v, t)| (g.value(*v).name.clone(), t.bytes().to_vec()))
+                .collect();
+            c.sort();
+            c
+        };
+        assert_eq!(constants(&a), constants(&b));
+        // same names, other values: quantized anew
+        let mut c = mlp(64);
+        let fc = c.nodes[0].inputs[1].unwrap();
+        let t = Tensor::from_f32(DType::F32, &[64, 64], &gaussian(9, 64 * 64)).unwrap();
+        c.constants.insert(fc, t);
+        let rc = quantize_int4_cached(&mut c, 32, &[], &mut cache).unwrap();
+        assert_eq!(rc.reused, ["head"]);
     }
 
     #[test]
