@@ -22,10 +22,16 @@ Quantizers (groups of `gs` along K, `w = code * scale + zero`, code 0..15):
   codes and re-round the codes, per group while its error drops;
 - `search`: llama.cpp's make_qkx2 search: for each candidate inverse scale
   r / (max - min), round the codes, refit scale and zero by least squares,
-  keep the group's best; r over 14..16 step 0.1 (clipping the range a little,
-  or widening it) and the integers 8..15 (a group whose values already sit on
-  a 16-level grid using fewer than 16 levels, as the Q4_K tensors of a
-  GGUF-dequantized model do, is then represented exactly);
+  keep the group's best; r over 14..16 step 0.2 (clipping the range a little,
+  or widening it) and the integers 10..13 (a group whose values already sit
+  on a 16-level grid using fewer than 16 levels, as the Q4_K tensors of a
+  GGUF-dequantized model do, is then represented exactly): quantize.rs's
+  SEARCH_STEPS;
+- `h`: weigh each input channel's squared error (least squares and search
+  alike) by `norm`, the square of the RMSNorm scale `1 + weight` feeding the
+  linear (data-free; it made Gemma 3 worse), or `act`, the activations' mean
+  square on the evaluated text itself (an oracle for calibration-based
+  methods such as AWQ/GPTQ, which quantize.rs does not do);
 - scale and zero are stored in the activation dtype (bf16): `round=after`
   rounds them after the codes are chosen (codes not re-rounded), `round=recode`
   re-rounds the codes to the rounded parameters, `round=none` keeps f32.
@@ -143,11 +149,9 @@ def variants(layers: int):
         ("search+refine, recode", ALL, {**BASE, "search": True, "round_params": "recode"}),
         ("search+refine, recode, all but lm_head", NO_HEAD, {**BASE, "search": True, "round_params": "recode"}),
         ("norm-weighted refine, recode", ALL, {**BASE, "round_params": "recode", "h": "norm"}),
-        ("norm-weighted search+refine, recode", ALL, {**BASE, "search": True, "round_params": "recode", "h": "norm"}),
-        ("norm-weighted search+refine, recode, no head", NO_HEAD, {**BASE, "search": True, "round_params": "recode", "h": "norm"}),
         ("activation-weighted refine, recode (oracle)", ALL, {**BASE, "round_params": "recode", "h": "act"}),
         ("minmax+refine, group 64", ALL, {**BASE, "gs": 64}),
-        ("norm-weighted search+refine, recode, group 64", ALL, {**BASE, "search": True, "round_params": "recode", "h": "norm", "gs": 64}),
+        ("search+refine, recode, group 64", ALL, {**BASE, "search": True, "round_params": "recode", "gs": 64}),
     ]
     return out
 

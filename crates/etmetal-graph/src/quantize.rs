@@ -18,29 +18,50 @@
 //! float table stays for the embedding beside the int4 copy (the file grows
 //! by the int4 copy); `--quantize-skip lm_head` keeps it in float, and for
 //! a tied head, whose weight carries the embedding's name, the embedding's
-//! name does (`--quantize-skip embed_tokens`). On Gemma 3 270M (tied) the
-//! head's share of the loss is small: keeping it in float raised next-token
-//! agreement with bf16 from 75.4% to 76.9% (the simulation below).
+//! name does (`--quantize-skip embed_tokens`). On Gemma 3 270M (tied,
+//! 262144 x 640, 62% of the linears' weights) the head costs a fifth of
+//! the loss (simulation below, 300 tokens: next-token agreement with bf16
+//! 77.3% all int4, 80.0% with the head in float, 84.7% the head alone in
+//! int4; mean KL 0.166, 0.133, 0.040), while keeping it in float stores the
+//! 320 MiB bf16 transposed head in place of its 100 MiB int4 copy (file 0.59
+//! -> about 0.85 of bf16's) and reads 3.2x the head's bytes per decoded
+//! token.
 //!
-//! Quantization is asymmetric min-max per group (`zero = min`,
-//! `scale = (max - min) / 15`), then refined: alternately refit scale and
-//! zero by least squares to the current codes and re-round the codes,
-//! keeping a group's new parameters only when its squared error drops (so
-//! the refinement never does worse than min-max). HQQ refines the zero with
-//! an l_p (p < 1) proximal step; we minimise l_2 directly, which is the
-//! error the matmul sees. Measured relative reconstruction error
-//! `|W - Ŵ|² / |W|²` (group 32, f32; `refinement_lowers_the_error` checks
-//! the first two):
-//!   gaussian 256x4096:     min-max 6.11e-3, refined 5.24e-3 (-14%)
-//!   student-t(3) 256x4096: min-max 1.00e-2, refined 8.49e-3 (-15%)
-//!   the 16x32 weight of tests/fixtures/llama_block.pt2 (trained shapes,
-//!   not a real checkpoint): min-max 3.71e-3, refined 3.20e-3 (-14%)
-//! On real weights (Gemma 3 270M, group 32, every linear of eager
-//! transformers replaced by its dequantized weight, 1165 tokens of
-//! tests/parity/data/around_the_world_ch1.txt against the bf16 model):
-//! min-max 5.82e-3, 69.4% next-token agreement, perplexity 40.1; refined
-//! 4.64e-3, 75.4%, 37.8 (bf16: 30.5). So the refinement is on; what
-//! `etmetal compile` itself gives is measured by scripts/eval_llm.py
+//! Each group (`w = code * scale + zero`, codes 0..15) is fitted by:
+//! 1. asymmetric min-max (`zero = min`, `scale = (max - min) / 15`);
+//! 2. a clip search, as llama.cpp's `make_qkx2_quants`: for each of
+//!    `SEARCH_STEPS` round the codes with the step `(max - min) / r`,
+//!    refit scale and zero to them by least squares, keep the best so far;
+//! 3. refinement: alternately refit by least squares and re-round the codes
+//!    while the squared error drops (HQQ refines the zero with an l_p,
+//!    p < 1, proximal step; we minimise l_2, the error the matmul sees);
+//! 4. scale and zero rounded to the stored dtype, and the codes re-rounded
+//!    to those stored values.
+//!
+//! Each step keeps a group's parameters only when its error drops.
+//! Relative error `|W - Ŵ|² / |W|²` (group 32, 256x4096):
+//!   gaussian:     min-max 6.12e-3, refined 5.23e-3, searched 4.80e-3
+//!   student-t(3): min-max 8.35e-3, refined 6.97e-3, searched 6.45e-3
+//! On Gemma 3 270M (scripts/int4_sensitivity.py: every linear of eager
+//! transformers replaced by its dequantized weight, against the bf16
+//! weights, 600 tokens of tests/parity/data/around_the_world_ch1.txt;
+//! agreement, mean KL, perplexity (bf16: 23.92), weight error):
+//!   min-max + refinement (before):    77.3%, 0.177, 28.76, 6.13e-3
+//!   the same, codes re-rounded (4.):  78.3%, 0.179, 28.67, 6.12e-3
+//! and on 300 tokens: min-max alone 70.3%, 0.248, 31.42, 7.21e-3;
+//! search alone 77.3%, 0.166, 27.73, 5.62e-3 (before: 0.166, 28.71).
+//! The search lowers the weights' error and the perplexity, not (within
+//! the noise of a few hundred tokens) the agreement. What else was tried:
+//! weighing each input channel's error by the square of the RMSNorm scale
+//! in front of the linear (data-free) made it worse (74.8%, 0.219);
+//! weighing it by the activations' mean square on the evaluated text
+//! itself, an upper bound for calibrated methods (AWQ, GPTQ-like), halves
+//! the KL (82.7%, 0.080) but needs calibration data; group 64 see
+//! BENCHMARKS.md. The sensitivity per tensor (300 tokens, one kind at a
+//! time in int4): v_proj 91.0%, up_proj 91.0%, gate_proj 91.7%, down_proj
+//! 91.7%, q_proj 94.7%, k_proj 95.7%, o_proj 97.7% (a Q4_K tensor in the
+//! GGUF: already on a 4-bit grid); first and last layer alone 95%.
+//! What `etmetal compile` itself gives is measured by scripts/eval_llm.py
 //! (BENCHMARKS.md).
 
 use std::collections::HashMap;
