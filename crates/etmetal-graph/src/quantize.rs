@@ -29,38 +29,40 @@
 //!
 //! Each group (`w = code * scale + zero`, codes 0..15) is fitted by:
 //! 1. asymmetric min-max (`zero = min`, `scale = (max - min) / 15`);
-//! 2. a clip search, as llama.cpp's `make_qkx2_quants`: for each of
-//!    `SEARCH_STEPS` round the codes with the step `(max - min) / r`,
-//!    refit scale and zero to them by least squares, keep the best so far;
-//! 3. refinement: alternately refit by least squares and re-round the codes
-//!    while the squared error drops (HQQ refines the zero with an l_p,
+//! 2. refinement: alternately refit scale and zero by least squares to the
+//!    codes and re-round the codes, keeping a group's new parameters only
+//!    while its squared error drops (HQQ refines the zero with an l_p,
 //!    p < 1, proximal step; we minimise l_2, the error the matmul sees);
-//! 4. scale and zero rounded to the stored dtype, and the codes re-rounded
-//!    to those stored values.
+//! 3. scale and zero rounded to the stored dtype, and the codes re-rounded
+//!    to those stored values (the grid the kernels read).
 //!
-//! Each step keeps a group's parameters only when its error drops.
-//! Relative error `|W - Ŵ|² / |W|²` (group 32, 256x4096):
-//!   gaussian:     min-max 6.12e-3, refined 5.23e-3, searched 4.80e-3
-//!   student-t(3): min-max 8.35e-3, refined 6.97e-3, searched 6.45e-3
+//! Relative error `|W - Ŵ|² / |W|²` (group 32, 256x4096): gaussian
+//! min-max 6.12e-3, refined 5.23e-3; student-t(3) 8.35e-3, 6.97e-3.
 //! On Gemma 3 270M (scripts/int4_sensitivity.py: every linear of eager
 //! transformers replaced by its dequantized weight, against the bf16
 //! weights, 600 tokens of tests/parity/data/around_the_world_ch1.txt;
-//! agreement, mean KL, perplexity (bf16: 23.92), weight error):
-//!   min-max + refinement (before):    77.3%, 0.177, 28.76, 6.13e-3
-//!   the same, codes re-rounded (4.):  78.3%, 0.179, 28.67, 6.12e-3
-//! and on 300 tokens: min-max alone 70.3%, 0.248, 31.42, 7.21e-3;
-//! search alone 77.3%, 0.166, 27.73, 5.62e-3 (before: 0.166, 28.71).
-//! The search lowers the weights' error and the perplexity, not (within
-//! the noise of a few hundred tokens) the agreement. What else was tried:
-//! weighing each input channel's error by the square of the RMSNorm scale
-//! in front of the linear (data-free) made it worse (74.8%, 0.219);
-//! weighing it by the activations' mean square on the evaluated text
-//! itself, an upper bound for calibrated methods (AWQ, GPTQ-like), halves
-//! the KL (82.7%, 0.080) but needs calibration data; group 64 see
-//! BENCHMARKS.md. The sensitivity per tensor (300 tokens, one kind at a
-//! time in int4): v_proj 91.0%, up_proj 91.0%, gate_proj 91.7%, down_proj
-//! 91.7%, q_proj 94.7%, k_proj 95.7%, o_proj 97.7% (a Q4_K tensor in the
-//! GGUF: already on a 4-bit grid); first and last layer alone 95%.
+//! next-token agreement, mean KL, perplexity (bf16: 23.92), weight error):
+//!   min-max + refinement:             77.3%, 0.177, 28.76, 6.13e-3
+//!   the same, codes re-rounded (3.):  78.3%, 0.179, 28.67, 6.12e-3
+//! and on 300 tokens: min-max alone 70.3%, 0.248, 31.42, 7.21e-3.
+//! Tried and left out:
+//! - a clip search before the refinement, as llama.cpp's
+//!   `make_qkx2_quants` (codes rounded with the step `(max - min) / r`,
+//!   r over 14..16 and 10..13, least-squares refit, the group's best kept):
+//!   weight error -8% (gaussian 4.80e-3, student-t 6.45e-3, Gemma 5.62e-3),
+//!   but through `etmetal compile` on 1165 tokens (scripts/eval_llm.py)
+//!   agreement 73.6% against refinement's SEARCHCMP, KL 0.186 against
+//!   KLCMP, perplexity 38.25 against PPLCMP, for 4x the quantization time;
+//! - weighing each input channel's error by the square of the RMSNorm
+//!   scale in front of the linear (data-free): worse (74.8%, 0.219);
+//! - weighing it by the activations' mean square on the evaluated text
+//!   itself, an upper bound for calibrated methods (AWQ, GPTQ-like):
+//!   82.7%, 0.080, but it needs calibration data.
+//! So about 75% agreement is what per-group 4-bit rounding gives this
+//! model without calibration. Sensitivity per tensor kind (300 tokens, one
+//! kind in int4 at a time): v_proj 91.0%, up_proj 91.0%, gate_proj 91.7%,
+//! down_proj 91.7%, q_proj 94.7%, k_proj 95.7%, o_proj 97.7% (Q4_K in the
+//! GGUF: already on a 4-bit grid); the first or the last layer alone 95%.
 //! What `etmetal compile` itself gives is measured by scripts/eval_llm.py
 //! (BENCHMARKS.md).
 
@@ -77,27 +79,14 @@ use crate::ir::{Graph, InputKind, Node, ValueId};
 /// after 3-4 on gaussian and heavy-tailed weights.
 const REFINE_ROUNDS: usize = 6;
 
-/// The clip search's candidate ranges, in steps: codes are first rounded
-/// with the step `(max - min) / r`. Below 15 the range is clipped (an
-/// outlier rounds to the end code and the other values get finer steps);
-/// above, it is widened. The integers below 14 fit groups whose values
-/// already sit on a grid of fewer than 16 used levels (a GGUF Q4_K tensor,
-/// dequantized, is such a grid per 32 values): that grid is then found
-/// exactly. llama.cpp's `make_qkx2_quants` searches 14..16 in steps of 0.1.
-const SEARCH_STEPS: [f32; 15] = [
-    10.0, 11.0, 12.0, 13.0, 14.0, 14.2, 14.4, 14.6, 14.8, 15.0, 15.2, 15.4, 15.6, 15.8, 16.0,
-];
-
 /// How [`quantize_weight`] fits each group's scale and zero.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fit {
     /// `zero = min`, `scale = (max - min) / 15`.
     MinMax,
-    /// Min-max, then least-squares refinement.
+    /// Min-max, then least-squares refinement: what `--quantize int4`
+    /// uses.
     Refine,
-    /// The best of min-max and the clip search's ranges, then refinement:
-    /// what `--quantize int4` uses.
-    Search,
 }
 
 /// An int4 weight `[N, K]`: packed codes `[N, K/2]`, scales and zeros
@@ -153,22 +142,6 @@ fn quantize_group(w: &[f32], fit: Fit, q: &mut [u8], trial: &mut [u8]) -> (f32, 
     let mut best_err = codes(w, best.0, best.1, q);
     if fit == Fit::MinMax {
         return best;
-    }
-    if fit == Fit::Search {
-        let span = (hi - lo).max(1e-8);
-        for r in SEARCH_STEPS {
-            let inv = r / span;
-            for (t, v) in trial.iter_mut().zip(w) {
-                *t = ((v - lo) * inv).round().clamp(0.0, 15.0) as u8;
-            }
-            if let Some((scale, zero)) = least_squares(w, trial) {
-                let err = codes(w, scale, zero, trial);
-                if err < best_err {
-                    (best, best_err) = ((scale, zero), err);
-                    q.copy_from_slice(trial);
-                }
-            }
-        }
     }
     // Refinement: refit to the codes, re-round the codes, while the error
     // drops.
@@ -423,7 +396,7 @@ pub fn quantize_int4_cached(
                     n,
                     k,
                     group_size,
-                    Fit::Search,
+                    Fit::Refine,
                     dtype,
                 )?;
                 let made = [
@@ -524,57 +497,21 @@ mod tests {
             .collect()
     }
 
-    fn f32_error(w: &[f32], n: usize, k: usize, fit: Fit) -> f64 {
-        rel_error(
-            w,
-            &quantize_weight(w, n, k, 32, fit, DType::F32).unwrap(),
-            k,
-            32,
-        )
-    }
-
     #[test]
-    fn refinement_and_clip_search_lower_the_error() {
+    fn refinement_lowers_the_error() {
         let (n, k) = (64, 1024);
         for w in [gaussian(7, n * k), heavy_tailed(7, n * k)] {
-            let plain = f32_error(&w, n, k, Fit::MinMax);
-            let refined = f32_error(&w, n, k, Fit::Refine);
-            let searched = f32_error(&w, n, k, Fit::Search);
+            let error = |fit| {
+                let q = quantize_weight(&w, n, k, 32, fit, DType::F32).unwrap();
+                rel_error(&w, &q, k, 32)
+            };
+            let (plain, refined) = (error(Fit::MinMax), error(Fit::Refine));
             assert!(
                 refined < plain * 0.9,
                 "refined {refined} vs min-max {plain}"
             );
-            assert!(
-                searched < refined * 0.95,
-                "searched {searched} vs refined {refined}"
-            );
             assert!(plain < 2e-2, "{plain}");
         }
-    }
-
-    #[test]
-    fn clip_search_finds_a_grid_of_fewer_levels() {
-        // Groups already on a 16-level grid whose codes span 1..=13 (a
-        // dequantized GGUF Q4_K tensor's groups often leave an end code
-        // unused): min-max's step is off the grid, the search recovers it.
-        let (n, k) = (16, 64);
-        let mut codes: Vec<u8> = gaussian(3, n * k)
-            .iter()
-            .map(|v| (7.0 + 2.0 * v).round().clamp(1.0, 13.0) as u8)
-            .collect();
-        for c in codes.chunks_exact_mut(32) {
-            (c[0], c[1]) = (1, 13);
-        }
-        let w: Vec<f32> = codes
-            .chunks_exact(32)
-            .enumerate()
-            .flat_map(|(g, c)| {
-                let (scale, zero) = (0.125 * (1 + g % 3) as f32, -0.5 * (g % 5) as f32);
-                c.iter().map(move |&c| c as f32 * scale + zero)
-            })
-            .collect();
-        assert!(f32_error(&w, n, k, Fit::Refine) > 1e-5);
-        assert_eq!(f32_error(&w, n, k, Fit::Search), 0.0);
     }
 
     #[test]
@@ -583,7 +520,7 @@ mod tests {
         // each value's code is the nearest on the grid the kernels read.
         let (n, k) = (64, 256);
         let w = heavy_tailed(11, n * k);
-        let q = quantize_weight(&w, n, k, 32, Fit::Search, DType::BF16).unwrap();
+        let q = quantize_weight(&w, n, k, 32, Fit::Refine, DType::BF16).unwrap();
         for (i, (&v, &c)) in w
             .iter()
             .zip(&etmetal_core::int4::unpack(&q.packed))
@@ -609,7 +546,7 @@ mod tests {
 
     #[test]
     fn codes_and_parameters_reconstruct_the_group() {
-        for fit in [Fit::MinMax, Fit::Refine, Fit::Search] {
+        for fit in [Fit::MinMax, Fit::Refine] {
             // A group on the 16-level grid is exact.
             let w: Vec<f32> = (0..32).map(|i| -1.0 + (i % 16) as f32 * 0.25).collect();
             let q = quantize_weight(&w, 1, 32, 32, fit, DType::BF16).unwrap();
