@@ -232,7 +232,10 @@ def int4_accuracy_section():
                 [[k, f"{100 * v:.2f}%", f(tf["kl"][k], 4)] for k, v in tf["agreement"].items()]), "",
           table(["file", "MiB on disk", "decode tokens/s"],
                 [[k, mib(v), f(r["decode"][k]["decode_tokens_per_s"], 2)] for k, v in size.items()]), "",
-          f"int4 / bf16 size: {r['size_ratio']:.3f}. Greedy text ({len(r['greedy'])} prompts):", ""]
+          f"int4 / bf16 size: {r['size_ratio']:.3f}. Where the loss comes from (per tensor kind, per "
+          "quantizer variant, with calibration as an upper bound): `scripts/int4_sensitivity.py`, its figures "
+          "in the module comment of `crates/etmetal-graph/src/quantize.rs`. "
+          f"Greedy text ({len(r['greedy'])} prompts):", ""]
     for g in r["greedy"]:
         md += [f"- `{g['prompt']}`"] + [f"  - {k}: {json.dumps(v, ensure_ascii=False)}"
                                        for k, v in g.items() if k != "prompt"]

@@ -173,7 +173,7 @@ def decode_rate(exe: Path, pte: Path, tokenizer: Path, prompt: str, device: str,
     """`etmetal generate`'s text and its prefill/decode figures."""
     p = etmetal(exe, "generate", pte, "--tokenizer", tokenizer, "--prompt", prompt, "--max-tokens", tokens,
                 "--device", device)
-    m = re.search(r"decode: (\d+) tokens in ([\d.]+) s \(([\d.]+) tokens/s\)", p.stderr)
+    m = re.search(r"decode: (\d+) tokens in ([\d.]+) s \(([\d.]+) tokens/s", p.stderr)
     if not m:
         raise RuntimeError(f"no decode line in:\n{p.stderr}")
     return p.stdout.rstrip("\n"), {"decode_tokens": int(m.group(1)), "decode_s": float(m.group(2)),

@@ -18,30 +18,57 @@
 //! float table stays for the embedding beside the int4 copy (the file grows
 //! by the int4 copy); `--quantize-skip lm_head` keeps it in float, and for
 //! a tied head, whose weight carries the embedding's name, the embedding's
-//! name does (`--quantize-skip embed_tokens`). On Gemma 3 270M (tied) the
-//! head's share of the loss is small: keeping it in float raised next-token
-//! agreement with bf16 from 75.4% to 76.9% (the simulation below).
+//! name does (`--quantize-skip embed_tokens`). On Gemma 3 270M (tied,
+//! 262144 x 640, 62% of the linears' weights) the head costs a fifth of
+//! the loss (simulation below, 300 tokens: next-token agreement with bf16
+//! 77.3% all int4, 80.0% with the head in float, 84.7% the head alone in
+//! int4; mean KL 0.166, 0.133, 0.040), while keeping it in float stores the
+//! 320 MiB bf16 transposed head in place of its 100 MiB int4 copy (file 0.59
+//! -> about 0.85 of bf16's) and reads 3.2x the head's bytes per decoded
+//! token.
 //!
-//! Quantization is asymmetric min-max per group (`zero = min`,
-//! `scale = (max - min) / 15`), then refined: alternately refit scale and
-//! zero by least squares to the current codes and re-round the codes,
-//! keeping a group's new parameters only when its squared error drops (so
-//! the refinement never does worse than min-max). HQQ refines the zero with
-//! an l_p (p < 1) proximal step; we minimise l_2 directly, which is the
-//! error the matmul sees. Measured relative reconstruction error
-//! `|W - Ŵ|² / |W|²` (group 32, f32; `refinement_lowers_the_error` checks
-//! the first two):
-//!   gaussian 256x4096:     min-max 6.11e-3, refined 5.24e-3 (-14%)
-//!   student-t(3) 256x4096: min-max 1.00e-2, refined 8.49e-3 (-15%)
-//!   the 16x32 weight of tests/fixtures/llama_block.pt2 (trained shapes,
-//!   not a real checkpoint): min-max 3.71e-3, refined 3.20e-3 (-14%)
-//! On real weights (Gemma 3 270M, group 32, every linear of eager
-//! transformers replaced by its dequantized weight, 1165 tokens of
-//! tests/parity/data/around_the_world_ch1.txt against the bf16 model):
-//! min-max 5.82e-3, 69.4% next-token agreement, perplexity 40.1; refined
-//! 4.64e-3, 75.4%, 37.8 (bf16: 30.5). So the refinement is on; what
-//! `etmetal compile` itself gives is measured by scripts/eval_llm.py
+//! Each group (`w = code * scale + zero`, codes 0..15) is fitted by:
+//! 1. asymmetric min-max (`zero = min`, `scale = (max - min) / 15`);
+//! 2. refinement: alternately refit scale and zero by least squares to the
+//!    codes and re-round the codes, keeping a group's new parameters only
+//!    while its squared error drops (HQQ refines the zero with an l_p,
+//!    p < 1, proximal step; we minimise l_2, the error the matmul sees);
+//! 3. scale and zero rounded to the stored dtype, and the codes re-rounded
+//!    to those stored values (the grid the kernels read).
+//!
+//! Relative error `|W - Ŵ|² / |W|²` (group 32, 256x4096): gaussian
+//! min-max 6.12e-3, refined 5.23e-3; student-t(3) 8.35e-3, 6.97e-3.
+//! On Gemma 3 270M (scripts/int4_sensitivity.py: every linear of eager
+//! transformers replaced by its dequantized weight, against the bf16
+//! weights, 600 tokens of tests/parity/data/around_the_world_ch1.txt;
+//! next-token agreement, mean KL, perplexity (bf16: 23.92), weight error):
+//!   min-max + refinement:             77.3%, 0.177, 28.76, 6.13e-3
+//!   the same, codes re-rounded (3.):  78.3%, 0.179, 28.67, 6.12e-3
+//! and on 300 tokens: min-max alone 70.3%, 0.248, 31.42, 7.21e-3.
+//! Tried and left out:
+//! - a clip search before the refinement, as llama.cpp's
+//!   `make_qkx2_quants` (codes rounded with the step `(max - min) / r`,
+//!   r over 14..16 and 10..13, least-squares refit, the group's best kept):
+//!   weight error -8% (gaussian 4.80e-3, student-t 6.45e-3, Gemma 5.62e-3),
+//!   but through `etmetal compile` on 1165 tokens (scripts/eval_llm.py)
+//!   agreement 73.6% against refinement's SEARCHCMP, KL 0.186 against
+//!   KLCMP, perplexity 38.25 against PPLCMP, for 4x the quantization time;
+//! - weighing each input channel's error by the square of the RMSNorm
+//!   scale in front of the linear (data-free): worse (74.8%, 0.219);
+//! - weighing it by the activations' mean square on the evaluated text
+//!   itself, an upper bound for calibrated methods (AWQ, GPTQ-like):
+//!   82.7%, 0.080, but it needs calibration data.
+//!
+//! So about 75% agreement is what per-group 4-bit rounding gives this
+//! model without calibration. Sensitivity per tensor kind (300 tokens, one
+//! kind in int4 at a time): v_proj 91.0%, up_proj 91.0%, gate_proj 91.7%,
+//! down_proj 91.7%, q_proj 94.7%, k_proj 95.7%, o_proj 97.7% (Q4_K in the
+//! GGUF: already on a 4-bit grid); the first or the last layer alone 95%.
+//! What `etmetal compile` itself gives is measured by scripts/eval_llm.py
 //! (BENCHMARKS.md).
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 
 use etmetal_core::int4::{as_words, pack, GROUP_SIZES};
 use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor};
@@ -52,6 +79,16 @@ use crate::ir::{Graph, InputKind, Node, ValueId};
 /// Least-squares refinement rounds per group: the error stops dropping
 /// after 3-4 on gaussian and heavy-tailed weights.
 const REFINE_ROUNDS: usize = 6;
+
+/// How [`quantize_weight`] fits each group's scale and zero.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fit {
+    /// `zero = min`, `scale = (max - min) / 15`.
+    MinMax,
+    /// Min-max, then least-squares refinement: what `--quantize int4`
+    /// uses.
+    Refine,
+}
 
 /// An int4 weight `[N, K]`: packed codes `[N, K/2]`, scales and zeros
 /// `[N, K/group]`.
@@ -74,8 +111,29 @@ fn codes(w: &[f32], scale: f32, zero: f32, q: &mut [u8]) -> f64 {
     err
 }
 
-/// `(scale, zero)` of one group, its codes written into `q`.
-fn quantize_group(w: &[f32], refine: bool, q: &mut [u8]) -> (f32, f32) {
+/// The `(scale, zero)` minimising the squared error of `w` for the codes
+/// `q`; None when the codes do not determine a positive scale.
+fn least_squares(w: &[f32], q: &[u8]) -> Option<(f32, f32)> {
+    let n = w.len() as f64;
+    let (mut sq, mut sqq, mut sw, mut sqw) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    for (&v, &c) in w.iter().zip(q) {
+        let (c, v) = (c as f64, v as f64);
+        sq += c;
+        sqq += c * c;
+        sw += v;
+        sqw += c * v;
+    }
+    let det = n * sqq - sq * sq;
+    if det <= 0.0 {
+        return None;
+    }
+    let scale = (n * sqw - sq * sw) / det;
+    (scale > 1e-12).then(|| (scale as f32, ((sw - scale * sq) / n) as f32))
+}
+
+/// `(scale, zero)` of one group, its codes written into `q`; `trial` is
+/// scratch of the group's length.
+fn quantize_group(w: &[f32], fit: Fit, q: &mut [u8], trial: &mut [u8]) -> (f32, f32) {
     let (lo, hi) = w
         .iter()
         .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
@@ -83,68 +141,80 @@ fn quantize_group(w: &[f32], refine: bool, q: &mut [u8]) -> (f32, f32) {
         });
     let mut best = (((hi - lo) / 15.0).max(1e-8), lo);
     let mut best_err = codes(w, best.0, best.1, q);
-    if !refine {
+    if fit == Fit::MinMax {
         return best;
     }
-    let mut trial = vec![0u8; w.len()];
+    // Refinement: refit to the codes, re-round the codes, while the error
+    // drops.
     trial.copy_from_slice(q);
-    let n = w.len() as f64;
     for _ in 0..REFINE_ROUNDS {
-        let (mut sq, mut sqq, mut sw, mut sqw) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
-        for (&v, &c) in w.iter().zip(&trial) {
-            let (c, v) = (c as f64, v as f64);
-            sq += c;
-            sqq += c * c;
-            sw += v;
-            sqw += c * v;
-        }
-        let det = n * sqq - sq * sq;
-        if det <= 0.0 {
+        let Some((scale, zero)) = least_squares(w, trial) else {
+            break;
+        };
+        let err = codes(w, scale, zero, trial);
+        if err >= best_err {
             break;
         }
-        let scale = (n * sqw - sq * sw) / det;
-        if scale <= 1e-12 {
-            break;
-        }
-        let zero = (sw - scale * sq) / n;
-        let (scale, zero) = (scale as f32, zero as f32);
-        let err = codes(w, scale, zero, &mut trial);
-        if err < best_err {
-            best_err = err;
-            best = (scale, zero);
-            q.copy_from_slice(&trial);
-        } else {
-            break;
-        }
+        (best, best_err) = ((scale, zero), err);
+        q.copy_from_slice(trial);
     }
     best
 }
 
-/// Quantize `w [N, K]` (row-major) with groups of `group_size` along K.
+/// Quantize `w [N, K]` (row-major) with groups of `group_size` along K,
+/// scales and zeros stored in `dtype`: the codes are rounded to the
+/// stored (rounded) parameters, which the kernels read.
 pub fn quantize_weight(
     w: &[f32],
     n: usize,
     k: usize,
     group_size: usize,
-    refine: bool,
-) -> Int4Weight {
-    let groups = k / group_size;
+    fit: Fit,
+    dtype: DType,
+) -> Result<Int4Weight> {
+    let groups = n * (k / group_size);
     let mut q = vec![0u8; n * k];
-    let mut scales = Vec::with_capacity(n * groups);
-    let mut zeros = Vec::with_capacity(n * groups);
-    for (wg, qg) in w
+    let mut scales = vec![0f32; groups];
+    let mut zeros = vec![0f32; groups];
+    // rows of groups split over the cores: each group is independent
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    let per = groups.div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        for (((w, q), s), z) in w
+            .chunks(per * group_size)
+            .zip(q.chunks_mut(per * group_size))
+            .zip(scales.chunks_mut(per))
+            .zip(zeros.chunks_mut(per))
+        {
+            scope.spawn(move || {
+                let mut trial = vec![0u8; group_size];
+                for (((wg, qg), s), z) in w
+                    .chunks_exact(group_size)
+                    .zip(q.chunks_exact_mut(group_size))
+                    .zip(s.iter_mut())
+                    .zip(z.iter_mut())
+                {
+                    (*s, *z) = quantize_group(wg, fit, qg, &mut trial);
+                }
+            });
+        }
+    });
+    let stored = |v: &[f32]| -> Result<Vec<f32>> {
+        Ok(Tensor::from_f32(dtype, &[v.len()], v)?.to_f32_vec())
+    };
+    let (scales, zeros) = (stored(&scales)?, stored(&zeros)?);
+    for (i, (wg, qg)) in w
         .chunks_exact(group_size)
         .zip(q.chunks_exact_mut(group_size))
+        .enumerate()
     {
-        let (s, z) = quantize_group(wg, refine, qg);
-        scales.push(s);
-        zeros.push(z);
+        codes(wg, scales[i], zeros[i], qg);
     }
-    Int4Weight {
+    Ok(Int4Weight {
         packed: pack(&q),
         scales,
         zeros,
-    }
+    })
 }
 
 /// The float weight `[N, K]` an int4 weight stands for.
@@ -167,6 +237,9 @@ pub struct QuantizeReport {
     pub quantized: Vec<String>,
     /// `(node, why)` for linears left in float.
     pub skipped: Vec<(String, String)>,
+    /// Quantized nodes whose int4 weight came from the cache (made for
+    /// another method or node), a subset of `quantized`.
+    pub reused: Vec<String>,
 }
 
 fn weight_name(g: &Graph, v: ValueId) -> String {
@@ -185,11 +258,12 @@ fn weight_name(g: &Graph, v: ValueId) -> String {
         .unwrap_or_else(|| g.value(v).name.clone())
 }
 
-/// The weight `[N, K]` (row-major f32) of a linear node, or why not.
+/// A linear node's weight: its value, whether it is stored as `B = W.T`
+/// (a matmul's), and `[N, K]`; or why it is not quantized.
 fn linear_weight(
     g: &Graph,
     node: &Node,
-) -> std::result::Result<(ValueId, Vec<f32>, usize, usize), String> {
+) -> std::result::Result<(ValueId, bool, usize, usize), String> {
     let (w, transposed) = match &node.op {
         Op::Linear => (node.inputs.get(1).copied().flatten(), false),
         Op::MatMul => (node.inputs.get(1).copied().flatten(), true),
@@ -211,19 +285,44 @@ fn linear_weight(
     if x.shape.len() < 2 && transposed {
         return Err("a matmul of a vector".into());
     }
-    let v = t.to_f32_vec();
     let (r, c) = (t.shape()[0], t.shape()[1]);
-    if transposed {
-        let mut wt = vec![0.0f32; r * c];
-        for i in 0..r {
-            for j in 0..c {
-                wt[j * r + i] = v[i * c + j];
-            }
-        }
-        Ok((w, wt, c, r))
+    Ok(if transposed {
+        (w, true, c, r)
     } else {
-        Ok((w, v, r, c))
+        (w, false, r, c)
+    })
+}
+
+/// The weight `t` as `W [N, K]`, row-major f32.
+fn weight_values(t: &Tensor, transposed: bool) -> Vec<f32> {
+    let v = t.to_f32_vec();
+    if !transposed {
+        return v;
     }
+    let (r, c) = (t.shape()[0], t.shape()[1]);
+    let mut wt = vec![0.0f32; r * c];
+    for i in 0..r {
+        for j in 0..c {
+            wt[j * r + i] = v[i * c + j];
+        }
+    }
+    wt
+}
+
+/// The int4 constants (packed codes, scales, zeros) already made from a
+/// weight, so that a weight the methods of one program share (or two
+/// nodes of one graph) is quantized once. Keyed by the weight's name, its
+/// layout and group size, and a hash of its bytes: a method of another
+/// model with a weight of the same name is quantized anew.
+#[derive(Default)]
+pub struct Int4Cache {
+    done: HashMap<(String, bool, usize, u64), [Tensor; 3]>,
+}
+
+fn bytes_hash(t: &Tensor) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (t.dtype().name(), t.shape(), t.bytes()).hash(&mut h);
+    h.finish()
 }
 
 /// Quantize every linear of `graph` to int4 (see the module comment).
@@ -231,6 +330,17 @@ pub fn quantize_int4(
     graph: &mut Graph,
     group_size: usize,
     skip_patterns: &[String],
+) -> Result<QuantizeReport> {
+    quantize_int4_cached(graph, group_size, skip_patterns, &mut Int4Cache::default())
+}
+
+/// [`quantize_int4`], reusing (and adding to) the int4 weights of `cache`:
+/// call it with one cache for every method of a program.
+pub fn quantize_int4_cached(
+    graph: &mut Graph,
+    group_size: usize,
+    skip_patterns: &[String],
+    cache: &mut Int4Cache,
 ) -> Result<QuantizeReport> {
     if !GROUP_SIZES.contains(&group_size) {
         return Err(Error::invalid_input(format!(
@@ -244,7 +354,7 @@ pub fn quantize_int4(
             nodes.push(node);
             continue;
         }
-        let (w, values, n, k) = match linear_weight(graph, &node) {
+        let (w, transposed, n, k) = match linear_weight(graph, &node) {
             Ok(found) => found,
             Err(why) => {
                 if matches!(node.op, Op::Linear) {
@@ -273,21 +383,35 @@ pub fn quantize_int4(
             nodes.push(node);
             continue;
         }
-        let dtype = graph.value(w).dtype;
-        let q = quantize_weight(&values, n, k, group_size, true);
-        let groups = k / group_size;
-        let packed = graph.add_constant(
-            format!("{name}.int4"),
-            as_words(&Tensor::from_slice(DType::U8, &[n, k / 2], &q.packed)?)?,
-        );
-        let scales = graph.add_constant(
-            format!("{name}.int4_scales"),
-            Tensor::from_f32(dtype, &[n, groups], &q.scales)?,
-        );
-        let zeros = graph.add_constant(
-            format!("{name}.int4_zeros"),
-            Tensor::from_f32(dtype, &[n, groups], &q.zeros)?,
-        );
+        let t = &graph.constants[&w];
+        let key = (name.clone(), transposed, group_size, bytes_hash(t));
+        let [packed, scales, zeros] = match cache.done.get(&key) {
+            Some(made) => {
+                report.reused.push(node.name.clone());
+                made.clone()
+            }
+            None => {
+                let (dtype, groups) = (t.dtype(), k / group_size);
+                let q = quantize_weight(
+                    &weight_values(t, transposed),
+                    n,
+                    k,
+                    group_size,
+                    Fit::Refine,
+                    dtype,
+                )?;
+                let made = [
+                    as_words(&Tensor::from_slice(DType::U8, &[n, k / 2], &q.packed)?)?,
+                    Tensor::from_f32(dtype, &[n, groups], &q.scales)?,
+                    Tensor::from_f32(dtype, &[n, groups], &q.zeros)?,
+                ];
+                cache.done.insert(key, made.clone());
+                made
+            }
+        };
+        let packed = graph.add_constant(format!("{name}.int4"), packed);
+        let scales = graph.add_constant(format!("{name}.int4_scales"), scales);
+        let zeros = graph.add_constant(format!("{name}.int4_zeros"), zeros);
         let x = node.inputs[0];
         let bias = match node.op {
             Op::Linear => node.inputs.get(2).copied().flatten(),
@@ -360,19 +484,29 @@ mod tests {
         num / den
     }
 
+    /// Student-t with 3 degrees of freedom: heavy tails as in trained weights.
+    fn heavy_tailed(seed: u64, n: usize) -> Vec<f32> {
+        let chi = gaussian(seed + 1, n * 3);
+        gaussian(seed, n)
+            .iter()
+            .zip(chi.chunks_exact(3))
+            .map(|(a, c)| {
+                a / ((c[0] * c[0] + c[1] * c[1] + c[2] * c[2]) / 3.0)
+                    .sqrt()
+                    .max(1e-3)
+            })
+            .collect()
+    }
+
     #[test]
     fn refinement_lowers_the_error() {
-        let (n, k, gs) = (64, 1024, 32);
-        let g = gaussian(7, n * k);
-        // student-t with 3 degrees of freedom: heavy tails as in trained weights
-        let chi: Vec<f32> = gaussian(8, n * k * 3)
-            .chunks_exact(3)
-            .map(|c| ((c[0] * c[0] + c[1] * c[1] + c[2] * c[2]) / 3.0).sqrt())
-            .collect();
-        let t: Vec<f32> = g.iter().zip(&chi).map(|(a, b)| a / b.max(1e-3)).collect();
-        for w in [g, t] {
-            let plain = rel_error(&w, &quantize_weight(&w, n, k, gs, false), k, gs);
-            let refined = rel_error(&w, &quantize_weight(&w, n, k, gs, true), k, gs);
+        let (n, k) = (64, 1024);
+        for w in [gaussian(7, n * k), heavy_tailed(7, n * k)] {
+            let error = |fit| {
+                let q = quantize_weight(&w, n, k, 32, fit, DType::F32).unwrap();
+                rel_error(&w, &q, k, 32)
+            };
+            let (plain, refined) = (error(Fit::MinMax), error(Fit::Refine));
             assert!(
                 refined < plain * 0.9,
                 "refined {refined} vs min-max {plain}"
@@ -382,18 +516,50 @@ mod tests {
     }
 
     #[test]
-    fn codes_and_parameters_reconstruct_the_group() {
-        // A group on the 16-level grid is exact.
-        let w: Vec<f32> = (0..32).map(|i| -1.0 + (i % 16) as f32 * 0.25).collect();
-        let q = quantize_weight(&w, 1, 32, 32, true);
-        assert_eq!(dequantize_weight(&q, 32, 32), w);
-        assert_eq!((q.scales[0], q.zeros[0]), (0.25, -1.0));
-        // A constant group keeps its value.
-        let c = vec![0.5f32; 64];
-        let q = quantize_weight(&c, 2, 32, 32, true);
-        assert!(dequantize_weight(&q, 32, 32)
+    fn codes_are_rounded_to_the_stored_parameters() {
+        // bf16 scales and zeros move the grid a little from the f32 fit:
+        // each value's code is the nearest on the grid the kernels read.
+        let (n, k) = (64, 256);
+        let w = heavy_tailed(11, n * k);
+        let q = quantize_weight(&w, n, k, 32, Fit::Refine, DType::BF16).unwrap();
+        for (i, (&v, &c)) in w
             .iter()
-            .all(|v| (v - 0.5).abs() < 1e-6));
+            .zip(&etmetal_core::int4::unpack(&q.packed))
+            .enumerate()
+        {
+            let (s, z) = (q.scales[i / 32], q.zeros[i / 32]);
+            assert_eq!(
+                Tensor::from_f32(DType::BF16, &[1], &[s])
+                    .unwrap()
+                    .to_f32_vec(),
+                [s]
+            );
+            let d = (c as f32 * s + z - v).abs();
+            let nearest = (0..16)
+                .map(|c| (c as f32 * s + z - v).abs())
+                .fold(f32::INFINITY, f32::min);
+            assert!(
+                d <= nearest,
+                "value {i}: code {c} is {d} away, the nearest {nearest}"
+            );
+        }
+    }
+
+    #[test]
+    fn codes_and_parameters_reconstruct_the_group() {
+        for fit in [Fit::MinMax, Fit::Refine] {
+            // A group on the 16-level grid is exact.
+            let w: Vec<f32> = (0..32).map(|i| -1.0 + (i % 16) as f32 * 0.25).collect();
+            let q = quantize_weight(&w, 1, 32, 32, fit, DType::BF16).unwrap();
+            assert_eq!(dequantize_weight(&q, 32, 32), w, "{fit:?}");
+            assert_eq!((q.scales[0], q.zeros[0]), (0.25, -1.0), "{fit:?}");
+            // A constant group keeps its value.
+            let c = vec![0.5f32; 64];
+            let q = quantize_weight(&c, 2, 32, 32, fit, DType::F32).unwrap();
+            assert!(dequantize_weight(&q, 32, 32)
+                .iter()
+                .all(|v| (v - 0.5).abs() < 1e-6));
+        }
     }
 
     fn mlp(k: usize) -> Graph {
@@ -440,6 +606,33 @@ mod tests {
             (DType::I32, &[16, 8][..])
         );
         assert_eq!(g.value(g.nodes[2].inputs[2].unwrap()).shape, [16, 2]);
+    }
+
+    #[test]
+    fn a_cache_quantizes_shared_weights_once() {
+        let mut cache = Int4Cache::default();
+        let (mut a, mut b) = (mlp(64), mlp(64));
+        let ra = quantize_int4_cached(&mut a, 32, &[], &mut cache).unwrap();
+        let rb = quantize_int4_cached(&mut b, 32, &[], &mut cache).unwrap();
+        assert!(ra.reused.is_empty());
+        assert_eq!((&rb.quantized, &rb.reused), (&ra.quantized, &ra.quantized));
+        let constants = |g: &Graph| {
+            let mut c: Vec<_> = g
+                .constants
+                .iter()
+                .map(|(v, t)| (g.value(*v).name.clone(), t.bytes().to_vec()))
+                .collect();
+            c.sort();
+            c
+        };
+        assert_eq!(constants(&a), constants(&b));
+        // same names, other values: quantized anew
+        let mut c = mlp(64);
+        let fc = c.nodes[0].inputs[1].unwrap();
+        let t = Tensor::from_f32(DType::F32, &[64, 64], &gaussian(9, 64 * 64)).unwrap();
+        c.constants.insert(fc, t);
+        let rc = quantize_int4_cached(&mut c, 32, &[], &mut cache).unwrap();
+        assert_eq!(rc.reused, ["head"]);
     }
 
     #[test]

@@ -389,18 +389,31 @@ fn compile_cmd(
         files.push((name.to_string(), PathBuf::from(file)));
     }
     let mut graphs = Vec::with_capacity(files.len());
+    // the methods' shared weights are quantized once
+    let mut int4_cache = etmetal_graph::quantize::Int4Cache::default();
     for (name, file) in &files {
         let mut graph = etmetal_graph::load_pt2(file)?;
         etmetal_graph::precision::convert_floats(&mut graph, dtype)
             .map_err(|e| e.context(format!("method `{name}` ({})", file.display())))?;
         if let Some(q) = int4 {
-            let r = etmetal_graph::quantize::quantize_int4(&mut graph, q.group_size, &q.skip)?;
+            let r = etmetal_graph::quantize::quantize_int4_cached(
+                &mut graph,
+                q.group_size,
+                &q.skip,
+                &mut int4_cache,
+            )?;
             eprintln!(
                 "etmetal: method `{name}`: {} linears in int4 (group {}), {} kept in float",
                 r.quantized.len(),
                 q.group_size,
                 r.skipped.len()
             );
+            if !r.reused.is_empty() {
+                eprintln!(
+                    "etmetal:   {} of them reuse int4 weights already made (shared with an earlier method or node)",
+                    r.reused.len()
+                );
+            }
             for (node, why) in &r.skipped {
                 eprintln!("etmetal:   {node} stays in float: {why}");
             }

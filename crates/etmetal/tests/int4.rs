@@ -33,6 +33,20 @@ fn quantize_int4_writes_custom_calls_and_reports_skips() {
         err.contains("linear stays in float: group size 32 does not divide K = 16"),
         "{err}"
     );
+    // a second method of the same weights quantizes none of them again
+    let method = format!("prefill={}", model.display());
+    let pte2 = dir.join("lb2.pte");
+    let mut two = args.to_vec();
+    two[3] = pte2.to_str().unwrap();
+    two.extend(["--method", &method]);
+    let res = etmetal(&two);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(res.status.success(), "{err}");
+    assert!(
+        err.contains("method `prefill`: 1 linears in int4")
+            && err.contains("1 of them reuse int4 weights already made"),
+        "{err}"
+    );
     let res = etmetal(&["inspect", pte.to_str().unwrap()]);
     let out = String::from_utf8_lossy(&res.stdout);
     assert!(
