@@ -204,6 +204,8 @@ def transformers_entries() -> list[Entry]:
         ("gemma3_text", "Gemma3ForCausalLM", "Gemma3TextConfig", {"sliding_window": 8}),
     ]:
         e.append(Entry(f"hf_{name}", hf(cls, config, **{**DECODER, **extra}), tokens()))
+    # MoE routing argsorts int64 expert ids on the CPU
+    moe_cpu = "64-bit integers"
     moe = dict(num_local_experts=4, num_experts_per_tok=2)
     qwen_moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     for name, cls, config, extra in [
@@ -215,6 +217,9 @@ def transformers_entries() -> list[Entry]:
         ("granitemoe", "GraniteMoeForCausalLM", "GraniteMoeConfig", moe),
         ("phimoe", "PhimoeForCausalLM", "PhimoeConfig", moe),
         ("gpt_oss", "GptOssForCausalLM", "GptOssConfig", dict(moe, sliding_window=8)),
+    ]:
+        e.append(Entry(f"hf_{name}", hf(cls, config, **{**DECODER, **extra}), tokens(), cpu_reason=moe_cpu))
+    for name, cls, config, extra in [
         ("olmo", "OlmoForCausalLM", "OlmoConfig", {}),
         ("olmo2", "Olmo2ForCausalLM", "Olmo2Config", {}),
         ("olmo3", "Olmo3ForCausalLM", "Olmo3Config", {"sliding_window": 8}),
