@@ -156,15 +156,24 @@ TEXT = ("input_ids", "attention_mask")
 PIXELS = ("pixel_values",)
 
 
-def hf(cls_name: str, config_name: str, keys: tuple = TEXT, encoder: bool = False, **config):
+def hf(cls_name: str, config_name: str, keys: tuple = TEXT, encoder: bool = False, fan_in: bool = False, **config):
     """transformers' `cls_name` from a `config_name` of `config`; `encoder`:
-    the encoder half of a seq2seq model (`model.get_encoder()`)."""
+    the encoder half of a seq2seq model (`model.get_encoder()`); `fan_in`:
+    convolution and linear weights drawn with std 1/sqrt(fan in) and batch
+    norm scales of 1, where the model's own init lets activations fade to
+    nothing over its depth (a comparison would then hold for any output)."""
 
     def make():
         import transformers
 
         cfg = getattr(transformers, config_name)(**config)
         model = getattr(transformers, cls_name)(cfg)
+        if fan_in:
+            for m in model.modules():
+                if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+                    torch.nn.init.kaiming_normal_(m.weight, nonlinearity="linear")
+                elif isinstance(m, torch.nn.BatchNorm2d):
+                    torch.nn.init.ones_(m.weight)
         return MainOutput(model.get_encoder() if encoder else model, keys)
 
     return make
@@ -194,8 +203,49 @@ def transformers_entries() -> list[Entry]:
         ("gemma2", "Gemma2ForCausalLM", "Gemma2Config", {"sliding_window": 8}),
         ("gemma3_text", "Gemma3ForCausalLM", "Gemma3TextConfig", {"sliding_window": 8}),
     ]:
-        e.append(Entry(f"hf_{name}", hf(cls, config, **DECODER, **extra), tokens()))
+        e.append(Entry(f"hf_{name}", hf(cls, config, **{**DECODER, **extra}), tokens()))
+    # MoE routing argsorts int64 expert ids on the CPU
+    moe_cpu = "64-bit integers"
+    moe = dict(num_local_experts=4, num_experts_per_tok=2)
+    qwen_moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    for name, cls, config, extra in [
+        # MoE routing: topk over the router's scores, one_hot/index, scatter
+        ("mixtral", "MixtralForCausalLM", "MixtralConfig", moe),
+        ("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(qwen_moe, shared_expert_intermediate_size=32)),
+        ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", qwen_moe),
+        ("olmoe", "OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2)),
+        ("granitemoe", "GraniteMoeForCausalLM", "GraniteMoeConfig", moe),
+        ("phimoe", "PhimoeForCausalLM", "PhimoeConfig", moe),
+        ("gpt_oss", "GptOssForCausalLM", "GptOssConfig", dict(moe, sliding_window=8)),
+    ]:
+        e.append(Entry(f"hf_{name}", hf(cls, config, **{**DECODER, **extra}), tokens(), cpu_reason=moe_cpu))
+    for name, cls, config, extra in [
+        ("olmo", "OlmoForCausalLM", "OlmoConfig", {}),
+        ("olmo2", "Olmo2ForCausalLM", "Olmo2Config", {}),
+        ("olmo3", "Olmo3ForCausalLM", "Olmo3Config", {"sliding_window": 8}),
+        ("granite", "GraniteForCausalLM", "GraniteConfig", {}),
+        ("stablelm", "StableLmForCausalLM", "StableLmConfig", {}),
+        ("phi", "PhiForCausalLM", "PhiConfig", {}),
+        ("smollm3", "SmolLM3ForCausalLM", "SmolLM3Config", {"pad_token_id": 0}),
+        ("cohere", "CohereForCausalLM", "CohereConfig", {}),
+        ("cohere2", "Cohere2ForCausalLM", "Cohere2Config", {"sliding_window": 8}),
+        ("glm", "GlmForCausalLM", "GlmConfig", {"pad_token_id": 0}),
+        ("glm4", "Glm4ForCausalLM", "Glm4Config", {"pad_token_id": 0}),
+        ("helium", "HeliumForCausalLM", "HeliumConfig", {}),
+        ("exaone4", "Exaone4ForCausalLM", "Exaone4Config", {"sliding_window": 8}),
+        ("ernie4_5", "Ernie4_5ForCausalLM", "Ernie4_5Config", {}),
+        ("ministral", "MinistralForCausalLM", "MinistralConfig", {"sliding_window": 8}),
+        ("nemotron", "NemotronForCausalLM", "NemotronConfig", {}),
+        ("lfm2", "Lfm2ForCausalLM", "Lfm2Config", {"layer_types": ["conv", "full_attention"]}),
+    ]:
+        e.append(Entry(f"hf_{name}", hf(cls, config, **{**DECODER, **extra}), tokens()))
     more = [
+        ("gpt_neo", "GPTNeoForCausalLM", "GPTNeoConfig", dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=8, max_position_embeddings=64, use_cache=False)),
+        ("codegen", "CodeGenForCausalLM", "CodeGenConfig", dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64, n_ctx=64, use_cache=False)),
+        ("mpt", "MptForCausalLM", "MptConfig", dict(vocab_size=128, d_model=32, n_layers=2, n_heads=4, max_seq_len=64, use_cache=False)),
+        ("modernbert", "ModernBertModel", "ModernBertConfig", dict(SMALL, global_attn_every_n_layers=2, local_attention=8, pad_token_id=0)),
+        ("mpnet", "MPNetModel", "MPNetConfig", dict(SMALL)),
+        ("deberta", "DebertaModel", "DebertaConfig", dict(SMALL)),
         ("bloom", "BloomForCausalLM", "BloomConfig", dict(vocab_size=128, hidden_size=32, n_layer=2, n_head=4, use_cache=False)),
         ("falcon", "FalconForCausalLM", "FalconConfig", dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, use_cache=False)),
         ("gptj", "GPTJForCausalLM", "GPTJConfig", dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64, use_cache=False)),
@@ -341,7 +391,58 @@ def transformers_entries() -> list[Entry]:
             tokens(),
         ),
     ]
+    speech = dict(
+        keys=("input_values",),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        conv_dim=(16, 16, 16),
+        conv_stride=(5, 2, 2),
+        conv_kernel=(10, 3, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+    )
+    audio = lambda g: (torch.randn(1, 1600, generator=g),)  # noqa: E731
+    e += [
+        Entry("hf_siglip_vision", hf("SiglipVisionModel", "SiglipVisionConfig", keys=PIXELS, **vision), image(32)),
+        Entry("hf_siglip2_vision", hf("Siglip2VisionModel", "Siglip2VisionConfig", keys=("pixel_values", "pixel_attention_mask", "spatial_shapes"), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, patch_size=8, num_patches=16), siglip2_patches),
+        Entry("hf_beit", hf("BeitModel", "BeitConfig", keys=PIXELS, use_relative_position_bias=True, **vision), image(32)),
+        Entry("hf_dinov2_registers", hf("Dinov2WithRegistersModel", "Dinov2WithRegistersConfig", keys=PIXELS, num_register_tokens=4, **vision), image(32)),
+        Entry(
+            "hf_mobilevit",
+            hf("MobileViTModel", "MobileViTConfig", keys=PIXELS, image_size=64, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64], num_attention_heads=4, initializer_range=0.2),
+            image(64),
+        ),
+        Entry("hf_mobilevitv2", hf("MobileViTV2Model", "MobileViTV2Config", keys=PIXELS, fan_in=True, image_size=64, width_multiplier=0.25), image(64)),
+        Entry("hf_convnextv2", hf("ConvNextV2Model", "ConvNextV2Config", keys=PIXELS, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 2, 1], image_size=64), image(64)),
+        Entry(
+            "hf_swinv2",
+            hf("Swinv2Model", "Swinv2Config", keys=PIXELS, image_size=64, patch_size=4, embed_dim=16, depths=[1, 2], num_heads=[2, 4], window_size=4),
+            image(64),
+        ),
+        Entry("hf_resnet", hf("ResNetModel", "ResNetConfig", keys=PIXELS, embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1]), image(64)),
+        Entry("hf_mobilenet_v2", hf("MobileNetV2Model", "MobileNetV2Config", keys=PIXELS, fan_in=True, image_size=64, depth_multiplier=0.35), image(64)),
+        Entry("hf_efficientnet", hf("EfficientNetModel", "EfficientNetConfig", keys=PIXELS, fan_in=True, image_size=64, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320), image(64)),
+        Entry("hf_levit", hf("LevitModel", "LevitConfig", keys=PIXELS, fan_in=True, image_size=64, hidden_sizes=[32, 48, 64], num_attention_heads=[2, 3, 4], depths=[1, 1, 1], key_dim=[8, 8, 8]), image(64)),
+        Entry("hf_pvt_v2", hf("PvtV2Model", "PvtV2Config", keys=PIXELS, image_size=64, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 4, 8]), image(64)),
+        Entry("hf_yolos", hf("YolosModel", "YolosConfig", keys=PIXELS, image_size=[32, 32], num_detection_tokens=4, **{k: v for k, v in vision.items() if k != "image_size"}), image(32)),
+        Entry("hf_wav2vec2_conformer", hf("Wav2Vec2ConformerModel", "Wav2Vec2ConformerConfig", position_embeddings_type="relative", **speech), audio),
+        Entry("hf_wav2vec2_conformer_rotary", hf("Wav2Vec2ConformerModel", "Wav2Vec2ConformerConfig", position_embeddings_type="rotary", **speech), audio),
+        Entry("hf_wavlm", hf("WavLMModel", "WavLMConfig", num_buckets=16, max_bucket_distance=64, **speech), audio),
+        Entry("hf_data2vec_audio", hf("Data2VecAudioModel", "Data2VecAudioConfig", **speech), audio),
+        Entry(
+            "hf_moonshine_encoder",
+            hf("MoonshineModel", "MoonshineConfig", keys=("input_values",), encoder=True, vocab_size=128, hidden_size=32, intermediate_size=64, encoder_num_hidden_layers=2, decoder_num_hidden_layers=1, encoder_num_attention_heads=4, decoder_num_attention_heads=4),
+            audio,
+        ),
+    ]
     return e
+
+
+def siglip2_patches(g):
+    """Siglip2's inputs: 16 patches of 8x8x3 (a 4x4 grid), all valid."""
+    return torch.randn(1, 16, 192, generator=g), torch.ones(1, 16, dtype=torch.int64), torch.tensor([[4, 4]])
 
 
 # ---- timm -----------------------------------------------------------------

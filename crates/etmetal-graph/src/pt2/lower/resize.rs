@@ -1,7 +1,8 @@
-//! `upsample_*` (`F.interpolate`) in nearest, nearest-exact and (bi)linear
-//! modes, one spatial dim at a time: each output position reads one input
-//! position (nearest) or two with weights (linear), all computed here from
-//! the static sizes, so the kernels are gathers, multiplies and adds.
+//! `upsample_*` (`F.interpolate`) in nearest, nearest-exact, (bi)linear and
+//! bicubic modes, one spatial dim at a time: each output position reads one
+//! input position (nearest), two with weights (linear) or four (cubic), all
+//! computed here from the static sizes, so the kernels are gathers,
+//! multiplies and adds.
 
 use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor};
 
@@ -13,6 +14,16 @@ enum Mode {
     Nearest,
     NearestExact,
     Linear { align_corners: bool },
+    Cubic { align_corners: bool },
+}
+
+/// PyTorch's bicubic convolution weights (A = -0.75) of the four taps
+/// around a source position `t` past its floor.
+fn cubic_weights(t: f32) -> [f32; 4] {
+    const A: f32 = -0.75;
+    let near = |x: f32| ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0;
+    let far = |x: f32| ((A * x - 5.0 * A) * x + 8.0 * A) * x - 4.0 * A;
+    [far(t + 1.0), near(t), near(1.0 - t), far(2.0 - t)]
 }
 
 /// PyTorch's `area_pixel_compute_scale`: the input step per output step.
@@ -48,6 +59,10 @@ impl Lowerer<'_> {
                     _ => 3,
                 };
                 (Mode::Linear { align_corners }, spatial)
+            }
+            "upsample_bicubic2d" => {
+                let align_corners = c.args.bool("align_corners", false)?;
+                (Mode::Cubic { align_corners }, 2)
             }
             _ => return Ok(false),
         };
@@ -142,49 +157,73 @@ impl Lowerer<'_> {
         mode: Mode,
     ) -> Result<ValueId> {
         let last = n as i64 - 1;
-        let (align, linear) = match mode {
-            Mode::Linear { align_corners } => (align_corners, true),
-            _ => (false, false),
+        let align = match mode {
+            Mode::Linear { align_corners } | Mode::Cubic { align_corners } => align_corners,
+            _ => false,
         };
         // float32 arithmetic, as PyTorch's kernels, so boundaries round alike
         let s = step(n, m, scale, align) as f32;
-        if !linear {
-            let offset = if mode == Mode::NearestExact { 0.5 } else { 0.0 };
-            let idx = (0..m)
-                .map(|j| (((j as f32 + offset) * s).floor() as i64).min(last))
-                .collect();
-            let idx = self.index_table(c, &format!("nearest{dim}"), idx)?;
-            return self.emit1(c, Op::IndexSelect { dim }, vec![Some(x), Some(idx)]);
-        }
-        let mut lo = Vec::with_capacity(m);
-        let mut hi = Vec::with_capacity(m);
-        let mut w_hi = Vec::with_capacity(m);
-        for j in 0..m {
-            let src = if align {
+        let source = |j: usize| {
+            if align {
                 j as f32 * s
             } else {
-                ((j as f32 + 0.5) * s - 0.5).max(0.0)
-            };
-            let i0 = (src.floor() as i64).min(last);
-            lo.push(i0);
-            hi.push((i0 + 1).min(last));
-            w_hi.push(f64::from(src - i0 as f32));
-        }
+                (j as f32 + 0.5) * s - 0.5
+            }
+        };
+        // per tap: the input position and weight of each output position
+        let taps: Vec<(Vec<i64>, Vec<f64>)> = match mode {
+            Mode::Nearest | Mode::NearestExact => {
+                let offset = if mode == Mode::NearestExact { 0.5 } else { 0.0 };
+                let idx = (0..m)
+                    .map(|j| (((j as f32 + offset) * s).floor() as i64).min(last))
+                    .collect();
+                let idx = self.index_table(c, &format!("nearest{dim}"), idx)?;
+                return self.emit1(c, Op::IndexSelect { dim }, vec![Some(x), Some(idx)]);
+            }
+            Mode::Linear { .. } => {
+                let mut taps = vec![(Vec::with_capacity(m), Vec::with_capacity(m)); 2];
+                for j in 0..m {
+                    let src = source(j).max(0.0);
+                    let i0 = (src.floor() as i64).min(last);
+                    let w = f64::from(src - i0 as f32);
+                    taps[0].0.push(i0);
+                    taps[0].1.push(1.0 - w);
+                    taps[1].0.push((i0 + 1).min(last));
+                    taps[1].1.push(w);
+                }
+                taps
+            }
+            Mode::Cubic { .. } => {
+                // taps at floor - 1 ..= floor + 2, clamped into the input
+                let mut taps = vec![(Vec::with_capacity(m), Vec::with_capacity(m)); 4];
+                for j in 0..m {
+                    let src = source(j);
+                    let i0 = src.floor();
+                    let w = cubic_weights(src - i0);
+                    for (k, tap) in taps.iter_mut().enumerate() {
+                        tap.0.push((i0 as i64 - 1 + k as i64).clamp(0, last));
+                        tap.1.push(f64::from(w[k]));
+                    }
+                }
+                taps
+            }
+        };
         let rank = self.rank(x);
         let mut wshape = vec![1; rank];
         wshape[dim] = m;
         let dtype = self.dtype(x);
-        let w_lo: Vec<f64> = w_hi.iter().map(|w| 1.0 - w).collect();
-        let w_lo = Tensor::from_f64(dtype, &wshape, &w_lo)?;
-        let w_lo = self.add_table(c, "w_lo", w_lo);
-        let w_hi = Tensor::from_f64(dtype, &wshape, &w_hi)?;
-        let w_hi = self.add_table(c, "w_hi", w_hi);
-        let lo = self.index_table(c, &format!("lo{dim}"), lo)?;
-        let hi = self.index_table(c, &format!("hi{dim}"), hi)?;
-        let a = self.emit1(c, Op::IndexSelect { dim }, vec![Some(x), Some(lo)])?;
-        let b = self.emit1(c, Op::IndexSelect { dim }, vec![Some(x), Some(hi)])?;
-        let a = self.emit1(c, Op::Binary(BinaryOp::Mul), vec![Some(a), Some(w_lo)])?;
-        let b = self.emit1(c, Op::Binary(BinaryOp::Mul), vec![Some(b), Some(w_hi)])?;
-        self.emit1(c, Op::Binary(BinaryOp::Add), vec![Some(a), Some(b)])
+        let mut sum = None;
+        for (k, (idx, w)) in taps.into_iter().enumerate() {
+            let w = Tensor::from_f64(dtype, &wshape, &w)?;
+            let w = self.add_table(c, &format!("w{k}_{dim}"), w);
+            let idx = self.index_table(c, &format!("tap{k}_{dim}"), idx)?;
+            let v = self.emit1(c, Op::IndexSelect { dim }, vec![Some(x), Some(idx)])?;
+            let v = self.emit1(c, Op::Binary(BinaryOp::Mul), vec![Some(v), Some(w)])?;
+            sum = Some(match sum {
+                None => v,
+                Some(acc) => self.emit1(c, Op::Binary(BinaryOp::Add), vec![Some(acc), Some(v)])?,
+            });
+        }
+        sum.ok_or_else(|| Error::shape("a resize with no taps"))
     }
 }
