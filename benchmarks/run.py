@@ -844,14 +844,15 @@ def merge(args):
     path = RESULTS / "gpu.json"
     base = json.loads(path.read_text())
     first = {"run": "2026-12-04", "torch_timing": base.get("torch_timing", "events"), "repeat": base.get("repeat", 1)}
-    for kind, key in (("ops", "op"), ("models", "model")):
-        rows = {(r[key], r["dtype"]): {**first, **r} for r in base[kind]}
+    for kind, key, variant in (("ops", "op", "dtype"), ("models", "model", "dtype"), ("dynamic", "model", "size")):
+        rows = {(r[key], r.get(variant)): {**first, **r} for r in base.get(kind, [])}
         for f in args.files:
-            for r in json.loads(Path(f).read_text())[kind]:
-                if "error" in r and (r[key], r["dtype"]) in rows and "error" not in rows[r[key], r["dtype"]]:
-                    print(f"{f}: keeping the earlier {r[key]} {r['dtype']}: this run failed ({r['error'][-120:]})")
+            for r in json.loads(Path(f).read_text()).get(kind, []):
+                k = (r[key], r.get(variant))
+                if "error" in r and k in rows and "error" not in rows[k]:
+                    print(f"{f}: keeping the earlier {k[0]} {k[1]}: this run failed ({r['error'][-120:]})")
                     continue
-                rows[r[key], r["dtype"]] = r
+                rows[k] = r
         base[kind] = list(rows.values())
     base["machine"] = json.loads(Path(args.files[-1]).read_text())["machine"] if args.files else base["machine"]
     path.write_text(json.dumps(base, indent=1) + "\n")
