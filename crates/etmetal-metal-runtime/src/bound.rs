@@ -39,6 +39,22 @@ pub(crate) fn runs(actual: &[usize], bound: &[usize]) -> Vec<(usize, usize, usiz
         .collect()
 }
 
+/// The bytes of a region (`size` at the bound) that hold a tensor of
+/// `actual` shape laid out as `bound`: up to its last valid element, in
+/// whole words (what an execute copies across, not the whole bound).
+pub(crate) fn valid_bytes(
+    dtype: DType,
+    actual: &[usize],
+    bound: &[usize],
+    size: u64,
+) -> Result<u64> {
+    let end = runs(actual, bound)
+        .last()
+        .map_or(0, |&(_, to, len)| to + len);
+    let bytes = (end * element_bytes(dtype)?) as u64;
+    Ok(bytes.next_multiple_of(4).clamp(4, size.max(4)).min(size))
+}
+
 /// GPU bytes of one element of `dtype` ([`GpuRepr`]).
 pub(crate) fn element_bytes(dtype: DType) -> Result<usize> {
     let repr = GpuRepr::of(dtype)?;
@@ -59,5 +75,17 @@ mod tests {
         assert_eq!(runs(&[4, 5], &[4, 5]), [(0, 0, 20)]);
         // two dynamic dims: [b=2, s=1, 2] in [3, 2, 2]
         assert_eq!(runs(&[2, 1, 2], &[3, 2, 2]), [(0, 0, 2), (2, 4, 2)]);
+    }
+
+    #[test]
+    fn an_execute_copies_up_to_the_last_valid_element() {
+        // [2, s=2, 3] f32 in [2, 4, 3] (96 bytes): up to element 18
+        assert_eq!(
+            valid_bytes(DType::F32, &[2, 2, 3], &[2, 4, 3], 96).unwrap(),
+            72
+        );
+        // three bf16 of eight: 6 bytes, a whole word more
+        assert_eq!(valid_bytes(DType::BF16, &[3], &[8], 16).unwrap(), 8);
+        assert_eq!(valid_bytes(DType::F32, &[8], &[8], 32).unwrap(), 32);
     }
 }

@@ -1001,12 +1001,30 @@ impl GpuDelegate {
             })
             .collect::<Result<Vec<[u32; 3]>>>()?;
         // what the command buffer copies from the input buffer into the arena
+        // (of a dynamic tensor, only the bytes up to its last valid element)
+        let valid = |id: usize, dtype, shape: &[usize], r: Region| -> Result<Region> {
+            let bound = &self.payload.buffers[id].shape;
+            let size = bound::valid_bytes(dtype, shape, bound, r.size)?;
+            Ok(Region { size, ..r })
+        };
         let copies: Vec<(u64, Region)> = inputs
             .iter()
             .zip(&self.payload.inputs)
             .zip(&self.upload_at)
-            .filter_map(|((given, &id), at)| given.and(*at).map(|at| (at, self.regions[id])))
-            .collect();
+            .filter_map(|((given, &id), at)| {
+                let (view, at) = (given.as_ref()?, (*at)?);
+                Some(valid(id, view.dtype, view.shape, self.regions[id]).map(|r| (at, r)))
+            })
+            .collect::<Result<_>>()?;
+        let reads: Vec<(Region, u64)> = self
+            .outputs
+            .iter()
+            .map(|o| {
+                let shape = self.payload.actual_shape(o.id, &values)?;
+                let dtype = self.payload.buffers[o.id].dtype;
+                Ok((valid(o.id, dtype, &shape, o.region)?, o.staging_offset))
+            })
+            .collect::<Result<_>>()?;
         drop(inputs);
         let gpu = self.gpu.clone();
         let profile = self.counters.profiling.load(Ordering::Relaxed)
@@ -1099,7 +1117,7 @@ impl GpuDelegate {
                         input.size,
                     );
                 }
-                let reads = self.outputs.iter().map(|o| (&o.region, o.staging_offset));
+                let reads = reads.iter().map(|(r, at)| (r, *at));
                 for (r, at) in reads.chain(self.statuses.iter().map(|(r, at)| (r, *at))) {
                     encoder.copy_buffer_to_buffer(
                         &self.buffers[r.buffer],

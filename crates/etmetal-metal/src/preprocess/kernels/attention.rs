@@ -871,12 +871,17 @@ fn combine(lw: &mut Lowering, a: &Attn, sp: &KeySplit) -> Result<()> {
     ));
     let groups = (items as u64).div_ceil(u64::from(FLAT_WORKGROUP));
     let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
-    lw.add_dispatch(
+    // (one invocation an output element, in order)
+    let actual = lw
+        .sizes
+        .groups(&lw.grid_dims(a.out), FLAT_WORKGROUP as usize)?;
+    lw.add_dispatch_sized(
         kb.finish(&main),
         vec![lw.op_label()],
         [FLAT_WORKGROUP, 1, 1],
         workgroups,
         0,
+        actual,
     )
 }
 

@@ -18,28 +18,38 @@ const ROW_BUCKETS: [usize; 2] = [64, 256];
 
 impl Gemm {
     /// Validate and append the kernel(s), reading the operands and storing
-    /// the results as `args` says; a product of dynamic m (and one batch)
-    /// as one variant per row bucket, each gated to its bucket.
+    /// the results as `args` says. A product of dynamic m (one batch) is
+    /// lowered once per row bucket, one of dynamic n (a convolution's
+    /// images) once per eighth and half of its bound, each variant gated
+    /// to its bucket.
     pub fn lower<A: GemmArgs>(&self, lw: &mut Lowering, args: &A) -> Result<()> {
-        let rows = match &self.dynamic {
-            Some([_, m, _]) if m.as_const().is_none() && self.batch == 1 => m.clone(),
+        let (size, along_m, bound, ends): (_, _, usize, Vec<usize>) = match &self.dynamic {
+            Some([_, m, _]) if m.as_const().is_none() && self.batch == 1 => {
+                (m.clone(), true, self.m, ROW_BUCKETS.to_vec())
+            }
+            Some([_, m, n]) if m.as_const().is_some() && n.as_const().is_none() => {
+                (n.clone(), false, self.n, vec![self.n / 8, self.n / 2])
+            }
             _ => return self.lower_one(lw, args),
         };
-        let mut ends: Vec<usize> = ROW_BUCKETS.into_iter().filter(|&e| e < self.m).collect();
+        let mut ends: Vec<usize> = ends.into_iter().filter(|&e| e > 0 && e < bound).collect();
+        ends.dedup();
         if ends.is_empty() {
             return self.lower_one(lw, args);
         }
-        ends.push(self.m);
+        ends.push(bound);
         let mut lo = 0;
         for &hi in &ends {
+            let (m, n) = if along_m { (hi, self.n) } else { (self.m, hi) };
             let variant = Gemm {
-                m: hi,
+                m,
+                n,
                 dynamic: self.dynamic.clone(),
                 coop: self.coop,
                 ..*self
             };
-            let top = (hi < self.m).then_some(hi);
-            lw.gate = Some(bucket(&rows, lo, top)?);
+            let top = (hi < bound).then_some(hi);
+            lw.gate = Some(bucket(&size, lo, top)?);
             let lowered = variant.lower_one(lw, args);
             lw.gate = None;
             lowered?;
