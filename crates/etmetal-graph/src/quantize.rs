@@ -44,7 +44,8 @@
 //! next-token agreement, mean KL, perplexity (bf16: 23.92), weight error):
 //!   min-max + refinement:             77.3%, 0.177, 28.76, 6.13e-3
 //!   the same, codes re-rounded (3.):  78.3%, 0.179, 28.67, 6.12e-3
-//! and on 300 tokens: min-max alone 70.3%, 0.248, 31.42, 7.21e-3. Through
+//! and on 300 tokens: min-max alone 70.3%, 0.248, 31.42, 7.21e-3; group
+//! 64 67.7%, 0.318, 33.12, 9.48e-3 (group 32: 77.3%, 0.166, 28.71). Through
 //! `etmetal compile` (scripts/eval_llm.py, 1165 tokens; perplexity of bf16
 //! 30.55): before step 3 75.7%, 0.201, 37.57; with it 75.4%, 0.204, 37.71,
 //! the same within the noise: step 3 is kept because it makes each code
