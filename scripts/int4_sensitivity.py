@@ -25,8 +25,8 @@ Quantizers (groups of `gs` along K, `w = code * scale + zero`, code 0..15):
   keep the group's best; r over 14..16 step 0.2 (clipping the range a little,
   or widening it) and the integers 10..13 (a group whose values already sit
   on a 16-level grid using fewer than 16 levels, as the Q4_K tensors of a
-  GGUF-dequantized model do, is then represented exactly): quantize.rs's
-  SEARCH_STEPS;
+  GGUF-dequantized model do, is then represented exactly). quantize.rs
+  tried it and left it out (its module comment has the figures);
 - `h`: weigh each input channel's squared error (least squares and search
   alike) by `norm`, the square of the RMSNorm scale `1 + weight` feeding the
   linear (data-free; it made Gemma 3 worse), or `act`, the activations' mean
@@ -132,7 +132,7 @@ def variants(layers: int):
     """(name, which weights, quantizer) of each variant."""
     last = layers - 1
     out = [
-        ("rust as was: minmax+refine, all", ALL, BASE),
+        ("minmax+refine (quantize.rs before re-rounding), all", ALL, BASE),
         ("  all but lm_head", NO_HEAD, BASE),
         ("  lm_head only", lambda n: n == "lm_head", BASE),
         ("  attention only (q,k,v,o)", lambda n: ".self_attn." in n, BASE),

@@ -275,13 +275,14 @@ def test_gemma3_270m_generate_prints_eager_greedy_text(etmetal, gemma, tmp_path)
 
 # int4 Gemma against the bf16 etmetal model and eager PyTorch, over the
 # first INT4_TOKENS tokens of the text scripts/eval_llm.py measures (its
-# figures over the whole text are in BENCHMARKS.md). Measured here: 76.95%
-# agreement; perplexity bf16 22.75, int4 27.95, eager float32 22.74; int4
-# file 0.589 of bf16's (whose tied embedding is stored twice: as the table
-# and as the transposed LM head). The bounds leave margin below those.
+# figures over the whole text are in BENCHMARKS.md). Measured here: 79.30%
+# agreement (mean KL 0.172); perplexity bf16 22.75, int4 28.16, eager
+# float32 22.74; int4 file 0.589 of bf16's (whose tied embedding is stored
+# twice: as the table and as the transposed LM head). The bounds leave
+# margin below those (256 tokens: one token is 0.4% of the agreement).
 INT4_TOKENS = 256
-INT4_AGREEMENT = 0.70
-INT4_PERPLEXITY_FACTOR = 1.35
+INT4_AGREEMENT = 0.72
+INT4_PERPLEXITY_FACTOR = 1.32
 INT4_SIZE_FRACTION = 0.65
 
 
