@@ -37,6 +37,9 @@ FAST = {
     "hf_t5_encoder",  # position bias computed at compile time (etmetal-graph's fold_constants)
     "hf_wav2vec2",
     "timm_resnet18",
+    "hf_mixtral",  # MoE routing: histc, grouped matmul (transformers.grouped_mm_fallback)
+    "hf_beit",  # meshgrid for its relative position bias
+    "hf_efficientnet",  # a ceil-mode pool whose kernel exceeds its input
 }
 
 

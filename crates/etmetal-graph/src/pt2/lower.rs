@@ -22,6 +22,7 @@ use crate::ir::{Graph, Node, ValueId};
 
 mod composite;
 mod elementwise;
+mod fold;
 mod hints;
 mod inplace;
 mod layout;
@@ -1038,6 +1039,25 @@ impl<'m> Lowerer<'m> {
             ("min", "default") => self.reduce(c, ReduceOp::Min, "dim"),
             ("any", "dim" | "dims" | "default") => self.reduce(c, ReduceOp::Any, "dim"),
             ("all", "dim" | "dims" | "default") => self.reduce(c, ReduceOp::All, "dim"),
+            // a 0-d bool tensor's truth, read by `item` into runtime checks
+            ("_is_all_true" | "_is_any_true", "default") => {
+                let x = self.t(c, "self")?;
+                let op = if name == "_is_all_true" {
+                    ReduceOp::All
+                } else {
+                    ReduceOp::Any
+                };
+                let dims = (0..self.rank(x)).collect();
+                self.finish(
+                    c,
+                    Op::Reduce {
+                        op,
+                        dims,
+                        keepdim: false,
+                    },
+                    vec![Some(x)],
+                )
+            }
             ("var", "dim" | "correction" | "default") => self.variance(c, false),
             ("std", "dim" | "correction" | "default") => self.variance(c, true),
             ("argmax" | "argmin", _) => {
@@ -1786,6 +1806,7 @@ impl<'m> Lowerer<'m> {
             }
             _ if self.composite(c, name, overload)? => Ok(()),
             _ if self.upsample(c, name, overload)? => Ok(()),
+            (_, "default") if self.fold(c, name)? => Ok(()),
             _ => Err(unknown()),
         }
     }
