@@ -182,6 +182,25 @@ def hf(cls_name: str, config_name: str, keys: tuple = TEXT, encoder: bool = Fals
     return make
 
 
+# wav2vec2-style speech encoders: a tiny config and 0.1 s of 16 kHz audio
+SPEECH = dict(
+    keys=("input_values",),
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    conv_dim=(16, 16, 16),
+    conv_stride=(5, 2, 2),
+    conv_kernel=(10, 3, 3),
+    num_conv_pos_embeddings=16,
+    num_conv_pos_embedding_groups=4,
+)
+
+
+def audio(g):
+    return (torch.randn(1, 1600, generator=g),)
+
+
 def transformers_entries() -> list[Entry]:
     enc = dict(SMALL, type_vocab_size=2)
     e = [
@@ -310,24 +329,7 @@ def transformers_entries() -> list[Entry]:
             hf("SegformerForSemanticSegmentation", "SegformerConfig", keys=PIXELS, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 4, 8], decoder_hidden_size=32, num_labels=3),
             image(64),
         ),
-        Entry(
-            "hf_wav2vec2",
-            hf(
-                "Wav2Vec2Model",
-                "Wav2Vec2Config",
-                keys=("input_values",),
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=64,
-                conv_dim=(16, 16, 16),
-                conv_stride=(5, 2, 2),
-                conv_kernel=(10, 3, 3),
-                num_conv_pos_embeddings=16,
-                num_conv_pos_embedding_groups=4,
-            ),
-            lambda g: (torch.randn(1, 1600, generator=g),),
-        ),
+        Entry("hf_wav2vec2", hf("Wav2Vec2Model", "Wav2Vec2Config", **SPEECH), audio),
         Entry(
             "hf_hubert",
             hf(
@@ -394,19 +396,6 @@ def transformers_entries() -> list[Entry]:
             tokens(),
         ),
     ]
-    speech = dict(
-        keys=("input_values",),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        conv_dim=(16, 16, 16),
-        conv_stride=(5, 2, 2),
-        conv_kernel=(10, 3, 3),
-        num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=4,
-    )
-    audio = lambda g: (torch.randn(1, 1600, generator=g),)  # noqa: E731
     e += [
         Entry("hf_siglip_vision", hf("SiglipVisionModel", "SiglipVisionConfig", keys=PIXELS, **vision), image(32)),
         Entry("hf_siglip2_vision", hf("Siglip2VisionModel", "Siglip2VisionConfig", keys=("pixel_values", "pixel_attention_mask", "spatial_shapes"), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, patch_size=8, num_patches=16), siglip2_patches),
@@ -430,10 +419,10 @@ def transformers_entries() -> list[Entry]:
         Entry("hf_levit", hf("LevitModel", "LevitConfig", keys=PIXELS, fan_in=True, image_size=64, hidden_sizes=[32, 48, 64], num_attention_heads=[2, 3, 4], depths=[1, 1, 1], key_dim=[8, 8, 8]), image(64)),
         Entry("hf_pvt_v2", hf("PvtV2Model", "PvtV2Config", keys=PIXELS, image_size=64, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 4, 8]), image(64)),
         Entry("hf_yolos", hf("YolosModel", "YolosConfig", keys=PIXELS, image_size=[32, 32], num_detection_tokens=4, **{k: v for k, v in vision.items() if k != "image_size"}), image(32)),
-        Entry("hf_wav2vec2_conformer", hf("Wav2Vec2ConformerModel", "Wav2Vec2ConformerConfig", position_embeddings_type="relative", **speech), audio),
-        Entry("hf_wav2vec2_conformer_rotary", hf("Wav2Vec2ConformerModel", "Wav2Vec2ConformerConfig", position_embeddings_type="rotary", **speech), audio),
-        Entry("hf_wavlm", hf("WavLMModel", "WavLMConfig", num_buckets=16, max_bucket_distance=64, **speech), audio),
-        Entry("hf_data2vec_audio", hf("Data2VecAudioModel", "Data2VecAudioConfig", **speech), audio),
+        Entry("hf_wav2vec2_conformer", hf("Wav2Vec2ConformerModel", "Wav2Vec2ConformerConfig", position_embeddings_type="relative", **SPEECH), audio),
+        Entry("hf_wav2vec2_conformer_rotary", hf("Wav2Vec2ConformerModel", "Wav2Vec2ConformerConfig", position_embeddings_type="rotary", **SPEECH), audio),
+        Entry("hf_wavlm", hf("WavLMModel", "WavLMConfig", num_buckets=16, max_bucket_distance=64, **SPEECH), audio),
+        Entry("hf_data2vec_audio", hf("Data2VecAudioModel", "Data2VecAudioConfig", **SPEECH), audio),
         Entry(
             "hf_moonshine_encoder",
             hf("MoonshineModel", "MoonshineConfig", keys=("input_values",), encoder=True, vocab_size=128, hidden_size=32, intermediate_size=64, encoder_num_hidden_layers=2, decoder_num_hidden_layers=1, encoder_num_attention_heads=4, decoder_num_attention_heads=4),

@@ -449,20 +449,12 @@ fn tiled(
 
 #[cfg(test)]
 mod tests {
-    use crate::preprocess::kernels::testing::{input, lower_one, weight};
-    use etmetal_core::{DType, Op};
+    use crate::preprocess::kernels::testing::lower_int4_linear;
+    use etmetal_core::DType;
 
     fn decode(dtype: DType, m: usize, n: usize, k: usize, g: usize) -> String {
-        let p = lower_one(
-            Op::Int4Linear { group_size: g },
-            vec![
-                input(dtype, &[m, k]),
-                weight(DType::I32, &[n, k / 8]),
-                weight(dtype, &[n, k / g]),
-                weight(dtype, &[n, k / g]),
-            ],
-        )
-        .unwrap_or_else(|e| panic!("{dtype:?} {m}x{n}x{k} g{g}: {e}"));
+        let p = lower_int4_linear(dtype, m, n, k, g)
+            .unwrap_or_else(|e| panic!("{dtype:?} {m}x{n}x{k} g{g}: {e}"));
         let kernel = &p.payload.kernels[p.payload.dispatches[0].kernel];
         kernel.wgsl.clone()
     }

@@ -35,6 +35,26 @@ pub fn lower_one(op: Op, operands: Vec<Option<Operand>>) -> Result<Preprocessed>
     lower_one_with(op, operands, &PreprocessOptions::default())
 }
 
+/// An int4 linear `[m, k] @ [n, k]ᵀ` with `dtype` activations, scales and
+/// zeros, and groups of `g`, lowered with [`lower_one`].
+pub fn lower_int4_linear(
+    dtype: DType,
+    m: usize,
+    n: usize,
+    k: usize,
+    g: usize,
+) -> Result<Preprocessed> {
+    lower_one(
+        Op::Int4Linear { group_size: g },
+        vec![
+            input(dtype, &[m, k]),
+            weight(DType::I32, &[n, k / 8]),
+            weight(dtype, &[n, k / g]),
+            weight(dtype, &[n, k / g]),
+        ],
+    )
+}
+
 /// [`lower_one`] with `options`.
 pub fn lower_one_with(
     op: Op,

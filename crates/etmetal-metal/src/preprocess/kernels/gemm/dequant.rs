@@ -138,8 +138,8 @@ impl GemmArgs for Int4Operands<'_> {
 
 #[cfg(test)]
 mod tests {
-    use crate::preprocess::kernels::testing::{input, lower_one, weight};
-    use etmetal_core::{DType, Op};
+    use crate::preprocess::kernels::testing::lower_int4_linear;
+    use etmetal_core::DType;
 
     /// A prefill-sized int4 linear keeps its portable kernel and gains both
     /// tensor-core forms, dequantizing as they stage (validated by naga,
@@ -147,18 +147,7 @@ mod tests {
     #[test]
     fn int4_gemm_gains_tensor_core_alternatives() {
         let (n, k, g) = (96, 256, 32);
-        let linear = |dtype, m| {
-            lower_one(
-                Op::Int4Linear { group_size: g },
-                vec![
-                    input(dtype, &[m, k]),
-                    weight(DType::I32, &[n, k / 8]),
-                    weight(dtype, &[n, k / g]),
-                    weight(dtype, &[n, k / g]),
-                ],
-            )
-            .unwrap()
-        };
+        let linear = |dtype, m| lower_int4_linear(dtype, m, n, k, g).unwrap();
         for dtype in [DType::BF16, DType::F16] {
             let p = linear(dtype, 64).payload;
             let with: Vec<_> = p
