@@ -330,24 +330,7 @@ def transformers_entries() -> list[Entry]:
             image(64),
         ),
         Entry("hf_wav2vec2", hf("Wav2Vec2Model", "Wav2Vec2Config", **SPEECH), audio),
-        Entry(
-            "hf_hubert",
-            hf(
-                "HubertModel",
-                "HubertConfig",
-                keys=("input_values",),
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=64,
-                conv_dim=(16, 16, 16),
-                conv_stride=(5, 2, 2),
-                conv_kernel=(10, 3, 3),
-                num_conv_pos_embeddings=16,
-                num_conv_pos_embedding_groups=4,
-            ),
-            lambda g: (torch.randn(1, 1600, generator=g),),
-        ),
+        Entry("hf_hubert", hf("HubertModel", "HubertConfig", **SPEECH), audio),
         Entry(
             "hf_whisper_encoder",
             hf(
