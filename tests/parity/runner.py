@@ -14,6 +14,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 120
+# a decoder's steps replayed by `generate` (several methods, loads included)
+REPLAY_TIMEOUT_S = 600
 
 
 def default_binary() -> Path:
@@ -52,12 +54,23 @@ class Runner:
     binary: Path
     fmt: str  # a key of FORMATS
 
-    def _exec(self, args: list[str]) -> subprocess.CompletedProcess:
+    def _exec(self, args: list[str], timeout: int = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
         cmd = [str(self.binary), *args]
         try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
-            pytest.fail(f"$ {' '.join(cmd)}\ntimed out after {RUN_TIMEOUT_S}s\n{e.stderr or ''}")
+            pytest.fail(f"$ {' '.join(cmd)}\ntimed out after {timeout}s\n{e.stderr or ''}")
+
+    def replay(self, pte: Path, steps: list, folder: Path, *flags: str) -> subprocess.CompletedProcess:
+        """`etmetal generate --replay` of `pte`: each `(method, inputs)` of
+        `steps` in turn on one state, its outputs written as
+        folder/step{k}_output{i}.npy; `flags` go to `generate`."""
+        for k, (method, inputs) in enumerate(steps):
+            (folder / f"step{k}_method.txt").write_text(method)
+            for i, t in enumerate(inputs):
+                np.save(folder / f"step{k}_input{i}.npy", to_npy(t))
+        return self._exec(["generate", str(pte), *flags, "--replay", str(folder), "--steps", str(len(steps))],
+                          timeout=REPLAY_TIMEOUT_S)
 
     def run(self, pt2: Path, inputs: tuple, work: Path) -> Result:
         """Run the program saved at `pt2` on `inputs` (written as .npy under

@@ -156,12 +156,7 @@ def check_recipe_steps(kind, etmetal, tmp_path, backend: str, decode_steps: int)
             logits = eager(input_ids=inputs[0], cache_position=inputs[1])
             want.append(to_npy(logits))
             token = logits[0, -1].argmax()
-    for k, (method, inputs) in enumerate(steps):
-        (tmp_path / f"step{k}_method.txt").write_text(method)
-        for i, t in enumerate(inputs):
-            np.save(tmp_path / f"step{k}_input{i}.npy", to_npy(t))
-    r = subprocess.run([str(etmetal.binary), "generate", str(pte), "--replay", str(tmp_path),
-                        "--steps", str(len(steps))], capture_output=True, text=True, timeout=600)
+    r = etmetal.replay(pte, steps, tmp_path)
     assert r.returncode == 0, r.stderr
     for k, (method, _) in enumerate(steps):
         got = np.load(tmp_path / f"step{k}_output0.npy")
@@ -200,12 +195,7 @@ def test_dynamic_prefill_matches_eager_at_every_length(kind, etmetal, tmp_path):
         steps.pop()
         run = tmp_path / f"len{n}"
         run.mkdir()
-        for k, (method, inputs) in enumerate(steps):
-            (run / f"step{k}_method.txt").write_text(method)
-            for i, t in enumerate(inputs):
-                np.save(run / f"step{k}_input{i}.npy", to_npy(t))
-        r = subprocess.run([str(etmetal.binary), "generate", str(pte), "--replay", str(run),
-                            "--steps", str(len(steps))], capture_output=True, text=True, timeout=600)
+        r = etmetal.replay(pte, steps, run)
         assert r.returncode == 0, r.stderr
         for k, (method, _) in enumerate(steps):
             got, w = np.load(run / f"step{k}_output0.npy"), want[k]

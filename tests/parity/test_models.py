@@ -71,14 +71,8 @@ def test_decoder_prefill_then_decode_steps(kind, dtype, export, backend, etmetal
         # the cache lives in one partition each: it stays on the GPU
         assert report.count("state kept on the GPU") == 2, report
     steps = [("prefill", prefill)] + [("forward", d) for d in decode]
-    for k, (method, inputs) in enumerate(steps):
-        (tmp_path / f"step{k}_method.txt").write_text(method)
-        for i, t in enumerate(inputs):
-            np.save(tmp_path / f"step{k}_input{i}.npy", to_npy(t))
     device = "auto" if backend == "metal" else "cpu"
-    r = subprocess.run([str(etmetal.binary), "generate", str(pte), "--device", device,
-                        "--replay", str(tmp_path), "--steps", str(len(steps)), "--repeat", "2"],
-                       capture_output=True, text=True, timeout=600)
+    r = etmetal.replay(pte, steps, tmp_path, "--device", device, "--repeat", "2")
     assert r.returncode == 0, f"{report}\n{r.stderr}"
     tol = TOL[dtype]
     with torch.no_grad():
