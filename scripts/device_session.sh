@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One GPU-machine call does everything an H200 session still owes the
+# issues (README "Devices"): each start of that machine costs minutes and
+# loans are scarce, so the parts run back to back in one command and
+# write everything under $OUT.
+#
+#   bash scripts/device_session.sh build
+#       here: the stripped `etmetal` binary into .bench/, and the
+#       tensor-core crash binaries (scripts/coop_crash.sh build)
+#   bash scripts/device_session.sh run PART...
+#       there (carry .gl and .bench): parts, in the order given
+#         info    GPU name and driver
+#         crash   the tensor-core crash check, TIMES=10 multi-threaded runs
+#         host    benchmarks/host_path.py (the host path, 1 KiB to 1 GiB)
+#         int4    benchmarks/run.py prepare --only int4_gemv (exports the GEMV rows)
+#         bench   benchmarks/run.py gpu --only "$ONLY" into $OUT/gpu_$TAG.json
+#       T bounds each part's seconds. Fold the JSON back here with
+#       `python3 benchmarks/run.py merge FILE` and `run.py report`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+build() {
+    : "${CARGO_TARGET_DIR:=$HOME/.cache/etmetal/target}"
+    export CARGO_TARGET_DIR
+    cargo build --profile ci -p etmetal --bin etmetal || exit 1
+    mkdir -p .bench
+    cp "$CARGO_TARGET_DIR/ci/etmetal" .bench/etmetal && strip .bench/etmetal
+    bash scripts/coop_crash.sh build
+}
+
+run() {
+    for f in .gl/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+    export PYTHONUNBUFFERED=1 ETMETAL_BIN=$PWD/.bench/etmetal
+    local out=${OUT:-/tmp/out}
+    mkdir -p "$out"
+    log() { echo "== $(date -u +%T) $*" | tee -a "$out/steps.txt"; }
+    for part in "$@"; do
+        log "$part"
+        case $part in
+        info) nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee -a "$out/steps.txt" ;;
+        crash) TIMES=${TIMES:-10} timeout "${T:-400}" bash scripts/coop_crash.sh run crash ;;
+        host)
+            timeout "${T:-240}" python3 benchmarks/host_path.py --out "$out/host_path.json" >"$out/host_path.log" 2>&1
+            tail -3 "$out/host_path.log"
+            ;;
+        int4)
+            timeout "${T:-200}" python3 benchmarks/run.py prepare --only int4_gemv >"$out/prepare.log" 2>&1
+            tail -3 "$out/prepare.log"
+            ;;
+        bench)
+            timeout "${T:-450}" python3 benchmarks/run.py gpu --only "${ONLY:?ONLY names the rows}" \
+                --out "$out/gpu_${TAG:-rows}.json" >"$out/gpu_${TAG:-rows}.log" 2>&1
+            tail -c 1500 "$out/gpu_${TAG:-rows}.log"
+            ;;
+        *)
+            echo "unknown part $part: info, crash, host, int4 or bench" >&2
+            exit 2
+            ;;
+        esac
+    done
+    log done
+}
+
+case "${1:-}" in
+build) build ;;
+run)
+    shift
+    run "$@"
+    ;;
+*)
+    echo "usage: $0 build | run PART..." >&2
+    exit 2
+    ;;
+esac
