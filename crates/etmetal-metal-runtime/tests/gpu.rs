@@ -11,10 +11,8 @@ use etmetal_metal::payload::{
     VERSION_MAJOR,
 };
 use etmetal_metal_runtime::{describe, select_adapter, DeviceChoice, GpuStats, MetalBackend};
-use etmetal_pte::{
-    BackendDelegate, BackendDelegateDataReference, BackendDelegateInlineData, Chain, DataLocation,
-    DelegateCall, EValue, ExecutionPlan, Instruction, Program, Segment,
-};
+use etmetal_pte::testing::one_delegate_call;
+use etmetal_pte::Segment;
 use etmetal_runtime::{Backend, DelegateArg, DelegateHandle, LoadOptions};
 
 type Named = HashMap<String, Vec<u8>>;
@@ -636,49 +634,18 @@ fn load_errors_name_their_cause() {
     assert!(e.to_string().contains("kernel `k0_mul_add`"), "{e}");
 }
 
-fn pte_tensor(dtype: DType, sizes: &[i32], offset: u32) -> EValue {
-    EValue::Tensor(etmetal_pte::Tensor::planned(dtype, sizes, 1, offset.into()))
-}
-
 /// A `.pte` whose one instruction is the affine delegate, weights in its
 /// named data, run through `etmetal_runtime::Program`.
 #[test]
 fn pte_with_a_delegate_runs_through_program() {
     let (payload, named) = affine();
-    let mut program = Program {
-        execution_plan: vec![ExecutionPlan {
-            name: "forward".into(),
-            values: vec![
-                pte_tensor(DType::F32, &[2, 3], 0),
-                pte_tensor(DType::F32, &[2, 3], 32),
-            ],
-            inputs: vec![0],
-            outputs: vec![1],
-            chains: vec![Chain {
-                inputs: vec![0],
-                outputs: vec![1],
-                instructions: vec![Instruction::DelegateCall(DelegateCall {
-                    delegate_index: 0,
-                    args: vec![0, 1],
-                })],
-                stacktrace: None,
-            }],
-            delegates: vec![BackendDelegate {
-                id: etmetal_metal::BACKEND_ID.into(),
-                processed: BackendDelegateDataReference {
-                    location: DataLocation::Inline,
-                    index: 0,
-                },
-                compile_specs: vec![],
-            }],
-            non_const_buffer_sizes: vec![0, 64],
-            ..ExecutionPlan::default()
-        }],
-        backend_delegate_data: vec![BackendDelegateInlineData {
-            data: payload.encode(),
-        }],
-        ..Program::default()
-    };
+    let tensor = |offset| etmetal_pte::Tensor::planned(DType::F32, &[2, 3], 1, offset);
+    let mut program = one_delegate_call(
+        etmetal_metal::BACKEND_ID,
+        payload.encode(),
+        tensor(0),
+        tensor(32),
+    );
     let mut segments: Vec<Segment> = Vec::new();
     for key in ["p.w", "p.b"] {
         etmetal_pte::add_named_data(&mut program, &mut segments, key, named[key].clone(), 16)

@@ -7,6 +7,8 @@
 //! - [`write`]: [`serialize`] plus constant-segment and named-data helpers.
 //! - [`named_data`]: [`NamedDataStore`], a program's weights deduplicated
 //!   by key and bytes before they are written.
+//! - `testing` (feature `testing`): programs the runtime crates' tests
+//!   build by hand.
 
 mod fb;
 pub mod header;
@@ -14,6 +16,8 @@ pub mod kernels;
 pub mod named_data;
 pub mod read;
 pub mod schema;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod verify;
 pub mod write;
 

@@ -478,18 +478,30 @@ impl Method {
                 .write(*v, t)
                 .map_err(|e| e.context(format!("input {i}")))?;
         }
-        // On a worker of rayon's pool, the kernels' parallel loops share work
-        // with the other workers directly; from another thread each of them
-        // would hand its work to the pool and sleep until it is done.
-        rayon::scope(|_| {
+        let run = |m: &mut Method| {
             let mut pc = 0;
-            while pc < self.steps.len() {
-                pc = self
+            while pc < m.steps.len() {
+                pc = m
                     .step(pc)
-                    .map_err(|e| e.context(format!("method `{}` instruction {pc}", self.name)))?;
+                    .map_err(|e| e.context(format!("method `{}` instruction {pc}", m.name)))?;
             }
             Ok::<(), Error>(())
-        })?;
+        };
+        // On a worker of rayon's pool, CPU kernels' parallel loops share work
+        // with the other workers directly; from another thread each of them
+        // would hand its work to the pool and sleep until it is done. A
+        // method without CPU kernels runs on the caller's thread: entering
+        // the pool costs two thread wake-ups, tens of µs per execute.
+        let cpu = self.steps.iter().any(|s| {
+            matches!(
+                s,
+                PreparedInstruction::Kernel { .. } | PreparedInstruction::DynamicKernel { .. }
+            )
+        });
+        match cpu {
+            true => rayon::scope(|_| run(self))?,
+            false => run(self)?,
+        }
         self.outputs
             .iter()
             .enumerate()

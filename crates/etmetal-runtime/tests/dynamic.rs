@@ -10,11 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use etmetal_core::{npy, DType, ErrorKind, Result, Tensor};
-use etmetal_pte::{
-    BackendDelegate, BackendDelegateDataReference, BackendDelegateInlineData, Chain, CompileSpec,
-    DataLocation, DelegateCall, EValue, ExecutionPlan, Instruction, PteFile, Segment,
-    TensorShapeDynamism,
-};
+use etmetal_pte::testing::one_delegate_call;
+use etmetal_pte::{CompileSpec, EValue, Instruction, PteFile, Segment, TensorShapeDynamism};
 use etmetal_runtime::{
     Backend, BackendRegistry, DelegateArg, DelegateHandle, LoadOptions, NamedData, Program,
 };
@@ -340,36 +337,7 @@ fn a_delegate_refuses_a_dynamic_input_below_its_static_shape() {
     let mut input = etmetal_pte::Tensor::planned(DType::F32, &[4, 2], 1, 0);
     input.shape_dynamism = TensorShapeDynamism::DynamicBound;
     let output = etmetal_pte::Tensor::planned(DType::F32, &[4, 2], 1, 32);
-    let plan = ExecutionPlan {
-        name: "forward".into(),
-        values: vec![EValue::Tensor(input), EValue::Tensor(output)],
-        inputs: vec![0],
-        outputs: vec![1],
-        chains: vec![Chain {
-            inputs: vec![0],
-            outputs: vec![1],
-            instructions: vec![Instruction::DelegateCall(DelegateCall {
-                delegate_index: 0,
-                args: vec![0, 1],
-            })],
-            stacktrace: None,
-        }],
-        delegates: vec![BackendDelegate {
-            id: "StaticTest".into(),
-            processed: BackendDelegateDataReference {
-                location: DataLocation::Inline,
-                index: 0,
-            },
-            compile_specs: vec![],
-        }],
-        non_const_buffer_sizes: vec![0, 64],
-        ..ExecutionPlan::default()
-    };
-    let program = etmetal_pte::Program {
-        execution_plan: vec![plan],
-        backend_delegate_data: vec![BackendDelegateInlineData { data: vec![1; 16] }],
-        ..etmetal_pte::Program::default()
-    };
+    let program = one_delegate_call("StaticTest", vec![1; 16], input, output);
     let mut backends = BackendRegistry::new();
     backends.register(Arc::new(Static)).unwrap();
     let program = Program::from_bytes(&etmetal_pte::serialize(&program, &[]).unwrap())
