@@ -1,9 +1,10 @@
 //! However many buffers an expression reads, no kernel binds more storage
 //! buffers than wgpu's default limit (8 a shader stage, which every
-//! adapter offers): a cat of 40 parts (a DenseNet dense block has 33) is
-//! written by several kernels, each its slice of the output; a sum of 16
-//! inputs fuses in pieces; a max with indices reads a sum of 7 from a buffer. Each graph runs on a device capped at wgpu's
-//! default limits and is compared with the CPU kernels.
+//! adapter offers): a cat of 40 parts (DenseNet-169's dense blocks reach
+//! 33) is written by several kernels, each its slice of the output; a sum
+//! of 16 inputs fuses in pieces; a max with indices reads a sum of 7 from
+//! a buffer. Each graph runs on a device capped at wgpu's default limits
+//! and is compared with the CPU kernels.
 
 mod common;
 

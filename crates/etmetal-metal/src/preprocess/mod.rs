@@ -8,9 +8,9 @@
 //! through lazy values and writes a buffer. A lazy value is *materialised*
 //! (a flat kernel writes it to a buffer) when a template needs more than a
 //! view of it, when several nodes read it, when it is a partition output,
-//! or when inlining it would bind too many buffers. Then arena ranges are
-//! planned by lifetime, and each kernel is validated by naga and
-//! translated to MSL.
+//! or when inlining it would bind too many buffers (`budget`). Then arena
+//! ranges are planned by lifetime, and each kernel is validated by naga
+//! and translated to MSL.
 //!
 //! Layout: this module drives the lowering ([`Lowering`]). `buffers` holds
 //! the buffer types the others read (a leaf); `expr` the lazy values;
@@ -57,8 +57,9 @@ pub struct Preprocessed {
 
 #[derive(Clone, Debug)]
 pub struct PreprocessOptions {
-    /// Bindings a fused kernel may use (wgpu's default
-    /// `max_storage_buffers_per_shader_stage`).
+    /// Storage buffers any kernel may bind: the most the payload requires
+    /// of `max_storage_buffers_per_shader_stage` (default 8, wgpu's
+    /// default limit; see `budget`).
     pub max_bindings: usize,
     /// Tree nodes a fused expression may inline before it is materialised.
     pub max_fused_size: usize,
