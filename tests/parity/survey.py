@@ -40,6 +40,7 @@ FAST = {
     "hf_mixtral",  # MoE routing: histc, grouped matmul (transformers.grouped_mm_fallback)
     "hf_beit",  # meshgrid for its relative position bias
     "hf_efficientnet",  # a ceil-mode pool whose kernel exceeds its input
+    "tv_densenet169",  # cats of up to 33 parts, each written by kernels of 8 bindings
 }
 
 
