@@ -95,30 +95,25 @@ impl Lowering<'_> {
     }
 
     /// A cat (`lazy`) that one kernel would write over the budget, as
-    /// slices of consecutive parts that each fit (a part that alone does
-    /// not is materialised first); `None` for anything else.
-    pub(crate) fn cat_slices(&mut self, lazy: &LazyRef) -> Result<Option<Vec<CatSlice>>> {
+    /// slices of consecutive parts that each fit (each part does alone: it
+    /// is a value that fusion kept within the budget); `None` for anything
+    /// else.
+    pub(crate) fn cat_slices(&self, lazy: &LazyRef) -> Option<Vec<CatSlice>> {
         let budget = self.options.max_bindings;
         let Kind::Cat(parts, dim) = &lazy.kind else {
-            return Ok(None);
+            return None;
         };
         if flat_bindings(lazy) <= budget {
-            return Ok(None);
+            return None;
         }
         let dim = *dim;
         let mut slices: Vec<CatSlice> = vec![];
         let (mut group, mut group_start, mut start) = (vec![], 0, 0);
         for part in parts {
-            let mut part = part.clone();
-            if flat_bindings(&part) > budget {
-                let buf = self.temp("cat part", part.dtype, &part.shape)?;
-                self.write_flat(&part, buf)?;
-                part = self.load(buf);
-            }
             let mut with = group.clone();
             with.push(part.clone());
-            if !group.is_empty() && flat_bindings(&self.cat_of(&with, dim, lazy)) > budget {
-                let value = self.cat_of(&group, dim, lazy);
+            if !group.is_empty() && flat_bindings(&cat_of(&with, dim, lazy)) > budget {
+                let value = cat_of(&group, dim, lazy);
                 slices.push(CatSlice {
                     value,
                     dim,
@@ -130,20 +125,13 @@ impl Lowering<'_> {
             group = with;
             start += part.shape[dim];
         }
-        let value = self.cat_of(&group, dim, lazy);
+        let value = cat_of(&group, dim, lazy);
         slices.push(CatSlice {
             value,
             dim,
             start: group_start,
         });
-        Ok(Some(slices))
-    }
-
-    /// The cat of `parts` along `dim`, of `whole`'s dtype.
-    fn cat_of(&self, parts: &[LazyRef], dim: usize, whole: &LazyRef) -> LazyRef {
-        let mut shape = whole.shape.clone();
-        shape[dim] = parts.iter().map(|p| p.shape[dim]).sum();
-        Lazy::new(whole.dtype, shape, Kind::Cat(parts.to_vec(), dim))
+        Some(slices)
     }
 
     /// A dispatch binding `bindings` (its status buffer included) must
@@ -158,6 +146,13 @@ impl Lowering<'_> {
         }
         Ok(())
     }
+}
+
+/// The cat of `parts` along `dim`, of `whole`'s dtype.
+fn cat_of(parts: &[LazyRef], dim: usize, whole: &LazyRef) -> LazyRef {
+    let mut shape = whole.shape.clone();
+    shape[dim] = parts.iter().map(|p| p.shape[dim]).sum();
+    Lazy::new(whole.dtype, shape, Kind::Cat(parts.to_vec(), dim))
 }
 
 fn read_count(x: &Lazy) -> usize {

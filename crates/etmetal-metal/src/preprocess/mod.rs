@@ -565,7 +565,7 @@ impl<'g> Lowering<'g> {
     /// A flat kernel writing every element of `lazy` to `buf` (a cat
     /// over the binding budget: a kernel per slice of it).
     pub fn write_flat(&mut self, lazy: &LazyRef, buf: BufferIdx) -> Result<()> {
-        match self.cat_slices(lazy)? {
+        match self.cat_slices(lazy) {
             Some(slices) => slices
                 .iter()
                 .try_for_each(|s| self.write_flat_at(&s.value, buf, Some((s.dim, s.start)))),
