@@ -31,6 +31,8 @@ from executorch.runtime import Runtime
 OUT = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "crates", "etmetal-pte", "tests", "fixtures"
 )
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "parity"))
+from models.mlp import Mlp  # noqa: E402
 
 
 class LinearRelu(torch.nn.Module):
@@ -42,16 +44,6 @@ class LinearRelu(torch.nn.Module):
 
     def forward(self, x):
         return torch.relu(self.lin(x)) + 1.0
-
-
-class Mlp(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(4, 8)
-        self.fc2 = torch.nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 class ConvBlock(torch.nn.Module):

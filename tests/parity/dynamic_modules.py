@@ -11,15 +11,7 @@ the largest of its range.
 import torch
 from torch.export import Dim
 
-
-class Mlp(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(4, 8)
-        self.fc2 = torch.nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
+from models.mlp import Mlp
 
 
 class ViewSlice(torch.nn.Module):

@@ -40,6 +40,7 @@ FAST = {
     "hf_mixtral",  # MoE routing: histc, grouped matmul (transformers.grouped_mm_fallback)
     "hf_beit",  # meshgrid for its relative position bias
     "hf_efficientnet",  # a ceil-mode pool whose kernel exceeds its input
+    "tv_densenet169",  # cats of up to 33 parts, each written by kernels of 8 bindings
 }
 
 
@@ -51,8 +52,6 @@ class Entry:
     # why nodes may stay on the cpu: words every cpu node's reason holds
     # (None: the GPU must take every node)
     cpu_reason: str | None = None
-    # why the model cannot work at all (then the test asserts it still fails)
-    blocked: str | None = None
 
     @property
     def fast(self) -> bool:
@@ -85,13 +84,6 @@ TV_SIZE.update({k: v["image_size"] for k, v in TV_KWARGS.items() if "image_size"
 # binding may hold (wgpu's default limit, lavapipe's too)
 BIG_WEIGHT = "byte buffer limit"
 
-# DenseNet-161/169/201 concatenate up to 32+ feature maps in one dense block:
-# the fused kernel binds 34 storage buffers, over the 32 per shader stage
-# that lavapipe (and many GPUs) offer. Load fails with that limit named;
-# preprocess should split such a cat across dispatches.
-BINDING_BLOCKED = "a fused cat binds 34 storage buffers, over the GPU's 32 per shader stage"
-
-
 def torchvision_entries() -> list[Entry]:
     import torchvision.models as m
 
@@ -103,8 +95,7 @@ def torchvision_entries() -> list[Entry]:
             return m.get_model(name, weights=None, **kwargs)
 
         big = name in ("alexnet", "regnet_y_128gf") or name.startswith("vgg")
-        blocked = BINDING_BLOCKED if name in ("densenet161", "densenet169", "densenet201") else None
-        out.append(Entry(f"tv_{name}", make, image(TV_SIZE.get(name, 64)), cpu_reason=BIG_WEIGHT if big else None, blocked=blocked))
+        out.append(Entry(f"tv_{name}", make, image(TV_SIZE.get(name, 64)), cpu_reason=BIG_WEIGHT if big else None))
     return out
 
 

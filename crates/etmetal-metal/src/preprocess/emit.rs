@@ -283,12 +283,38 @@ impl<'a> KernelBuilder<'a> {
     /// of a 16-bit packed buffer.
     pub fn store_pair(&mut self, buf: BufferIdx, w: &str, lo: &str, hi: &str) -> String {
         let b = self.binding(buf);
+        format!("b{b}[{w}] = {};", self.pair(buf, lo, hi))
+    }
+
+    /// Statements storing [`Self::store_pair`]'s `lo` where WGSL bool
+    /// `in_lo` holds and `hi` where `in_hi` does, keeping the word's other
+    /// half (written by another dispatch: a slice ending mid-word).
+    pub fn store_pair_where(
+        &mut self,
+        buf: BufferIdx,
+        w: &str,
+        lo: &str,
+        hi: &str,
+        in_lo: &str,
+        in_hi: &str,
+    ) -> String {
+        let b = self.binding(buf);
+        format!(
+            "  let word = {};\n  let old = b{b}[{w}];\n\
+             \x20 b{b}[{w}] = select(old & 0xffffu, word & 0xffffu, {in_lo}) | \
+             select(old & 0xffff0000u, word & 0xffff0000u, {in_hi});\n",
+            self.pair(buf, lo, hi)
+        )
+    }
+
+    /// The word of two 16-bit floats `lo`, `hi` as `buf` stores them.
+    fn pair(&self, buf: BufferIdx, lo: &str, hi: &str) -> String {
         if self.buffers.list[buf].dtype == DType::BF16 {
             format!(
-                "b{b}[{w}] = (bitcast<u32>(rbf16({lo})) >> 16u) | (bitcast<u32>(rbf16({hi})) & 0xffff0000u);"
+                "(bitcast<u32>(rbf16({lo})) >> 16u) | (bitcast<u32>(rbf16({hi})) & 0xffff0000u)"
             )
         } else {
-            format!("b{b}[{w}] = f16enc({lo}) | (f16enc({hi}) << 16u);")
+            format!("f16enc({lo}) | (f16enc({hi}) << 16u)")
         }
     }
 

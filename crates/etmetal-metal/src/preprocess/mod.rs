@@ -8,9 +8,9 @@
 //! through lazy values and writes a buffer. A lazy value is *materialised*
 //! (a flat kernel writes it to a buffer) when a template needs more than a
 //! view of it, when several nodes read it, when it is a partition output,
-//! or when inlining it would bind too many buffers. Then arena ranges are
-//! planned by lifetime, and each kernel is validated by naga and
-//! translated to MSL.
+//! or when inlining it would bind too many buffers (`budget`). Then arena
+//! ranges are planned by lifetime, and each kernel is validated by naga
+//! and translated to MSL.
 //!
 //! Layout: this module drives the lowering ([`Lowering`]). `buffers` holds
 //! the buffer types the others read (a leaf); `expr` the lazy values;
@@ -21,6 +21,7 @@
 //! too, so neither of the two imports the other for it.
 
 mod arena;
+mod budget;
 pub(crate) mod buffers;
 pub(crate) mod emit;
 pub(crate) mod expr;
@@ -56,8 +57,9 @@ pub struct Preprocessed {
 
 #[derive(Clone, Debug)]
 pub struct PreprocessOptions {
-    /// Bindings a fused kernel may use (wgpu's default
-    /// `max_storage_buffers_per_shader_stage`).
+    /// Storage buffers any kernel may bind: the most the payload requires
+    /// of `max_storage_buffers_per_shader_stage` (default 8, wgpu's
+    /// default limit; see `budget`).
     pub max_bindings: usize,
     /// Tree nodes a fused expression may inline before it is materialised.
     pub max_fused_size: usize,
@@ -560,9 +562,30 @@ impl<'g> Lowering<'g> {
         Ok(loaded)
     }
 
-    /// A flat kernel writing every element of `lazy` to `buf`.
+    /// A flat kernel writing every element of `lazy` to `buf` (a cat
+    /// over the binding budget: a kernel per slice of it).
     pub fn write_flat(&mut self, lazy: &LazyRef, buf: BufferIdx) -> Result<()> {
-        let numel = self.buffers.list[buf].numel().max(1);
+        match self.cat_slices(lazy) {
+            Some(slices) => slices
+                .iter()
+                .try_for_each(|s| self.write_flat_at(&s.value, buf, Some((s.dim, s.start)))),
+            None => self.write_flat_at(lazy, buf, None),
+        }
+    }
+
+    /// [`Self::write_flat`] of one kernel; `slice` `(dim, start)`: `lazy`
+    /// is the part of `buf` from `start` along `dim` (a cat's slice).
+    fn write_flat_at(
+        &mut self,
+        lazy: &LazyRef,
+        buf: BufferIdx,
+        slice: Option<(usize, usize)>,
+    ) -> Result<()> {
+        let numel = match slice {
+            None => self.buffers.list[buf].numel(),
+            Some(_) => lazy.shape.iter().product(),
+        }
+        .max(1);
         let packed = self.buffers.list[buf].storage == Storage::Packed16;
         let mut kb = KernelBuilder::new(&self.buffers);
         kb.value_fn(lazy, "value")?;
@@ -572,12 +595,51 @@ impl<'g> Lowering<'g> {
             let idx = unravel(e, &lazy.shape);
             format!("value({})", idx.join(", "))
         };
+        let mut grid_dims = self.grid_dims(buf);
         let per = if packed { 2 } else { 1 };
-        let items = numel.div_ceil(per);
+        // the slice is `runs` runs of `len` elements `stride` apart in `buf`
+        let (runs, len, stride, offset) = match slice {
+            None => (1, numel, numel, 0),
+            Some((dim, start)) => {
+                let out = &self.buffers.list[buf].shape;
+                let inner: usize = out[dim + 1..].iter().product();
+                let runs = out[..dim].iter().product();
+                (
+                    runs,
+                    lazy.shape[dim] * inner,
+                    out[dim] * inner,
+                    start * inner,
+                )
+            }
+        };
+        // a packed slice: `words` word slots a run, enough for any
+        // alignment; the words at its ends keep the other slice's half
+        let words = len / 2 + 1;
+        let items = match (slice, packed) {
+            (None, _) => numel.div_ceil(per),
+            (Some(_), false) => numel,
+            (Some(_), true) => runs * words,
+        };
         main.push_str(&format!(
             "  let g = {FLAT_GROUP} * {FLAT_WORKGROUP}u + lid;\n  if (g >= {items}u) {{ return; }}\n"
         ));
-        if packed {
+        if let (Some((dim, _)), true) = (slice, packed) {
+            let (lo, hi) = (call("k0"), call("k1"));
+            main.push_str(&format!(
+                "  let o = g / {words}u;\n  let base = o * {stride}u + {offset}u;\n\
+                 \x20 let w = base / 2u + g % {words}u;\n  let e0 = 2u * w;\n\
+                 \x20 let in0 = e0 >= base && e0 < base + {len}u;\n\
+                 \x20 let in1 = e0 + 1u >= base && e0 + 1u < base + {len}u;\n\
+                 \x20 if (!(in0 || in1)) {{ return; }}\n\
+                 \x20 let k0 = o * {len}u + select(0u, e0 - base, in0);\n\
+                 \x20 let k1 = o * {len}u + select(0u, e0 + 1u - base, in1);\n\
+                 \x20 let lo = {lo};\n  let hi = {hi};\n"
+            ));
+            let store = kb.store_pair_where(buf, "w", "lo", "hi", "in0", "in1");
+            main.push_str(&format!("{store}}}\n"));
+            grid_dims.truncate(dim);
+            grid_dims.push((SymExpr::Const(words as i64), words));
+        } else if packed {
             let lo = call("e0");
             let hi = call("e1");
             main.push_str("  let e0 = 2u * g;\n  let e1 = min(e0 + 1u, ");
@@ -592,14 +654,23 @@ impl<'g> Lowering<'g> {
             } else {
                 call("g")
             };
-            let store = kb.store(buf, "g", &v)?;
+            let at = match slice {
+                None => "g".to_string(),
+                Some((dim, _)) => {
+                    let n = lazy.shape[dim];
+                    grid_dims[dim] = (SymExpr::Const(n as i64), n);
+                    format!("g / {len}u * {stride}u + g % {len}u + {offset}u")
+                }
+            };
+            let store = kb.store(buf, &at, &v)?;
             main.push_str(&format!("  {store}\n}}\n"));
         }
         let groups = (items as u64).div_ceil(u64::from(FLAT_WORKGROUP));
         let workgroups = grid(groups, self.options.max_workgroups_per_dim)?;
+        let unit = if slice.is_some() { 1 } else { per };
         let actual = self
             .sizes
-            .groups(&self.grid_dims(buf), per * FLAT_WORKGROUP as usize)?;
+            .groups(&grid_dims, unit * FLAT_WORKGROUP as usize)?;
         // named by the pointwise ops it inlines (`copy` when it only moves data)
         let built = kb.finish(&main);
         self.add_dispatch_sized(built, vec![], [FLAT_WORKGROUP, 1, 1], workgroups, 0, actual)
@@ -697,6 +768,7 @@ impl<'g> Lowering<'g> {
         if ops.is_empty() {
             ops.push("copy".into());
         }
+        self.check_budget(&self.current, &bindings)?;
         let access: Vec<Access> = bindings.iter().map(|&b| self.buffers.access(b)).collect();
         let kernel = match self.kernels.iter().position(|k| k.wgsl == wgsl) {
             Some(i) => i,
@@ -771,15 +843,12 @@ impl<'g> Lowering<'g> {
         let limits = Requirements::default();
         for inner in &dispatches {
             let k = &self.kernels[inner.kernel];
-            if inner.buffers.len() > self.options.max_bindings
-                || k.workgroup_size.iter().product::<u32>()
-                    > limits.max_compute_invocations_per_workgroup
+            if k.workgroup_size.iter().product::<u32>()
+                > limits.max_compute_invocations_per_workgroup
             {
                 return Err(Error::internal(format!(
-                    "kernel `{}` of an alternative binds {} buffers in workgroups of {:?}",
-                    k.name,
-                    inner.buffers.len(),
-                    k.workgroup_size
+                    "kernel `{}` of an alternative runs workgroups of {:?}",
+                    k.name, k.workgroup_size
                 )));
             }
         }
@@ -930,6 +999,10 @@ impl<'g> Lowering<'g> {
         match kind {
             Some(kind) => {
                 let lazy = Lazy::of_node(dtype, shape, kind, &node.name);
+                if self.split_inputs(node, &lazy)? {
+                    // its inputs are buffers now: fuse it over them
+                    return self.lower_node(node);
+                }
                 let lazy = self.bound_fusion(out, lazy)?;
                 self.values.insert(out, lazy);
             }
@@ -985,11 +1058,9 @@ impl<'g> Lowering<'g> {
     /// Materialise `lazy` (the value of `v`) when inlining it further would
     /// bind more buffers or inline more code than a kernel should.
     fn bound_fusion(&mut self, v: ValueId, lazy: LazyRef) -> Result<LazyRef> {
-        let mut reads = vec![];
-        lazy.buffers(&mut reads);
-        // one binding is the output of the kernel that inlines it, one its
-        // status buffer when it has checks
-        let bindings = reads.len() + 1 + usize::from(lazy.has_checks());
+        // the kernel that inlines it binds its output too, and a status
+        // buffer for its checks
+        let bindings = budget::flat_bindings(&lazy);
         if bindings > self.options.max_bindings || lazy.size() > self.options.max_fused_size {
             return self.materialize_value(v, lazy);
         }

@@ -25,7 +25,9 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             return unit_reduce(lw, node, *op, x);
         }
     }
-    let x = lw.fused(node, 0)?;
+    // max/min with indices writes both
+    let outputs = node.outputs.len();
+    let x = lw.fused_within(node, 0, outputs - 1)?;
     let rank = x.shape.len();
     let all: Vec<usize> = (0..rank).collect();
     let dims_or_all = |dims: &[usize]| {
