@@ -166,8 +166,9 @@ fn scale_exponent(amax: u32) -> i32 {
 /// WGSL of the scheme: the exponent of the largest |x| with bits `bits`,
 /// 2^s for `s` in −126..=127, and `v·2^-(sa + sb)`, exact unless the
 /// result itself is beyond f32 (one factor at a time when their product
-/// is not a normal f32: both then shrink, or both grow).
-const HELPERS: &str = "fn expo(bits: u32) -> i32 {
+/// is not a normal f32: both then shrink, or both grow). Flash attention's
+/// tensor-core form scales its operands by the same rule.
+pub(crate) const HELPERS: &str = "fn expo(bits: u32) -> i32 {
   return clamp(14 - (i32(bits >> 23u) - 127), -126, 126);
 }
 
