@@ -324,7 +324,15 @@ fn attention_on_emulated_tensor_cores() {
             .check_coop(tol, forms);
     };
     case(sdpa(false, None, false), b, [4, 150, 150, 64], 4, BOTH);
-    case(sdpa(true, None, true), h, [8, 130, 150, 128], 2, BOTH);
+    // (head dim 128 in the 16×16 form only: lavapipe takes 15–55 s to
+    // compile an emulated kernel of head dim 128, either form)
+    case(
+        sdpa(true, None, true),
+        h,
+        [8, 130, 150, 128],
+        2,
+        &[CoopForm::Half16],
+    );
     case(sdpa(true, Some(0.2), false), f, [2, 70, 70, 64], 2, APPLE);
     case(sdpa(false, None, false), b, [8, 64, 17, 64], 8, BOTH);
     case(sdpa(false, None, false), h, [16, 256, 1, 64], 16, BOTH);

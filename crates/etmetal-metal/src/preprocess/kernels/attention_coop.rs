@@ -76,6 +76,8 @@ pub(super) fn alternatives(
         || g.l < BR
         || a.nb * g.l * g.s * g.e < MIN_WORK
         || dtypes.iter().any(|&t| t != dtypes[0])
+        // (an alternative has no run-time checks to report)
+        || [&a.q, &a.k, &a.v].into_iter().chain(&a.mask).any(|x| x.has_checks())
     {
         return Ok(());
     }
