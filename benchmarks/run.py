@@ -80,6 +80,12 @@ class Sdpa(nn.Module):
         return F.scaled_dot_product_attention(q, k, v)
 
 
+class CausalGqaSdpa(nn.Module):
+    """A decoder's prefill attention: causal, query heads sharing kv heads."""
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 def conv1d():
     # Whisper large-v3's first layer: 128 mel bins -> 1280 channels, k=3.
     return nn.Conv1d(128, 1280, 3, padding=1)
@@ -125,6 +131,12 @@ def op_cases() -> dict[str, OpCase]:
         sk = kv[2]
         cases[name] = OpCase(Sdpa, [q, kv, kv], 4 * b * h * sq * sk * d, 2 * b * h * sq * d + 2 * b * h * sk * d,
                              memory_bound=sq == 1)
+    # causal prefill, 32 query heads over 8 kv heads (Llama-3.2-1B's
+    # attention): half the score matrix, so half the flops
+    for t in (128, 2048):
+        q, kv = (1, 32, t, 64), (1, 8, t, 64)
+        cases[f"sdpa_causal_gqa_32x8x{t}"] = OpCase(
+            CausalGqaSdpa, [q, kv, kv], 2 * 32 * t * t * 64, 2 * 32 * t * 64 + 2 * 8 * t * 64)
     # int4 GEMV of decode (M = 1, bf16 activations): K in, N out, as the
     # int4 issue names them (4096x14336: Llama-3-8B's up-projection)
     for k, n in ((4096, 4096), (4096, 14336)):

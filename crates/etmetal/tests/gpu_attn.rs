@@ -5,6 +5,7 @@ mod common;
 
 use common::gpu::{random, random_indices, OpCase};
 use etmetal_core::{DType, Op, Tensor};
+use etmetal_metal::preprocess::CoopForm;
 
 const TOL: f32 = 1e-5;
 const BF16_TOL: f32 = 1e-2;
@@ -291,6 +292,73 @@ fn attention_fully_masked_rows_are_zero() {
         .input(random(DType::F32, &[2, 45, 16], 107))
         .input(bias)
         .check(TOL);
+}
+
+// ------------------------------------------- flash attention, tensor cores
+//
+// Prefill of head dim 64 or 128 (at least 32 query rows, 2^18
+// multiply-adds) also gets tensor-core forms (etmetal-metal's
+// `kernels/attention_coop.rs`): the 16×16 f16 one for f16 and bf16, the
+// 8×8 f32 one for every float dtype. Each case runs as compiled (the
+// alternatives where the adapter offers them) and with its forms emulated,
+// which any adapter runs (on lavapipe, the only way they run).
+
+const BOTH: &[CoopForm] = &[CoopForm::Half16, CoopForm::Float8];
+const APPLE: &[CoopForm] = &[CoopForm::Float8];
+
+/// Several query blocks and key tiles, rows and keys off the tiles
+/// (150, 17, 1 keys), causal with GQA, head dims 64 and 128, bf16, f16 and
+/// f32; small grids split the keys (the combine kernel merges the
+/// tensor-core kernel's partials).
+#[test]
+fn attention_on_emulated_tensor_cores() {
+    let (h, b, f) = (DType::F16, DType::BF16, DType::F32);
+    // q [1, heads, l, d], k and v [1, kv, s, d]
+    let case = |op: Op, dtype, [heads, l, s, d]: [usize; 4], kv, forms: &[CoopForm]| {
+        let tol = if dtype == f { TOL } else { BF16_TOL };
+        let seed = (heads * 1000 + l + s) as u64;
+        OpCase::new(op)
+            .input(random(dtype, &[1, heads, l, d], seed))
+            .input(random(dtype, &[1, kv, s, d], seed + 1))
+            .input(random(dtype, &[1, kv, s, d], seed + 2))
+            .check_coop(tol, forms);
+    };
+    case(sdpa(false, None, false), b, [4, 150, 150, 64], 4, BOTH);
+    // (head dim 128 in the 16×16 form only: lavapipe takes 15–55 s to
+    // compile an emulated kernel of head dim 128, either form)
+    case(
+        sdpa(true, None, true),
+        h,
+        [8, 130, 150, 128],
+        2,
+        &[CoopForm::Half16],
+    );
+    case(sdpa(true, Some(0.2), false), f, [2, 70, 70, 64], 2, APPLE);
+    case(sdpa(false, None, false), b, [8, 64, 17, 64], 8, BOTH);
+    case(sdpa(false, None, false), h, [16, 256, 1, 64], 16, BOTH);
+}
+
+/// Masks on the tensor cores: an additive bf16 mask broadcast over heads,
+/// and a bool mask with a row of no key (zeros, as the CPU kernel gives).
+#[test]
+fn attention_masks_on_emulated_tensor_cores() {
+    let b = DType::BF16;
+    OpCase::new(sdpa(false, None, false))
+        .input(random(b, &[1, 4, 100, 64], 120))
+        .input(random(b, &[1, 4, 90, 64], 121))
+        .input(random(b, &[1, 4, 90, 64], 122))
+        .input(random(b, &[1, 1, 100, 90], 123))
+        .check_coop(BF16_TOL, BOTH);
+    let (l, s) = (40, 130);
+    let mut keep = random_indices(&[l, s], 2, 124).to_i64_vec();
+    keep[3 * s..4 * s].iter_mut().for_each(|k| *k = 0);
+    let mask = Tensor::from_i64(DType::Bool, &[l, s], &keep).unwrap();
+    OpCase::new(sdpa(false, None, false))
+        .input(random(b, &[2, 3, l, 64], 125))
+        .input(random(b, &[2, 3, s, 64], 126))
+        .input(random(b, &[2, 3, s, 64], 127))
+        .input(mask)
+        .check_coop(BF16_TOL, BOTH);
 }
 
 #[test]

@@ -8,10 +8,11 @@
 
 mod common;
 
-use common::gpu::{check_graph, compile_whole_within, random, OpCase};
+use common::gpu::{check_graph, check_graph_emulating, compile_whole_within, random, OpCase};
 use etmetal_core::{BinaryOp, DType, Op, ReduceOp, Tensor, UnaryOp};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
 use etmetal_metal::partitioner::DeviceLimits;
+use etmetal_metal::preprocess::CoopForm;
 
 const TOL: f32 = 1e-4;
 const BF16_TOL: f32 = 2e-2;
@@ -284,6 +285,34 @@ fn matrix_vector_chunks_at_odd_shapes() {
                 .weight(random(dtype, &[n, k], seed + 1))
                 .absent()
                 .check(tol(dtype));
+        }
+    }
+}
+
+/// The int4 GEMM of prefill on the tensor-core kernels, each form emulated
+/// (any adapter runs them): the weight dequantized as it is staged (four
+/// codes of a word, one scale and zero), the 16×16 form's pre-pass scaling
+/// rows of W into f16's range, rows not a multiple of the tile, groups of
+/// 32 and 128, bf16 and f16 activations.
+#[test]
+fn int4_gemm_on_emulated_tensor_cores() {
+    for (dtype, g, m, n, k, seed) in [
+        (DType::BF16, 32, 70, 96, 256, 61),
+        (DType::F16, 128, 33, 130, 512, 62),
+    ] {
+        {
+            let scales = random(dtype, &[n, k / g], seed + 2).to_f32_vec();
+            let scales: Vec<f32> = scales.iter().map(|s| s * 0.05).collect();
+            let (graph, inputs) = OpCase::new(Op::Int4Linear { group_size: g })
+                .input(random(dtype, &[m, k], seed))
+                .weight(random_words(&[n, k / 8], seed + 1))
+                .weight(Tensor::from_f32(dtype, &[n, k / g], &scales).unwrap())
+                .weight(random(dtype, &[n, k / g], seed + 3))
+                .build();
+            for form in [CoopForm::Half16, CoopForm::Float8] {
+                let what = format!("int4 {dtype} g {g} m {m} n {n} k {k}");
+                check_graph_emulating(&graph, inputs.clone(), BF16_TOL, form, &what);
+            }
         }
     }
 }

@@ -7,8 +7,9 @@ mod common;
 
 use std::sync::Arc;
 
-use common::gpu::{assert_close, compile_whole, random, run_pte, OpCase};
+use common::gpu::{assert_close, compile_emulating, compile_whole, random, run_pte, OpCase};
 use etmetal_core::{AvgPoolAttrs, ConvAttrs, DType, MaxPoolAttrs, Op, Tensor};
+use etmetal_metal::preprocess::CoopForm;
 use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
 use etmetal_runtime::{BackendRegistry, LoadOptions, Program};
 
@@ -456,9 +457,14 @@ fn adaptive_avg_pool_windows() {
 // a cooperative-matrix form (etmetal-metal's `kernels/gemm/coop.rs`), which runs
 // where the adapter offers 16×16×16 f16 matrices with f32 accumulators in
 // subgroups of 32 (NVIDIA through Vulkan) and the portable kernel runs
-// elsewhere (lavapipe). These cases run on whichever this machine has.
+// elsewhere (lavapipe). These cases run on whichever this machine has, and
+// then with each form's kernels emulated (`compile_emulating`: the exact
+// tensor-core kernels over plain WGSL arrays), which any adapter runs: on
+// lavapipe that is the only way they run.
 
 const H: DType = DType::F16;
+/// Both tensor-core forms, emulated: NVIDIA's 16×16 f16 and Apple's 8×8 f32.
+const FORMS: &[CoopForm] = &[CoopForm::Half16, CoopForm::Float8];
 
 /// Whether this machine's adapter offers what the tensor-core kernels
 /// need, read from the adapter itself (not through the runtime's choice).
@@ -514,49 +520,54 @@ fn coop_alternative_runs_where_the_adapter_offers_it() {
 }
 
 /// Tile edges (m, n not multiples of the tile or of 4), k tails (not a
-/// multiple of the 32-deep slice, nor of 4), exact tiles, f16 and bf16.
+/// multiple of the 32-deep slice, nor of 4), exact tiles, the skinny
+/// 32-row and 32-column tiles, f16 and bf16 (whose rows and columns the
+/// pre-passes scale into f16's range).
 #[test]
 fn coop_tile_edges_and_k_tails() {
-    let cases: &[(usize, usize, usize)] = &[
-        (200, 72, 130),
-        (129, 33, 257),
-        (256, 512, 256),
-        (97, 1000, 65),
-        (64, 3, 2000),
+    // (each case one dtype: every compile of an emulated kernel costs
+    // lavapipe seconds)
+    let cases: &[(usize, usize, usize, DType)] = &[
+        (200, 72, 130, BF),
+        (129, 33, 257, H),
+        (97, 300, 65, BF),
+        (64, 3, 2000, H),
+        (40, 256, 100, BF),
+        (300, 128, 48, H),
     ];
-    for (i, &(m, k, n)) in cases.iter().enumerate() {
-        for dtype in [BF, H] {
-            let seed = 10 * i as u64;
-            OpCase::new(Op::MatMul)
-                .input(random(dtype, &[m, k], seed))
-                .input(random(dtype, &[k, n], seed + 1))
-                .check(BF_TOL);
-        }
+    for (i, &(m, k, n, dtype)) in cases.iter().enumerate() {
+        let seed = 10 * i as u64;
+        OpCase::new(Op::MatMul)
+            .input(random(dtype, &[m, k], seed))
+            .input(random(dtype, &[k, n], seed + 1))
+            .check_coop(BF_TOL, FORMS);
     }
 }
 
 /// The 128×128 tile, both operands read through transposes (A along m,
-/// B along k), batches with and without broadcasting.
+/// B along k), batches with and without broadcasting. (The 128×128 tile's
+/// 48 KiB of workgroup memory is more than lavapipe's 32 KiB, so it runs
+/// emulated only in the 8×8 form, whose tile is 64×64.)
 #[test]
 fn coop_big_tile_transposes_and_batches() {
     OpCase::new(Op::MatMul)
         .input(random(H, &[2048, 40], 1))
         .input(random(H, &[40, 2048], 2))
-        .check(BF_TOL);
+        .check_coop(BF_TOL, &[CoopForm::Float8]);
     for dtype in [BF, H] {
         OpCase::new(Op::MatMul)
             .input_permuted(random(dtype, &[200, 300], 3), &[1, 0])
             .input_permuted(random(dtype, &[261, 200], 4), &[1, 0])
-            .check(BF_TOL);
+            .check_coop(BF_TOL, FORMS);
     }
     OpCase::new(Op::MatMul)
         .input(random(BF, &[4, 100, 64], 5))
         .input(random(BF, &[4, 64, 90], 6))
-        .check(BF_TOL);
+        .check_coop(BF_TOL, FORMS);
     OpCase::new(Op::MatMul)
         .input(random(BF, &[1, 100, 64], 7))
         .input_permuted(random(BF, &[3, 90, 64], 8), &[0, 2, 1])
-        .check(BF_TOL);
+        .check_coop(BF_TOL, FORMS);
 }
 
 /// The epilogue after the tensor cores: bias, alpha/beta, split-k partial
@@ -567,7 +578,7 @@ fn coop_epilogue_bias_alpha_beta_split_k_and_convolution() {
         .input(random(BF, &[3, 100, 64], 1))
         .weight(random(BF, &[96, 64], 2))
         .weight(random(BF, &[96], 3))
-        .check(BF_TOL);
+        .check_coop(BF_TOL, FORMS);
     OpCase::new(Op::Addmm {
         beta: 0.5,
         alpha: 2.0,
@@ -575,17 +586,17 @@ fn coop_epilogue_bias_alpha_beta_split_k_and_convolution() {
     .input(random(H, &[130], 4))
     .input(random(H, &[70, 90], 5))
     .input(random(H, &[90, 130], 6))
-    .check(BF_TOL);
+    .check_coop(BF_TOL, FORMS);
     // few tiles, deep k: split among workgroups, a second kernel adds
     OpCase::new(Op::MatMul)
         .input(random(H, &[2, 64, 4096], 7))
         .input(random(H, &[2, 4096, 64], 8))
-        .check(BF_TOL);
+        .check_coop(BF_TOL, FORMS);
     OpCase::new(conv(&[1, 1], &[1, 1], &[1, 1], 1))
         .input(random(BF, &[2, 16, 20, 20], 9))
         .weight(random(BF, &[64, 16, 3, 3], 10))
         .weight(random(BF, &[64], 11))
-        .check(BF_TOL);
+        .check_coop(BF_TOL, FORMS);
 }
 
 /// `x` scaled row by row (`row_scale(i)`), as `dtype`.
@@ -632,18 +643,23 @@ fn coop_bf16_range_scaling_beyond_f16() {
         .input(b.clone())
         .build();
     let expected = etmetal::eval::run_graph(&graph, inputs.clone()).unwrap()[0].to_f32_vec();
-    let got = run_pte(compile_whole(&graph), inputs)[0].to_f32_vec();
     let (av, bv) = (a.to_f32_vec(), b.to_f32_vec());
-    for i in 0..m {
-        for j in 0..n {
-            let terms: f64 = (0..k)
-                .map(|l| (av[i * k + l] as f64 * bv[l * n + j] as f64).abs())
-                .sum();
-            let (g, e) = (got[i * n + j], expected[i * n + j]);
-            let ok = (g.is_nan() && e.is_nan())
-                || g == e
-                || ((g - e).abs() as f64) <= 1e-2 * (e.abs() as f64) + 1e-5 * terms;
-            assert!(ok, "[{i}, {j}]: GPU {g} vs CPU {e} (terms {terms:e})");
+    for (form, pte) in variants(&graph) {
+        let got = run_pte(pte, inputs.clone())[0].to_f32_vec();
+        for i in 0..m {
+            for j in 0..n {
+                let terms: f64 = (0..k)
+                    .map(|l| (av[i * k + l] as f64 * bv[l * n + j] as f64).abs())
+                    .sum();
+                let (g, e) = (got[i * n + j], expected[i * n + j]);
+                let ok = (g.is_nan() && e.is_nan())
+                    || g == e
+                    || ((g - e).abs() as f64) <= 1e-2 * (e.abs() as f64) + 1e-5 * terms;
+                assert!(
+                    ok,
+                    "{form:?} [{i}, {j}]: GPU {g} vs CPU {e} (terms {terms:e})"
+                );
+            }
         }
     }
     // elements 2^29-2^37 below their row's largest, which alone meets
@@ -663,20 +679,25 @@ fn coop_bf16_range_scaling_beyond_f16() {
         .input(b.clone())
         .build();
     let expected = etmetal::eval::run_graph(&graph, inputs.clone()).unwrap()[0].to_f32_vec();
-    let got = run_pte(compile_whole(&graph), inputs)[0].to_f32_vec();
     let (av, bv) = (a.to_f32_vec(), b.to_f32_vec());
-    let mut kept = true;
-    for i in 0..m {
-        let ra = (0..k).fold(0f32, |x, l| x.max(av[i * k + l].abs()));
-        for j in 0..n {
-            let cb = (0..k).fold(0f32, |x, l| x.max(bv[l * n + j].abs()));
-            let (g, e) = (got[i * n + j], expected[i * n + j]);
-            let bound = k as f32 * 2f32.powi(-27) * ra * cb;
-            assert!((g - e).abs() <= bound, "[{i}, {j}]: GPU {g} vs CPU {e}");
-            kept &= (g - e).abs() <= 1e-2 * e.abs();
+    for (form, pte) in variants(&graph) {
+        let got = run_pte(pte, inputs.clone())[0].to_f32_vec();
+        let mut kept = true;
+        for i in 0..m {
+            let ra = (0..k).fold(0f32, |x, l| x.max(av[i * k + l].abs()));
+            for j in 0..n {
+                let cb = (0..k).fold(0f32, |x, l| x.max(bv[l * n + j].abs()));
+                let (g, e) = (got[i * n + j], expected[i * n + j]);
+                let bound = k as f32 * 2f32.powi(-27) * ra * cb;
+                assert!(
+                    (g - e).abs() <= bound,
+                    "{form:?} [{i}, {j}]: GPU {g} vs CPU {e}"
+                );
+                kept &= (g - e).abs() <= 1e-2 * e.abs();
+            }
         }
+        eprintln!("{form:?}: f16 subnormals kept by the products: {kept}");
     }
-    eprintln!("f16 subnormals kept by the products: {kept}");
     // f16 near its own limits (scaled like bf16)
     OpCase::new(Op::MatMul)
         .input(scaled(H, [64, 80], 3, |r, _| {
@@ -687,5 +708,17 @@ fn coop_bf16_range_scaling_beyond_f16() {
             }
         }))
         .input(scaled(H, [80, 96], 4, |_, _| 1e-3))
-        .check(BF_TOL);
+        .check_coop(BF_TOL, FORMS);
+}
+
+/// `graph` compiled with the tensor-core alternatives (`None`), and with
+/// each form emulated.
+fn variants(graph: &etmetal_graph::Graph) -> Vec<(Option<CoopForm>, Vec<u8>)> {
+    let mut v = vec![(None, compile_whole(graph))];
+    v.extend(
+        FORMS
+            .iter()
+            .map(|&f| (Some(f), compile_emulating(graph, f))),
+    );
+    v
 }

@@ -603,6 +603,7 @@ impl<'a> KernelBuilder<'a> {
     pub fn finish(self, main: &str) -> Built {
         Built {
             wgsl: self.module(main),
+            f16: self.extensions.contains(&"f16"),
             bindings: self.bindings,
             fused: self.fused,
             sites: self.sites,
@@ -681,6 +682,8 @@ pub(crate) struct Built {
     pub sizes: bool,
     /// Appended to the kernel's name (`k7_mat_mul_coop`).
     pub tag: Option<&'static str>,
+    /// Uses `shader-f16`.
+    pub f16: bool,
 }
 
 impl Built {

@@ -43,6 +43,8 @@ use crate::payload::{
 use buffers::{BufferDesc, BufferIdx, Buffers, Place, Storage};
 use emit::{entry, grid, unravel, Built, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use expr::{Kind, Lazy, LazyRef};
+pub use kernels::coopmat::CoopForm;
+use kernels::coopmat::CoopMat;
 
 /// What preprocess makes of one partition.
 #[derive(Clone, Debug)]
@@ -70,6 +72,15 @@ pub struct PreprocessOptions {
     /// on. Scratch buffers (split-K and key-split partials) stay within
     /// it, so the payload loads wherever the partitioner's values fit.
     pub max_buffer_bytes: u64,
+    /// Test and reference mode, never set by `etmetal compile`: where a
+    /// product or attention has a tensor-core form `f`, its kernels run in
+    /// place of the portable ones, with the cooperative-matrix primitives
+    /// emulated in plain WGSL (`kernels::coopmat`), so that any adapter
+    /// (lavapipe in CI) runs the exact tensor-core kernels, slowly. The
+    /// payload then has no alternatives. `None` (the default): the
+    /// tensor-core forms are alternatives with their real primitives, which
+    /// the runtime runs where the adapter reports them.
+    pub emulate_coop: Option<CoopForm>,
 }
 
 impl Default for PreprocessOptions {
@@ -79,6 +90,7 @@ impl Default for PreprocessOptions {
             max_fused_size: 64,
             max_workgroups_per_dim: 65535,
             max_buffer_bytes: DeviceLimits::default().max_buffer_bytes,
+            emulate_coop: None,
         }
     }
 }
@@ -228,6 +240,8 @@ pub(crate) struct Lowering<'g> {
     /// While an alternative is built ([`Lowering::alternative`]): the
     /// workgroup memory its kernels need (kept out of `requirements`).
     alternative_storage: Option<u32>,
+    /// While an emulated tensor-core form is built (see [`Self::alternative`]).
+    emulating: bool,
     /// The node being lowered, for dispatch records.
     current: String,
     /// The partition's nodes, in lowering order (for a template looking
@@ -290,6 +304,7 @@ impl<'g> Lowering<'g> {
                 ..Requirements::default()
             },
             alternative_storage: None,
+            emulating: false,
             current: String::new(),
             nodes: &partition.nodes,
             absorbed: HashSet::new(),
@@ -736,6 +751,7 @@ impl<'g> Lowering<'g> {
             sites,
             sizes,
             tag,
+            f16,
         } = built;
         let coop = self.alternative_storage.is_some();
         if !sites.is_empty() {
@@ -804,6 +820,7 @@ impl<'g> Lowering<'g> {
                     .max(workgroup_size.iter().product());
                 r.max_compute_workgroup_storage_size =
                     r.max_compute_workgroup_storage_size.max(workgroup_storage);
+                r.shader_f16 |= f16;
             }
         }
         self.dispatches.push(Dispatch {
@@ -817,24 +834,52 @@ impl<'g> Lowering<'g> {
         Ok(())
     }
 
-    /// Give dispatch `d` an alternative for devices meeting `needs`: the
-    /// dispatches `build` adds (after `d`, which it must not outlive). Its
-    /// kernels may use cooperative matrices and subgroup builtins, bind at
-    /// most `max_bindings` buffers and stay within the default invocation
-    /// count; their workgroup memory goes into the needs, not into the
-    /// payload's requirements.
+    /// Give dispatch `d` an alternative for devices offering tensor-core
+    /// form `form`: the dispatches `build` adds (after `d`, which it must
+    /// not outlive). Its kernels write their primitives through
+    /// [`Self::coop_mat`], may use cooperative matrices and subgroup
+    /// builtins, bind at most `max_bindings` buffers and stay within the
+    /// default invocation count; their workgroup memory goes into the
+    /// alternative's [`Needs`], not into the payload's requirements.
+    ///
+    /// The one home of the emulation rule: with
+    /// [`PreprocessOptions::emulate_coop`] set, only that form is built, with
+    /// emulated primitives, as ordinary dispatches (validated without
+    /// cooperative-matrix or subgroup capabilities) that replace `d`, the
+    /// last dispatch; the payload gets no alternative.
     pub fn alternative(
         &mut self,
         d: usize,
-        needs: Needs,
+        form: CoopForm,
         build: impl FnOnce(&mut Lowering) -> Result<()>,
     ) -> Result<()> {
         let start = self.dispatches.len();
-        if d >= start || self.alternative_storage.is_some() {
+        if d >= start || self.alternative_storage.is_some() || self.emulating {
             return Err(Error::internal(format!(
                 "an alternative to dispatch {d} of {start} (or inside another)"
             )));
         }
+        if let Some(emulated) = self.options.emulate_coop {
+            if emulated != form {
+                return Ok(());
+            }
+            if d + 1 != start || self.checks.iter().any(|c| c.dispatch == d) {
+                return Err(Error::internal(format!(
+                    "an emulated tensor-core form replaces dispatch {d} of {start}, \
+                     which is not the last or has run-time checks"
+                )));
+            }
+            self.emulating = true;
+            let built = build(self);
+            self.emulating = false;
+            built?;
+            self.dispatches.remove(d);
+            for c in &mut self.checks {
+                c.dispatch -= usize::from(c.dispatch > d);
+            }
+            return Ok(());
+        }
+        let needs = form.needs();
         self.alternative_storage = Some(0);
         let built = build(self);
         let storage = self.alternative_storage.take().unwrap_or(0);
@@ -860,6 +905,13 @@ impl<'g> Lowering<'g> {
             dispatches,
         });
         Ok(())
+    }
+
+    /// The cooperative-matrix primitives for a kernel of tensor-core form
+    /// `form` built inside [`Self::alternative`]: emulated exactly when
+    /// that is emulating.
+    pub(crate) fn coop_mat(&self, form: CoopForm) -> CoopMat {
+        CoopMat::new(form, self.emulating)
     }
 
     /// One node's reads are done: a value no later node reads is dropped.

@@ -11,6 +11,7 @@ use etmetal_core::{DType, Op, Tensor};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
 use etmetal_metal::partitioner::{DeviceLimits, PartitionMode, PartitionOptions};
 use etmetal_metal::payload::Requirements;
+use etmetal_metal::preprocess::{CoopForm, PreprocessOptions};
 use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
 use etmetal_runtime::{BackendRegistry, LoadOptions, Method, Program};
 
@@ -48,6 +49,58 @@ pub fn compile_whole_within(graph: &Graph, limits: &DeviceLimits) -> Compiled {
         ..CompileOptions::default()
     };
     compile(graph, &options, &mut |_| {}).unwrap_or_else(|e| panic!("compile: {e}"))
+}
+
+/// The `.pte` of `graph` delegated whole, with the kernels of tensor-core
+/// form `form` in place of the portable ones and their cooperative-matrix
+/// primitives emulated (etmetal-metal's `PreprocessOptions::emulate_coop`,
+/// a test mode): they run on any adapter. Panics unless some kernel of
+/// that form is in it, so a case that never reaches the tensor-core
+/// kernels cannot pass on the portable ones.
+pub fn compile_emulating(graph: &Graph, form: CoopForm) -> Vec<u8> {
+    let options = CompileOptions {
+        partition: PartitionOptions {
+            mode: PartitionMode::Whole,
+            ..PartitionOptions::default()
+        },
+        preprocess: PreprocessOptions {
+            emulate_coop: Some(form),
+            ..PreprocessOptions::default()
+        },
+        ..CompileOptions::default()
+    };
+    let compiled = compile(graph, &options, &mut |_| {})
+        .unwrap_or_else(|e| panic!("compile emulating {form:?}: {e}"));
+    let tag = format!("_{}", form.emulated_tag());
+    let emulated = compiled
+        .methods
+        .iter()
+        .flat_map(|m| &m.partitions)
+        .flat_map(|p| &p.payload.kernels)
+        .any(|k| k.name.ends_with(&tag));
+    assert!(
+        emulated,
+        "no {form:?} tensor-core kernel: the case misses them"
+    );
+    compiled.pte
+}
+
+/// `graph` on the GPU, with tensor-core form `form` emulated
+/// ([`compile_emulating`]), matches the CPU kernels on `inputs`.
+pub fn check_graph_emulating(
+    graph: &Graph,
+    inputs: Vec<Tensor>,
+    tol: f32,
+    form: CoopForm,
+    what: &str,
+) {
+    let expected = etmetal::eval::run_graph(graph, inputs.clone())
+        .unwrap_or_else(|e| panic!("{what}: CPU reference: {e}"));
+    let got = run_pte(compile_emulating(graph, form), inputs);
+    assert_eq!(got.len(), expected.len(), "{what}: output count");
+    for (k, (g, e)) in got.iter().zip(&expected).enumerate() {
+        assert_close(g, e, tol, &format!("{what} emulating {form:?} output {k}"));
+    }
 }
 
 /// The `forward` method of a `.pte`, with the GPU backend registered.
@@ -202,6 +255,18 @@ impl OpCase {
         let what = format!("{:?}", self.op);
         let (graph, inputs) = self.build();
         check_graph(&graph, inputs, tol, &what);
+    }
+
+    /// [`OpCase::check`] (the tensor-core alternatives where the adapter
+    /// offers them), then again with each of `forms` emulated
+    /// ([`check_graph_emulating`]).
+    pub fn check_coop(self, tol: f32, forms: &[CoopForm]) {
+        let what = format!("{:?}", self.op);
+        let (graph, inputs) = self.build();
+        check_graph(&graph, inputs.clone(), tol, &what);
+        for &form in forms {
+            check_graph_emulating(&graph, inputs.clone(), tol, form, &what);
+        }
     }
 
     /// [`OpCase::check`] compiled for a `max_buffer_bytes` buffer limit

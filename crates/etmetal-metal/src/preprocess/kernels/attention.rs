@@ -40,6 +40,10 @@ use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::sizes::{bucket, extent};
 use crate::preprocess::Lowering;
 
+/// The tensor-core form of the prefill kernel.
+#[path = "attention_coop.rs"]
+mod coop;
+
 /// The largest head dim (of q/k and of v) the kernel takes.
 pub(crate) const MAX_HEAD_DIM: usize = 256;
 /// Query rows up to which the decode kernel is used.
@@ -684,6 +688,7 @@ fn prefill(lw: &mut Lowering, a: &Attn, rows: usize) -> Result<()> {
         storage,
         actual,
     )?;
+    coop::alternatives(lw, a, lw.dispatches.len() - 1, &split, span)?;
     match split {
         Some(sp) => combine(lw, a, &sp),
         None => Ok(()),

@@ -6,6 +6,7 @@
 
 mod attention;
 mod conv;
+pub(crate) mod coopmat;
 mod delta;
 mod gemm;
 mod int4;

@@ -7,6 +7,7 @@ use crate::partitioner::Partition;
 use crate::preprocess::{preprocess, PreprocessOptions, Preprocessed};
 
 /// An operand of a one-node graph: a user input, or a weight (zeros).
+#[derive(Clone)]
 pub struct Operand {
     pub dtype: DType,
     pub shape: Vec<usize>,

@@ -6,9 +6,11 @@
 //! it where the adapter reports that configuration, and the portable
 //! kernel everywhere else.
 //!
-//! A second alternative, the [`Frag::Float8`] form (`coop_mat8x8` f32:
+//! A second alternative, the [`CoopForm::Float8`] form (`coop_mat8x8` f32:
 //! Apple GPUs' simdgroup matrices through Metal), follows it: the same
-//! kernel over f32 stages, with no scaling. Nothing here runs it.
+//! kernel over f32 stages, with no scaling. Its real primitives never run
+//! here; both forms run on any adapter with their primitives emulated
+//! (`super::super::coopmat`, the test mode the GPU tests use).
 //!
 //! Kernel. A workgroup computes a `bm × bn` tile (128×128 in 8 subgroups
 //! of 64×32, or 64×64 in 4 subgroups of 32×32, chosen by workgroup count
@@ -73,79 +75,15 @@ use etmetal_core::{DType, Result, Tensor};
 
 use super::spec::{F16Scaling, Gemm, GemmArgs, FILL};
 use super::split::SplitK;
-use crate::payload::Needs;
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::{Kind, LazyRef};
+use crate::preprocess::kernels::coopmat::{CoopForm, CoopMat, Role, SUBGROUP};
 use crate::preprocess::Lowering;
-
-/// Invocations of a subgroup the kernel is written for.
-const SUBGROUP: usize = 32;
 
 /// Bytes after each staged row (the 8 rows a matrix load reads at once
 /// start in different banks).
 const PAD_BYTES: usize = 16;
-
-/// The cooperative-matrix form a kernel is written for; a product gets
-/// one alternative of each, and the runtime runs the first its adapter
-/// reports.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Frag {
-    /// `coop_mat16x16`: f16 operands (scaled into f16's range, see the
-    /// module comment), f32 accumulators; NVIDIA GPUs through Vulkan.
-    Half16,
-    /// `coop_mat8x8`: f32 operands (every f16 or bf16 value converts
-    /// exactly, so no scaling and no pre-pass) and accumulators; Apple
-    /// GPUs' simdgroup matrices through Metal (Apple7 and later, whose
-    /// simdgroups are 32 wide). Nothing here runs it: lavapipe has no
-    /// cooperative matrices and the H200 reports no 8×8 f32 form, so it is
-    /// generated and validated (WGSL and MSL) but unrun.
-    Float8,
-}
-
-impl Frag {
-    pub(super) const ALL: [Frag; 2] = [Frag::Half16, Frag::Float8];
-
-    /// What the kernel needs (its workgroup memory is filled in by
-    /// `Lowering::alternative`).
-    pub(super) fn needs(self) -> Needs {
-        match self {
-            Frag::Half16 => Needs::f16_16x16x16(SUBGROUP as u32, 0),
-            Frag::Float8 => Needs::f32_8x8x8(SUBGROUP as u32, 0),
-        }
-    }
-
-    /// Rows (and columns, and depth) of one matrix.
-    fn size(self) -> usize {
-        match self {
-            Frag::Half16 => 16,
-            Frag::Float8 => 8,
-        }
-    }
-
-    /// The staged operands' WGSL type and its bytes.
-    fn elem(self) -> (&'static str, usize) {
-        match self {
-            Frag::Half16 => ("f16", 2),
-            Frag::Float8 => ("f32", 4),
-        }
-    }
-
-    fn mat(self) -> &'static str {
-        match self {
-            Frag::Half16 => "coop_mat16x16",
-            Frag::Float8 => "coop_mat8x8",
-        }
-    }
-
-    /// The kernel's name tag (`…_coop`, `…_coop8x8`).
-    fn tag(self) -> &'static str {
-        match self {
-            Frag::Half16 => "coop",
-            Frag::Float8 => "coop8x8",
-        }
-    }
-}
 
 /// Multiply-adds (batch·m·n·k) below which a product keeps the portable
 /// kernel only: the range pre-pass and its dispatches would cost more
@@ -228,8 +166,9 @@ fn scale_exponent(amax: u32) -> i32 {
 /// WGSL of the scheme: the exponent of the largest |x| with bits `bits`,
 /// 2^s for `s` in −126..=127, and `v·2^-(sa + sb)`, exact unless the
 /// result itself is beyond f32 (one factor at a time when their product
-/// is not a normal f32: both then shrink, or both grow).
-const HELPERS: &str = "fn expo(bits: u32) -> i32 {
+/// is not a normal f32: both then shrink, or both grow). Flash attention's
+/// tensor-core form scales its operands by the same rule.
+pub(crate) const HELPERS: &str = "fn expo(bits: u32) -> i32 {
   return clamp(14 - (i32(bits >> 23u) - 127), -126, 126);
 }
 
@@ -271,15 +210,15 @@ impl CoopTile {
     }
 }
 
-/// The tile for `gemm` in form `frag`: 128×128 where that still gives a
+/// The tile for `gemm` in form `form`: 128×128 where that still gives a
 /// large GPU enough workgroups; 32 rows (columns) where m (n) is below 64,
 /// so a skinny product keeps no subgroup idle; else 64×64. The 8×8 f32
 /// form takes 64×64 over 16-deep slices (its f32 stages double the bytes,
 /// and Apple GPUs have 32 KiB of workgroup memory). Only the 128×128 and
 /// 64×64 tiles of the 16×16 form have been measured (README, Tensor cores).
-fn tile(gemm: &Gemm, frag: Frag) -> CoopTile {
+fn tile(gemm: &Gemm, form: CoopForm) -> CoopTile {
     let groups = |b: usize| (gemm.m.div_ceil(b) * gemm.n.div_ceil(b)) as u64 * gemm.batch as u64;
-    if frag == Frag::Float8 {
+    if form == CoopForm::Float8 {
         CoopTile {
             bm: 64,
             bn: 64,
@@ -492,8 +431,8 @@ fn prepass<A: GemmArgs + ?Sized>(
 }
 
 /// Build the alternative's dispatches for `gemm` (already lowered as the
-/// portable dispatch, with `split` along k) in form `frag`: for
-/// [`Frag::Half16`] a pre-pass for each operand scaled at run time, then
+/// portable dispatch, with `split` along k) in form `form`: for
+/// [`CoopForm::Half16`] a pre-pass for each operand scaled at run time, then
 /// the tensor-core kernel, reading the operands in chunks
 /// ([`GemmArgs::chunks`]) and storing through `split`.
 pub(super) fn lower<A: GemmArgs + ?Sized>(
@@ -501,17 +440,17 @@ pub(super) fn lower<A: GemmArgs + ?Sized>(
     gemm: &Gemm,
     split: &SplitK,
     args: &A,
-    frag: Frag,
+    form: CoopForm,
 ) -> Result<()> {
     let Some([mut ra, mut rb]) = gemm.coop else {
         return Ok(());
     };
-    if frag == Frag::Float8 {
+    if form == CoopForm::Float8 {
         // f32 holds every f16 and bf16 value as it is
         (ra, rb) = (F16Scaling::Exact(0), F16Scaling::Exact(0));
     }
-    let t = tile(gemm, frag);
-    let (sa, sb) = stages(gemm, &t, frag);
+    let t = tile(gemm, form);
+    let (sa, sb) = stages(gemm, &t, form);
     let operand = |name, reader, len, k_fast, scaling, stage| CoopOperand {
         name,
         reader,
@@ -533,14 +472,14 @@ pub(super) fn lower<A: GemmArgs + ?Sized>(
         }
     }
     let mut kb = KernelBuilder::new(&lw.buffers);
-    if frag == Frag::Half16 {
-        kb.enable("f16");
-    }
-    kb.enable("wgpu_cooperative_matrix");
+    let mut cm = lw.coop_mat(form);
+    cm.enable(&mut kb);
     let fns = gemm.chunk_reads(&mut kb, args)? + &split.store(&mut kb, args)? + HELPERS;
-    let main = kernel(&mut kb, gemm, &t, split.splits, &operands, frag);
-    let built = kb.finish(&format!("{fns}{main}")).tagged(frag.tag());
-    let storage = sa.bytes() + sb.bytes() + t.subgroups() * frag.size().pow(2) * 4;
+    let main = kernel(&mut kb, &mut cm, gemm, &t, split.splits, &operands);
+    let built = kb
+        .finish(&format!("{fns}{}{main}", cm.helpers()))
+        .tagged(cm.tag());
+    let storage = sa.bytes() + sb.bytes() + t.subgroups() * form.size().pow(2) * 4;
     let tiles = (gemm.m.div_ceil(t.bm) * gemm.n.div_ceil(t.bn)) as u64;
     let groups = tiles * (gemm.batch * split.splits) as u64;
     let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
@@ -557,8 +496,8 @@ pub(super) fn lower<A: GemmArgs + ?Sized>(
     )
 }
 
-fn stages(gemm: &Gemm, t: &CoopTile, frag: Frag) -> (Stage, Stage) {
-    let elem = frag.elem().1;
+fn stages(gemm: &Gemm, t: &CoopTile, form: CoopForm) -> (Stage, Stage) {
+    let elem = form.elem().1;
     (
         Stage {
             len: t.bm,
@@ -578,14 +517,15 @@ fn stages(gemm: &Gemm, t: &CoopTile, frag: Frag) -> (Stage, Stage) {
 /// The kernel's main (see the module comment).
 fn kernel(
     kb: &mut KernelBuilder,
+    cm: &mut CoopMat,
     gemm: &Gemm,
     t: &CoopTile,
     splits: usize,
     operands: &[CoopOperand; 2],
-    frag: Frag,
 ) -> String {
     let CoopTile { bm, bn, wm, wn, bk } = *t;
-    let (size, (elem, _), mat) = (frag.size(), frag.elem(), frag.mat());
+    let form = cm.form;
+    let (size, (elem, _)) = (form.size(), form.elem());
     // elements of one matrix (a subgroup's epilogue slot)
     let sq = size * size;
     let (m, n, k) = (gemm.m, gemm.n, gemm.k);
@@ -606,9 +546,10 @@ fn kernel(
         s,
         "@compute @workgroup_size({threads})\n\
          fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, \
-         @builtin(local_invocation_index) lid: u32, @builtin(subgroup_id) sg: u32, \
-         @builtin(subgroup_invocation_id) sl: u32) {{"
+         @builtin(local_invocation_index) lid: u32{}) {{",
+        cm.params()
     );
+    s.push_str(&cm.prologue());
     let _ = writeln!(
         s,
         "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
@@ -622,7 +563,7 @@ fn kernel(
         bn / wn,
         bn / wn,
     );
-    if frag == Frag::Float8 {
+    if form == CoopForm::Float8 {
         // Accumulators start as zeros loaded from workgroup memory: naga's
         // MSL for `coop_mat8x8<f32, C>()` is `simdgroup_float8x8 {}`, whose
         // contents Metal leaves undefined (unchecked on Apple hardware).
@@ -634,9 +575,16 @@ fn kernel(
     }
     for i in 0..fm {
         for j in 0..fnn {
-            let init = match frag {
-                Frag::Half16 => format!("{mat}<f32, C>()"),
-                Frag::Float8 => format!("coopLoad<{mat}<f32, C>>(&tc[sg * {sq}u], {size}u)"),
+            let init = match form {
+                CoopForm::Half16 => cm.zero(),
+                CoopForm::Float8 => cm.load(
+                    Role::C,
+                    "tc",
+                    "f32",
+                    &format!("sg * {sq}u"),
+                    &format!("{size}u"),
+                    false,
+                ),
             };
             let _ = writeln!(s, "  var c{i}_{j} = {init};");
         }
@@ -754,33 +702,40 @@ fn kernel(
             sb.size()
         );
         // A is row-major in memory when k-fast, B when not
-        let load = |transposed: bool| if transposed { "coopLoadT" } else { "coopLoad" };
         for step in 0..bk / size {
             let kk = format!("{}u", size * step);
             s.push_str("    {\n");
             for i in 0..fm {
-                let _ = writeln!(
-                    s,
-                    "      let ma{i} = {}<{mat}<{elem}, A>>(&ta[oa + {}], {}u);",
-                    load(sa.k_fast),
-                    sa.at(&format!("wr + {}u", size * i), &kk),
-                    sa.pitch()
+                let at = sa.at(&format!("wr + {}u", size * i), &kk);
+                let ld = cm.load(
+                    Role::A,
+                    "ta",
+                    elem,
+                    &format!("oa + {at}"),
+                    &format!("{}u", sa.pitch()),
+                    sa.k_fast,
                 );
+                let _ = writeln!(s, "      let ma{i} = {ld};");
             }
             for j in 0..fnn {
-                let _ = writeln!(
-                    s,
-                    "      let mb{j} = {}<{mat}<{elem}, B>>(&tb[ob + {}], {}u);",
-                    load(!sb.k_fast),
-                    sb.at(&format!("wc + {}u", size * j), &kk),
-                    sb.pitch()
+                let at = sb.at(&format!("wc + {}u", size * j), &kk);
+                let ld = cm.load(
+                    Role::B,
+                    "tb",
+                    elem,
+                    &format!("ob + {at}"),
+                    &format!("{}u", sb.pitch()),
+                    !sb.k_fast,
                 );
+                let _ = writeln!(s, "      let mb{j} = {ld};");
             }
             for i in 0..fm {
                 for j in 0..fnn {
+                    let c = format!("c{i}_{j}");
                     let _ = writeln!(
                         s,
-                        "      c{i}_{j} = coopMultiplyAdd(ma{i}, mb{j}, c{i}_{j});"
+                        "      {c} = {};",
+                        cm.mma(&format!("ma{i}"), &format!("mb{j}"), &c)
                     );
                 }
             }
@@ -798,9 +753,16 @@ fn kernel(
     };
     for i in 0..fm {
         for j in 0..fnn {
+            let store = cm.store(
+                &format!("c{i}_{j}"),
+                "tc",
+                &format!("sg * {sq}u"),
+                &format!("{size}u"),
+                true,
+            );
             let _ = writeln!(
                 s,
-                "  coopStoreT(c{i}_{j}, &tc[sg * {sq}u], {size}u);\n  workgroupBarrier();\n\
+                "  {store}\n  workgroupBarrier();\n\
                  \x20 for (var q = sl; q < {sq}u; q = q + {SUBGROUP}u) {{\n\
                  \x20   let e = sg * {sq}u + q;\n\
                  \x20   let r = m0 + wr + {}u + q / {size}u;\n\
@@ -819,8 +781,9 @@ fn kernel(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::payload::{CoopType, Payload};
-    use crate::preprocess::kernels::testing::{input, lower_one, weight};
+    use crate::payload::{CoopType, Needs, Payload};
+    use crate::preprocess::kernels::testing::{input, lower_one, lower_one_with, weight, Operand};
+    use crate::preprocess::PreprocessOptions;
     use etmetal_core::Op;
     use half::{bf16, f16};
 
@@ -915,6 +878,16 @@ mod tests {
         ];
         for (op, operands, kinds) in cases {
             let name = format!("{op:?}");
+            for form in CoopForm::ALL {
+                let want: Vec<&str> = match form {
+                    CoopForm::Half16 => kinds
+                        .iter()
+                        .map(|&k| if k == "coop" { "coopemu" } else { k })
+                        .collect(),
+                    CoopForm::Float8 => vec!["coop8x8emu"],
+                };
+                emulated_in_place(op.clone(), operands.clone(), form, &want);
+            }
             let p = lower_one(op, operands).unwrap_or_else(|e| panic!("{name}: {e}"));
             let alts = alternatives(&p.payload);
 
@@ -969,6 +942,41 @@ mod tests {
         }
     }
 
+    /// Lowered emulating `form` (test mode), `op` has no alternative: its
+    /// first dispatches are the form's kernels tagged `want` (pre-passes,
+    /// then the product), in place of the portable kernel, and no kernel
+    /// it runs uses cooperative matrices or subgroups (naga validated them
+    /// without those capabilities); the 16×16 form asks for shader-f16.
+    fn emulated_in_place(op: Op, operands: Vec<Option<Operand>>, form: CoopForm, want: &[&str]) {
+        let options = PreprocessOptions {
+            emulate_coop: Some(form),
+            ..PreprocessOptions::default()
+        };
+        let name = format!("{op:?} emulating {form:?}");
+        let p = lower_one_with(op, operands, &options)
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+            .payload;
+        assert!(alternatives(&p).is_empty(), "{name}");
+        let tags: Vec<&str> = p
+            .dispatches
+            .iter()
+            .map(|d| p.kernels[d.kernel].name.rsplit('_').next().unwrap())
+            .collect();
+        assert!(tags.starts_with(want), "{name}: {tags:?}");
+        for d in &p.dispatches {
+            let wgsl = &p.kernels[d.kernel].wgsl;
+            assert!(
+                !wgsl.contains("coop_mat") && !wgsl.contains("subgroup"),
+                "{name}"
+            );
+        }
+        assert_eq!(
+            p.requirements.shader_f16,
+            form == CoopForm::Half16,
+            "{name}"
+        );
+    }
+
     /// Tiles by shape and form; each invocation stages whole 4-element
     /// chunks of both operands, and subgroups cover the tile.
     #[test]
@@ -984,22 +992,22 @@ mod tests {
             dynamic: None,
         };
         let cases = [
-            ((4096, 4096), Frag::Half16, (128, 128, 32)),
-            ((1024, 1024), Frag::Half16, (64, 64, 32)),
-            ((40, 4096), Frag::Half16, (32, 64, 32)),
-            ((4096, 48), Frag::Half16, (64, 32, 32)),
-            ((40, 48), Frag::Half16, (32, 32, 32)),
-            ((4096, 4096), Frag::Float8, (64, 64, 16)),
-            ((40, 48), Frag::Float8, (64, 64, 16)),
+            ((4096, 4096), CoopForm::Half16, (128, 128, 32)),
+            ((1024, 1024), CoopForm::Half16, (64, 64, 32)),
+            ((40, 4096), CoopForm::Half16, (32, 64, 32)),
+            ((4096, 48), CoopForm::Half16, (64, 32, 32)),
+            ((40, 48), CoopForm::Half16, (32, 32, 32)),
+            ((4096, 4096), CoopForm::Float8, (64, 64, 16)),
+            ((40, 48), CoopForm::Float8, (64, 64, 16)),
         ];
-        for ((m, n), frag, want) in cases {
-            let t = tile(&g(m, n), frag);
-            assert_eq!((t.bm, t.bn, t.bk), want, "{m}x{n} {frag:?}");
+        for ((m, n), form, want) in cases {
+            let t = tile(&g(m, n), form);
+            assert_eq!((t.bm, t.bn, t.bk), want, "{m}x{n} {form:?}");
             for len in [t.bm, t.bn] {
                 assert_eq!(len * t.bk % (4 * t.threads()), 0, "{t:?}");
             }
             assert_eq!(t.bm % t.wm + t.bn % t.wn, 0, "{t:?}");
-            assert_eq!((t.wm % frag.size(), t.bk % frag.size()), (0, 0), "{t:?}");
+            assert_eq!((t.wm % form.size(), t.bk % form.size()), (0, 0), "{t:?}");
         }
     }
 

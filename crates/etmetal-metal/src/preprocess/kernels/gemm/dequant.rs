@@ -22,12 +22,13 @@ use std::fmt::Write;
 
 use etmetal_core::Result;
 
-use super::coop::{self, Frag};
+use super::coop;
 use super::spec::{Epilogue, F16Scaling, Gemm, GemmArgs};
 use super::split::SplitK;
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::KernelBuilder;
 use crate::preprocess::expr::LazyRef;
+use crate::preprocess::kernels::coopmat::CoopForm;
 use crate::preprocess::Lowering;
 
 /// An int4 linear `y [m, n] = x [m, k] @ Wᵀ` as a GEMM's operands.
@@ -70,11 +71,11 @@ impl Int4Operands<'_> {
         if !coop::worth(&gemm) {
             return Ok(());
         }
-        for frag in Frag::ALL {
-            lw.alternative(d, frag.needs(), |lw| {
+        for form in CoopForm::ALL {
+            lw.alternative(d, form, |lw| {
                 // one workgroup per tile along all of k: no partial sums
                 let split = SplitK::new(lw, 1, 1, self.m, self.n)?;
-                coop::lower(lw, &gemm, &split, self, frag)
+                coop::lower(lw, &gemm, &split, self, form)
             })?;
         }
         Ok(())

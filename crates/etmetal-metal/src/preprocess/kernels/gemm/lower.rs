@@ -8,6 +8,7 @@ use super::coop;
 use super::spec::{Gemm, GemmArgs, FILL};
 use super::split::{split_k, SplitK};
 use crate::preprocess::emit::{grid, Built, KernelBuilder};
+use crate::preprocess::kernels::coopmat::CoopForm;
 use crate::preprocess::sizes::bucket;
 use crate::preprocess::Lowering;
 
@@ -92,10 +93,8 @@ impl Gemm {
         if coop::worth(self) {
             // the same partial sums or outputs, from the same split of k;
             // NVIDIA's 16×16 form first, then Apple's 8×8
-            for frag in coop::Frag::ALL {
-                lw.alternative(d, frag.needs(), |lw| {
-                    coop::lower(lw, self, &split, args, frag)
-                })?;
+            for form in CoopForm::ALL {
+                lw.alternative(d, form, |lw| coop::lower(lw, self, &split, args, form))?;
             }
         }
         split.sum(lw, args)

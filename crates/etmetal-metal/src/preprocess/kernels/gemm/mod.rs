@@ -27,6 +27,7 @@ mod spec;
 mod split;
 mod tiled;
 
+pub(super) use coop::HELPERS as F16_SCALING_WGSL;
 pub(super) use dequant::Int4Operands;
 pub(super) use gemv::{reduce_sums, Gemv, GEMV_ROWS};
 pub(super) use spec::{Epilogue, F16Scaling, Gemm, GemmArgs, GemvArgs};
