@@ -535,6 +535,26 @@ impl<'g> Lowering<'g> {
         }
     }
 
+    /// Lower node `n` now, ahead of its turn (a template's store computes
+    /// it: its inputs are computed); its turn only consumes its reads.
+    pub fn lower_ahead(&mut self, n: usize) -> Result<()> {
+        let node = &self.graph.nodes[n];
+        let counts: Vec<(ValueId, Option<usize>)> = node
+            .inputs
+            .iter()
+            .flatten()
+            .map(|v| (*v, self.readers.get(v).copied()))
+            .collect();
+        let current = std::mem::take(&mut self.current);
+        let lowered = self.lower_node(node);
+        self.current = current;
+        for (v, c) in counts.into_iter().filter_map(|(v, c)| Some((v, c?))) {
+            self.readers.insert(v, c);
+        }
+        self.absorbed.insert(n);
+        lowered
+    }
+
     /// Record `lazy` as the value of `v`, to be fused into its readers
     /// (materialised first when that would bind or inline too much).
     pub fn define_fused(&mut self, v: ValueId, lazy: LazyRef) -> Result<()> {

@@ -7,6 +7,7 @@
 mod attention;
 mod conv;
 mod delta;
+mod epilogue;
 mod gemm;
 mod int4;
 mod matmul;
