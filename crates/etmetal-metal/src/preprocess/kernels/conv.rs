@@ -160,11 +160,19 @@ fn convolution(
     let (ks, os): (usize, usize) = (ksp.iter().product(), osp.iter().product());
     // the input as [n, cin, spatial…], the weight as [cout, cin_g·k]
     let x = reshaped(&x, [vec![n, cin], insp.clone()].concat());
+    let w2 = reshaped(&w, vec![cout, cin_g * ks]);
+    let gemm = cout_g >= GEMM_MIN_COUT;
+    let coop = F16Scaling::of(lw, &w2)
+        .zip(F16Scaling::of(lw, &x))
+        .map(|(a, b)| [a, b])
+        .filter(|_| gemm);
     let reads: Vec<&LazyRef> = [Some(&x), Some(&w), bias.as_ref()]
         .into_iter()
         .flatten()
         .collect();
-    let epilogue = Tail::plan(lw, node, &reads)?;
+    // the tensor-core kernel binds the exponents of operands scaled at run time
+    let lines = coop.map_or(0, |c| c.iter().filter(|&&s| s == F16Scaling::Lines).count());
+    let epilogue = Tail::plan(lw, node, &reads, lines)?;
     if n * cout * os == 0 {
         return Ok(());
     }
@@ -175,8 +183,7 @@ fn convolution(
         dilation,
         input: &insp,
     };
-    if cout_g >= GEMM_MIN_COUT {
-        let w2 = reshaped(&w, vec![cout, cin_g * ks]);
+    if gemm {
         let gemm = Gemm {
             batch: groups,
             m: cout_g,
@@ -184,9 +191,7 @@ fn convolution(
             k: cin_g * ks,
             a_k_fast: true,
             b_k_fast: false,
-            coop: F16Scaling::of(lw, &w2)
-                .zip(F16Scaling::of(lw, &x))
-                .map(|(a, b)| [a, b]),
+            coop,
             // a dynamic batch: the columns are images × output positions
             dynamic: node.inputs[0].filter(|&v| lw.graph.is_dynamic(v)).map(|v| {
                 let dims = lw.sizes.local(&lw.graph.sym_dims(v));

@@ -33,8 +33,9 @@ pub(super) struct Tail {
 /// The nodes after `node` (in order) that its store can compute: each the
 /// sole reader of the one before, a float unary or binary op or an eval
 /// batch norm of the output's shape and dtype, its other inputs computed
-/// already; as many as a kernel reading `reads` besides binds.
-fn chain(lw: &Lowering, node: &Node, reads: &[&LazyRef]) -> Vec<usize> {
+/// already; as many as a kernel reading `reads` and binding `extra`
+/// buffers besides binds.
+fn chain(lw: &Lowering, node: &Node, reads: &[&LazyRef], extra: usize) -> Vec<usize> {
     let Some(&first) = node.outputs.first() else {
         return vec![];
     };
@@ -79,7 +80,7 @@ fn chain(lw: &Lowering, node: &Node, reads: &[&LazyRef]) -> Vec<usize> {
             }
         }
         // the kernel binds its output and a status buffer for checks too
-        let bindings = more.len() + 1 + usize::from(more_checks);
+        let bindings = more.len() + extra + 1 + usize::from(more_checks);
         if !ready || bindings > lw.options.max_bindings || more_size > lw.options.max_fused_size {
             break;
         }
@@ -91,12 +92,17 @@ fn chain(lw: &Lowering, node: &Node, reads: &[&LazyRef]) -> Vec<usize> {
 }
 
 impl Tail {
-    /// The epilogue of `node`'s output 0, whose kernel reads `reads`
-    /// besides: its chain ([`chain`]) is lowered now and the chain's end
-    /// is the buffer stored.
-    pub(super) fn plan(lw: &mut Lowering, node: &Node, reads: &[&LazyRef]) -> Result<Tail> {
+    /// The epilogue of `node`'s output 0, whose kernel reads `reads` and
+    /// binds `extra` buffers besides: its chain ([`chain`]) is lowered now
+    /// and the chain's end is the buffer stored.
+    pub(super) fn plan(
+        lw: &mut Lowering,
+        node: &Node,
+        reads: &[&LazyRef],
+        extra: usize,
+    ) -> Result<Tail> {
         let (_, dtype, shape) = lw.output_info(node, 0)?;
-        let nodes = chain(lw, node, reads);
+        let nodes = chain(lw, node, reads, extra);
         let Some(&last) = nodes.last() else {
             let out = lw.output_buffer(node, 0)?;
             return Ok(Tail {
