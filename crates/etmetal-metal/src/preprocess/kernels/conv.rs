@@ -166,10 +166,10 @@ fn convolution(
         .zip(F16Scaling::of(lw, &x))
         .map(|(a, b)| [a, b])
         .filter(|_| gemm);
-    let reads: Vec<&LazyRef> = [Some(&x), Some(&w), bias.as_ref()]
-        .into_iter()
-        .flatten()
-        .collect();
+    let mut reads = vec![];
+    for v in [Some(&x), Some(&w), bias.as_ref()].into_iter().flatten() {
+        v.buffers(&mut reads);
+    }
     // the tensor-core kernel binds the exponents of operands scaled at run time
     let lines = coop.map_or(0, |c| c.iter().filter(|&&s| s == F16Scaling::Lines).count());
     let epilogue = Tail::plan(lw, node, &reads, lines)?;
@@ -251,7 +251,7 @@ fn convolution(
         kb.value_fn(b, "vbias")?;
         value = "acc + vbias(co)".into();
     }
-    let (decls, store) = epilogue.store(&mut kb, "e", &value)?;
+    let (decls, store) = epilogue.store(&mut kb, "e", &value, "")?;
     let _ = writeln!(s, "  {store}\n}}");
     let built = kb.finish(&format!("{decls}{s}"));
     flat_dispatch(lw, built, total, epilogue.out)
@@ -320,7 +320,7 @@ impl Epilogue for ConvArgs<'_> {
             kb.value_fn(b, "vbias")?;
             value = "v + vbias(co)".into();
         }
-        let (decls, store) = self.epilogue.store(kb, "e", &value)?;
+        let (decls, store) = self.epilogue.store(kb, "e", &value, "")?;
         Ok(format!(
             "{decls}fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n\
              \x20 let co = bt * {cout_g}u + r;\n\

@@ -30,25 +30,25 @@ pub(super) struct Tail {
     chain: Option<LazyRef>,
 }
 
-/// The nodes after `node` (in order) that its store can compute: each the
-/// sole reader of the one before, a float unary or binary op or an eval
-/// batch norm of the output's shape and dtype, its other inputs computed
-/// already; as many as a kernel reading `reads` and binding `extra`
-/// buffers besides binds.
-fn chain(lw: &Lowering, node: &Node, reads: &[&LazyRef], extra: usize) -> Vec<usize> {
+/// The nodes after `node` (in order) that its store can compute, and the
+/// buffers they read: each the sole reader of the one before, a float
+/// unary or binary op or an eval batch norm of the output's shape and
+/// dtype, its other inputs computed already; as many as a kernel reading
+/// `bound` and binding `extra` buffers besides binds.
+fn chain(
+    lw: &Lowering,
+    node: &Node,
+    bound: &[BufferIdx],
+    extra: usize,
+) -> (Vec<usize>, Vec<BufferIdx>) {
     let Some(&first) = node.outputs.first() else {
-        return vec![];
+        return (vec![], vec![]);
     };
     let info = lw.graph.value(first);
     if !info.dtype.is_float() {
-        return vec![];
+        return (vec![], vec![]);
     }
-    let mut bufs = vec![];
-    let mut checks = false;
-    for x in reads {
-        x.buffers(&mut bufs);
-        checks |= x.has_checks();
-    }
+    let (mut reads, mut checks) = (vec![], false);
     let (mut cur, mut found, mut size) = (first, vec![], 0);
     while let Some((n, next)) = lw.sole_reader(cur) {
         let fits = match &next.op {
@@ -64,7 +64,7 @@ fn chain(lw: &Lowering, node: &Node, reads: &[&LazyRef], extra: usize) -> Vec<us
         if !fits || next.outputs.len() != 1 || out.dtype != info.dtype || out.shape != info.shape {
             break;
         }
-        let (mut more, mut more_checks) = (bufs.clone(), checks);
+        let (mut more, mut more_checks) = (reads.clone(), checks);
         // (a batch norm's per-channel expression is about 20 tree nodes)
         let mut more_size = size + 1 + 20 * usize::from(matches!(next.op, Op::BatchNorm { .. }));
         let others = next.inputs.iter().flatten().filter(|&&v| v != cur);
@@ -79,30 +79,38 @@ fn chain(lw: &Lowering, node: &Node, reads: &[&LazyRef], extra: usize) -> Vec<us
                 Err(_) => ready = false,
             }
         }
+        let mut all = bound.to_vec();
+        all.extend(more.iter().filter(|b| !bound.contains(b)));
         // the kernel binds its output and a status buffer for checks too
-        let bindings = more.len() + extra + 1 + usize::from(more_checks);
+        let bindings = all.len() + extra + 1 + usize::from(more_checks);
         if !ready || bindings > lw.options.max_bindings || more_size > lw.options.max_fused_size {
             break;
         }
-        (bufs, checks, size) = (more, more_checks, more_size);
+        (reads, checks, size) = (more, more_checks, more_size);
         found.push(n);
         cur = y;
     }
-    found
+    (found, reads)
+}
+
+/// The buffers the longest epilogue of `node` reads (a bound for a kernel
+/// that will compute it).
+pub(super) fn reads(lw: &Lowering, node: &Node) -> Vec<BufferIdx> {
+    chain(lw, node, &[], 0).1
 }
 
 impl Tail {
-    /// The epilogue of `node`'s output 0, whose kernel reads `reads` and
+    /// The epilogue of `node`'s output 0, whose kernel reads `bound` and
     /// binds `extra` buffers besides: its chain ([`chain`]) is lowered now
     /// and the chain's end is the buffer stored.
     pub(super) fn plan(
         lw: &mut Lowering,
         node: &Node,
-        reads: &[&LazyRef],
+        bound: &[BufferIdx],
         extra: usize,
     ) -> Result<Tail> {
         let (_, dtype, shape) = lw.output_info(node, 0)?;
-        let nodes = chain(lw, node, reads, extra);
+        let (nodes, _) = chain(lw, node, bound, extra);
         let Some(&last) = nodes.last() else {
             let out = lw.output_buffer(node, 0)?;
             return Ok(Tail {
@@ -138,25 +146,41 @@ impl Tail {
         })
     }
 
+    /// The buffers the chain reads besides the one stored.
+    pub(super) fn buffers(&self, bufs: &mut Vec<BufferIdx>) {
+        let mut read = vec![];
+        if let Some(chain) = &self.chain {
+            chain.buffers(&mut read);
+        }
+        for b in read {
+            if b != self.out && !bufs.contains(&b) {
+                bufs.push(b);
+            }
+        }
+    }
+
     /// WGSL storing the f32 value `v` of the template's output element `e`
-    /// (a flat u32 index): module-scope declarations, and the statements.
+    /// (a flat u32 index): module-scope declarations, and the statements;
+    /// its names end in `tag` (several stores of one kernel).
     pub(super) fn store(
         &self,
         kb: &mut KernelBuilder,
         e: &str,
         v: &str,
+        tag: &str,
     ) -> Result<(String, String)> {
         let value = cast(&format!("({v})"), DType::F32, self.dtype);
         let Some(chain) = &self.chain else {
             return Ok((String::new(), kb.store(self.out, e, &value)?));
         };
-        kb.substitute_element(self.out, "gepi");
-        kb.value_fn(chain, "vepi")?;
+        let (var, f) = (format!("gepi{tag}"), format!("vepi{tag}"));
+        kb.substitute_element(self.out, &var);
+        kb.value_fn(chain, &f)?;
         let at = unravel(e, &chain.shape).join(", ");
-        let store = kb.store(self.out, e, &format!("vepi({at})"))?;
+        let store = kb.store(self.out, e, &format!("{f}({at})"))?;
         Ok((
-            "var<private> gepi: f32;\n\n".into(),
-            format!("gepi = {value};\n  {store}"),
+            format!("var<private> {var}: f32;\n\n"),
+            format!("{var} = {value};\n  {store}"),
         ))
     }
 }
