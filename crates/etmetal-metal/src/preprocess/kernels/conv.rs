@@ -172,7 +172,7 @@ fn convolution(
     }
     // the tensor-core kernel binds the exponents of operands scaled at run time
     let lines = coop.map_or(0, |c| c.iter().filter(|&&s| s == F16Scaling::Lines).count());
-    let epilogue = Tail::plan(lw, node, &reads, lines)?;
+    let epilogue = Tail::plan(lw, node, &reads, lines, &[])?;
     if n * cout * os == 0 {
         return Ok(());
     }

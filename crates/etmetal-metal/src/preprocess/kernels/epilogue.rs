@@ -33,13 +33,15 @@ pub(super) struct Tail {
 /// The nodes after `node` (in order) that its store can compute, and the
 /// buffers they read: each the sole reader of the one before, a float
 /// unary or binary op or an eval batch norm of the output's shape and
-/// dtype, its other inputs computed already; as many as a kernel reading
-/// `bound` and binding `extra` buffers besides binds.
+/// dtype, its other inputs computed already (not reading `unwritten`,
+/// buffers the same kernel writes); as many as a kernel reading `bound`
+/// and binding `extra` buffers besides binds.
 fn chain(
     lw: &Lowering,
     node: &Node,
     bound: &[BufferIdx],
     extra: usize,
+    unwritten: &[BufferIdx],
 ) -> (Vec<usize>, Vec<BufferIdx>) {
     let Some(&first) = node.outputs.first() else {
         return (vec![], vec![]);
@@ -72,6 +74,9 @@ fn chain(
         for &v in others {
             match lw.value(v) {
                 Ok(x) => {
+                    let mut read = vec![];
+                    x.buffers(&mut read);
+                    ready &= !read.iter().any(|b| unwritten.contains(b));
                     x.buffers(&mut more);
                     more_checks |= x.has_checks();
                     more_size += x.size() + 1;
@@ -96,21 +101,22 @@ fn chain(
 /// The buffers the longest epilogue of `node` reads (a bound for a kernel
 /// that will compute it).
 pub(super) fn reads(lw: &Lowering, node: &Node) -> Vec<BufferIdx> {
-    chain(lw, node, &[], 0).1
+    chain(lw, node, &[], 0, &[]).1
 }
 
 impl Tail {
-    /// The epilogue of `node`'s output 0, whose kernel reads `bound` and
-    /// binds `extra` buffers besides: its chain ([`chain`]) is lowered now
-    /// and the chain's end is the buffer stored.
+    /// The epilogue of `node`'s output 0, whose kernel reads `bound`,
+    /// binds `extra` buffers besides and writes `unwritten`: its chain
+    /// ([`chain`]) is lowered now and the chain's end is the buffer stored.
     pub(super) fn plan(
         lw: &mut Lowering,
         node: &Node,
         bound: &[BufferIdx],
         extra: usize,
+        unwritten: &[BufferIdx],
     ) -> Result<Tail> {
         let (_, dtype, shape) = lw.output_info(node, 0)?;
-        let (nodes, _) = chain(lw, node, bound, extra);
+        let (nodes, _) = chain(lw, node, bound, extra, unwritten);
         let Some(&last) = nodes.last() else {
             let out = lw.output_buffer(node, 0)?;
             return Ok(Tail {
