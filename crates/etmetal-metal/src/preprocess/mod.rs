@@ -233,8 +233,8 @@ pub(crate) struct Lowering<'g> {
     /// The partition's nodes, in lowering order (for a template looking
     /// at the readers of its output, [`Lowering::sole_reader`]).
     nodes: &'g [usize],
-    /// Nodes a template has computed with its own (a residual add stored
-    /// by the product before it): lowering them does nothing.
+    /// Nodes a template has computed with its own (a product's sibling, the
+    /// pointwise tail its store computes): their turn only consumes reads.
     absorbed: HashSet<usize>,
     /// Row means not dispatched yet ([`RowStat`]).
     pub pending: Vec<RowStat>,
