@@ -4,7 +4,8 @@
 //! the input read) or reading a SiLU gate, storing a residual add, several
 //! products of one input in one dispatch; reductions over size-1 dims (one position's `index_copy_`)
 //! fused into their readers; argmax over a vocabulary-sized last dim (the
-//! greedy token).
+//! greedy token); a convolution's batch norm, activation and residual add
+//! in its store.
 
 mod common;
 
@@ -354,4 +355,135 @@ fn int4_matrix_vector_at_every_group_size() {
         .input(Tensor::from_i64(DType::I32, &[p], &[2, 0, 2, 1]).unwrap())
         .build();
     check_graph(&graph, inputs, TOL, "gather_qmv");
+}
+
+/// A convolution's eval batch norm, activation and skip connection's add
+/// are computed in its store: one dispatch (and, for a 16-bit output, the
+/// copy packing it), matching the CPU kernels. Implicit GEMM (grouped
+/// too) and direct (depthwise, narrow) kernels, 1-D and 2-D, f32 / bf16 /
+/// f16.
+#[test]
+fn batch_norm_activation_and_residual_in_the_convolution_store() {
+    use etmetal_core::ConvAttrs;
+    struct Case {
+        dtype: DType,
+        /// `[n, c, spatial…]`; the output has `cout` channels, same spatial
+        /// dims (stride 1, padding k/2).
+        x: Vec<usize>,
+        cout: usize,
+        k: usize,
+        groups: usize,
+        act: UnaryOp,
+        residual: bool,
+    }
+    let relu6 = UnaryOp::Clamp {
+        min: Some(0.0),
+        max: Some(6.0),
+    };
+    let cases = [
+        // a ResNet basic block's second conv: GEMM, BN, add, ReLU
+        (DType::F32, vec![2, 16, 7, 6], 16, 3, 1, UnaryOp::Relu, true),
+        (
+            DType::BF16,
+            vec![1, 8, 5, 5],
+            16,
+            3,
+            1,
+            UnaryOp::Relu,
+            false,
+        ),
+        (DType::F16, vec![1, 8, 6, 5], 8, 1, 1, UnaryOp::Silu, false),
+        // grouped GEMM (16 output channels a group)
+        (
+            DType::F32,
+            vec![1, 8, 5, 6],
+            32,
+            3,
+            2,
+            UnaryOp::Hardswish,
+            false,
+        ),
+        // MobileNet's depthwise conv (direct kernel), ReLU6
+        (DType::F32, vec![2, 12, 9, 8], 12, 3, 12, relu6, false),
+        (DType::BF16, vec![1, 6, 7, 7], 6, 3, 6, relu6, true),
+        // a narrow 1-D conv with GELU and a residual
+        (
+            DType::F32,
+            vec![2, 4, 11],
+            4,
+            3,
+            1,
+            UnaryOp::Gelu { tanh: false },
+            true,
+        ),
+        (DType::BF16, vec![1, 16, 9], 16, 5, 1, UnaryOp::Relu, true),
+    ]
+    .map(|(dtype, x, cout, k, groups, act, residual)| Case {
+        dtype,
+        x,
+        cout,
+        k,
+        groups,
+        act,
+        residual,
+    });
+    for (i, c) in cases.iter().enumerate() {
+        let seed = 100 * i as u64;
+        let sr = c.x.len() - 2;
+        let mut b = Builder::default();
+        let x = b.input(random(c.dtype, &c.x, seed));
+        let mut wshape = vec![c.cout, c.x[1] / c.groups];
+        wshape.resize(sr + 2, c.k);
+        let w = b.weight(random(c.dtype, &wshape, seed + 1));
+        let conv = Op::Convolution(ConvAttrs {
+            stride: vec![1; sr],
+            padding: vec![c.k / 2; sr],
+            dilation: vec![1; sr],
+            transposed: false,
+            output_padding: vec![0; sr],
+            groups: c.groups,
+        });
+        let y = b.node(conv, &[Some(x), Some(w), None]);
+        let positive: Vec<f32> = random(DType::F32, &[c.cout], seed + 2)
+            .to_f32_vec()
+            .iter()
+            .map(|v| v.abs() + 0.5)
+            .collect();
+        let var = Tensor::from_f32(c.dtype, &[c.cout], &positive).unwrap();
+        let params = [
+            random(c.dtype, &[c.cout], seed + 3),
+            random(c.dtype, &[c.cout], seed + 4),
+            random(c.dtype, &[c.cout], seed + 5),
+            var,
+        ]
+        .map(|t| Some(b.weight(t)));
+        let bn = Op::BatchNorm { eps: 1e-5 };
+        let y = b.node(bn, &[Some(y), params[0], params[1], params[2], params[3]]);
+        let y = match c.residual {
+            true => b.binary(BinaryOp::Add, y, x),
+            false => y,
+        };
+        let y = b.node(Op::Unary(c.act), &[Some(y)]);
+        let what = format!(
+            "{} {:?} cout {} k {} groups {} {:?} residual {}",
+            c.dtype, c.x, c.cout, c.k, c.groups, c.act, c.residual
+        );
+        b.graph.outputs.push((y, OutputKind::User));
+        let payload = &compile_whole_within(&b.graph, &DeviceLimits::default()).methods[0]
+            .partitions[0]
+            .payload;
+        let ops: Vec<&[String]> = payload
+            .dispatches
+            .iter()
+            .map(|d| payload.kernels[d.kernel].ops.as_slice())
+            .collect();
+        let packs = usize::from(c.dtype.size() == 2);
+        let convs = ops.iter().filter(|o| o[0] == "convolution").count();
+        let copies = ops.iter().filter(|o| o[0] == "copy").count();
+        assert!(
+            convs == 1 && copies <= packs && ops.len() == convs + copies,
+            "{what}: dispatches {ops:?}"
+        );
+        check_graph(&b.graph, b.inputs, tol(c.dtype), &what);
+    }
 }

@@ -34,6 +34,9 @@ pub(crate) struct KernelBuilder<'a> {
     /// Buffers read from workgroup memory instead (a row statistic the
     /// kernel computes itself), by the array's name.
     substitutes: HashMap<BufferIdx, String>,
+    /// Buffers read as one value, whatever the index (the element a
+    /// template's store is writing, before its epilogue).
+    elements: HashMap<BufferIdx, String>,
     /// Reads the sizes uniform ([`Self::size`]).
     sizes: bool,
 }
@@ -74,6 +77,7 @@ impl<'a> KernelBuilder<'a> {
             sites: vec![],
             extensions: vec![],
             substitutes: HashMap::new(),
+            elements: HashMap::new(),
             sizes: false,
         }
     }
@@ -89,6 +93,12 @@ impl<'a> KernelBuilder<'a> {
     /// from a binding.
     pub fn substitute(&mut self, buf: BufferIdx, name: &str) {
         self.substitutes.insert(buf, name.to_string());
+    }
+
+    /// Read `buf` as the WGSL value `name` at any index: the expression
+    /// reading it reads only the element being stored (an epilogue).
+    pub fn substitute_element(&mut self, buf: BufferIdx, name: &str) {
+        self.elements.insert(buf, name.to_string());
     }
 
     /// Enable WGSL extension `name` (`enable name;` heads the module).
@@ -243,6 +253,9 @@ impl<'a> KernelBuilder<'a> {
     /// A WGSL expression reading element `e` (a u32 expression) of `buf`
     /// as its compute type.
     pub fn load(&mut self, buf: BufferIdx, e: &str) -> String {
+        if let Some(name) = self.elements.get(&buf) {
+            return name.clone();
+        }
         if let Some(name) = self.substitutes.get(&buf) {
             return format!("{name}[{e}]");
         }

@@ -247,8 +247,8 @@ pub(crate) struct Lowering<'g> {
     /// The partition's nodes, in lowering order (for a template looking
     /// at the readers of its output, [`Lowering::sole_reader`]).
     nodes: &'g [usize],
-    /// Nodes a template has computed with its own (a residual add stored
-    /// by the product before it): lowering them does nothing.
+    /// Nodes a template has computed with its own (a product's sibling, the
+    /// pointwise tail its store computes): their turn only consumes reads.
     absorbed: HashSet<usize>,
     /// Row means not dispatched yet ([`RowStat`]).
     pub pending: Vec<RowStat>,
@@ -548,6 +548,26 @@ impl<'g> Lowering<'g> {
         for (v, lazy) in values {
             self.values.insert(*v, lazy.clone());
         }
+    }
+
+    /// Lower node `n` now, ahead of its turn (a template's store computes
+    /// it: its inputs are computed); its turn only consumes its reads.
+    pub fn lower_ahead(&mut self, n: usize) -> Result<()> {
+        let node = &self.graph.nodes[n];
+        let counts: Vec<(ValueId, Option<usize>)> = node
+            .inputs
+            .iter()
+            .flatten()
+            .map(|v| (*v, self.readers.get(v).copied()))
+            .collect();
+        let current = std::mem::take(&mut self.current);
+        let lowered = self.lower_node(node);
+        self.current = current;
+        for (v, c) in counts.into_iter().filter_map(|(v, c)| Some((v, c?))) {
+            self.readers.insert(v, c);
+        }
+        self.absorbed.insert(n);
+        lowered
     }
 
     /// Record `lazy` as the value of `v`, to be fused into its readers

@@ -16,8 +16,8 @@ use etmetal_core::sym::SymExpr;
 use etmetal_core::{AvgPoolAttrs, ConvAttrs, DType, Error, MaxPoolAttrs, Op, PoolWindow, Result};
 use etmetal_graph::Node;
 
+use super::epilogue::Tail;
 use super::gemm::{Epilogue, F16Scaling, Gemm, GemmArgs};
-use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::{reshaped, LazyRef};
 use crate::preprocess::pointwise::{cast, float_literal};
@@ -160,8 +160,19 @@ fn convolution(
     let (ks, os): (usize, usize) = (ksp.iter().product(), osp.iter().product());
     // the input as [n, cin, spatial…], the weight as [cout, cin_g·k]
     let x = reshaped(&x, [vec![n, cin], insp.clone()].concat());
-    let out = lw.output_buffer(node, 0)?;
-    let out_dtype = lw.buffers.list[out].dtype;
+    let w2 = reshaped(&w, vec![cout, cin_g * ks]);
+    let gemm = cout_g >= GEMM_MIN_COUT;
+    let coop = F16Scaling::of(lw, &w2)
+        .zip(F16Scaling::of(lw, &x))
+        .map(|(a, b)| [a, b])
+        .filter(|_| gemm);
+    let mut reads = vec![];
+    for v in [Some(&x), Some(&w), bias.as_ref()].into_iter().flatten() {
+        v.buffers(&mut reads);
+    }
+    // the tensor-core kernel binds the exponents of operands scaled at run time
+    let lines = coop.map_or(0, |c| c.iter().filter(|&&s| s == F16Scaling::Lines).count());
+    let epilogue = Tail::plan(lw, node, &reads, lines, &[])?;
     if n * cout * os == 0 {
         return Ok(());
     }
@@ -172,8 +183,7 @@ fn convolution(
         dilation,
         input: &insp,
     };
-    if cout_g >= GEMM_MIN_COUT {
-        let w2 = reshaped(&w, vec![cout, cin_g * ks]);
+    if gemm {
         let gemm = Gemm {
             batch: groups,
             m: cout_g,
@@ -181,9 +191,7 @@ fn convolution(
             k: cin_g * ks,
             a_k_fast: true,
             b_k_fast: false,
-            coop: F16Scaling::of(lw, &w2)
-                .zip(F16Scaling::of(lw, &x))
-                .map(|(a, b)| [a, b]),
+            coop,
             // a dynamic batch: the columns are images × output positions
             dynamic: node.inputs[0].filter(|&v| lw.graph.is_dynamic(v)).map(|v| {
                 let dims = lw.sizes.local(&lw.graph.sym_dims(v));
@@ -204,8 +212,7 @@ fn convolution(
             cin_g,
             kernel: &ksp,
             output: &osp,
-            out,
-            out_dtype,
+            epilogue: &epilogue,
         };
         return gemm.lower(lw, &args);
     }
@@ -244,11 +251,10 @@ fn convolution(
         kb.value_fn(b, "vbias")?;
         value = "acc + vbias(co)".into();
     }
-    let value = cast(&format!("({value})"), DType::F32, out_dtype);
-    let store = kb.store(out, "e", &value)?;
+    let (decls, store) = epilogue.store(&mut kb, "e", &value, "")?;
     let _ = writeln!(s, "  {store}\n}}");
-    let built = kb.finish(&s);
-    flat_dispatch(lw, built, total, out)
+    let built = kb.finish(&format!("{decls}{s}"));
+    flat_dispatch(lw, built, total, epilogue.out)
 }
 
 /// Where a convolution reads its input: spatial dim `d` of the input
@@ -301,8 +307,8 @@ struct ConvArgs<'a> {
     /// The kernel's and the output's spatial dims.
     kernel: &'a [usize],
     output: &'a [usize],
-    out: BufferIdx,
-    out_dtype: DType,
+    /// The store, and the pointwise chain after it.
+    epilogue: &'a Tail,
 }
 
 impl Epilogue for ConvArgs<'_> {
@@ -314,10 +320,9 @@ impl Epilogue for ConvArgs<'_> {
             kb.value_fn(b, "vbias")?;
             value = "v + vbias(co)".into();
         }
-        let value = cast(&format!("({value})"), DType::F32, self.out_dtype);
-        let store = kb.store(self.out, "e", &value)?;
+        let (decls, store) = self.epilogue.store(kb, "e", &value, "")?;
         Ok(format!(
-            "fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n\
+            "{decls}fn gstore(bt: u32, r: u32, c: u32, v: f32) {{\n\
              \x20 let co = bt * {cout_g}u + r;\n\
              \x20 let e = (c / {os}u * {cout}u + co) * {os}u + c % {os}u;\n  {store}\n}}\n"
         ))

@@ -14,19 +14,20 @@ use std::fmt::Write;
 
 use etmetal_core::shape::broadcast_shapes;
 use etmetal_core::sym::SymExpr;
-use etmetal_core::{BinaryOp, DType, Error, Op, Result};
+use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
+use super::epilogue::{self, Tail};
 use super::gemm::{Epilogue, F16Scaling, Gemm, GemmArgs, Gemv, GemvArgs, GEMV_ROWS};
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{expanded_index, linear, unravel, KernelBuilder};
 use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
-use crate::preprocess::pointwise::{cast, float_literal, round_to};
+use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::sizes::extent;
 use crate::preprocess::{Lowering, RowStat};
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
-    let (args, k) = product(lw, node, String::new())?;
+    let (args, k) = product(lw, node, String::new(), &[])?;
     let (m, n) = (args.m, args.n);
     let batches: usize = args.batch.iter().product();
     if m <= GEMV_ROWS && is_transpose(&args.b) {
@@ -98,17 +99,13 @@ fn siblings<'g>(
         return vec![];
     }
     let mut bufs = vec![];
-    for x in [
-        Some(&args.a),
-        Some(&args.b),
-        args.bias.as_ref(),
-        args.residual.as_ref(),
-    ]
-    .into_iter()
-    .flatten()
+    for x in [Some(&args.a), Some(&args.b), args.bias.as_ref()]
+        .into_iter()
+        .flatten()
     {
         add_reads(lw, x, &mut bufs);
     }
+    args.tail.buffers(&mut bufs);
     let checks = args.a.has_checks();
     let mut outputs = 1;
     let dtype = lw.graph.value(node.outputs[0]).dtype;
@@ -141,8 +138,10 @@ fn siblings<'g>(
         if let Some(b) = &bias {
             b.buffers(&mut more);
         }
-        if let Some((_, _, r)) = residual(lw, other) {
-            add_reads(lw, &r, &mut more);
+        for b in epilogue::reads(lw, other) {
+            if !more.contains(&b) {
+                more.push(b);
+            }
         }
         if more.len() + outputs + 1 + usize::from(checks) > lw.options.max_bindings {
             continue;
@@ -165,7 +164,9 @@ fn lower_siblings(
     let mut all = vec![args];
     for (i, &(n, node)) in siblings.iter().enumerate() {
         lw.absorb(n, &[]);
-        let (p, _) = product(lw, node, format!("_{}", i + 1))?;
+        // (a tail reading another product of the kernel would read it unwritten)
+        let written: Vec<BufferIdx> = all.iter().map(|p| p.tail.out).collect();
+        let (p, _) = product(lw, node, format!("_{}", i + 1), &written)?;
         all.push(p);
     }
     let members: Vec<(usize, String, &dyn GemvArgs)> = all
@@ -176,8 +177,13 @@ fn lower_siblings(
 }
 
 /// A matrix product's operands, output and store ([`MatmulArgs`], its
-/// functions named with `tag`) and `k`.
-fn product(lw: &mut Lowering, node: &Node, tag: String) -> Result<(MatmulArgs, usize)> {
+/// functions named with `tag`) and `k`; its kernel also writes `unwritten`.
+fn product(
+    lw: &mut Lowering,
+    node: &Node,
+    tag: String,
+    unwritten: &[BufferIdx],
+) -> Result<(MatmulArgs, usize)> {
     let (a, b, bias, alpha, beta) = match &node.op {
         Op::MatMul => (
             lw.input_view(node, 0)?,
@@ -272,34 +278,40 @@ fn product(lw: &mut Lowering, node: &Node, tag: String) -> Result<(MatmulArgs, u
         Some(x) if beta != 0.0 => Some(full(x, m, n)),
         _ => None,
     };
-    let residual = residual(lw, node);
     let mut a = a;
-    let reads: usize = [
-        Some(&a),
-        Some(&b),
-        bias.as_ref(),
-        residual.as_ref().map(|r| &r.2),
-    ]
-    .into_iter()
-    .flatten()
-    .map(|x| {
-        let mut bufs = vec![];
-        add_reads(lw, x, &mut bufs);
-        bufs.len() + usize::from(x.has_checks())
-    })
-    .sum();
+    let reads: usize = [Some(&a), Some(&b), bias.as_ref()]
+        .into_iter()
+        .flatten()
+        .map(|x| {
+            let mut bufs = vec![];
+            add_reads(lw, x, &mut bufs);
+            bufs.len() + usize::from(x.has_checks())
+        })
+        .sum::<usize>()
+        + epilogue::reads(lw, node).len();
     // the output and the operands' buffers (each counted per operand: an
     // upper bound) within a kernel's bindings, else A is written out first
     if !a.is_view() && reads + 1 > lw.options.max_bindings {
         // (only a linear's input is read as it is: same elements)
         a = reshaped(&lw.input_view(node, 0)?, a.shape.clone());
     }
-    let out = lw.output_buffer(node, 0)?;
-    let out_dtype = lw.buffers.list[out].dtype;
-    let residual = residual.map(|(n, sum, r)| {
-        lw.absorb(n, &[(sum, lw.load(out))]);
-        r
-    });
+    let gemv = m <= GEMV_ROWS && is_transpose(&b);
+    let operands = [Some(&a), Some(&b), bias.as_ref()];
+    let mut bound = vec![];
+    for x in operands.into_iter().flatten() {
+        add_reads(lw, x, &mut bound);
+    }
+    let checks = operands.into_iter().flatten().any(|x| x.has_checks());
+    // the tensor-core kernel binds the exponents of operands scaled at run time
+    let lines = match gemv {
+        true => 0,
+        false => [&a, &b]
+            .into_iter()
+            .filter(|x| F16Scaling::of(lw, x) == Some(F16Scaling::Lines))
+            .count(),
+    };
+    let tail = Tail::plan(lw, node, &bound, usize::from(checks) + lines, unwritten)?;
+    let (out, out_dtype) = (tail.out, lw.buffers.list[tail.out].dtype);
     let floats = [Some(&a), Some(&b), bias.as_ref()]
         .into_iter()
         .flatten()
@@ -318,7 +330,6 @@ fn product(lw: &mut Lowering, node: &Node, tag: String) -> Result<(MatmulArgs, u
     }
 
     // the row means A reads (an RMSNorm's), computed by the kernel itself
-    let gemv = m <= GEMV_ROWS && is_transpose(&b);
     let mut read = vec![];
     a.buffers(&mut read);
     let stats = match gemv {
@@ -334,15 +345,13 @@ fn product(lw: &mut Lowering, node: &Node, tag: String) -> Result<(MatmulArgs, u
         a,
         b,
         bias,
-        residual,
+        tail,
         stats,
         alpha,
         beta,
         batch,
         m,
         n,
-        out,
-        out_dtype,
         tag,
     };
     Ok((args, k))
@@ -362,50 +371,23 @@ fn gemv_operand(lw: &mut Lowering, node: &Node, n: usize) -> Result<LazyRef> {
     Ok(x)
 }
 
-/// A skip connection `add(product, r)` that is the only reader of the
-/// product, with `r` computed already and every dtype the product's:
-/// the product's store adds `r` (`(add's index, its output, r)`) and the
-/// add is no dispatch of its own.
-fn residual(lw: &Lowering, node: &Node) -> Option<(usize, etmetal_graph::ValueId, LazyRef)> {
-    let out = *node.outputs.first()?;
-    let (n, add) = lw.sole_reader(out)?;
-    if !matches!(add.op, Op::Binary(BinaryOp::Add)) || add.inputs.len() != 2 {
-        return None;
-    }
-    let other = add.inputs.iter().flatten().copied().find(|&v| v != out)?;
-    let sum = *add.outputs.first()?;
-    let (info, total) = (lw.graph.value(out), lw.graph.value(sum));
-    let r = lw.value(other).ok()?;
-    if total.dtype != info.dtype || r.dtype != info.dtype || total.shape != info.shape {
-        return None;
-    }
-    let r = if r.shape == info.shape {
-        r
-    } else {
-        Lazy::new(r.dtype, info.shape.clone(), Kind::Expand(r))
-    };
-    Some((n, sum, r))
-}
-
 /// How a matrix product's kernels read its operands (lazy views of
 /// `[batch…, m, k]` and `[batch…, k, n]`) and store its output (`alpha`,
-/// the bias times `beta`, rounding to the output dtype).
+/// the bias times `beta`, rounding to the output dtype, then its pointwise
+/// tail: a skip connection's add, an activation).
 struct MatmulArgs {
     a: LazyRef,
     b: LazyRef,
     /// `[batch…, m, n]`; absent (also when `beta` is 0).
     bias: Option<LazyRef>,
-    /// Added to the rounded product (a skip connection, [`residual`]),
-    /// read at the output's shape.
-    residual: Option<LazyRef>,
+    /// The store, and the pointwise chain after it ([`Tail`]).
+    tail: Tail,
     alpha: f64,
     beta: f64,
     /// The broadcast batch dims.
     batch: Vec<usize>,
     m: usize,
     n: usize,
-    out: BufferIdx,
-    out_dtype: DType,
     /// Appended to the names of its matrix-vector functions (`xa`, `xb`,
     /// `gstore`, …), so products of one kernel have their own.
     tag: String,
@@ -460,17 +442,10 @@ impl Epilogue for MatmulArgs {
             &["bt".into(), "r".into(), "c".into()],
             &[batches, self.m, self.n],
         );
-        let mut value = cast(&format!("({value})"), DType::F32, self.out_dtype);
-        if let Some(r) = &self.residual {
-            // rounded twice, as PyTorch stores the product before the add
-            let f = format!("vres{}", self.tag);
-            kb.value_fn(r, &f)?;
-            let at = unravel("e", &r.shape).join(", ");
-            value = round_to(format!("{value} + {f}({at})"), self.out_dtype);
-        }
-        let store = kb.store(self.out, "e", &value)?;
+        // (a tail's add rounds twice, as PyTorch stores the product first)
+        let (decls, store) = self.tail.store(kb, "e", &value, &self.tag)?;
         Ok(format!(
-            "fn gstore{}(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {store}\n}}\n\n",
+            "{decls}fn gstore{}(bt: u32, r: u32, c: u32, v: f32) {{\n  let e = {e};\n  {store}\n}}\n\n",
             self.tag
         ))
     }

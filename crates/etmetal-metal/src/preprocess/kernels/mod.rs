@@ -8,6 +8,7 @@ mod attention;
 mod conv;
 pub(crate) mod coopmat;
 mod delta;
+mod epilogue;
 mod gemm;
 mod int4;
 mod matmul;
