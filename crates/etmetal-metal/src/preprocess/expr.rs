@@ -185,6 +185,19 @@ impl Lazy {
         }
     }
 
+    /// Whether every element is zero by its form alone (a literal 0,
+    /// `arange(1)`, views and casts of one).
+    pub fn is_zero(&self) -> bool {
+        match &self.kind {
+            Kind::Literal(v) => v.to_f64() == 0.0,
+            Kind::Iota { start, .. } => {
+                start.to_f64() == 0.0 && self.shape.iter().product::<usize>() == 1
+            }
+            Kind::Expand(x) | Kind::Reshape(x) | Kind::Cast(x) => x.is_zero(),
+            _ => false,
+        }
+    }
+
     /// The lazy values it reads, in order.
     fn children(&self) -> Vec<&LazyRef> {
         match &self.kind {
