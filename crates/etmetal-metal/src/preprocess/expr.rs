@@ -171,10 +171,12 @@ impl Lazy {
 
     /// Whether reading it again costs less than a dispatch writing it once:
     /// a view, or a view of a gather from a view at indices that are one
-    /// (a rotary table's row at a decode step's position).
+    /// (a rotary table's row at a decode step's position), or a float
+    /// rounding of one (a bf16 model's f32 rotary table).
     pub fn is_cheap(&self) -> bool {
         match &self.kind {
             Kind::Gather { src, index, .. } => src.is_view() && index.is_view(),
+            Kind::Cast(x) if x.dtype.is_float() && self.dtype.is_float() => x.is_cheap(),
             Kind::Permute(x, _)
             | Kind::Expand(x)
             | Kind::Reshape(x)
