@@ -178,10 +178,11 @@ fn push(g: &mut Graph, op: Op, inputs: &[ValueId], shape: &[usize], dtype: DType
     out
 }
 
-/// `cache.index_copy_(2, pos, row); return cache * 2`, with `cache` a
-/// `[1, 2, 8, 4]` buffer of `dtype` (a KV cache's layout).
-fn cache_writer(dtype: DType) -> Graph {
-    let shape = [1, 2, 8, 4];
+/// `cache.index_copy_(dim, pos, row); return cache * 2`, with `cache` a
+/// buffer of `dtype` and `shape` (8 positions along `dim`).
+fn cache_writer(dtype: DType, shape: [usize; 4], dim: usize) -> Graph {
+    let mut row_shape = shape;
+    row_shape[dim] = 1;
     let mut g = Graph::default();
     let cache = g.add_constant("b_cache", random(dtype, &shape, 9));
     g.inputs.push((
@@ -192,11 +193,11 @@ fn cache_writer(dtype: DType) -> Graph {
         },
     ));
     let pos = value(&mut g, "pos", DType::I64, &[1]);
-    let row = value(&mut g, "row", dtype, &[1, 2, 1, 4]);
+    let row = value(&mut g, "row", dtype, &row_shape);
     let two = g.add_constant("two", Tensor::from_f32(dtype, &[], &[2.0]).unwrap());
     let new = push(
         &mut g,
-        Op::IndexCopy { dim: 2 },
+        Op::IndexCopy { dim },
         &[cache, pos, row],
         &shape,
         dtype,
@@ -221,11 +222,19 @@ fn cache_writer(dtype: DType) -> Graph {
 /// Steps writing a resident cache at positions 0, the last slot, 3 and the
 /// last again: the GPU's in-place write of the new row matches the CPU
 /// kernels' (the portable decomposition) exactly at every step, and the
-/// cache is written in place.
+/// cache is written in place. Positions along dim 2 of `[1, 2, 8, 4]`
+/// (transformers' layout) and along dim 1 of `[2, 8, 2, 4]` (rows of
+/// several dims, several before them).
 #[test]
 fn index_copy_into_a_resident_cache_matches_the_cpu_at_every_position() {
-    for dtype in [DType::F32, DType::BF16] {
-        let graph = cache_writer(dtype);
+    let layouts = [([1, 2, 8, 4], 2), ([2, 8, 2, 4], 1)];
+    for (dtype, (shape, dim)) in [DType::F32, DType::BF16]
+        .into_iter()
+        .flat_map(|d| layouts.map(|l| (d, l)))
+    {
+        let graph = cache_writer(dtype, shape, dim);
+        let mut row_shape = shape;
+        row_shape[dim] = 1;
         let gpu = compile(&graph, &CompileOptions::default(), &mut |_| {}).unwrap();
         let method = &gpu.methods[0];
         assert_eq!(method.resident_state, ["cache"], "{dtype}");
@@ -238,7 +247,7 @@ fn index_copy_into_a_resident_cache_matches_the_cpu_at_every_position() {
         for (step, at) in [0, 7, 3, 7].into_iter().enumerate() {
             let inputs = vec![
                 Tensor::from_i64(DType::I64, &[1], &[at]).unwrap(),
-                random(dtype, &[1, 2, 1, 4], step as u64 + 1),
+                random(dtype, &row_shape, step as u64 + 1),
             ];
             let got = on_gpu.execute(inputs.clone()).unwrap();
             let want = on_cpu.execute(inputs).unwrap();
@@ -246,7 +255,7 @@ fn index_copy_into_a_resident_cache_matches_the_cpu_at_every_position() {
                 &got[0],
                 &want[0],
                 0.0,
-                &format!("{dtype}: step {step} at {at}"),
+                &format!("{dtype} {shape:?} dim {dim}: step {step} at {at}"),
             );
         }
     }

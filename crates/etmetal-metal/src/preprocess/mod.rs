@@ -243,9 +243,9 @@ pub(crate) struct Lowering<'g> {
     /// While a size bucket's variant is lowered: its 0/1 gate, by which
     /// every dispatch's run-time count is multiplied.
     pub gate: Option<SymExpr>,
-    /// Resident state inputs ([`Boundary::resident`]): the partition may
-    /// write their buffers in place.
-    resident: HashSet<ValueId>,
+    /// The buffers of resident state inputs ([`Boundary::resident`]): the
+    /// partition may write them in place.
+    resident: HashSet<BufferIdx>,
     /// The input buffer of each resident state, by its new value: where
     /// the new value is that buffer, written in place, nothing is copied.
     in_place: HashMap<ValueId, BufferIdx>,
@@ -304,7 +304,7 @@ impl<'g> Lowering<'g> {
             sizes: sizes::Sizes::of_inputs(graph, &partition.inputs)?,
             dims: HashMap::new(),
             gate: None,
-            resident: boundary.resident.iter().map(|r| r.buffer).collect(),
+            resident: HashSet::new(),
             in_place: HashMap::new(),
             scatters: vec![],
         };
@@ -327,6 +327,7 @@ impl<'g> Lowering<'g> {
             lw.record_dims(buf, v);
             lw.values.insert(v, lw.load(buf));
             if let Some(r) = boundary.resident.iter().find(|r| r.buffer == v) {
+                lw.resident.insert(buf);
                 lw.in_place.insert(r.new_value, buf);
             }
         }

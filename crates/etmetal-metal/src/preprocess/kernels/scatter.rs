@@ -87,7 +87,9 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     }
     let index_value = node.inputs[1].ok_or_else(|| Error::invalid_input("no index"))?;
     let rows = match lw.graph.sym_dims(index_value).first() {
-        Some(e) if e.as_const().is_none() => Some(lw.sizes.size(&lw.sizes.local(&[e.clone()])[0])?),
+        Some(e) if e.as_const().is_none() => {
+            Some(lw.sizes.size(&lw.sizes.local(std::slice::from_ref(e))[0])?)
+        }
         _ => None,
     };
     let out = node.outputs[0];
@@ -128,12 +130,12 @@ fn in_place_target(
     let desc = &lw.buffers.list[target];
     let ours = match desc.place {
         Place::Temp => true,
-        Place::Input(_) => lw.resident.contains(&v),
+        Place::Input(_) => lw.resident.contains(&target),
         _ => false,
     };
     // a 16-bit packed buffer is written a word (two elements of a row) at a time
     let inner: usize = x.shape[dim + 1..].iter().product();
-    let pairs = desc.storage != Storage::Packed16 || inner % 2 == 0;
+    let pairs = desc.storage != Storage::Packed16 || inner.is_multiple_of(2);
     if !ours || !pairs || lw.readers.get(&v).copied().unwrap_or(0) != 1 {
         return None;
     }
@@ -248,7 +250,7 @@ pub(crate) fn dispatch(lw: &mut Lowering, scatters: &[Scatter]) -> Result<()> {
         let position = cast(&format!("{ix}(m)"), s.index.dtype, DType::I32);
         let e = format!("(o * {n}u + u32(j)) * {inner}u + c");
         let store = if packed {
-            kb.store_pair(s.target, &format!("({e}) / 2u"), &at("c"), &at("c + 1u"))
+            kb.store_pair(s.target, &format!("({e}) / 2u"), &at("c"), &at("(c + 1u)"))
         } else {
             let v = cast(&at("c"), s.src.dtype, lw.buffers.list[s.target].dtype);
             kb.store(s.target, &e, &v)?
