@@ -23,12 +23,13 @@
 use std::fmt::Write;
 
 use etmetal_core::{DType, Error, Op, Result};
-use etmetal_graph::Node;
+use etmetal_graph::{Node, ValueId};
 
 use super::gemm::reduce_sums;
 use super::rows::as_rows;
-use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
+use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::{Kind, LazyRef};
+use crate::preprocess::pointwise::round_to;
 use crate::preprocess::BufferIdx;
 use crate::preprocess::Lowering;
 
@@ -47,7 +48,6 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             )))
         }
     };
-    let x = lw.input_view(node, 0)?;
     let packed = lw.input_view(node, 1)?;
     let scales = lw.input_view(node, 2)?;
     let zeros = lw.input_view(node, 3)?;
@@ -58,6 +58,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             packed.dtype, packed.shape
         )));
     }
+    let (x, residual) = qmv_operands(lw, node, experts)?;
     let rank = x.shape.len();
     let (xr, m, k) = as_rows(&x, &[rank.saturating_sub(1)]);
     let (n, words) = (packed.shape[lead], packed.shape[lead + 1]);
@@ -72,6 +73,10 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         None
     };
     let out = lw.output_buffer(node, 0)?;
+    let residual = residual.map(|(n, sum, r)| {
+        lw.absorb(n, &[(sum, lw.load(out))]);
+        r
+    });
     if !experts && m > ROWS {
         let dims = Gemm {
             m,
@@ -101,6 +106,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         scales: &scales,
         zeros: &zeros,
         experts: idx.as_ref(),
+        residual: residual.as_ref(),
         out,
         m,
         n,
@@ -121,6 +127,9 @@ struct Qmv<'a> {
     zeros: &'a LazyRef,
     /// gather_qmv: each row's expert `[m]`.
     experts: Option<&'a LazyRef>,
+    /// Added to the rounded product (a skip connection), at the output's
+    /// shape.
+    residual: Option<&'a LazyRef>,
     /// `[m, n]`.
     out: BufferIdx,
     m: usize,
@@ -327,7 +336,20 @@ impl Qmv<'_> {
         let names: Vec<String> = (0..mb)
             .flat_map(|i| (0..cols).map(move |j| format!("s{i}_{j}")))
             .collect();
-        let write = kb.store(self.out, &format!("r * {n}u + c"), "v")?;
+        let value = match self.residual {
+            Some(r) => {
+                // rounded twice, as PyTorch stores the product before the add
+                kb.value_fn(r, "vres")?;
+                let at = unravel(&format!("(r * {n}u + c)"), &r.shape).join(", ");
+                let out_dtype = lw.buffers.list[self.out].dtype;
+                round_to(
+                    format!("{} + vres({at})", round_to("v".into(), out_dtype)),
+                    out_dtype,
+                )
+            }
+            None => "v".into(),
+        };
+        let write = kb.store(self.out, &format!("r * {n}u + c"), &value)?;
         let store = format!(
             "let c = n0 + lid % {cols}u;\n    let r = m0 + lid / {cols}u;\n\
              \x20   if (c < {n}u && r < {m}u) {{ {write} }}"
@@ -340,6 +362,39 @@ impl Qmv<'_> {
         let storage = (4 * sums * threads) as u32;
         lw.add_dispatch(built, ops, [threads as u32, 1, 1], workgroups, storage)
     }
+}
+
+/// Input 0 and the skip connection the store adds ([`residual`]). For at
+/// most [`ROWS`] rows (a [`Qmv`]) a pointwise input is read as it is, its
+/// math repeated by each workgroup (an RMSNorm's scaling, a SiLU gate:
+/// cheaper than a dispatch writing it out), where the kernel's bindings
+/// hold its buffers; else a view. The tiled kernel adds no residual.
+#[allow(clippy::type_complexity)]
+fn qmv_operands(
+    lw: &mut Lowering,
+    node: &Node,
+    experts: bool,
+) -> Result<(LazyRef, Option<(usize, ValueId, LazyRef)>)> {
+    let x = lw.input(node, 0)?;
+    let k = x.shape.last().copied().unwrap_or(1).max(1);
+    let rows = x.shape.iter().product::<usize>() / k;
+    if rows > ROWS {
+        return Ok((lw.input_view(node, 0)?, None));
+    }
+    // packed words, scales, zeros, the output (and the experts)
+    let fixed = 4 + usize::from(experts);
+    let fits = |v: &[&LazyRef]| {
+        let mut bufs = vec![];
+        v.iter().for_each(|x| x.buffers(&mut bufs));
+        let checks = v.iter().any(|x| x.has_checks());
+        fixed + bufs.len() + usize::from(checks) <= lw.options.max_bindings
+    };
+    let x = match x.is_view() || fits(&[&x]) {
+        true => x,
+        false => lw.input_view(node, 0)?,
+    };
+    let residual = super::matmul::residual(lw, node).filter(|r| !experts && fits(&[&x, &r.2]));
+    Ok((x, residual))
 }
 
 /// The buffer `x` (`[m, k]` rows) reads row-major and whole, so eight

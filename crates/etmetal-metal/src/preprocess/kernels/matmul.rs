@@ -366,7 +366,10 @@ fn gemv_operand(lw: &mut Lowering, node: &Node, n: usize) -> Result<LazyRef> {
 /// product, with `r` computed already and every dtype the product's:
 /// the product's store adds `r` (`(add's index, its output, r)`) and the
 /// add is no dispatch of its own.
-fn residual(lw: &Lowering, node: &Node) -> Option<(usize, etmetal_graph::ValueId, LazyRef)> {
+pub(super) fn residual(
+    lw: &Lowering,
+    node: &Node,
+) -> Option<(usize, etmetal_graph::ValueId, LazyRef)> {
     let out = *node.outputs.first()?;
     let (n, add) = lw.sole_reader(out)?;
     if !matches!(add.op, Op::Binary(BinaryOp::Add)) || add.inputs.len() != 2 {
