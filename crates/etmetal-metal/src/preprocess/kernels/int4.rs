@@ -23,9 +23,10 @@
 use std::fmt::Write;
 
 use etmetal_core::{DType, Error, Op, Result};
-use etmetal_graph::{Node, ValueId};
+use etmetal_graph::Node;
 
 use super::gemm::reduce_sums;
+use super::matmul::Residual;
 use super::rows::as_rows;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::{Kind, LazyRef};
@@ -369,12 +370,11 @@ impl Qmv<'_> {
 /// math repeated by each workgroup (an RMSNorm's scaling, a SiLU gate:
 /// cheaper than a dispatch writing it out), where the kernel's bindings
 /// hold its buffers; else a view. The tiled kernel adds no residual.
-#[allow(clippy::type_complexity)]
 fn qmv_operands(
     lw: &mut Lowering,
     node: &Node,
     experts: bool,
-) -> Result<(LazyRef, Option<(usize, ValueId, LazyRef)>)> {
+) -> Result<(LazyRef, Option<Residual>)> {
     let x = lw.input(node, 0)?;
     let k = x.shape.last().copied().unwrap_or(1).max(1);
     let rows = x.shape.iter().product::<usize>() / k;

@@ -362,14 +362,15 @@ fn gemv_operand(lw: &mut Lowering, node: &Node, n: usize) -> Result<LazyRef> {
     Ok(x)
 }
 
+/// A skip connection a product's store adds: the add node's index, its
+/// output, and `r` at the product's shape.
+pub(super) type Residual = (usize, etmetal_graph::ValueId, LazyRef);
+
 /// A skip connection `add(product, r)` that is the only reader of the
 /// product, with `r` computed already and every dtype the product's:
 /// the product's store adds `r` (`(add's index, its output, r)`) and the
 /// add is no dispatch of its own.
-pub(super) fn residual(
-    lw: &Lowering,
-    node: &Node,
-) -> Option<(usize, etmetal_graph::ValueId, LazyRef)> {
+pub(super) fn residual(lw: &Lowering, node: &Node) -> Option<Residual> {
     let out = *node.outputs.first()?;
     let (n, add) = lw.sole_reader(out)?;
     if !matches!(add.op, Op::Binary(BinaryOp::Add)) || add.inputs.len() != 2 {
