@@ -76,10 +76,10 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     let k = index.shape.iter().product::<usize>();
     let index = expr::reshaped(&index, vec![k]);
     let mut rows_shape = x.shape.clone();
-    if dim >= x.shape.len() || {
-        rows_shape[dim] = k;
-        src.shape != rows_shape
-    } {
+    if let Some(d) = rows_shape.get_mut(dim) {
+        *d = k;
+    }
+    if dim >= x.shape.len() || src.shape != rows_shape {
         return Err(Error::invalid_input(format!(
             "index_copy of a source {:?} at {k} positions along dim {dim} of {:?}",
             src.shape, x.shape
@@ -268,9 +268,13 @@ pub(crate) fn dispatch(lw: &mut Lowering, scatters: &[Scatter]) -> Result<()> {
         ));
         start += items;
     }
+    if start == 0 {
+        // no rows to write
+        return Ok(());
+    }
     main.push_str("}\n");
     let groups = (start as u64).div_ceil(u64::from(FLAT_WORKGROUP));
-    let workgroups = grid(groups.max(1), lw.options.max_workgroups_per_dim)?;
+    let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
     let ops = vec![lw.op_label()];
     lw.add_dispatch(kb.finish(&main), ops, [FLAT_WORKGROUP, 1, 1], workgroups, 0)
 }
