@@ -26,13 +26,13 @@ use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
 use super::gemm::reduce_sums;
-use super::matmul::Residual;
+use super::matmul::{row_stat_prologue, Residual};
 use super::rows::as_rows;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::{Kind, LazyRef};
 use crate::preprocess::pointwise::round_to;
 use crate::preprocess::BufferIdx;
-use crate::preprocess::Lowering;
+use crate::preprocess::{Lowering, RowStat};
 
 /// Activation rows a workgroup takes (decode batches up to 8 read the
 /// weight once).
@@ -108,6 +108,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         zeros: &zeros,
         experts: idx.as_ref(),
         residual: residual.as_ref(),
+        stats: if experts { vec![] } else { row_stats(lw, &xr) },
         out,
         m,
         n,
@@ -131,6 +132,8 @@ struct Qmv<'a> {
     /// Added to the rounded product (a skip connection), at the output's
     /// shape.
     residual: Option<&'a LazyRef>,
+    /// The row means `x` reads (an RMSNorm's), which the kernel computes.
+    stats: Vec<(RowStat, DType)>,
     /// `[m, n]`.
     out: BufferIdx,
     m: usize,
@@ -212,6 +215,18 @@ impl Qmv<'_> {
                 );
             }
         }
+        let chunks = words / cw;
+        let cols = [4, 2]
+            .into_iter()
+            .find(|&c| mb * c <= 32 && n.div_ceil(c) * mblocks >= QMV_FILL)
+            .unwrap_or(1);
+        let threads = chunks.div_ceil(2).next_power_of_two().clamp(32, 128);
+        let unroll = (QMV_LOADS / cols).min(chunks / threads).max(1);
+        let blocks = n.div_ceil(cols);
+        let sums = mb * cols;
+
+        // an RMSNorm's mean that x reads: each workgroup computes it first
+        let (decls, prologue) = row_stat_prologue(&mut kb, &self.stats, "", threads)?;
         // eight activations from `k` (a multiple of 8) of row `r`
         let xw = match x_run(self.x) {
             Some(buf) => kb.load8(buf, &format!("(r * {k}u + k) / 8u"))?,
@@ -235,24 +250,14 @@ impl Qmv<'_> {
              \x20 return bitcast<vec4<f32>>(v) - vec4<f32>(1.0);\n}}"
         );
 
-        let chunks = words / cw;
-        let cols = [4, 2]
-            .into_iter()
-            .find(|&c| mb * c <= 32 && n.div_ceil(c) * mblocks >= QMV_FILL)
-            .unwrap_or(1);
-        let threads = chunks.div_ceil(2).next_power_of_two().clamp(32, 128);
-        let unroll = (QMV_LOADS / cols).min(chunks / threads).max(1);
-        let blocks = n.div_ceil(cols);
-        let sums = mb * cols;
-
         let mut s = format!(
-            "{fns}\nvar<workgroup> red: array<f32, {}>;\n{}",
+            "{fns}\n{decls}var<workgroup> red: array<f32, {}>;\n{}",
             sums * threads,
             entry(threads as u32)
         );
         let _ = writeln!(
             s,
-            "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
+            "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n{prologue}\n\
              \x20 let n0 = (g % {blocks}u) * {cols}u;\n  let m0 = (g / {blocks}u) * {mb}u;",
             blocks * mblocks
         );
@@ -363,6 +368,17 @@ impl Qmv<'_> {
         let storage = (4 * sums * threads) as u32;
         lw.add_dispatch(built, ops, [threads as u32, 1, 1], workgroups, storage)
     }
+}
+
+/// The pending row means ([`RowStat`]) `x` reads.
+fn row_stats(lw: &Lowering, x: &LazyRef) -> Vec<(RowStat, DType)> {
+    let mut read = vec![];
+    x.buffers(&mut read);
+    lw.pending
+        .iter()
+        .filter(|st| read.contains(&st.buf))
+        .map(|st| (st.clone(), lw.buffers.list[st.buf].dtype))
+        .collect()
 }
 
 /// Input 0 and the skip connection the store adds ([`residual`]). For at
