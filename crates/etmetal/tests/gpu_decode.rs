@@ -116,12 +116,10 @@ fn int4_decode_step_matches_the_cpu_kernels() {
 /// by a `where`, the rotary q and the position's add each a kernel; in
 /// bf16 the rotary tables' rounding too).
 const RECIPE_LAYER_DISPATCHES: usize = 6;
-/// The same with every linear in int4: q, k and v (3: each kernel binds
-/// its packed weight, scales and zeros, so they are not one), the cache
-/// writes (1), attention (1), o (1), gate and up (2), down (1); the norms'
-/// means and scaling, the residual adds and the SiLU gate in the products.
-/// Before: 19.
-const RECIPE_INT4_LAYER_DISPATCHES: usize = 9;
+/// The same with every linear in int4 (q, k and v one int4 product of
+/// concatenated weights, as gate and up; the norms' means and scaling, the
+/// residual adds and the SiLU gate in the products). Before: 19.
+const RECIPE_INT4_LAYER_DISPATCHES: usize = 6;
 
 #[test]
 fn recipe_decode_layer_takes_six_dispatches_and_writes_its_caches_in_place() {
