@@ -460,6 +460,11 @@ pub fn quantize_int4_cached(
     Ok(report)
 }
 
+/// The largest packed weight [`merge_siblings`] makes: wgpu's storage
+/// binding limit on every adapter (the partitioner's default), so products
+/// the GPU takes apart it takes merged.
+const MERGED_MAX_BYTES: usize = 128 << 20;
+
 /// Int4 linears of one input (q, k and v; gate and up) as one, its
 /// weights, scales and zeros concatenated along N, each output a slice of
 /// its outputs: the input is read once, and a decode step's products are
@@ -499,7 +504,15 @@ fn merge_siblings(graph: &mut Graph) -> Result<()> {
             .copied()
             .filter(|&i| key(i) == key(group[0]))
             .collect();
-        if group.len() < 2 {
+        let bytes: usize = group
+            .iter()
+            .map(|&i| {
+                graph.constants[&graph.nodes[i].inputs[1].expect("checked")]
+                    .bytes()
+                    .len()
+            })
+            .sum();
+        if group.len() < 2 || bytes > MERGED_MAX_BYTES {
             continue;
         }
         let first = &graph.nodes[group[0]];
