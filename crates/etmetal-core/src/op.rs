@@ -475,6 +475,11 @@ pub enum Op {
     IndexSelect { dim: usize },
     /// `[x, index]` → `[y]`
     Gather { dim: usize },
+    /// `[x, index, source]` → `[y]`: `index_copy` (and `index_put` with
+    /// one index tensor): `x` with row `index[m]` of `dim` replaced by row
+    /// `m` of `source` (`x`'s shape with `dim` the index's length); a 1-D
+    /// or 0-d integer index of distinct rows.
+    IndexCopy { dim: usize },
     /// `[x, i0?, i1?, …]` → `[y]`: advanced indexing `x[i0, i1, …]` with
     /// int64 (or bool) index tensors; `None` slots keep the whole dim.
     Index,
@@ -558,6 +563,7 @@ impl Op {
             Op::ConstantPad { .. } => "constant_pad",
             Op::IndexSelect { .. } => "index_select",
             Op::Gather { .. } => "gather",
+            Op::IndexCopy { .. } => "index_copy",
             Op::Index => "index",
             Op::Triangle { .. } => "triangle",
             Op::Repeat { .. } => "repeat",
@@ -827,6 +833,7 @@ mod tests {
             },
             Op::IndexSelect { dim: 0 },
             Op::Gather { dim: 0 },
+            Op::IndexCopy { dim: 0 },
             Op::Index,
             Op::Triangle {
                 upper: true,

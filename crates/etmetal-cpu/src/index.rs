@@ -1,5 +1,5 @@
-//! Indexing by tensors: index_select, gather, advanced indexing and
-//! embedding. Indices are checked against their dim; out-of-range values are
+//! Indexing by tensors: index_select, gather, index_copy, advanced
+//! indexing and embedding. Indices are checked against their dim; out-of-range values are
 //! `InvalidInput` errors naming the op, the value and the bound.
 
 use etmetal_core::shape::{broadcast_shapes, broadcast_strides, contiguous_strides, numel};
@@ -74,6 +74,50 @@ pub fn index_select(ctx: &Ctx, dim: usize) -> Result<Tensor> {
             .flat_map(move |&i| (0..inner).map(move |k| (o * size + i) * inner + k))
     });
     take(x, &shape, offsets)
+}
+
+/// `index_copy`: `x` with row `index[m]` of `dim` replaced by row `m` of
+/// the source (a repeated row takes the last).
+pub fn index_copy(ctx: &Ctx, dim: usize) -> Result<Tensor> {
+    let (x, src) = (ctx.input(0)?, ctx.input(2)?);
+    let size = *x.shape().get(dim).ok_or_else(|| {
+        ctx.invalid(format!(
+            "dim {dim} is out of range for shape {:?}",
+            x.shape()
+        ))
+    })?;
+    if ctx.input(1)?.rank() > 1 {
+        return Err(ctx.invalid(format!(
+            "index must be 0-D or 1-D, got shape {:?}",
+            ctx.input(1)?.shape()
+        )));
+    }
+    let idx = indices(ctx, 1, size, false)?;
+    let mut rows = x.shape().to_vec();
+    rows[dim] = idx.len();
+    if src.shape() != rows || src.dtype() != x.dtype() {
+        return Err(ctx.invalid(format!(
+            "source is {} {:?}, expected {} {rows:?}",
+            src.dtype(),
+            src.shape(),
+            x.dtype()
+        )));
+    }
+    let (outer, inner): (usize, usize) = (
+        x.shape()[..dim].iter().product(),
+        x.shape()[dim + 1..].iter().product(),
+    );
+    by_width!(x.dtype(), T => {
+        let mut out = x.values::<T>()?.to_vec();
+        let from = src.values::<T>()?;
+        for o in 0..outer {
+            for (m, &i) in idx.iter().enumerate() {
+                let (d, f) = ((o * size + i) * inner, (o * idx.len() + m) * inner);
+                out[d..d + inner].copy_from_slice(&from[f..f + inner]);
+            }
+        }
+        Tensor::from_slice(x.dtype(), x.shape(), &out)
+    })
 }
 
 pub fn gather(ctx: &Ctx, dim: usize) -> Result<Tensor> {
@@ -189,6 +233,24 @@ mod tests {
 
     fn x234() -> Tensor {
         i64t(&[2, 3, 4], &(0..24).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn index_copy_replaces_the_named_rows() {
+        let src = i64t(&[2, 2, 4], &(100..116).collect::<Vec<_>>());
+        let at = i64t(&[2], &[2, 0]);
+        let op = Op::IndexCopy { dim: 1 };
+        let y = run1(op.clone(), &[&x234(), &at, &src], DType::I64, &[2, 3, 4]).unwrap();
+        // torch.arange(24).reshape(2, 3, 4).index_copy(1, tensor([2, 0]), src)
+        let want = [
+            104, 105, 106, 107, 4, 5, 6, 7, 100, 101, 102, 103, //
+            112, 113, 114, 115, 16, 17, 18, 19, 108, 109, 110, 111,
+        ];
+        assert_eq!(y.to_i64_vec(), want);
+        let far = i64t(&[2], &[3, 0]);
+        let e = run1(op, &[&x234(), &far, &src], DType::I64, &[2, 3, 4]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+        assert!(e.to_string().contains("index 3"), "{e}");
     }
 
     #[test]

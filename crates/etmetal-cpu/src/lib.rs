@@ -339,6 +339,10 @@ fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
             ctx.arity(2, 2)?;
             one(index::gather(ctx, *dim)?)
         }
+        Op::IndexCopy { dim } => {
+            ctx.arity(3, 3)?;
+            one(index::index_copy(ctx, *dim)?)
+        }
         Op::Index => {
             ctx.arity(1, usize::MAX)?;
             one(index::index(ctx)?)

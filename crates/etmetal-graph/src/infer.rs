@@ -661,6 +661,21 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
             }
             Ok(vec![(x.dtype, idx.shape.clone())])
         }
+        Op::IndexCopy { dim } => {
+            let (x, idx, src) = (x()?, req(inputs, 1, "index")?, req(inputs, 2, "source")?);
+            check_index_dtype(idx, "index_copy index")?;
+            check_dim(&x.shape, *dim, "index_copy")?;
+            let mut rows = x.shape.clone();
+            rows[*dim] = numel(&idx.shape)?;
+            if idx.shape.len() > 1 || src.shape != rows || src.dtype != x.dtype {
+                return Err(Error::shape(format!(
+                    "index_copy of a {} source {:?} at an index {:?} into dim {dim} of {} {:?} \
+                     (the source needs {rows:?})",
+                    src.dtype, src.shape, idx.shape, x.dtype, x.shape
+                )));
+            }
+            Ok(vec![(x.dtype, x.shape.clone())])
+        }
         Op::Index => {
             let x = x()?;
             let slots = &inputs[1..];

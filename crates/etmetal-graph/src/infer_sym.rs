@@ -357,6 +357,7 @@ pub fn infer_sym(graph: &Graph, node: &Node) -> Result<Option<Vec<Dims>>> {
             one(d)
         }
         Op::Gather { .. } => one(dims(1)?),
+        Op::IndexCopy { .. } => one(x()?),
         Op::Repeat { repeats } => {
             let x = x()?;
             let lead = repeats.len() - x.len();

@@ -12,6 +12,8 @@
 //! - `Sdpa` → `softmax(q @ kᵀ * scale + mask) @ v` in f32 for reduced
 //!   precision, GQA heads repeated by reshape/expand, the causal mask a
 //!   constant (for a dynamic length, made at the bound and sliced to it);
+//! - `IndexCopy` → `where(position named, source row gathered, x)`: a
+//!   one-hot match of each position of the dim against the index;
 //! - `Reduce(All)` → `!any(!x)`; upper `Triangle` → `where(mask, x, 0)`;
 //! - 1-D max/avg/adaptive pooling → the 2-D kernels on `[N, C, 1, L]`;
 //! - bf16/f16 `Convolution` → the f32 kernel between casts (weights
@@ -23,8 +25,8 @@
 
 use etmetal_core::shape::gqa_group;
 use etmetal_core::{
-    AvgPoolAttrs, BinaryOp, DType, Error, MaxPoolAttrs, Op, ReduceOp, Result, SymExpr, Tensor,
-    UnaryOp,
+    AvgPoolAttrs, BinaryOp, DType, Error, MaxPoolAttrs, Op, ReduceOp, Result, Scalar, SymExpr,
+    Tensor, UnaryOp,
 };
 
 use crate::ir::{Graph, Node, ValueId};
@@ -147,6 +149,7 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
             let a = b.node(any, &[Some(n)])?;
             b.unary(UnaryOp::LogicalNot, a)?
         }
+        Op::IndexCopy { dim } => index_copy(&mut b, *dim, [needs(0)?, needs(1)?, needs(2)?])?,
         Op::Triangle {
             upper: true,
             diagonal,
@@ -209,6 +212,59 @@ fn rewrite(graph: &mut Graph, node: &Node) -> Result<Option<Vec<Node>>> {
         _ => return Ok(None),
     };
     b.finish(y).map(Some)
+}
+
+/// `x` with row `index[m]` of dim `dim` replaced by row `m` of `rows`: a
+/// one-hot match of each position against the index, the matching row
+/// gathered, `where` the position was named.
+fn index_copy(b: &mut Rewrite, dim: usize, [x, index, rows]: [ValueId; 3]) -> Result<ValueId> {
+    let shape = b.graph.value(x).shape.clone();
+    let n = shape[dim];
+    if b.graph.sym_dims(x)[dim].as_const().is_none() {
+        return Err(Error::unsupported(format!(
+            "index_copy into dim {dim} of dynamic size"
+        )));
+    }
+    let k = b.graph.value(index).shape.first().copied().unwrap_or(1);
+    let rows_k = b
+        .graph
+        .sym_dims(index)
+        .first()
+        .cloned()
+        .unwrap_or(SymExpr::Const(1));
+    let index = b.cast(index, DType::I64)?;
+    let index = b.reshape(index, vec![k, 1])?;
+    let positions = Tensor::from_i64(DType::I64, &[1, n], &(0..n as i64).collect::<Vec<_>>())?;
+    let positions = b.constant("positions", positions);
+    let hits = b.binary(BinaryOp::Eq, index, positions)?;
+    let any = Op::Reduce {
+        op: ReduceOp::Any,
+        dims: vec![0],
+        keepdim: false,
+    };
+    let named = b.node(any, &[Some(hits)])?;
+    // the source row of each position: sum over m of m * [index[m] == j]
+    let arange = Op::Arange {
+        start: Scalar::Int(0),
+        end: Scalar::Int(k as i64),
+        step: Scalar::Int(1),
+        dtype: DType::I64,
+    };
+    let ms = b.sized(arange, &[], vec![rows_k])?;
+    let ms = b.reshape(ms, vec![k, 1])?;
+    let hits = b.cast(hits, DType::I64)?;
+    let weighted = b.binary(BinaryOp::Mul, hits, ms)?;
+    let sum = Op::Reduce {
+        op: ReduceOp::Sum,
+        dims: vec![0],
+        keepdim: false,
+    };
+    let source_row = b.node(sum, &[Some(weighted)])?;
+    let gathered = b.node(Op::IndexSelect { dim }, &[Some(rows), Some(source_row)])?;
+    let mut mask_shape = vec![1; shape.len()];
+    mask_shape[dim] = n;
+    let mask = b.reshape(named, mask_shape)?;
+    b.node(Op::Where, &[Some(mask), Some(gathered), Some(x)])
 }
 
 /// f32 for the reduced-precision floats (PyTorch's opmath type), else the dtype.

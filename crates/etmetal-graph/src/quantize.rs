@@ -10,6 +10,10 @@
 //! data, or when its name (parameter fqn, or value name) or the node's name
 //! contains one of the skip patterns.
 //!
+//! Int4 linears of one input (q, k and v; gate and up) then become one
+//! product of their weights concatenated along N, each output a slice of
+//! it (`merge_siblings`).
+//!
 //! The embedding is never quantized: it is a gather, not a linear, and
 //! reads one row a token, so 4 bits would save disk but no decode time.
 //! The LM head is quantized by default, as the seed's `fpa4w` filter does
@@ -451,8 +455,146 @@ pub fn quantize_int4_cached(
         report.quantized.push(node.name.clone());
     }
     graph.nodes = nodes;
+    merge_siblings(graph)?;
     eliminate_dead_code(graph);
     Ok(report)
+}
+
+/// The largest packed weight [`merge_siblings`] makes: wgpu's storage
+/// binding limit on every adapter (the partitioner's default), so products
+/// the GPU takes apart it takes merged.
+const MERGED_MAX_BYTES: usize = 128 << 20;
+
+/// Int4 linears of one input (q, k and v; gate and up) as one, its
+/// weights, scales and zeros concatenated along N, each output a slice of
+/// its outputs: the input is read once, and a decode step's products are
+/// one kernel (a kernel binds three buffers a weight, so separate products
+/// would be separate kernels).
+fn merge_siblings(graph: &mut Graph) -> Result<()> {
+    // the int4 linears of each input with constant weights, in order
+    let mut by_input: Vec<(ValueId, Vec<usize>)> = vec![];
+    for (i, node) in graph.nodes.iter().enumerate() {
+        let (Op::Int4Linear { .. }, [Some(x), rest @ ..]) = (&node.op, node.inputs.as_slice())
+        else {
+            continue;
+        };
+        let constant = rest.len() == 3
+            && rest
+                .iter()
+                .all(|w| w.is_some_and(|w| graph.constants.contains_key(&w)))
+            && node.outputs.len() == 1;
+        if !constant {
+            continue;
+        }
+        match by_input.iter_mut().find(|(v, _)| v == x) {
+            Some((_, found)) => found.push(i),
+            None => by_input.push((*x, vec![i])),
+        }
+    }
+    let mut replaced: HashMap<usize, Vec<Node>> = HashMap::new();
+    for (_, group) in by_input {
+        // one group size, K and scale dtype
+        let key = |i: usize| {
+            let n = &graph.nodes[i];
+            let c = |slot: usize| &graph.constants[&n.inputs[slot].expect("checked above")];
+            (n.op.clone(), c(1).shape()[1], c(2).dtype(), c(2).shape()[1])
+        };
+        let group: Vec<usize> = group
+            .iter()
+            .copied()
+            .filter(|&i| key(i) == key(group[0]))
+            .collect();
+        let bytes: usize = group
+            .iter()
+            .map(|&i| {
+                graph.constants[&graph.nodes[i].inputs[1].expect("checked")]
+                    .bytes()
+                    .len()
+            })
+            .sum();
+        if group.len() < 2 || bytes > MERGED_MAX_BYTES {
+            continue;
+        }
+        let first = &graph.nodes[group[0]];
+        let (op, x) = (first.op.clone(), first.inputs[0]);
+        let mut parts: [Vec<u8>; 3] = Default::default();
+        let mut widths = vec![];
+        for &i in &group {
+            let n = &graph.nodes[i];
+            for (slot, bytes) in parts.iter_mut().enumerate() {
+                bytes.extend_from_slice(
+                    graph.constants[&n.inputs[slot + 1].expect("checked")].bytes(),
+                );
+            }
+            widths.push(graph.constants[&n.inputs[1].expect("checked")].shape()[0]);
+        }
+        let total: usize = widths.iter().sum();
+        let names: Vec<&str> = group
+            .iter()
+            .map(|&i| graph.nodes[i].name.as_str())
+            .collect();
+        let name = names.join("+");
+        let mut weights = vec![];
+        for (slot, bytes) in parts.iter().enumerate() {
+            let of = |i: usize| graph.nodes[i].inputs[slot + 1].expect("checked");
+            let t = &graph.constants[&of(group[0])];
+            let merged = Tensor::from_bytes(t.dtype(), &[total, t.shape()[1]], bytes)?;
+            // named after the parts' weights (as every method names them)
+            let parts: Vec<&str> = group
+                .iter()
+                .map(|&i| graph.value(of(i)).name.as_str())
+                .collect();
+            let name = parts.join("+");
+            weights.push(Some(graph.add_constant(name, merged)));
+        }
+        let mut merged = Node {
+            name: name.clone(),
+            target: graph.nodes[group[0]].target.clone(),
+            op,
+            inputs: [vec![x], weights].concat(),
+            outputs: vec![],
+        };
+        let (dtype, shape) = crate::infer::infer(graph, &merged)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::internal("an int4 linear with no output"))?;
+        let y = graph.add_value(format!("{name}.out"), dtype, shape.clone());
+        merged.outputs.push(y);
+        crate::infer_sym::assign_sym(graph, &merged)?;
+        let mut start = 0;
+        for (k, (&i, &width)) in group.iter().zip(&widths).enumerate() {
+            let n = &graph.nodes[i];
+            let slice = Node {
+                name: format!("{}.slice", n.name),
+                target: n.target.clone(),
+                op: Op::Slice {
+                    dim: shape.len() - 1,
+                    start,
+                    end: start + width,
+                    step: 1,
+                },
+                inputs: vec![Some(y)],
+                outputs: n.outputs.clone(),
+            };
+            start += width;
+            let at = replaced.entry(i).or_default();
+            if k == 0 {
+                at.push(merged.clone());
+            }
+            at.push(slice);
+        }
+    }
+    if replaced.is_empty() {
+        return Ok(());
+    }
+    let nodes = std::mem::take(&mut graph.nodes);
+    for (i, node) in nodes.into_iter().enumerate() {
+        match replaced.remove(&i) {
+            Some(new) => graph.nodes.extend(new),
+            None => graph.nodes.push(node),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -638,6 +780,54 @@ mod tests {
         c.constants.insert(fc, t);
         let rc = quantize_int4_cached(&mut c, 32, &[], &mut cache).unwrap();
         assert_eq!(rc.reused, ["head"]);
+    }
+
+    /// Two linears of one input (`q` without bias, `k` with one): one
+    /// int4 product of the weights concatenated along N, its output
+    /// sliced at each part's offset, the bias added after the slice.
+    #[test]
+    fn linears_of_one_input_become_one_int4_product() {
+        let mut g = Graph::default();
+        let x = g.add_value("x", DType::F32, vec![3, 64]);
+        g.inputs.push((x, InputKind::User));
+        let (wq, wk) = (gaussian(3, 64 * 64), gaussian(4, 32 * 64));
+        let q_w = g.add_constant("q", Tensor::from_f32(DType::F32, &[64, 64], &wq).unwrap());
+        let k_w = g.add_constant("k", Tensor::from_f32(DType::F32, &[32, 64], &wk).unwrap());
+        let b = g.add_constant(
+            "b",
+            Tensor::from_f32(DType::F32, &[32], &[0.5; 32]).unwrap(),
+        );
+        let q = push(&mut g, "q_proj", Op::Linear, vec![Some(x), Some(q_w)]);
+        let k = push(
+            &mut g,
+            "k_proj",
+            Op::Linear,
+            vec![Some(x), Some(k_w), Some(b)],
+        );
+        g.outputs.push((q, OutputKind::User));
+        g.outputs.push((k, OutputKind::User));
+        let r = quantize_int4(&mut g, 32, &[]).unwrap();
+        assert_eq!(r.quantized, ["q_proj", "k_proj"]);
+        assert_eq!(ops(&g), ["int4_linear", "slice", "slice", "add"]);
+        reinfers(&g);
+        let slices: Vec<_> = g.nodes[1..3].iter().map(|n| n.op.clone()).collect();
+        let slice = |start, end| Op::Slice {
+            dim: 1,
+            start,
+            end,
+            step: 1,
+        };
+        assert_eq!(slices, [slice(0, 64), slice(64, 96)]);
+        assert_eq!(g.nodes[1].outputs, [q]);
+        // the parts' int4 weights, one after the other
+        let parts = [(&wq, 64), (&wk, 32)]
+            .map(|(w, n)| quantize_weight(w, n, 64, 32, Fit::Refine, DType::F32).unwrap());
+        let packed: Vec<u8> = parts.iter().flat_map(|p| p.packed.clone()).collect();
+        let scales: Vec<f32> = parts.iter().flat_map(|p| p.scales.clone()).collect();
+        let merged = |slot: usize| &g.constants[&g.nodes[0].inputs[slot].unwrap()];
+        let words = as_words(&Tensor::from_slice(DType::U8, &[96, 32], &packed).unwrap());
+        assert_eq!(merged(1).bytes(), words.unwrap().bytes());
+        assert_eq!(merged(2).to_f32_vec(), scales);
     }
 
     #[test]

@@ -564,14 +564,24 @@ fn dynamic_prefill_writes_its_static_kv_cache() {
     assert_eq!(*range, SymRange { min: 1, max: 16 });
     let s = SymExpr::sym(name.clone());
     let producer = |v| g.nodes.iter().find(|n| n.outputs.contains(&v)).unwrap();
+    // the portable kernels' form of each write
+    let mut portable = g.clone();
+    etmetal_graph::portable::to_portable(&mut portable).unwrap();
     for layer in ["", "_1", "_2", "_3"] {
-        // the cache (32 positions) stays static; the rows written are numbered
-        // by an arange of the run-time length, not a table at the bound
+        // the cache (32 positions) stays static; the index holds the
+        // run-time length's positions
         let write = node(&g, &format!("index_copy_{layer}"));
+        assert_eq!(write.op, Op::IndexCopy { dim: 2 });
         let out = write.outputs[0];
         assert_eq!(g.value(out).shape, [1, 2, 32, 8]);
         assert!(!g.is_dynamic(out));
-        let helpers = g
+        assert_eq!(
+            g.sym_dims(write.inputs[1].unwrap()),
+            std::slice::from_ref(&s)
+        );
+        // decomposed, the rows written are numbered by an arange of the
+        // run-time length, not a table at the bound
+        let helpers = portable
             .nodes
             .iter()
             .filter(|n| n.name.starts_with(&format!("{}.", write.name)));
@@ -579,7 +589,10 @@ fn dynamic_prefill_writes_its_static_kv_cache() {
             .filter(|n| matches!(n.op, Op::Arange { .. }))
             .collect::<Vec<_>>();
         assert_eq!(arange.len(), 1, "{}", write.name);
-        assert_eq!(g.sym_dims(arange[0].outputs[0]), std::slice::from_ref(&s));
+        assert_eq!(
+            portable.sym_dims(arange[0].outputs[0]),
+            std::slice::from_ref(&s)
+        );
     }
     for add in ["add_", "add__1"] {
         // the fill counter += seq_len: seq_len's lower bound (1) plus the

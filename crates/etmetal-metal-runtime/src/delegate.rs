@@ -1108,7 +1108,8 @@ impl GpuDelegate {
                     }
                 }
                 // the new state becomes the next execute's input, on the GPU
-                for (input, new) in self.state.values() {
+                // (nothing to copy where the kernels wrote the input in place)
+                for (input, new) in self.state.values().filter(|(i, n)| i.buffer != n.buffer) {
                     encoder.copy_buffer_to_buffer(
                         &self.buffers[new.buffer],
                         new.offset,

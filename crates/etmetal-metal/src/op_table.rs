@@ -22,6 +22,8 @@ pub(crate) enum Form {
     Int4,
     /// Qwen3.5's gated delta rule (`kernels/delta.rs`).
     DeltaRule,
+    /// Rows written at an index tensor's positions (`kernels/scatter.rs`).
+    Scatter,
 }
 
 /// The form `op` is lowered in; `None`: it has no GPU form.
@@ -63,6 +65,7 @@ pub(crate) fn form(op: &Op) -> Option<Form> {
         Op::TopK { .. } | Op::CumSum { .. } | Op::Index => Form::TopK,
         Op::Int4Linear { .. } | Op::GatherQmv { .. } => Form::Int4,
         Op::GatedDeltaRule => Form::DeltaRule,
+        Op::IndexCopy { .. } => Form::Scatter,
         _ => return None,
     })
 }

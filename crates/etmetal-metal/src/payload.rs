@@ -19,7 +19,8 @@
 //!   is written only when the caller passes a host value (the first execute,
 //!   after a reset or after another method changed it), and its new value is
 //!   copied into the input's range at the end of the command buffer instead
-//!   of being read back.
+//!   of being read back (nothing to copy where it is the input's own
+//!   buffer, which the kernels wrote in place).
 //! - A kernel binds its buffers at `@group(0) @binding(i)`, i in the order
 //!   of [`Dispatch::buffers`]; static shapes are baked into the WGSL.
 //! - Bounded dynamic shapes (payload 1.3): the payload's [`Symbol`]s are
@@ -219,7 +220,9 @@ impl Size {
 
 /// A mutable buffer the delegate keeps resident: delegate input `input`
 /// holds its current value, and arena buffer `new_value` (not a delegate
-/// output) its value after the execute, copied into the input's range last.
+/// output) its value after the execute, copied into the input's range last
+/// (unless `new_value` is the input's own buffer, which the kernels wrote
+/// in place).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct State {
     /// The buffer's fully qualified name in the module (`layers.0.k_cache`).

@@ -97,9 +97,6 @@ pub(crate) struct Lowerer<'m> {
     dense: HashSet<String>,
     /// `dequantize_affine` results awaiting the linear they fuse into.
     dequant: HashMap<String, quant::Dequant>,
-    /// Constants a lowering made whose sizes are the same at every
-    /// dynamic size (see [`Lowerer::add_static_table`]).
-    static_tables: HashSet<ValueId>,
 }
 
 /// The dtype of a Python scalar operand next to a tensor of dtype `t`: the
@@ -145,7 +142,6 @@ impl<'m> Lowerer<'m> {
             placeholders: vec![],
             dense,
             dequant: HashMap::new(),
-            static_tables: HashSet::new(),
         }
     }
 
@@ -248,8 +244,7 @@ impl<'m> Lowerer<'m> {
             .iter()
             .any(|n| n.inputs.iter().flatten().any(|&v| self.graph.is_dynamic(v)));
         let mut made = self.graph.constants.range(ValueId(first_value)..);
-        let sized =
-            |(v, t): &(&ValueId, &Tensor)| !t.shape().is_empty() && !self.static_tables.contains(v);
+        let sized = |(_, t): &(&ValueId, &Tensor)| !t.shape().is_empty();
         if let (true, Some((v, t))) = (reads_dynamic, made.find(sized)) {
             return Err(Error::unsupported(format!(
                 "its lowering makes the constant `{}` of shape {:?} for a dynamic shape",
@@ -341,14 +336,6 @@ impl<'m> Lowerer<'m> {
     fn add_table(&mut self, c: &Ctx, what: &str, t: Tensor) -> ValueId {
         let name = format!("{}.{what}.{}", c.name, self.graph.values.len());
         self.graph.add_constant(name, t)
-    }
-
-    /// [`Self::add_table`] for a table whose sizes the caller checked do
-    /// not follow a dynamic size (so a dynamic-shape node may make it).
-    fn add_static_table(&mut self, c: &Ctx, what: &str, t: Tensor) -> ValueId {
-        let v = self.add_table(c, what, t);
-        self.static_tables.insert(v);
-        v
     }
 
     /// A helper node of symbolic output sizes `dims` (`Full`, `Arange`:
@@ -1897,8 +1884,8 @@ impl<'m> Lowerer<'m> {
     }
 
     /// `x` with row `index[m]` of dim `dim` replaced by row `m` of `rows`
-    /// (`index_copy`): a one-hot match of each position against the index,
-    /// the matching row gathered, `where` the position was named.
+    /// (`index_copy`): one [`Op::IndexCopy`], which a backend writes in
+    /// place (`to_portable` decomposes it for the portable kernels).
     fn scatter_rows(
         &mut self,
         c: &Ctx,
@@ -1908,7 +1895,6 @@ impl<'m> Lowerer<'m> {
         rows: ValueId,
     ) -> Result<()> {
         let shape = self.shape(x);
-        let n = shape[dim];
         let k = self.shape(index).first().copied().unwrap_or(1);
         if self.rank(index) > 1 || self.shape(rows).get(dim) != Some(&k) {
             return Err(Error::shape(format!(
@@ -1917,55 +1903,17 @@ impl<'m> Lowerer<'m> {
                 self.shape(rows)
             )));
         }
-        let rows = self.cast_to(c, rows, self.dtype(x))?;
-        let index = self.cast_to(c, index, DType::I64)?;
-        let index = self.emit1(c, Op::Reshape { shape: vec![k, 1] }, vec![Some(index)])?;
         if self.graph.sym_dims(x)[dim].as_const().is_none() {
             return Err(Error::unsupported(format!(
                 "index_copy into dim {dim} of dynamic size"
             )));
         }
-        let positions = (0..n as i64).collect::<Vec<_>>();
-        let positions = Tensor::from_i64(DType::I64, &[1, n], &positions)?;
-        let positions = self.add_static_table(c, "positions", positions);
-        let hits = self.emit1(
+        let rows = self.cast_to(c, rows, self.dtype(x))?;
+        self.finish(
             c,
-            Op::Binary(BinaryOp::Eq),
-            vec![Some(index), Some(positions)],
-        )?;
-        let any = Op::Reduce {
-            op: ReduceOp::Any,
-            dims: vec![0],
-            keepdim: false,
-        };
-        let named = self.emit1(c, any, vec![Some(hits)])?;
-        // the source row of each position: sum over m of m * [index[m] == j]
-        let rows_k = self.graph.sym_dims(index)[0].clone();
-        let arange = Op::Arange {
-            start: Scalar::Int(0),
-            end: Scalar::Int(k as i64),
-            step: Scalar::Int(1),
-            dtype: DType::I64,
-        };
-        let ms = self.emit_sized(c, arange, vec![rows_k])?;
-        let ms = self.emit1(c, Op::Reshape { shape: vec![k, 1] }, vec![Some(ms)])?;
-        let hits = self.cast_to(c, hits, DType::I64)?;
-        let weighted = self.emit1(c, Op::Binary(BinaryOp::Mul), vec![Some(hits), Some(ms)])?;
-        let sum = Op::Reduce {
-            op: ReduceOp::Sum,
-            dims: vec![0],
-            keepdim: false,
-        };
-        let source_row = self.emit1(c, sum, vec![Some(weighted)])?;
-        let gathered = self.emit1(
-            c,
-            Op::IndexSelect { dim },
-            vec![Some(rows), Some(source_row)],
-        )?;
-        let mut mask_shape = vec![1; shape.len()];
-        mask_shape[dim] = n;
-        let mask = self.emit1(c, Op::Reshape { shape: mask_shape }, vec![Some(named)])?;
-        self.finish(c, Op::Where, vec![Some(mask), Some(gathered), Some(x)])
+            Op::IndexCopy { dim },
+            vec![Some(x), Some(index), Some(rows)],
+        )
     }
 
     fn unary_identity(&mut self, c: &Ctx, arg: &str) -> Result<()> {

@@ -88,6 +88,8 @@ pub(super) fn dynamic_supported(graph: &Graph, node: &Node) -> Result<(), String
         }
         // (a gather counts negative indices back from the run-time size)
         Op::IndexSelect { .. } | Op::Gather { .. } => Ok(()),
+        // (the rows written are the index's run-time count)
+        Op::IndexCopy { .. } => Ok(()),
         // (past the run-time size a reduction reads its identity)
         Op::Reduce { op, .. } if *op != ReduceOp::Mean => Ok(()),
         Op::Reduce { dims: ds, .. } | Op::Var { dims: ds, .. } => {

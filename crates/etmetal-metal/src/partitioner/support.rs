@@ -228,6 +228,7 @@ fn takes_int64(op: &Op) -> bool {
             | Op::Embedding
             | Op::IndexSelect { .. }
             | Op::Gather { .. }
+            | Op::IndexCopy { .. }
             | Op::Index
             | Op::Full { .. }
             | Op::Arange { .. }
@@ -452,6 +453,11 @@ fn dtypes_taken(
         }
         Op::Embedding => integer_index(required(ins, 1)?, 1),
         Op::IndexSelect { .. } | Op::Gather { .. } => integer_index(required(ins, 1)?, 1),
+        Op::IndexCopy { .. } => {
+            required(ins, 0)?;
+            required(ins, 2)?;
+            integer_index(required(ins, 1)?, 1)
+        }
         Op::Index => {
             for (slot, v) in ins.iter().enumerate().skip(1) {
                 if let Some(v) = v {

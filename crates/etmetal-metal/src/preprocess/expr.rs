@@ -171,10 +171,12 @@ impl Lazy {
 
     /// Whether reading it again costs less than a dispatch writing it once:
     /// a view, or a view of a gather from a view at indices that are one
-    /// (a rotary table's row at a decode step's position).
+    /// (a rotary table's row at a decode step's position), or a float
+    /// rounding of one (a bf16 model's f32 rotary table).
     pub fn is_cheap(&self) -> bool {
         match &self.kind {
             Kind::Gather { src, index, .. } => src.is_view() && index.is_view(),
+            Kind::Cast(x) if x.dtype.is_float() && self.dtype.is_float() => x.is_cheap(),
             Kind::Permute(x, _)
             | Kind::Expand(x)
             | Kind::Reshape(x)
@@ -182,6 +184,19 @@ impl Lazy {
             | Kind::Select { x, .. }
             | Kind::Repeat(x) => x.is_cheap(),
             _ => self.is_view(),
+        }
+    }
+
+    /// Whether every element is zero by its form alone (a literal 0,
+    /// `arange(1)`, views and casts of one).
+    pub fn is_zero(&self) -> bool {
+        match &self.kind {
+            Kind::Literal(v) => v.to_f64() == 0.0,
+            Kind::Iota { start, .. } => {
+                start.to_f64() == 0.0 && self.shape.iter().product::<usize>() == 1
+            }
+            Kind::Expand(x) | Kind::Reshape(x) | Kind::Cast(x) => x.is_zero(),
+            _ => false,
         }
     }
 

@@ -33,7 +33,7 @@ mod validate;
 use std::collections::{HashMap, HashSet};
 
 use etmetal_core::sym::SymExpr;
-use etmetal_core::{DType, Error, Op, Result, Scalar};
+use etmetal_core::{BinaryOp, DType, Error, Op, Result, Scalar};
 use etmetal_graph::{Graph, Node, ValueId};
 
 use crate::partitioner::{DeviceLimits, Partition};
@@ -159,7 +159,7 @@ pub fn preprocess_with(
     // A mutated buffer is an input of the partition and its new value an
     // output (the partitioner never takes it as a weight): the method keeps
     // the state and writes it back after the chain, unless it is resident.
-    let mut lw = Lowering::new(graph, partition, options, boundary.weight_key)?;
+    let mut lw = Lowering::new(graph, partition, options, boundary)?;
     for &n in &partition.nodes {
         let node = graph
             .nodes
@@ -259,6 +259,14 @@ pub(crate) struct Lowering<'g> {
     /// While a size bucket's variant is lowered: its 0/1 gate, by which
     /// every dispatch's run-time count is multiplied.
     pub gate: Option<SymExpr>,
+    /// The buffers of resident state inputs ([`Boundary::resident`]): the
+    /// partition may write them in place.
+    resident: HashSet<BufferIdx>,
+    /// The input buffer of each resident state, by its new value: where
+    /// the new value is that buffer, written in place, nothing is copied.
+    in_place: HashMap<ValueId, BufferIdx>,
+    /// In-place row writes not dispatched yet ([`kernels::Scatter`]).
+    scatters: Vec<kernels::Scatter>,
 }
 
 /// A mean over the last dim of a few rows (an RMSNorm's mean of squares)
@@ -282,8 +290,9 @@ impl<'g> Lowering<'g> {
         graph: &'g Graph,
         partition: &'g Partition,
         options: &'g PreprocessOptions,
-        weight_key: &dyn Fn(&str, &[u8]) -> String,
+        boundary: &Boundary,
     ) -> Result<Lowering<'g>> {
+        let weight_key = boundary.weight_key;
         let mut lw = Lowering {
             graph,
             options,
@@ -312,6 +321,9 @@ impl<'g> Lowering<'g> {
             sizes: sizes::Sizes::of_inputs(graph, &partition.inputs)?,
             dims: HashMap::new(),
             gate: None,
+            resident: HashSet::new(),
+            in_place: HashMap::new(),
+            scatters: vec![],
         };
         for &n in &partition.nodes {
             for v in graph.nodes[n].inputs.iter().flatten() {
@@ -331,6 +343,10 @@ impl<'g> Lowering<'g> {
             )?)?;
             lw.record_dims(buf, v);
             lw.values.insert(v, lw.load(buf));
+            if let Some(r) = boundary.resident.iter().find(|r| r.buffer == v) {
+                lw.resident.insert(buf);
+                lw.in_place.insert(r.new_value, buf);
+            }
         }
         for &v in &partition.constants {
             let info = graph.value(v);
@@ -764,6 +780,14 @@ impl<'g> Lowering<'g> {
             kernels::row_mean(self, &stat)?;
             self.current = label;
         }
+        // as are the row writes into a buffer it binds (and those waiting with them)
+        if self
+            .scatters
+            .iter()
+            .any(|s| built.bindings.contains(&s.target))
+        {
+            self.flush_scatters()?;
+        }
         let Built {
             wgsl,
             mut bindings,
@@ -873,6 +897,10 @@ impl<'g> Lowering<'g> {
         form: CoopForm,
         build: impl FnOnce(&mut Lowering) -> Result<()>,
     ) -> Result<()> {
+        // (a row write an alternative's kernel flushed would run only with it)
+        if self.alternative_storage.is_none() {
+            self.flush_scatters()?;
+        }
         let start = self.dispatches.len();
         if d >= start || self.alternative_storage.is_some() || self.emulating {
             return Err(Error::internal(format!(
@@ -986,12 +1014,19 @@ impl<'g> Lowering<'g> {
                 } else {
                     dtype
                 };
-                Some(Kind::Binary {
-                    op: *b,
-                    compute,
-                    a: broadcast(a),
-                    b: broadcast(c),
-                })
+                // an integer plus 0 (`arange(1) + pos`, a decode step's
+                // positions) is the integer: no overflow check to bind
+                let add = matches!(b, BinaryOp::Add | BinaryOp::Sub);
+                match (add && !compute.is_float(), a.is_zero(), c.is_zero()) {
+                    (true, _, true) => Some(Kind::Cast(broadcast(a))),
+                    (true, true, _) if *b == BinaryOp::Add => Some(Kind::Cast(broadcast(c))),
+                    _ => Some(Kind::Binary {
+                        op: *b,
+                        compute,
+                        a: broadcast(a),
+                        b: broadcast(c),
+                    }),
+                }
             }
             Op::Where => Some(Kind::Where(
                 broadcast(self.fused(node, 0)?),
@@ -1139,7 +1174,32 @@ impl<'g> Lowering<'g> {
         Ok(lazy)
     }
 
+    /// Add the in-place row write `s`: it waits with the others that it may
+    /// join in one dispatch (after those waiting are dispatched otherwise).
+    pub(crate) fn pending_scatter(&mut self, s: kernels::Scatter) -> Result<()> {
+        if !kernels::scatter_joins(self, &self.scatters, &s) {
+            self.flush_scatters()?;
+        }
+        self.scatters.push(s);
+        Ok(())
+    }
+
+    /// Dispatch the row writes waiting (one kernel), outside any size gate.
+    fn flush_scatters(&mut self) -> Result<()> {
+        let waiting = std::mem::take(&mut self.scatters);
+        if waiting.is_empty() {
+            return Ok(());
+        }
+        let gate = self.gate.take();
+        let label = std::mem::replace(&mut self.current, "index_copy".into());
+        let done = kernels::scatter(self, &waiting);
+        self.current = label;
+        self.gate = gate;
+        done
+    }
+
     fn finish(mut self) -> Result<Preprocessed> {
+        self.flush_scatters()?;
         // a row mean that is a partition output is computed after all
         for v in self.outputs.clone() {
             let mut read = vec![];
@@ -1162,6 +1222,14 @@ impl<'g> Lowering<'g> {
                         && self.buffers.list[b].storage == desc.storage =>
                 {
                     Some(b)
+                }
+                // resident state written in place: its input is its new value
+                Kind::Load(b)
+                    if matches!(self.buffers.list[b].place, Place::Input(_))
+                        && self.in_place.get(&v) == Some(&b) =>
+                {
+                    outputs.push(b);
+                    continue;
                 }
                 _ => None,
             };

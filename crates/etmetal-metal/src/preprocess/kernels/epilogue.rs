@@ -118,12 +118,7 @@ impl Tail {
         let (_, dtype, shape) = lw.output_info(node, 0)?;
         let (nodes, _) = chain(lw, node, bound, extra, unwritten);
         let Some(&last) = nodes.last() else {
-            let out = lw.output_buffer(node, 0)?;
-            return Ok(Tail {
-                dtype,
-                out,
-                chain: None,
-            });
+            return Tail::none(lw, node);
         };
         let graph = lw.graph;
         let end = &graph.nodes[last];
@@ -149,6 +144,16 @@ impl Tail {
             dtype,
             out,
             chain: Some(value),
+        })
+    }
+
+    /// No epilogue: `node`'s output 0 is stored as it is.
+    pub(super) fn none(lw: &mut Lowering, node: &Node) -> Result<Tail> {
+        let (_, dtype, _) = lw.output_info(node, 0)?;
+        Ok(Tail {
+            dtype,
+            out: lw.output_buffer(node, 0)?,
+            chain: None,
         })
     }
 

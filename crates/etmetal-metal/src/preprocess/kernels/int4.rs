@@ -25,12 +25,14 @@ use std::fmt::Write;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
+use super::epilogue::Tail;
 use super::gemm::reduce_sums;
+use super::matmul::row_stat_prologue;
 use super::rows::as_rows;
 use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::{Kind, LazyRef};
 use crate::preprocess::BufferIdx;
-use crate::preprocess::Lowering;
+use crate::preprocess::{Lowering, RowStat};
 
 /// Activation rows a workgroup takes (decode batches up to 8 read the
 /// weight once).
@@ -47,7 +49,6 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             )))
         }
     };
-    let x = lw.input_view(node, 0)?;
     let packed = lw.input_view(node, 1)?;
     let scales = lw.input_view(node, 2)?;
     let zeros = lw.input_view(node, 3)?;
@@ -58,6 +59,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
             packed.dtype, packed.shape
         )));
     }
+    let x = qmv_operand(lw, node, experts)?;
     let rank = x.shape.len();
     let (xr, m, k) = as_rows(&x, &[rank.saturating_sub(1)]);
     let (n, words) = (packed.shape[lead], packed.shape[lead + 1]);
@@ -71,8 +73,8 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     } else {
         None
     };
-    let out = lw.output_buffer(node, 0)?;
     if !experts && m > ROWS {
+        let out = lw.output_buffer(node, 0)?;
         let dims = Gemm {
             m,
             n,
@@ -95,13 +97,27 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         };
         return operands.alternatives(lw, d);
     }
+    // a decode product's store computes its pointwise tail (a skip
+    // connection's add); gather_qmv's stores none
+    let tail = match experts {
+        true => Tail::none(lw, node)?,
+        false => {
+            let mut bound = vec![];
+            for v in [&xr, &packed, &scales, &zeros] {
+                v.buffers(&mut bound);
+            }
+            let checks = [&xr, &scales, &zeros].iter().any(|v| v.has_checks());
+            Tail::plan(lw, node, &bound, usize::from(checks), &[])?
+        }
+    };
     let q = Qmv {
         x: &xr,
         packed: &packed,
         scales: &scales,
         zeros: &zeros,
         experts: idx.as_ref(),
-        out,
+        tail,
+        stats: if experts { vec![] } else { row_stats(lw, &xr) },
         m,
         n,
         words,
@@ -121,8 +137,10 @@ struct Qmv<'a> {
     zeros: &'a LazyRef,
     /// gather_qmv: each row's expert `[m]`.
     experts: Option<&'a LazyRef>,
-    /// `[m, n]`.
-    out: BufferIdx,
+    /// The store `[m, n]`, and its pointwise tail.
+    tail: Tail,
+    /// The row means `x` reads (an RMSNorm's), which the kernel computes.
+    stats: Vec<(RowStat, DType)>,
     m: usize,
     n: usize,
     words: usize,
@@ -202,6 +220,18 @@ impl Qmv<'_> {
                 );
             }
         }
+        let chunks = words / cw;
+        let cols = [4, 2]
+            .into_iter()
+            .find(|&c| mb * c <= 32 && n.div_ceil(c) * mblocks >= QMV_FILL)
+            .unwrap_or(1);
+        let threads = chunks.div_ceil(2).next_power_of_two().clamp(32, 128);
+        let unroll = (QMV_LOADS / cols).min(chunks / threads).max(1);
+        let blocks = n.div_ceil(cols);
+        let sums = mb * cols;
+
+        // an RMSNorm's mean that x reads: each workgroup computes it first
+        let (decls, prologue) = row_stat_prologue(&mut kb, &self.stats, "", threads)?;
         // eight activations from `k` (a multiple of 8) of row `r`
         let xw = match x_run(self.x) {
             Some(buf) => kb.load8(buf, &format!("(r * {k}u + k) / 8u"))?,
@@ -225,24 +255,18 @@ impl Qmv<'_> {
              \x20 return bitcast<vec4<f32>>(v) - vec4<f32>(1.0);\n}}"
         );
 
-        let chunks = words / cw;
-        let cols = [4, 2]
-            .into_iter()
-            .find(|&c| mb * c <= 32 && n.div_ceil(c) * mblocks >= QMV_FILL)
-            .unwrap_or(1);
-        let threads = chunks.div_ceil(2).next_power_of_two().clamp(32, 128);
-        let unroll = (QMV_LOADS / cols).min(chunks / threads).max(1);
-        let blocks = n.div_ceil(cols);
-        let sums = mb * cols;
-
+        // the store of output (r, c), its f32 sum `v`
+        let (tail_decls, write) = self
+            .tail
+            .store(&mut kb, &format!("(r * {n}u + c)"), "v", "")?;
         let mut s = format!(
-            "{fns}\nvar<workgroup> red: array<f32, {}>;\n{}",
+            "{fns}\n{decls}{tail_decls}var<workgroup> red: array<f32, {}>;\n{}",
             sums * threads,
             entry(threads as u32)
         );
         let _ = writeln!(
             s,
-            "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
+            "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n{prologue}\n\
              \x20 let n0 = (g % {blocks}u) * {cols}u;\n  let m0 = (g / {blocks}u) * {mb}u;",
             blocks * mblocks
         );
@@ -327,7 +351,6 @@ impl Qmv<'_> {
         let names: Vec<String> = (0..mb)
             .flat_map(|i| (0..cols).map(move |j| format!("s{i}_{j}")))
             .collect();
-        let write = kb.store(self.out, &format!("r * {n}u + c"), "v")?;
         let store = format!(
             "let c = n0 + lid % {cols}u;\n    let r = m0 + lid / {cols}u;\n\
              \x20   if (c < {n}u && r < {m}u) {{ {write} }}"
@@ -339,6 +362,42 @@ impl Qmv<'_> {
         let ops = vec![lw.op_label()];
         let storage = (4 * sums * threads) as u32;
         lw.add_dispatch(built, ops, [threads as u32, 1, 1], workgroups, storage)
+    }
+}
+
+/// The pending row means ([`RowStat`]) `x` reads.
+fn row_stats(lw: &Lowering, x: &LazyRef) -> Vec<(RowStat, DType)> {
+    let mut read = vec![];
+    x.buffers(&mut read);
+    lw.pending
+        .iter()
+        .filter(|st| read.contains(&st.buf))
+        .map(|st| (st.clone(), lw.buffers.list[st.buf].dtype))
+        .collect()
+}
+
+/// Input 0. For at most [`ROWS`] rows (a [`Qmv`]) a pointwise input is
+/// read as it is, its math repeated by each workgroup (an RMSNorm's
+/// scaling, a SiLU gate: cheaper than a dispatch writing it out), where
+/// the kernel's bindings hold its buffers; else a view.
+fn qmv_operand(lw: &mut Lowering, node: &Node, experts: bool) -> Result<LazyRef> {
+    let x = lw.input(node, 0)?;
+    let k = x.shape.last().copied().unwrap_or(1).max(1);
+    let rows = x.shape.iter().product::<usize>() / k;
+    if rows > ROWS {
+        return lw.input_view(node, 0);
+    }
+    // packed words, scales, zeros, the output (and the experts)
+    let fixed = 4 + usize::from(experts);
+    let fits = |v: &[&LazyRef]| {
+        let mut bufs = vec![];
+        v.iter().for_each(|x| x.buffers(&mut bufs));
+        let checks = v.iter().any(|x| x.has_checks());
+        fixed + bufs.len() + usize::from(checks) <= lw.options.max_bindings
+    };
+    match x.is_view() || fits(&[&x]) {
+        true => Ok(x),
+        false => lw.input_view(node, 0),
     }
 }
 

@@ -371,6 +371,46 @@ fn gemv_operand(lw: &mut Lowering, node: &Node, n: usize) -> Result<LazyRef> {
     Ok(x)
 }
 
+/// Workgroup arrays (`decls`) and the statements filling them (`s`, run by
+/// all `threads` invocations, a power of two, with `red` workgroup memory of
+/// at least `threads` floats): the row means `stats` of a matrix-vector
+/// kernel's operand, computed by each workgroup instead of a row kernel of
+/// their own, which the kernel's reads of their buffers then read.
+pub(super) fn row_stat_prologue(
+    kb: &mut KernelBuilder,
+    stats: &[(RowStat, DType)],
+    tag: &str,
+    threads: usize,
+) -> Result<(String, String)> {
+    let (mut decls, mut s) = (String::new(), String::new());
+    for (j, (st, dtype)) in stats.iter().enumerate() {
+        let (name, f) = (format!("st{tag}_{j}"), format!("sx{tag}_{j}"));
+        kb.value_fn(&st.x, &f)?;
+        kb.substitute(st.buf, &name);
+        let _ = writeln!(decls, "var<workgroup> {name}: array<f32, {}>;", st.rows);
+        let mean = cast(
+            &format!("(red[0] / {})", float_literal(st.cols as f64)),
+            DType::F32,
+            *dtype,
+        );
+        // each row: strided sums, halved in workgroup memory
+        for r in 0..st.rows {
+            let _ = writeln!(
+                s,
+                "  {{\n    var acc = 0.0;\n\
+                 \x20   for (var c = lid; c < {cols}u; c = c + {threads}u) {{ acc = acc + {f}({r}u, c); }}\n\
+                 \x20   red[lid] = acc;\n    workgroupBarrier();\n\
+                 \x20   for (var h = {half}u; h > 0u; h = h >> 1u) {{\n\
+                 \x20     if (lid < h) {{ red[lid] = red[lid] + red[lid + h]; }}\n      workgroupBarrier();\n    }}\n\
+                 \x20   if (lid == 0u) {{ {name}[{r}u] = {mean}; }}\n    workgroupBarrier();\n  }}",
+                cols = st.cols,
+                half = threads / 2
+            );
+        }
+    }
+    Ok((decls, s))
+}
+
 /// How a matrix product's kernels read its operands (lazy views of
 /// `[batch…, m, k]` and `[batch…, k, n]`) and store its output (`alpha`,
 /// the bias times `beta`, rounding to the output dtype, then its pointwise
@@ -478,33 +518,7 @@ impl GemmArgs for MatmulArgs {
 
 impl GemvArgs for MatmulArgs {
     fn prologue(&self, kb: &mut KernelBuilder, threads: usize) -> Result<(String, String)> {
-        let (mut decls, mut s) = (String::new(), String::new());
-        for (j, (st, dtype)) in self.stats.iter().enumerate() {
-            let (name, f) = (format!("st{}_{j}", self.tag), format!("sx{}_{j}", self.tag));
-            kb.value_fn(&st.x, &f)?;
-            kb.substitute(st.buf, &name);
-            let _ = writeln!(decls, "var<workgroup> {name}: array<f32, {}>;", st.rows);
-            let mean = cast(
-                &format!("(red[0] / {})", float_literal(st.cols as f64)),
-                DType::F32,
-                *dtype,
-            );
-            // each row: strided sums, halved in workgroup memory
-            for r in 0..st.rows {
-                let _ = writeln!(
-                    s,
-                    "  {{\n    var acc = 0.0;\n\
-                     \x20   for (var c = lid; c < {cols}u; c = c + {threads}u) {{ acc = acc + {f}({r}u, c); }}\n\
-                     \x20   red[lid] = acc;\n    workgroupBarrier();\n\
-                     \x20   for (var h = {half}u; h > 0u; h = h >> 1u) {{\n\
-                     \x20     if (lid < h) {{ red[lid] = red[lid] + red[lid + h]; }}\n      workgroupBarrier();\n    }}\n\
-                     \x20   if (lid == 0u) {{ {name}[{r}u] = {mean}; }}\n    workgroupBarrier();\n  }}",
-                    cols = st.cols,
-                    half = threads / 2
-                );
-            }
-        }
-        Ok((decls, s))
+        row_stat_prologue(kb, &self.stats, &self.tag, threads)
     }
 
     fn k_chunks(&self, kb: &mut KernelBuilder, lanes: usize) -> Result<String> {

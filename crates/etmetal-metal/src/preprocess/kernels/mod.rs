@@ -15,6 +15,7 @@ mod matmul;
 mod norm;
 mod reduce;
 mod rows;
+mod scatter;
 #[cfg(test)]
 mod testing;
 mod topk;
@@ -23,6 +24,7 @@ use etmetal_core::{Error, Result};
 use etmetal_graph::Node;
 
 pub(crate) use reduce::row_mean;
+pub(crate) use scatter::{dispatch as scatter, joins as scatter_joins, Scatter};
 
 use super::Lowering;
 use crate::op_table::{form, Form};
@@ -37,6 +39,7 @@ pub(crate) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         Some(Form::TopK) => topk::lower(lw, node),
         Some(Form::Int4) => int4::lower(lw, node),
         Some(Form::DeltaRule) => delta::lower(lw, node),
+        Some(Form::Scatter) => scatter::lower(lw, node),
         Some(Form::Expression) | None => Err(Error::unsupported(format!(
             "{} has no GPU kernel yet",
             node.op.name()

@@ -1,0 +1,280 @@
+//! `index_copy` ([`Op::IndexCopy`]): rows of a source written at the
+//! positions an index tensor names along one dim of `x`.
+//!
+//! * In place, where nothing reads `x`'s old value after the node (no later
+//!   reader of `x`, of a view of its buffer, of a value fused over it) and
+//!   its buffer is the partition's to change (an intermediate, or a
+//!   resident state input, whose new value the runtime keeps anyway): one
+//!   invocation a written element, so a decode step's KV-cache write touches
+//!   the new rows only, not the cache. The write waits
+//!   ([`Lowering::scatters`]) until a dispatch binds its buffer (the
+//!   attention reading the cache) or the partition ends, and the writes
+//!   waiting then are one dispatch: a layer's key and value cache writes
+//!   are one kernel.
+//! * Else, a few rows of a static count: `where(position == index[m],
+//!   source row m, x)` for each row, an expression fused into its readers.
+//! * Else: `x` copied, then written in place.
+//!
+//! An index outside the dim writes nothing (PyTorch raises an error).
+//!
+//! [`Op::IndexCopy`]: etmetal_core::Op::IndexCopy
+
+use etmetal_core::{BinaryOp, DType, Error, Op, Result, Scalar};
+use etmetal_graph::Node;
+
+use crate::payload::Size;
+use crate::preprocess::buffers::{BufferIdx, Place, Storage};
+use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
+use crate::preprocess::expr::{self, Kind, Lazy, LazyRef, Pos};
+use crate::preprocess::pointwise::cast;
+use crate::preprocess::Lowering;
+
+/// Rows of a static count up to which a copy that cannot be in place is
+/// an expression (a select per row) rather than a copy and a write.
+const EXPRESSION_ROWS: usize = 4;
+
+/// An in-place row write not dispatched yet.
+pub(crate) struct Scatter {
+    /// The buffer written (holding `x`, row-major in `shape`).
+    pub target: BufferIdx,
+    pub shape: Vec<usize>,
+    pub dim: usize,
+    /// `[k]` integer positions along `dim`.
+    pub index: LazyRef,
+    /// `shape` with `dim` of size `k`.
+    pub src: LazyRef,
+    /// The run-time row count where the index is of dynamic length.
+    pub rows: Option<Size>,
+}
+
+impl Scatter {
+    /// Elements of `x` past `dim` (a row), before it and rows.
+    fn geometry(&self) -> (usize, usize, usize) {
+        let inner = self.shape[self.dim + 1..].iter().product();
+        let outer = self.shape[..self.dim].iter().product();
+        (outer, self.src.shape[self.dim], inner)
+    }
+
+    fn reads(&self, buf: BufferIdx) -> bool {
+        let mut b = vec![];
+        self.index.buffers(&mut b);
+        self.src.buffers(&mut b);
+        b.contains(&buf)
+    }
+}
+
+pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
+    let Op::IndexCopy { dim } = node.op else {
+        return Err(Error::internal(format!(
+            "{} is not index_copy",
+            node.op.name()
+        )));
+    };
+    let x = lw.input(node, 0)?;
+    let index = lw.input(node, 1)?;
+    let src = lw.input(node, 2)?;
+    let k = index.shape.iter().product::<usize>();
+    let index = expr::reshaped(&index, vec![k]);
+    let mut rows_shape = x.shape.clone();
+    if let Some(d) = rows_shape.get_mut(dim) {
+        *d = k;
+    }
+    if dim >= x.shape.len() || src.shape != rows_shape {
+        return Err(Error::invalid_input(format!(
+            "index_copy of a source {:?} at {k} positions along dim {dim} of {:?}",
+            src.shape, x.shape
+        )));
+    }
+    let index_value = node.inputs[1].ok_or_else(|| Error::invalid_input("no index"))?;
+    let rows = match lw.graph.sym_dims(index_value).first() {
+        Some(e) if e.as_const().is_none() => {
+            Some(lw.sizes.size(&lw.sizes.local(std::slice::from_ref(e))[0])?)
+        }
+        _ => None,
+    };
+    let out = node.outputs[0];
+    let x_value = node.inputs[0].ok_or_else(|| Error::invalid_input("no input"))?;
+    let scatter = |target| Scatter {
+        target,
+        shape: x.shape.clone(),
+        dim,
+        index: index.clone(),
+        src: src.clone(),
+        rows: rows.clone(),
+    };
+    if let Some(target) = in_place_target(lw, x_value, &x, dim) {
+        lw.pending_scatter(scatter(target))?;
+        let lazy = expr::reshaped(&lw.load(target), x.shape.clone());
+        lw.define(out, lazy);
+        return Ok(());
+    }
+    if rows.is_none() && k <= EXPRESSION_ROWS {
+        return lw.define_fused(out, selected(&x, dim, &index, &src));
+    }
+    let target = lw.output_buffer(node, 0)?;
+    lw.write_flat(&x, target)?;
+    lw.pending_scatter(scatter(target))
+}
+
+/// The buffer of `x` (the value of graph value `v`), when the node may
+/// write it in place: see the module docs.
+fn in_place_target(
+    lw: &Lowering,
+    v: etmetal_graph::ValueId,
+    x: &LazyRef,
+    dim: usize,
+) -> Option<BufferIdx> {
+    let Kind::Load(target) = x.kind else {
+        return None;
+    };
+    let desc = &lw.buffers.list[target];
+    let ours = match desc.place {
+        Place::Temp => true,
+        Place::Input(_) => lw.resident.contains(&target),
+        _ => false,
+    };
+    // a 16-bit packed buffer is written a word (two elements of a row) at a time
+    let inner: usize = x.shape[dim + 1..].iter().product();
+    let pairs = desc.storage != Storage::Packed16 || inner.is_multiple_of(2);
+    if !ours || !pairs || lw.readers.get(&v).copied().unwrap_or(0) != 1 {
+        return None;
+    }
+    let reads = |lazy: &LazyRef| {
+        let mut b = vec![];
+        lazy.buffers(&mut b);
+        b.contains(&target)
+    };
+    let live = lw
+        .values
+        .iter()
+        .any(|(w, lazy)| *w != v && lw.readers.get(w).copied().unwrap_or(0) > 0 && reads(lazy));
+    let waiting =
+        lw.pending.iter().any(|st| reads(&st.x)) || lw.scatters.iter().any(|s| s.reads(target));
+    (!live && !waiting).then_some(target)
+}
+
+/// `x` with each of the `k` rows of `src` selected where the position along
+/// `dim` is its index (the last of repeated positions wins).
+fn selected(x: &LazyRef, dim: usize, index: &LazyRef, src: &LazyRef) -> LazyRef {
+    let shape = x.shape.clone();
+    let expand = |v: LazyRef| Lazy::new(v.dtype, shape.clone(), Kind::Expand(v));
+    let mut at = vec![1; shape.len()];
+    at[dim] = shape[dim];
+    let iota = Kind::Iota {
+        start: Scalar::Int(0),
+        step: Scalar::Int(1),
+    };
+    let positions = Lazy::new(index.dtype, vec![shape[dim]], iota);
+    let positions = expand(expr::reshaped(&positions, at));
+    let mut row_shape = shape.clone();
+    row_shape[dim] = 1;
+    let mut acc = x.clone();
+    for m in 0..index.shape[0] {
+        let select = |v: &LazyRef, d: usize, kept: Vec<usize>| {
+            let kind = Kind::Select {
+                x: v.clone(),
+                dim: d,
+                index: Pos::At(m),
+            };
+            Lazy::new(v.dtype, kept, kind)
+        };
+        let i = expand(select(index, 0, vec![]));
+        let hit = Kind::Binary {
+            op: BinaryOp::Eq,
+            compute: index.dtype,
+            a: positions.clone(),
+            b: i,
+        };
+        let hit = Lazy::new(DType::Bool, shape.clone(), hit);
+        let mut kept = src.shape.clone();
+        kept.remove(dim);
+        let row = expand(expr::reshaped(&select(src, dim, kept), row_shape.clone()));
+        acc = Lazy::new(x.dtype, shape.clone(), Kind::Where(hit, row, acc));
+    }
+    acc
+}
+
+/// Whether `s` may join the writes waiting in `waiting` (one dispatch):
+/// none writes its buffer or reads what another writes, and all bind
+/// within the limit.
+pub(crate) fn joins(lw: &Lowering, waiting: &[Scatter], s: &Scatter) -> bool {
+    let apart = waiting
+        .iter()
+        .all(|w| w.target != s.target && !w.reads(s.target) && !s.reads(w.target));
+    let mut bufs = vec![];
+    let mut checks = false;
+    for w in waiting.iter().chain([s]) {
+        if !bufs.contains(&w.target) {
+            bufs.push(w.target);
+        }
+        w.index.buffers(&mut bufs);
+        w.src.buffers(&mut bufs);
+        checks |= w.index.has_checks() || w.src.has_checks();
+    }
+    apart && bufs.len() + usize::from(checks) <= lw.options.max_bindings
+}
+
+/// One dispatch writing every waiting row of `scatters`: each takes a
+/// range of the invocations, one element (a word of two when 16-bit
+/// packed) each.
+pub(crate) fn dispatch(lw: &mut Lowering, scatters: &[Scatter]) -> Result<()> {
+    let mut kb = KernelBuilder::new(&lw.buffers);
+    let mut main = entry(FLAT_WORKGROUP);
+    main.push_str(&format!(
+        "  let g = {FLAT_GROUP} * {FLAT_WORKGROUP}u + lid;\n"
+    ));
+    let mut start = 0usize;
+    for (i, s) in scatters.iter().enumerate() {
+        let (outer, k, inner) = s.geometry();
+        let n = s.shape[s.dim];
+        let packed = lw.buffers.list[s.target].storage == Storage::Packed16;
+        let per = if packed { 2 } else { 1 };
+        let items = outer * k * inner / per;
+        if items == 0 {
+            continue;
+        }
+        let (src, ix) = (format!("src{i}"), format!("ix{i}"));
+        kb.value_fn(&s.src, &src)?;
+        kb.value_fn(&s.index, &ix)?;
+        let inner_items = inner / per;
+        let valid = match &s.rows {
+            Some(rows) => format!(" && m < {}", kb.size(rows)),
+            None => String::new(),
+        };
+        let at = |c: &str| -> String {
+            let mut idx = unravel("o", &s.shape[..s.dim]);
+            idx.push("m".into());
+            idx.extend(unravel(c, &s.shape[s.dim + 1..]));
+            format!("{src}({})", idx.join(", "))
+        };
+        let position = cast(&format!("{ix}(m)"), s.index.dtype, DType::I32);
+        let e = format!("(o * {n}u + u32(j)) * {inner}u + c");
+        let store = if packed {
+            kb.store_pair(s.target, &format!("({e}) / 2u"), &at("c"), &at("(c + 1u)"))
+        } else {
+            let v = cast(&at("c"), s.src.dtype, lw.buffers.list[s.target].dtype);
+            kb.store(s.target, &e, &v)?
+        };
+        main.push_str(&format!(
+            "  if (g >= {start}u && g < {end}u) {{\n\
+             \x20   let t = g - {start}u;\n\
+             \x20   let c = (t % {inner_items}u) * {per}u;\n\
+             \x20   let m = (t / {inner_items}u) % {k}u;\n\
+             \x20   let o = t / {row_items}u;\n\
+             \x20   let j = {position};\n\
+             \x20   if (j >= 0i && j < {n}i{valid}) {{ {store} }}\n  }}\n",
+            end = start + items,
+            row_items = inner_items * k,
+        ));
+        start += items;
+    }
+    if start == 0 {
+        // no rows to write
+        return Ok(());
+    }
+    main.push_str("}\n");
+    let groups = (start as u64).div_ceil(u64::from(FLAT_WORKGROUP));
+    let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
+    let ops = vec![lw.op_label()];
+    lw.add_dispatch(kb.finish(&main), ops, [FLAT_WORKGROUP, 1, 1], workgroups, 0)
+}
