@@ -47,7 +47,9 @@ fn take(x: &Tensor, shape: &[usize], offsets: impl Iterator<Item = usize>) -> Re
     })
 }
 
-pub fn index_select(ctx: &Ctx, dim: usize) -> Result<Tensor> {
+/// Input 0's size along `dim` and the rows input 1 (0-D or 1-D) names
+/// along it.
+fn rows_along(ctx: &Ctx, dim: usize) -> Result<(usize, Vec<usize>)> {
     let x = ctx.input(0)?;
     let size = *x.shape().get(dim).ok_or_else(|| {
         ctx.invalid(format!(
@@ -61,7 +63,12 @@ pub fn index_select(ctx: &Ctx, dim: usize) -> Result<Tensor> {
             ctx.input(1)?.shape()
         )));
     }
-    let idx = indices(ctx, 1, size, false)?;
+    Ok((size, indices(ctx, 1, size, false)?))
+}
+
+pub fn index_select(ctx: &Ctx, dim: usize) -> Result<Tensor> {
+    let x = ctx.input(0)?;
+    let (size, idx) = rows_along(ctx, dim)?;
     let mut shape = x.shape().to_vec();
     shape[dim] = idx.len();
     let (outer, inner): (usize, usize) = (
@@ -80,19 +87,7 @@ pub fn index_select(ctx: &Ctx, dim: usize) -> Result<Tensor> {
 /// the source (a repeated row takes the last).
 pub fn index_copy(ctx: &Ctx, dim: usize) -> Result<Tensor> {
     let (x, src) = (ctx.input(0)?, ctx.input(2)?);
-    let size = *x.shape().get(dim).ok_or_else(|| {
-        ctx.invalid(format!(
-            "dim {dim} is out of range for shape {:?}",
-            x.shape()
-        ))
-    })?;
-    if ctx.input(1)?.rank() > 1 {
-        return Err(ctx.invalid(format!(
-            "index must be 0-D or 1-D, got shape {:?}",
-            ctx.input(1)?.shape()
-        )));
-    }
-    let idx = indices(ctx, 1, size, false)?;
+    let (size, idx) = rows_along(ctx, dim)?;
     let mut rows = x.shape().to_vec();
     rows[dim] = idx.len();
     if src.shape() != rows || src.dtype() != x.dtype() {

@@ -8,14 +8,11 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use common::gpu::{assert_close, backend, compile_whole_within, load_method_on, random};
+use common::gpu::{check_capped, compile_whole_within, random};
 use etmetal_core::{BinaryOp, DType, Op, Tensor};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
 use etmetal_metal::partitioner::DeviceLimits;
 use etmetal_metal::payload::Requirements;
-use etmetal_metal_runtime::{DeviceChoice, MetalBackend};
 
 /// Graph `g` with inputs `inputs`: one partition whose kernels each bind
 /// at most wgpu's default storage buffers, and on a device offering no
@@ -42,15 +39,14 @@ fn check_within_default_limits(g: &Graph, inputs: Vec<Tensor>, tol: f32, what: &
         need <= budget,
         "{what}: the payload requires {need} bindings"
     );
-    let _ = backend(); // the adapter check
-    let gpu = MetalBackend::new(DeviceChoice::Auto).with_limit_cap(Requirements::default());
-    let got = load_method_on(Arc::new(gpu), &compiled.pte)
-        .execute(inputs)
-        .unwrap_or_else(|e| panic!("{what}: execute: {e}"));
-    assert_eq!(got.len(), expected.len(), "{what}: output count");
-    for (k, (g, e)) in got.iter().zip(&expected).enumerate() {
-        assert_close(g, e, tol, &format!("{what} output {k}"));
-    }
+    check_capped(
+        Requirements::default(),
+        &compiled.pte,
+        inputs,
+        &expected,
+        tol,
+        what,
+    );
     payload.dispatches.len()
 }
 

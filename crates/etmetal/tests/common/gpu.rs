@@ -293,15 +293,28 @@ impl OpCase {
             max_storage_buffer_binding_size: max_buffer_bytes,
             ..Requirements::default()
         };
-        let _ = backend(); // the adapter check
-        let gpu = MetalBackend::new(DeviceChoice::Auto).with_limit_cap(cap);
-        let got = load_method_on(Arc::new(gpu), &compiled.pte)
-            .execute(inputs)
-            .unwrap_or_else(|e| panic!("{what}: execute: {e}"));
-        assert_eq!(got.len(), expected.len(), "{what}: output count");
-        for (k, (g, e)) in got.iter().zip(&expected).enumerate() {
-            assert_close(g, e, tol, &format!("{what} output {k}"));
-        }
+        check_capped(cap, &compiled.pte, inputs, &expected, tol, &what);
+    }
+}
+
+/// `pte` run on the adapter with its limits capped at `cap` gives
+/// `expected` within `tol`.
+pub fn check_capped(
+    cap: Requirements,
+    pte: &[u8],
+    inputs: Vec<Tensor>,
+    expected: &[Tensor],
+    tol: f32,
+    what: &str,
+) {
+    let _ = backend(); // the adapter check
+    let gpu = MetalBackend::new(DeviceChoice::Auto).with_limit_cap(cap);
+    let got = load_method_on(Arc::new(gpu), pte)
+        .execute(inputs)
+        .unwrap_or_else(|e| panic!("{what}: execute: {e}"));
+    assert_eq!(got.len(), expected.len(), "{what}: output count");
+    for (k, (g, e)) in got.iter().zip(expected).enumerate() {
+        assert_close(g, e, tol, &format!("{what} output {k}"));
     }
 }
 
