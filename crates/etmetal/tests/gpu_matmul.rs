@@ -7,7 +7,10 @@ mod common;
 
 use std::sync::Arc;
 
-use common::gpu::{assert_close, compile_emulating, compile_whole, random, run_pte, OpCase};
+use common::gpu::{
+    assert_close, check_dynamic_emulating, compile_emulating, compile_whole, random, run_pte,
+    OpCase,
+};
 use etmetal_core::{AvgPoolAttrs, ConvAttrs, DType, MaxPoolAttrs, Op, Tensor};
 use etmetal_metal::preprocess::CoopForm;
 use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
@@ -721,4 +724,43 @@ fn variants(graph: &etmetal_graph::Graph) -> Vec<(Option<CoopForm>, Vec<u8>)> {
             .map(|&f| (Some(f), compile_emulating(graph, f))),
     );
     v
+}
+
+/// Products over a run-time number of rows (`torch.export.Dim`, bound 128)
+/// on the emulated tensor-core kernels: each row bucket (up to 64, up to
+/// the bound) has its own, running the tiles of the actual rows; one
+/// loaded program at 1, 17, 64 (a bucket's end) and 100 rows.
+#[test]
+fn coop_dynamic_rows() {
+    const SIZES: [usize; 4] = [1, 17, 64, 100];
+    let linear = |dtype: DType| {
+        move |rows: usize| {
+            OpCase::new(Op::Linear)
+                .input(random(dtype, &[rows, 72], rows as u64))
+                .weight(random(dtype, &[96, 72], 1))
+                .weight(random(dtype, &[96], 2))
+                .build()
+        }
+    };
+    for form in FORMS {
+        let what = format!("dynamic bf16 linear {form:?}");
+        check_dynamic_emulating(linear(BF), &[(0, 0)], 128, &SIZES, BF_TOL, *form, &what);
+    }
+    // a batch of rows times a user input (its columns scaled by a pre-pass)
+    let matmul = |rows: usize| {
+        OpCase::new(Op::MatMul)
+            .input(random(H, &[2, rows, 40], rows as u64))
+            .input(random(H, &[40, 80], 1))
+            .build()
+    };
+    let what = "dynamic f16 matmul";
+    check_dynamic_emulating(
+        matmul,
+        &[(0, 1)],
+        128,
+        &SIZES,
+        BF_TOL,
+        CoopForm::Half16,
+        what,
+    );
 }
