@@ -782,7 +782,9 @@ fn kernel(
 mod tests {
     use super::*;
     use crate::payload::{CoopType, Needs, Payload};
-    use crate::preprocess::kernels::testing::{input, lower_one, lower_one_with, weight, Operand};
+    use crate::preprocess::kernels::testing::{
+        alternatives_gated_alike, dynamic_input, input, lower_one, lower_one_with, weight, Operand,
+    };
     use crate::preprocess::PreprocessOptions;
     use etmetal_core::Op;
     use half::{bf16, f16};
@@ -940,6 +942,32 @@ mod tests {
             let p = lower_one(op, operands).unwrap();
             assert!(alternatives(&p.payload).is_empty());
         }
+    }
+
+    /// A bf16 linear over a run-time number of rows: each row bucket's
+    /// portable kernel gains both forms, which run in its bucket only,
+    /// over the tiles of the actual rows.
+    #[test]
+    fn dynamic_rows_gain_tensor_core_forms_per_bucket() {
+        let p = lower_one(
+            Op::Linear,
+            vec![
+                dynamic_input(DType::BF16, &[512, 256], 0),
+                weight(DType::BF16, &[256, 256]),
+            ],
+        )
+        .unwrap()
+        .payload;
+        assert_eq!(alternatives_gated_alike(&p, &[1, 64, 65, 256, 257, 512]), 3);
+        let product = |d: &crate::payload::Dispatch| d.alternatives[0].dispatches.last().cloned();
+        let top = p
+            .dispatches
+            .iter()
+            .filter(|d| !d.alternatives.is_empty())
+            .last();
+        let coop = product(top.unwrap()).unwrap();
+        let at = |n| coop.groups.as_ref().unwrap().eval(&[n]).unwrap();
+        assert!(0 < at(300) && at(300) < at(512), "{} {}", at(300), at(512));
     }
 
     /// Lowered emulating `form` (test mode), `op` has no alternative: its
