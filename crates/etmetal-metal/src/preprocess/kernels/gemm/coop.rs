@@ -959,13 +959,9 @@ mod tests {
         .unwrap()
         .payload;
         assert_eq!(alternatives_gated_alike(&p, &[1, 64, 65, 256, 257, 512]), 3);
-        let product = |d: &crate::payload::Dispatch| d.alternatives[0].dispatches.last().cloned();
-        let top = p
-            .dispatches
-            .iter()
-            .filter(|d| !d.alternatives.is_empty())
-            .last();
-        let coop = product(top.unwrap()).unwrap();
+        // the top bucket's tensor-core product
+        let top = p.dispatches.iter().rfind(|d| !d.alternatives.is_empty());
+        let coop = top.unwrap().alternatives[0].dispatches.last().unwrap();
         let at = |n| coop.groups.as_ref().unwrap().eval(&[n]).unwrap();
         assert!(0 < at(300) && at(300) < at(512), "{} {}", at(300), at(512));
     }
