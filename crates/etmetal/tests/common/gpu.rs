@@ -93,17 +93,18 @@ pub fn compile_emulating_report(graph: &Graph, form: CoopForm) -> Compiled {
 /// `case(n)`: a graph and its inputs with a dim of size `n`, the same
 /// graph at every `n` but for that dim (constants alike). The graph at
 /// `bound` with that dim, `at` (`(user input, dim)` pairs), made the
-/// dynamic symbol `s` in `1..=bound`, compiled emulating `form`, runs at
+/// dynamic symbol `s` in `1..=bound`, compiled emulating `form` (`None`:
+/// as compiled, the alternatives where the adapter offers them), runs at
 /// each of `sizes` in one loaded method and matches the CPU kernels on
 /// `case(n)`; at each size some kernel of the form is among the dispatches
 /// that run (the bucket of that size has them).
-pub fn check_dynamic_emulating(
+pub fn check_dynamic(
     case: impl Fn(usize) -> (Graph, Vec<Tensor>),
     at: &[(usize, usize)],
     bound: usize,
     sizes: &[usize],
     tol: f32,
-    form: CoopForm,
+    form: Option<CoopForm>,
     what: &str,
 ) {
     use etmetal_core::sym::{SymExpr, SymRange};
@@ -130,12 +131,15 @@ pub fn check_dynamic_emulating(
     for node in graph.nodes.clone() {
         etmetal_graph::infer_sym::assign_sym(&mut graph, &node).unwrap();
     }
-    let compiled = compile_emulating_report(&graph, form);
+    let compiled = match form {
+        Some(form) => compile_emulating_report(&graph, form),
+        None => compile_whole_within(&graph, &DeviceLimits::default()),
+    };
     let parts = &compiled.methods[0].partitions;
     assert_eq!(parts.len(), 1, "{what}: not delegated whole");
     let payload = &parts[0].payload;
     assert_eq!(payload.symbols.len(), 1, "{what}: symbols");
-    let tag = format!("_{}", form.emulated_tag());
+    let tag = form.map(|f| format!("_{}", f.emulated_tag()));
     let mut method = load_method(&compiled.pte);
     for &n in sizes {
         let running: Vec<&str> = payload
@@ -148,10 +152,12 @@ pub fn check_dynamic_emulating(
             })
             .map(|d| payload.kernels[d.kernel].name.as_str())
             .collect();
-        assert!(
-            running.iter().any(|k| k.ends_with(&tag)),
-            "{what} at {n}: no {form:?} kernel runs: {running:?}"
-        );
+        if let Some(tag) = &tag {
+            assert!(
+                running.iter().any(|k| k.ends_with(tag)),
+                "{what} at {n}: no {form:?} kernel runs: {running:?}"
+            );
+        }
         let (reference, inputs) = case(n);
         let expected = etmetal::eval::run_graph(&reference, inputs.clone())
             .unwrap_or_else(|e| panic!("{what} at {n}: CPU reference: {e}"));
