@@ -726,6 +726,7 @@ fn variants(graph: &etmetal_graph::Graph) -> Vec<(Option<CoopForm>, Vec<u8>)> {
 }
 
 /// Products over a run-time number of rows (`torch.export.Dim`, bound 128)
+/// or images (a convolution's batch, bound 4)
 /// on the emulated tensor-core kernels: each row bucket (up to 64, up to
 /// the bound) has its own, running the tiles of the actual rows; one
 /// loaded program at 100, 1, 17 and 64 (a bucket's end) rows (the
@@ -761,6 +762,25 @@ fn coop_dynamic_rows() {
             .input(random(H, &[40, 80], 1))
             .build()
     };
+    // a convolution over a run-time batch (bound 4): its images are the
+    // product's n, bucketed by an eighth and a half of the bound
+    let convolution = |images: usize| {
+        OpCase::new(conv(&[1, 1], &[1, 1], &[1, 1], 1))
+            .input(random(BF, &[images, 16, 12, 12], images as u64))
+            .weight(random(BF, &[64, 16, 3, 3], 1))
+            .weight(random(BF, &[64], 2))
+            .build()
+    };
+    let form = Some(CoopForm::Half16);
+    check_dynamic(
+        convolution,
+        &[(0, 0)],
+        4,
+        &[4, 1, 3],
+        BF_TOL,
+        form,
+        "dynamic bf16 conv",
+    );
     let what = "dynamic f16 matmul";
     check_dynamic(
         matmul,
