@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::gpu::{random, random_indices, OpCase};
+use common::gpu::{check_dynamic, random, random_indices, OpCase};
 use etmetal_core::{DType, Op, Tensor};
 use etmetal_metal::preprocess::CoopForm;
 
@@ -359,6 +359,31 @@ fn attention_masks_on_emulated_tensor_cores() {
         .input(random(b, &[2, 3, s, 64], 127))
         .input(mask)
         .check_coop(BF16_TOL, BOTH);
+}
+
+/// Causal GQA prefill over a run-time length (`torch.export.Dim`, bound
+/// 128) on the emulated tensor-core kernels: each row bucket has its own,
+/// over the row blocks of the actual length, keys ending at it (what lies
+/// past it in the bound layout is never read into a valid row); one loaded
+/// program at 100, 1, 17 and 64 tokens (the largest first: the smaller
+/// runs find its keys past their own). Also as compiled (on lavapipe, the
+/// portable kernel, whose keys end there too).
+#[test]
+fn dynamic_prefill_on_emulated_tensor_cores() {
+    let b = DType::BF16;
+    let case = |l: usize| {
+        let seed = l as u64;
+        OpCase::new(sdpa(true, None, true))
+            .input(random(b, &[1, 4, l, 64], seed))
+            .input(random(b, &[1, 2, l, 64], seed + 1))
+            .input(random(b, &[1, 2, l, 64], seed + 2))
+            .build()
+    };
+    let at = [(0, 2), (1, 2), (2, 2)];
+    for form in [None, Some(CoopForm::Half16), Some(CoopForm::Float8)] {
+        let what = format!("dynamic causal prefill {form:?}");
+        check_dynamic(case, &at, 128, &[100, 1, 17, 64], BF16_TOL, form, &what);
+    }
 }
 
 #[test]

@@ -7,7 +7,9 @@ mod common;
 
 use std::sync::Arc;
 
-use common::gpu::{assert_close, compile_emulating, compile_whole, random, run_pte, OpCase};
+use common::gpu::{
+    assert_close, check_dynamic, compile_emulating, compile_whole, random, run_pte, OpCase,
+};
 use etmetal_core::{AvgPoolAttrs, ConvAttrs, DType, MaxPoolAttrs, Op, Tensor};
 use etmetal_metal::preprocess::CoopForm;
 use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
@@ -721,4 +723,72 @@ fn variants(graph: &etmetal_graph::Graph) -> Vec<(Option<CoopForm>, Vec<u8>)> {
             .map(|&f| (Some(f), compile_emulating(graph, f))),
     );
     v
+}
+
+/// Products over a run-time number of rows (`torch.export.Dim`, bound 128)
+/// or images (a convolution's batch, bound 4)
+/// on the emulated tensor-core kernels: each row bucket (up to 64, up to
+/// the bound) has its own, running the tiles of the actual rows; one
+/// loaded program at 100, 1, 17 and 64 (a bucket's end) rows (the
+/// largest first: the smaller runs find its rows past their own).
+#[test]
+fn coop_dynamic_rows() {
+    const SIZES: [usize; 4] = [100, 1, 17, 64];
+    let linear = |dtype: DType| {
+        move |rows: usize| {
+            OpCase::new(Op::Linear)
+                .input(random(dtype, &[rows, 72], rows as u64))
+                .weight(random(dtype, &[96, 72], 1))
+                .weight(random(dtype, &[96], 2))
+                .build()
+        }
+    };
+    for form in FORMS {
+        let what = format!("dynamic bf16 linear {form:?}");
+        check_dynamic(
+            linear(BF),
+            &[(0, 0)],
+            128,
+            &SIZES,
+            BF_TOL,
+            Some(*form),
+            &what,
+        );
+    }
+    // a batch of rows times a user input (its columns scaled by a pre-pass)
+    let matmul = |rows: usize| {
+        OpCase::new(Op::MatMul)
+            .input(random(H, &[2, rows, 40], rows as u64))
+            .input(random(H, &[40, 80], 1))
+            .build()
+    };
+    // a convolution over a run-time batch (bound 4): its images are the
+    // product's n, bucketed by an eighth and a half of the bound
+    let convolution = |images: usize| {
+        OpCase::new(conv(&[1, 1], &[1, 1], &[1, 1], 1))
+            .input(random(BF, &[images, 16, 12, 12], images as u64))
+            .weight(random(BF, &[64, 16, 3, 3], 1))
+            .weight(random(BF, &[64], 2))
+            .build()
+    };
+    let form = Some(CoopForm::Half16);
+    check_dynamic(
+        convolution,
+        &[(0, 0)],
+        4,
+        &[4, 1, 3],
+        BF_TOL,
+        form,
+        "dynamic bf16 conv",
+    );
+    let what = "dynamic f16 matmul";
+    check_dynamic(
+        matmul,
+        &[(0, 1)],
+        128,
+        &SIZES,
+        BF_TOL,
+        Some(CoopForm::Half16),
+        what,
+    );
 }

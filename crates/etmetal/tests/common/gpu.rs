@@ -58,6 +58,11 @@ pub fn compile_whole_within(graph: &Graph, limits: &DeviceLimits) -> Compiled {
 /// that form is in it, so a case that never reaches the tensor-core
 /// kernels cannot pass on the portable ones.
 pub fn compile_emulating(graph: &Graph, form: CoopForm) -> Vec<u8> {
+    compile_emulating_report(graph, form).pte
+}
+
+/// [`compile_emulating`], with what went where.
+pub fn compile_emulating_report(graph: &Graph, form: CoopForm) -> Compiled {
     let options = CompileOptions {
         partition: PartitionOptions {
             mode: PartitionMode::Whole,
@@ -82,7 +87,93 @@ pub fn compile_emulating(graph: &Graph, form: CoopForm) -> Vec<u8> {
         emulated,
         "no {form:?} tensor-core kernel: the case misses them"
     );
-    compiled.pte
+    compiled
+}
+
+/// `case(n)`: a graph and its inputs with a dim of size `n`, the same
+/// graph at every `n` but for that dim (constants alike). The graph at
+/// `bound` with that dim, `at` (`(user input, dim)` pairs), made the
+/// dynamic symbol `s` in `1..=bound`, compiled emulating `form` (`None`:
+/// as compiled, the alternatives where the adapter offers them), runs at
+/// each of `sizes` in one loaded method and matches the CPU kernels on
+/// `case(n)`; at each size some kernel of the form is among the dispatches
+/// that run (the bucket of that size has them).
+pub fn check_dynamic(
+    case: impl Fn(usize) -> (Graph, Vec<Tensor>),
+    at: &[(usize, usize)],
+    bound: usize,
+    sizes: &[usize],
+    tol: f32,
+    form: Option<CoopForm>,
+    what: &str,
+) {
+    use etmetal_core::sym::{SymExpr, SymRange};
+    let (mut graph, _) = case(bound);
+    graph.sym.ranges.insert(
+        "s".into(),
+        SymRange {
+            min: 1,
+            max: bound as i64,
+        },
+    );
+    let users: Vec<ValueId> = graph.user_inputs().collect();
+    for &(input, dim) in at {
+        let v = users[input];
+        let mut dims: Vec<SymExpr> = graph
+            .value(v)
+            .shape
+            .iter()
+            .map(|&n| SymExpr::Const(n as i64))
+            .collect();
+        dims[dim] = SymExpr::sym("s");
+        graph.set_sym_dims(v, dims).unwrap();
+    }
+    for node in graph.nodes.clone() {
+        etmetal_graph::infer_sym::assign_sym(&mut graph, &node).unwrap();
+    }
+    let compiled = match form {
+        Some(form) => compile_emulating_report(&graph, form),
+        None => compile_whole_within(&graph, &DeviceLimits::default()),
+    };
+    let parts = &compiled.methods[0].partitions;
+    assert_eq!(parts.len(), 1, "{what}: not delegated whole");
+    let payload = &parts[0].payload;
+    assert_eq!(payload.symbols.len(), 1, "{what}: symbols");
+    let tag = form.map(|f| format!("_{}", f.emulated_tag()));
+    let mut method = load_method(&compiled.pte);
+    for &n in sizes {
+        let running: Vec<&str> = payload
+            .dispatches
+            .iter()
+            .filter(|d| {
+                d.groups
+                    .as_ref()
+                    .is_none_or(|g| g.eval(&[n as i64]).unwrap() > 0)
+            })
+            .map(|d| payload.kernels[d.kernel].name.as_str())
+            .collect();
+        if let Some(tag) = &tag {
+            assert!(
+                running.iter().any(|k| k.ends_with(tag)),
+                "{what} at {n}: no {form:?} kernel runs: {running:?}"
+            );
+        }
+        let (reference, inputs) = case(n);
+        let expected = etmetal::eval::run_graph(&reference, inputs.clone())
+            .unwrap_or_else(|e| panic!("{what} at {n}: CPU reference: {e}"));
+        let got = method
+            .execute(inputs)
+            .unwrap_or_else(|e| panic!("{what} at {n}: execute: {e}"));
+        assert_eq!(got.len(), expected.len(), "{what}: output count");
+        for (k, (g, e)) in got.iter().zip(&expected).enumerate() {
+            assert_close(
+                g,
+                e,
+                tol,
+                &format!("{what} at {n} emulating {form:?} output {k}"),
+            );
+        }
+    }
 }
 
 /// `graph` on the GPU, with tensor-core form `form` emulated

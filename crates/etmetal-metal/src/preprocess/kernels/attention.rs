@@ -33,6 +33,7 @@ use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
 use super::rows::{shared, tree_reduce, ROW_WORKGROUP};
+use crate::payload::Size;
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::LazyRef;
@@ -123,6 +124,17 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
                 let r = dims.len();
                 [extent(&dims[..r - 2]), dims[r - 2].0.clone()]
             }),
+        keys: match node.inputs.get(1).copied().flatten() {
+            Some(k) if lw.graph.is_dynamic(k) => {
+                let dims = lw.sizes.local(&lw.graph.sym_dims(k));
+                let keys = &dims[dims.len() - 2];
+                match keys.as_const() {
+                    Some(_) => None,
+                    None => Some(lw.sizes.size(keys)?),
+                }
+            }
+            _ => None,
+        },
     };
     if a.g.l <= DECODE_ROWS {
         return decode(lw, &a);
@@ -209,6 +221,10 @@ struct Attn {
     nb: usize,
     /// The run-time `(batch·heads, query rows)` where the output is dynamic.
     dynamic: Option<[SymExpr; 2]>,
+    /// The run-time key count where it is dynamic (causal attention over
+    /// as many keys as queries: the keys past it are masked for every
+    /// valid row, and hold whatever the bound layout has there).
+    keys: Option<Size>,
 }
 
 /// The partial results of a key split: `n` splits of each row, each
@@ -369,6 +385,64 @@ impl Attn {
     }
 
     /// The most key splits whose partials fit the buffer limit.
+    /// The WGSL of a prefill workgroup's end of keys: its split's (from
+    /// `kbeg`, `span` keys), for causal attention not past its last row
+    /// (`i0 + br`), and not past the run-time key count.
+    fn kend(&self, kb: &mut KernelBuilder, span: usize, br: usize) -> String {
+        let s = match &self.keys {
+            Some(keys) => kb.size(keys),
+            None => format!("{}u", self.g.s),
+        };
+        let mut kend = format!("min({s}, kbeg + {span}u)");
+        if self.is_causal {
+            kend = format!("min({kend}, i0 + {br}u)");
+        }
+        kend
+    }
+
+    /// The WGSL placing prefill workgroup `g` (over batch·heads and row
+    /// blocks of `br` rows, `blocks` of them) at row `i0` of batch·head
+    /// `b`. A run-time row count walks the row blocks outermost, so that
+    /// the valid ones come first whatever the batch·heads.
+    fn block_lets(&self, g: &str, br: usize, blocks: usize) -> String {
+        let nb = self.nb;
+        if self.dynamic_rows() {
+            format!("  let i0 = ({g} / {nb}u) * {br}u;\n  let b = {g} % {nb}u;\n")
+        } else {
+            format!("  let i0 = ({g} % {blocks}u) * {br}u;\n  let b = {g} / {blocks}u;\n")
+        }
+    }
+
+    fn dynamic_rows(&self) -> bool {
+        self.dynamic
+            .as_ref()
+            .is_some_and(|[_, r]| r.as_const().is_none())
+    }
+
+    /// The workgroups of a prefill grid ([`Self::block_lets`] over `br`-row
+    /// blocks, `blocks` of them, then `inner`, fastest last) at run time:
+    /// the row blocks of the valid query rows.
+    fn prefill_groups(
+        &self,
+        lw: &Lowering,
+        br: usize,
+        blocks: usize,
+        inner: &[(SymExpr, usize)],
+    ) -> Result<Option<Size>> {
+        let Some([nb, rows]) = &self.dynamic else {
+            return Ok(None);
+        };
+        let c = |n: usize| SymExpr::Const(n as i64);
+        let row_blocks = SymExpr::floor_div(rows.clone() + c(br - 1), c(br))?;
+        let (batch, rows) = ((nb.clone(), self.nb), (row_blocks, blocks));
+        let (outer, next) = match self.dynamic_rows() {
+            true => (rows, batch),
+            false => (batch, rows),
+        };
+        let dims: Vec<(SymExpr, usize)> = [outer, next].into_iter().chain(inner.to_vec()).collect();
+        lw.sizes.groups(&dims, 1)
+    }
+
     fn most_splits(&self, lw: &Lowering) -> Result<usize> {
         lw.scratch_parts(self.nb * self.g.l * (self.g.ev + 2))
     }
@@ -479,24 +553,8 @@ fn prefill(lw: &mut Lowering, a: &Attn, rows: usize) -> Result<()> {
         bc * pstride
     );
     main.push_str(&entry(wg as u32));
-    let kend = if a.is_causal {
-        format!("min(min({s}u, kbeg + {span}u), i0 + {br}u)")
-    } else {
-        format!("min({s}u, kbeg + {span}u)")
-    };
-    // a run-time row count walks row blocks outermost, so that the valid
-    // ones come first whatever the batch·heads
-    let dynamic_rows = a
-        .dynamic
-        .as_ref()
-        .is_some_and(|[_, r]| r.as_const().is_none());
-    let block_of = match dynamic_rows {
-        true => format!(
-            "  let i0 = (g2 / {}u) * {br}u;\n  let b = g2 % {}u;\n",
-            a.nb, a.nb
-        ),
-        false => format!("  let i0 = (g2 % {blocks}u) * {br}u;\n  let b = g2 / {blocks}u;\n"),
-    };
+    let kend = a.kend(&mut kb, span, br);
+    let block_of = a.block_lets("g2", br, blocks);
     main.push_str(&format!(
         "  let g0 = {FLAT_GROUP};\n  if (g0 >= {total}u) {{ return; }}\n\
          \x20 let sl = g0 % {slices}u;\n  let g1 = g0 / {slices}u;\n\
@@ -665,21 +723,9 @@ fn prefill(lw: &mut Lowering, a: &Attn, rows: usize) -> Result<()> {
     main.push_str("}\n");
     let workgroups = grid(total as u64, lw.options.max_workgroups_per_dim)?;
     let storage = (16 * region + 4 * (bc * pstride + br)) as u32;
-    // at run time, the row blocks of the valid query rows
-    let actual = match &a.dynamic {
-        Some([nb, rows]) => {
-            let c = |n: usize| SymExpr::Const(n as i64);
-            let row_blocks = SymExpr::floor_div(rows.clone() + c(br - 1), c(br))?;
-            let (batch, rows) = ((nb.clone(), a.nb), (row_blocks, blocks));
-            let (outer, inner) = match rows.0.as_const() {
-                None => (rows, batch),
-                Some(_) => (batch, rows),
-            };
-            let dims = [outer, inner, (c(nsplit), nsplit), (c(slices), slices)];
-            lw.sizes.groups(&dims, 1)?
-        }
-        None => None,
-    };
+    let c = |n: usize| SymExpr::Const(n as i64);
+    let inner = [(c(nsplit), nsplit), (c(slices), slices)];
+    let actual = a.prefill_groups(lw, br, blocks, &inner)?;
     lw.add_dispatch_sized(
         kb.finish(&main),
         vec![lw.op_label()],

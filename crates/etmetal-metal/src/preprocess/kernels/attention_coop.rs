@@ -1,10 +1,12 @@
 //! Flash attention on tensor cores: a payload alternative (see
 //! `payload::Alternative`) of the prefill kernel of `attention.rs` for
 //! many query rows (prefill, encoders), head dims 64 and 128 (q, k and v
-//! alike), static shapes. Where the portable kernel splits the keys over
-//! workgroups, this one takes the same splits and writes the same
-//! partials, which the combine kernel merges. Other attentions keep the
-//! portable kernel only.
+//! alike). Where the portable kernel splits the keys over workgroups,
+//! this one takes the same splits and writes the same partials, which the
+//! combine kernel merges; over a run-time length it takes the same row
+//! buckets, grid order, workgroup counts and end of keys (`Attn::kend`,
+//! `block_lets`, `prefill_groups`). Other attentions keep the portable
+//! kernel only.
 //!
 //! A workgroup takes [`BR`] query rows of one batch·head, [`RS`] rows a
 //! subgroup, and walks the keys in tiles of `bc` (32 in the 16×16 form, 16
@@ -36,6 +38,7 @@
 
 use std::fmt::Write;
 
+use etmetal_core::sym::SymExpr;
 use etmetal_core::{DType, Result};
 
 use super::{Attn, KeySplit};
@@ -70,8 +73,7 @@ pub(super) fn alternatives(
 ) -> Result<()> {
     let g = &a.g;
     let dtypes = [a.q.dtype, a.k.dtype, a.v.dtype];
-    if a.dynamic.is_some()
-        || g.e != g.ev
+    if g.e != g.ev
         || !matches!(g.e, 64 | 128)
         || g.l < BR
         || a.nb * g.l * g.s * g.e < MIN_WORK
@@ -143,18 +145,15 @@ fn kernel(
         cm.params()
     );
     m.push_str(&cm.prologue());
-    let kend = if a.is_causal {
-        format!("min(min({s}u, kbeg + {span}u), i0 + {BR}u)")
-    } else {
-        format!("min({s}u, kbeg + {span}u)")
-    };
+    let kend = a.kend(&mut kb, span, BR);
     let _ = write!(
         m,
         "  let g0 = {FLAT_GROUP};\n  if (g0 >= {total}u) {{ return; }}\n\
          \x20 let sp = g0 % {nsplit}u;\n  let g1 = g0 / {nsplit}u;\n  let kbeg = sp * {span}u;\n\
-         \x20 let i0 = (g1 % {blocks}u) * {BR}u;\n  let b = g1 / {blocks}u;\n{}\
+         {}{}\
          \x20 let kend = {kend};\n  let lrow = sl / {per_row}u;\n\
          \x20 let lcol = (sl % {per_row}u) * {oe}u;\n",
+        a.block_lets("g1", BR, blocks),
         a.batch_lets()
     );
     // q rows, once
@@ -353,13 +352,16 @@ fn kernel(
         storage += 4 * (BR + bc + dh);
     }
     let workgroups = grid(total as u64, lw.options.max_workgroups_per_dim)?;
+    let splits = (SymExpr::Const(nsplit as i64), nsplit);
+    let actual = a.prefill_groups(lw, BR, blocks, &[splits])?;
     let ops = vec![lw.op_label()];
-    lw.add_dispatch(
+    lw.add_dispatch_sized(
         built,
         ops,
         [THREADS as u32, 1, 1],
         workgroups,
         storage as u32,
+        actual,
     )
 }
 
@@ -430,7 +432,9 @@ fn indent(s: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::super::testing::{input, lower_one_with, Operand};
+    use super::super::super::testing::{
+        alternatives_gated_alike, dynamic_input, input, lower_one, lower_one_with, Operand,
+    };
     use crate::preprocess::{CoopForm, PreprocessOptions};
     use etmetal_core::{DType, Op};
 
@@ -520,6 +524,29 @@ mod tests {
         ] {
             let got = tags(sdpa(false, false), operands, None);
             assert!(got.iter().all(|t| !t.starts_with("coop")), "{got:?}");
+        }
+    }
+    /// Causal GQA prefill over a run-time length: each row bucket's
+    /// portable kernel gains both forms, running in its bucket only, their
+    /// keys ending at the run-time length (the sizes uniform).
+    #[test]
+    fn dynamic_prefill_gains_tensor_core_forms() {
+        let b = DType::BF16;
+        let operands = vec![
+            dynamic_input(b, &[1, 8, 512, 64], 2),
+            dynamic_input(b, &[1, 2, 512, 64], 2),
+            dynamic_input(b, &[1, 2, 512, 64], 2),
+        ];
+        let p = lower_one(sdpa(true, true), operands).unwrap().payload;
+        let sizes = [1, 64, 65, 256, 257, 512];
+        assert_eq!(alternatives_gated_alike(&p, &sizes), 3, "buckets");
+        for d in p.dispatches.iter().filter(|d| !d.alternatives.is_empty()) {
+            assert_eq!(d.alternatives.len(), 2);
+            for alt in &d.alternatives {
+                let k = &p.kernels[alt.dispatches.last().unwrap().kernel];
+                assert!(k.wgsl.contains("sz.v"), "{}", k.name);
+                assert!(alt.dispatches.last().unwrap().groups.is_some());
+            }
         }
     }
 }

@@ -1,5 +1,6 @@
 //! Test helpers: one op node lowered as a partition of its own.
 
+use etmetal_core::sym::{SymExpr, SymRange};
 use etmetal_core::{DType, Op, Result, Tensor};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind};
 
@@ -12,6 +13,8 @@ pub struct Operand {
     pub dtype: DType,
     pub shape: Vec<usize>,
     pub weight: bool,
+    /// The dim that is the run-time size `s`, in `1..=` its bound.
+    pub dynamic: Option<usize>,
 }
 
 pub fn input(dtype: DType, shape: &[usize]) -> Option<Operand> {
@@ -19,6 +22,16 @@ pub fn input(dtype: DType, shape: &[usize]) -> Option<Operand> {
         dtype,
         shape: shape.to_vec(),
         weight: false,
+        dynamic: None,
+    })
+}
+
+/// A user input whose dim `dim` is the run-time size `s` (one symbol for
+/// every such input), in `1..=shape[dim]`.
+pub fn dynamic_input(dtype: DType, shape: &[usize], dim: usize) -> Option<Operand> {
+    Some(Operand {
+        dynamic: Some(dim),
+        ..input(dtype, shape)?
     })
 }
 
@@ -27,6 +40,7 @@ pub fn weight(dtype: DType, shape: &[usize]) -> Option<Operand> {
         dtype,
         shape: shape.to_vec(),
         weight: true,
+        dynamic: None,
     })
 }
 
@@ -78,6 +92,17 @@ pub fn lower_one_with(
             continue;
         };
         let v = graph.add_value(format!("in{i}"), o.dtype, o.shape.clone());
+        if let Some(d) = o.dynamic {
+            let max = o.shape[d] as i64;
+            graph
+                .sym
+                .ranges
+                .insert("s".into(), SymRange { min: 1, max });
+            let mut dims: Vec<SymExpr> =
+                o.shape.iter().map(|&n| SymExpr::Const(n as i64)).collect();
+            dims[d] = SymExpr::sym("s");
+            graph.set_sym_dims(v, dims)?;
+        }
         if o.weight {
             graph.constants.insert(v, Tensor::zeros(o.dtype, &o.shape)?);
             part.constants.push(v);
@@ -103,6 +128,7 @@ pub fn lower_one_with(
         graph.outputs.push((v, OutputKind::User));
         part.outputs.push(v);
     }
+    etmetal_graph::infer_sym::assign_sym(&mut graph, &node)?;
     graph.nodes.push(node);
     preprocess(&graph, &part, options)
 }
@@ -117,4 +143,29 @@ pub fn lower_inputs(op: Op, inputs: &[Option<(DType, &[usize])>]) -> Result<Prep
             .map(|s| s.and_then(|(d, shape)| input(d, shape)))
             .collect(),
     )
+}
+
+/// The dispatches of `p` that have alternatives, after checking that at
+/// each of `sizes` (of its one symbol) every dispatch of an alternative
+/// runs (has workgroups) exactly where the dispatch it replaces does: the
+/// same size bucket.
+pub fn alternatives_gated_alike(p: &crate::payload::Payload, sizes: &[i64]) -> usize {
+    let runs = |d: &crate::payload::Dispatch, n: i64| match &d.groups {
+        Some(g) => g.eval(&[n]).unwrap() > 0,
+        None => true,
+    };
+    let with: Vec<_> = p
+        .dispatches
+        .iter()
+        .filter(|d| !d.alternatives.is_empty())
+        .collect();
+    for (i, d) in with.iter().enumerate() {
+        for &n in sizes {
+            for inner in d.alternatives.iter().flat_map(|a| &a.dispatches) {
+                let name = &p.kernels[inner.kernel].name;
+                assert_eq!(runs(inner, n), runs(d, n), "{name} (of {i}) at {n}");
+            }
+        }
+    }
+    with.len()
 }

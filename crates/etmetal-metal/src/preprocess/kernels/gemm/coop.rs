@@ -71,6 +71,7 @@
 
 use std::fmt::Write;
 
+use etmetal_core::sym::SymExpr;
 use etmetal_core::{DType, Result, Tensor};
 
 use super::spec::{F16Scaling, Gemm, GemmArgs, FILL};
@@ -92,6 +93,9 @@ const MIN_WORK: usize = 1 << 18;
 
 /// Invocations of a pre-pass workgroup.
 const PREPASS: usize = 256;
+/// Chunks of 4 lines a pre-pass workgroup takes where lines are not
+/// contiguous along k.
+const PREPASS_CHUNKS: usize = 8;
 
 impl F16Scaling {
     /// The scaling of operand `x`; `None` for operands that are not f16 or
@@ -381,7 +385,7 @@ fn prepass<A: GemmArgs + ?Sized>(
     } else {
         // an invocation per 4 adjacent lines and a 1/PHASES of k, the
         // phases then reduced in workgroup memory
-        const CHUNKS: usize = 8;
+        const CHUNKS: usize = PREPASS_CHUNKS;
         const PHASES: usize = PREPASS / CHUNKS;
         let chunks = len.div_ceil(4);
         let total = batch * chunks;
@@ -419,13 +423,30 @@ fn prepass<A: GemmArgs + ?Sized>(
     };
     let built = kb.finish(&s).tagged("range");
     let workgroups = grid(groups as u64, lw.options.max_workgroups_per_dim)?;
+    // at run time, the workgroups of the valid lines (batch outermost)
+    let actual = match &gemm.dynamic {
+        Some([b, m, n]) => {
+            let line = if o.name == "a" { m } else { n };
+            let (lines, per) = match o.k_fast {
+                true => ((line.clone(), len), 1),
+                false => {
+                    let c = |x: usize| SymExpr::Const(x as i64);
+                    let quads = SymExpr::floor_div(line.clone() + c(3), c(4))?;
+                    ((quads, len.div_ceil(4)), PREPASS_CHUNKS)
+                }
+            };
+            lw.sizes.groups(&[(b.clone(), batch), lines], per)?
+        }
+        None => None,
+    };
     let ops = vec![lw.op_label()];
-    lw.add_dispatch(
+    lw.add_dispatch_sized(
         built,
         ops,
         [PREPASS as u32, 1, 1],
         workgroups,
         (PREPASS * 16) as u32,
+        actual,
     )?;
     Ok(exps)
 }
@@ -782,7 +803,9 @@ fn kernel(
 mod tests {
     use super::*;
     use crate::payload::{CoopType, Needs, Payload};
-    use crate::preprocess::kernels::testing::{input, lower_one, lower_one_with, weight, Operand};
+    use crate::preprocess::kernels::testing::{
+        alternatives_gated_alike, dynamic_input, input, lower_one, lower_one_with, weight, Operand,
+    };
     use crate::preprocess::PreprocessOptions;
     use etmetal_core::Op;
     use half::{bf16, f16};
@@ -940,6 +963,33 @@ mod tests {
             let p = lower_one(op, operands).unwrap();
             assert!(alternatives(&p.payload).is_empty());
         }
+    }
+
+    /// A bf16 linear over a run-time number of rows: each row bucket's
+    /// portable kernel gains both forms, which run in its bucket only,
+    /// over the tiles of the actual rows.
+    #[test]
+    fn dynamic_rows_gain_tensor_core_forms_per_bucket() {
+        let p = lower_one(
+            Op::Linear,
+            vec![
+                dynamic_input(DType::BF16, &[512, 256], 0),
+                weight(DType::BF16, &[256, 256]),
+            ],
+        )
+        .unwrap()
+        .payload;
+        assert_eq!(alternatives_gated_alike(&p, &[1, 64, 65, 256, 257, 512]), 3);
+        // the top bucket's tensor-core product
+        let top = p.dispatches.iter().rfind(|d| !d.alternatives.is_empty());
+        let coop = top.unwrap().alternatives[0].dispatches.last().unwrap();
+        let at = |n| coop.groups.as_ref().unwrap().eval(&[n]).unwrap();
+        assert!(0 < at(300) && at(300) < at(512), "{} {}", at(300), at(512));
+        // its pre-pass takes the rows (a workgroup each) of the actual m
+        let prepass = &top.unwrap().alternatives[0].dispatches[0];
+        assert!(p.kernels[prepass.kernel].name.ends_with("_range"));
+        let rows = |n| prepass.groups.as_ref().unwrap().eval(&[n]).unwrap();
+        assert_eq!((rows(200), rows(300), rows(512)), (0, 300, 512));
     }
 
     /// Lowered emulating `form` (test mode), `op` has no alternative: its
