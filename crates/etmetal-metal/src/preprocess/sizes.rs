@@ -171,6 +171,12 @@ impl Sizes {
     }
 }
 
+/// Upper ends of the row buckets of a product of dynamic rows and of a
+/// prefill's query rows (the last bucket ends at the bound): each bucket
+/// gets the kernels a static program of its largest count would, gated
+/// to it ([`bucket`]).
+pub(crate) const ROW_BUCKETS: [usize; 2] = [64, 256];
+
 /// 1 where `lo < e <= hi` (`lo` 0: no lower end; `hi` `None`: no upper
 /// end), else 0, for `e >= 0`: a size bucket's gate.
 pub(crate) fn bucket(e: &SymExpr, lo: usize, hi: Option<usize>) -> Result<SymExpr> {

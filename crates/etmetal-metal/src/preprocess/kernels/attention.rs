@@ -38,7 +38,7 @@ use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::LazyRef;
 use crate::preprocess::pointwise::{cast, float_literal};
-use crate::preprocess::sizes::{bucket, extent};
+use crate::preprocess::sizes::{bucket, extent, ROW_BUCKETS};
 use crate::preprocess::Lowering;
 
 /// The tensor-core form of the prefill kernel.
@@ -160,9 +160,6 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     }
     Ok(())
 }
-
-/// Upper ends of the query-row buckets of a prefill of run-time length.
-const ROW_BUCKETS: [usize; 2] = [64, 256];
 
 /// q, k, v and the mask. The decode kernel reads q once a workgroup and
 /// k, v and the mask once a key, so for at most [`DECODE_ROWS`] query rows

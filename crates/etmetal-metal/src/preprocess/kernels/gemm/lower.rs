@@ -9,13 +9,8 @@ use super::spec::{Gemm, GemmArgs, FILL};
 use super::split::{split_k, SplitK};
 use crate::preprocess::emit::{grid, Built, KernelBuilder};
 use crate::preprocess::kernels::coopmat::CoopForm;
-use crate::preprocess::sizes::bucket;
+use crate::preprocess::sizes::{bucket, ROW_BUCKETS};
 use crate::preprocess::Lowering;
-
-/// Upper ends of the row buckets of a product of dynamic m: each bucket
-/// gets the tiles (and split of k) a static product of its largest m
-/// would, and runs only when the actual m falls in it.
-const ROW_BUCKETS: [usize; 2] = [64, 256];
 
 impl Gemm {
     /// Validate and append the kernel(s), reading the operands and storing
