@@ -43,7 +43,7 @@ use etmetal_core::{DType, Result};
 
 use super::{Attn, KeySplit};
 use crate::preprocess::emit::{grid, KernelBuilder, FLAT_GROUP};
-use crate::preprocess::kernels::coopmat::{CoopForm, Role, SUBGROUP};
+use crate::preprocess::kernels::coopmat::{CoopForm, CoopMat, Role, SUBGROUP};
 use crate::preprocess::kernels::gemm::F16_SCALING_WGSL;
 use crate::preprocess::pointwise::float_literal;
 use crate::preprocess::Lowering;
@@ -212,24 +212,8 @@ fn kernel(
         let ld = cm.load(Role::B, "kv", elem, &at, &format!("{qp}u"), false);
         let _ = writeln!(m, "        let kb{j} = {ld};");
     }
-    for i in 0..fr {
-        for j in 0..fc {
-            let c = format!("s{i}_{j}");
-            let _ = writeln!(
-                m,
-                "        {c} = {};",
-                cm.mma(&format!("qa{i}"), &format!("kb{j}"), &c)
-            );
-        }
-    }
-    m.push_str("      }\n");
-    for i in 0..fr {
-        for j in 0..fc {
-            let at = format!("(sg * {RS}u + {}u) * {bc}u + {}u", i * size, j * size);
-            let st = cm.store(&format!("s{i}_{j}"), "sc", &at, &format!("{bc}u"), true);
-            let _ = writeln!(m, "      {st}");
-        }
-    }
+    let tiles = Tiles { fr, fc, size, bc };
+    tiles.multiply(&mut m, &mut cm, "qa", "kb", "s");
     m.push_str("    }\n    workgroupBarrier();\n");
     // 3. online softmax, one invocation a row; the value tile into kv
     let unscale = if scaled {
@@ -294,24 +278,7 @@ fn kernel(
             let ld = cm.load(Role::B, "kv", elem, &at, &format!("{qp}u"), true);
             let _ = writeln!(m, "        let vb{j} = {ld};");
         }
-        for i in 0..fr {
-            for j in 0..fc {
-                let c = format!("u{i}_{j}");
-                let _ = writeln!(
-                    m,
-                    "        {c} = {};",
-                    cm.mma(&format!("pa{i}"), &format!("vb{j}"), &c)
-                );
-            }
-        }
-        m.push_str("      }\n");
-        for i in 0..fr {
-            for j in 0..fc {
-                let at = format!("(sg * {RS}u + {}u) * {bc}u + {}u", i * size, j * size);
-                let st = cm.store(&format!("u{i}_{j}"), "sc", &at, &format!("{bc}u"), true);
-                let _ = writeln!(m, "      {st}");
-            }
-        }
+        tiles.multiply(&mut m, &mut cm, "pa", "vb", "u");
         m.push_str("    }\n    workgroupBarrier();\n");
         for x in 0..oe {
             let pv = format!("sc[(sg * {RS}u + lrow) * {bc}u + lcol + {x}u]");
@@ -363,6 +330,39 @@ fn kernel(
         storage as u32,
         actual,
     )
+}
+
+/// A subgroup's `fr × fc` accumulators of `size`-square tiles over `bc`
+/// columns of the score array `sc`.
+struct Tiles {
+    fr: usize,
+    fc: usize,
+    size: usize,
+    bc: usize,
+}
+
+impl Tiles {
+    /// The products `{acc}i_j += {a}i · {b}j` closing the loop over the
+    /// shared dim, then each accumulator stored into the subgroup's rows
+    /// of `sc`.
+    fn multiply(&self, m: &mut String, cm: &mut CoopMat, a: &str, b: &str, acc: &str) {
+        let Tiles { fr, fc, size, bc } = *self;
+        for i in 0..fr {
+            for j in 0..fc {
+                let c = format!("{acc}{i}_{j}");
+                let product = cm.mma(&format!("{a}{i}"), &format!("{b}{j}"), &c);
+                let _ = writeln!(m, "        {c} = {product};");
+            }
+        }
+        m.push_str("      }\n");
+        for i in 0..fr {
+            for j in 0..fc {
+                let at = format!("(sg * {RS}u + {}u) * {bc}u + {}u", i * size, j * size);
+                let st = cm.store(&format!("{acc}{i}_{j}"), "sc", &at, &format!("{bc}u"), true);
+                let _ = writeln!(m, "      {st}");
+            }
+        }
+    }
 }
 
 /// Statements staging `rows` rows of `dh` columns (`at(col)`, `lid` the
