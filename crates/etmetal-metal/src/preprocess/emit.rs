@@ -149,15 +149,10 @@ impl<'a> KernelBuilder<'a> {
         let desc = &self.buffers.list[buf];
         let (storage, dtype, name) = (desc.storage, desc.dtype, desc.name.clone());
         let b = self.bind_as(buf, 4);
-        let unpack = match (storage, dtype) {
-            (Storage::F32, _) => return Ok(format!("b{b}[{c}]")),
-            (Storage::Packed16, DType::BF16) => {
-                "bitcast<vec4<f32>>(vec4<u32>(w.x << 16u, w.x & 0xffff0000u, w.y << 16u, w.y & 0xffff0000u))"
-            }
-            (Storage::Packed16, _) => {
-                "vec4<f32>(f16dec(w.x), f16dec(w.x >> 16u), f16dec(w.y), f16dec(w.y >> 16u))"
-            }
-            (Storage::I32, _) => {
+        let unpack = match storage {
+            Storage::F32 => return Ok(format!("b{b}[{c}]")),
+            Storage::Packed16 => unpack4(dtype, "w.x", "w.y"),
+            Storage::I32 => {
                 return Err(Error::internal(format!(
                     "buffer `{name}` holds integers: no float chunks"
                 )))
@@ -188,31 +183,14 @@ impl<'a> KernelBuilder<'a> {
                     format!("array<vec4<f32>, 2>(b{b}[2u * c], b{b}[2u * c + 1u])"),
                 )
             }
-            (Storage::Packed16, DType::BF16) => {
-                let b = self.bind_as(buf, 8);
-                let half = |x: &str, y: &str| {
-                    format!("bitcast<vec4<f32>>(vec4<u32>(w.{x} << 16u, w.{x} & 0xffff0000u, w.{y} << 16u, w.{y} & 0xffff0000u))")
-                };
-                (
-                    b,
-                    format!(
-                        "array<vec4<f32>, 2>({}, {})",
-                        half("x", "y"),
-                        half("z", "w")
-                    ),
-                )
-            }
             (Storage::Packed16, _) => {
                 let b = self.bind_as(buf, 8);
-                let half = |x: &str, y: &str| {
-                    format!("vec4<f32>(f16dec(w.{x}), f16dec(w.{x} >> 16u), f16dec(w.{y}), f16dec(w.{y} >> 16u))")
-                };
                 (
                     b,
                     format!(
                         "array<vec4<f32>, 2>({}, {})",
-                        half("x", "y"),
-                        half("z", "w")
+                        unpack4(dtype, "w.x", "w.y"),
+                        unpack4(dtype, "w.z", "w.w")
                     ),
                 )
             }
@@ -709,6 +687,17 @@ impl Built {
 }
 
 /// The node a check of `v` names.
+/// The four 16-bit floats (`dtype` bf16 or f16) packed two a word in u32
+/// expressions `lo` and `hi`, as a `vec4<f32>` (low halves first).
+fn unpack4(dtype: DType, lo: &str, hi: &str) -> String {
+    match dtype {
+        DType::BF16 => format!(
+            "bitcast<vec4<f32>>(vec4<u32>({lo} << 16u, {lo} & 0xffff0000u, {hi} << 16u, {hi} & 0xffff0000u))"
+        ),
+        _ => format!("vec4<f32>(f16dec({lo}), f16dec({lo} >> 16u), f16dec({hi}), f16dec({hi} >> 16u))"),
+    }
+}
+
 fn node_of(v: &LazyRef) -> &str {
     v.node.as_deref().unwrap_or("(unnamed)")
 }
