@@ -49,6 +49,8 @@ RESULTS = HERE / "results"
 # runs the same product in bf16 with a float weight of the same shape)
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int4": torch.bfloat16}
 RUNS, WARMUP = 20, 5
+# `gpu --portable-too`: op rows also measured with `--coop off`
+PORTABLE_TOO = False
 REPEAT = 3  # separate measurements of each figure: median and [min, max]
 INT4_GROUP = 32
 # HBM: the datasheet's 4.8 TB/s for ops' % of bandwidth; 4.3 TB/s (what a
@@ -146,6 +148,24 @@ def op_cases() -> dict[str, OpCase]:
     return cases
 
 
+def user_llama1b() -> nn.Module:
+    """The decode issue's Llama-3.2-1B shape as a user writes it without
+    transformers (tests/parity/models/decoders.py: the KV cache in
+    registered buffers of LLAMA_CACHE positions written with
+    `index_copy_`, GQA through `repeat_interleave`, a boolean mask over the
+    cache), weights scaled as `full_decoder` does."""
+    from models.decoders import Decoder
+
+    c = LLAMA_1B
+    m = Decoder(llama=True, vocab=c["vocab_size"], dim=c["hidden_size"], heads=c["num_attention_heads"],
+                kv_heads=c["num_key_value_heads"], layers=c["num_hidden_layers"], max_len=LLAMA_CACHE,
+                hidden=c["intermediate_size"])
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(1.0 / max(1, p.shape[-1] // 8) ** 0.5)
+    return m
+
+
 def full_decoder(llama: bool) -> nn.Module:
     """The KV-cache decoders of tests/parity/models/decoders.py at full size:
     Llama-style 1024 wide, 8 layers, GQA 16/4 heads, 32k vocabulary; GPT-2
@@ -209,7 +229,7 @@ def decoder_roofline_bytes(config: dict, dtype: str, ctx: int) -> dict:
     q = c["num_attention_heads"] * c["head_dim"]
     linears = [(q, h), (kv, h), (kv, h), (h, q), (c["intermediate_size"], h), (c["intermediate_size"], h),
                (h, c["intermediate_size"])] * c["num_hidden_layers"] + [(c["vocab_size"], h)]
-    size = 2
+    size = 4 if dtype == "f32" else 2
     if dtype == "int4":
         weights = sum(int4_linear_bytes(n, k) for n, k in linears)
     else:
@@ -256,6 +276,9 @@ def model_cases() -> dict[str, ModelCase]:
         "llama1b_decode512": ModelCase(lambda: llama(**LLAMA_1B), tokens(vocab, 1, LLAMA_CTX),
                                        dtypes=("bf16", "int4"), cpu=False, roofline=(LLAMA_1B, LLAMA_CTX),
                                        recipe=True),
+        "llama1b_user_decode512": ModelCase(user_llama1b, tokens(vocab, 1, LLAMA_CTX),
+                                            dtypes=("bf16", "int4", "f32"), cpu=False,
+                                            roofline=(LLAMA_1B, LLAMA_CTX)),
         "llama1b_prefill512": ModelCase(lambda: llama(**LLAMA_1B), tokens(vocab, LLAMA_CTX, 0),
                                         dtypes=("bf16", "int4"), cpu=False, recipe=True),
     }
@@ -325,21 +348,38 @@ def write_inputs(xs, folder: Path) -> list[Path]:
     return paths
 
 
-def etmetal_bench(pte: Path, inputs: list[Path], device: str, runs=RUNS, warmup=WARMUP, env=None) -> dict:
-    """`etmetal run --bench` of `pte`: its JSON plus the first output."""
+def etmetal_bench(pte: Path, inputs: list[Path], device: str, runs=RUNS, warmup=WARMUP, env=None,
+                  coop="auto") -> dict:
+    """`etmetal run --bench` of `pte`: its JSON plus the first output.
+    `coop`: `--coop` (auto: tensor cores where the GPU offers them)."""
     with tempfile.TemporaryDirectory() as d:
         js = Path(d) / "bench.json"
         cmd = [binary(), "run", pte, "--device", device, "--output-dir", d,
-               "--bench", runs, "--warmup", warmup, "--bench-json", js]
+               "--bench", runs, "--warmup", warmup, "--bench-json", js, "--trace"]
         if device != "cpu":
-            cmd += ["--coop", "auto"]  # tensor cores where the GPU offers them
+            cmd += ["--coop", coop]
         if inputs:
             cmd += ["--inputs", ",".join(map(str, inputs))]
         r = sh(cmd, env=env)
         out = json.loads(js.read_text())
         out["stderr"] = r.stderr.strip()
+        out["trace"] = last_trace(r.stderr)
         out["output_0"] = np.load(Path(d) / "output_0.npy")
         return out
+
+
+def last_trace(stderr: str) -> list[str]:
+    """The host trace of the last traced execute (`run --trace` traces the
+    first and one after the timed ones): its lines, each execute's opening
+    with the inputs written into planned memory."""
+    blocks = []
+    for line in stderr.splitlines():
+        if not line.startswith("trace:"):
+            continue
+        if "inputs into planned memory" in line or not blocks:
+            blocks.append([])
+        blocks[-1].append(line[len("trace:"):].rstrip())
+    return blocks[-1] if blocks else []
 
 
 def rel_err(got, want: torch.Tensor) -> float:
@@ -632,8 +672,13 @@ def gpu_op(name: str, dt: str, scratch: Path) -> dict:
     # and copying on the host (see the e2e column): fewer runs keep the whole
     # harness inside one device call.
     big = moved > 64 << 20
-    figures, b = etmetal_repeated(WORK / "ops" / f"{name}.{dt}.pte", write_inputs(xs, scratch / name),
-                                  runs=5 if big else RUNS, warmup=2 if big else WARMUP)
+    pte, inputs = WORK / "ops" / f"{name}.{dt}.pte", write_inputs(xs, scratch / name)
+    bench = dict(runs=5 if big else RUNS, warmup=2 if big else WARMUP)
+    figures, b = etmetal_repeated(pte, inputs, **bench)
+    if PORTABLE_TOO:
+        # the same file with every kernel in its portable form
+        portable, _ = etmetal_repeated(pte, inputs, coop="off", **bench)
+        figures.update({f"{k}_portable": v for k, v in portable.items()})
     gpu = b.get("gpu") or {}
     return {"op": name, "dtype": dt, "flops": case.flops, "bytes": moved, "torch_bytes": case.elems * size,
             "bound": "memory" if case.memory_bound else "compute", **torch_figures, **figures,
@@ -708,6 +753,7 @@ def gpu_model(name: str, dt: str, scratch: Path, shared: dict) -> dict:
             "top_kernels": [{"kernel": k["kernel"], "ms": k["median_ms"], "share": k["share"]} for k in top],
             **({"dispatch_ms": breakdown} if breakdown else {}),
             "peak_rss": b["peak_rss_bytes"], "peak_rss_after_load": b["peak_rss_after_load_bytes"],
+            "host_trace": b["trace"],
             "err": rel_err(b["output_0"], want)}
 
 
@@ -821,6 +867,8 @@ def gpu(args):
                 print(json.dumps(ops[-1]), flush=True)
         for name, case in model_cases().items():
             for dt in case.dtypes:
+                if args.dtypes and dt not in args.dtypes.split(","):
+                    continue
                 if (name, dt) in done or not wanted(name):
                     models.extend([done[name, dt]] if (name, dt) in done else [])
                     continue
@@ -879,7 +927,11 @@ if __name__ == "__main__":
     ap.add_argument("--resume", help="cpu/gpu: keep the rows of this earlier run's log, measure the rest")
     ap.add_argument("--only", help="prepare/cpu/gpu: only the ops/models whose names start with one of these "
                     "(comma-separated)")
+    ap.add_argument("--dtypes", help="gpu: only the model rows of these dtypes (comma-separated)")
+    ap.add_argument("--portable-too", action="store_true",
+                    help="gpu: measure each op row again with every kernel in its portable form (--coop off)")
     a = ap.parse_args()
+    PORTABLE_TOO = a.portable_too
     if a.step == "report":
         import report
 

@@ -13,7 +13,7 @@
 #         crash   the tensor-core crash check, TIMES=10 multi-threaded runs
 #         host    benchmarks/host_path.py (the host path, 1 KiB to 1 GiB)
 #         int4    benchmarks/run.py prepare --only int4_gemv (exports the GEMV rows)
-#         bench   benchmarks/run.py gpu --only "$ONLY" into $OUT/gpu_$TAG.json
+#         bench   benchmarks/run.py gpu --only "$ONLY" $BENCH_ARGS into $OUT/gpu_$TAG.json
 #       T bounds each part's seconds. Fold the JSON back here with
 #       `python3 benchmarks/run.py merge FILE` and `run.py report`.
 set -uo pipefail
@@ -49,7 +49,8 @@ run() {
             tail -3 "$out/prepare.log"
             ;;
         bench)
-            timeout "${T:-450}" python3 benchmarks/run.py gpu --only "${ONLY:?ONLY names the rows}" \
+            # shellcheck disable=SC2086 # BENCH_ARGS: extra flags, split
+            timeout "${T:-450}" python3 benchmarks/run.py gpu --only "${ONLY:?ONLY names the rows}" ${BENCH_ARGS:-} \
                 --out "$out/gpu_${TAG:-rows}.json" >"$out/gpu_${TAG:-rows}.log" 2>&1
             tail -c 1500 "$out/gpu_${TAG:-rows}.log"
             ;;

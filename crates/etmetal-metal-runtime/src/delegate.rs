@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use etmetal_core::{Error, Result, View, ViewMut};
 use etmetal_metal::payload::{self, Access, Dispatch, Fault, Location, Needs, Payload};
-use etmetal_runtime::{DelegateArg, DelegateHandle, NamedData};
+use etmetal_runtime::{trace, DelegateArg, DelegateHandle, NamedData};
 
 use crate::device::{CoopOffer, GpuDevice};
 use crate::{bound, transfer};
@@ -967,7 +967,12 @@ impl GpuDelegate {
         }
         let values = self.symbol_values(args)?;
         let inputs = self.gpu_inputs(args, &values)?;
-        self.write_inputs(&inputs)?;
+        let given: u64 = inputs.iter().flatten().map(|v| v.bytes.len() as u64).sum();
+        trace::span(
+            || "gpu: inputs converted into the upload buffer".into(),
+            Some(given),
+            || self.write_inputs(&inputs),
+        )?;
         if let Some(u) = &self.sizes {
             let mut words = [0u32; SIZES_BYTES as usize / 4];
             for (w, &v) in words.iter_mut().zip(&values) {
@@ -1041,94 +1046,103 @@ impl GpuDelegate {
             )?);
         }
         let profiler = self.profiler.as_ref().filter(|_| profile);
-        let index = scoped(
-            &gpu,
+        let index = trace::span(
+            || format!("gpu: record and submit {} dispatches", self.launches.len()),
+            None,
             || {
-                let kernels: Vec<&str> = self
-                    .launches
-                    .iter()
-                    .map(|s| self.payload.kernels[s.dispatch.kernel].name.as_str())
-                    .collect();
-                format!("running kernels [{}]", kernels.join(", "))
-            },
-            || {
-                let mut encoder =
-                    gpu.device
-                        .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                            label: Some("etmetal delegate"),
-                        });
-                if let Some(upload) = &self.upload {
-                    for (at, r) in &copies {
-                        encoder.copy_buffer_to_buffer(
-                            upload,
-                            *at,
-                            &self.buffers[r.buffer],
-                            r.offset,
-                            r.size,
-                        );
-                    }
-                }
-                for (r, _) in &self.statuses {
-                    encoder.clear_buffer(&self.buffers[r.buffer], r.offset, Some(r.size));
-                }
-                let record = |pass: &mut wgpu::ComputePass, d: usize| {
-                    let dispatch = &self.launches[d].dispatch;
-                    let [x, y, z] = counts[d];
-                    if x == 0 {
-                        return;
-                    }
-                    let pipeline = self.pipelines[dispatch.kernel]
-                        .as_ref()
-                        .expect("a pipeline for every kernel a launch runs");
-                    pass.set_pipeline(pipeline);
-                    pass.set_bind_group(0, &self.bind_groups[d], &[]);
-                    pass.dispatch_workgroups(x, y, z);
-                };
-                match profiler {
-                    None => {
-                        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                            label: Some("etmetal delegate"),
-                            timestamp_writes: None,
-                        });
-                        (0..self.launches.len()).for_each(|d| record(&mut pass, d));
-                    }
-                    // Pass-boundary timestamps need only TIMESTAMP_QUERY
-                    // (Apple GPUs have no timestamps inside passes), so a
-                    // profiled execute gives each dispatch its own pass.
-                    Some(p) => {
-                        for d in 0..self.launches.len() {
-                            let mut pass =
-                                encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                                    label: Some("etmetal delegate (profiled)"),
-                                    timestamp_writes: Some(p.writes(d)),
+                scoped(
+                    &gpu,
+                    || {
+                        let kernels: Vec<&str> = self
+                            .launches
+                            .iter()
+                            .map(|s| self.payload.kernels[s.dispatch.kernel].name.as_str())
+                            .collect();
+                        format!("running kernels [{}]", kernels.join(", "))
+                    },
+                    || {
+                        let mut encoder =
+                            gpu.device
+                                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                                    label: Some("etmetal delegate"),
                                 });
-                            record(&mut pass, d);
+                        if let Some(upload) = &self.upload {
+                            for (at, r) in &copies {
+                                encoder.copy_buffer_to_buffer(
+                                    upload,
+                                    *at,
+                                    &self.buffers[r.buffer],
+                                    r.offset,
+                                    r.size,
+                                );
+                            }
                         }
-                        p.resolve(&mut encoder);
-                    }
-                }
-                // the new state becomes the next execute's input, on the GPU
-                // (nothing to copy where the kernels wrote the input in place)
-                for (input, new) in self.state.values().filter(|(i, n)| i.buffer != n.buffer) {
-                    encoder.copy_buffer_to_buffer(
-                        &self.buffers[new.buffer],
-                        new.offset,
-                        &self.buffers[input.buffer],
-                        input.offset,
-                        input.size,
-                    );
-                }
-                let reads = reads.iter().map(|(r, at)| (r, *at));
-                for (r, at) in reads.chain(self.statuses.iter().map(|(r, at)| (r, *at))) {
-                    encoder.copy_buffer_to_buffer(
-                        &self.buffers[r.buffer],
-                        r.offset,
-                        &self.staging,
-                        at,
-                        r.size,
-                    );
-                }
-                gpu.queue.submit([encoder.finish()])
+                        for (r, _) in &self.statuses {
+                            encoder.clear_buffer(&self.buffers[r.buffer], r.offset, Some(r.size));
+                        }
+                        let record = |pass: &mut wgpu::ComputePass, d: usize| {
+                            let dispatch = &self.launches[d].dispatch;
+                            let [x, y, z] = counts[d];
+                            if x == 0 {
+                                return;
+                            }
+                            let pipeline = self.pipelines[dispatch.kernel]
+                                .as_ref()
+                                .expect("a pipeline for every kernel a launch runs");
+                            pass.set_pipeline(pipeline);
+                            pass.set_bind_group(0, &self.bind_groups[d], &[]);
+                            pass.dispatch_workgroups(x, y, z);
+                        };
+                        match profiler {
+                            None => {
+                                let mut pass =
+                                    encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                                        label: Some("etmetal delegate"),
+                                        timestamp_writes: None,
+                                    });
+                                (0..self.launches.len()).for_each(|d| record(&mut pass, d));
+                            }
+                            // Pass-boundary timestamps need only TIMESTAMP_QUERY
+                            // (Apple GPUs have no timestamps inside passes), so a
+                            // profiled execute gives each dispatch its own pass.
+                            Some(p) => {
+                                for d in 0..self.launches.len() {
+                                    let mut pass =
+                                        encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                                            label: Some("etmetal delegate (profiled)"),
+                                            timestamp_writes: Some(p.writes(d)),
+                                        });
+                                    record(&mut pass, d);
+                                }
+                                p.resolve(&mut encoder);
+                            }
+                        }
+                        // the new state becomes the next execute's input, on the GPU
+                        // (nothing to copy where the kernels wrote the input in place)
+                        for (input, new) in
+                            self.state.values().filter(|(i, n)| i.buffer != n.buffer)
+                        {
+                            encoder.copy_buffer_to_buffer(
+                                &self.buffers[new.buffer],
+                                new.offset,
+                                &self.buffers[input.buffer],
+                                input.offset,
+                                input.size,
+                            );
+                        }
+                        let reads = reads.iter().map(|(r, at)| (r, *at));
+                        for (r, at) in reads.chain(self.statuses.iter().map(|(r, at)| (r, *at))) {
+                            encoder.copy_buffer_to_buffer(
+                                &self.buffers[r.buffer],
+                                r.offset,
+                                &self.staging,
+                                at,
+                                r.size,
+                            );
+                        }
+                        gpu.queue.submit([encoder.finish()])
+                    },
+                )
             },
         )?;
         self.counters.submits.fetch_add(1, Ordering::Relaxed);
@@ -1139,7 +1153,11 @@ impl GpuDelegate {
         mapped.extend(profiler.map(|p| (&p.readback, read)));
         // the input buffer is mapped again for the next execute
         mapped.extend(self.upload.iter().map(|b| (b, wgpu::MapMode::Write)));
-        Self::wait_mapped(&gpu, self.timeout, &mut self.stuck, index, &mapped)?;
+        trace::span(
+            || "gpu: wait for the GPU and map the read-back".into(),
+            None,
+            || Self::wait_mapped(&gpu, self.timeout, &mut self.stuck, index, &mapped),
+        )?;
         self.upload_mapped = self.upload.is_some();
         if let Some(p) = profiler {
             let times = p
@@ -1161,28 +1179,32 @@ impl GpuDelegate {
                 .map_err(|_| Error::internal("the GPU timing lock is poisoned"))?
                 .extend(times);
         }
-        let result = {
-            let view = self
-                .staging
-                .get_mapped_range(..)
-                .map_err(|e| Error::internal(format!("reading the outputs back: {e}")))?;
-            let ni = self.payload.inputs.len();
-            // (no `?` here: the staging buffer must be unmapped on every path)
-            self.check_statuses(&view).and_then(|()| {
-                self.outputs
-                    .iter()
-                    .zip(&mut args[ni..])
-                    .try_for_each(|(o, arg)| {
-                        let start = o.staging_offset as usize;
-                        let bytes = &view[start..start + o.region.size as usize];
-                        let bound = &self.payload.buffers[o.id].shape;
-                        match arg {
-                            DelegateArg::Output(out) => download_bound(bytes, bound, out),
-                            _ => Err(Error::internal("delegate output argument changed")),
-                        }
-                    })
-            })
-        };
+        let result = trace::span(
+            || "gpu: outputs converted out of the read-back".into(),
+            Some(staged),
+            || {
+                let view = self
+                    .staging
+                    .get_mapped_range(..)
+                    .map_err(|e| Error::internal(format!("reading the outputs back: {e}")))?;
+                let ni = self.payload.inputs.len();
+                // (no `?` here: the staging buffer must be unmapped on every path)
+                self.check_statuses(&view).and_then(|()| {
+                    self.outputs
+                        .iter()
+                        .zip(&mut args[ni..])
+                        .try_for_each(|(o, arg)| {
+                            let start = o.staging_offset as usize;
+                            let bytes = &view[start..start + o.region.size as usize];
+                            let bound = &self.payload.buffers[o.id].shape;
+                            match arg {
+                                DelegateArg::Output(out) => download_bound(bytes, bound, out),
+                                _ => Err(Error::internal("delegate output argument changed")),
+                            }
+                        })
+                })
+            },
+        );
         self.staging.unmap();
         result
     }

@@ -23,6 +23,7 @@
 
 mod backend;
 mod method;
+pub mod trace;
 mod values;
 
 use std::path::Path;

@@ -23,6 +23,7 @@ use etmetal_pte::kernels::{decode_call, decode_sym, DecodedCall, SymCall};
 use etmetal_pte::{EValue, Instruction, Operator, PteFile};
 
 use crate::backend::{BackendRegistry, DelegateArg, DelegateHandle};
+use crate::trace;
 use crate::values::{Slot, Values};
 
 enum Operand {
@@ -80,6 +81,21 @@ enum PreparedInstruction {
     },
     /// Planned memory is never freed; `FreeCall` only matters for dynamic tensors.
     Free,
+}
+
+impl PreparedInstruction {
+    /// What the instruction is, for the host trace.
+    fn describe(&self) -> String {
+        match self {
+            PreparedInstruction::Kernel { name, .. } => format!("kernel {name}"),
+            PreparedInstruction::DynamicKernel { name, .. } => format!("kernel {name} (dynamic)"),
+            PreparedInstruction::Sym { name, .. } => format!("sym {name}"),
+            PreparedInstruction::Delegate { id, .. } => format!("delegate {id}"),
+            PreparedInstruction::Move { from, to } => format!("move {from} -> {to}"),
+            PreparedInstruction::JumpFalse { .. } => "jump".into(),
+            PreparedInstruction::Free => "free".into(),
+        }
+    }
 }
 
 /// One mutable buffer of the method.
@@ -473,19 +489,41 @@ impl Method {
         let specs: Vec<TensorSpec> = self.inputs.iter().map(|(_, s)| s.clone()).collect();
         let inputs = check_inputs(&specs, inputs)
             .map_err(|e| e.context(format!("method `{}`", self.name)))?;
-        for (i, (t, (v, _))) in inputs.iter().zip(&self.inputs).enumerate() {
-            self.values
-                .write(*v, t)
-                .map_err(|e| e.context(format!("input {i}")))?;
-        }
+        let bytes = inputs.iter().map(|t| t.nbytes() as u64).sum();
+        trace::span(
+            || format!("method `{}`: inputs into planned memory", self.name),
+            Some(bytes),
+            || {
+                for (i, (t, (v, _))) in inputs.iter().zip(&self.inputs).enumerate() {
+                    self.values
+                        .write(*v, t)
+                        .map_err(|e| e.context(format!("input {i}")))?;
+                }
+                Ok::<(), Error>(())
+            },
+        )?;
+        // (the trace's spans are kept per thread, and the pool may run this
+        // on another: the report is taken where the steps ran)
         let run = |m: &mut Method| {
-            let mut pc = 0;
-            while pc < m.steps.len() {
-                pc = m
-                    .step(pc)
-                    .map_err(|e| e.context(format!("method `{}` instruction {pc}", m.name)))?;
-            }
-            Ok::<(), Error>(())
+            let name = m.name.clone();
+            trace::span(
+                || format!("method `{name}`: execute"),
+                None,
+                || {
+                    let mut pc = 0;
+                    while pc < m.steps.len() {
+                        let what = trace::enabled().then(|| m.steps[pc].describe());
+                        pc = trace::span(
+                            || format!("[{pc}] {}", what.unwrap_or_default()),
+                            None,
+                            || m.step(pc),
+                        )
+                        .map_err(|e| e.context(format!("method `{}` instruction {pc}", m.name)))?;
+                    }
+                    Ok::<(), Error>(())
+                },
+            )?;
+            Ok::<String, Error>(trace::take_report())
         };
         // On a worker of rayon's pool, CPU kernels' parallel loops share work
         // with the other workers directly; from another thread each of them
@@ -498,19 +536,31 @@ impl Method {
                 PreparedInstruction::Kernel { .. } | PreparedInstruction::DynamicKernel { .. }
             )
         });
-        match cpu {
+        let before = trace::take_report();
+        let report = match cpu {
             true => rayon::scope(|_| run(self))?,
             false => run(self)?,
+        };
+        let outputs = trace::span(
+            || format!("method `{}`: outputs out of planned memory", self.name),
+            None,
+            || {
+                self.outputs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (v, _))| {
+                        self.values
+                            .read(*v)
+                            .map_err(|e| e.context(format!("output {i}")))
+                    })
+                    .collect()
+            },
+        );
+        let report = before + &report + &trace::take_report();
+        if !report.is_empty() {
+            eprint!("{report}");
         }
-        self.outputs
-            .iter()
-            .enumerate()
-            .map(|(i, (v, _))| {
-                self.values
-                    .read(*v)
-                    .map_err(|e| e.context(format!("output {i}")))
-            })
-            .collect()
+        outputs
     }
 
     /// Run instruction `pc`; the next instruction's index.
@@ -586,10 +636,16 @@ impl Method {
                 let lend = values.views(&reads, outs)?.is_some();
                 let copies = match lend {
                     true => vec![],
-                    false => reads
-                        .iter()
-                        .map(|r| r.map(|v| values.read(v)).transpose())
-                        .collect::<Result<Vec<_>>>()?,
+                    false => trace::span(
+                        || format!("delegate `{id}`: inputs copied (one overlaps an output)"),
+                        None,
+                        || {
+                            reads
+                                .iter()
+                                .map(|r| r.map(|v| values.read(v)).transpose())
+                                .collect::<Result<Vec<_>>>()
+                        },
+                    )?,
                 };
                 let lent_reads = match lend {
                     true => reads,

@@ -197,6 +197,12 @@ enum Command {
         /// peak memory) to FILE as JSON.
         #[arg(long, value_name = "FILE", requires = "bench")]
         bench_json: Option<PathBuf>,
+        /// Print where one execute's host time goes (each CPU kernel call;
+        /// in a GPU delegate its uploads, submit, wait and read-backs) to
+        /// stderr: the first execute, and with --bench one more after the
+        /// timed ones. `ETMETAL_TRACE=1` traces every execute.
+        #[arg(long)]
+        trace: bool,
     },
 }
 
@@ -322,17 +328,19 @@ fn main() -> ExitCode {
             bench,
             warmup,
             bench_json,
+            trace,
         } => run(
             &mut out,
             &model,
             &method,
             &inputs,
             &output_dir,
-            (device, coop),
+            (device, coop, trace),
             bench.map(|runs| Bench {
                 runs,
                 warmup,
                 json: bench_json,
+                trace,
             }),
         ),
     };
@@ -532,7 +540,7 @@ fn run(
     method: &str,
     input_paths: &[PathBuf],
     output_dir: &Path,
-    (device, coop): (Device, Coop),
+    (device, coop, trace): (Device, Coop, bool),
     bench: Option<Bench>,
 ) -> Result<()> {
     // a .pte is loaded once: its delegates decide the backend it runs with
@@ -593,7 +601,8 @@ fn run(
         }
     }
     let start = Instant::now();
-    let outputs = model.execute_method(method, inputs.clone())?;
+    let outputs =
+        etmetal_runtime::trace::only_if(trace, || model.execute_method(method, inputs.clone()))?;
     let elapsed = start.elapsed();
     std::fs::create_dir_all(output_dir).map_err(|e| Error::io(output_dir.display(), e))?;
     for (i, t) in outputs.iter().enumerate() {

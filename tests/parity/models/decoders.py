@@ -78,14 +78,14 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, heads, kv_heads, max_len, llama: bool):
+    def __init__(self, dim, heads, kv_heads, max_len, llama: bool, hidden=None):
         super().__init__()
         self.llama = llama
         norm = (lambda: RMSNorm(dim)) if llama else (lambda: nn.LayerNorm(dim))
         self.n1, self.n2 = norm(), norm()
         self.attn = Attention(dim, heads, kv_heads, max_len, rope=llama,
                               update="index_copy" if llama else "index_put")
-        hidden = 2 * dim
+        hidden = hidden or 2 * dim
         if llama:
             self.gate, self.up = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
             self.down = nn.Linear(hidden, dim, bias=False)
@@ -107,14 +107,14 @@ class Decoder(nn.Module):
     `index_copy_` cache updates. `llama=False` (GPT): learned positions,
     layer norm, GELU MLP, multi-head attention, slice-assigned cache."""
 
-    def __init__(self, llama: bool, vocab=64, dim=32, heads=4, kv_heads=2, layers=2, max_len=160):
+    def __init__(self, llama: bool, vocab=64, dim=32, heads=4, kv_heads=2, layers=2, max_len=160, hidden=None):
         super().__init__()
         self.llama = llama
         self.tok = nn.Embedding(vocab, dim)
         if not llama:
             kv_heads = heads
             self.pos = nn.Embedding(max_len, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, max_len, llama) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, max_len, llama, hidden) for _ in range(layers))
         self.norm = RMSNorm(dim) if llama else nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.max_len = max_len

@@ -14,6 +14,8 @@ pub struct Bench {
     pub runs: usize,
     pub warmup: usize,
     pub json: Option<PathBuf>,
+    /// Trace one more execute after the timed ones (`run --trace`).
+    pub trace: bool,
 }
 
 /// The `q` quantile (nearest rank) of sorted `v`.
@@ -72,6 +74,9 @@ pub fn bench_model(
         model.execute_method(method, inputs.to_vec())?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
     }
+    etmetal_runtime::trace::only_if(bench.trace, || {
+        model.execute_method(method, inputs.to_vec())
+    })?;
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let (median, p90) = (quantile(&sorted, 0.5), quantile(&sorted, 0.9));
