@@ -19,10 +19,11 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use etmetal_core::{Error, Result, View, ViewMut};
-use etmetal_metal::payload::{self, Access, Dispatch, Fault, Location, Needs, Payload};
+use etmetal_metal::payload::{self, Access, Dispatch, Fault, Location, Payload};
 use etmetal_runtime::{trace, DelegateArg, DelegateHandle, NamedData};
 
-use crate::device::{CoopOffer, GpuDevice};
+use crate::device::GpuDevice;
+use crate::select::{self, Choice, Launch, Selection, TuningCache};
 use crate::{bound, transfer};
 
 /// What a backend has created on the GPU so far (all its delegates).
@@ -238,40 +239,208 @@ impl Profiler {
     }
 }
 
-/// One dispatch as a delegate runs it: a payload dispatch, or one of the
-/// alternative chosen for it (with what that alternative needs).
-pub(crate) struct Launch {
-    pub dispatch: Dispatch,
-    pub variant: Option<Needs>,
+/// The payload's kernels as pipelines, each built when a launch (or a
+/// measurement of the forms, `select`) first needs it.
+struct Kernels<'a> {
+    gpu: &'a GpuDevice,
+    payload: &'a Payload,
+    counters: &'a Counters,
+    built: Vec<Option<(wgpu::BindGroupLayout, wgpu::ComputePipeline)>>,
 }
 
-/// The dispatches to run: each payload dispatch, or, where `offer` meets
-/// one of its alternatives whose kernels bind at most `max_bindings`
-/// buffers, the first such alternative's dispatches.
-pub(crate) fn plan(payload: &Payload, offer: Option<&CoopOffer>, max_bindings: u32) -> Vec<Launch> {
-    let mut launches = Vec::with_capacity(payload.dispatches.len());
-    for d in &payload.dispatches {
-        let chosen = d.alternatives.iter().find(|a| {
-            offer.is_some_and(|o| o.meets(&a.needs))
-                && a.dispatches
-                    .iter()
-                    .all(|x| x.buffers.len() as u64 <= u64::from(max_bindings))
-        });
-        match chosen {
-            Some(a) => launches.extend(a.dispatches.iter().map(|x| Launch {
-                dispatch: x.clone(),
-                variant: Some(a.needs),
-            })),
-            None => launches.push(Launch {
-                dispatch: Dispatch {
-                    alternatives: vec![],
-                    ..d.clone()
-                },
-                variant: None,
-            }),
+impl<'a> Kernels<'a> {
+    fn new(gpu: &'a GpuDevice, payload: &'a Payload, counters: &'a Counters) -> Kernels<'a> {
+        Kernels {
+            gpu,
+            payload,
+            counters,
+            built: (0..payload.kernels.len()).map(|_| None).collect(),
         }
     }
-    launches
+
+    /// Build kernel `i` (of an alternative when `alternative`: its errors
+    /// say how to run without them) unless it is built.
+    fn build(&mut self, i: usize, alternative: bool) -> Result<()> {
+        if self.built[i].is_some() {
+            return Ok(());
+        }
+        let (gpu, k) = (self.gpu, &self.payload.kernels[i]);
+        let (device, limits) = (&gpu.device, &gpu.limits);
+        if k.bindings.len() as u64 > limits.max_storage_buffers_per_shader_stage.into() {
+            return Err(Error::limit(format!(
+                "kernel `{}` binds {} storage buffers, the GPU's \
+                 max_storage_buffers_per_shader_stage = {}",
+                k.name,
+                k.bindings.len(),
+                limits.max_storage_buffers_per_shader_stage
+            )));
+        }
+        // wgpu does not check workgroup memory against the limit, and a
+        // software adapter runs any amount; a GPU's driver would refuse
+        // or misbehave, so refuse here. WGSL that does not parse is left
+        // to wgpu, which reports it with its diagnostics.
+        if let Some(bytes) = workgroup_bytes(&k.wgsl) {
+            if bytes > limits.max_compute_workgroup_storage_size.into() {
+                return Err(Error::limit(format!(
+                    "kernel `{}` uses {bytes} bytes of workgroup memory, the GPU's \
+                     max_compute_workgroup_storage_size = {}",
+                    k.name, limits.max_compute_workgroup_storage_size
+                )));
+            }
+        }
+        let built = scoped(
+            gpu,
+            || {
+                let hint = if alternative {
+                    " of a tensor-core alternative (`--coop off` or \
+                     `MetalBackend::with_cooperative_matrix(false)` runs the portable kernels)"
+                } else {
+                    ""
+                };
+                format!("building kernel `{}`{hint}", k.name)
+            },
+            || {
+                let mut entries: Vec<wgpu::BindGroupLayoutEntry> = k
+                    .bindings
+                    .iter()
+                    .enumerate()
+                    .map(|(i, access)| wgpu::BindGroupLayoutEntry {
+                        binding: i as u32,
+                        visibility: wgpu::ShaderStages::COMPUTE,
+                        ty: wgpu::BindingType::Buffer {
+                            ty: wgpu::BufferBindingType::Storage {
+                                read_only: *access == Access::Read,
+                            },
+                            has_dynamic_offset: false,
+                            min_binding_size: None,
+                        },
+                        count: None,
+                    })
+                    .collect();
+                if k.sizes {
+                    entries.push(wgpu::BindGroupLayoutEntry {
+                        binding: k.bindings.len() as u32,
+                        visibility: wgpu::ShaderStages::COMPUTE,
+                        ty: wgpu::BindingType::Buffer {
+                            ty: wgpu::BufferBindingType::Uniform,
+                            has_dynamic_offset: false,
+                            min_binding_size: NonZeroU64::new(SIZES_BYTES),
+                        },
+                        count: None,
+                    });
+                }
+                let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                    label: Some(&k.name),
+                    entries: &entries,
+                });
+                let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                    label: Some(&k.name),
+                    source: wgpu::ShaderSource::Wgsl(k.wgsl.as_str().into()),
+                });
+                let pipeline_layout =
+                    device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                        label: Some(&k.name),
+                        bind_group_layouts: &[Some(&layout)],
+                        immediate_size: 0,
+                    });
+                let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(&k.name),
+                    layout: Some(&pipeline_layout),
+                    module: &module,
+                    entry_point: Some(&k.entry_point),
+                    compilation_options: Default::default(),
+                    cache: None,
+                });
+                (layout, pipeline)
+            },
+        )?;
+        self.counters.pipelines.fetch_add(1, Ordering::Relaxed);
+        self.built[i] = Some(built);
+        Ok(())
+    }
+
+    fn get(&self, i: usize) -> &(wgpu::BindGroupLayout, wgpu::ComputePipeline) {
+        self.built[i]
+            .as_ref()
+            .expect("a kernel is built before it is bound or run")
+    }
+
+    fn pipeline(&self, i: usize) -> &wgpu::ComputePipeline {
+        &self.get(i).1
+    }
+
+    /// The pipelines of the kernels `launches` run (the rest dropped).
+    fn keep(self, launches: &[Launch]) -> Vec<Option<wgpu::ComputePipeline>> {
+        self.built
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| {
+                b.filter(|_| launches.iter().any(|s| s.dispatch.kernel == i))
+                    .map(|(_, p)| p)
+            })
+            .collect()
+    }
+}
+
+/// Bind groups of a delegate's dispatches over its buffers.
+struct Binder<'a> {
+    gpu: &'a GpuDevice,
+    payload: &'a Payload,
+    regions: &'a [Region],
+    buffers: &'a [wgpu::Buffer],
+    sizes: Option<&'a wgpu::Buffer>,
+}
+
+impl Binder<'_> {
+    /// The bind group of `dispatch` (its kernel built), `what` naming it in errors.
+    fn bind(&self, kernels: &Kernels, dispatch: &Dispatch, what: &str) -> Result<wgpu::BindGroup> {
+        let (gpu, limits) = (self.gpu, &self.gpu.limits);
+        let kernel = &self.payload.kernels[dispatch.kernel];
+        let label = format!("{what} (kernel `{}`)", kernel.name);
+        for &id in &dispatch.buffers {
+            let size = self.regions[id].size;
+            if size > limits.max_storage_buffer_binding_size {
+                return Err(Error::limit(format!(
+                    "{label} binds `{}` of {size} bytes, the GPU's \
+                     max_storage_buffer_binding_size = {}",
+                    self.payload.buffers[id].name, limits.max_storage_buffer_binding_size
+                )));
+            }
+        }
+        scoped(
+            gpu,
+            || format!("binding the buffers of {label}"),
+            || {
+                let mut entries: Vec<wgpu::BindGroupEntry> = dispatch
+                    .buffers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &id)| {
+                        let r = self.regions[id];
+                        wgpu::BindGroupEntry {
+                            binding: i as u32,
+                            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                                buffer: &self.buffers[r.buffer],
+                                offset: r.offset,
+                                size: NonZeroU64::new(r.size),
+                            }),
+                        }
+                    })
+                    .collect();
+                if let (true, Some(u)) = (kernel.sizes, self.sizes) {
+                    entries.push(wgpu::BindGroupEntry {
+                        binding: dispatch.buffers.len() as u32,
+                        resource: u.as_entire_binding(),
+                    });
+                }
+                gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: Some(&label),
+                    layout: &kernels.get(dispatch.kernel).0,
+                    entries: &entries,
+                })
+            },
+        )
+    }
 }
 
 /// Bytes of a weight written per step at load. Each step's staging memory
@@ -399,7 +568,7 @@ impl GpuDelegate {
         gpu: Arc<GpuDevice>,
         counters: Arc<Counters>,
         timeout: Duration,
-        payload: Payload,
+        (payload, payload_hash): (Payload, u64),
         named_data: &dyn NamedData,
         alternatives: bool,
     ) -> Result<GpuDelegate> {
@@ -541,119 +710,13 @@ impl GpuDelegate {
             )));
         }
 
-        let offer = gpu.coop.as_ref().filter(|_| alternatives);
-        let launches = plan(&payload, offer, limits.max_storage_buffers_per_shader_stage);
-        // each payload dispatch is one portable launch or its alternative's
-        let portable = launches.iter().filter(|s| s.variant.is_none()).count();
-        let chosen = (payload.dispatches.len() - portable) as u64;
-        counters.alternatives.fetch_add(chosen, Ordering::Relaxed);
-        let mut pipelines = Vec::with_capacity(payload.kernels.len());
-        let mut layouts = Vec::with_capacity(payload.kernels.len());
-        for (i, k) in payload.kernels.iter().enumerate() {
-            if !launches.iter().any(|s| s.dispatch.kernel == i) {
-                pipelines.push(None);
-                layouts.push(None);
-                continue;
-            }
-            if k.bindings.len() as u64 > limits.max_storage_buffers_per_shader_stage.into() {
-                return Err(Error::limit(format!(
-                    "kernel `{}` binds {} storage buffers, the GPU's \
-                     max_storage_buffers_per_shader_stage = {}",
-                    k.name,
-                    k.bindings.len(),
-                    limits.max_storage_buffers_per_shader_stage
-                )));
-            }
-            // wgpu does not check workgroup memory against the limit, and a
-            // software adapter runs any amount; a GPU's driver would refuse
-            // or misbehave, so refuse here. WGSL that does not parse is left
-            // to wgpu, which reports it with its diagnostics.
-            if let Some(bytes) = workgroup_bytes(&k.wgsl) {
-                if bytes > limits.max_compute_workgroup_storage_size.into() {
-                    return Err(Error::limit(format!(
-                        "kernel `{}` uses {bytes} bytes of workgroup memory, the GPU's \
-                         max_compute_workgroup_storage_size = {}",
-                        k.name, limits.max_compute_workgroup_storage_size
-                    )));
-                }
-            }
-            // (kernels of alternatives use wgpu's experimental features)
-            let alternative = launches
-                .iter()
-                .any(|s| s.dispatch.kernel == i && s.variant.is_some());
-            let (layout, pipeline) = scoped(
-                &gpu,
-                || {
-                    let hint = if alternative {
-                        " of a tensor-core alternative (`--coop off` or \
-                         `MetalBackend::with_cooperative_matrix(false)` runs the portable kernels)"
-                    } else {
-                        ""
-                    };
-                    format!("building kernel `{}`{hint}", k.name)
-                },
-                || {
-                    let mut entries: Vec<wgpu::BindGroupLayoutEntry> = k
-                        .bindings
-                        .iter()
-                        .enumerate()
-                        .map(|(i, access)| wgpu::BindGroupLayoutEntry {
-                            binding: i as u32,
-                            visibility: wgpu::ShaderStages::COMPUTE,
-                            ty: wgpu::BindingType::Buffer {
-                                ty: wgpu::BufferBindingType::Storage {
-                                    read_only: *access == Access::Read,
-                                },
-                                has_dynamic_offset: false,
-                                min_binding_size: None,
-                            },
-                            count: None,
-                        })
-                        .collect();
-                    if k.sizes {
-                        entries.push(wgpu::BindGroupLayoutEntry {
-                            binding: k.bindings.len() as u32,
-                            visibility: wgpu::ShaderStages::COMPUTE,
-                            ty: wgpu::BindingType::Buffer {
-                                ty: wgpu::BufferBindingType::Uniform,
-                                has_dynamic_offset: false,
-                                min_binding_size: NonZeroU64::new(SIZES_BYTES),
-                            },
-                            count: None,
-                        });
-                    }
-                    let layout =
-                        device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-                            label: Some(&k.name),
-                            entries: &entries,
-                        });
-                    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                        label: Some(&k.name),
-                        source: wgpu::ShaderSource::Wgsl(k.wgsl.as_str().into()),
-                    });
-                    let pipeline_layout =
-                        device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-                            label: Some(&k.name),
-                            bind_group_layouts: &[Some(&layout)],
-                            immediate_size: 0,
-                        });
-                    let pipeline =
-                        device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                            label: Some(&k.name),
-                            layout: Some(&pipeline_layout),
-                            module: &module,
-                            entry_point: Some(&k.entry_point),
-                            compilation_options: Default::default(),
-                            cache: None,
-                        });
-                    (layout, pipeline)
-                },
-            )?;
-            counters.pipelines.fetch_add(1, Ordering::Relaxed);
-            layouts.push(Some(layout));
-            pipelines.push(Some(pipeline));
-        }
-
+        let selection = Selection::of(alternatives)?;
+        let offer = gpu
+            .coop
+            .as_ref()
+            .filter(|_| selection != Selection::Portable);
+        let eligible =
+            select::eligible(&payload, offer, limits.max_storage_buffers_per_shader_stage);
         let sizes = payload
             .kernels
             .iter()
@@ -673,57 +736,95 @@ impl GpuDelegate {
                 )
             })
             .transpose()?;
-        let mut bind_groups = Vec::with_capacity(launches.len());
-        for (d, dispatch) in launches.iter().map(|s| &s.dispatch).enumerate() {
-            let kernel = &payload.kernels[dispatch.kernel];
-            let label = format!("dispatch {d} (kernel `{}`)", kernel.name);
-            for &id in &dispatch.buffers {
-                let size = regions[id].size;
-                if size > limits.max_storage_buffer_binding_size {
-                    return Err(Error::limit(format!(
-                        "{label} binds `{}` of {size} bytes, the GPU's \
-                         max_storage_buffer_binding_size = {}",
-                        payload.buffers[id].name, limits.max_storage_buffer_binding_size
-                    )));
-                }
+        let mut kernels = Kernels::new(&gpu, &payload, &counters);
+        let binder = Binder {
+            gpu: &gpu,
+            payload: &payload,
+            regions: &regions,
+            buffers: &buffers,
+            sizes: sizes.as_ref(),
+        };
+        let choices: Vec<Choice> = match selection {
+            Selection::Portable => vec![None; payload.dispatches.len()],
+            Selection::Forced(k) => eligible
+                .iter()
+                .map(|e| e.contains(&k).then_some(k))
+                .collect(),
+            Selection::Measured if eligible.iter().all(Vec::is_empty) => {
+                vec![None; payload.dispatches.len()]
             }
-            let group = scoped(
-                &gpu,
-                || format!("binding the buffers of {label}"),
-                || {
-                    let mut entries: Vec<wgpu::BindGroupEntry> = dispatch
-                        .buffers
+            Selection::Measured => {
+                let mut cache = TuningCache::open(&gpu.adapter.get_info(), payload_hash);
+                // (kernels reading the run-time sizes run at their bounds)
+                if let Some(u) = &sizes {
+                    let words: Vec<u8> = payload
+                        .symbols
                         .iter()
-                        .enumerate()
-                        .map(|(i, &id)| {
-                            let r = regions[id];
-                            wgpu::BindGroupEntry {
-                                binding: i as u32,
-                                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                                    buffer: &buffers[r.buffer],
-                                    offset: r.offset,
-                                    size: NonZeroU64::new(r.size),
-                                }),
-                            }
-                        })
+                        .flat_map(|s| (s.max as u32).to_le_bytes())
                         .collect();
-                    if let (true, Some(u)) = (kernel.sizes, &sizes) {
-                        entries.push(wgpu::BindGroupEntry {
-                            binding: dispatch.buffers.len() as u32,
-                            resource: u.as_entire_binding(),
-                        });
+                    if !words.is_empty() {
+                        gpu.queue.write_buffer(u, 0, &words);
                     }
-                    device.create_bind_group(&wgpu::BindGroupDescriptor {
-                        label: Some(&label),
-                        layout: layouts[dispatch.kernel]
-                            .as_ref()
-                            .expect("a layout for every kernel a launch runs"),
-                        entries: &entries,
-                    })
-                },
-            )?;
-            bind_groups.push(group);
+                }
+                let choices = trace::span(
+                    || "gpu: measure the kernels' forms".into(),
+                    None,
+                    || {
+                        select::measured(&payload, &eligible, &mut cache, |d, alts| {
+                            let main = &payload.dispatches[d];
+                            let mut forms: Vec<Vec<&Dispatch>> = vec![vec![main]];
+                            forms.extend(alts.iter().map(|&a| {
+                                main.alternatives[a].dispatches.iter().collect::<Vec<_>>()
+                            }));
+                            for (f, form) in forms.iter().enumerate() {
+                                for x in form {
+                                    kernels.build(x.kernel, f > 0)?;
+                                }
+                            }
+                            let groups = forms
+                                .iter()
+                                .map(|form| {
+                                    form.iter()
+                                        .map(|x| binder.bind(&kernels, x, "timing"))
+                                        .collect::<Result<Vec<_>>>()
+                                })
+                                .collect::<Result<Vec<_>>>()?;
+                            let timed: Vec<select::Form> = forms
+                                .iter()
+                                .zip(&groups)
+                                .map(|(form, groups)| {
+                                    form.iter()
+                                        .zip(groups)
+                                        .map(|(x, g)| (kernels.pipeline(x.kernel), g, x.workgroups))
+                                        .collect()
+                                })
+                                .collect();
+                            scoped(
+                                &gpu,
+                                || format!("timing the forms of dispatch {d}"),
+                                || select::time_forms(&gpu.device, &gpu.queue, &timed, timeout),
+                            )?
+                        })
+                    },
+                )?;
+                cache.save();
+                choices
+            }
+        };
+        let launches = select::launches(&payload, &choices);
+        // each payload dispatch is one portable launch or its alternative's
+        let portable = launches.iter().filter(|s| s.variant.is_none()).count();
+        let chosen = (payload.dispatches.len() - portable) as u64;
+        counters.alternatives.fetch_add(chosen, Ordering::Relaxed);
+        for s in &launches {
+            kernels.build(s.dispatch.kernel, s.variant.is_some())?;
         }
+        let mut bind_groups = Vec::with_capacity(launches.len());
+        for (d, launch) in launches.iter().enumerate() {
+            bind_groups.push(binder.bind(&kernels, &launch.dispatch, &format!("dispatch {d}"))?);
+        }
+        // (kernels only measured are dropped)
+        let pipelines = kernels.keep(&launches);
 
         let state: HashMap<usize, (Region, Region)> = payload
             .state
@@ -1169,7 +1270,9 @@ impl GpuDelegate {
                     DispatchTime {
                         kernel: k.name.clone(),
                         ops: k.ops.clone(),
-                        variant: launch.variant.map(|n| n.describe()),
+                        variant: launch
+                            .variant
+                            .map(|(i, n)| format!("{} (alternative {i})", n.describe())),
                         seconds,
                     }
                 });
@@ -1386,9 +1489,10 @@ impl DelegateHandle for GpuDelegate {
 
 #[cfg(test)]
 mod tests {
-    use etmetal_metal::payload::{Alternative, CoopType, Requirements};
+    use etmetal_metal::payload::{Alternative, CoopType, Needs, Requirements};
 
     use super::*;
+    use crate::device::CoopOffer;
 
     const fn needs(subgroup_size: u32, workgroup_storage: u32) -> Needs {
         Needs::f16_16x16x16(subgroup_size, workgroup_storage)
@@ -1473,7 +1577,7 @@ mod tests {
     }
 
     #[test]
-    fn the_plan_takes_the_first_alternative_met() {
+    fn eligible_alternatives_and_the_launches_of_a_choice() {
         let mut with = dispatch(0, 2);
         with.alternatives = vec![
             Alternative {
@@ -1501,12 +1605,25 @@ mod tests {
             launches.iter().map(|s| s.dispatch.kernel).collect()
         };
         let offer = h200();
-        let launches = plan(&payload, Some(&offer), 8);
-        assert_eq!(kernels(&launches), [4, 2, 3]);
-        assert_eq!(launches[1].variant, Some(needs(32, 1024)));
-        assert!(launches.iter().all(|s| s.dispatch.alternatives.is_empty()));
-        assert_eq!(kernels(&plan(&payload, None, 8)), [4, 0]);
+        // (the first alternative needs more workgroup memory than offered)
+        let none: Vec<usize> = vec![];
+        assert_eq!(
+            select::eligible(&payload, Some(&offer), 8),
+            [none.clone(), vec![1]]
+        );
+        assert_eq!(
+            select::eligible(&payload, None, 8),
+            [none.clone(), none.clone()]
+        );
         // an alternative binding more than the device allows is passed over
-        assert_eq!(kernels(&plan(&payload, Some(&offer), 2)), [4, 0]);
+        assert_eq!(
+            select::eligible(&payload, Some(&offer), 2),
+            [none.clone(), none]
+        );
+        let launches = select::launches(&payload, &[None, Some(1)]);
+        assert_eq!(kernels(&launches), [4, 2, 3]);
+        assert_eq!(launches[1].variant, Some((1, needs(32, 1024))));
+        assert!(launches.iter().all(|s| s.dispatch.alternatives.is_empty()));
+        assert_eq!(kernels(&select::launches(&payload, &[None, None])), [4, 0]);
     }
 }

@@ -24,6 +24,7 @@
 mod bound;
 mod delegate;
 mod device;
+mod select;
 mod transfer;
 
 use std::sync::atomic::Ordering;
@@ -184,7 +185,7 @@ impl Backend for MetalBackend {
             gpu,
             self.counters.clone(),
             self.timeout,
-            payload,
+            (payload, select::fnv64(&[processed])),
             named_data,
             self.coop,
         )?))

@@ -80,9 +80,14 @@ impl BufferDesc {
         self.shape.iter().product()
     }
 
-    /// The dtype the payload declares (16-bit float intermediates are f32).
+    /// The dtype the payload declares (16-bit float intermediates are f32,
+    /// unless stored packed: a partition output written in its host form,
+    /// or a kernel's 16-bit scratch, [`Storage::Packed16`]).
     pub fn payload_dtype(&self) -> DType {
-        payload::buffer_dtype(self.dtype, self.place.role())
+        match self.storage {
+            Storage::Packed16 => self.dtype,
+            _ => payload::buffer_dtype(self.dtype, self.place.role()),
+        }
     }
 
     pub fn gpu_bytes(&self) -> Result<u64> {

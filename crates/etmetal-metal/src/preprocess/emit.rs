@@ -228,6 +228,29 @@ impl<'a> KernelBuilder<'a> {
         Ok(format!("bitcast<vec4<u32>>(b{b}[{c}])"))
     }
 
+    /// The name of 16-bit packed buffer `buf` bound as `array<u32>` (two
+    /// elements a word), for kernels that move the words themselves.
+    pub fn words(&mut self, buf: BufferIdx) -> Result<String> {
+        self.packed(buf, 0)
+    }
+
+    /// The name of 16-bit packed buffer `buf` bound as `array<vec4<u32>>`
+    /// (eight elements a chunk).
+    pub fn words4(&mut self, buf: BufferIdx) -> Result<String> {
+        self.packed(buf, 8)
+    }
+
+    fn packed(&mut self, buf: BufferIdx, chunked: u8) -> Result<String> {
+        let desc = &self.buffers.list[buf];
+        if desc.storage != Storage::Packed16 {
+            return Err(Error::internal(format!(
+                "buffer `{}` is not 16-bit packed",
+                desc.name
+            )));
+        }
+        Ok(format!("b{}", self.bind_as(buf, chunked)))
+    }
+
     /// A WGSL expression reading element `e` (a u32 expression) of `buf`
     /// as its compute type.
     pub fn load(&mut self, buf: BufferIdx, e: &str) -> String {

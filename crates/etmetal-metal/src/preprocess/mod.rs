@@ -457,6 +457,14 @@ impl<'g> Lowering<'g> {
         self.add_buffer(desc)
     }
 
+    /// A new intermediate buffer of f16 values kept two a word, as a
+    /// kernel's 16-bit operands are (`attention_flash.rs`).
+    pub fn temp16(&mut self, name: &str, shape: &[usize]) -> Result<BufferIdx> {
+        let mut desc = BufferDesc::new(name, DType::F16, shape, Place::Temp)?;
+        desc.storage = Storage::Packed16;
+        self.add_buffer(desc)
+    }
+
     /// The lazy value of graph value `v`.
     pub fn value(&self, v: ValueId) -> Result<LazyRef> {
         self.values.get(&v).cloned().ok_or_else(|| {
@@ -953,6 +961,13 @@ impl<'g> Lowering<'g> {
             dispatches,
         });
         Ok(())
+    }
+
+    /// Whether a dispatch may gain more than one alternative of a form
+    /// (variants the runtime measures): not while emulating, where the one
+    /// emulated form replaces the dispatch.
+    pub(crate) fn variants(&self) -> bool {
+        self.options.emulate_coop.is_none()
     }
 
     /// The cooperative-matrix primitives for a kernel of tensor-core form

@@ -41,9 +41,13 @@ use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::sizes::{bucket, extent, ROW_BUCKETS};
 use crate::preprocess::Lowering;
 
-/// The tensor-core form of the prefill kernel.
+/// The tensor-core forms of the prefill kernel: Apple's 8×8 f32 form,
+/// and the dispatch of every form's alternatives.
 #[path = "attention_coop.rs"]
 mod coop;
+/// The 16×16 f16 form (flash attention on NVIDIA's tensor cores).
+#[path = "attention_flash.rs"]
+mod flash;
 
 /// The largest head dim (of q/k and of v) the kernel takes.
 pub(crate) const MAX_HEAD_DIM: usize = 256;
@@ -106,6 +110,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         out_dtype: desc.dtype,
         nb: g.batch.iter().product(),
         scale: float_literal(scale.unwrap_or(1.0 / (g.e as f64).sqrt())),
+        scale_factor: scale.unwrap_or(1.0 / (g.e as f64).sqrt()),
         g,
         q,
         k,
@@ -212,6 +217,7 @@ struct Attn {
     is_causal: bool,
     /// The scale, as a WGSL literal.
     scale: String,
+    scale_factor: f64,
     out: BufferIdx,
     out_dtype: DType,
     /// Batch·heads.
@@ -295,7 +301,14 @@ impl Attn {
     /// (< L) and key `j` into its score: scaled, masked (−∞ where
     /// dropped), `valid` saying the key is in range.
     fn score(&self, x: &str, i: &str, j: &str, valid: &str) -> String {
-        let mut s = format!("{x} = {x} * {};\n", self.scale);
+        format!("{x} = {x} * {};\n", self.scale) + &self.mask(x, i, j, valid, None)
+    }
+
+    /// Statements masking the scaled score in var `x` (see
+    /// [`Self::score`]); an additive mask's term is multiplied by `factor`
+    /// where one is given (a kernel working in log2 units).
+    fn mask(&self, x: &str, i: &str, j: &str, valid: &str, factor: Option<&str>) -> String {
+        let mut s = String::new();
         let mut keep = valid.to_string();
         if self.is_causal {
             keep = format!("{keep} && {j} <= {i}");
@@ -322,7 +335,11 @@ impl Attn {
             if m.dtype == DType::Bool {
                 keep = format!("{keep} && {at}");
             } else {
-                s.push_str(&format!("{x} = {x} + {at};\n"));
+                let term = match factor {
+                    Some(f) => format!("{at} * {f}"),
+                    None => at,
+                };
+                s.push_str(&format!("{x} = {x} + {term};\n"));
             }
         }
         s.push_str(&format!(

@@ -39,7 +39,7 @@
 use std::fmt::Write;
 
 use etmetal_core::sym::SymExpr;
-use etmetal_core::{DType, Result};
+use etmetal_core::Result;
 
 use super::{Attn, KeySplit};
 use crate::preprocess::emit::{grid, KernelBuilder, FLAT_GROUP};
@@ -84,10 +84,13 @@ pub(super) fn alternatives(
         return Ok(());
     }
     for form in CoopForm::ALL {
-        if form == CoopForm::Half16 && !matches!(dtypes[0], DType::F16 | DType::BF16) {
-            continue;
+        match form {
+            CoopForm::Half16 if super::flash::applies(a) => {
+                super::flash::alternatives(lw, a, d, split, span)?
+            }
+            CoopForm::Half16 => {}
+            CoopForm::Float8 => lw.alternative(d, form, |lw| kernel(lw, a, form, split, span))?,
         }
-        lw.alternative(d, form, |lw| kernel(lw, a, form, split, span))?;
     }
     Ok(())
 }
@@ -541,7 +544,8 @@ mod tests {
         let sizes = [1, 64, 65, 256, 257, 512];
         assert_eq!(alternatives_gated_alike(&p, &sizes), 3, "buckets");
         for d in p.dispatches.iter().filter(|d| !d.alternatives.is_empty()) {
-            assert_eq!(d.alternatives.len(), 2);
+            // the 16×16 form's variants, then the 8×8 form
+            assert!(d.alternatives.len() >= 2, "{}", d.alternatives.len());
             for alt in &d.alternatives {
                 let k = &p.kernels[alt.dispatches.last().unwrap().kernel];
                 assert!(k.wgsl.contains("sz.v"), "{}", k.name);

@@ -233,21 +233,8 @@ impl CoopMat {
             if row_major { "r" } else { "c" }
         );
         if !self.has(&name) {
-            let s = self.form.size();
-            let (e, _) = self.share();
             let ty = self.ty(role, elem);
-            // (index in the lane's array, row, column of the matrix)
-            let elems: Vec<(usize, String, String)> = match role {
-                Role::A => (0..s).map(|x| (x, "i".into(), format!("{x}u"))).collect(),
-                Role::B => (0..s)
-                    .flat_map(|x| {
-                        (0..e).map(move |y| (x * e + y, format!("{x}u"), format!("j0 + {y}u")))
-                    })
-                    .collect(),
-                Role::C => (0..e)
-                    .map(|y| (y, "i".into(), format!("j0 + {y}u")))
-                    .collect(),
-            };
+            let elems = self.elements(role);
             let mut f = format!(
                 "fn {name}(o: u32, s: u32) -> {ty} {{\n{}  var m: {ty};\n",
                 self.lane()
@@ -264,6 +251,112 @@ impl CoopMat {
             self.helpers.push((name.clone(), f));
         }
         format!("{name}({offset}, {stride})")
+    }
+
+    /// Whether the primitives are emulated.
+    pub(crate) fn emulated(&self) -> bool {
+        self.emulated
+    }
+
+    /// A matrix of `role` of the 16×16 form read from workgroup or storage
+    /// array `array` of u32 words, each two f16 (the low half first), at
+    /// word `offset`, rows (`row_major`) or columns `stride` words apart.
+    /// The real load goes through a u32 pointer, which
+    /// SPV_KHR_cooperative_matrix reads as the matrix's f16 elements with
+    /// offset and stride counted in words (as llama.cpp's coopmat shaders
+    /// load from `f16vec2` arrays); staging then writes words, not halves.
+    pub(crate) fn load_words(
+        &mut self,
+        role: Role,
+        array: &str,
+        offset: &str,
+        stride: &str,
+        row_major: bool,
+    ) -> String {
+        debug_assert_eq!(self.form, CoopForm::Half16);
+        if !self.emulated {
+            let f = if row_major { "coopLoadT" } else { "coopLoad" };
+            return format!(
+                "{f}<{}>(&{array}[{offset}], {stride})",
+                self.ty(role, "f16")
+            );
+        }
+        let name = format!(
+            "coop_ldw_{}_{array}_{}",
+            role.name().to_lowercase(),
+            if row_major { "r" } else { "c" }
+        );
+        if !self.has(&name) {
+            let ty = self.ty(role, "f16");
+            let mut f = format!(
+                "fn {name}(o: u32, s: u32) -> {ty} {{
+{}  var m: {ty};
+",
+                self.lane()
+            );
+            for (at, r, c) in self.elements(role) {
+                // (the element's index in halves)
+                let h = if row_major {
+                    format!("2u * (o + {r} * s) + {c}")
+                } else {
+                    format!("2u * (o + ({c}) * s) + {r}")
+                };
+                let _ = writeln!(
+                    f,
+                    "  {{ let h = {h}; m[{at}] = f16(f16dec({array}[h >> 1u] >> ((h & 1u) * 16u))); }}"
+                );
+            }
+            f.push_str(
+                "  return m;
+}
+
+",
+            );
+            self.helpers.push((name.clone(), f));
+        }
+        format!("{name}({offset}, {stride})")
+    }
+
+    /// Statements combining f32 var `x` of each pair of lanes (2i, 2i + 1)
+    /// of a subgroup: their max (`max`) or sum, in both lanes. Emulated
+    /// through workgroup memory (`threads`: the kernel's workgroup size),
+    /// so every invocation of the workgroup must reach them.
+    pub(crate) fn pair(&mut self, x: &str, max: bool, threads: usize) -> String {
+        let combine = |other: &str| match max {
+            true => format!("{x} = max({x}, {other});"),
+            false => format!("{x} = {x} + {other};"),
+        };
+        if !self.emulated {
+            return combine(&format!("subgroupShuffleXor({x}, 1u)")) + "\n";
+        }
+        if !self.has("coop_pair") {
+            self.helpers.push((
+                "coop_pair".into(),
+                format!("var<workgroup> coop_pair: array<f32, {threads}>;\n\n"),
+            ));
+        }
+        format!(
+            "coop_pair[lid] = {x};\nworkgroupBarrier();\n{}\nworkgroupBarrier();\n",
+            combine("coop_pair[lid ^ 1u]")
+        )
+    }
+
+    /// The elements an emulating lane holds of a matrix of `role`: (index
+    /// in the lane's array, row, column).
+    fn elements(&self, role: Role) -> Vec<(usize, String, String)> {
+        let s = self.form.size();
+        let (e, _) = self.share();
+        match role {
+            Role::A => (0..s).map(|x| (x, "i".into(), format!("{x}u"))).collect(),
+            Role::B => (0..s)
+                .flat_map(|x| {
+                    (0..e).map(move |y| (x * e + y, format!("{x}u"), format!("j0 + {y}u")))
+                })
+                .collect(),
+            Role::C => (0..e)
+                .map(|y| (y, "i".into(), format!("j0 + {y}u")))
+                .collect(),
+        }
     }
 
     /// `a·b + c` (f32 accumulation).

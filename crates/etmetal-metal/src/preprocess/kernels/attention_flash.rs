@@ -1,0 +1,701 @@
+//! Flash attention on tensor cores in the 16×16 f16 form (NVIDIA GPUs
+//! through Vulkan): payload alternatives of the prefill kernel of
+//! `attention.rs` for f16 and bf16 attention over head dims 64 and 128
+//! (q, k and v alike), one for each [`VARIANTS`] entry that fits
+//! [`MAX_STORAGE`]; the runtime measures them against the portable kernel
+//! and keeps the fastest. Where the portable kernel splits the keys over
+//! workgroups, these take the same splits and write the same partials,
+//! which the combine kernel merges; over a run-time length they take the
+//! same row buckets, grid order and end of keys.
+//!
+//! **16-bit copies.** Pre-passes write q, k and v as f16 (two a word, rows
+//! padded to whole [`CHUNK_ROWS`] and zero there), each scaled by a power
+//! of two into f16's range: q and k by one factor per head (the largest
+//! finite |x| of the head below 2^15), v by one per head and column. Two
+//! kernels a copy, both spread over (head, chunk of rows): the first
+//! writes each chunk's column maxima, the second reduces them, converts
+//! its chunk and (chunk 0) writes the exponents. A per-head factor loses
+//! only elements more than 2^28 below the head's largest, whose
+//! contributions to a score are that far below the head's largest
+//! product: the score's absolute error stays below `d · 2^-27 · max|q| ·
+//! max|k|` (the GEMM's bound, `gemm/coop.rs`); per column of v likewise.
+//! All variants of one attention share the copies.
+//!
+//! **Kernel.** A workgroup takes `16 · subgroups` query rows of one
+//! batch·head; each subgroup keeps its 16 rows of q as cooperative
+//! matrices (loaded once from the copy) and its 16 × dv output as f32
+//! accumulators, and the keys go by in tiles of `bc`:
+//! 1. the workgroup stages the key and value tiles (words, 16 bytes a
+//!    load; zeros past the end of keys);
+//! 2. each subgroup computes `S = Q·Kᵀ` (16 × bc) and stores it;
+//! 3. two lanes a row turn their half of the row into scores in log2 units
+//!    (`S · scale · log2 e · 2^-(sq + sk)`, masked as the portable kernel
+//!    masks), reduce the row's max, and write `P = 2^(x − m)` as f16
+//!    scaled by 2^[`P_EXP`], summing it in f32. The reference `m` moves
+//!    only when a row's max passes it by more than [`TAU`] (so P stays
+//!    below 2^TAU, and f16 holds it); only then are the accumulators
+//!    rescaled, through workgroup memory, by every subgroup at once
+//!    (rare after the first tiles);
+//! 4. each subgroup adds `P·V` into its accumulators.
+//!
+//! At the end the accumulators go through workgroup memory to the output,
+//! divided by the row sums and unscaled per column.
+
+use std::fmt::Write;
+
+use etmetal_core::sym::SymExpr;
+use etmetal_core::{DType, Result};
+
+use super::{Attn, KeySplit};
+use crate::payload::Size;
+use crate::preprocess::buffers::BufferIdx;
+use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP};
+use crate::preprocess::expr::LazyRef;
+use crate::preprocess::kernels::coopmat::{CoopForm, CoopMat, Role, SUBGROUP};
+use crate::preprocess::kernels::gemm::F16_SCALING_WGSL;
+use crate::preprocess::pointwise::float_literal;
+use crate::preprocess::Lowering;
+
+/// Query rows of a subgroup: one 16-row matrix.
+const RS: usize = 16;
+/// Rows of a pre-pass workgroup's chunk; the copies' rows are padded to it.
+const CHUNK_ROWS: usize = 64;
+/// Invocations of a pre-pass workgroup.
+const PREPASS: usize = 256;
+/// How far (log2 units) a row's max may pass its reference before the
+/// accumulators are rescaled: P is below 2^TAU.
+const TAU: f64 = 8.0;
+/// P is stored as f16 times 2^P_EXP: below 2^(TAU + P_EXP) = 2^15, and
+/// kept to 2^-(14 + P_EXP) of its reference where f16 subnormals flush.
+const P_EXP: i32 = 7;
+/// Words of padding after each staged row (16 bytes: the rows a matrix
+/// load reads start in different banks).
+const PAD: usize = 4;
+/// Workgroup memory a variant may use (what NVIDIA's Vulkan drivers offer).
+const MAX_STORAGE: usize = 48 << 10;
+
+/// One shape of the kernel: subgroups a workgroup, keys a tile.
+#[derive(Clone, Copy, Debug)]
+struct Variant {
+    subgroups: usize,
+    bc: usize,
+}
+
+/// The variants offered; the first that fits is the one emulated.
+const VARIANTS: [Variant; 3] = [
+    Variant {
+        subgroups: 4,
+        bc: 64,
+    },
+    Variant {
+        subgroups: 4,
+        bc: 32,
+    },
+    Variant {
+        subgroups: 8,
+        bc: 32,
+    },
+];
+
+/// The largest rows a workgroup of any variant takes (the q copy's padding).
+const MAX_ROWS: usize = 8 * RS;
+
+/// Whether attention `a` gets these forms: 16-bit operands of one dtype,
+/// head dims 64 or 128.
+pub(super) fn applies(a: &Attn) -> bool {
+    let d = [a.q.dtype, a.k.dtype, a.v.dtype];
+    matches!(d[0], DType::F16 | DType::BF16)
+        && d.iter().all(|&t| t == d[0])
+        && a.g.e == a.g.ev
+        && matches!(a.g.e, 64 | 128)
+}
+
+/// Add the variants of prefill dispatch `d` (see the module comment).
+pub(super) fn alternatives(
+    lw: &mut Lowering,
+    a: &Attn,
+    d: usize,
+    split: &Option<KeySplit>,
+    span: usize,
+) -> Result<()> {
+    let mut copies: Option<[Copy16; 3]> = None;
+    let mut added = 0;
+    for v in VARIANTS {
+        // (emulated: the first that fits replaces the portable dispatch)
+        if storage(a, v) > MAX_STORAGE || (added > 0 && !lw.variants()) {
+            continue;
+        }
+        added += 1;
+        lw.alternative(d, CoopForm::Half16, |lw| {
+            let made = match &copies {
+                Some(c) => c.clone(),
+                None => {
+                    let label = lw.op_label();
+                    // the three copies' exponents share a buffer (one binding)
+                    let heads =
+                        |x: &LazyRef| -> usize { x.shape[..x.shape.len() - 2].iter().product() };
+                    let (nq, nk, nv) = (heads(&a.q), heads(&a.k), heads(&a.v) * a.g.ev);
+                    let exps =
+                        lw.temp(&format!("{label}.exponents16"), DType::I32, &[nq + nk + nv])?;
+                    let c = [
+                        Copy16::new(
+                            lw,
+                            &a.q,
+                            &format!("{label}.q16"),
+                            MAX_ROWS,
+                            (exps, 0),
+                            false,
+                        )?,
+                        Copy16::new(
+                            lw,
+                            &a.k,
+                            &format!("{label}.k16"),
+                            CHUNK_ROWS,
+                            (exps, nq),
+                            false,
+                        )?,
+                        Copy16::new(
+                            lw,
+                            &a.v,
+                            &format!("{label}.v16"),
+                            CHUNK_ROWS,
+                            (exps, nq + nk),
+                            true,
+                        )?,
+                    ];
+                    copies = Some(c.clone());
+                    c
+                }
+            };
+            let rows = valid_rows(lw, a)?;
+            made[0].convert(lw, &a.q, rows)?;
+            made[1].convert(lw, &a.k, a.keys.clone())?;
+            made[2].convert(lw, &a.v, a.keys.clone())?;
+            kernel(lw, a, v, &made, split, span)
+        })?;
+    }
+    Ok(())
+}
+
+/// Workgroup memory of variant `v` for `a`, in bytes.
+fn storage(a: &Attn, v: Variant) -> usize {
+    let (kw, vw) = (a.g.e / 2 + PAD, a.g.ev / 2 + PAD);
+    let rows = v.subgroups * RS;
+    4 * (v.bc * kw + v.bc * vw + rows * (v.bc + PAD) + rows * (v.bc / 2 + PAD) + rows + 1)
+        .next_multiple_of(16)
+}
+
+/// The run-time query rows, where they are a run-time size.
+fn valid_rows(lw: &mut Lowering, a: &Attn) -> Result<Option<Size>> {
+    match &a.dynamic {
+        Some([_, rows]) if rows.as_const().is_none() => Ok(Some(lw.sizes.size(rows)?)),
+        _ => Ok(None),
+    }
+}
+
+/// A 16-bit copy of an operand `[heads…, rows, cols]` (module comment).
+#[derive(Clone)]
+struct Copy16 {
+    /// `heads × prows × cols` f16, two a word.
+    data: BufferIdx,
+    /// The exponent of each head (or each head's columns), from element
+    /// `exps.1` of buffer `exps.0`.
+    exps: (BufferIdx, usize),
+    /// Each chunk's column maxima (f32 bits).
+    partial: BufferIdx,
+    heads: usize,
+    rows: usize,
+    prows: usize,
+    cols: usize,
+    per_column: bool,
+}
+
+impl Copy16 {
+    fn new(
+        lw: &mut Lowering,
+        x: &LazyRef,
+        name: &str,
+        pad: usize,
+        exps: (BufferIdx, usize),
+        per_column: bool,
+    ) -> Result<Copy16> {
+        let r = x.shape.len();
+        let heads: usize = x.shape[..r - 2].iter().product();
+        let (rows, cols) = (x.shape[r - 2], x.shape[r - 1]);
+        let prows = rows.next_multiple_of(pad).next_multiple_of(CHUNK_ROWS);
+        let chunks = prows / CHUNK_ROWS;
+        Ok(Copy16 {
+            data: lw.temp16(name, &[heads, prows, cols])?,
+            exps,
+            partial: lw.temp(
+                &format!("{name}.maxima"),
+                DType::I32,
+                &[heads * chunks * cols],
+            )?,
+            heads,
+            rows,
+            prows,
+            cols,
+            per_column,
+        })
+    }
+
+    fn chunks(&self) -> usize {
+        self.prows / CHUNK_ROWS
+    }
+
+    /// WGSL lets naming operand `x`'s head `h` (`hi0, hi1, …`) and the
+    /// call reading its element `(row, col)`.
+    fn reader(x: &LazyRef) -> (String, impl Fn(&str, &str) -> String) {
+        let r = x.shape.len();
+        let idx = unravel("h", &x.shape[..r - 2]);
+        let lets: String = idx
+            .iter()
+            .enumerate()
+            .map(|(d, e)| format!("  let hi{d} = {e};\n"))
+            .collect();
+        let n = r - 2;
+        (lets, move |row: &str, col: &str| {
+            let args: Vec<String> = (0..n)
+                .map(|d| format!("hi{d}"))
+                .chain([row.to_string(), col.to_string()])
+                .collect();
+            format!("x({})", args.join(", "))
+        })
+    }
+
+    /// The two dispatches converting `x` (rows from `valid` on read as
+    /// zeros: a run-time size's garbage never sets a factor).
+    fn convert(&self, lw: &mut Lowering, x: &LazyRef, valid: Option<Size>) -> Result<()> {
+        let (rows, cols, chunks) = (self.rows, self.cols, self.chunks());
+        let groups = (self.heads * chunks) as u64;
+        let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
+        // pass 1: each chunk's column maxima
+        let mut kb = KernelBuilder::new(&lw.buffers);
+        kb.value_fn(x, "x")?;
+        let end = match &valid {
+            Some(s) => kb.size(s),
+            None => format!("{rows}u"),
+        };
+        let (lets, at) = Self::reader(x);
+        let lanes = PREPASS / cols;
+        let mut s = format!("{F16_SCALING_WGSL}var<workgroup> red: array<u32, {PREPASS}>;\n\n");
+        s.push_str(&entry(PREPASS as u32));
+        let store = kb.store(
+            self.partial,
+            &format!("g * {cols}u + lid"),
+            "bitcast<i32>(m)",
+        )?;
+        let _ = write!(
+            s,
+            "  let g = {FLAT_GROUP};\n  if (g >= {groups}u) {{ return; }}\n\
+             \x20 let h = g / {chunks}u;\n  let r0 = (g % {chunks}u) * {CHUNK_ROWS}u;\n{lets}\
+             \x20 let c = lid % {cols}u;\n  var mx = 0u;\n\
+             \x20 for (var r = r0 + lid / {cols}u; r < min(r0 + {CHUNK_ROWS}u, {end}); r = r + {lanes}u) {{\n\
+             \x20   mx = max(mx, finite_bits(vec4<f32>({})).x);\n  }}\n\
+             \x20 red[lid] = mx;\n  workgroupBarrier();\n\
+             \x20 if (lid < {cols}u) {{\n    var m = 0u;\n\
+             \x20   for (var k = 0u; k < {lanes}u; k = k + 1u) {{ m = max(m, red[k * {cols}u + lid]); }}\n\
+             \x20   {store}\n  }}\n}}\n",
+            at("r", "c")
+        );
+        let ops = vec![lw.op_label()];
+        lw.add_dispatch(
+            kb.finish(&s).tagged("amax"),
+            ops,
+            [PREPASS as u32, 1, 1],
+            workgroups,
+            (4 * PREPASS) as u32,
+        )?;
+        // pass 2: the factors, then the chunk converted
+        let mut kb = KernelBuilder::new(&lw.buffers);
+        kb.value_fn(x, "x")?;
+        kb.enable("f16");
+        let end = match &valid {
+            Some(s) => kb.size(s),
+            None => format!("{rows}u"),
+        };
+        let (lets, at) = Self::reader(x);
+        let partial = kb.load(
+            self.partial,
+            &format!("(h * {chunks}u + k) * {cols}u + lid"),
+        );
+        let ne = if self.per_column { cols } else { 1 };
+        let (exps, first) = self.exps;
+        let store_exp = kb.store(exps, &format!("{first}u + h * {ne}u + lid"), "ex[lid]")?;
+        let word = format!("(h * {}u + r) * {}u + c / 2u", self.prows, cols / 2);
+        let store = kb.store_pair(self.data, &word, "v.x", "v.y");
+        let half = cols / 2;
+        let clamped = format!("min(r, {}u)", rows - 1);
+        let (lo, hi) = (at(&clamped, "c"), at(&clamped, "c + 1u"));
+        let (flo, fhi) = match self.per_column {
+            true => ("ex[c]", "ex[c + 1u]"),
+            false => ("ex[0]", "ex[0]"),
+        };
+        let mut s = format!(
+            "{F16_SCALING_WGSL}var<workgroup> colm: array<u32, {cols}>;\nvar<workgroup> ex: array<i32, {cols}>;\n\n"
+        );
+        s.push_str(&entry(PREPASS as u32));
+        let _ = write!(
+            s,
+            "  let g = {FLAT_GROUP};\n  if (g >= {groups}u) {{ return; }}\n\
+             \x20 let h = g / {chunks}u;\n  let chunk = g % {chunks}u;\n  let r0 = chunk * {CHUNK_ROWS}u;\n{lets}\
+             \x20 if (lid < {cols}u) {{\n    var m = 0u;\n\
+             \x20   for (var k = 0u; k < {chunks}u; k = k + 1u) {{ m = max(m, bitcast<u32>({partial})); }}\n\
+             \x20   colm[lid] = m;\n  }}\n  workgroupBarrier();\n"
+        );
+        if !self.per_column {
+            let _ = write!(
+                s,
+                "  if (lid == 0u) {{\n    var m = 0u;\n\
+                 \x20   for (var k = 0u; k < {cols}u; k = k + 1u) {{ m = max(m, colm[k]); }}\n\
+                 \x20   colm[0] = m;\n  }}\n  workgroupBarrier();\n"
+            );
+        }
+        let _ = write!(
+            s,
+            "  if (lid < {ne}u) {{\n    ex[lid] = expo(colm[lid]);\n\
+             \x20   if (chunk == 0u) {{ {store_exp} }}\n  }}\n  workgroupBarrier();\n\
+             \x20 for (var w = lid; w < {}u; w = w + {PREPASS}u) {{\n\
+             \x20   let r = r0 + w / {half}u;\n    let c = 2u * (w % {half}u);\n\
+             \x20   let ok = r < {end};\n\
+             \x20   let v = select(vec2<f32>(0.0), vec2<f32>({lo} * pow2({flo}), {hi} * pow2({fhi})), ok);\n\
+             \x20   {store}\n  }}\n}}\n",
+            CHUNK_ROWS * half,
+        );
+        let ops = vec![lw.op_label()];
+        lw.add_dispatch(
+            kb.finish(&s).tagged("cvt16"),
+            ops,
+            [PREPASS as u32, 1, 1],
+            workgroups,
+            (8 * cols) as u32,
+        )
+    }
+}
+
+/// The linear head of operand `x` (of `shape`, `rep` query heads a head)
+/// that batch·head `b` reads, as WGSL over the kernel's `bi` lets.
+fn head_of(a: &Attn, shape: &[usize], rep: usize) -> String {
+    let args = a.batch_args(shape, rep);
+    let dims = &shape[..shape.len() - 2];
+    let mut stride = 1;
+    let mut terms = vec![];
+    for (d, arg) in args.iter().enumerate().rev() {
+        if dims[d] > 1 {
+            terms.push(format!("({arg}) * {stride}u"));
+        }
+        stride *= dims[d];
+    }
+    if terms.is_empty() {
+        "0u".into()
+    } else {
+        terms.join(" + ")
+    }
+}
+
+/// The kernel of variant `v` over the copies `[q, k, v]`.
+fn kernel(
+    lw: &mut Lowering,
+    a: &Attn,
+    v: Variant,
+    copies: &[Copy16; 3],
+    split: &Option<KeySplit>,
+    span: usize,
+) -> Result<()> {
+    let (l, dh, dv) = (a.g.l, a.g.e, a.g.ev);
+    let Variant { subgroups, bc } = v;
+    let br = subgroups * RS;
+    let threads = subgroups * SUBGROUP;
+    // (P's pitch in halves)
+    let (kw, vw, sw, pw) = (dh / 2 + PAD, dv / 2 + PAD, bc + PAD, bc + 2 * PAD);
+    let blocks = l.div_ceil(br);
+    let nsplit = split.as_ref().map_or(1, |sp| sp.n);
+    let total = a.nb * blocks * nsplit;
+    let [cq, ck, cv] = copies;
+    let ninf = float_literal(f64::NEG_INFINITY);
+    let log2e = float_literal(std::f64::consts::LOG2_E);
+    let mut cm = lw.coop_mat(CoopForm::Half16);
+    // (q, k and v are read from the copies: only the mask is bound as it is)
+    let mut kb = KernelBuilder::new(&lw.buffers);
+    if let Some(mask) = &a.mask {
+        kb.value_fn(mask, "mask")?;
+    }
+    cm.enable(&mut kb);
+    let (bq, bk4, bv4) = (kb.words(cq.data)?, kb.words4(ck.data)?, kb.words4(cv.data)?);
+    let (qh, kh, vh) = (
+        head_of(a, &a.q.shape, 1),
+        head_of(a, &a.k.shape, a.g.k_group),
+        head_of(a, &a.v.shape, a.g.v_group),
+    );
+    let exp_at = |c: &Copy16, i: &str| format!("{}u + {i}", c.exps.1);
+    let (eq, ek) = (
+        kb.load(cq.exps.0, &exp_at(cq, "qh")),
+        kb.load(ck.exps.0, &exp_at(ck, "kh")),
+    );
+    let ev = kb.load(cv.exps.0, &exp_at(cv, &format!("vh * {dv}u + col")));
+
+    let mut m = String::new();
+    let _ = writeln!(
+        m,
+        "var<workgroup> kt: array<u32, {}>;\nvar<workgroup> vt: array<u32, {}>;\n\
+         var<workgroup> sc: array<f32, {}>;\nvar<workgroup> pt: array<f16, {}>;\n\
+         var<workgroup> rowa: array<f32, {br}>;\nvar<workgroup> resc: u32;",
+        bc * kw,
+        bc * vw,
+        br * sw,
+        br * pw
+    );
+    let _ = writeln!(
+        m,
+        "@compute @workgroup_size({threads})\n\
+         fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, \
+         @builtin(local_invocation_index) lid: u32{}) {{",
+        cm.params()
+    );
+    m.push_str(&cm.prologue());
+    let kend = a.kend(&mut kb, span, br);
+    let _ = write!(
+        m,
+        "  let g0 = {FLAT_GROUP};\n  if (g0 >= {total}u) {{ return; }}\n\
+         \x20 let sp = g0 % {nsplit}u;\n  let g1 = g0 / {nsplit}u;\n  let kbeg = sp * {span}u;\n\
+         {}{}\
+         \x20 let kend = {kend};\n\
+         \x20 let qh = {qh};\n  let kh = {kh};\n  let vh = {vh};\n\
+         \x20 let f = unscale({}, {eq}, {ek});\n\
+         \x20 let r = sl / 2u;\n  let hf = sl % 2u;\n  let row = sg * {RS}u + r;\n\
+         \x20 let gi = i0 + row;\n  let qi = min(gi, {}u);\n",
+        a.block_lets("g1", br, blocks),
+        a.batch_lets(),
+        float_literal(a.scale_factor * std::f64::consts::LOG2_E),
+        l - 1
+    );
+    // q, once: 16 rows × dh of the subgroup
+    let qbase = format!("(qh * {}u + i0 + sg * {RS}u) * {}u", cq.prows, dh / 2);
+    for d in 0..dh / 16 {
+        let ld = cm.load_words(
+            Role::A,
+            &bq,
+            &format!("{qbase} + {}u", d * 8),
+            &format!("{}u", dh / 2),
+            true,
+        );
+        let _ = writeln!(m, "  let qa{d} = {ld};");
+    }
+    for j in 0..dv / 16 {
+        let _ = writeln!(m, "  var o{j} = {};", cm.zero());
+    }
+    let _ = writeln!(
+        m,
+        "  var mref = {ninf};\n  var l = 0.0;\n\
+         \x20 for (var t0 = kbeg; t0 < kend; t0 = t0 + {bc}u) {{\n\
+         \x20   if (lid == 0u) {{ resc = 0u; }}"
+    );
+    // 1. the key and value tiles, 8 halves a load
+    for (tile, src, head, copy, cols, pitch) in [
+        ("kt", &bk4, "kh", ck, dh, kw),
+        ("vt", &bv4, "vh", cv, dv, vw),
+    ] {
+        let per = cols / 8;
+        let _ = write!(
+            m,
+            "    for (var w = lid; w < {}u; w = w + {threads}u) {{\n\
+             \x20     let j = w / {per}u;\n      let c = w % {per}u;\n      let key = t0 + j;\n\
+             \x20     let x = select(vec4<u32>(0u), {src}[({head} * {}u + min(key, {}u)) * {per}u + c], key < kend);\n\
+             \x20     let at = j * {pitch}u + 4u * c;\n\
+             \x20     {tile}[at] = x.x;\n      {tile}[at + 1u] = x.y;\n      {tile}[at + 2u] = x.z;\n      {tile}[at + 3u] = x.w;\n    }}\n",
+            bc * per,
+            copy.prows,
+            copy.prows - 1
+        );
+    }
+    m.push_str("    workgroupBarrier();\n");
+    // 2. S = Q·Kᵀ
+    m.push_str("    {\n");
+    for j in 0..bc / 16 {
+        let _ = writeln!(m, "      var s{j} = {};", cm.zero());
+    }
+    for d in 0..dh / 16 {
+        for j in 0..bc / 16 {
+            let ld = cm.load_words(
+                Role::B,
+                "kt",
+                &format!("{}u", j * 16 * kw + d * 8),
+                &format!("{kw}u"),
+                false,
+            );
+            let product = cm.mma(&format!("qa{d}"), &format!("kb{d}_{j}"), &format!("s{j}"));
+            let _ = writeln!(m, "      let kb{d}_{j} = {ld};\n      s{j} = {product};");
+        }
+    }
+    for j in 0..bc / 16 {
+        let st = cm.store(
+            &format!("s{j}"),
+            "sc",
+            &format!("sg * {}u + {}u", RS * sw, j * 16),
+            &format!("{sw}u"),
+            true,
+        );
+        let _ = writeln!(m, "      {st}");
+    }
+    m.push_str("    }\n    workgroupBarrier();\n");
+    // 3. scores, the row's max, P
+    let half = bc / 2;
+    let masked = a.mask("x", "qi", "key", "key < kend", Some(&log2e));
+    let _ = write!(
+        m,
+        "    var mx = {ninf};\n\
+         \x20   for (var c = 0u; c < {half}u; c = c + 1u) {{\n\
+         \x20     let jj = hf * {half}u + c;\n      let key = t0 + jj;\n\
+         \x20     var x = sc[row * {sw}u + jj] * f;\n{}\
+         \x20     sc[row * {sw}u + jj] = x;\n      mx = max(mx, x);\n    }}\n",
+        indent(&masked, 6)
+    );
+    m.push_str(&indent(&cm.pair("mx", true, threads), 4));
+    let _ = write!(
+        m,
+        "    var al = 1.0;\n\
+         \x20   if (mx > mref + {}) {{\n\
+         \x20     al = exp2(mref - mx);\n      if (mref != {ninf}) {{ resc = 1u; }}\n\
+         \x20     l = l * al;\n      mref = mx;\n    }}\n\
+         \x20   if (hf == 0u) {{ rowa[row] = al; }}\n\
+         \x20   let ms = select(mref, 0.0, mref == {ninf});\n    var sum = 0.0;\n\
+         \x20   for (var c = 0u; c < {half}u; c = c + 2u) {{\n\
+         \x20     let jj = hf * {half}u + c;\n\
+         \x20     let p = exp2(vec2<f32>(sc[row * {sw}u + jj], sc[row * {sw}u + jj + 1u]) - ms);\n\
+         \x20     sum = sum + p.x + p.y;\n\
+         \x20     let h = vec2<f16>(p * {});\n\
+         \x20     pt[row * {pw}u + jj] = h.x;\n      pt[row * {pw}u + jj + 1u] = h.y;\n    }}\n",
+        float_literal(TAU),
+        float_literal(2f64.powi(P_EXP))
+    );
+    m.push_str(&indent(&cm.pair("sum", false, threads), 4));
+    m.push_str("    l = l + sum;\n    if (workgroupUniformLoad(&resc) != 0u) {\n");
+    // (rare) the accumulators rescaled by their rows' factors
+    m.push_str(&indent(
+        &through_memory(&mut cm, dv, bc, sw, |cols| {
+            format!(
+                "let a = rowa[row];\nfor (var c = 0u; c < {0}u; c = c + 1u) {{ sc[row * {sw}u + hf * {0}u + c] = sc[row * {sw}u + hf * {0}u + c] * a; }}\n",
+                cols / 2
+            )
+        }, true),
+        6,
+    ));
+    m.push_str("    }\n");
+    // 4. O += P·V
+    for kk in 0..bc / 16 {
+        let pa = cm.load(
+            Role::A,
+            "pt",
+            "f16",
+            &format!("sg * {}u + {}u", RS * pw, kk * 16),
+            &format!("{pw}u"),
+            true,
+        );
+        let _ = writeln!(m, "    let pa{kk} = {pa};");
+        for j in 0..dv / 16 {
+            let vb = cm.load_words(
+                Role::B,
+                "vt",
+                &format!("{}u", kk * 16 * vw + j * 8),
+                &format!("{vw}u"),
+                true,
+            );
+            let product = cm.mma(&format!("pa{kk}"), &format!("vb{kk}_{j}"), &format!("o{j}"));
+            let _ = writeln!(m, "    let vb{kk}_{j} = {vb};\n    o{j} = {product};");
+        }
+    }
+    m.push_str("    workgroupBarrier();\n  }\n");
+    // the output: normalised (or a split's partials), unscaled per column
+    let stats = a.store_stats(&mut kb, split, "gi")?;
+    let value = format!("unscale(sc[row * {sw}u + hf * HALF + c], {P_EXP}, {ev})");
+    let store = a.store_col(&mut kb, split, "gi", "col", "acc")?;
+    let _ = writeln!(
+        m,
+        "  let inv = select(0.0, 1.0 / l, l > 0.0);\n  let m = mref * {};\n\
+         \x20 if (hf == 0u && gi < {l}u) {{ {stats} }}",
+        float_literal(std::f64::consts::LN_2)
+    );
+    m.push_str(&through_memory(&mut cm, dv, bc, sw, |cols| {
+        let value = value.replace("HALF", &format!("{}u", cols / 2));
+        format!(
+            "for (var c = 0u; c < {0}u; c = c + 1u) {{\n  let col = c0 + hf * {0}u + c;\n  let acc = {value};\n  if (gi < {l}u) {{ {store} }}\n}}\n",
+            cols / 2
+        )
+    }, false));
+    m.push_str("}\n");
+    let built = kb
+        .finish(&format!("{F16_SCALING_WGSL}{}{m}", cm.helpers()))
+        .tagged(cm.tag());
+    let workgroups = grid(total as u64, lw.options.max_workgroups_per_dim)?;
+    let splits = (SymExpr::Const(nsplit as i64), nsplit);
+    let actual = a.prefill_groups(lw, br, blocks, &[splits])?;
+    let ops = vec![lw.op_label()];
+    let mut bytes = storage(a, v);
+    if cm.emulated() {
+        bytes += 4 * threads;
+    }
+    lw.add_dispatch_sized(
+        built,
+        ops,
+        [threads as u32, 1, 1],
+        workgroups,
+        bytes as u32,
+        actual,
+    )
+}
+
+/// Statements moving the output accumulators `o0…` through the score
+/// memory `bc` columns at a time: each round stores them, runs `lanes`
+/// (WGSL for one lane pair's row `row`, half `hf`, of `cols` columns from
+/// column `c0`) and, when `back`, loads them again.
+fn through_memory(
+    cm: &mut CoopMat,
+    dv: usize,
+    bc: usize,
+    sw: usize,
+    lanes: impl Fn(usize) -> String,
+    back: bool,
+) -> String {
+    let mut s = String::new();
+    let per = bc / 16;
+    for round in 0..dv.div_ceil(bc) {
+        let cols = bc.min(dv - round * bc);
+        let mats = round * per..round * per + cols / 16;
+        let _ = writeln!(s, "{{\n  let c0 = {}u;", round * bc);
+        for (x, j) in mats.clone().enumerate() {
+            let st = cm.store(
+                &format!("o{j}"),
+                "sc",
+                &format!("sg * {}u + {}u", RS * sw, x * 16),
+                &format!("{sw}u"),
+                true,
+            );
+            let _ = writeln!(s, "  {st}");
+        }
+        s.push_str("  workgroupBarrier();\n");
+        s.push_str(&indent(&lanes(cols), 2));
+        s.push_str("  workgroupBarrier();\n");
+        if back {
+            for (x, j) in mats.enumerate() {
+                let ld = cm.load(
+                    Role::C,
+                    "sc",
+                    "f32",
+                    &format!("sg * {}u + {}u", RS * sw, x * 16),
+                    &format!("{sw}u"),
+                    true,
+                );
+                let _ = writeln!(s, "  o{j} = {ld};");
+            }
+            s.push_str("  workgroupBarrier();\n");
+        }
+        s.push_str("}\n");
+    }
+    s
+}
+
+fn indent(s: &str, by: usize) -> String {
+    let pad = " ".repeat(by);
+    s.lines().map(|line| format!("{pad}{line}\n")).collect()
+}
