@@ -81,7 +81,7 @@ struct Variant {
     bc: usize,
 }
 
-/// The variants offered; the first that fits is the one emulated.
+/// The variants offered (those within [`MAX_STORAGE`]).
 const VARIANTS: [Variant; 3] = [
     Variant {
         subgroups: 4,
@@ -119,13 +119,17 @@ pub(super) fn alternatives(
     span: usize,
 ) -> Result<()> {
     let mut copies: Option<[Copy16; 3]> = None;
-    let mut added = 0;
-    for v in VARIANTS {
-        // (emulated: the first that fits replaces the portable dispatch)
-        if storage(a, v) > MAX_STORAGE || (added > 0 && !lw.variants()) {
-            continue;
-        }
-        added += 1;
+    let mut variants: Vec<Variant> = VARIANTS
+        .into_iter()
+        .filter(|&v| storage(a, v) <= MAX_STORAGE)
+        .collect();
+    if !lw.variants() {
+        // emulated, the smallest replaces the portable dispatch (software
+        // adapters offer 32 KiB of workgroup memory)
+        variants.sort_by_key(|&v| storage(a, v));
+        variants.truncate(1);
+    }
+    for v in variants {
         lw.alternative(d, CoopForm::Half16, |lw| {
             let made = match &copies {
                 Some(c) => c.clone(),

@@ -234,18 +234,23 @@ impl CoopMat {
         );
         if !self.has(&name) {
             let ty = self.ty(role, elem);
-            let elems = self.elements(role);
+            let (count, r, c) = self.element(role);
             let mut f = format!(
                 "fn {name}(o: u32, s: u32) -> {ty} {{\n{}  var m: {ty};\n",
                 self.lane()
             );
-            for (at, r, c) in elems {
+            // (unrolled: a software adapter compiles these faster than loops)
+            for x in 0..count {
+                let (r, c) = (
+                    r.replace('x', &format!("{x}u")),
+                    c.replace('x', &format!("{x}u")),
+                );
                 let src = if row_major {
-                    format!("o + {r} * s + {c}")
+                    format!("o + ({r}) * s + {c}")
                 } else {
                     format!("o + ({c}) * s + {r}")
                 };
-                let _ = writeln!(f, "  m[{at}] = {array}[{src}];");
+                let _ = writeln!(f, "  m[{x}] = {array}[{src}];");
             }
             f.push_str("  return m;\n}\n\n");
             self.helpers.push((name.clone(), f));
@@ -288,29 +293,22 @@ impl CoopMat {
         );
         if !self.has(&name) {
             let ty = self.ty(role, "f16");
-            let mut f = format!(
-                "fn {name}(o: u32, s: u32) -> {ty} {{
-{}  var m: {ty};
-",
+            let (count, r, c) = self.element(role);
+            // (a loop where the other helpers unroll: each element decodes
+            // its half in software, and unrolled, a software adapter's
+            // compiler took minutes over a flash attention kernel)
+            let h = if row_major {
+                format!("2u * (o + ({r}) * s) + {c}")
+            } else {
+                format!("2u * (o + ({c}) * s) + {r}")
+            };
+            let f = format!(
+                "fn {name}(o: u32, s: u32) -> {ty} {{\n{}  var m: {ty};\n\
+                 \x20 for (var x = 0u; x < {count}u; x = x + 1u) {{\n\
+                 \x20   let h = {h};\n\
+                 \x20   m[x] = f16(f16dec({array}[h >> 1u] >> ((h & 1u) * 16u)));\n  }}\n\
+                 \x20 return m;\n}}\n\n",
                 self.lane()
-            );
-            for (at, r, c) in self.elements(role) {
-                // (the element's index in halves)
-                let h = if row_major {
-                    format!("2u * (o + {r} * s) + {c}")
-                } else {
-                    format!("2u * (o + ({c}) * s) + {r}")
-                };
-                let _ = writeln!(
-                    f,
-                    "  {{ let h = {h}; m[{at}] = f16(f16dec({array}[h >> 1u] >> ((h & 1u) * 16u))); }}"
-                );
-            }
-            f.push_str(
-                "  return m;
-}
-
-",
             );
             self.helpers.push((name.clone(), f));
         }
@@ -341,21 +339,16 @@ impl CoopMat {
         )
     }
 
-    /// The elements an emulating lane holds of a matrix of `role`: (index
-    /// in the lane's array, row, column).
-    fn elements(&self, role: Role) -> Vec<(usize, String, String)> {
+    /// The elements an emulating lane holds of a matrix of `role`: how
+    /// many, and the row and column of its element `x` (a WGSL u32 named
+    /// `x`; the lane's row `i` and first column `j0`).
+    fn element(&self, role: Role) -> (usize, String, String) {
         let s = self.form.size();
         let (e, _) = self.share();
         match role {
-            Role::A => (0..s).map(|x| (x, "i".into(), format!("{x}u"))).collect(),
-            Role::B => (0..s)
-                .flat_map(|x| {
-                    (0..e).map(move |y| (x * e + y, format!("{x}u"), format!("j0 + {y}u")))
-                })
-                .collect(),
-            Role::C => (0..e)
-                .map(|y| (y, "i".into(), format!("j0 + {y}u")))
-                .collect(),
+            Role::A => (s, "i".into(), "x".into()),
+            Role::B => (s * e, format!("x / {e}u"), format!("j0 + x % {e}u")),
+            Role::C => (e, "i".into(), "j0 + x".into()),
         }
     }
 
