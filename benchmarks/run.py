@@ -51,6 +51,9 @@ DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int4": torch.bfloat16}
 RUNS, WARMUP = 20, 5
 # `gpu --portable-too`: op rows also measured with `--coop off`
 PORTABLE_TOO = False
+# `gpu --etmetal-only`: model rows without PyTorch's timings (its output
+# is still the reference)
+ETMETAL_ONLY = False
 REPEAT = 3  # separate measurements of each figure: median and [min, max]
 INT4_GROUP = 32
 # HBM: the datasheet's 4.8 TB/s for ops' % of bandwidth; 4.3 TB/s (what a
@@ -723,9 +726,11 @@ def torch_side(name: str, dt: str, scratch: Path, shared: dict) -> dict:
         want = as_tuple(m(*cuda_xs))[0]
         # what a caller sees: inputs up, run, outputs down
         e2e = lambda: [o.cpu() for o in as_tuple(m(*(x.cuda() for x in xs)))]  # noqa: E731
-        torch_figures = repeated(lambda: {"torch_ms": torch_kernel_ms(lambda: m(*cuda_xs), RUNS, WARMUP),
-                                          "torch_e2e_ms": wall_time_ms(e2e)})
-        compiled_torch = torch_compiled_ms(copy.deepcopy(m), cuda_xs)
+        torch_figures, compiled_torch = {}, {}
+        if not ETMETAL_ONLY:
+            torch_figures = repeated(lambda: {"torch_ms": torch_kernel_ms(lambda: m(*cuda_xs), RUNS, WARMUP),
+                                              "torch_e2e_ms": wall_time_ms(e2e)})
+            compiled_torch = torch_compiled_ms(copy.deepcopy(m), cuda_xs)
     shared[key] = {"pt2": pt2, "xs": xs, "want": want, "weight_bytes": weight_bytes(module),
                    "figures": {**torch_figures, **compiled_torch}}
     return shared[key]
@@ -930,8 +935,11 @@ if __name__ == "__main__":
     ap.add_argument("--dtypes", help="gpu: only the model rows of these dtypes (comma-separated)")
     ap.add_argument("--portable-too", action="store_true",
                     help="gpu: measure each op row again with every kernel in its portable form (--coop off)")
+    ap.add_argument("--etmetal-only", action="store_true",
+                    help="gpu: model rows without PyTorch's timings (a device run that already has them)")
     a = ap.parse_args()
     PORTABLE_TOO = a.portable_too
+    ETMETAL_ONLY = a.etmetal_only
     if a.step == "report":
         import report
 

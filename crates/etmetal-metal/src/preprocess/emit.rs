@@ -13,6 +13,11 @@ use super::pointwise::{self, compute_type};
 use super::sizes::{uniform_decl, Sizes};
 use crate::payload::{Access, Fault, Site, Size};
 
+/// [`KernelBuilder`]'s binding flavours of f16 buffers read and written
+/// as halves ([`KernelBuilder::halves`], [`KernelBuilder::halves4`]).
+const HALVES: u8 = 1;
+const HALVES4: u8 = 2;
+
 /// Elements handled by one invocation of a flat kernel's workgroup.
 pub(crate) const FLAT_WORKGROUP: u32 = 256;
 
@@ -228,26 +233,27 @@ impl<'a> KernelBuilder<'a> {
         Ok(format!("bitcast<vec4<u32>>(b{b}[{c}])"))
     }
 
-    /// The name of 16-bit packed buffer `buf` bound as `array<u32>` (two
-    /// elements a word), for kernels that move the words themselves.
-    pub fn words(&mut self, buf: BufferIdx) -> Result<String> {
-        self.packed(buf, 0)
+    /// The name of f16 buffer `buf` (16-bit packed) bound as `array<f16>`,
+    /// for kernels that move its halves themselves.
+    pub fn halves(&mut self, buf: BufferIdx) -> Result<String> {
+        self.f16_binding(buf, HALVES)
     }
 
-    /// The name of 16-bit packed buffer `buf` bound as `array<vec4<u32>>`
-    /// (eight elements a chunk).
-    pub fn words4(&mut self, buf: BufferIdx) -> Result<String> {
-        self.packed(buf, 8)
+    /// The name of f16 buffer `buf` bound as `array<vec4<f16>>` (8-byte
+    /// chunks).
+    pub fn halves4(&mut self, buf: BufferIdx) -> Result<String> {
+        self.f16_binding(buf, HALVES4)
     }
 
-    fn packed(&mut self, buf: BufferIdx, chunked: u8) -> Result<String> {
+    fn f16_binding(&mut self, buf: BufferIdx, chunked: u8) -> Result<String> {
         let desc = &self.buffers.list[buf];
-        if desc.storage != Storage::Packed16 {
+        if desc.storage != Storage::Packed16 || desc.dtype != DType::F16 {
             return Err(Error::internal(format!(
-                "buffer `{}` is not 16-bit packed",
+                "buffer `{}` does not hold packed f16",
                 desc.name
             )));
         }
+        self.enable("f16");
         Ok(format!("b{}", self.bind_as(buf, chunked)))
     }
 
@@ -643,6 +649,8 @@ impl<'a> KernelBuilder<'a> {
                 (Storage::I32, 0) => "i32",
                 (Storage::I32, _) => "vec4<i32>",
                 (Storage::Packed16, 0) => "u32",
+                (Storage::Packed16, HALVES) => "f16",
+                (Storage::Packed16, HALVES4) => "vec4<f16>",
                 (Storage::Packed16, 4) => "vec2<u32>",
                 (Storage::Packed16, _) => "vec4<u32>",
             };

@@ -23,10 +23,10 @@
 //!
 //! **Kernel.** A workgroup takes `16 · subgroups` query rows of one
 //! batch·head; each subgroup keeps its 16 rows of q as cooperative
-//! matrices (loaded once from the copy) and its 16 × dv output as f32
+//! matrices (staged once) and its 16 × dv output as f32
 //! accumulators, and the keys go by in tiles of `bc`:
-//! 1. the workgroup stages the key and value tiles (words, 16 bytes a
-//!    load; zeros past the end of keys);
+//! 1. the workgroup stages the key and value tiles in workgroup memory
+//!    (8 bytes a load; zeros past the end of keys);
 //! 2. each subgroup computes `S = Q·Kᵀ` (16 × bc) and stores it;
 //! 3. two lanes a row turn their half of the row into scores in log2 units
 //!    (`S · scale · log2 e · 2^-(sq + sk)`, masked as the portable kernel
@@ -68,9 +68,6 @@ const TAU: f64 = 8.0;
 /// P is stored as f16 times 2^P_EXP: below 2^(TAU + P_EXP) = 2^15, and
 /// kept to 2^-(14 + P_EXP) of its reference where f16 subnormals flush.
 const P_EXP: i32 = 7;
-/// Words of padding after each staged row (16 bytes: the rows a matrix
-/// load reads start in different banks).
-const PAD: usize = 4;
 /// Workgroup memory a variant may use (what NVIDIA's Vulkan drivers offer).
 const MAX_STORAGE: usize = 48 << 10;
 
@@ -82,7 +79,7 @@ struct Variant {
 }
 
 /// The variants offered (those within [`MAX_STORAGE`]).
-const VARIANTS: [Variant; 3] = [
+const VARIANTS: [Variant; 4] = [
     Variant {
         subgroups: 4,
         bc: 64,
@@ -92,13 +89,17 @@ const VARIANTS: [Variant; 3] = [
         bc: 32,
     },
     Variant {
-        subgroups: 8,
+        subgroups: 2,
+        bc: 64,
+    },
+    Variant {
+        subgroups: 2,
         bc: 32,
     },
 ];
 
 /// The largest rows a workgroup of any variant takes (the q copy's padding).
-const MAX_ROWS: usize = 8 * RS;
+const MAX_ROWS: usize = 4 * RS;
 
 /// Whether attention `a` gets these forms: 16-bit operands of one dtype,
 /// head dims 64 or 128.
@@ -119,10 +120,7 @@ pub(super) fn alternatives(
     span: usize,
 ) -> Result<()> {
     let mut copies: Option<[Copy16; 3]> = None;
-    let mut variants: Vec<Variant> = VARIANTS
-        .into_iter()
-        .filter(|&v| storage(a, v) <= MAX_STORAGE)
-        .collect();
+    let mut variants: Vec<Variant> = VARIANTS.into_iter().filter(|&v| fits(a, v)).collect();
     if !lw.variants() {
         // emulated, the smallest replaces the portable dispatch (software
         // adapters offer 32 KiB of workgroup memory)
@@ -181,12 +179,39 @@ pub(super) fn alternatives(
     Ok(())
 }
 
+/// The pitches (in elements) of a variant's workgroup arrays: the key
+/// and value tiles' rows (halves, 16 bytes of padding: the rows a matrix
+/// load reads start in different banks), the scores' (f32) and P's.
+struct Pitches {
+    k: usize,
+    v: usize,
+    s: usize,
+    p: usize,
+}
+
+fn pitches(a: &Attn, v: Variant) -> Pitches {
+    Pitches {
+        k: a.g.e + 8,
+        v: a.g.ev + 8,
+        s: v.bc + 4,
+        p: v.bc + 8,
+    }
+}
+
 /// Workgroup memory of variant `v` for `a`, in bytes.
 fn storage(a: &Attn, v: Variant) -> usize {
-    let (kw, vw) = (a.g.e / 2 + PAD, a.g.ev / 2 + PAD);
-    let rows = v.subgroups * RS;
-    4 * (v.bc * kw + v.bc * vw + rows * (v.bc + PAD) + rows * (v.bc / 2 + PAD) + rows + 1)
-        .next_multiple_of(16)
+    let p = pitches(a, v);
+    let (rows, threads) = (v.subgroups * RS, v.subgroups * SUBGROUP);
+    let bytes =
+        2 * v.bc * (p.k + p.v) + 4 * rows * p.s + 2 * rows * p.p + 4 * (rows + 2 * threads + 1);
+    bytes.next_multiple_of(16)
+}
+
+/// Whether variant `v` applies to `a`: the block's q rows fit where the
+/// key and value tiles go, and its workgroup memory fits.
+fn fits(a: &Attn, v: Variant) -> bool {
+    let p = pitches(a, v);
+    v.subgroups * RS * p.k <= v.bc * (p.k + p.v) && storage(a, v) <= MAX_STORAGE
 }
 
 /// The run-time query rows, where they are a run-time size.
@@ -327,8 +352,10 @@ impl Copy16 {
         let ne = if self.per_column { cols } else { 1 };
         let (exps, first) = self.exps;
         let store_exp = kb.store(exps, &format!("{first}u + h * {ne}u + lid"), "ex[lid]")?;
-        let word = format!("(h * {}u + r) * {}u + c / 2u", self.prows, cols / 2);
-        let store = kb.store_pair(self.data, &word, "v.x", "v.y");
+        let data = kb.halves(self.data)?;
+        let at_data = format!("(h * {}u + r) * {cols}u + c", self.prows);
+        let store =
+            format!("{data}[{at_data}] = f16(v.x);\n    {data}[{at_data} + 1u] = f16(v.y);");
         let half = cols / 2;
         let clamped = format!("min(r, {}u)", rows - 1);
         let (lo, hi) = (at(&clamped, "c"), at(&clamped, "c + 1u"));
@@ -411,8 +438,12 @@ fn kernel(
     let Variant { subgroups, bc } = v;
     let br = subgroups * RS;
     let threads = subgroups * SUBGROUP;
-    // (P's pitch in halves)
-    let (kw, vw, sw, pw) = (dh / 2 + PAD, dv / 2 + PAD, bc + PAD, bc + 2 * PAD);
+    let Pitches {
+        k: kp,
+        v: vp,
+        s: sw,
+        p: pw,
+    } = pitches(a, v);
     let blocks = l.div_ceil(br);
     let nsplit = split.as_ref().map_or(1, |sp| sp.n);
     let total = a.nb * blocks * nsplit;
@@ -426,7 +457,11 @@ fn kernel(
         kb.value_fn(mask, "mask")?;
     }
     cm.enable(&mut kb);
-    let (bq, bk4, bv4) = (kb.words(cq.data)?, kb.words4(ck.data)?, kb.words4(cv.data)?);
+    let (bq, bk, bv) = (
+        kb.halves4(cq.data)?,
+        kb.halves4(ck.data)?,
+        kb.halves4(cv.data)?,
+    );
     let (qh, kh, vh) = (
         head_of(a, &a.q.shape, 1),
         head_of(a, &a.k.shape, a.g.k_group),
@@ -442,11 +477,11 @@ fn kernel(
     let mut m = String::new();
     let _ = writeln!(
         m,
-        "var<workgroup> kt: array<u32, {}>;\nvar<workgroup> vt: array<u32, {}>;\n\
-         var<workgroup> sc: array<f32, {}>;\nvar<workgroup> pt: array<f16, {}>;\n\
-         var<workgroup> rowa: array<f32, {br}>;\nvar<workgroup> resc: u32;",
-        bc * kw,
-        bc * vw,
+        "var<workgroup> kv: array<f16, {}>;\nvar<workgroup> sc: array<f32, {}>;\n\
+         var<workgroup> pt: array<f16, {}>;\nvar<workgroup> rowa: array<f32, {br}>;\n\
+         var<workgroup> rm: array<f32, {threads}>;\nvar<workgroup> rs: array<f32, {threads}>;\n\
+         var<workgroup> resc: u32;",
+        bc * (kp + vp),
         br * sw,
         br * pw
     );
@@ -474,14 +509,26 @@ fn kernel(
         float_literal(a.scale_factor * std::f64::consts::LOG2_E),
         l - 1
     );
-    // q, once: 16 rows × dh of the subgroup
-    let qbase = format!("(qh * {}u + i0 + sg * {RS}u) * {}u", cq.prows, dh / 2);
+    // q, once: the block's rows staged where the key and value tiles go,
+    // each subgroup's 16 rows kept as matrices
+    m.push_str(&stage(
+        "kv",
+        "0u",
+        kp,
+        br,
+        dh,
+        &format!("{bq}[(qh * {}u + i0 + j) * {}u + c]", cq.prows, dh / 4),
+        "true",
+        threads,
+    ));
+    m.push_str("  workgroupBarrier();\n");
     for d in 0..dh / 16 {
-        let ld = cm.load_words(
+        let ld = cm.load(
             Role::A,
-            &bq,
-            &format!("{qbase} + {}u", d * 8),
-            &format!("{}u", dh / 2),
+            "kv",
+            "f16",
+            &format!("sg * {}u + {}u", RS * kp, d * 16),
+            &format!("{kp}u"),
             true,
         );
         let _ = writeln!(m, "  let qa{d} = {ld};");
@@ -493,25 +540,23 @@ fn kernel(
         m,
         "  var mref = {ninf};\n  var l = 0.0;\n\
          \x20 for (var t0 = kbeg; t0 < kend; t0 = t0 + {bc}u) {{\n\
-         \x20   if (lid == 0u) {{ resc = 0u; }}"
+         \x20   workgroupBarrier();\n    if (lid == 0u) {{ resc = 0u; }}"
     );
-    // 1. the key and value tiles, 8 halves a load
-    for (tile, src, head, copy, cols, pitch) in [
-        ("kt", &bk4, "kh", ck, dh, kw),
-        ("vt", &bv4, "vh", cv, dv, vw),
+    // 1. the key and value tiles (zeros past the end of keys)
+    for (src, head, copy, cols, pitch, at) in [
+        (&bk, "kh", ck, dh, kp, "0u".to_string()),
+        (&bv, "vh", cv, dv, vp, format!("{}u", bc * kp)),
     ] {
-        let per = cols / 8;
-        let _ = write!(
-            m,
-            "    for (var w = lid; w < {}u; w = w + {threads}u) {{\n\
-             \x20     let j = w / {per}u;\n      let c = w % {per}u;\n      let key = t0 + j;\n\
-             \x20     let x = select(vec4<u32>(0u), {src}[({head} * {}u + min(key, {}u)) * {per}u + c], key < kend);\n\
-             \x20     let at = j * {pitch}u + 4u * c;\n\
-             \x20     {tile}[at] = x.x;\n      {tile}[at + 1u] = x.y;\n      {tile}[at + 2u] = x.z;\n      {tile}[at + 3u] = x.w;\n    }}\n",
-            bc * per,
+        let read = format!(
+            "{src}[({head} * {}u + min(t0 + j, {}u)) * {}u + c]",
             copy.prows,
-            copy.prows - 1
+            copy.prows - 1,
+            cols / 4
         );
+        m.push_str(&indent(
+            &stage("kv", &at, pitch, bc, cols, &read, "t0 + j < kend", threads),
+            2,
+        ));
     }
     m.push_str("    workgroupBarrier();\n");
     // 2. S = Q·Kᵀ
@@ -521,11 +566,12 @@ fn kernel(
     }
     for d in 0..dh / 16 {
         for j in 0..bc / 16 {
-            let ld = cm.load_words(
+            let ld = cm.load(
                 Role::B,
-                "kt",
-                &format!("{}u", j * 16 * kw + d * 8),
-                &format!("{kw}u"),
+                "kv",
+                "f16",
+                &format!("{}u", j * 16 * kp + d * 16),
+                &format!("{kp}u"),
                 false,
             );
             let product = cm.mma(&format!("qa{d}"), &format!("kb{d}_{j}"), &format!("s{j}"));
@@ -543,7 +589,7 @@ fn kernel(
         let _ = writeln!(m, "      {st}");
     }
     m.push_str("    }\n    workgroupBarrier();\n");
-    // 3. scores, the row's max, P
+    // 3. scores, the row's max (two lanes a row), P
     let half = bc / 2;
     let masked = a.mask("x", "qi", "key", "key < kend", Some(&log2e));
     let _ = write!(
@@ -552,13 +598,9 @@ fn kernel(
          \x20   for (var c = 0u; c < {half}u; c = c + 1u) {{\n\
          \x20     let jj = hf * {half}u + c;\n      let key = t0 + jj;\n\
          \x20     var x = sc[row * {sw}u + jj] * f;\n{}\
-         \x20     sc[row * {sw}u + jj] = x;\n      mx = max(mx, x);\n    }}\n",
-        indent(&masked, 6)
-    );
-    m.push_str(&indent(&cm.pair("mx", true, threads), 4));
-    let _ = write!(
-        m,
-        "    var al = 1.0;\n\
+         \x20     sc[row * {sw}u + jj] = x;\n      mx = max(mx, x);\n    }}\n\
+         \x20   rm[lid] = mx;\n    workgroupBarrier();\n    mx = max(mx, rm[lid ^ 1u]);\n\
+         \x20   var al = 1.0;\n\
          \x20   if (mx > mref + {}) {{\n\
          \x20     al = exp2(mref - mx);\n      if (mref != {ninf}) {{ resc = 1u; }}\n\
          \x20     l = l * al;\n      mref = mx;\n    }}\n\
@@ -569,20 +611,31 @@ fn kernel(
          \x20     let p = exp2(vec2<f32>(sc[row * {sw}u + jj], sc[row * {sw}u + jj + 1u]) - ms);\n\
          \x20     sum = sum + p.x + p.y;\n\
          \x20     let h = vec2<f16>(p * {});\n\
-         \x20     pt[row * {pw}u + jj] = h.x;\n      pt[row * {pw}u + jj + 1u] = h.y;\n    }}\n",
+         \x20     pt[row * {pw}u + jj] = h.x;\n      pt[row * {pw}u + jj + 1u] = h.y;\n    }}\n\
+         \x20   rs[lid] = sum;\n",
+        indent(&masked, 6),
         float_literal(TAU),
         float_literal(2f64.powi(P_EXP))
     );
-    m.push_str(&indent(&cm.pair("sum", false, threads), 4));
-    m.push_str("    l = l + sum;\n    if (workgroupUniformLoad(&resc) != 0u) {\n");
+    // (the barrier inside the uniform load also orders rs, pt and rowa)
+    m.push_str(
+        "    let rescale = workgroupUniformLoad(&resc);\n    l = l + sum + rs[lid ^ 1u];\n    if (rescale != 0u) {\n",
+    );
     // (rare) the accumulators rescaled by their rows' factors
     m.push_str(&indent(
-        &through_memory(&mut cm, dv, bc, sw, |cols| {
-            format!(
+        &through_memory(
+            &mut cm,
+            dv,
+            bc,
+            sw,
+            |cols| {
+                format!(
                 "let a = rowa[row];\nfor (var c = 0u; c < {0}u; c = c + 1u) {{ sc[row * {sw}u + hf * {0}u + c] = sc[row * {sw}u + hf * {0}u + c] * a; }}\n",
                 cols / 2
             )
-        }, true),
+            },
+            true,
+        ),
         6,
     ));
     m.push_str("    }\n");
@@ -598,18 +651,19 @@ fn kernel(
         );
         let _ = writeln!(m, "    let pa{kk} = {pa};");
         for j in 0..dv / 16 {
-            let vb = cm.load_words(
+            let vb = cm.load(
                 Role::B,
-                "vt",
-                &format!("{}u", kk * 16 * vw + j * 8),
-                &format!("{vw}u"),
+                "kv",
+                "f16",
+                &format!("{}u", bc * kp + kk * 16 * vp + j * 16),
+                &format!("{vp}u"),
                 true,
             );
             let product = cm.mma(&format!("pa{kk}"), &format!("vb{kk}_{j}"), &format!("o{j}"));
             let _ = writeln!(m, "    let vb{kk}_{j} = {vb};\n    o{j} = {product};");
         }
     }
-    m.push_str("    workgroupBarrier();\n  }\n");
+    m.push_str("  }\n  workgroupBarrier();\n");
     // the output: normalised (or a split's partials), unscaled per column
     let stats = a.store_stats(&mut kb, split, "gi")?;
     let value = format!("unscale(sc[row * {sw}u + hf * HALF + c], {P_EXP}, {ev})");
@@ -620,13 +674,20 @@ fn kernel(
          \x20 if (hf == 0u && gi < {l}u) {{ {stats} }}",
         float_literal(std::f64::consts::LN_2)
     );
-    m.push_str(&through_memory(&mut cm, dv, bc, sw, |cols| {
-        let value = value.replace("HALF", &format!("{}u", cols / 2));
-        format!(
+    m.push_str(&through_memory(
+        &mut cm,
+        dv,
+        bc,
+        sw,
+        |cols| {
+            let value = value.replace("HALF", &format!("{}u", cols / 2));
+            format!(
             "for (var c = 0u; c < {0}u; c = c + 1u) {{\n  let col = c0 + hf * {0}u + c;\n  let acc = {value};\n  if (gi < {l}u) {{ {store} }}\n}}\n",
             cols / 2
         )
-    }, false));
+        },
+        false,
+    ));
     m.push_str("}\n");
     let built = kb
         .finish(&format!("{F16_SCALING_WGSL}{}{m}", cm.helpers()))
@@ -635,17 +696,38 @@ fn kernel(
     let splits = (SymExpr::Const(nsplit as i64), nsplit);
     let actual = a.prefill_groups(lw, br, blocks, &[splits])?;
     let ops = vec![lw.op_label()];
-    let mut bytes = storage(a, v);
-    if cm.emulated() {
-        bytes += 4 * threads;
-    }
     lw.add_dispatch_sized(
         built,
         ops,
         [threads as u32, 1, 1],
         workgroups,
-        bytes as u32,
+        storage(a, v) as u32,
         actual,
+    )
+}
+
+/// Statements staging `rows` rows of `cols` halves (row `j`, 4-half chunk
+/// `c` read by `read`, zeros where `valid` fails) into workgroup array
+/// `dst` from element `at`, rows `pitch` apart, by `threads` invocations.
+#[allow(clippy::too_many_arguments)]
+fn stage(
+    dst: &str,
+    at: &str,
+    pitch: usize,
+    rows: usize,
+    cols: usize,
+    read: &str,
+    valid: &str,
+    threads: usize,
+) -> String {
+    let per = cols / 4;
+    format!(
+        "  for (var w = lid; w < {}u; w = w + {threads}u) {{\n\
+         \x20   let j = w / {per}u;\n    let c = w % {per}u;\n\
+         \x20   let x = select(vec4<f16>(), {read}, {valid});\n\
+         \x20   let e = {at} + j * {pitch}u + 4u * c;\n\
+         \x20   {dst}[e] = x.x;\n    {dst}[e + 1u] = x.y;\n    {dst}[e + 2u] = x.z;\n    {dst}[e + 3u] = x.w;\n  }}\n",
+        rows * per
     )
 }
 

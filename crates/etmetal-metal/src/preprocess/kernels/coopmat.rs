@@ -235,108 +235,33 @@ impl CoopMat {
         if !self.has(&name) {
             let ty = self.ty(role, elem);
             let (count, r, c) = self.element(role);
+            let src = if row_major {
+                format!("o + ({r}) * s + {c}")
+            } else {
+                format!("o + ({c}) * s + {r}")
+            };
             let mut f = format!(
                 "fn {name}(o: u32, s: u32) -> {ty} {{\n{}  var m: {ty};\n",
                 self.lane()
             );
-            // (unrolled: a software adapter compiles these faster than loops)
-            for x in 0..count {
-                let (r, c) = (
-                    r.replace('x', &format!("{x}u")),
-                    c.replace('x', &format!("{x}u")),
+            // B's share (a lane's whole columns) in a loop: a software
+            // adapter's compiler took a minute over a flash attention
+            // kernel's unrolled copies; the small shares unrolled
+            if role == Role::B {
+                let _ = writeln!(
+                    f,
+                    "  for (var x = 0u; x < {count}u; x = x + 1u) {{ m[x] = {array}[{src}]; }}"
                 );
-                let src = if row_major {
-                    format!("o + ({r}) * s + {c}")
-                } else {
-                    format!("o + ({c}) * s + {r}")
-                };
-                let _ = writeln!(f, "  m[{x}] = {array}[{src}];");
+            } else {
+                for x in 0..count {
+                    let at = src.replace('x', &format!("{x}u"));
+                    let _ = writeln!(f, "  m[{x}] = {array}[{at}];");
+                }
             }
             f.push_str("  return m;\n}\n\n");
             self.helpers.push((name.clone(), f));
         }
         format!("{name}({offset}, {stride})")
-    }
-
-    /// Whether the primitives are emulated.
-    pub(crate) fn emulated(&self) -> bool {
-        self.emulated
-    }
-
-    /// A matrix of `role` of the 16×16 form read from workgroup or storage
-    /// array `array` of u32 words, each two f16 (the low half first), at
-    /// word `offset`, rows (`row_major`) or columns `stride` words apart.
-    /// The real load goes through a u32 pointer, which
-    /// SPV_KHR_cooperative_matrix reads as the matrix's f16 elements with
-    /// offset and stride counted in words (as llama.cpp's coopmat shaders
-    /// load from `f16vec2` arrays); staging then writes words, not halves.
-    pub(crate) fn load_words(
-        &mut self,
-        role: Role,
-        array: &str,
-        offset: &str,
-        stride: &str,
-        row_major: bool,
-    ) -> String {
-        debug_assert_eq!(self.form, CoopForm::Half16);
-        if !self.emulated {
-            let f = if row_major { "coopLoadT" } else { "coopLoad" };
-            return format!(
-                "{f}<{}>(&{array}[{offset}], {stride})",
-                self.ty(role, "f16")
-            );
-        }
-        let name = format!(
-            "coop_ldw_{}_{array}_{}",
-            role.name().to_lowercase(),
-            if row_major { "r" } else { "c" }
-        );
-        if !self.has(&name) {
-            let ty = self.ty(role, "f16");
-            let (count, r, c) = self.element(role);
-            // (a loop where the other helpers unroll: each element decodes
-            // its half in software, and unrolled, a software adapter's
-            // compiler took minutes over a flash attention kernel)
-            let h = if row_major {
-                format!("2u * (o + ({r}) * s) + {c}")
-            } else {
-                format!("2u * (o + ({c}) * s) + {r}")
-            };
-            let f = format!(
-                "fn {name}(o: u32, s: u32) -> {ty} {{\n{}  var m: {ty};\n\
-                 \x20 for (var x = 0u; x < {count}u; x = x + 1u) {{\n\
-                 \x20   let h = {h};\n\
-                 \x20   m[x] = f16(f16dec({array}[h >> 1u] >> ((h & 1u) * 16u)));\n  }}\n\
-                 \x20 return m;\n}}\n\n",
-                self.lane()
-            );
-            self.helpers.push((name.clone(), f));
-        }
-        format!("{name}({offset}, {stride})")
-    }
-
-    /// Statements combining f32 var `x` of each pair of lanes (2i, 2i + 1)
-    /// of a subgroup: their max (`max`) or sum, in both lanes. Emulated
-    /// through workgroup memory (`threads`: the kernel's workgroup size),
-    /// so every invocation of the workgroup must reach them.
-    pub(crate) fn pair(&mut self, x: &str, max: bool, threads: usize) -> String {
-        let combine = |other: &str| match max {
-            true => format!("{x} = max({x}, {other});"),
-            false => format!("{x} = {x} + {other};"),
-        };
-        if !self.emulated {
-            return combine(&format!("subgroupShuffleXor({x}, 1u)")) + "\n";
-        }
-        if !self.has("coop_pair") {
-            self.helpers.push((
-                "coop_pair".into(),
-                format!("var<workgroup> coop_pair: array<f32, {threads}>;\n\n"),
-            ));
-        }
-        format!(
-            "coop_pair[lid] = {x};\nworkgroupBarrier();\n{}\nworkgroupBarrier();\n",
-            combine("coop_pair[lid ^ 1u]")
-        )
     }
 
     /// The elements an emulating lane holds of a matrix of `role`: how

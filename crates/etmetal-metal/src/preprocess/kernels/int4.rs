@@ -26,7 +26,7 @@ use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
 use super::epilogue::Tail;
-use super::gemm::reduce_sums;
+use super::gemm::{column_groups, reduce_sums};
 use super::matmul::row_stat_prologue;
 use super::rows::as_rows;
 use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
@@ -227,11 +227,13 @@ impl Qmv<'_> {
             .unwrap_or(1);
         let threads = chunks.div_ceil(2).next_power_of_two().clamp(32, 128);
         let unroll = (QMV_LOADS / cols).min(chunks / threads).max(1);
-        let blocks = n.div_ceil(cols);
+        let groups = column_groups(n.div_ceil(cols) * mblocks, threads);
+        let size = threads * groups;
+        let blocks = n.div_ceil(cols * groups);
         let sums = mb * cols;
 
         // an RMSNorm's mean that x reads: each workgroup computes it first
-        let (decls, prologue) = row_stat_prologue(&mut kb, &self.stats, "", threads)?;
+        let (decls, prologue) = row_stat_prologue(&mut kb, &self.stats, "", size)?;
         // eight activations from `k` (a multiple of 8) of row `r`
         let xw = match x_run(self.x) {
             Some(buf) => kb.load8(buf, &format!("(r * {k}u + k) / 8u"))?,
@@ -261,14 +263,16 @@ impl Qmv<'_> {
             .store(&mut kb, &format!("(r * {n}u + c)"), "v", "")?;
         let mut s = format!(
             "{fns}\n{decls}{tail_decls}var<workgroup> red: array<f32, {}>;\n{}",
-            sums * threads,
-            entry(threads as u32)
+            sums * size,
+            entry(size as u32)
         );
         let _ = writeln!(
             s,
             "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n{prologue}\n\
-             \x20 let n0 = (g % {blocks}u) * {cols}u;\n  let m0 = (g / {blocks}u) * {mb}u;",
-            blocks * mblocks
+             \x20 let n0 = (g % {blocks}u) * {};\n  let m0 = (g / {blocks}u) * {mb}u;\n\
+             \x20 let grp = lid / {threads}u;\n  let tl = lid % {threads}u;",
+            blocks * mblocks,
+            format!("{}u", cols * groups)
         );
         if self.experts.is_some() {
             let count = self.packed.shape[0];
@@ -276,7 +280,11 @@ impl Qmv<'_> {
         }
         for j in 0..cols {
             // a last block's missing channels read the last one (not stored)
-            let _ = writeln!(s, "  let c{j} = min(n0 + {j}u, {}u);", n - 1);
+            let _ = writeln!(
+                s,
+                "  let c{j} = min(n0 + grp * {cols}u + {j}u, {}u);",
+                n - 1
+            );
         }
         for i in 0..mb {
             let _ = writeln!(s, "  let r{i} = min(m0 + {i}u, {}u);", m - 1);
@@ -288,7 +296,7 @@ impl Qmv<'_> {
         let step = unroll * threads;
         let full = chunks / step * step;
         let mut pass = |u: usize, from: &str, to: usize, by: usize| {
-            let _ = writeln!(s, "  for (var q = {from}lid; q < {to}u; q = q + {by}u) {{");
+            let _ = writeln!(s, "  for (var q = {from}tl; q < {to}u; q = q + {by}u) {{");
             for x in 0..u {
                 let _ = writeln!(s, "    let q{x} = q + {}u;", x * threads);
                 for j in 0..cols {
@@ -352,16 +360,16 @@ impl Qmv<'_> {
             .flat_map(|i| (0..cols).map(move |j| format!("s{i}_{j}")))
             .collect();
         let store = format!(
-            "let c = n0 + lid % {cols}u;\n    let r = m0 + lid / {cols}u;\n\
+            "let c = n0 + (lid / {sums}u) * {cols}u + lid % {cols}u;\n    let r = m0 + (lid % {sums}u) / {cols}u;\n\
              \x20   if (c < {n}u && r < {m}u) {{ {write} }}"
         );
-        s.push_str(&reduce_sums(&names, threads, &store));
+        s.push_str(&reduce_sums(&names, threads, groups, &store));
         s.push_str("}\n");
         let built = kb.finish(&s);
         let workgroups = grid((blocks * mblocks) as u64, lw.options.max_workgroups_per_dim)?;
         let ops = vec![lw.op_label()];
-        let storage = (4 * sums * threads) as u32;
-        lw.add_dispatch(built, ops, [threads as u32, 1, 1], workgroups, storage)
+        let storage = (4 * sums * size) as u32;
+        lw.add_dispatch(built, ops, [size as u32, 1, 1], workgroups, storage)
     }
 }
 

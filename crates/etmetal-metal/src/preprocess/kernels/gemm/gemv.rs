@@ -23,6 +23,28 @@ const GEMV_SUMS: usize = 32;
 /// four 128-invocation workgroups on each of an H200's 132 units.
 const GEMV_FILL: u64 = 512;
 
+/// Workgroups below which a [`Gemv`] stops adding column groups to a
+/// workgroup (about one per unit of a large GPU).
+pub(crate) const GROUP_FILL: usize = 128;
+
+/// Invocations of a workgroup at most when it takes several column groups.
+pub(crate) const GROUP_THREADS: usize = 256;
+
+/// Column groups of a matrix-vector workgroup: the most (a power of two,
+/// `groups · threads ≤ GROUP_THREADS`) that keep [`GROUP_FILL`]
+/// workgroups over `blocks` blocks of columns. Each group takes its own
+/// columns over all of `k` with `threads` invocations, so a workgroup
+/// reads the activations (and computes a prologue) once for all its
+/// groups' columns: with a block of a few columns, an int4 weight's
+/// bytes are fewer than the activations' each workgroup reads.
+pub(crate) fn column_groups(blocks: usize, threads: usize) -> usize {
+    let mut g = 1;
+    while 2 * g * threads <= GROUP_THREADS && blocks.div_ceil(2 * g) >= GROUP_FILL {
+        g *= 2;
+    }
+    g
+}
+
 /// Independent 16-byte loads of the right operand an invocation issues
 /// before it uses them (columns × unrolled chunks): enough bytes in flight
 /// per unit to cover HBM latency without a deep queue of workgroups.
@@ -50,16 +72,30 @@ pub(crate) struct Gemv {
 /// How a [`Gemv`]'s workgroups divide the product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Plan {
-    /// Invocations of a workgroup.
+    /// Invocations of a column group (see [`column_groups`]).
     threads: usize,
-    /// Columns a workgroup owns.
+    /// Columns a group owns.
     cols: usize,
+    /// Column groups of a workgroup.
+    groups: usize,
     /// Parts `k` is split into among workgroups.
     splits: usize,
     /// Elements of a chunk (one 16-byte load of the right operand).
     lanes: usize,
     /// Chunks of each column an invocation loads at once.
     unroll: usize,
+}
+
+impl Plan {
+    /// Invocations of a workgroup.
+    fn size(&self) -> usize {
+        self.threads * self.groups
+    }
+
+    /// Columns of a workgroup.
+    fn block(&self) -> usize {
+        self.cols * self.groups
+    }
 }
 
 impl Gemv {
@@ -90,9 +126,11 @@ impl Gemv {
             .min(GEMV_LOADS / self.m.max(1))
             .min(chunks / threads)
             .max(1);
+        let groups = column_groups(self.n.div_ceil(cols) * self.batch * splits, threads);
         Plan {
             threads,
             cols,
+            groups,
             splits,
             lanes,
             unroll,
@@ -107,21 +145,21 @@ impl Gemv {
         let plan = self.plan(most, args.b_dtype().size() == 2);
         let split = SplitK::new(lw, plan.splits, self.batch, self.m, self.n)?;
         let mut kb = KernelBuilder::new(&lw.buffers);
-        let (decls, pro) = args.prologue(&mut kb, plan.threads)?;
+        let (decls, pro) = args.prologue(&mut kb, plan.size())?;
         let fns = args.k_chunks(&mut kb, plan.lanes)? + &split.store(&mut kb, args)?;
         let main = format!(
             "{fns}\n{}{decls}{}{}  let g = {FLAT_GROUP};\n{}}}\n",
             dot_fn(plan.lanes),
             self.shared(&plan),
-            entry(plan.threads as u32),
+            entry(plan.size() as u32),
             self.body(&plan, "", &pro)
         );
         let built = kb.finish(&main);
-        let groups = (self.n.div_ceil(plan.cols) * self.batch * plan.splits) as u64;
+        let groups = (self.n.div_ceil(plan.block()) * self.batch * plan.splits) as u64;
         let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
-        let storage = (4 * self.m * plan.cols * plan.threads) as u32;
+        let storage = (4 * self.m * plan.cols * plan.size()) as u32;
         let ops = vec![lw.op_label()];
-        lw.add_dispatch(built, ops, [plan.threads as u32, 1, 1], workgroups, storage)?;
+        lw.add_dispatch(built, ops, [plan.size() as u32, 1, 1], workgroups, storage)?;
         split.sum(lw, args)
     }
 
@@ -150,7 +188,7 @@ impl Gemv {
         let mut fns = String::new();
         let mut pros = vec![];
         for (_, _, args) in members {
-            let (decls, pro) = args.prologue(&mut kb, plan.threads)?;
+            let (decls, pro) = args.prologue(&mut kb, plan.size())?;
             fns += &decls;
             pros.push(pro);
             fns += &args.k_chunks(&mut kb, plan.lanes)?;
@@ -160,7 +198,7 @@ impl Gemv {
             "{fns}\n{}{}{}  let g0 = {FLAT_GROUP};\n",
             dot_fn(plan.lanes),
             whole.shared(&plan),
-            entry(plan.threads as u32)
+            entry(plan.size() as u32)
         );
         let mut start = 0;
         for ((n, tag, _), pro) in members.iter().zip(&pros) {
@@ -170,7 +208,7 @@ impl Gemv {
                 n: *n,
                 k,
             };
-            let end = start + n.div_ceil(plan.cols);
+            let end = start + n.div_ceil(plan.block());
             let _ = writeln!(
                 main,
                 "  if (g0 < {end}u) {{\n  let g = g0 - {start}u;\n{}  return;\n  }}",
@@ -181,16 +219,16 @@ impl Gemv {
         main.push_str("}\n");
         let built = kb.finish(&main);
         let workgroups = grid(start as u64, lw.options.max_workgroups_per_dim)?;
-        let storage = (4 * m * plan.cols * plan.threads) as u32;
+        let storage = (4 * m * plan.cols * plan.size()) as u32;
         let ops = vec![lw.op_label()];
-        lw.add_dispatch(built, ops, [plan.threads as u32, 1, 1], workgroups, storage)
+        lw.add_dispatch(built, ops, [plan.size() as u32, 1, 1], workgroups, storage)
     }
 
     /// The workgroup memory the partial sums are reduced in.
     fn shared(&self, plan: &Plan) -> String {
         format!(
             "var<workgroup> red: array<f32, {}>;\n",
-            self.m * plan.cols * plan.threads
+            self.m * plan.cols * plan.size()
         )
     }
 
@@ -202,6 +240,7 @@ impl Gemv {
         let Plan {
             threads,
             cols,
+            groups,
             splits,
             lanes,
             unroll,
@@ -209,20 +248,26 @@ impl Gemv {
         // k of a split (a multiple of the chunk when split)
         let depth = self.k / splits;
         let chunks = depth.div_ceil(lanes);
-        let blocks = n.div_ceil(cols);
+        let blocks = n.div_ceil(plan.block());
         let mut s = String::new();
         let _ = writeln!(
             s,
             "  if (g >= {}u) {{ return; }}\n\
              \x20 let kbase = (g / {}u) * {depth}u;\n  let sb = g / {blocks}u;\n\
-             \x20 let bt = sb % {}u;\n  let n0 = (g % {blocks}u) * {cols}u;",
+             \x20 let bt = sb % {}u;\n  let n0 = (g % {blocks}u) * {}u;\n\
+             \x20 let grp = lid / {threads}u;\n  let tl = lid % {threads}u;",
             blocks * self.batch * splits,
             blocks * self.batch,
-            self.batch
+            self.batch,
+            plan.block()
         );
         for j in 0..cols {
             // a last block's missing columns read the last one (not stored)
-            let _ = writeln!(s, "  let c{j} = min(n0 + {j}u, {}u);", n - 1);
+            let _ = writeln!(
+                s,
+                "  let c{j} = min(n0 + grp * {cols}u + {j}u, {}u);",
+                n - 1
+            );
         }
         for i in 0..m {
             for j in 0..cols {
@@ -260,7 +305,7 @@ impl Gemv {
         if full > 0 {
             // the first pass's loads go out before the prologue, whose
             // barriers would otherwise hold them back
-            s.push_str("  {\n    let q = lid;\n");
+            s.push_str("  {\n    let q = tl;\n");
             loads(&mut s, unroll);
             s.push_str(prologue);
             math(&mut s, unroll);
@@ -273,7 +318,7 @@ impl Gemv {
             if from < to {
                 let _ = writeln!(
                     s,
-                    "  for (var q = {from}u + lid; q < {to}u; q = q + {by}u) {{"
+                    "  for (var q = {from}u + tl; q < {to}u; q = q + {by}u) {{"
                 );
                 loads(&mut s, u);
                 math(&mut s, u);
@@ -284,11 +329,12 @@ impl Gemv {
         let sums: Vec<String> = (0..m)
             .flat_map(|i| (0..cols).map(move |j| format!("s{i}_{j}")))
             .collect();
+        let per = self.m * cols;
         let store = format!(
-            "let c = n0 + lid % {cols}u;\n\
-             \x20   if (c < {n}u) {{ gstore{tag}(sb, lid / {cols}u, c, v); }}"
+            "let c = n0 + (lid / {per}u) * {cols}u + lid % {cols}u;\n\
+             \x20   if (c < {n}u) {{ gstore{tag}(sb, (lid % {per}u) / {cols}u, c, v); }}"
         );
-        s.push_str(&reduce_sums(&sums, threads, &store));
+        s.push_str(&reduce_sums(&sums, threads, groups, &store));
         s
     }
 }
@@ -307,34 +353,41 @@ fn dot_fn(lanes: usize) -> String {
 /// Partial sums of a strip of the reduction (see [`reduce_sums`]).
 const STRIPS: usize = 8;
 
-/// Statements adding up, over a workgroup of `threads` invocations (a power
-/// of two, at least [`STRIPS`]), each invocation's f32 partial sums named
-/// `sums` (in `red`, a workgroup array of `sums.len() × threads` f32), then
-/// running `store` in invocation `lid < sums.len()` with `v` the total of
-/// sum `lid`. Two barriers whatever the workgroup size: every invocation
-/// adds up a strip of `threads / STRIPS` partials of one sum, and the
-/// storing invocation adds up the strips; no subgroup size is assumed
-/// (lavapipe has 8, NVIDIA 32). Call it in uniform control flow.
-pub(crate) fn reduce_sums(sums: &[String], threads: usize, store: &str) -> String {
+/// Statements adding up, over each of `groups` groups of `threads`
+/// invocations (`threads` a power of two, at least [`STRIPS`]; group `lid
+/// / threads`), each invocation's f32 partial sums named `sums` (in `red`,
+/// a workgroup array of `sums.len() × threads × groups` f32), then running
+/// `store` in invocation `lid < groups · sums.len()` with `v` the total of
+/// sum `lid % sums.len()` of group `lid / sums.len()`. Two barriers
+/// whatever the workgroup size: every invocation adds up a strip of
+/// `threads / STRIPS` partials of one sum, and the storing invocation adds
+/// up the strips; no subgroup size is assumed (lavapipe has 8, NVIDIA 32).
+/// Call it in uniform control flow.
+pub(crate) fn reduce_sums(sums: &[String], threads: usize, groups: usize, store: &str) -> String {
     let count = sums.len();
     let width = threads / STRIPS;
+    let size = threads * groups;
     let mut s = String::new();
     for (i, name) in sums.iter().enumerate() {
-        let _ = writeln!(s, "  red[{}u + lid] = {name};", i * threads);
+        let _ = writeln!(
+            s,
+            "  red[((lid / {threads}u) * {count}u + {i}u) * {threads}u + lid % {threads}u] = {name};"
+        );
     }
     let _ = writeln!(
         s,
         "  workgroupBarrier();\n\
-         \x20 for (var e = lid; e < {strips}u; e = e + {threads}u) {{\n\
+         \x20 for (var e = lid; e < {strips}u; e = e + {size}u) {{\n\
          \x20   let o = (e / {STRIPS}u) * {threads}u + (e % {STRIPS}u) * {width}u;\n\
          \x20   var t = red[o];\n\
          \x20   for (var i = 1u; i < {width}u; i = i + 1u) {{ t = t + red[o + i]; }}\n\
          \x20   red[o] = t;\n  }}\n  workgroupBarrier();\n\
-         \x20 if (lid < {count}u) {{\n\
+         \x20 if (lid < {total}u) {{\n\
          \x20   var v = 0.0;\n\
          \x20   for (var p = 0u; p < {STRIPS}u; p = p + 1u) {{ v = v + red[lid * {threads}u + p * {width}u]; }}\n\
          \x20   {store}\n  }}",
-        strips = count * STRIPS,
+        strips = count * groups * STRIPS,
+        total = count * groups,
     );
     s
 }
@@ -353,19 +406,19 @@ mod tests {
                 k,
             }
             .plan(usize::MAX, wide);
-            (p.threads, p.cols, p.splits, p.lanes, p.unroll)
+            (p.threads, p.cols, p.splits, p.lanes, p.unroll, p.groups)
         };
-        // (invocations, columns, splits, lanes, unroll)
-        assert_eq!(gemv(64, 4096, false), (64, 1, 8, 4, 2));
-        assert_eq!(gemv(64, 4096, true), (32, 1, 8, 8, 2));
-        assert_eq!(gemv(1024, 1024, false), (128, 2, 1, 4, 2));
-        assert_eq!(gemv(32000, 1024, false), (128, 4, 1, 4, 2));
+        // (invocations a group, columns, splits, lanes, unroll, groups)
+        assert_eq!(gemv(64, 4096, false), (64, 1, 8, 4, 2, 4));
+        assert_eq!(gemv(64, 4096, true), (32, 1, 8, 8, 2, 4));
+        assert_eq!(gemv(1024, 1024, false), (128, 2, 1, 4, 2, 2));
+        assert_eq!(gemv(32000, 1024, false), (128, 4, 1, 4, 2, 2));
         // k not a multiple of 8: 4-element chunks
-        assert_eq!(gemv(10, 2047, true), (128, 1, 1, 4, 4));
+        assert_eq!(gemv(10, 2047, true), (128, 1, 1, 4, 4, 1));
         // a Llama-3.2-1B decode step: q (2048 → 2048), down (8192 → 2048)
         // and the head (2048 → 128256), bf16
-        assert_eq!(gemv(2048, 2048, true), (128, 4, 1, 8, 2));
-        assert_eq!(gemv(2048, 8192, true), (128, 4, 1, 8, 2));
-        assert_eq!(gemv(128256, 2048, true), (128, 4, 1, 8, 2));
+        assert_eq!(gemv(2048, 2048, true), (128, 4, 1, 8, 2, 2));
+        assert_eq!(gemv(2048, 8192, true), (128, 4, 1, 8, 2, 2));
+        assert_eq!(gemv(128256, 2048, true), (128, 4, 1, 8, 2, 2));
     }
 }
