@@ -11,13 +11,19 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 start=$(date +%s)
 step() { echo "== $* ($(( $(date +%s) - start ))s)"; }
 
-step "setup: software Vulkan (Mesa lavapipe) for the GPU tests"
-if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
+step "setup: software Vulkan (Mesa lavapipe) for the GPU tests, C/C++ tools for the C API's"
+need=()
+ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 || need+=(mesa-vulkan-drivers libvulkan1)
+# crates/etmetal-capi/tests/c_programs.rs builds a C and a C++ program
+# (AddressSanitizer comes with gcc) against the library, through pkg-config
+command -v c++ >/dev/null 2>&1 || need+=(g++)
+command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+if [ ${#need[@]} -gt 0 ]; then
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
     apt="$sudo env DEBIAN_FRONTEND=noninteractive apt-get -qq"
     $apt update >/dev/null
-    $apt install -y --no-install-recommends mesa-vulkan-drivers libvulkan1 >/dev/null
+    $apt install -y --no-install-recommends "${need[@]}" >/dev/null
 fi
 
 step "setup: python venv"
@@ -30,6 +36,9 @@ cargo clippy --workspace --all-targets --quiet -- -D warnings
 # One optimised profile (`ci`, with overflow and debug-assertion checks) for
 # the unit tests, the binary, the examples and the Python package, so each
 # crate is compiled once.
+# (The C API's tests build its shared and static library, then the C
+# example and the C++ error-path test against them, and run them on the CPU
+# and on lavapipe: crates/etmetal-capi/tests/c_programs.rs.)
 step "cargo test --workspace (profile ci)"
 cargo test --workspace --quiet --profile ci
 step "cargo build (profile ci): etmetal, examples"

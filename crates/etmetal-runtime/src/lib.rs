@@ -34,6 +34,7 @@ use etmetal_pte::PteFile;
 pub use backend::{Backend, BackendRegistry, DelegateArg, DelegateHandle, NamedData};
 pub use etmetal_core::TensorSpec;
 pub use method::Method;
+pub use values::copy_bytes;
 
 /// Default cap on a method's planned memory.
 pub const DEFAULT_MAX_ARENA_BYTES: u64 = 16 << 30;

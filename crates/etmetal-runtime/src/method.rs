@@ -149,6 +149,53 @@ fn reads_dynamic(values: &Values, args: &[i32], runtime: &BTreeSet<usize>) -> bo
     })
 }
 
+/// Print the trace of an execute (`report`, then what the current thread
+/// recorded since), if there is one.
+fn print_report(report: String) {
+    let report = report + &trace::take_report();
+    if !report.is_empty() {
+        eprint!("{report}");
+    }
+}
+
+/// Check borrowed inputs against `specs` as [`check_inputs`] checks
+/// tensors, with no rounding: count, dtype, shape, and bytes for the shape.
+fn check_views(specs: &[TensorSpec], inputs: &[View<'_>]) -> Result<()> {
+    if inputs.len() != specs.len() {
+        return Err(Error::invalid_input(format!(
+            "the program takes {} input(s), {} given",
+            specs.len(),
+            inputs.len()
+        )));
+    }
+    for (i, (t, spec)) in inputs.iter().zip(specs).enumerate() {
+        let why = spec.mismatch(t.shape);
+        if t.dtype != spec.dtype || (why.is_some() && !spec.is_dynamic()) {
+            return Err(Error::invalid_input(format!(
+                "input {i}: expected {} {}, got {} {:?}",
+                spec.dtype,
+                spec.shape_text(),
+                t.dtype,
+                t.shape
+            )));
+        }
+        if let Some(why) = why {
+            return Err(Error::invalid_input(format!("input {i}: {why}")));
+        }
+        let need = etmetal_core::shape::numel(t.shape)?.checked_mul(t.dtype.size());
+        if need != Some(t.bytes.len()) {
+            return Err(Error::invalid_input(format!(
+                "input {i}: {} bytes given for {} {:?}, which needs {}",
+                t.bytes.len(),
+                t.dtype,
+                t.shape,
+                need.map_or_else(|| "more than fits in memory".into(), |n| n.to_string())
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Run a symbolic-int call: the tensor sizes it reads are current ones.
 fn run_sym(values: &mut Values, call: &SymCall) -> Result<()> {
     let scalar = |v: usize| match values.get(v)? {
@@ -489,14 +536,69 @@ impl Method {
         let specs: Vec<TensorSpec> = self.inputs.iter().map(|(_, s)| s.clone()).collect();
         let inputs = check_inputs(&specs, inputs)
             .map_err(|e| e.context(format!("method `{}`", self.name)))?;
-        let bytes = inputs.iter().map(|t| t.nbytes() as u64).sum();
+        let views: Vec<View> = inputs.iter().map(View::of).collect();
+        let report = self.run(&views)?;
+        let outputs = trace::span(
+            || format!("method `{}`: outputs out of planned memory", self.name),
+            None,
+            || {
+                self.outputs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (v, _))| {
+                        self.values
+                            .read(*v)
+                            .map_err(|e| e.context(format!("output {i}")))
+                    })
+                    .collect()
+            },
+        );
+        print_report(report);
+        outputs
+    }
+
+    /// [`Method::execute`] on borrowed inputs, each of exactly its input's
+    /// dtype (nothing is rounded), handing each output to `output` where
+    /// the method keeps it (its actual shape; valid for the call only), so
+    /// that an embedder copies inputs and outputs once each, straight
+    /// between its own buffers and planned memory. An error from `output`
+    /// ends the call with it.
+    pub fn execute_borrowed(
+        &mut self,
+        inputs: &[View<'_>],
+        output: &mut dyn FnMut(usize, View<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let specs: Vec<TensorSpec> = self.inputs.iter().map(|(_, s)| s.clone()).collect();
+        check_views(&specs, inputs).map_err(|e| e.context(format!("method `{}`", self.name)))?;
+        let report = self.run(inputs)?;
+        let done = trace::span(
+            || format!("method `{}`: outputs out of planned memory", self.name),
+            None,
+            || {
+                self.outputs.iter().enumerate().try_for_each(|(i, (v, _))| {
+                    let view = self
+                        .values
+                        .view(*v)
+                        .map_err(|e| e.context(format!("output {i}")))?;
+                    output(i, view)
+                })
+            },
+        );
+        print_report(report);
+        done
+    }
+
+    /// Write checked `inputs` into planned memory and run every step; the
+    /// trace so far (empty unless tracing).
+    fn run(&mut self, inputs: &[View<'_>]) -> Result<String> {
+        let bytes = inputs.iter().map(|t| t.bytes.len() as u64).sum();
         trace::span(
             || format!("method `{}`: inputs into planned memory", self.name),
             Some(bytes),
             || {
                 for (i, (t, (v, _))) in inputs.iter().zip(&self.inputs).enumerate() {
                     self.values
-                        .write(*v, t)
+                        .write_view(*v, *t)
                         .map_err(|e| e.context(format!("input {i}")))?;
                 }
                 Ok::<(), Error>(())
@@ -541,26 +643,7 @@ impl Method {
             true => rayon::scope(|_| run(self))?,
             false => run(self)?,
         };
-        let outputs = trace::span(
-            || format!("method `{}`: outputs out of planned memory", self.name),
-            None,
-            || {
-                self.outputs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, (v, _))| {
-                        self.values
-                            .read(*v)
-                            .map_err(|e| e.context(format!("output {i}")))
-                    })
-                    .collect()
-            },
-        );
-        let report = before + &report + &trace::take_report();
-        if !report.is_empty() {
-            eprint!("{report}");
-        }
-        outputs
+        Ok(before + &report)
     }
 
     /// Run instruction `pc`; the next instruction's index.

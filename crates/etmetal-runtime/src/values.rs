@@ -72,7 +72,7 @@ pub(crate) struct Values {
 /// threads: a method's inputs and outputs cross planned memory once each
 /// execute, and one thread's memcpy (with the page faults of a fresh output)
 /// is what made large inputs slower than PyTorch's host-to-device copy.
-fn copy_bytes(dst: &mut [u8], src: &[u8]) {
+pub fn copy_bytes(dst: &mut [u8], src: &[u8]) {
     use rayon::prelude::*;
     const CHUNK: usize = 1 << 20;
     if src.len() < 4 * CHUNK {
@@ -335,24 +335,41 @@ impl Values {
     pub fn read(&self, v: usize) -> Result<Tensor> {
         let t = self.tensor_slot(v)?;
         match &t.place {
-            Place::Constant(c) => Ok(c.clone()),
-            Place::Unplanned(Some(c)) => Ok(c.clone()),
-            Place::Unplanned(None) => Err(Error::invalid_input(format!(
-                "value {v} is read before it is written"
-            ))),
+            Place::Constant(c) | Place::Unplanned(Some(c)) => Ok(c.clone()),
+            _ => {
+                let view = self.view(v)?;
+                let mut out = Tensor::zeros(view.dtype, view.shape)?;
+                copy_bytes(out.bytes_mut(), view.bytes);
+                Ok(out)
+            }
+        }
+    }
+
+    /// Tensor `v` where it is, with its current shape.
+    pub fn view(&self, v: usize) -> Result<View<'_>> {
+        let t = self.tensor_slot(v)?;
+        let bytes = match &t.place {
+            Place::Constant(c) | Place::Unplanned(Some(c)) => c.bytes(),
+            Place::Unplanned(None) => {
+                return Err(Error::invalid_input(format!(
+                    "value {v} is read before it is written"
+                )))
+            }
             Place::Arena { memory, offset } => {
                 let n = etmetal_core::shape::numel(&t.shape)? * t.dtype.size();
-                let bytes = self.arenas[*memory]
+                self.arenas[*memory]
                     .bytes()
                     .get(*offset..*offset + n)
                     .ok_or_else(|| {
                         Error::internal(format!("value {v} lies outside planned memory {memory}"))
-                    })?;
-                let mut out = Tensor::zeros(t.dtype, &t.shape)?;
-                copy_bytes(out.bytes_mut(), bytes);
-                Ok(out)
+                    })?
             }
-        }
+        };
+        Ok(View {
+            dtype: t.dtype,
+            shape: &t.shape,
+            bytes,
+        })
     }
 
     /// The program's values with current shapes and run-time scalars.
@@ -413,21 +430,48 @@ impl Values {
     /// Store `tensor` as value `v`: dtype must be the value's, and shape
     /// too (for a dynamic tensor: within its bound, which it then takes).
     pub fn write(&mut self, v: usize, tensor: &Tensor) -> Result<()> {
+        self.store(v, View::of(tensor), || Ok(tensor.clone()))
+    }
+
+    /// [`Values::write`] from borrowed memory, which is copied; its length
+    /// must be its shape's.
+    pub fn write_view(&mut self, v: usize, tensor: View<'_>) -> Result<()> {
+        let len = etmetal_core::shape::numel(tensor.shape)?.checked_mul(tensor.dtype.size());
+        if len != Some(tensor.bytes.len()) {
+            return Err(Error::invalid_input(format!(
+                "value {v}: {} bytes given for {} {:?}",
+                tensor.bytes.len(),
+                tensor.dtype,
+                tensor.shape
+            )));
+        }
+        self.store(v, tensor, || {
+            Tensor::from_bytes(tensor.dtype, tensor.shape, tensor.bytes)
+        })
+    }
+
+    /// Write `tensor` into value `v`; an unplanned value keeps `owned()`.
+    fn store(
+        &mut self,
+        v: usize,
+        tensor: View<'_>,
+        owned: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<()> {
         let Some(Slot::Tensor(t)) = self.slots.get(v) else {
             return Err(Error::format(format!(
                 "value {v} is not a tensor and cannot be written"
             )));
         };
-        if tensor.dtype() != t.dtype {
+        if tensor.dtype != t.dtype {
             return Err(Error::shape(format!(
                 "value {v} is {} {}, the result is {} {:?}",
                 t.dtype,
                 t.spec().shape_text(),
-                tensor.dtype(),
-                tensor.shape()
+                tensor.dtype,
+                tensor.shape
             )));
         }
-        self.set_shape(v, tensor.shape())?;
+        self.set_shape(v, tensor.shape)?;
         let Some(Slot::Tensor(t)) = self.slots.get_mut(v) else {
             unreachable!("checked to be a tensor above");
         };
@@ -436,11 +480,11 @@ impl Values {
                 "value {v} is a constant and cannot be written"
             ))),
             Place::Unplanned(slot) => {
-                *slot = Some(tensor.clone());
+                *slot = Some(owned()?);
                 Ok(())
             }
             Place::Arena { memory, offset } => {
-                let src = tensor.bytes();
+                let src = tensor.bytes;
                 let dst = self.arenas[*memory]
                     .bytes_mut()
                     .get_mut(*offset..*offset + src.len())

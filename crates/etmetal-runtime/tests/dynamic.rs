@@ -89,6 +89,76 @@ fn runs_at_every_size_and_matches_eager() {
     }
 }
 
+/// `method.execute_borrowed` on `inputs`: the outputs it handed over, copied.
+fn execute_borrowed(
+    method: &mut etmetal_runtime::Method,
+    inputs: &[Tensor],
+) -> Result<Vec<Tensor>> {
+    let views: Vec<_> = inputs.iter().map(etmetal_core::View::of).collect();
+    let mut outputs = vec![];
+    method.execute_borrowed(&views, &mut |i, v| {
+        assert_eq!(i, outputs.len());
+        outputs.push(Tensor::from_bytes(v.dtype, v.shape, v.bytes)?);
+        Ok(())
+    })?;
+    Ok(outputs)
+}
+
+#[test]
+fn borrowed_inputs_and_outputs_run_at_every_size_as_owned_ones() {
+    for name in NAMES {
+        let program = Program::load(fixtures().join(format!("{name}.pte"))).unwrap();
+        let mut method = program.method("forward").unwrap();
+        let sizes = sizes(name);
+        for size in [sizes[2], sizes[0], sizes[1]] {
+            let inputs = numbered(name, size, "input");
+            let got = execute_borrowed(&mut method, &inputs).unwrap();
+            let what = format!("{name} at {size}, borrowed");
+            assert_close(&what, &got, &numbered(name, size, "output"));
+            assert_close(&what, &got, &method.execute(inputs).unwrap());
+        }
+    }
+    // borrowed inputs are checked as owned ones, and their bytes too
+    let program = Program::load(fixtures().join("dyn_mlp.pte")).unwrap();
+    let mut method = program.method("forward").unwrap();
+    let e =
+        execute_borrowed(&mut method, &[Tensor::zeros(DType::F32, &[9, 4]).unwrap()]).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("input 0: dim 0 is 9, above its upper bound 8"),
+        "{e}"
+    );
+    let e =
+        execute_borrowed(&mut method, &[Tensor::zeros(DType::F64, &[2, 4]).unwrap()]).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("input 0: expected float32 [<=8, <=4], got float64 [2, 4]"),
+        "{e}"
+    );
+    let short = etmetal_core::View {
+        dtype: DType::F32,
+        shape: &[2, 4],
+        bytes: &[0; 31],
+    };
+    let e = method
+        .execute_borrowed(&[short], &mut |_, _| Ok(()))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    assert!(
+        e.to_string()
+            .contains("input 0: 31 bytes given for float32 [2, 4], which needs 32"),
+        "{e}"
+    );
+    // an error of the output's receiver ends the call with it
+    let x = numbered("dyn_mlp", 5, "input");
+    let e = method
+        .execute_borrowed(&[etmetal_core::View::of(&x[0])], &mut |_, _| {
+            Err(etmetal_core::Error::invalid_input("no room"))
+        })
+        .unwrap_err();
+    assert_eq!(e.to_string(), "no room");
+}
+
 #[test]
 fn input_specs_expose_the_bounds() {
     let program = Program::load(fixtures().join("dyn_attention.pte")).unwrap();

@@ -14,5 +14,6 @@ mod emit;
 pub mod eval;
 pub mod generate;
 mod model;
+pub mod summary;
 
 pub use model::{is_pte, Model};

@@ -10,7 +10,7 @@
 
 use std::path::Path;
 
-use etmetal_core::{check_inputs, Error, Result, Tensor, TensorSpec};
+use etmetal_core::{check_inputs, Error, Result, Tensor, TensorSpec, View};
 use etmetal_graph::{Graph, InputKind, OutputKind, ValueId};
 use etmetal_pte::PteFile;
 
@@ -216,14 +216,39 @@ impl Model {
                 Ok(user)
             }
             Program::Pte { methods, last, .. } => {
-                if let Some(prev) = last.filter(|&p| p != index) {
-                    let state = methods[prev].read_state()?;
-                    methods[index].write_state(&state)?;
-                }
-                // a failed execute may have left the state half written, in
-                // this method: it stays the holder either way
-                *last = Some(index);
+                enter(methods, last, index)?;
                 methods[index].execute(inputs)
+            }
+        }
+    }
+
+    /// [`Model::execute_method`] on borrowed inputs, each of exactly its
+    /// input's dtype, handing each output to `output` where the method keeps
+    /// it (valid for the call only): a `.pte`'s inputs and outputs are
+    /// copied once each, between the caller's memory and planned memory
+    /// (`etmetal_runtime::Method::execute_borrowed`).
+    pub fn execute_method_borrowed(
+        &mut self,
+        name: &str,
+        inputs: &[View<'_>],
+        output: &mut dyn FnMut(usize, View<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let index = self.method_index(name)?;
+        match &mut self.program {
+            Program::Graph(_) => {
+                let tensors = inputs
+                    .iter()
+                    .map(|t| Tensor::from_bytes(t.dtype, t.shape, t.bytes))
+                    .collect::<Result<Vec<_>>>()?;
+                let outputs = self.execute_method(name, tensors)?;
+                outputs
+                    .iter()
+                    .enumerate()
+                    .try_for_each(|(i, t)| output(i, View::of(t)))
+            }
+            Program::Pte { methods, last, .. } => {
+                enter(methods, last, index)?;
+                methods[index].execute_borrowed(inputs, output)
             }
         }
     }
@@ -266,6 +291,23 @@ impl Model {
             }
         }
     }
+}
+
+/// Make method `index` the holder of the state, handing it what the
+/// method that ran last left.
+fn enter(
+    methods: &mut [etmetal_runtime::Method],
+    last: &mut Option<usize>,
+    index: usize,
+) -> Result<()> {
+    if let Some(prev) = last.filter(|&p| p != index) {
+        let state = methods[prev].read_state()?;
+        methods[index].write_state(&state)?;
+    }
+    // a failed execute may have left the state half written, in this
+    // method: it stays the holder either way
+    *last = Some(index);
+    Ok(())
 }
 
 fn graph_inputs(graph: &Graph) -> Vec<TensorSpec> {

@@ -146,6 +146,69 @@ fn methods_share_state_by_name() {
     assert_eq!(outs[2], first_again[0]);
 }
 
+/// [`Model::execute_method_borrowed`] of `x`: the first output's values.
+fn borrowed(model: &mut Model, method: &str, x: &Tensor) -> Vec<f64> {
+    let mut out = vec![];
+    model
+        .execute_method_borrowed(method, &[etmetal_core::View::of(x)], &mut |i, v| {
+            if i == 0 {
+                out = Tensor::from_bytes(v.dtype, v.shape, v.bytes)?.to_f64_vec();
+            }
+            Ok(())
+        })
+        .unwrap();
+    out
+}
+
+#[test]
+fn borrowed_executes_share_state_as_owned_ones_do() {
+    // a .pte of two methods: the calls of `methods_share_state_by_name`
+    let compiled = two_methods(Backend::Cpu);
+    let calls = [
+        ("forward", [10.0, 20.0]),
+        ("again", [1.0, 1.0]),
+        ("again", [1.0, 1.0]),
+        ("forward", [10.0, 20.0]),
+    ];
+    let (owned, _) = run_calls(&compiled.pte, None, &calls);
+    let mut model = Model::from_pte_bytes(&compiled.pte, LoadOptions::default()).unwrap();
+    for (k, (method, x)) in calls.iter().enumerate() {
+        if k == calls.len() / 2 {
+            model.reset_state().unwrap();
+        }
+        let x = Tensor::from_f32(DType::F32, &[2], x).unwrap();
+        assert_eq!(borrowed(&mut model, method, &x), owned[k], "call {k}");
+    }
+    // a .pt2 interpreted on the CPU: the fixture's two calls
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let read = |f: &str| etmetal_core::npy::read(&dir.join(f)).unwrap();
+    let mut model = Model::load(&dir.join("inplace_state.pt2")).unwrap();
+    let inputs = [
+        read("inplace_state.input_0.npy"),
+        read("inplace_state.input_1.npy"),
+    ];
+    let views: Vec<_> = inputs.iter().map(etmetal_core::View::of).collect();
+    for want in [
+        "inplace_state.output_0.npy",
+        "inplace_state.call2.output_0.npy",
+    ] {
+        let mut got = vec![];
+        model
+            .execute_method_borrowed("forward", &views, &mut |i, v| {
+                if i == 0 {
+                    got = Tensor::from_bytes(v.dtype, v.shape, v.bytes)?.to_f64_vec();
+                }
+                Ok(())
+            })
+            .unwrap();
+        let want = read(want).to_f64_vec();
+        assert_eq!(got.len(), want.len(), "{want:?}");
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-5 + 1e-5 * b.abs(), "{a} vs {b}");
+        }
+    }
+}
+
 #[test]
 fn gpu_keeps_state_resident_and_matches_the_cpu() {
     let gpu = two_methods(Backend::Metal);

@@ -5,14 +5,15 @@
 //! instruction). A `.pt2` shows its signature, weights, op histogram and
 //! what the partitioner would delegate.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::Path;
 
+use etmetal::summary::{payload_bytes, summarize};
 use etmetal::Model;
 use etmetal_core::{Error, Result, Tensor};
 use etmetal_graph::{InputKind, OutputKind};
 use etmetal_metal::partitioner::{ops_to_not_decompose, partition, PartitionOptions};
-use etmetal_metal::payload::{gpu_bytes, Location, Payload};
+use etmetal_metal::payload::Payload;
 use etmetal_pte::{DataLocation, EValue, ExecutionPlan, Instruction, PteFile};
 
 use crate::human_bytes;
@@ -172,18 +173,6 @@ fn inspect_payload(out: &mut String, payload: &Payload) {
     }
 }
 
-/// `(arena, weight)` bytes of an `EtMetalBackend` payload on the GPU.
-fn payload_bytes(payload: &Payload) -> (u64, u64) {
-    let arena: u64 = payload.arenas.iter().sum();
-    let weights: u64 = payload
-        .buffers
-        .iter()
-        .filter(|b| matches!(b.location, Location::Weight { .. }))
-        .map(|b| gpu_bytes(b.dtype, b.shape.iter().product()).unwrap_or(0))
-        .sum();
-    (arena, weights)
-}
-
 /// `dtype [shape]` of each of `values` (a plan's inputs or outputs).
 fn signature(plan: &ExecutionPlan, values: &[i32]) -> String {
     let all: Vec<String> = values
@@ -214,90 +203,57 @@ fn signature(plan: &ExecutionPlan, values: &[i32]) -> String {
 
 /// The answer first: the file's weights, then per method its inputs and
 /// outputs, what its GPU delegates take and what stays on the CPU (its
-/// kernel calls by operator).
+/// kernel calls by operator): `etmetal::summary`'s counts.
 fn summarize_pte(out: &mut String, file: &PteFile) -> Result<()> {
-    let program = &file.program;
-    let segment_bytes = |i: u32| program.segments.get(i as usize).map_or(0, |s| s.size);
-    let constants = program
-        .constant_segment
-        .as_ref()
-        .map_or(0, |c| segment_bytes(c.segment_index));
-    let named: BTreeSet<u32> = program.named_data.iter().map(|n| n.segment_index).collect();
-    let named_bytes: u64 = named.iter().map(|&i| segment_bytes(i)).sum();
+    let summary = summarize(file)?;
     say!(
         out,
         "{} method(s); weights {}: constants {}, named data {} ({} keys)",
-        program.execution_plan.len(),
-        human_bytes((constants + named_bytes) as usize),
-        human_bytes(constants as usize),
-        human_bytes(named_bytes as usize),
-        program.named_data.len()
+        summary.methods.len(),
+        human_bytes((summary.constant_bytes + summary.named_data_bytes) as usize),
+        human_bytes(summary.constant_bytes as usize),
+        human_bytes(summary.named_data_bytes as usize),
+        summary.named_data_keys
     );
-    for (p, plan) in program.execution_plan.iter().enumerate() {
-        say!(out, "method `{}`:", plan.name);
+    for (plan, m) in file.program.execution_plan.iter().zip(&summary.methods) {
+        say!(out, "method `{}`:", m.name);
         say!(out, "  inputs:  {}", signature(plan, &plan.inputs));
         say!(out, "  outputs: {}", signature(plan, &plan.outputs));
-        let mut cpu: BTreeMap<String, usize> = BTreeMap::new();
-        let mut delegate_calls = 0;
-        let mut other = 0;
-        for ins in plan.chains.iter().flat_map(|c| &c.instructions) {
-            match ins {
-                Instruction::KernelCall(k) => {
-                    let op = plan.operators.get(k.op_index as usize);
-                    let name = op.map_or_else(|| "?".into(), |o| o.qualified_name());
-                    *cpu.entry(name).or_default() += 1;
-                }
-                Instruction::DelegateCall(_) => delegate_calls += 1,
-                _ => other += 1,
-            }
-        }
-        let (mut kernels, mut dispatches, mut arena, mut weights, mut state) = (0, 0, 0, 0, 0);
-        let mut ours = 0;
-        let mut others: BTreeMap<&str, usize> = BTreeMap::new();
-        for (i, d) in plan.delegates.iter().enumerate() {
-            if d.id != etmetal_metal::BACKEND_ID {
-                *others.entry(d.id.as_str()).or_default() += 1;
-                continue;
-            }
-            let payload = Payload::decode(file.delegate_data(p, i)?)?;
-            let (a, w) = payload_bytes(&payload);
-            ours += 1;
-            kernels += payload.kernels.len();
-            dispatches += payload.dispatches.len();
-            state += payload.state.len();
-            arena += a;
-            weights += w;
-        }
-        let calls: usize = cpu.values().sum();
+        let calls = m.cpu_calls();
         say!(
             out,
-            "  delegated: {delegate_calls} delegate call(s), {calls} CPU kernel call(s){}",
-            match other {
+            "  delegated: {} delegate call(s), {calls} CPU kernel call(s){}",
+            m.delegate_calls,
+            match m.other_instructions {
                 0 => String::new(),
                 n => format!(", {n} other instruction(s)"),
             }
         );
-        if ours > 0 {
-            let state = match state {
+        let gpu = &m.gpu;
+        if gpu.partitions > 0 {
+            let state = match gpu.state_buffers {
                 0 => String::new(),
                 n => format!(", {n} state buffer(s) kept on the GPU"),
             };
             say!(
                 out,
-                "  GPU ({}): {ours} partition(s), {kernels} kernels, {dispatches} dispatches; \
+                "  GPU ({}): {} partition(s), {} kernels, {} dispatches; \
                  weights {}, arena {}{state}",
                 etmetal_metal::BACKEND_ID,
-                human_bytes(weights as usize),
-                human_bytes(arena as usize)
+                gpu.partitions,
+                gpu.kernels,
+                gpu.dispatches,
+                human_bytes(gpu.weight_bytes as usize),
+                human_bytes(gpu.arena_bytes as usize)
             );
         }
-        for (id, n) in others {
+        for (id, n) in &m.other_delegates {
             say!(
                 out,
                 "  {id}: {n} partition(s) (this build does not run them)"
             );
         }
-        let planned: Vec<String> = (plan.non_const_buffer_sizes.iter().skip(1))
+        let planned: Vec<String> = (m.planned_bytes.iter())
             .map(|&n| human_bytes(n as usize))
             .collect();
         say!(out, "  planned memory: [{}]", planned.join(", "));
@@ -305,9 +261,7 @@ fn summarize_pte(out: &mut String, file: &PteFile) -> Result<()> {
             say!(out, "  on the CPU: nothing");
         } else {
             say!(out, "  on the CPU, by operator:");
-            let mut by_count: Vec<(&String, &usize)> = cpu.iter().collect();
-            by_count.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
-            for (op, n) in by_count {
+            for (op, n) in m.cpu_calls_by_count() {
                 say!(out, "    {n:>5}  {op}");
             }
         }
