@@ -13,9 +13,9 @@
 
 pub mod dtype;
 pub mod error;
-pub mod int4;
 pub mod npy;
 pub mod op;
+pub mod quant;
 pub mod shape;
 pub mod spec;
 pub mod sym;

@@ -507,9 +507,12 @@ pub enum Op {
     },
 
     /// `[x, packed, scales, zeros]` → `[y]`: `x [.., K] @ W.T` with the int4
-    /// weight `W [N, K]` in the layout of [`crate::int4`] (torchao's
+    /// weight `W [N, K]` in the layout of [`crate::quant`] (torchao's
     /// `_linear_fp_act_4bit_weight`); `y` has x's dtype.
     Int4Linear { group_size: usize },
+    /// [`Op::Int4Linear`] with 8-bit codes (the same layout, a code a
+    /// byte); a group of all of K is one scale and zero per output channel.
+    Int8Linear { group_size: usize },
     /// `[x, packed, scales, zeros, expert_indices]` → `[y]`: MoE
     /// (`metal::gather_qmv`): `y[p] = W[expert_indices[p]] @ x[p]` for
     /// `x [P, K]`, int4 expert weights `[E, N, K/2]`, scales and zeros
@@ -571,6 +574,7 @@ impl Op {
             Op::Delegate { .. } => "delegate",
             Op::Arange { .. } => "arange",
             Op::Int4Linear { .. } => "int4_linear",
+            Op::Int8Linear { .. } => "int8_linear",
             Op::GatherQmv { .. } => "gather_qmv",
             Op::GatedDeltaRule => "gated_delta_rule",
         }
@@ -853,6 +857,7 @@ mod tests {
                 dtype: DType::I64,
             },
             Op::Int4Linear { group_size: 32 },
+            Op::Int8Linear { group_size: 32 },
             Op::GatherQmv { group_size: 32 },
             Op::GatedDeltaRule,
         ]);

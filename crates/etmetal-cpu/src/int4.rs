@@ -1,17 +1,20 @@
-//! The int4 weight-only ops ([`Op::Int4Linear`], [`Op::GatherQmv`]) and the
-//! gated delta rule ([`Op::GatedDeltaRule`]). The linear dequantizes one
-//! panel of the weight at a time into f32 and runs the GEMM on it, as
-//! llama.cpp and candle do on CPU (measured faster than a direct packed
-//! dot product from M = 1 up). The gather reads each row's expert directly:
+//! The weight-only quantized ops ([`Op::Int4Linear`], [`Op::Int8Linear`],
+//! [`Op::GatherQmv`]) and the gated delta rule ([`Op::GatedDeltaRule`]).
+//! The linears (one kernel for both code widths) dequantize one panel of
+//! the weight at a time into f32 and run the GEMM on it, as llama.cpp and
+//! candle do on CPU (measured faster than a direct packed dot product from
+//! M = 1 up); a panel is the same bytes' work for int8 as for int4, so the
+//! time per weight byte is the same. The gather reads each row's expert directly:
 //! per group it takes `dot(x, q)` and `sum(x)`, so
 //! `x · w = scale * dot(x, q) + zero * sum(x)` needs no dequantized weight.
 //! Everything is computed in f32 and stored in the output dtype.
 //!
 //! [`Op::Int4Linear`]: etmetal_core::Op::Int4Linear
+//! [`Op::Int8Linear`]: etmetal_core::Op::Int8Linear
 //! [`Op::GatherQmv`]: etmetal_core::Op::GatherQmv
 //! [`Op::GatedDeltaRule`]: etmetal_core::Op::GatedDeltaRule
 
-use etmetal_core::int4::{check_activation, check_weight, Int4Dims};
+use etmetal_core::quant::{check_activation, check_weight, QuantDims, QuantFormat};
 use etmetal_core::{DType, Result, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -23,7 +26,8 @@ use crate::Ctx;
 /// `TILE_COLS × TILE_K` panel of the weight into its own f32 scratch and
 /// hands it to the GEMM, so the whole dequantized weight never exists.
 const TILE_COLS: usize = 64;
-/// K per panel: a multiple of every group size, and 64 × 512 f32 (128 KiB)
+/// K per panel, rounded down to whole groups (at least one: an int8
+/// group of a whole row makes the panel the row); 64 × 512 f32 (128 KiB)
 /// stays in L2 while the GEMM packs it.
 const TILE_K: usize = 512;
 
@@ -31,18 +35,19 @@ fn spec(t: &Tensor) -> (DType, &[usize]) {
     (t.dtype(), t.shape())
 }
 
-/// One int4 weight (or one expert's) as borrowed rows.
+/// One quantized weight (or one expert's) as borrowed rows.
 struct Weight<'a> {
-    dims: Int4Dims,
+    dims: QuantDims,
     packed: &'a [u8],
     scales: &'a [f32],
     zeros: &'a [f32],
 }
 
 impl Weight<'_> {
-    /// `sum_k x[k] * w[n, k]` for row `n`, `xsum` the per-group sums of `x`.
+    /// `sum_k x[k] * w[n, k]` for row `n` of an int4 weight, `xsum` the
+    /// per-group sums of `x`.
     fn dot_row(&self, n: usize, x: &[f32], xsum: &[f32]) -> f32 {
-        let (k, gs, groups) = (self.dims.k, self.dims.group_size, self.dims.groups());
+        let (k, gs, groups) = (self.dims.k, self.dims.group_size(), self.dims.groups());
         let row = &self.packed[n * k / 2..(n + 1) * k / 2];
         let mut acc = 0.0f32;
         for g in 0..groups {
@@ -60,18 +65,28 @@ impl Weight<'_> {
     /// Row `n`, columns `k0..k0 + out.len()` (whole groups), dequantized
     /// into `out` (the linear's panel).
     fn dequant_row(&self, n: usize, k0: usize, out: &mut [f32]) {
-        let (k, gs, groups) = (self.dims.k, self.dims.group_size, self.dims.groups());
-        let row = &self.packed[(n * k + k0) / 2..(n * k + k0 + out.len()) / 2];
+        let (k, gs, groups) = (self.dims.k, self.dims.group_size(), self.dims.groups());
+        let per = self.dims.format.per_byte();
+        let row = &self.packed[(n * k + k0) / per..(n * k + k0 + out.len()) / per];
         let g0 = n * groups + k0 / gs;
         for (g, (bytes, dst)) in row
-            .chunks_exact(gs / 2)
+            .chunks_exact(gs / per)
             .zip(out.chunks_exact_mut(gs))
             .enumerate()
         {
             let (s, z) = (self.scales[g0 + g], self.zeros[g0 + g]);
-            for (b, pair) in bytes.iter().zip(dst.chunks_exact_mut(2)) {
-                pair[0] = (b & 15) as f32 * s + z;
-                pair[1] = (b >> 4) as f32 * s + z;
+            match per {
+                2 => {
+                    for (b, pair) in bytes.iter().zip(dst.chunks_exact_mut(2)) {
+                        pair[0] = (b & 15) as f32 * s + z;
+                        pair[1] = (b >> 4) as f32 * s + z;
+                    }
+                }
+                _ => {
+                    for (b, d) in bytes.iter().zip(dst.iter_mut()) {
+                        *d = *b as f32 * s + z;
+                    }
+                }
             }
         }
     }
@@ -84,17 +99,20 @@ fn group_sums(x: &[f32], gs: usize) -> Vec<f32> {
 /// `y [M, N] = x [M, K] @ W.T`.
 fn linear_f32(w: &Weight, x: &[f32], m: usize) -> Vec<f32> {
     let (n, k) = (w.dims.n, w.dims.k);
+    let gs = w.dims.group_size();
+    // panels of whole groups
+    let tile_k = ((TILE_K / gs).max(1) * gs).min(k);
     let mut y = vec![0.0f32; m * n];
     let blocks: Vec<(std::ops::Range<usize>, Vec<f32>)> = (0..n.div_ceil(TILE_COLS))
         .into_par_iter()
         .map_init(
-            || vec![0.0f32; TILE_COLS * TILE_K.min(k)],
+            || vec![0.0f32; TILE_COLS * tile_k],
             |panel, blk| {
                 let cols = blk * TILE_COLS..((blk + 1) * TILE_COLS).min(n);
                 let nc = cols.len();
                 let mut out = vec![0.0f32; m * nc];
-                for k0 in (0..k).step_by(TILE_K) {
-                    let kc = TILE_K.min(k - k0);
+                for k0 in (0..k).step_by(tile_k) {
+                    let kc = tile_k.min(k - k0);
                     let panel = &mut panel[..nc * kc];
                     for (t, j) in cols.clone().enumerate() {
                         w.dequant_row(j, k0, &mut panel[t * kc..(t + 1) * kc]);
@@ -125,12 +143,12 @@ fn linear_f32(w: &Weight, x: &[f32], m: usize) -> Vec<f32> {
     y
 }
 
-pub(crate) fn int4_linear(ctx: &Ctx, group_size: usize) -> Result<Tensor> {
+pub(crate) fn quant_linear(ctx: &Ctx, format: QuantFormat) -> Result<Tensor> {
     let x = ctx.input(0)?;
     check_activation("activations", x.dtype()).map_err(|e| e.context(ctx.name()))?;
     let k = *x.shape().last().ok_or_else(|| ctx.invalid("0-d input"))?;
     let (p, s, z) = (ctx.input(1)?, ctx.input(2)?, ctx.input(3)?);
-    let dims = check_weight(k, group_size, spec(p), spec(s), spec(z), false)
+    let dims = check_weight(format, k, spec(p), spec(s), spec(z), false)
         .map_err(|e| e.context(ctx.name()))?;
     let (scales, zeros) = (s.to_f32_vec(), z.to_f32_vec());
     let w = Weight {
@@ -153,8 +171,15 @@ pub(crate) fn gather_qmv(ctx: &Ctx, group_size: usize) -> Result<Tensor> {
         return Err(ctx.invalid(format!("activations {:?}: [P, K] expected", x.shape())));
     };
     let (p, s, z, idx) = (ctx.input(1)?, ctx.input(2)?, ctx.input(3)?, ctx.input(4)?);
-    let dims = check_weight(k, group_size, spec(p), spec(s), spec(z), true)
-        .map_err(|e| e.context(ctx.name()))?;
+    let dims = check_weight(
+        QuantFormat::int4(group_size),
+        k,
+        spec(p),
+        spec(s),
+        spec(z),
+        true,
+    )
+    .map_err(|e| e.context(ctx.name()))?;
     let experts = idx.to_i64_vec();
     if experts.len() != pairs {
         return Err(ctx.invalid(format!("{} expert indices for {pairs} rows", experts.len())));
@@ -267,7 +292,7 @@ pub(crate) fn gated_delta_rule(ctx: &Ctx) -> Result<Vec<Tensor>> {
 #[cfg(test)]
 mod tests {
     use crate::execute;
-    use etmetal_core::int4::{pack, GROUP_SIZES};
+    use etmetal_core::quant::{pack, QuantFormat, GROUP_SIZES};
     use etmetal_core::{DType, Op, Tensor};
 
     /// A deterministic pseudo-random stream in [-1, 1).
@@ -287,9 +312,20 @@ mod tests {
 
     /// Random int4 weight `[N, K]`: (q, packed, scales, zeros).
     fn weight(n: usize, k: usize, gs: usize) -> (Vec<u8>, Tensor, Vec<f32>, Vec<f32>) {
+        weight_bits(4, n, k, gs)
+    }
+
+    /// Random weight `[N, K]` of `bits`-bit codes: (q, packed, scales, zeros).
+    fn weight_bits(
+        bits: u32,
+        n: usize,
+        k: usize,
+        gs: usize,
+    ) -> (Vec<u8>, Tensor, Vec<f32>, Vec<f32>) {
+        let levels = 1u32 << bits;
         let q: Vec<u8> = noise(1, n * k)
             .iter()
-            .map(|v| ((v + 1.0) * 8.0) as u8 % 16)
+            .map(|v| (((v + 1.0) * levels as f32 / 2.0) as u32 % levels) as u8)
             .collect();
         let scales: Vec<f32> = noise(2, n * k / gs)
             .iter()
@@ -299,7 +335,8 @@ mod tests {
             .iter()
             .map(|v| -0.5 * v.abs())
             .collect();
-        let packed = Tensor::from_slice(DType::U8, &[n, k / 2], &pack(&q)).unwrap();
+        let per = 8 / bits as usize;
+        let packed = Tensor::from_slice(DType::U8, &[n, k / per], &pack(bits, &q)).unwrap();
         (q, packed, scales, zeros)
     }
 
@@ -393,6 +430,59 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// int8 per output channel (a group of all of K, not a divisor of the
+    /// 512-wide panel) and per group, on uint8 bytes and their int32
+    /// words: against the dequantized product.
+    #[test]
+    fn int8_linear_matches_the_dequantized_product() {
+        for (m, n, k, gs) in [
+            (1, 67, 640, 640),
+            (5, 9, 2048, 2048),
+            (13, 70, 768, 32),
+            (2, 5, 1024, 128),
+        ] {
+            let w = weight_bits(8, n, k, gs);
+            assert!(w.0.iter().any(|&q| q > 200), "codes use the 8-bit range");
+            let st = Tensor::from_f32(DType::BF16, &[n, k / gs], &w.2).unwrap();
+            let zt = Tensor::from_f32(DType::BF16, &[n, k / gs], &w.3).unwrap();
+            // the reference reads the parameters as stored (bf16)
+            let stored = (w.0.clone(), w.1.clone(), st.to_f32_vec(), zt.to_f32_vec());
+            let x = noise(6, m * k);
+            let want = reference(&x, m, &stored, n, k, gs);
+            let words = etmetal_core::quant::as_words(&w.1).unwrap();
+            for packed in [&w.1, &words] {
+                let xt = Tensor::from_f32(DType::F32, &[m, k], &x).unwrap();
+                let out = execute(
+                    &QuantFormat::int8(gs).linear_op(),
+                    &[Some(&xt), Some(packed), Some(&st), Some(&zt)],
+                    &[(DType::F32, vec![m, n])],
+                )
+                .unwrap();
+                for (a, b) in out[0].to_f32_vec().iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                        "{m}x{n}x{k} group {gs}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+        // a group that is no multiple of 32 is named
+        let w = weight_bits(8, 4, 96, 96);
+        let s = Tensor::from_f32(DType::F32, &[4, 2], &[0.1; 8]).unwrap();
+        let e = execute(
+            &QuantFormat::int8(48).linear_op(),
+            &[
+                Some(&Tensor::from_f32(DType::F32, &[1, 96], &[0.5; 96]).unwrap()),
+                Some(&w.1),
+                Some(&s),
+                Some(&s),
+            ],
+            &[(DType::F32, vec![1, 4])],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("int8 group size 48"), "{e}");
     }
 
     #[test]

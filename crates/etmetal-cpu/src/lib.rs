@@ -231,9 +231,11 @@ fn dispatch(ctx: &Ctx) -> Result<Vec<Tensor>> {
             ctx.arity(1, 1)?;
             one(reduce::softmax(ctx, *dim, *log)?)
         }
-        Op::Int4Linear { group_size } => {
+        Op::Int4Linear { .. } | Op::Int8Linear { .. } => {
             ctx.arity(4, 4)?;
-            one(int4::int4_linear(ctx, *group_size)?)
+            let format = etmetal_core::quant::QuantFormat::of_linear(ctx.op)
+                .ok_or_else(|| Error::internal("not a quantized linear"))?;
+            one(int4::quant_linear(ctx, format)?)
         }
         Op::GatherQmv { group_size } => {
             ctx.arity(5, 5)?;

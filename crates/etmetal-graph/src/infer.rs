@@ -762,9 +762,10 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
                 vec![((e - s) / st).ceil().max(0.0) as usize],
             )])
         }
-        Op::Int4Linear { .. } | Op::GatherQmv { .. } | Op::GatedDeltaRule => {
-            crate::infer_quant::infer_quant(op, inputs)
-        }
+        Op::Int4Linear { .. }
+        | Op::Int8Linear { .. }
+        | Op::GatherQmv { .. }
+        | Op::GatedDeltaRule => crate::infer_quant::infer_quant(op, inputs),
     }
 }
 

@@ -1,8 +1,9 @@
-//! Shape and dtype inference of the int4 and MoE ops ([`Op::Int4Linear`],
-//! [`Op::GatherQmv`], [`Op::GatedDeltaRule`]); the weight layout rules are
-//! [`etmetal_core::int4`]'s.
+//! Shape and dtype inference of the quantized and MoE ops
+//! ([`Op::Int4Linear`], [`Op::Int8Linear`], [`Op::GatherQmv`],
+//! [`Op::GatedDeltaRule`]); the weight layout rules are
+//! [`etmetal_core::quant`]'s.
 
-use etmetal_core::int4::{check_activation, check_weight};
+use etmetal_core::quant::{check_activation, check_weight, QuantFormat};
 use etmetal_core::{DType, Error, Op, Result};
 
 use crate::infer::{req, Out};
@@ -14,15 +15,18 @@ fn spec(v: &ValueInfo) -> (DType, &[usize]) {
 
 pub(crate) fn infer_quant(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
     match op {
-        Op::Int4Linear { group_size } => {
+        Op::Int4Linear { .. } | Op::Int8Linear { .. } => {
+            let format = QuantFormat::of_linear(op)
+                .ok_or_else(|| Error::internal("not a quantized linear"))?;
+            let what = format!("{} linear", format.name());
             let x = req(inputs, 0, "activations")?;
-            check_activation("int4 linear activations", x.dtype)?;
+            check_activation(&format!("{what} activations"), x.dtype)?;
             let Some(&k) = x.shape.last() else {
-                return Err(Error::shape("int4 linear of a 0-d input"));
+                return Err(Error::shape(format!("{what} of a 0-d input")));
             };
             let w = check_weight(
+                format,
                 k,
-                *group_size,
                 spec(req(inputs, 1, "packed weight")?),
                 spec(req(inputs, 2, "scales")?),
                 spec(req(inputs, 3, "zeros")?),
@@ -42,8 +46,8 @@ pub(crate) fn infer_quant(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out>
                 )));
             };
             let w = check_weight(
+                QuantFormat::int4(*group_size),
                 k,
-                *group_size,
                 spec(req(inputs, 1, "packed expert weights")?),
                 spec(req(inputs, 2, "scales")?),
                 spec(req(inputs, 3, "biases")?),
@@ -177,6 +181,33 @@ mod tests {
                 .contains("int4 linear activations must be float"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn int8_linear_shapes() {
+        // per output channel (one group of K), on int32 words
+        let out = run(
+            Op::Int8Linear { group_size: 96 },
+            &[
+                (F32, &[3, 96]),
+                (I32, &[10, 24]),
+                (F32, &[10, 1]),
+                (F32, &[10, 1]),
+            ],
+        )
+        .unwrap();
+        assert_eq!(out, vec![(F32, vec![3, 10])]);
+        let e = run(
+            Op::Int8Linear { group_size: 32 },
+            &[
+                (F32, &[3, 96]),
+                (U8, &[10, 48]),
+                (F32, &[10, 3]),
+                (F32, &[10, 3]),
+            ],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("int8 packed weight"), "{e}");
     }
 
     #[test]

@@ -18,8 +18,9 @@ pub(crate) enum Form {
     Norm,
     Attention,
     TopK,
-    /// int4 weight-only linear and its MoE gather (`kernels/int4.rs`).
-    Int4,
+    /// Weight-only quantized linears (int4, int8) and the int4 MoE gather
+    /// (`kernels/int4.rs`).
+    Quant,
     /// Qwen3.5's gated delta rule (`kernels/delta.rs`).
     DeltaRule,
     /// Rows written at an index tensor's positions (`kernels/scatter.rs`).
@@ -63,7 +64,7 @@ pub(crate) fn form(op: &Op) -> Option<Form> {
         }
         Op::Sdpa { .. } => Form::Attention,
         Op::TopK { .. } | Op::CumSum { .. } | Op::Index => Form::TopK,
-        Op::Int4Linear { .. } | Op::GatherQmv { .. } => Form::Int4,
+        Op::Int4Linear { .. } | Op::Int8Linear { .. } | Op::GatherQmv { .. } => Form::Quant,
         Op::GatedDeltaRule => Form::DeltaRule,
         Op::IndexCopy { .. } => Form::Scatter,
         _ => return None,

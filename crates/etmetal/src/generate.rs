@@ -368,13 +368,21 @@ fn step_tokens(model: &Model, method: &str) -> Result<(usize, bool)> {
 /// of length 0 (transformers' placeholders for layers that share another's
 /// cache) are never read. `None` where no buffer looks like one.
 fn cache_len(model: &mut Model) -> Result<Option<usize>> {
-    Ok(model
-        .read_state()?
-        .iter()
-        .filter(|(name, t)| name.to_lowercase().contains("cache") && t.rank() == 4)
-        .map(|(_, t)| t.shape()[2])
+    let state = model.read_state()?;
+    Ok(cache_positions(
+        state.iter().map(|(name, t)| (name.as_str(), t.shape())),
+    ))
+}
+
+/// [`cache_len`]'s rule over mutable buffers given as (name, shape).
+pub(crate) fn cache_positions<'a>(
+    buffers: impl Iterator<Item = (&'a str, &'a [usize])>,
+) -> Option<usize> {
+    buffers
+        .filter(|(name, shape)| name.to_lowercase().contains("cache") && shape.len() == 4)
+        .map(|(_, shape)| shape[2])
         .filter(|&n| n > 0)
-        .min())
+        .min()
 }
 
 /// What [`generate`] did, for the tokens/s line.

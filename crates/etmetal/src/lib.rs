@@ -8,6 +8,7 @@
 //! [`compile::compile_pt2_cpu`] writes a `.pt2` as a `.pte` of
 //! ExecuTorch portable-kernel calls.
 
+pub mod calibrate;
 pub mod compile;
 pub mod device;
 mod emit;

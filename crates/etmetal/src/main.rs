@@ -12,6 +12,7 @@ use etmetal::compile::{self, CompileOptions};
 use etmetal::device::{self, DevicePreference, Workload};
 use etmetal::Model;
 use etmetal_core::{npy, DType, Error, Result, Tensor};
+use etmetal_graph::quantize::{QuantizeOptions, Quantizer, Scheme};
 use etmetal_metal::partitioner::{DeviceLimits, PartitionMode, PartitionOptions};
 
 /// Append one line to the command's output, which `main` prints at the end.
@@ -88,7 +89,14 @@ enum FloatDtype {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Quantize {
+    /// 4-bit codes, a scale and a zero per group of 32 (--group-size).
     Int4,
+    /// 8-bit codes, a scale and a zero per output channel (or per group
+    /// with --group-size, a multiple of 32).
+    Int8,
+    /// int8 for the weights whose int4 form changes their output most
+    /// (measured; with --calibrate on its activations), int4 for the rest.
+    Mixed,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -134,16 +142,27 @@ enum Command {
         /// a file compiled above 128M needs a GPU that offers it.
         #[arg(long, value_name = "SIZE", default_value = "128M", value_parser = parse_size)]
         max_buffer: u64,
-        /// Quantize the weights of every linear (`int4`: 4-bit weights, a
-        /// scale and a zero per group of each output channel).
+        /// Quantize the weights of every linear (weight-only: a scale and
+        /// a zero per group of each output channel).
         #[arg(long, value_enum)]
         quantize: Option<Quantize>,
-        /// Elements of K sharing one int4 scale and zero.
-        #[arg(long, default_value = "32", value_parser = ["32", "64", "128", "256"])]
-        group_size: String,
+        /// Elements of K sharing one scale and zero: int4 (and mixed's
+        /// int4) 32, 64, 128 or 256 (default 32); int8 a multiple of 32
+        /// (default: all of K, one per output channel).
+        #[arg(long, value_name = "G", requires = "quantize")]
+        group_size: Option<usize>,
         /// Keep the linears whose weight or node name contains PATTERN in float; repeatable.
         #[arg(long = "quantize-skip", value_name = "PATTERN")]
         quantize_skip: Vec<String>,
+        /// Calibrate the quantization on FILE (GPTQ error feedback over the
+        /// activations the model computes on it, run here on the CPU): UTF-8
+        /// text with --tokenizer, else token ids (integers separated by
+        /// spaces or commas); at least 256 tokens.
+        #[arg(long, value_name = "FILE", requires = "quantize")]
+        calibrate: Option<PathBuf>,
+        /// The tokenizer.json that turns the --calibrate text into tokens.
+        #[arg(long, value_name = "FILE", requires = "calibrate")]
+        tokenizer: Option<PathBuf>,
     },
     /// Show a program: inputs, outputs, weights and ops (`.pt2`), or a
     /// summary of each method of a `.pte` (inputs, outputs, what the GPU
@@ -277,6 +296,8 @@ fn main() -> ExitCode {
             quantize,
             group_size,
             quantize_skip,
+            calibrate,
+            tokenizer,
         } => {
             let options = CompileOptions {
                 backend: match backend {
@@ -301,9 +322,18 @@ fn main() -> ExitCode {
                 FloatDtype::Bf16 => DType::BF16,
                 FloatDtype::F16 => DType::F16,
             };
-            let int4 = quantize.map(|Quantize::Int4| Int4Options {
-                group_size: group_size.parse().unwrap_or(32),
-                skip: quantize_skip,
+            let quant = quantize.map(|q| QuantArgs {
+                options: QuantizeOptions {
+                    scheme: match q {
+                        Quantize::Int4 => Scheme::Int4,
+                        Quantize::Int8 => Scheme::Int8,
+                        Quantize::Mixed => Scheme::Mixed,
+                    },
+                    group_size,
+                    skip: quantize_skip,
+                },
+                calibrate,
+                tokenizer,
             });
             compile_cmd(
                 &mut out,
@@ -312,7 +342,7 @@ fn main() -> ExitCode {
                 &output,
                 &options,
                 dtype,
-                int4.as_ref(),
+                quant.as_ref(),
                 emit_msl.as_deref(),
             )
         }
@@ -371,10 +401,127 @@ fn human_bytes(n: usize) -> String {
     }
 }
 
-/// `--quantize int4` and its options.
-struct Int4Options {
-    group_size: usize,
-    skip: Vec<String>,
+/// `--quantize` and its options.
+struct QuantArgs {
+    options: QuantizeOptions,
+    calibrate: Option<PathBuf>,
+    tokenizer: Option<PathBuf>,
+}
+
+/// Quantize the methods' graphs (README: `--quantize`), calibrated where
+/// asked; progress to stderr.
+fn quantize_methods(
+    q: &QuantArgs,
+    path: &Path,
+    files: &[(String, PathBuf)],
+    graphs: &mut [etmetal_graph::Graph],
+) -> Result<()> {
+    let scheme = q.options.scheme.name();
+    q.options.check()?;
+    let calibration = match &q.calibrate {
+        None => None,
+        Some(file) => {
+            let start = Instant::now();
+            let (tokens, prefix) = etmetal::calibrate::read_tokens(file, q.tokenizer.as_deref())?;
+            let methods: Vec<(&str, &etmetal_graph::Graph)> = files
+                .iter()
+                .zip(graphs.iter())
+                .map(|((name, _), g)| (name.as_str(), g))
+                .collect();
+            let m = etmetal::calibrate::pick_method(&methods)?;
+            let (name, file_of) = (&files[m].0, &files[m].1);
+            let c = etmetal::calibrate::calibrate(&graphs[m], &tokens, &prefix, &mut |line| {
+                eprintln!("etmetal: {line}")
+            })
+            .map_err(|e| e.context(format!("method `{name}` ({})", file_of.display())))?;
+            eprintln!(
+                "etmetal: calibrated on {} tokens of {} through method `{name}` in {:.1} s: \
+                 statistics of {} weights",
+                c.tokens,
+                file.display(),
+                start.elapsed().as_secs_f64(),
+                c.stats.len()
+            );
+            Some(c)
+        }
+    };
+    let start = Instant::now();
+    let mut quantizer = Quantizer::new(q.options.clone(), calibration.as_ref());
+    {
+        let all: Vec<&etmetal_graph::Graph> = graphs.iter().collect();
+        quantizer.plan(&all)?;
+    }
+    if !quantizer.sensitivity.is_empty() {
+        let int8: Vec<&str> = quantizer
+            .sensitivity
+            .iter()
+            .filter(|s| s.int8)
+            .map(|s| s.weight.as_str())
+            .collect();
+        eprintln!(
+            "etmetal: mixed: {} of {} weights in int8, the most sensitive (relative output error \
+             of int4{}): {}",
+            int8.len(),
+            quantizer.sensitivity.len(),
+            if calibration.is_some() {
+                ", calibrated"
+            } else {
+                ", data-free: weight error"
+            },
+            int8.join(", ")
+        );
+    }
+    let mut linears = 0;
+    for ((name, file), graph) in files.iter().zip(graphs.iter_mut()) {
+        let r = quantizer
+            .quantize(graph)
+            .map_err(|e| e.context(format!("method `{name}` ({})", file.display())))?;
+        linears += r.quantized.len() + r.skipped.len();
+        let formats: std::collections::BTreeSet<_> = r
+            .quantized
+            .iter()
+            .map(|(_, f)| (f.bits, f.group_size))
+            .collect();
+        let what = match (formats.len(), r.quantized.first()) {
+            (1, Some((_, f))) => format!("in {} (group {})", f.name(), f.group_size),
+            _ => format!("({})", r.summary()),
+        };
+        eprintln!(
+            "etmetal: method `{name}`: {} linears {what}, {} kept in float{}",
+            r.quantized.len(),
+            r.skipped.len(),
+            match r.calibrated.len() {
+                0 => String::new(),
+                n => format!("; {n} calibrated"),
+            }
+        );
+        if !r.reused.is_empty() {
+            eprintln!(
+                "etmetal:   {} of them reuse quantized weights already made (shared with an earlier method or node)",
+                r.reused.len()
+            );
+        }
+        for node in &r.embeddings {
+            eprintln!(
+                "etmetal:   {node} gathers rows of the quantized table of the head tied to it"
+            );
+        }
+        for (node, why) in &r.skipped {
+            eprintln!("etmetal:   {node} stays in float: {why}");
+        }
+    }
+    if linears == 0 {
+        return Err(Error::invalid_input(format!(
+            "--quantize {scheme}: {} has no linear layer to quantize (no `linear`, and no \
+             `matmul` with a constant weight)",
+            path.display()
+        )));
+    }
+    eprintln!(
+        "etmetal: quantized in {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -385,7 +532,7 @@ fn compile_cmd(
     output: &Path,
     options: &CompileOptions,
     dtype: DType,
-    int4: Option<&Int4Options>,
+    quant: Option<&QuantArgs>,
     emit_msl: Option<&Path>,
 ) -> Result<()> {
     let start = Instant::now();
@@ -396,37 +543,20 @@ fn compile_cmd(
             .ok_or_else(|| Error::invalid_input(format!("--method {m}: expected NAME=FILE.pt2")))?;
         files.push((name.to_string(), PathBuf::from(file)));
     }
+    if let Some(q) = quant {
+        // a bad group size is refused before any work
+        q.options.check()?;
+    }
     let mut graphs = Vec::with_capacity(files.len());
-    // the methods' shared weights are quantized once
-    let mut int4_cache = etmetal_graph::quantize::Int4Cache::default();
     for (name, file) in &files {
         let mut graph = etmetal_graph::load_pt2(file)?;
         etmetal_graph::precision::convert_floats(&mut graph, dtype)
             .map_err(|e| e.context(format!("method `{name}` ({})", file.display())))?;
-        if let Some(q) = int4 {
-            let r = etmetal_graph::quantize::quantize_int4_cached(
-                &mut graph,
-                q.group_size,
-                &q.skip,
-                &mut int4_cache,
-            )?;
-            eprintln!(
-                "etmetal: method `{name}`: {} linears in int4 (group {}), {} kept in float",
-                r.quantized.len(),
-                q.group_size,
-                r.skipped.len()
-            );
-            if !r.reused.is_empty() {
-                eprintln!(
-                    "etmetal:   {} of them reuse int4 weights already made (shared with an earlier method or node)",
-                    r.reused.len()
-                );
-            }
-            for (node, why) in &r.skipped {
-                eprintln!("etmetal:   {node} stays in float: {why}");
-            }
-        }
         graphs.push(graph);
+    }
+    if let Some(q) = quant {
+        // the methods' shared weights are quantized once
+        quantize_methods(q, path, &files, &mut graphs)?;
     }
     let methods: Vec<(&str, &etmetal_graph::Graph)> = files
         .iter()

@@ -478,13 +478,15 @@ fn dtypes_taken(
             }
         }
         // the GPU reads packed weights as int32 words (the passes' form)
-        Op::Int4Linear { .. } | Op::GatherQmv { .. } => match required(ins, 1)?.dtype {
-            DType::I32 => required(ins, 0).map(|_| ()),
-            d => Err(format!(
-                "int4 packed weight of {} (the GPU reads int32 words)",
-                d.name()
-            )),
-        },
+        Op::Int4Linear { .. } | Op::Int8Linear { .. } | Op::GatherQmv { .. } => {
+            match required(ins, 1)?.dtype {
+                DType::I32 => required(ins, 0).map(|_| ()),
+                d => Err(format!(
+                    "packed weight of {} (the GPU reads int32 words)",
+                    d.name()
+                )),
+            }
+        }
         _ => Ok(()),
     }
 }

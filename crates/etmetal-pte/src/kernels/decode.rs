@@ -1375,6 +1375,40 @@ mod tests {
         );
     }
 
+    /// The quantized linears' custom calls, as `encode` writes them, read
+    /// back as the op of their code width.
+    #[test]
+    fn quantized_linear_calls_round_trip() {
+        use crate::kernels::encode::custom::encode;
+        use crate::kernels::CallArg;
+        use etmetal_core::quant::QuantFormat;
+        for op in [
+            QuantFormat::int4(64).linear_op(),
+            QuantFormat::int8(640).linear_op(),
+        ] {
+            let mut v = Values::default();
+            let (x, w) = (v.f32(&[1, 640]), v.t(DType::I32, &[8, 80]));
+            let (s, z, out) = (v.f32(&[8, 1]), v.f32(&[8, 1]), v.f32(&[1, 8]));
+            let call = encode(&op).unwrap().unwrap();
+            // the encoder's argument list: inputs, the group, the out tensor
+            let slots = [x, w, s, z];
+            let args: Vec<i32> = call
+                .args
+                .iter()
+                .map(|a| match a {
+                    CallArg::Input(i) => slots[*i],
+                    CallArg::Int(g) => v.int(*g),
+                    _ => out,
+                })
+                .collect();
+            let name = format!("{}.{}", call.name, call.overload);
+            let (got, ins, outs) = v.one(&name, &args);
+            assert_eq!(got, op, "{name}");
+            assert_eq!(ins, slots.map(|i| Some(u(i))).to_vec());
+            assert_eq!(outs, [u(out)]);
+        }
+    }
+
     #[test]
     fn binary_family_and_scalar_operands() {
         let mut v = Values::default();

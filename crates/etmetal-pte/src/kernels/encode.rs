@@ -15,7 +15,7 @@ use etmetal_core::{BinaryOp, Error, Op, ReduceOp, Result, Scalar, UnaryOp};
 
 use super::{Call, CallArg, TensorMeta};
 
-mod custom;
+pub(super) mod custom;
 
 use CallArg::{Bool, Float, Input, Int, Ints, Null, Output, OutputList};
 
@@ -493,9 +493,10 @@ fn encode_op(op: &Op, inputs: &[Option<TensorMeta>], outputs: &[TensorMeta]) -> 
             let s = |v: &Scalar| CallArg::Scalar(*v);
             call("arange", "start_out", vec![s(start), s(end), s(step)], 1)
         }
-        Op::Int4Linear { .. } | Op::GatherQmv { .. } | Op::GatedDeltaRule => {
-            custom::encode(op).unwrap_or_else(|| Err(unsupported(op.name())))
-        }
+        Op::Int4Linear { .. }
+        | Op::Int8Linear { .. }
+        | Op::GatherQmv { .. }
+        | Op::GatedDeltaRule => custom::encode(op).unwrap_or_else(|| Err(unsupported(op.name()))),
         other => Err(unsupported(format!(
             "{} (rewrite it with to_portable)",
             other.name()

@@ -6,26 +6,51 @@
 //! - `metal.gated_delta_rule`, which writes its `state` argument in place:
 //!   [`Op::GatedDeltaRule`] gives the new state, which becomes the value of
 //!   what it wrote (a buffer mutation, as for in-place ATen ops);
-//! - torchao's weight-only forms (`IntxWeightOnlyConfig` and friends),
-//!   which export as `torchao.dequantize_affine(qdata, [1, group], scale,
-//!   zero_point, …)` feeding `aten.linear`: the dequantize is not lowered;
-//!   its constant operands are repacked into the int4 layout and the linear
-//!   that reads it becomes an [`Op::Int4Linear`], so the dequantized weight
-//!   is never materialised.
+//! - torchao's weight-only forms (`IntxWeightOnlyConfig` with int4 or
+//!   int8 weights, per group or per output channel, as ExecuTorch's LLM
+//!   export applies them to linears and embeddings; `Int8WeightOnlyConfig`
+//!   per group), which export as `torchao.dequantize_affine(qdata, [1,
+//!   group], scale, zero_point, …)` feeding `aten.linear`, `aten.t` →
+//!   `aten.mm`, or `aten.embedding`: the dequantize is not lowered; its
+//!   constant operands are repacked into the layout of
+//!   `etmetal_core::quant` (int4 where the codes span 16 values and the
+//!   group is an int4 group, else int8), the linear that reads it becomes
+//!   an [`Op::Int4Linear`] or [`Op::Int8Linear`], and the embedding gathers
+//!   and dequantizes rows of the packed table (`quantize::gather_rows`), so
+//!   the dequantized weight is never materialised.
 
-use etmetal_core::int4::{as_words, pack};
+use etmetal_core::quant::{as_words, from_signed, pack, QuantFormat};
 use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor};
 
 use super::{Ctx, Lowerer};
-use crate::ir::ValueId;
+use crate::ir::{Graph, ValueId};
+use crate::quantize::{gather_rows, Build, QuantTable};
 
-/// A `dequantize_affine` whose result only a linear may read, already in
-/// the int4 layout.
+/// A `dequantize_affine` whose result only a linear (or an embedding) may
+/// read, already in the quantized layout; `transposed`: read through
+/// `aten.t` (`W.T`, for `aten.mm`).
+#[derive(Clone, Copy)]
 pub(super) struct Dequant {
-    packed: ValueId,
-    scales: ValueId,
-    zeros: ValueId,
-    group_size: usize,
+    table: QuantTable,
+    transposed: bool,
+}
+
+/// The importer's emission of one source node as a [`Build`].
+struct Emit<'l, 'a, 'c> {
+    lw: &'l mut Lowerer<'a>,
+    c: &'l Ctx<'c>,
+}
+
+impl Build for Emit<'_, '_, '_> {
+    fn graph(&self) -> &Graph {
+        &self.lw.graph
+    }
+    fn node(&mut self, op: Op, inputs: &[Option<ValueId>]) -> Result<ValueId> {
+        self.lw.emit1(self.c, op, inputs.to_vec())
+    }
+    fn constant(&mut self, what: &str, t: Tensor) -> ValueId {
+        self.lw.add_table(self.c, what, t)
+    }
 }
 
 /// The value name of the first present tensor argument among `names`
@@ -61,14 +86,44 @@ impl Lowerer<'_> {
             "torch.ops.metal.gated_delta_rule.default" => self.gated_delta_rule(c),
             "torch.ops.torchao.dequantize_affine.default" => self.dequantize_affine(c),
             "torch.ops.aten.linear.default" => {
-                let w = match c.args.tensor_name("weight") {
-                    Ok(Some(w)) if self.dequant.contains_key(w) => w.to_string(),
-                    _ => return None,
+                let d = self.dequant_arg(c, "weight", false)?;
+                self.fused_linear(c, d, "input")
+            }
+            "torch.ops.aten.t.default" => {
+                let d = self.dequant_arg(c, "self", false)?;
+                let Some(Some(name)) = c.outputs.first() else {
+                    return Some(Ok(()));
                 };
-                self.fused_linear(c, &w)
+                let t = Dequant {
+                    transposed: true,
+                    ..d
+                };
+                self.dequant.insert(name.clone(), t);
+                Ok(())
+            }
+            "torch.ops.aten.mm.default" => {
+                let d = self.dequant_arg(c, "mat2", true)?;
+                self.fused_linear(c, d, "self")
+            }
+            "torch.ops.aten.embedding.default" => {
+                let d = self.dequant_arg(c, "weight", false)?;
+                self.quantized_embedding(c, d)
             }
             _ => return None,
         })
+    }
+
+    /// The dequantized weight that argument `arg` of `c` reads, in the
+    /// layout `transposed` asks for; `None` where it reads something else.
+    fn dequant_arg(&self, c: &Ctx, arg: &str, transposed: bool) -> Option<Dequant> {
+        match c.args.tensor_name(arg) {
+            Ok(Some(w)) => self
+                .dequant
+                .get(w)
+                .copied()
+                .filter(|d| d.transposed == transposed),
+            _ => None,
+        }
     }
 
     fn linear_4bit(&mut self, c: &Ctx) -> Result<()> {
@@ -128,7 +183,7 @@ impl Lowerer<'_> {
         let t = self.graph.constants.get(&v).cloned().ok_or_else(|| {
             Error::unsupported(format!(
                 "dequantize_affine `{arg}` is computed, not a constant: etmetal fuses only \
-                 constant int4 weights into the linear that reads them"
+                 constant quantized weights into the linear that reads them"
             ))
         })?;
         Ok((v, t))
@@ -142,7 +197,13 @@ impl Lowerer<'_> {
             None => None,
         };
         let block = c.args.ints("block_size")?.unwrap_or_default();
-        let (qmin, qmax) = (c.args.int("quant_min", -8)?, c.args.int("quant_max", 7)?);
+        // torchao takes the range of `input_dtype` where none is given
+        let (lo, hi) = match c.args.scalar_type("input_dtype")? {
+            Some(DType::I8) => (-128, 127),
+            Some(DType::U8) => (0, 255),
+            _ => (-8, 7),
+        };
+        let (qmin, qmax) = (c.args.int("quant_min", lo)?, c.args.int("quant_max", hi)?);
         let [n, k] = q.shape()[..] else {
             return Err(Error::unsupported(format!(
                 "dequantize_affine of a {:?} tensor: a 2-D weight is needed",
@@ -157,12 +218,20 @@ impl Lowerer<'_> {
                 )))
             }
         };
-        if qmax - qmin > 15 || k % group_size != 0 {
-            return Err(Error::unsupported(format!(
-                "dequantize_affine with range {qmin}..={qmax} and group {group_size} of \
-                 K = {k}: a 4-bit range and a group dividing K are needed"
-            )));
-        }
+        // the narrowest layout that holds the range and takes the group
+        let formats = [QuantFormat::int4(group_size), QuantFormat::int8(group_size)];
+        let format = formats
+            .into_iter()
+            .filter(|f| qmax - qmin <= f.max_code() as i64)
+            .find(|f| f.check_group(k).is_ok())
+            .ok_or_else(|| {
+                Error::unsupported(format!(
+                    "dequantize_affine with range {qmin}..={qmax} and group {group_size} of \
+                     K = {k}: an 8-bit range and a group of int4's {:?} or a multiple of 32 \
+                     dividing K are needed",
+                    etmetal_core::quant::GROUP_SIZES
+                ))
+            })?;
         let groups = k / group_size;
         if scale.numel() != n * groups || zero.as_ref().is_some_and(|z| z.numel() != n * groups) {
             return Err(Error::shape(format!(
@@ -171,53 +240,77 @@ impl Lowerer<'_> {
             )));
         }
         // w = (q - zp) * s = (q - qmin) * s + (qmin - zp) * s
-        let codes: Vec<u8> = q.to_i64_vec().iter().map(|&v| (v - qmin) as u8).collect();
         let s = scale.to_f32_vec();
         let zp = zero.map_or_else(|| vec![0.0; n * groups], |z| z.to_f32_vec());
-        let zeros: Vec<f32> = s
-            .iter()
-            .zip(&zp)
-            .map(|(s, z)| (qmin as f32 - z) * s)
-            .collect();
+        let (codes, zeros) = from_signed(&q.to_i64_vec(), qmin, &s, &zp);
         let out = c.args.scalar_type("output_dtype")?.unwrap_or(DType::F32);
-        let at = |what: &str| format!("{}.{what}", c.name);
+        let tag = format.name();
+        let at = |what: &str| format!("{}.{tag}{what}", c.name);
+        let bytes = pack(format.bits, &codes);
         let packed = self.graph.add_constant(
-            at("int4"),
-            as_words(&Tensor::from_slice(DType::U8, &[n, k / 2], &pack(&codes))?)?,
+            at(""),
+            as_words(&Tensor::from_slice(
+                DType::U8,
+                &[n, k / format.per_byte()],
+                &bytes,
+            )?)?,
         );
         let scales = self
             .graph
-            .add_constant(at("int4_scales"), Tensor::from_f32(out, &[n, groups], &s)?);
-        let zeros = self.graph.add_constant(
-            at("int4_zeros"),
-            Tensor::from_f32(out, &[n, groups], &zeros)?,
-        );
+            .add_constant(at("_scales"), Tensor::from_f32(out, &[n, groups], &s)?);
+        let zeros = self
+            .graph
+            .add_constant(at("_zeros"), Tensor::from_f32(out, &[n, groups], &zeros)?);
         let Some(Some(name)) = c.outputs.first() else {
             return Ok(());
+        };
+        let table = QuantTable {
+            packed,
+            scales,
+            zeros,
+            format,
         };
         self.dequant.insert(
             name.clone(),
             Dequant {
-                packed,
-                scales,
-                zeros,
-                group_size,
+                table,
+                transposed: false,
             },
         );
         Ok(())
     }
 
-    fn fused_linear(&mut self, c: &Ctx, weight: &str) -> Result<()> {
-        let d = &self.dequant[weight];
-        let (p, s, z, group_size) = (d.packed, d.scales, d.zeros, d.group_size);
-        let x = self.t(c, "input")?;
-        let inputs = vec![Some(x), Some(p), Some(s), Some(z)];
-        match self.opt_t(c, "bias")? {
-            None => self.finish(c, Op::Int4Linear { group_size }, inputs),
+    /// `linear(x, W)` or `mm(x, W.T)` of a dequantized `W`; `x` is argument
+    /// `input`.
+    fn fused_linear(&mut self, c: &Ctx, d: Dequant, input: &str) -> Result<()> {
+        let QuantTable {
+            packed,
+            scales,
+            zeros,
+            format,
+        } = d.table;
+        let x = self.t(c, input)?;
+        let inputs = vec![Some(x), Some(packed), Some(scales), Some(zeros)];
+        let bias = match d.transposed {
+            true => None,
+            false => self.opt_t(c, "bias")?,
+        };
+        match bias {
             Some(b) => {
-                let y = self.emit1(c, Op::Int4Linear { group_size }, inputs)?;
+                let y = self.emit1(c, format.linear_op(), inputs)?;
                 self.finish(c, Op::Binary(BinaryOp::Add), vec![Some(y), Some(b)])
             }
+            None => self.finish(c, format.linear_op(), inputs),
         }
+    }
+
+    /// `embedding(W, indices)` of a dequantized `W`: rows of the packed
+    /// table, dequantized.
+    fn quantized_embedding(&mut self, c: &Ctx, d: Dequant) -> Result<()> {
+        let idx = self.t(c, "indices")?;
+        let dtype = self.graph.value(d.table.scales).dtype;
+        let mut b = Emit { lw: self, c };
+        let y = gather_rows(&mut b, d.table, idx, dtype)?;
+        self.bind(c, 0, y)
     }
 }

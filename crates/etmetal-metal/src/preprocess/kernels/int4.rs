@@ -1,15 +1,17 @@
-//! The int4 weight-only linear ([`Op::Int4Linear`]): `y [M, N] = x [M, K]
-//! @ W.T` with `W` in the int4 layout of `etmetal_core::int4`, read as int32
-//! words (8 codes a word; the passes give the GPU that view, since a uint8
-//! buffer is widened to a word an element).
+//! The weight-only quantized linears ([`Op::Int4Linear`],
+//! [`Op::Int8Linear`]): `y [M, N] = x [M, K] @ W.T` with `W` in the layout
+//! of `etmetal_core::quant`, read as int32 words (8 int4 or 4 int8 codes a
+//! word; the passes give the GPU that view, since a uint8 buffer is widened
+//! to a word an element). One kernel of each kind serves both code widths
+//! ([`Codes`] says what differs).
 //!
 //! Decode (M <= 8, [`Qmv::lower`]) is bound by the weight bytes, read once: a
 //! workgroup owns a few output channels and every activation row; its
-//! invocations stride over the packed rows 16 bytes (4 words, 32 codes) at
-//! a time, consecutive invocations on consecutive chunks (coalesced), read
-//! a chunk's scale and zero once (every group of 32 or more holds whole
-//! chunks) and dequantize in registers without integer-to-float
-//! conversions; f32 partial sums meet in workgroup memory
+//! invocations stride over the packed rows 16 bytes (4 words: 32 int4 or
+//! 16 int8 codes) at a time, consecutive invocations on consecutive chunks
+//! (coalesced), read a chunk's scale and zero once (every group of 32 or
+//! more holds whole chunks) and dequantize in registers without
+//! integer-to-float conversions; f32 partial sums meet in workgroup memory
 //! (`gemm::reduce_sums`, no subgroup size assumed). Larger M takes the
 //! tiled kernel ([`tiled`]) or its tensor-core forms.
 //!
@@ -18,10 +20,12 @@
 //! is clamped to the last expert; the CPU kernel reports it as an error).
 //!
 //! [`Op::Int4Linear`]: etmetal_core::Op::Int4Linear
+//! [`Op::Int8Linear`]: etmetal_core::Op::Int8Linear
 //! [`Op::GatherQmv`]: etmetal_core::Op::GatherQmv
 
 use std::fmt::Write;
 
+use etmetal_core::quant::QuantFormat;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
@@ -38,34 +42,88 @@ use crate::preprocess::{Lowering, RowStat};
 /// weight once).
 const ROWS: usize = 8;
 
+/// What the kernels' code differs in between code widths.
+#[derive(Clone, Copy, Debug)]
+struct Codes(QuantFormat);
+
+impl Codes {
+    /// Codes in an int32 word.
+    fn per_word(self) -> usize {
+        self.0.per_word()
+    }
+
+    /// WGSL of `fn dec(w: u32) -> array<vec4<f32>, P>` (`P` = codes a
+    /// word / 4): the codes of word `w`, four a vector in order, each
+    /// times a power of two that [`Codes::scale`] undoes. A code masked in
+    /// place into the mantissa of 1.0 is `1 + q·2^(s-23)` exactly (`s` its
+    /// bit offset in its half word: a code's bits must lie in 0..23), so
+    /// one AND/OR and a subtraction give `q·2^(s-23)` with no
+    /// integer-to-float conversion (I2F runs at an eighth of the FMA rate
+    /// on NVIDIA GPUs, too slow for 8.6 G codes per ms). int4: codes 0..3
+    /// of each half word at bits 0, 4, 8, 12; int8: codes 0, 1 of each
+    /// half at bits 0, 8.
+    fn decode_fn(self) -> String {
+        let one = "vec4<u32>(0x3f800000u)";
+        match self.0.bits {
+            4 => format!(
+                "fn nib(w: u32) -> vec4<f32> {{\n\
+                 \x20 let v = (vec4<u32>(w) & vec4<u32>(0xfu, 0xf0u, 0xf00u, 0xf000u)) | {one};\n\
+                 \x20 return bitcast<vec4<f32>>(v) - vec4<f32>(1.0);\n}}\n\
+                 fn dec(w: u32) -> array<vec4<f32>, 2> {{ return array<vec4<f32>, 2>(nib(w), nib(w >> 16u)); }}"
+            ),
+            _ => format!(
+                "fn dec(w: u32) -> array<vec4<f32>, 1> {{\n\
+                 \x20 let v = (vec4<u32>(w, w, w >> 16u, w >> 16u) & vec4<u32>(0xffu, 0xff00u, 0xffu, 0xff00u)) | {one};\n\
+                 \x20 return array<vec4<f32>, 1>(bitcast<vec4<f32>>(v) - vec4<f32>(1.0));\n}}"
+            ),
+        }
+    }
+
+    /// The powers of two that turn [`Codes::decode_fn`]'s lanes back into
+    /// codes, `2^(23-s)` per lane.
+    fn scale(self) -> &'static str {
+        match self.0.bits {
+            4 => "vec4<f32>(8388608.0, 524288.0, 32768.0, 2048.0)",
+            _ => "vec4<f32>(8388608.0, 32768.0, 8388608.0, 32768.0)",
+        }
+    }
+}
+
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
-    let (group_size, experts) = match node.op {
-        Op::Int4Linear { group_size } => (group_size, false),
-        Op::GatherQmv { group_size } => (group_size, true),
+    let (format, experts) = match (&node.op, QuantFormat::of_linear(&node.op)) {
+        (_, Some(format)) => (format, false),
+        (Op::GatherQmv { group_size }, _) => (QuantFormat::int4(*group_size), true),
         _ => {
             return Err(Error::internal(format!(
-                "{} is not an int4 op",
+                "{} is not a quantized op",
                 node.op.name()
             )))
         }
     };
+    let group_size = format.group_size;
     let packed = lw.input_view(node, 1)?;
     let scales = lw.input_view(node, 2)?;
     let zeros = lw.input_view(node, 3)?;
     let lead = usize::from(experts);
+    let per_word = format.per_word();
     if packed.dtype != DType::I32 || packed.shape.len() != 2 + lead {
         return Err(Error::unsupported(format!(
-            "int4 packed weight {} {:?}: the GPU kernel reads int32 words [.., N, K/8]",
-            packed.dtype, packed.shape
+            "{} packed weight {} {:?}: the GPU kernel reads int32 words [.., N, K/{per_word}]",
+            format.name(),
+            packed.dtype,
+            packed.shape
         )));
     }
     let x = qmv_operand(lw, node, experts)?;
     let rank = x.shape.len();
     let (xr, m, k) = as_rows(&x, &[rank.saturating_sub(1)]);
     let (n, words) = (packed.shape[lead], packed.shape[lead + 1]);
-    if words * 8 != k || group_size % 8 != 0 || k % group_size != 0 {
+    // every group is a multiple of 32 (`quant::check_group`): the tiled
+    // kernel's K step of 32 lies in one group
+    if words * per_word != k || group_size % 32 != 0 || k % group_size != 0 {
         return Err(Error::invalid_input(format!(
-            "int4 weight of {n}x{words} words, group {group_size}, for K = {k}"
+            "{} weight of {n}x{words} words, group {group_size}, for K = {k}",
+            format.name()
         )));
     }
     let idx = if experts {
@@ -75,21 +133,16 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     };
     if !experts && m > ROWS {
         let out = lw.output_buffer(node, 0)?;
-        let dims = Gemm {
-            m,
-            n,
-            k,
-            group_size,
-        };
+        let dims = Gemm { m, n, k, format };
         let d = lw.dispatches.len();
         tiled(lw, &xr, &packed, &scales, &zeros, out, dims)?;
         // the tensor-core forms, dequantizing as they stage (gemm/dequant.rs)
-        let operands = super::gemm::Int4Operands {
+        let operands = super::gemm::QuantOperands {
             x: &xr,
             packed: &packed,
             scales: &scales,
             zeros: &zeros,
-            group_size,
+            format,
             m,
             n,
             k,
@@ -121,12 +174,12 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         m,
         n,
         words,
-        group_size,
+        codes: Codes(format),
     };
     q.lower(lw)
 }
 
-/// The operands of a decode-sized int4 product (see [`Qmv::lower`]).
+/// The operands of a decode-sized quantized product (see [`Qmv::lower`]).
 struct Qmv<'a> {
     /// `[m, k]`.
     x: &'a LazyRef,
@@ -144,7 +197,7 @@ struct Qmv<'a> {
     m: usize,
     n: usize,
     words: usize,
-    group_size: usize,
+    codes: Codes,
 }
 
 /// Independent 16-byte weight loads an invocation issues before using
@@ -161,21 +214,20 @@ impl Qmv<'_> {
     /// (every row; one for gather_qmv, whose rows pick their own expert).
     /// Its invocations stride over the packed rows in chunks of `cw` words
     /// (4, one `vec4<u32>` load, where the words, the groups and the
-    /// buffer allow, else 1), unrolled so about [`QMV_LOADS`] loads are in
-    /// flight. Codes become floats without conversions: the code at bits
-    /// `4i … 4i+3` of a half word, masked in place into the mantissa of
-    /// 1.0, is `1 + q·2^(4i-23)` exactly, so one AND/OR and a subtraction
-    /// give `q·2^(4i-23)`; the products with x gather per lane in a vector
-    /// scaled back by `2^(23-4i)` once per chunk (I2F runs at an eighth of
-    /// the FMA rate on NVIDIA GPUs, too slow for 8.6 G codes per ms).
-    /// `w = q·scale + zero` is applied per chunk as `scale·Σxq + zero·Σx`.
+    /// buffer allow, else the words of 8 codes), unrolled so about
+    /// [`QMV_LOADS`] loads are in flight. Codes become floats without
+    /// conversions ([`Codes::decode_fn`]); the products with x gather per
+    /// lane in a vector scaled back once per chunk. `w = q·scale + zero` is
+    /// applied per chunk as `scale·Σxq + zero·Σx`.
     fn lower(&self, lw: &mut Lowering) -> Result<()> {
-        let (m, n, words, gs) = (self.m, self.n, self.words, self.group_size);
+        let (m, n, words) = (self.m, self.n, self.words);
+        let gs = self.codes.0.group_size;
         if m == 0 || n == 0 {
             // nothing to write
             return Ok(());
         }
-        let k = words * 8;
+        let per_word = self.codes.per_word();
+        let k = words * per_word;
         let mut kb = KernelBuilder::new(&lw.buffers);
         kb.value_fn(self.scales, "sc")?;
         kb.value_fn(self.zeros, "ze")?;
@@ -188,11 +240,14 @@ impl Qmv<'_> {
         };
         let mblocks = m.div_ceil(mb);
         let whole = matches!(self.packed.kind, Kind::Load(_));
-        let cw = if whole && words % 4 == 0 && gs % 32 == 0 {
+        // words of a chunk: 16 bytes, or 8 codes (what `xw` loads)
+        let cw = if whole && words.is_multiple_of(4) && gs.is_multiple_of(4 * per_word) {
             4
         } else {
-            1
+            8 / per_word
         };
+        // activation loads of 8 a chunk, and vec4 pieces of codes a word
+        let (loads, pieces) = (cw * per_word / 8, per_word / 4);
         let mut fns = String::new();
         // the words of chunk `q` of channel `c` (of expert `e`)
         let lead = if self.experts.is_some() {
@@ -212,11 +267,22 @@ impl Qmv<'_> {
                     "fn wc({lead}c: u32, q: u32) -> vec4<u32> {{ return {load}; }}"
                 );
             }
-            _ => {
+            (_, 1) => {
                 kb.value_fn(self.packed, "wq")?;
                 let _ = writeln!(
                     fns,
                     "fn wc({lead}c: u32, q: u32) -> u32 {{ return bitcast<u32>(wq({at_e}c, q)); }}"
+                );
+            }
+            _ => {
+                kb.value_fn(self.packed, "wq")?;
+                let parts: Vec<String> = (0..cw)
+                    .map(|w| format!("bitcast<u32>(wq({at_e}c, q * {cw}u + {w}u))"))
+                    .collect();
+                let _ = writeln!(
+                    fns,
+                    "fn wc({lead}c: u32, q: u32) -> vec{cw}<u32> {{ return vec{cw}<u32>({}); }}",
+                    parts.join(", ")
                 );
             }
         }
@@ -250,11 +316,8 @@ impl Qmv<'_> {
         };
         let _ = writeln!(
             fns,
-            "fn xw(r: u32, k: u32) -> array<vec4<f32>, 2> {{ return {xw}; }}\n\
-             // codes 0..3 of the low half of `w`, code i times 2^(4i-23)\n\
-             fn nib(w: u32) -> vec4<f32> {{\n\
-             \x20 let v = (vec4<u32>(w) & vec4<u32>(0xfu, 0xf0u, 0xf00u, 0xf000u)) | vec4<u32>(0x3f800000u);\n\
-             \x20 return bitcast<vec4<f32>>(v) - vec4<f32>(1.0);\n}}"
+            "fn xw(r: u32, k: u32) -> array<vec4<f32>, 2> {{ return {xw}; }}\n{}",
+            self.codes.decode_fn()
         );
 
         // the store of output (r, c), its f32 sum `v`
@@ -269,10 +332,10 @@ impl Qmv<'_> {
         let _ = writeln!(
             s,
             "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n{prologue}\n\
-             \x20 let n0 = (g % {blocks}u) * {};\n  let m0 = (g / {blocks}u) * {mb}u;\n\
+             \x20 let n0 = (g % {blocks}u) * {}u;\n  let m0 = (g / {blocks}u) * {mb}u;\n\
              \x20 let grp = lid / {threads}u;\n  let tl = lid % {threads}u;",
             blocks * mblocks,
-            format!("{}u", cols * groups)
+            cols * groups
         );
         if self.experts.is_some() {
             let count = self.packed.shape[0];
@@ -292,7 +355,7 @@ impl Qmv<'_> {
                 let _ = writeln!(s, "  var s{i}_{j} = 0.0;");
             }
         }
-        let scale = "vec4<f32>(8388608.0, 524288.0, 32768.0, 2048.0)";
+        let scale = self.codes.scale();
         let step = unroll * threads;
         let full = chunks / step * step;
         let mut pass = |u: usize, from: &str, to: usize, by: usize| {
@@ -307,13 +370,13 @@ impl Qmv<'_> {
                 let _ = writeln!(
                     s,
                     "    let k{x} = q{x} * {}u;\n    let g{x} = k{x} / {gs}u;",
-                    8 * cw
+                    cw * per_word
                 );
                 for i in 0..mb {
                     let mut total = vec![];
-                    for w in 0..cw {
-                        let _ = writeln!(s, "    let x{x}_{i}_{w} = xw(r{i}, k{x} + {}u);", 8 * w);
-                        total.push(format!("x{x}_{i}_{w}[0] + x{x}_{i}_{w}[1]"));
+                    for l in 0..loads {
+                        let _ = writeln!(s, "    let x{x}_{i}_{l} = xw(r{i}, k{x} + {}u);", 8 * l);
+                        total.push(format!("x{x}_{i}_{l}[0] + x{x}_{i}_{l}[1]"));
                     }
                     let _ = writeln!(
                         s,
@@ -328,17 +391,19 @@ impl Qmv<'_> {
                     );
                     for w in 0..cw {
                         let word = match cw {
-                            4 => format!("w{x}_{j}[{w}]"),
-                            _ => format!("w{x}_{j}"),
+                            1 => format!("w{x}_{j}"),
+                            _ => format!("w{x}_{j}[{w}]"),
                         };
-                        let _ = writeln!(
-                            s,
-                            "    let lo{x}_{j}_{w} = nib({word});\n    let hi{x}_{j}_{w} = nib({word} >> 16u);"
-                        );
+                        let _ = writeln!(s, "    let d{x}_{j}_{w} = dec({word});");
                     }
                     for i in 0..mb {
-                        let terms: Vec<String> = (0..cw)
-                            .map(|w| format!("x{x}_{i}_{w}[0] * lo{x}_{j}_{w} + x{x}_{i}_{w}[1] * hi{x}_{j}_{w}"))
+                        // vec4 piece p of the chunk's activations meets
+                        // piece p of its codes
+                        let terms: Vec<String> = (0..cw * pieces)
+                            .map(|p| {
+                                let (w, e) = (p / pieces, p % pieces);
+                                format!("x{x}_{i}_{}[{}] * d{x}_{j}_{w}[{e}]", p / 2, p % 2)
+                            })
                             .collect();
                         let _ = writeln!(
                             s,
@@ -430,14 +495,14 @@ struct Gemm {
     m: usize,
     n: usize,
     k: usize,
-    group_size: usize,
+    format: QuantFormat,
 }
 
 /// Prefill (M > 8): a workgroup of 256 computes a 32x32 tile of `y`, each
 /// invocation 2x2. Per K step of 32 it stages the activation tile and the
-/// weight tile, dequantizing the weight while staging (4 words a row, one
-/// scale and zero: the step lies in one group), so each packed word is read
-/// once per tile row of M.
+/// weight tile, dequantizing the weight while staging (4 int4 or 8 int8
+/// words a row, one scale and zero: the step lies in one group), so each
+/// packed word is read once per tile row of M.
 fn tiled(
     lw: &mut Lowering,
     x: &LazyRef,
@@ -447,12 +512,10 @@ fn tiled(
     out: BufferIdx,
     d: Gemm,
 ) -> Result<()> {
-    let Gemm {
-        m,
-        n,
-        k,
-        group_size,
-    } = d;
+    let Gemm { m, n, k, format } = d;
+    let group_size = format.group_size;
+    // codes a word, the words of a 32-wide row, a code's bits
+    let (per, row_words, bits) = (format.per_word(), TILE / format.per_word(), format.bits);
     let wg = 256u32;
     let mut kb = KernelBuilder::new(&lw.buffers);
     kb.value_fn(x, "x")?;
@@ -479,11 +542,11 @@ fn tiled(
          \x20     xs[r * {TP}u + c] = x(min(m0 + r, {ml}u), k0 + c);\n\
          \x20   }}\n\
          \x20   if (lid < {words}u) {{\n\
-         \x20     let r = lid / 4u;\n      let wi = lid % 4u;\n      let nr = min(n0 + r, {nl}u);\n\
-         \x20     let q = bitcast<u32>(wq(nr, k0 / 8u + wi));\n\
+         \x20     let r = lid / {row_words}u;\n      let wi = lid % {row_words}u;\n      let nr = min(n0 + r, {nl}u);\n\
+         \x20     let q = bitcast<u32>(wq(nr, k0 / {per}u + wi));\n\
          \x20     let g = k0 / {group_size}u;\n      let s = sc(nr, g);\n      let z = ze(nr, g);\n\
-         \x20     for (var i = 0u; i < 8u; i = i + 1u) {{\n\
-         \x20       ws[r * {TP}u + wi * 8u + i] = f32((q >> (4u * i)) & 15u) * s + z;\n\
+         \x20     for (var i = 0u; i < {per}u; i = i + 1u) {{\n\
+         \x20       ws[r * {TP}u + wi * {per}u + i] = f32((q >> ({bits}u * i)) & {mask}u) * s + z;\n\
          \x20     }}\n\
          \x20   }}\n\
          \x20   workgroupBarrier();\n\
@@ -506,7 +569,8 @@ fn tiled(
         TP = TILE + 1,
         ml = m - 1,
         nl = n - 1,
-        words = TILE * TILE / 8,
+        words = TILE * row_words,
+        mask = format.max_code(),
     ));
     let workgroups = grid(tiles as u64, lw.options.max_workgroups_per_dim)?;
     let ops = vec![lw.op_label()];
@@ -543,5 +607,43 @@ mod tests {
                 assert!(!wgsl.contains("f32(q"), "a code converted from an integer");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod int8_tests {
+    use crate::preprocess::kernels::testing::lower_quant_linear;
+    use etmetal_core::quant::QuantFormat;
+    use etmetal_core::DType;
+
+    /// The int8 decode kernel is the int4 one with 4 codes a word: 16-byte
+    /// weight loads (an int8 row is a multiple of 32 codes, 8 words, so
+    /// whole chunks), per group and per output channel (a group of all of
+    /// K), one `dec` a word, no integer-to-float conversion. Prefill takes
+    /// the tiled kernel. All validated by naga, with MSL.
+    #[test]
+    fn int8_decode_reads_16_byte_chunks() {
+        let wgsl = |g, m, n, k| {
+            let p = lower_quant_linear(QuantFormat::int8(g), DType::BF16, m, n, k)
+                .unwrap_or_else(|e| panic!("int8 {m}x{n}x{k} g{g}: {e}"));
+            let kernel = &p.payload.kernels[p.payload.dispatches[0].kernel];
+            (kernel.name.clone(), kernel.wgsl.clone())
+        };
+        for (g, m, k) in [
+            (32, 1, 512),
+            (128, 3, 256),
+            (640, 8, 640),
+            (2048, 1, 2048),
+            (32, 2, 160),
+        ] {
+            let (name, w) = wgsl(g, m, 72, k);
+            assert!(name.ends_with("int8_linear"), "{name}");
+            assert!(w.contains("array<vec4<i32>>"), "g{g}: words one by one");
+            assert!(w.contains("0xff00u"), "g{g}: not the 8-bit decode");
+            assert!(!w.contains("f32(q"), "a code converted from an integer");
+        }
+        let (name, w) = wgsl(32, 40, 72, 256);
+        assert!(name.ends_with("int8_linear"), "{name}");
+        assert!(w.contains("255u"), "the tiled kernel masks 8-bit codes");
     }
 }

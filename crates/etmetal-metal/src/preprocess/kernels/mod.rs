@@ -37,7 +37,7 @@ pub(crate) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         Some(Form::Norm) => norm::lower(lw, node),
         Some(Form::Attention) => attention::lower(lw, node),
         Some(Form::TopK) => topk::lower(lw, node),
-        Some(Form::Int4) => int4::lower(lw, node),
+        Some(Form::Quant) => int4::lower(lw, node),
         Some(Form::DeltaRule) => delta::lower(lw, node),
         Some(Form::Scatter) => scatter::lower(lw, node),
         Some(Form::Expression) | None => Err(Error::unsupported(format!(

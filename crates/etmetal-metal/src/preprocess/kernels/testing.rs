@@ -1,5 +1,6 @@
 //! Test helpers: one op node lowered as a partition of its own.
 
+use etmetal_core::quant::QuantFormat;
 use etmetal_core::sym::{SymExpr, SymRange};
 use etmetal_core::{DType, Op, Result, Tensor};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind};
@@ -59,11 +60,23 @@ pub fn lower_int4_linear(
     k: usize,
     g: usize,
 ) -> Result<Preprocessed> {
+    lower_quant_linear(QuantFormat::int4(g), dtype, m, n, k)
+}
+
+/// A quantized linear of `format` (int32 words), as [`lower_int4_linear`].
+pub fn lower_quant_linear(
+    format: QuantFormat,
+    dtype: DType,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<Preprocessed> {
+    let g = format.group_size;
     lower_one(
-        Op::Int4Linear { group_size: g },
+        format.linear_op(),
         vec![
             input(dtype, &[m, k]),
-            weight(DType::I32, &[n, k / 8]),
+            weight(DType::I32, &[n, k / format.per_word()]),
             weight(dtype, &[n, k / g]),
             weight(dtype, &[n, k / g]),
         ],

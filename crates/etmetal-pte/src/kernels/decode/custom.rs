@@ -1,7 +1,10 @@
-//! Reading the custom int4 and MoE calls back (the encoder's
+//! Reading the custom quantized and MoE calls back (the encoder's
 //! `encode/custom.rs` says what they are).
 
+use etmetal_core::quant::QuantFormat;
 use etmetal_core::{Error, Op, Result};
+
+use super::super::encode::custom::{INT4_LINEAR, INT8_LINEAR};
 
 use super::{one, Args, DecodedCall};
 
@@ -11,15 +14,17 @@ pub(super) fn decode(a: &Args, name: &str, overload: &str) -> Option<Result<Deco
         return None;
     }
     let group = |pos: usize| -> Result<usize> {
-        usize::try_from(a.int(pos)?).map_err(|_| Error::format("a negative int4 group size"))
+        usize::try_from(a.int(pos)?).map_err(|_| Error::format("a negative group size"))
     };
     Some(match name {
-        "torchao::_linear_fp_act_4bit_weight" => (|| {
+        INT4_LINEAR | INT8_LINEAR => (|| {
             let inputs = [0, 1, 3, 4].map(|p| a.tensor(p).map(Some));
+            let format = match name {
+                INT4_LINEAR => QuantFormat::int4(group(2)?),
+                _ => QuantFormat::int8(group(2)?),
+            };
             one(
-                Op::Int4Linear {
-                    group_size: group(2)?,
-                },
+                format.linear_op(),
                 inputs.into_iter().collect::<Result<_>>()?,
                 vec![a.tensor(5)?],
             )

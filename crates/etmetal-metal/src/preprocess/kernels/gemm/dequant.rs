@@ -1,14 +1,15 @@
-//! The int4 GEMM (prefill, M ≥ 16) on the tensor-core kernels: its
-//! operands as [`GemmArgs`], the weight dequantized as the kernel stages it.
+//! The quantized (int4, int8) GEMM (prefill, M ≥ 16) on the tensor-core
+//! kernels: its operands as [`GemmArgs`], the weight dequantized as the
+//! kernel stages it.
 //!
-//! A is the activations `x [m, k]` (k-fast); B is `Wᵀ` for the int4 weight
-//! `W [n, k]` in the layout of `etmetal_core::int4` (`[n, k/8]` int32
-//! words, code `i` of a word at bits `4i`, a scale and a zero per group of
-//! k and row: `w = q·scale + zero`), also k-fast. The chunk reader `cb`
-//! that the kernel's staging calls takes four codes from one word (a
-//! chunk starts at a multiple of 4 and groups are multiples of 8, so the
-//! four share a word, a scale and a zero) and dequantizes them on their
-//! way into workgroup memory: the dequantized weight is never
+//! A is the activations `x [m, k]` (k-fast); B is `Wᵀ` for the quantized
+//! weight `W [n, k]` in the layout of `etmetal_core::quant` (`[n, k·b/32]`
+//! int32 words, code `i` of a word at bits `b·i`, a scale and a zero per
+//! group of k and row: `w = q·scale + zero`), also k-fast. The chunk
+//! reader `cb` that the kernel's staging calls takes four codes from one
+//! word (a chunk starts at a multiple of 4 and groups are multiples of
+//! 32, so the four share a word, a scale and a zero) and dequantizes them
+//! on their way into workgroup memory: the dequantized weight is never
 //! materialised.
 //!
 //! Precision: the 8×8 f32 form stages the dequantized values as they are
@@ -20,6 +21,7 @@
 
 use std::fmt::Write;
 
+use etmetal_core::quant::QuantFormat;
 use etmetal_core::Result;
 
 use super::coop;
@@ -31,16 +33,16 @@ use crate::preprocess::expr::LazyRef;
 use crate::preprocess::kernels::coopmat::CoopForm;
 use crate::preprocess::Lowering;
 
-/// An int4 linear `y [m, n] = x [m, k] @ Wᵀ` as a GEMM's operands.
-pub(crate) struct Int4Operands<'a> {
+/// A quantized linear `y [m, n] = x [m, k] @ Wᵀ` as a GEMM's operands.
+pub(crate) struct QuantOperands<'a> {
     /// `[m, k]`.
     pub x: &'a LazyRef,
-    /// `[n, k/8]` int32 words.
+    /// `[n, k/8]` (int4) or `[n, k/4]` (int8) int32 words.
     pub packed: &'a LazyRef,
     /// `[n, k/group_size]` each.
     pub scales: &'a LazyRef,
     pub zeros: &'a LazyRef,
-    pub group_size: usize,
+    pub format: QuantFormat,
     pub m: usize,
     pub n: usize,
     pub k: usize,
@@ -48,7 +50,7 @@ pub(crate) struct Int4Operands<'a> {
     pub out: BufferIdx,
 }
 
-impl Int4Operands<'_> {
+impl QuantOperands<'_> {
     /// Add the tensor-core alternatives of dispatch `d` (the portable int4
     /// kernel computing the same output), where the product is worth them
     /// and the activations are 16-bit (the 16×16 form's conversion is exact
@@ -87,21 +89,34 @@ impl Int4Operands<'_> {
         kb.value_fn(self.packed, "wq")?;
         kb.value_fn(self.scales, "wsc")?;
         kb.value_fn(self.zeros, "wze")?;
+        let (per, b) = (self.format.per_word(), self.format.bits);
+        // the word holding codes q … q+3, shifted so that they are its low bits
+        let word = match per {
+            4 => "bitcast<u32>(wq(c, q / 4u))".to_string(),
+            _ => format!(
+                "bitcast<u32>(wq(c, q / {per}u)) >> ({}u * ((q / 4u) % {}u))",
+                4 * b,
+                per / 4
+            ),
+        };
         let mut s = String::new();
         let _ = writeln!(
             s,
             "fn dq4(c: u32, q: u32) -> vec4<f32> {{\n\
-             \x20 let w = bitcast<u32>(wq(c, q / 8u)) >> (16u * ((q / 4u) % 2u));\n\
-             \x20 let codes = vec4<f32>((vec4<u32>(w) >> vec4<u32>(0u, 4u, 8u, 12u)) & vec4<u32>(15u));\n\
+             \x20 let w = {word};\n\
+             \x20 let codes = vec4<f32>((vec4<u32>(w) >> vec4<u32>(0u, {b}u, {}u, {}u)) & vec4<u32>({}u));\n\
              \x20 let g = q / {}u;\n\
              \x20 return codes * wsc(c, g) + vec4<f32>(wze(c, g));\n}}\n",
-            self.group_size
+            2 * b,
+            3 * b,
+            self.format.max_code(),
+            self.format.group_size
         );
         Ok(s)
     }
 }
 
-impl Epilogue for Int4Operands<'_> {
+impl Epilogue for QuantOperands<'_> {
     fn store(&self, kb: &mut KernelBuilder) -> Result<String> {
         let write = kb.store(self.out, &format!("r * {}u + c", self.n), "v")?;
         Ok(format!(
@@ -110,7 +125,7 @@ impl Epilogue for Int4Operands<'_> {
     }
 }
 
-impl GemmArgs for Int4Operands<'_> {
+impl GemmArgs for QuantOperands<'_> {
     fn elements(&self, kb: &mut KernelBuilder) -> Result<String> {
         kb.value_fn(self.x, "xa")?;
         let dq = self.dequant(kb)?;
@@ -123,7 +138,7 @@ impl GemmArgs for Int4Operands<'_> {
     fn chunks(&self, kb: &mut KernelBuilder) -> Result<Option<String>> {
         kb.value_fn(self.x, "xa")?;
         let dq = self.dequant(kb)?;
-        // k is a multiple of 8 (of the group): a chunk the kernel keeps
+        // k is a multiple of 32 (of the group): a chunk the kernel keeps
         // never runs past it; one it masks out is clamped in bounds
         let last = self.k - 1;
         let lanes: Vec<String> = (0..4)
