@@ -477,6 +477,9 @@ fn quantize_methods(
             .quantize(graph)
             .map_err(|e| e.context(format!("method `{name}` ({})", file.display())))?;
         linears += r.quantized.len() + r.skipped.len();
+        if r.quantized.is_empty() && r.skipped.is_empty() {
+            continue;
+        }
         let formats: std::collections::BTreeSet<_> = r
             .quantized
             .iter()
@@ -484,6 +487,7 @@ fn quantize_methods(
             .collect();
         let what = match (formats.len(), r.quantized.first()) {
             (1, Some((_, f))) => format!("in {} (group {})", f.name(), f.group_size),
+            (0, _) => "quantized".to_string(),
             _ => format!("({})", r.summary()),
         };
         eprintln!(

@@ -1,5 +1,5 @@
 //! Running the `etmetal` binary as a user does, for the command-line tests
-//! (`cli.rs`, `int4.rs`, `generate.rs`; each includes this file with
+//! (`cli.rs`, `quantize.rs`, `generate.rs`; each includes this file with
 //! `#[path]` and uses a subset, hence the allow).
 #![allow(dead_code)]
 
