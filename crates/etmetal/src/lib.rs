@@ -8,11 +8,14 @@
 //! [`compile::compile_pt2_cpu`] writes a `.pt2` as a `.pte` of
 //! ExecuTorch portable-kernel calls.
 
+pub mod audio;
+pub mod chat;
 pub mod compile;
 pub mod device;
 mod emit;
 pub mod eval;
 pub mod generate;
 mod model;
+pub mod transcribe;
 
 pub use model::{is_pte, Model};
