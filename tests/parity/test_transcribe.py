@@ -109,7 +109,9 @@ def tiny_whisper(out: Path, n_mels: int = 80):
     g.task_to_id = {"transcribe": ids("<|transcribe|>"), "translate": ids("<|translate|>")}
     g.no_timestamps_token_id = ids("<|notimestamps|>")
     g.is_multilingual = True
-    g.suppress_tokens = [1, 2, 7, 8, 9, 11, 33, 90]
+    # bytes 128..255 too, so the random model's text is whole UTF-8 (the
+    # ids are the bytes' values)
+    g.suppress_tokens = [1, 2, 7, 8, 9, 11, 33, 90] + list(range(128, 256))
     g.begin_suppress_tokens = [ids("Ġ"), eot]
     g.max_initial_timestamp_index = 50
     g.eos_token_id = g.pad_token_id = g.bos_token_id = eot
@@ -154,6 +156,10 @@ def generate_ids(model, processor, audio: np.ndarray, **kwargs) -> list[int]:
     features = processor.feature_extractor(audio, sampling_rate=RATE, return_tensors="pt").input_features
     with torch.no_grad():
         out = model.generate(features, return_dict_in_generate=True, **kwargs)
+    if "segments" in out:
+        # with timestamps, `sequences` is re-assembled from the segments;
+        # the decoder's own output is each segment's `result`
+        return out["segments"][0][0]["result"]["sequences"].tolist()
     return out["sequences"][0].tolist()
 
 
@@ -204,7 +210,8 @@ def test_token_ids_match_generate(etmetal, whisper, tmp_path, mode):
     write_wav(wav, audio)
     args, kwargs = {
         "english": (["--language", "en"], dict(language="en", task="transcribe")),
-        "detect": ([], {}),
+        # the task is always given (transcribe by default), as openai-whisper does
+        "detect": ([], dict(task="transcribe")),
         "translate": (["--language", "fr", "--task", "translate"], dict(language="fr", task="translate")),
         "timestamps": (["--language", "en", "--timestamps"], dict(language="en", return_timestamps=True)),
     }[mode]

@@ -144,12 +144,14 @@ impl ChatTemplate {
             .env
             .get_template("chat")
             .map_err(|e| jinja_error("the chat template", e))?;
+        // maps keep their keys' order (`preserve_order`), as Python dicts
+        let map = |pairs: Vec<(String, Value)>| Value::from_pairs(pairs);
         let messages: Vec<Value> = messages
             .iter()
             .map(|m| {
-                Value::from_iter([
-                    ("role", Value::from(m.role.as_str())),
-                    ("content", Value::from(m.content.as_str())),
+                map(vec![
+                    ("role".into(), Value::from(m.role.as_str())),
+                    ("content".into(), Value::from(m.content.as_str())),
                 ])
             })
             .collect();
@@ -161,7 +163,7 @@ impl ChatTemplate {
         ctx.push(("messages".into(), Value::from(messages)));
         ctx.push(("add_generation_prompt".into(), Value::from(add_generation_prompt)));
         template
-            .render(Value::from_iter(ctx))
+            .render(map(ctx))
             .map_err(|e| jinja_error("rendering the chat template", e))
     }
 }
@@ -492,37 +494,8 @@ pub fn tokenizer_dir(arg: &Path) -> PathBuf {
 mod tests {
     use super::*;
 
-    // Gemma 3's template (abridged: text content only)
-    const GEMMA: &str = r#"{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- set first_user_prefix = messages[0]['content'] + '
-
-' -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '
-' + (first_user_prefix if loop.first else "") }}
-    {{ message['content'] | trim }}
-    {{ '<end_of_turn>
-' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model
-'}}
-{%- endif -%}
-"#;
+    // Gemma 3's template, as the parity suite gives it to Gemma 3 270M
+    const GEMMA: &str = include_str!("../../../tests/parity/data/gemma3_chat_template.jinja");
 
     fn gemma() -> ChatTemplate {
         ChatTemplate::from_source(GEMMA.into(), vec![("bos_token".into(), "<bos>".into())]).unwrap()
