@@ -26,8 +26,8 @@ import torch
 from test_generate import CACHE, GEMMA_DIR, PREFILL, compile_pte, export_llm, gemma  # noqa: F401
 
 TEMPLATE = Path(__file__).parent / "data" / "gemma3_chat_template.jinja"
-SYSTEM = "You are a helpful assistant. Answer in one short sentence."
-TURNS = ["What is the capital of France?", "And what is the capital of Italy?"]
+SYSTEM = "Answer in one word."
+TURNS = ["What color is the sky?", "What color is grass?"]
 NEW = 16
 END_OF_TURN = 106
 

@@ -41,7 +41,9 @@ pub fn load_wav(path: &Path, rate: u32) -> Result<Audio> {
         hound::Error::IoError(io) if io.kind() != std::io::ErrorKind::UnexpectedEof => {
             Error::io(path.display(), io)
         }
-        _ if header_rate(path) == Some(0) => bad(path, "the WAV header gives a sample rate of 0 Hz"),
+        _ if header_rate(path) == Some(0) => {
+            bad(path, "the WAV header gives a sample rate of 0 Hz")
+        }
         e => bad(path, format!("not a WAV file that can be read ({e})")),
     })?;
     let spec = reader.spec();
@@ -51,7 +53,8 @@ pub fn load_wav(path: &Path, rate: u32) -> Result<Audio> {
     if spec.channels == 0 {
         return Err(bad(path, "the WAV header gives 0 channels"));
     }
-    let interleaved = read_samples(reader).map_err(|e| bad(path, format!("reading samples: {e}")))?;
+    let interleaved =
+        read_samples(reader).map_err(|e| bad(path, format!("reading samples: {e}")))?;
     let mono = downmix(&interleaved, spec.channels as usize);
     if mono.is_empty() {
         return Err(bad(path, "the WAV file has no samples"));
@@ -80,7 +83,9 @@ fn header_rate(path: &Path) -> Option<u32> {
     while at + 8 <= bytes.len() {
         let size = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().ok()?) as usize;
         if &bytes[at..at + 4] == b"fmt " {
-            return Some(u32::from_le_bytes(bytes.get(at + 12..at + 16)?.try_into().ok()?));
+            return Some(u32::from_le_bytes(
+                bytes.get(at + 12..at + 16)?.try_into().ok()?,
+            ));
         }
         at = at.checked_add(8 + size + size % 2)?;
     }
@@ -138,7 +143,12 @@ pub fn resample(samples: &[f32], from: u32, to: u32) -> Result<Vec<f32>> {
 mod tests {
     use super::*;
 
-    fn write_wav(path: &Path, spec: hound::WavSpec, frames: usize, f: impl Fn(usize, usize) -> f64) {
+    fn write_wav(
+        path: &Path,
+        spec: hound::WavSpec,
+        frames: usize,
+        f: impl Fn(usize, usize) -> f64,
+    ) {
         let mut w = hound::WavWriter::create(path, spec).unwrap();
         for i in 0..frames {
             for c in 0..spec.channels as usize {
@@ -177,13 +187,21 @@ mod tests {
     #[test]
     fn formats_read_as_the_same_samples() {
         let tone = |i: usize, _| 0.5 * (i as f64 * 0.05).sin();
-        for (bits, float, tol) in [(16, false, 1e-4), (24, false, 1e-6), (32, true, 1e-7), (8, false, 1e-2)] {
+        for (bits, float, tol) in [
+            (16, false, 1e-4),
+            (24, false, 1e-6),
+            (32, true, 1e-7),
+            (8, false, 1e-2),
+        ] {
             let path = scratch(&format!("tone-{bits}-{float}.wav"));
             write_wav(&path, spec(1, 16000, bits, float), 800, tone);
             let audio = load_wav(&path, 16000).unwrap();
             assert_eq!(audio.samples.len(), 800);
             for (i, &x) in audio.samples.iter().enumerate() {
-                assert!((x as f64 - tone(i, 0)).abs() < tol, "{bits} bits: sample {i}");
+                assert!(
+                    (x as f64 - tone(i, 0)).abs() < tol,
+                    "{bits} bits: sample {i}"
+                );
             }
         }
     }
@@ -191,7 +209,13 @@ mod tests {
     #[test]
     fn stereo_is_averaged() {
         let path = scratch("stereo.wav");
-        write_wav(&path, spec(2, 16000, 32, true), 100, |i, c| if c == 0 { 0.5 } else { -0.25 + i as f64 * 0.0 });
+        write_wav(&path, spec(2, 16000, 32, true), 100, |i, c| {
+            if c == 0 {
+                0.5
+            } else {
+                -0.25 + i as f64 * 0.0
+            }
+        });
         let audio = load_wav(&path, 16000).unwrap();
         assert_eq!(audio.samples.len(), 100);
         assert!(audio.samples.iter().all(|&x| (x - 0.125).abs() < 1e-7));
@@ -204,14 +228,24 @@ mod tests {
         let f = |i: usize, _| 0.5 * (2.0 * std::f64::consts::PI * 440.0 * i as f64 / 44100.0).sin();
         write_wav(&path, spec(1, 44100, 16, false), 44100, f);
         let audio = load_wav(&path, 16000).unwrap();
-        assert!((audio.samples.len() as i64 - 16000).abs() <= 1, "{}", audio.samples.len());
+        assert!(
+            (audio.samples.len() as i64 - 16000).abs() <= 1,
+            "{}",
+            audio.samples.len()
+        );
         // away from the ends: the tone's power and its zero crossings
         let mid = &audio.samples[1000..15000];
         let rms = (mid.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / mid.len() as f64).sqrt();
         assert!((rms - 0.5 / 2f64.sqrt()).abs() < 0.005, "rms {rms}");
-        let crossings = mid.windows(2).filter(|w| (w[0] < 0.0) != (w[1] < 0.0)).count();
+        let crossings = mid
+            .windows(2)
+            .filter(|w| (w[0] < 0.0) != (w[1] < 0.0))
+            .count();
         let want = 2.0 * 440.0 * mid.len() as f64 / 16000.0;
-        assert!((crossings as f64 - want).abs() <= 2.0, "{crossings} zero crossings, want {want}");
+        assert!(
+            (crossings as f64 - want).abs() <= 2.0,
+            "{crossings} zero crossings, want {want}"
+        );
     }
 
     #[test]
@@ -219,7 +253,10 @@ mod tests {
         let text = scratch("not.wav");
         std::fs::write(&text, "hello, I am not a WAV file at all").unwrap();
         let e = load_wav(&text, 16000).unwrap_err();
-        assert!(e.is_user_error() && e.to_string().contains("not a WAV file"), "{e}");
+        assert!(
+            e.is_user_error() && e.to_string().contains("not a WAV file"),
+            "{e}"
+        );
 
         let silent = scratch("silent.wav");
         write_wav(&silent, spec(1, 16000, 16, false), 1600, |_, _| 0.0);
@@ -229,16 +266,24 @@ mod tests {
         let empty = scratch("empty.wav");
         write_wav(&empty, spec(1, 16000, 16, false), 0, |_, _| 0.0);
         let e = load_wav(&empty, 16000).unwrap_err();
-        assert!(e.is_user_error() && e.to_string().contains("no samples"), "{e}");
+        assert!(
+            e.is_user_error() && e.to_string().contains("no samples"),
+            "{e}"
+        );
 
         // a header whose sample rate is 0 (bytes 24..28 of a canonical WAV)
         let zero = scratch("zero-rate.wav");
-        write_wav(&zero, spec(1, 16000, 16, false), 100, |i, _| i as f64 / 200.0);
+        write_wav(&zero, spec(1, 16000, 16, false), 100, |i, _| {
+            i as f64 / 200.0
+        });
         let mut bytes = std::fs::read(&zero).unwrap();
         bytes[24..28].copy_from_slice(&0u32.to_le_bytes());
         std::fs::write(&zero, bytes).unwrap();
         let e = load_wav(&zero, 16000).unwrap_err();
-        assert!(e.is_user_error() && e.to_string().contains("sample rate of 0"), "{e}");
+        assert!(
+            e.is_user_error() && e.to_string().contains("sample rate of 0"),
+            "{e}"
+        );
 
         let missing = scratch("missing.wav");
         assert!(load_wav(&missing, 16000).is_err());

@@ -20,7 +20,9 @@ use std::time::Instant;
 use etmetal_core::{Error, Result};
 use minijinja::{Environment, ErrorKind as JinjaErrorKind, Value};
 
-use crate::generate::{Decoder, DecoderMethods, Options, Sampler, Stats, TextStream, TextTokenizer};
+use crate::generate::{
+    Decoder, DecoderMethods, Options, Sampler, Stats, TextStream, TextTokenizer,
+};
 use crate::Model;
 
 /// One message of the conversation.
@@ -127,9 +129,15 @@ impl ChatTemplate {
             .map_err(|e| jinja_error("the template syntax", e))?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |message: String| -> std::result::Result<Value, minijinja::Error> {
-            Err(minijinja::Error::new(JinjaErrorKind::InvalidOperation, message))
-        });
+        env.add_function(
+            "raise_exception",
+            |message: String| -> std::result::Result<Value, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    JinjaErrorKind::InvalidOperation,
+                    message,
+                ))
+            },
+        );
         env.add_function("strftime_now", |format: String| strftime_now(&format));
         env.add_filter("tojson", tojson);
         env.add_template_owned("chat", source)
@@ -161,7 +169,10 @@ impl ChatTemplate {
             .map(|(k, v)| (k.clone(), Value::from(v.as_str())))
             .collect();
         ctx.push(("messages".into(), Value::from(messages)));
-        ctx.push(("add_generation_prompt".into(), Value::from(add_generation_prompt)));
+        ctx.push((
+            "add_generation_prompt".into(),
+            Value::from(add_generation_prompt),
+        ));
         template
             .render(map(ctx))
             .map_err(|e| jinja_error("rendering the chat template", e))
@@ -197,7 +208,9 @@ fn write_json(
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
         ValueKind::Number => out.push_str(&v.to_string()),
-        ValueKind::String | ValueKind::Bytes => out.push_str(&quote(v.as_str().unwrap_or_default())),
+        ValueKind::String | ValueKind::Bytes => {
+            out.push_str(&quote(v.as_str().unwrap_or_default()))
+        }
         ValueKind::Map => {
             let keys: Vec<Value> = v.try_iter()?.collect();
             if keys.is_empty() {
@@ -242,10 +255,28 @@ fn write_json(
 /// `%d %b %Y`, `%Y-%m-%d`, `%B`, `%A`...), UTC.
 fn strftime_now(format: &str) -> String {
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September",
-        "October", "November", "December",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
     ];
-    const DAYS: [&str; 7] = ["Thursday", "Friday", "Saturday", "Sunday", "Monday", "Tuesday", "Wednesday"];
+    const DAYS: [&str; 7] = [
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+    ];
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs() as i64);
@@ -436,12 +467,20 @@ impl Chat {
             &mut |id| {
                 reply_ids.push(id);
                 held_back += &stream.push(tokenizer, id)?;
-                if let Some(cut) = stops.iter().filter_map(|s| held_back.find(s.as_str())).min() {
+                if let Some(cut) = stops
+                    .iter()
+                    .filter_map(|s| held_back.find(s.as_str()))
+                    .min()
+                {
                     held_back.truncate(cut);
                     stopped = true;
                 }
                 // what cannot begin a stop string any more is shown
-                let keep = if stopped { 0 } else { longest.saturating_sub(1) };
+                let keep = if stopped {
+                    0
+                } else {
+                    longest.saturating_sub(1)
+                };
                 let mut split = held_back.len().saturating_sub(keep);
                 while !held_back.is_char_boundary(split) {
                     split -= 1;
@@ -471,7 +510,11 @@ impl Chat {
 
 /// The tokenizer.json of a tokenizer folder (or the file itself).
 pub fn tokenizer_json(dir: &Path) -> Result<PathBuf> {
-    let path = if dir.is_dir() { dir.join("tokenizer.json") } else { dir.to_path_buf() };
+    let path = if dir.is_dir() {
+        dir.join("tokenizer.json")
+    } else {
+        dir.to_path_buf()
+    };
     if !path.is_file() {
         return Err(Error::invalid_input(format!(
             "{}: no tokenizer.json (save the tokenizer with `tokenizer.save_pretrained(DIR)`)",
@@ -529,7 +572,10 @@ mod tests {
             .render(&[Message::new("assistant", "x")], true)
             .unwrap_err();
         assert!(e.is_user_error());
-        assert!(e.to_string().contains("Conversation roles must alternate"), "{e}");
+        assert!(
+            e.to_string().contains("Conversation roles must alternate"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -547,9 +593,16 @@ mod tests {
     fn no_template_is_named() {
         let dir = std::env::temp_dir().join(format!("etmetal-chat-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "</s>"}"#).unwrap();
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"eos_token": "</s>"}"#,
+        )
+        .unwrap();
         let e = ChatTemplate::load(&dir).err().unwrap();
-        assert!(e.is_user_error() && e.to_string().contains("no chat template"), "{e}");
+        assert!(
+            e.is_user_error() && e.to_string().contains("no chat template"),
+            "{e}"
+        );
     }
 
     #[test]

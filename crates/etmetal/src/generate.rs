@@ -575,10 +575,7 @@ impl Decoder {
     /// The bound of a dynamic prefill (a prompt longer than it takes
     /// several calls).
     pub fn dynamic_prefill_bound(&self) -> Option<usize> {
-        self.prefill
-            .as_ref()
-            .filter(|p| p.3)
-            .map(|p| p.1)
+        self.prefill.as_ref().filter(|p| p.3).map(|p| p.1)
     }
 
     /// Run `tokens` at the next positions and return what the last one
@@ -631,7 +628,9 @@ impl Decoder {
         self.tokens.extend_from_slice(tokens);
         match next {
             Some(next) => Ok(next),
-            None => Err(Error::internal(format!("token {last} ran through no method"))),
+            None => Err(Error::internal(format!(
+                "token {last} ran through no method"
+            ))),
         }
     }
 
@@ -740,7 +739,10 @@ pub fn generate(
             prompt.len()
         )));
     }
-    if let Some(bound) = decoder.dynamic_prefill_bound().filter(|&p| prompt.len() > p) {
+    if let Some(bound) = decoder
+        .dynamic_prefill_bound()
+        .filter(|&p| prompt.len() > p)
+    {
         return Err(Error::invalid_input(format!(
             "the prompt has {} tokens, more than method `prefill` takes (T <= {bound})",
             prompt.len()

@@ -496,8 +496,10 @@ fn compile_cmd(
     emit_msl: Option<&Path>,
 ) -> Result<()> {
     let start = Instant::now();
-    let mut files: Vec<(String, PathBuf)> =
-        path.map(|p| ("forward".to_string(), p.to_path_buf())).into_iter().collect();
+    let mut files: Vec<(String, PathBuf)> = path
+        .map(|p| ("forward".to_string(), p.to_path_buf()))
+        .into_iter()
+        .collect();
     for m in extra {
         let (name, file) = m
             .split_once('=')
@@ -829,7 +831,12 @@ fn transcribe_cmd(args: &TranscribeArgs) -> Result<()> {
     let start = Instant::now();
     // the audio first: a bad file fails before a GPU is opened
     let audio = etmetal::audio::load_wav(&args.audio, etmetal::audio::SPEECH_RATE)?;
-    let mut model = load_pte(&args.model, "transcribe", args.device.device, args.device.coop)?;
+    let mut model = load_pte(
+        &args.model,
+        "transcribe",
+        args.device.device,
+        args.device.coop,
+    )?;
     transcribe::kind(&model).map_err(|e| e.context(args.model.display().to_string()))?;
     let dir = match &args.tokenizer {
         Some(dir) => dir.clone(),
@@ -846,7 +853,13 @@ fn transcribe_cmd(args: &TranscribeArgs) -> Result<()> {
         dump_features: args.dump_features.clone(),
     };
     let load = start.elapsed().as_secs_f64();
-    let report = transcribe::transcribe(&mut model, &dir, &audio, &options, &mut std::io::stdout().lock())?;
+    let report = transcribe::transcribe(
+        &mut model,
+        &dir,
+        &audio,
+        &options,
+        &mut std::io::stdout().lock(),
+    )?;
     eprintln!("etmetal: {} (load {load:.3} s)", report.line());
     Ok(())
 }
@@ -882,7 +895,10 @@ fn chat_cmd(args: &ChatArgs) -> Result<()> {
         _ => Box::new(std::io::stdin().lock()),
     };
     if interactive {
-        eprintln!("etmetal: chat with {} (an empty line or end of input ends it)", args.model.display());
+        eprintln!(
+            "etmetal: chat with {} (an empty line or end of input ends it)",
+            args.model.display()
+        );
         eprint!("> ");
     }
     let mut stdout = std::io::stdout().lock();
@@ -901,7 +917,9 @@ fn chat_cmd(args: &ChatArgs) -> Result<()> {
                 .and_then(|()| stdout.flush())
                 .map_err(|e| Error::io("stdout", e))
         })?;
-        stdout.write_all(b"\n").map_err(|e| Error::io("stdout", e))?;
+        stdout
+            .write_all(b"\n")
+            .map_err(|e| Error::io("stdout", e))?;
         if stats.decode.cache_full {
             eprintln!("etmetal: the reply stopped at the end of the KV cache");
         }

@@ -80,7 +80,9 @@ fn transcribe_names_bad_input() {
     let missing = dir.join("missing.wav");
     fails_with(&run(&missing), "missing.wav");
 
-    let tone: Vec<i16> = (0..1600).map(|i| ((i as f32 * 0.1).sin() * 8000.0) as i16).collect();
+    let tone: Vec<i16> = (0..1600)
+        .map(|i| ((i as f32 * 0.1).sin() * 8000.0) as i16)
+        .collect();
     let good = dir.join("tone.wav");
     wav(&good, 8000, &tone);
     fails_with(
@@ -190,12 +192,18 @@ fn chat_names_a_missing_template() {
     let folder = tokenizer_with(&dir, None);
     let prompts = dir.join("prompts.txt");
     std::fs::write(&prompts, "Hello\n").unwrap();
-    fails_with(&chat(&pte, &folder, &prompts, &[]), "the tokenizer has no chat template");
+    fails_with(
+        &chat(&pte, &folder, &prompts, &[]),
+        "the tokenizer has no chat template",
+    );
     // a template that refuses the conversation: its own message
     std::fs::write(
         folder.join("chat_template.jinja"),
         "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system prompt is required') }}{% endif %}",
     )
     .unwrap();
-    fails_with(&chat(&pte, &folder, &prompts, &[]), "a system prompt is required");
+    fails_with(
+        &chat(&pte, &folder, &prompts, &[]),
+        "a system prompt is required",
+    );
 }

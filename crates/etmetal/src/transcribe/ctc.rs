@@ -28,7 +28,10 @@ pub enum Vocabulary {
         clean_up: bool,
     },
     /// A `tokenizer.json`; the blank is the config's pad id, or the last id.
-    Tokenizer { tokenizer: TextTokenizer, blank: u32 },
+    Tokenizer {
+        tokenizer: Box<TextTokenizer>,
+        blank: u32,
+    },
 }
 
 fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
@@ -54,7 +57,10 @@ impl Vocabulary {
         let model_config = read_json(&dir.join("config.json"))?.unwrap_or_default();
         if let Some(vocab) = read_json(&dir.join("vocab.json"))? {
             let map = vocab.as_object().ok_or_else(|| {
-                Error::invalid_input(format!("{}: not a token → id map", dir.join("vocab.json").display()))
+                Error::invalid_input(format!(
+                    "{}: not a token → id map",
+                    dir.join("vocab.json").display()
+                ))
             })?;
             let tokens: HashMap<u32, String> = map
                 .iter()
@@ -74,14 +80,18 @@ impl Vocabulary {
             return Ok(Vocabulary::Chars {
                 tokens,
                 blank,
-                delimiter: token_text(&config["word_delimiter_token"]).unwrap_or("|").to_string(),
+                delimiter: token_text(&config["word_delimiter_token"])
+                    .unwrap_or("|")
+                    .to_string(),
                 lower: config["do_lower_case"].as_bool().unwrap_or(false),
-                clean_up: config["clean_up_tokenization_spaces"].as_bool().unwrap_or(false),
+                clean_up: config["clean_up_tokenization_spaces"]
+                    .as_bool()
+                    .unwrap_or(false),
             });
         }
         let path = dir.join("tokenizer.json");
         if path.is_file() {
-            let tokenizer = TextTokenizer::load(&path)?;
+            let tokenizer = Box::new(TextTokenizer::load(&path)?);
             let blank = model_config["pad_token_id"]
                 .as_u64()
                 .map(|v| v as u32)
@@ -189,7 +199,10 @@ mod tests {
     #[test]
     fn collapse_keeps_repeats_split_by_a_blank() {
         // "hello": l, l with a blank between stays two
-        assert_eq!(collapse(&[0, 3, 3, 4, 0, 5, 5, 0, 5, 6, 6, 0], 0), vec![3, 4, 5, 5, 6]);
+        assert_eq!(
+            collapse(&[0, 3, 3, 4, 0, 5, 5, 0, 5, 6, 6, 0], 0),
+            vec![3, 4, 5, 5, 6]
+        );
         assert_eq!(collapse(&[0, 0, 0], 0), Vec::<u32>::new());
     }
 

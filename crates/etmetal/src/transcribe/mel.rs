@@ -163,7 +163,10 @@ mod tests {
         let bins = N_FFT / 2 + 1;
         // every filter has weight somewhere, and none at 0 Hz but the first's edge
         for m in 0..80 {
-            assert!(bank[m * bins..(m + 1) * bins].iter().any(|&w| w > 0.0), "filter {m}");
+            assert!(
+                bank[m * bins..(m + 1) * bins].iter().any(|&w| w > 0.0),
+                "filter {m}"
+            );
         }
         assert_eq!(filter_bank(128).len(), 128 * bins);
     }

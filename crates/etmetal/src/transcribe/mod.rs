@@ -28,7 +28,9 @@ use std::time::Instant;
 use etmetal_core::{DType, Error, Result, Tensor, TensorSpec};
 
 use crate::audio::Audio;
-use crate::generate::{Decoder, DecoderMethods, Next, Sampler, Sampling, TextStream, TextTokenizer};
+use crate::generate::{
+    Decoder, DecoderMethods, Next, Sampler, Sampling, TextStream, TextTokenizer,
+};
 use crate::Model;
 
 /// Whisper's methods, as ExecuTorch's Whisper export names them.
@@ -115,7 +117,12 @@ pub fn kind(model: &Model) -> Result<Kind> {
         return Ok(Kind::Whisper);
     }
     if let Ok(inputs) = model.method_inputs("forward") {
-        if let [TensorSpec { dtype: DType::F32, shape, .. }] = inputs.as_slice() {
+        if let [TensorSpec {
+            dtype: DType::F32,
+            shape,
+            ..
+        }] = inputs.as_slice()
+        {
             if shape.len() == 2 && shape[0] == 1 {
                 return Ok(Kind::Ctc);
             }
@@ -170,7 +177,8 @@ fn dump(dir: Option<&Path>, k: usize, t: &Tensor) -> Result<()> {
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path.display(), e))?;
-    serde_json::from_str(&text).map_err(|e| Error::invalid_input(format!("{}: {e}", path.display())))
+    serde_json::from_str(&text)
+        .map_err(|e| Error::invalid_input(format!("{}: {e}", path.display())))
 }
 
 /// The special tokens and rules of a Whisper model, from its
@@ -210,7 +218,11 @@ impl WhisperConfig {
         let ids = |key: &str| -> Vec<u32> {
             c[key]
                 .as_array()
-                .map(|a| a.iter().filter_map(|v| v.as_u64().map(|v| v as u32)).collect())
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|v| v.as_u64().map(|v| v as u32))
+                        .collect()
+                })
                 .unwrap_or_default()
         };
         let mut languages: Vec<(String, u32)> = c["lang_to_id"]
@@ -228,11 +240,15 @@ impl WhisperConfig {
             no_timestamps: id("no_timestamps_token_id")?,
             transcribe: c["task_to_id"]["transcribe"].as_u64().map(|v| v as u32),
             translate: c["task_to_id"]["translate"].as_u64().map(|v| v as u32),
-            multilingual: c["is_multilingual"].as_bool().unwrap_or(!languages.is_empty()),
+            multilingual: c["is_multilingual"]
+                .as_bool()
+                .unwrap_or(!languages.is_empty()),
             languages,
             suppress: ids("suppress_tokens"),
             begin_suppress: ids("begin_suppress_tokens"),
-            max_initial_timestamp: c["max_initial_timestamp_index"].as_u64().map(|v| v as usize),
+            max_initial_timestamp: c["max_initial_timestamp_index"]
+                .as_u64()
+                .map(|v| v as usize),
             max_length: c["max_length"].as_u64().map(|v| v as usize),
         })
     }
@@ -256,7 +272,12 @@ impl WhisperConfig {
             .find(|(t, _)| *t == token)
             .map(|l| l.1)
             .ok_or_else(|| {
-                let known: Vec<&str> = self.languages.iter().map(|l| l.0.as_str()).take(12).collect();
+                let known: Vec<&str> = self
+                    .languages
+                    .iter()
+                    .map(|l| l.0.as_str())
+                    .take(12)
+                    .collect();
                 Error::invalid_input(match self.languages.is_empty() {
                     true => format!(
                         "--language {language}: this model is English-only (no language tokens)"
@@ -348,7 +369,11 @@ impl WhisperRules<'_> {
         }
         let mut ts_last = begin;
         if let Some(&t) = sampled.iter().rev().find(|&&t| is_ts(t)) {
-            ts_last = if last && !penultimate { t as usize } else { t as usize + 1 };
+            ts_last = if last && !penultimate {
+                t as usize
+            } else {
+                t as usize + 1
+            };
         }
         logits[begin.min(n)..ts_last.min(n)].fill(ninf);
         if sampled.is_empty() {
@@ -396,14 +421,19 @@ fn whisper(
     let tokenizer = TextTokenizer::load(&dir.join("tokenizer.json"))?;
     let features = model.method_inputs(ENCODER)?;
     let (n_mels, frames) = match features.as_slice() {
-        [TensorSpec { dtype: DType::F32, shape, .. }] if shape.len() == 3 && shape[0] == 1 => {
-            (shape[1], shape[2])
-        }
+        [TensorSpec {
+            dtype: DType::F32,
+            shape,
+            ..
+        }] if shape.len() == 3 && shape[0] == 1 => (shape[1], shape[2]),
         other => {
             return Err(Error::invalid_input(format!(
                 "method `{ENCODER}` takes {:?}; Whisper's encoder takes input_features \
                  float32 [1, n_mels, frames]",
-                other.iter().map(|s| format!("{} {:?}", s.dtype, s.shape)).collect::<Vec<_>>()
+                other
+                    .iter()
+                    .map(|s| format!("{} {:?}", s.dtype, s.shape))
+                    .collect::<Vec<_>>()
             )))
         }
     };
@@ -427,7 +457,9 @@ fn whisper(
     let task = match options.task {
         Task::Transcribe => config.transcribe,
         Task::Translate => Some(config.translate.ok_or_else(|| {
-            Error::invalid_input("--task translate: this model has no translate token (English-only)")
+            Error::invalid_input(
+                "--task translate: this model has no translate token (English-only)",
+            )
         })?),
     };
     let mut sampler = Sampler::new(Sampling::default());
@@ -440,7 +472,11 @@ fn whisper(
     let mut started = false;
     for (k, chunk) in audio.samples.chunks(window).enumerate() {
         let offset = (k * window) as f64 / audio.rate as f64;
-        let features = Tensor::from_f32(DType::F32, &[1, n_mels, frames], &mel.features(chunk, frames))?;
+        let features = Tensor::from_f32(
+            DType::F32,
+            &[1, n_mels, frames],
+            &mel.features(chunk, frames),
+        )?;
         dump(options.dump_features.as_deref(), k, &features)?;
         let t0 = Instant::now();
         model
@@ -490,7 +526,9 @@ fn whisper(
             let token = sampler.pick(&logits);
             sampled.push(token);
             // transformers stops when the sequence reaches max_length
-            let full = decoder.capacity().is_some_and(|c| decoder.position() + 1 >= c);
+            let full = decoder
+                .capacity()
+                .is_some_and(|c| decoder.position() + 1 >= c);
             if token == config.end || full {
                 break;
             }
@@ -537,7 +575,10 @@ fn whisper(
             if !segment.is_empty() {
                 let text = tokenizer.decode(&segment)?;
                 let start = segment_start.map_or(0.0, |s| timestamp_seconds(&config, s));
-                write(out, &format!("[{:.2} --> ...] {}\n", offset + start, text.trim()))?;
+                write(
+                    out,
+                    &format!("[{:.2} --> ...] {}\n", offset + start, text.trim()),
+                )?;
             }
         } else {
             write(out, &stream.finish(&tokenizer)?)?;
@@ -580,7 +621,8 @@ fn ctc_transcribe(
             let mean = x.iter().map(|&v| v as f64).sum::<f64>() / n;
             let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
             let scale = 1.0 / (var + 1e-7).sqrt();
-            x.iter_mut().for_each(|v| *v = ((*v as f64 - mean) * scale) as f32);
+            x.iter_mut()
+                .for_each(|v| *v = ((*v as f64 - mean) * scale) as f32);
         }
         let valid = x.len();
         if !dynamic {
