@@ -525,11 +525,7 @@ fn whisper(
             rules.apply(&sampled, &mut logits);
             let token = sampler.pick(&logits);
             sampled.push(token);
-            // transformers stops when the sequence reaches max_length
-            let full = decoder
-                .capacity()
-                .is_some_and(|c| decoder.position() + 1 >= c);
-            if token == config.end || full {
+            if token == config.end {
                 break;
             }
             if token >= config.timestamp_begin() {
@@ -560,6 +556,14 @@ fn whisper(
                     started = !piece.is_empty();
                 }
                 write(out, &piece)?;
+            }
+            // transformers stops when the sequence reaches max_length
+            // (the last token taken, not run)
+            if decoder
+                .capacity()
+                .is_some_and(|c| decoder.position() + 1 >= c)
+            {
+                break;
             }
             next = Some(decoder.feed(model, &[token])?);
         }
