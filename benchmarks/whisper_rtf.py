@@ -123,7 +123,7 @@ def main():
         row["machine"] = machine["gpu"] if row["device"] != "cpu" else machine["cpu"]
     old = json.loads(args.out.read_text()) if args.out.is_file() else {"rows": []}
     keep = [r for r in old["rows"] if (r["machine"], r["device"]) not in {(n["machine"], n["device"]) for n in rows}]
-    result = {"model": "whisper-base shapes, random weights (benchmarks/whisper_rtf.py)",
+    result = {"model": "a Whisper of whisper-base's shapes (74M parameters) with random weights",
               "audio_s": args.seconds, "max_length": args.tokens, "rows": keep + rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
