@@ -14,6 +14,11 @@
 //! argmax of its logits, int64 [1]: scripts/export_llm.py exports it), so
 //! greedy decoding reads back one token a step instead of the logits.
 //!
+//! [`Decoder`] drives these methods at the next positions and keeps what
+//! the cache holds, and [`Sampler`] picks tokens: `generate` here, and
+//! `chat` (a conversation over one cache) and `transcribe` (Whisper's
+//! `text_decoder`, the same step signature) use them too.
+//!
 //! Text goes in and out through a Hugging Face `tokenizer.json`
 //! ([`TextTokenizer`]); tokens are turned into text as they come
 //! ([`TextStream`]), so a character split over several byte tokens is
