@@ -282,7 +282,9 @@ def whisper_rtf_section():
             f"audio in 30-second windows, each decoding to `max_length` {r['max_length']} (random weights never "
             "end a window; about what 30 s of speech gives), the second of two runs (the first builds the GPU "
             "pipelines). Real-time factor: processing time (features, encoder, decoder; the load not counted) "
-            "over audio time, below 1 faster than real time.", "",
+            "over audio time, below 1 faster than real time. What the seconds hold beyond the encoder and the "
+            "decoder is the log-mel features (on one core) and, at each window, the caches moving between the "
+            "two methods (read back from `text_decoder`'s delegate, uploaded to `encoder`'s, and back).", "",
             table(["machine", "device", "audio s", "seconds", "real-time factor", "encoder ms / window",
                    "decoder ms / token"], rows), ""]
 
