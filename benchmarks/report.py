@@ -267,6 +267,28 @@ def int4_accuracy_section():
     return md + [""]
 
 
+def whisper_rtf_section():
+    """BENCHMARKS.md's speech-to-text section, from results/whisper_rtf.json
+    (benchmarks/whisper_rtf.py); empty where that file is missing."""
+    r = load("whisper_rtf")
+    if not r:
+        return []
+    rows = [[row["machine"], f"`--device {row['device']}` (`--backend {row['backend']}`)", f(row["audio_s"], 1),
+             f(row["seconds"], 2), f(row["rtf"], 3), f(row["encoder_ms_per_window"], 1),
+             f(row["ms_per_token"], 2)] for row in r["rows"]]
+    return ["## Speech to text: `etmetal transcribe` real-time factor", "",
+            f"`benchmarks/whisper_rtf.py`: {r['model']}, exported by `scripts/export_whisper.py` and compiled "
+            f"for the GPU and the CPU; `etmetal transcribe --language en` of {r['audio_s']:.0f} s of synthetic "
+            f"audio in 30-second windows, each decoding to `max_length` {r['max_length']} (random weights never "
+            "end a window; about what 30 s of speech gives), the second of two runs (the first builds the GPU "
+            "pipelines). Real-time factor: processing time (features, encoder, decoder; the load not counted) "
+            "over audio time, below 1 faster than real time. What the seconds hold beyond the encoder and the "
+            "decoder is the log-mel features (on one core) and, at each window, the caches moving between the "
+            "two methods (read back from `text_decoder`'s delegate, uploaded to `encoder`'s, and back).", "",
+            table(["machine", "device", "audio s", "seconds", "real-time factor", "encoder ms / window",
+                   "decoder ms / token"], rows), ""]
+
+
 def main():
     gpu, cpu = load("gpu"), load("cpu")
     md = ["# etmetal benchmarks", "",
@@ -373,6 +395,7 @@ def main():
         md += ["## CPU", "", "Not run: no `results/cpu.json`.", ""]
     md += host_path_section()
     md += int4_accuracy_section()
+    md += whisper_rtf_section()
     if gpu and chart(op_ratios, model_ratios):
         md += ["## Chart", "", "![etmetal / PyTorch time ratios](benchmarks/ratios.png)", ""]
     elif PNG.exists():
