@@ -155,12 +155,14 @@ LLAMA = ("The Llama-3.2-1B shape (16 layers, hidden 2048, 32/8 heads, MLP 8192, 
 
 def run_of(row) -> str:
     """The run a row comes from (`run.py merge` folds several into one
-    file): its date, and `events` where PyTorch's figure was CUDA events
-    around each call (launch overhead included) and each figure one
+    file): its date and card, and `events` where PyTorch's figure was CUDA
+    events around each call (launch overhead included) and each figure one
     measurement, as before the profiler timing."""
+    card = row.get("card", "").replace("NVIDIA ", "").split(" ")[0]
+    run = f"{row.get('run', '–')} {card}".strip()
     if row.get("torch_timing", "events") == "profiler":
-        return row.get("run", "–")
-    return f"{row.get('run', '–')} (events)"
+        return run
+    return f"{run} (events)"
 
 
 def rows_of(results) -> list:
@@ -299,9 +301,11 @@ def main():
     if gpu:
         mach = gpu["machine"]
         md += ["## GPU: etmetal (wgpu over Vulkan) vs PyTorch eager CUDA", "",
-               f"Machine: {mach['gpu']} ({mach['sms']} SMs; nvidia-smi: {mach['nvidia_smi']}), "
+               f"Cards: {', '.join(sorted({r.get('card', mach['gpu']) for r in rows_of(gpu)}))}, each row "
+               "naming its own in the run column (ratios are within one row, one card, one run). "
+               f"Last machine: {mach['gpu']} ({mach['sms']} SMs; nvidia-smi: {mach['nvidia_smi']}), "
                f"{mach['cores']} cores of {mach['cpu']}; PyTorch {mach['torch']} (CUDA {mach['cuda']}). "
-               f"etmetal adapter: {next((o['adapter'] for o in gpu['ops'] if 'adapter' in o), '–')}. "
+               f"etmetal adapters: {', '.join(sorted({o['adapter'] for o in gpu['ops'] if 'adapter' in o})) or '–'}. "
                f"{gpu['runs']} timed runs after {gpu['warmup']} warm-ups (PyTorch: 5x the runs). "
                f"{repeats(gpu)} etmetal "
                "runs with `--coop auto`: f16/bf16 matrix products on the tensor-core alternatives where the "
