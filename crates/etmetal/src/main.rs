@@ -398,6 +398,7 @@ fn main() -> ExitCode {
                         max_buffer_bytes: max_buffer,
                         ..DeviceLimits::default()
                     },
+                    ..PartitionOptions::default()
                 },
                 ..CompileOptions::default()
             };
