@@ -8,7 +8,9 @@
 //! [`compile::compile_pt2_cpu`] writes a `.pt2` as a `.pte` of
 //! ExecuTorch portable-kernel calls.
 
+pub mod audio;
 pub mod calibrate;
+pub mod chat;
 pub mod compile;
 pub mod device;
 mod emit;
@@ -16,5 +18,6 @@ pub mod eval;
 pub mod generate;
 mod model;
 pub mod summary;
+pub mod transcribe;
 
 pub use model::{is_pte, Model};
