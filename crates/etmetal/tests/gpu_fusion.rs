@@ -357,6 +357,45 @@ fn int4_matrix_vector_at_every_group_size() {
     check_graph(&graph, inputs, TOL, "gather_qmv");
 }
 
+/// The int8 linear (8-bit codes, four a word) on the GPU against the CPU:
+/// the decode kernel (1 to 8 rows) per output channel (a group of all of
+/// K) and per group, and the tiled prefill kernel; the prefill GEMM on the
+/// emulated tensor-core forms too.
+#[test]
+fn int8_linear_decode_and_prefill() {
+    use etmetal_core::quant::QuantFormat;
+    let case = |dtype: DType, g: usize, m: usize, n: usize, k: usize, seed: u64| {
+        let scales = random(dtype, &[n, k / g], seed + 2).to_f32_vec();
+        // 8-bit codes are 16 times int4's: smaller scales keep every
+        // output within bf16's reach of the CPU's
+        let scales: Vec<f32> = scales.iter().map(|s| s * 0.003).collect();
+        OpCase::new(QuantFormat::int8(g).linear_op())
+            .input(random(dtype, &[m, k], seed))
+            .weight(random_words(&[n, k / 4], seed + 1))
+            .weight(Tensor::from_f32(dtype, &[n, k / g], &scales).unwrap())
+            .weight(random(dtype, &[n, k / g], seed + 3))
+            .build()
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        for (g, m, n, k, seed) in [
+            (640, 1, 37, 640, 71),
+            (32, 3, 19, 256, 72),
+            (128, 8, 70, 512, 73),
+            (96, 1, 7, 96, 74),
+            (256, 20, 33, 512, 75),
+        ] {
+            let what = format!("int8 {dtype} g {g} m {m} n {n} k {k}");
+            let (graph, inputs) = case(dtype, g, m, n, k, seed);
+            check_graph(&graph, inputs, tol(dtype), &what);
+        }
+    }
+    let (graph, inputs) = case(DType::BF16, 256, 70, 96, 256, 76);
+    for form in [CoopForm::Half16, CoopForm::Float8] {
+        let what = format!("int8 bf16 g 256 m 70 n 96 k 256 {form:?}");
+        check_graph_emulating(&graph, inputs.clone(), BF16_TOL, form, &what);
+    }
+}
+
 /// A convolution's eval batch norm, activation and skip connection's add
 /// are computed in its store: one dispatch (and, for a 16-bit output, the
 /// copy packing it), matching the CPU kernels. Implicit GEMM (grouped
