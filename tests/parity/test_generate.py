@@ -287,7 +287,7 @@ def test_gemma3_270m_int4_tracks_bf16(etmetal, gemma, tmp_path):
         export_llm.export(bf16, tokenizer, export, 1280, 64)
     ptes = {name: tmp_path / f"{name}.pte" for name in ("bf16", "int4")}
     for name, pte in ptes.items():
-        eval_llm.compile_pte(etmetal.binary, export, pte, "cpu", name == "int4", prefill_only=True)
+        eval_llm.compile_pte(etmetal.binary, export, pte, "cpu", eval_llm.RECIPES.get(name, ()), prefill_only=True)
     text = (Path(__file__).parent / "data" / "around_the_world_ch1.txt").read_text()
     ids = tokenizer(text)["input_ids"][: INT4_TOKENS + 1]
     inputs, targets = ids[:-1], ids[1:]

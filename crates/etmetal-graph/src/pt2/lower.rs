@@ -97,6 +97,9 @@ pub(crate) struct Lowerer<'m> {
     dense: HashSet<String>,
     /// `dequantize_affine` results awaiting the linear they fuse into.
     dequant: HashMap<String, quant::Dequant>,
+    /// `aten.t` of a constant int8 weight, by output name (see
+    /// [`quant`]: torchao's `Int8WeightOnlyConfig`).
+    int8_t: HashMap<String, ValueId>,
 }
 
 /// The dtype of a Python scalar operand next to a tensor of dtype `t`: the
@@ -142,6 +145,7 @@ impl<'m> Lowerer<'m> {
             placeholders: vec![],
             dense,
             dequant: HashMap::new(),
+            int8_t: HashMap::new(),
         }
     }
 

@@ -17,7 +17,13 @@
 //!   group is an int4 group, else int8), the linear that reads it becomes
 //!   an [`Op::Int4Linear`] or [`Op::Int8Linear`], and the embedding gathers
 //!   and dequantizes rows of the packed table (`quantize::gather_rows`), so
-//!   the dequantized weight is never materialised.
+//!   the dequantized weight is never materialised;
+//! - torchao's `Int8WeightOnlyConfig`, which exports as `mm(x,
+//!   _to_copy(t(qdata), float))` followed by a multiplication by the
+//!   per-channel scale: the `mm` becomes an [`Op::Int8Linear`] of the codes
+//!   (`qdata + 128` with scale 1 and zero -128, exact in every float
+//!   dtype), the scale's multiplication stays as exported (the float
+//!   weight the `_to_copy` would give is lowered too, and left dead).
 
 use etmetal_core::quant::{as_words, from_signed, pack, QuantFormat};
 use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor};
@@ -90,7 +96,10 @@ impl Lowerer<'_> {
                 self.fused_linear(c, d, "input")
             }
             "torch.ops.aten.t.default" => {
-                let d = self.dequant_arg(c, "self", false)?;
+                let Some(d) = self.dequant_arg(c, "self", false) else {
+                    self.note_int8_transpose(c);
+                    return None;
+                };
                 let Some(Some(name)) = c.outputs.first() else {
                     return Some(Ok(()));
                 };
@@ -109,8 +118,82 @@ impl Lowerer<'_> {
                 let d = self.dequant_arg(c, "weight", false)?;
                 self.quantized_embedding(c, d)
             }
+            "torch.ops.aten._to_copy.default" => {
+                // lowered as usual too: only an `mm` reads the codes
+                if let Err(e) = self.int8_to_float(c) {
+                    return Some(Err(e));
+                }
+                return None;
+            }
             _ => return None,
         })
+    }
+
+    /// Remember `c` (an `aten.t`) where it transposes a constant int8
+    /// matrix.
+    fn note_int8_transpose(&mut self, c: &Ctx) {
+        let (Ok(Some(src)), Some(Some(out))) = (c.args.tensor_name("self"), c.outputs.first())
+        else {
+            return;
+        };
+        let Ok(v) = self.lookup(src) else { return };
+        let int8 = self.graph.constants.get(&v).is_some_and(|t| {
+            t.dtype() == DType::I8 && t.rank() == 2 && !self.graph.fake_constants.contains(&v)
+        });
+        if int8 {
+            self.int8_t.insert(out.clone(), v);
+        }
+    }
+
+    /// `_to_copy(t(Q), float)` of a constant int8 `Q [N, K]`: the codes as
+    /// a per-channel int8 table (scale 1, zero -128) that an `mm` fuses.
+    /// Nothing where `c` is any other copy, or K is no multiple of 32.
+    fn int8_to_float(&mut self, c: &Ctx) -> Result<()> {
+        let (Ok(Some(src)), Some(Some(out))) = (c.args.tensor_name("self"), c.outputs.first())
+        else {
+            return Ok(());
+        };
+        let Some(&q) = self.int8_t.get(src) else {
+            return Ok(());
+        };
+        let dtype = match c.args.scalar_type("dtype")? {
+            Some(d @ (DType::F32 | DType::BF16 | DType::F16)) => d,
+            _ => return Ok(()),
+        };
+        let t = self.graph.constants[&q].clone();
+        let (n, k) = (t.shape()[0], t.shape()[1]);
+        let format = QuantFormat::int8(k);
+        if format.check_group(k).is_err() {
+            return Ok(());
+        }
+        let codes: Vec<u8> = t.to_i64_vec().iter().map(|&v| (v + 128) as u8).collect();
+        let at = |what: &str| format!("{}.int8{what}", c.name);
+        let packed = self.graph.add_constant(
+            at(""),
+            as_words(&Tensor::from_slice(DType::U8, &[n, k], &codes)?)?,
+        );
+        let scales = self.graph.add_constant(
+            at("_scales"),
+            Tensor::from_f32(dtype, &[n, 1], &vec![1.0; n])?,
+        );
+        let zeros = self.graph.add_constant(
+            at("_zeros"),
+            Tensor::from_f32(dtype, &[n, 1], &vec![-128.0; n])?,
+        );
+        let table = QuantTable {
+            packed,
+            scales,
+            zeros,
+            format,
+        };
+        self.dequant.insert(
+            out.clone(),
+            Dequant {
+                table,
+                transposed: true,
+            },
+        );
+        Ok(())
     }
 
     /// The dequantized weight that argument `arg` of `c` reads, in the
