@@ -343,3 +343,135 @@ pub fn calibrate(
     }
     Ok(out)
 }
+
+/// `--quantize mixed --calibrate`: what one weight's int4 form does to
+/// the model. The step method runs once on the first T calibration tokens
+/// (its `T`, from the start of the context) and keeps every value; a
+/// weight is then measured by replacing it alone with its dequantized
+/// int4 values and running again what it reaches
+/// ([`crate::eval::rerun_from`]): the mean KL divergence
+/// `KL(float ‖ int4)` of the next-token distributions over the T rows.
+/// The logits are the method's first float output. Where a tied weight is
+/// also an embedding's table (Gemma's head), the embedding reads the
+/// replaced table too, as the quantized program's gather does.
+pub struct Sweep<'g> {
+    graph: &'g Graph,
+    trace: crate::eval::Trace,
+    logits: ValueId,
+    /// Log-probabilities of the float run, `[rows, vocab]`.
+    reference: Vec<f32>,
+    vocab: usize,
+    /// The rows that are real tokens (not padding).
+    rows: usize,
+    /// Each quantizable weight by name: its value, and whether it is
+    /// stored as `W.T`.
+    weights: HashMap<String, (ValueId, bool)>,
+}
+
+/// Log-softmax of each row of `x` (`[rows, vocab]`), in f64, as f32.
+fn log_softmax(x: &[f32], vocab: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(vocab) {
+        let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+        let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+        let log_z = max + sum.ln();
+        out.extend(row.iter().map(|&v| (v as f64 - log_z) as f32));
+    }
+    out
+}
+
+impl<'g> Sweep<'g> {
+    /// Run `graph` (a decoder step method) on the first T of `tokens`.
+    pub fn new(graph: &'g Graph, tokens: &[u32]) -> Result<Sweep<'g>> {
+        let step = step_of(graph).map_err(|e| Error::invalid_input(format!("--calibrate: {e}")))?;
+        let logits = graph
+            .outputs
+            .iter()
+            .find(|(v, k)| matches!(k, OutputKind::User) && graph.value(*v).dtype.is_float())
+            .map(|(v, _)| *v)
+            .ok_or_else(|| {
+                Error::invalid_input(
+                    "--quantize mixed --calibrate measures each weight on the model's logits: \
+                     the method has no float output",
+                )
+            })?;
+        let rows = step.t.min(tokens.len());
+        let mut ids: Vec<i64> = tokens[..rows].iter().map(|&t| t as i64).collect();
+        ids.resize(step.t, *ids.last().unwrap_or(&0));
+        let mut inputs = vec![Tensor::from_i64(
+            graph.value(step.tokens).dtype,
+            &[1, step.t],
+            &ids,
+        )?];
+        if let Some(p) = step.positions {
+            let pos: Vec<i64> = (0..step.t as i64).collect();
+            inputs.push(Tensor::from_i64(graph.value(p).dtype, &[step.t], &pos)?);
+        }
+        let trace = crate::eval::Trace::new(graph, inputs, &HashMap::new())
+            .map_err(|e| e.context("measuring the float model's logits"))?;
+        let out = trace
+            .value(logits)
+            .ok_or_else(|| Error::internal("the logits were not computed"))?;
+        let vocab = *out.shape().last().unwrap_or(&1);
+        let all = out.numel() / vocab.max(1);
+        // the logits of each token of the call: `[1, T, V]` (or `[T, V]`);
+        // a method returning the last token's alone measures that one
+        let rows = if all == step.t { rows } else { all };
+        let reference = log_softmax(&out.to_f32_vec()[..rows * vocab], vocab);
+        let mut weights = HashMap::new();
+        for node in &graph.nodes {
+            if let Ok(w) = linear_weight(graph, node) {
+                weights.insert(weight_name(graph, w.value), (w.value, w.transposed));
+            }
+        }
+        Ok(Sweep {
+            graph,
+            trace,
+            logits,
+            reference,
+            vocab,
+            rows,
+            weights,
+        })
+    }
+
+    /// Tokens (rows of logits) each measurement covers.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The mean KL divergence of the logits with weight `name` replaced by
+    /// `w [n, k]`; `None` where the method does not read the weight.
+    pub fn kl(&self, name: &str, w: &[f32], n: usize, k: usize) -> Result<Option<f64>> {
+        let Some(&(value, transposed)) = self.weights.get(name) else {
+            return Ok(None);
+        };
+        let old = &self.graph.constants[&value];
+        let values = match transposed {
+            false => w.to_vec(),
+            true => {
+                let mut t = vec![0.0f32; w.len()];
+                for r in 0..n {
+                    for c in 0..k {
+                        t[c * n + r] = w[r * k + c];
+                    }
+                }
+                t
+            }
+        };
+        let tensor = Tensor::from_f32(old.dtype(), old.shape(), &values)?;
+        let out = crate::eval::rerun_from(self.graph, &self.trace, value, &tensor, self.logits)
+            .map_err(|e| e.context(format!("measuring `{name}` in int4")))?;
+        let v = self.vocab;
+        let got = log_softmax(&out.to_f32_vec()[..self.rows * v], v);
+        let mut kl = 0.0f64;
+        for (p, q) in self.reference.chunks_exact(v).zip(got.chunks_exact(v)) {
+            kl += p
+                .iter()
+                .zip(q)
+                .map(|(&a, &b)| (a as f64).exp() * (a as f64 - b as f64))
+                .sum::<f64>();
+        }
+        Ok(Some(kl / self.rows.max(1) as f64))
+    }
+}

@@ -123,3 +123,107 @@ pub fn run_graph_observed(
         .map(|(v, _)| env[v.0].as_deref().cloned())
         .collect())
 }
+
+/// Every value of one run of `graph` (constants replaced by `state`, as in
+/// [`run_graph_observed`]), kept so that [`rerun_from`] can recompute
+/// only what one changed constant reaches.
+pub struct Trace {
+    values: Vec<Option<Tensor>>,
+}
+
+impl Trace {
+    /// Run `graph` on `user_inputs`, keeping every value.
+    pub fn new(
+        graph: &Graph,
+        user_inputs: Vec<Tensor>,
+        state: &HashMap<ValueId, Tensor>,
+    ) -> Result<Trace> {
+        let mut values: Vec<Option<Tensor>> = vec![None; graph.values.len()];
+        for (id, tensor) in &graph.constants {
+            values[id.0] = Some(state.get(id).unwrap_or(tensor).clone());
+        }
+        for (id, tensor) in graph.user_inputs().zip(user_inputs) {
+            values[id.0] = Some(tensor);
+        }
+        for node in &graph.nodes {
+            let results = run_node(graph, node, |v| values[v.0].as_ref())?;
+            for (v, t) in node.outputs.iter().zip(results) {
+                values[v.0] = Some(t);
+            }
+        }
+        Ok(Trace { values })
+    }
+
+    /// The value `v` of the run.
+    pub fn value(&self, v: ValueId) -> Option<&Tensor> {
+        self.values[v.0].as_ref()
+    }
+}
+
+/// Value `want` of `graph` with constant `changed` replaced by `tensor`:
+/// the nodes it reaches run again, every other value is `trace`'s.
+pub fn rerun_from(
+    graph: &Graph,
+    trace: &Trace,
+    changed: ValueId,
+    tensor: &Tensor,
+    want: ValueId,
+) -> Result<Tensor> {
+    let mut new: HashMap<ValueId, Tensor> = HashMap::from([(changed, tensor.clone())]);
+    for node in &graph.nodes {
+        if !node.inputs.iter().flatten().any(|v| new.contains_key(v)) {
+            continue;
+        }
+        let results = run_node(graph, node, |v| new.get(&v).or(trace.value(v)))?;
+        for (v, t) in node.outputs.iter().zip(results) {
+            new.insert(*v, t);
+        }
+    }
+    new.remove(&want)
+        .or_else(|| trace.value(want).cloned())
+        .ok_or_else(|| {
+            Error::internal(format!(
+                "value `{}` was never computed",
+                graph.value(want).name
+            ))
+        })
+}
+
+/// One node on the CPU kernels, its inputs read through `get`.
+fn run_node<'a>(
+    graph: &Graph,
+    node: &Node,
+    get: impl Fn(ValueId) -> Option<&'a Tensor>,
+) -> Result<Vec<Tensor>> {
+    let at = || format!("node `{}` ({})", node.name, node.target);
+    let args: Vec<Option<&Tensor>> = node
+        .inputs
+        .iter()
+        .map(|slot| match slot {
+            None => Ok(None),
+            Some(v) => get(*v).map(Some).ok_or_else(|| {
+                Error::internal(format!(
+                    "value `{}` is read before it is computed",
+                    graph.value(*v).name
+                ))
+            }),
+        })
+        .collect::<Result<_>>()
+        .map_err(|e| e.context(at()))?;
+    let specs: Vec<_> = node
+        .outputs
+        .iter()
+        .map(|v| (graph.value(*v).dtype, graph.value(*v).shape.clone()))
+        .collect();
+    let results = etmetal_cpu::execute(&node.op, &args, &specs).map_err(|e| e.context(at()))?;
+    if results.len() != node.outputs.len() {
+        return Err(Error::internal(format!(
+            "node `{}`: kernel {} returned {} outputs, the graph has {}",
+            node.name,
+            node.op.name(),
+            results.len(),
+            node.outputs.len()
+        )));
+    }
+    Ok(results)
+}

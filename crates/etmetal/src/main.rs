@@ -549,14 +549,41 @@ fn quantize_methods(
                 start.elapsed().as_secs_f64(),
                 c.stats.len()
             );
-            Some(c)
+            Some((c, m, tokens))
         }
     };
     let start = Instant::now();
-    let mut quantizer = Quantizer::new(q.options.clone(), calibration.as_ref());
+    let mut quantizer = Quantizer::new(q.options.clone(), calibration.as_ref().map(|c| &c.0));
     {
         let all: Vec<&etmetal_graph::Graph> = graphs.iter().collect();
-        quantizer.plan(&all)?;
+        match &calibration {
+            // calibrated mixed: each weight measured on the model's logits
+            Some((_, m, tokens)) if q.options.scheme == Scheme::Mixed => {
+                let sweep = etmetal::calibrate::Sweep::new(&graphs[*m], tokens).map_err(|e| {
+                    e.context(format!(
+                        "method `{}` ({})",
+                        files[*m].0,
+                        files[*m].1.display()
+                    ))
+                })?;
+                let (mut done, mut said) = (0, Instant::now());
+                let mut measure = |name: &str, w: &[f32], n: usize, k: usize| {
+                    let kl = sweep.kl(name, w, n, k);
+                    done += 1;
+                    if said.elapsed().as_secs() >= 20 {
+                        eprintln!("etmetal: mixed: measured {done} weights in int4");
+                        said = Instant::now();
+                    }
+                    kl
+                };
+                quantizer.plan(&all, Some(&mut measure))?;
+                eprintln!(
+                    "etmetal: mixed: each weight's int4 form measured on {} tokens of logits",
+                    sweep.rows()
+                );
+            }
+            _ => quantizer.plan(&all, None)?,
+        }
     }
     if !quantizer.sensitivity.is_empty() {
         let int8: Vec<&str> = quantizer
@@ -566,14 +593,13 @@ fn quantize_methods(
             .map(|s| s.weight.as_str())
             .collect();
         eprintln!(
-            "etmetal: mixed: {} of {} weights in int8, the most sensitive (relative output error \
-             of int4{}): {}",
+            "etmetal: mixed: {} of {} weights in int8, the most sensitive ({}): {}",
             int8.len(),
             quantizer.sensitivity.len(),
             if calibration.is_some() {
-                ", calibrated"
+                "mean KL of the logits with the weight alone in calibrated int4"
             } else {
-                ", data-free: weight error"
+                "relative error of the weight in int4, data-free"
             },
             int8.join(", ")
         );

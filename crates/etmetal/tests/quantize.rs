@@ -152,7 +152,7 @@ fn int8_mixed_and_calibrated_int4_compile_and_generate() {
                 "--tokenizer",
                 tok,
             ],
-            "(relative output error of int4, calibrated)",
+            "(mean KL of the logits with the weight alone in calibrated int4)",
         ),
     ];
     let mut sizes = vec![];

@@ -178,6 +178,14 @@ pub struct Calibration {
     pub tokens: usize,
 }
 
+/// How [`Quantizer::plan`] measures a weight's int4 form: given the
+/// weight's name and its dequantized int4 values `[N, K]` (`N`, `K`), the
+/// cost of that form (larger: more sensitive), or `None` where the
+/// measurement cannot see the weight. `etmetal::calibrate::Sweep` runs the
+/// model with the weight alone replaced and gives the mean KL divergence of
+/// its logits.
+pub type Measure<'a> = dyn FnMut(&str, &[f32], usize, usize) -> Result<Option<f64>> + 'a;
+
 /// What [`Quantizer::quantize`] did to one graph.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct QuantizeReport {
@@ -384,8 +392,10 @@ impl<'c> Quantizer<'c> {
     /// `mixed`: measure every quantizable weight of `graphs` (each once)
     /// and choose the ones that go to int8 ([`mixed::choose`]); their
     /// int4 forms made on the way are kept for the weights that stay int4.
-    /// Nothing to do for the other schemes.
-    pub fn plan(&mut self, graphs: &[&Graph]) -> Result<()> {
+    /// Each weight's int4 form is measured by `measure` where given (with
+    /// calibration: what it does to the model's logits, [`Measure`]), else
+    /// by [`mixed::output_error`]. Nothing to do for the other schemes.
+    pub fn plan(&mut self, graphs: &[&Graph], mut measure: Option<&mut Measure<'_>>) -> Result<()> {
         if self.options.scheme != Scheme::Mixed {
             return Ok(());
         }
@@ -410,14 +420,25 @@ impl<'c> Quantizer<'c> {
                     scales: made[1].to_f32_vec(),
                     zeros: made[2].to_f32_vec(),
                 };
-                let stats = self
-                    .calibration
-                    .and_then(|cal| cal.stats.get(&name))
-                    .map(|s| s.as_ref());
+                let error = match measure.as_deref_mut() {
+                    Some(measure) => {
+                        let deq = dequantize_weight(&q, k);
+                        // a weight the measured method does not read
+                        // ranks last
+                        measure(&name, &deq, n, k)?.unwrap_or(0.0)
+                    }
+                    None => {
+                        let stats = self
+                            .calibration
+                            .and_then(|cal| cal.stats.get(&name))
+                            .map(|s| s.as_ref());
+                        mixed::output_error(&w, n, k, &q, stats)
+                    }
+                };
                 measured.push(Sensitivity {
                     weight: name.clone(),
                     elements: n * k,
-                    error: mixed::output_error(&w, n, k, &q, stats),
+                    error,
                     int8: false,
                 });
             }
@@ -1167,7 +1188,7 @@ mod tests {
         let t = Tensor::from_f32(DType::F32, &[64, 32], &w).unwrap();
         a.constants.insert(fc, t.clone());
         b.constants.insert(fc, t);
-        q.plan(&[&a, &b]).unwrap();
+        q.plan(&[&a, &b], None).unwrap();
         assert_eq!(q.sensitivity.len(), 2, "{:?}", q.sensitivity);
         assert_eq!(q.sensitivity[0].weight, "fc.weight");
         assert!(
@@ -1185,5 +1206,42 @@ mod tests {
                 ]
             );
         }
+    }
+
+    /// A measure given to `plan` ranks the weights instead of their
+    /// relative error: it sees each weight's dequantized int4 values.
+    #[test]
+    fn mixed_ranks_by_the_measure_given() {
+        let options = QuantizeOptions {
+            scheme: Scheme::Mixed,
+            group_size: None,
+            skip: vec![],
+        };
+        let mut q = Quantizer::new(options, None);
+        let mut g = mlp(32);
+        let mut seen = vec![];
+        let mut measure = |name: &str, w: &[f32], n: usize, k: usize| {
+            assert_eq!(w.len(), n * k);
+            seen.push((name.to_string(), n, k));
+            Ok(Some(if name == "lm_head" { 1.0 } else { 0.1 }))
+        };
+        q.plan(&[&g], Some(&mut measure)).unwrap();
+        assert_eq!(
+            seen,
+            [
+                ("fc.weight".to_string(), 64, 32),
+                ("lm_head".into(), 16, 64)
+            ]
+        );
+        assert_eq!(q.sensitivity[0].weight, "lm_head");
+        assert!(q.sensitivity[0].int8 && !q.sensitivity[1].int8);
+        let r = q.quantize(&mut g).unwrap();
+        assert_eq!(
+            r.quantized,
+            [
+                ("fc".into(), QuantFormat::int4(32)),
+                ("head".into(), QuantFormat::int8(64))
+            ]
+        );
     }
 }
