@@ -14,7 +14,8 @@ model, on the same text.
 `--quant NAME=FILE` names a quantized `.pte` (repeatable; `--int4 FILE` is
 `--quant int4=FILE`). With `--compile cpu|metal` the script makes every
 file from `--export` first, the quantized ones by the recipe of their name
-(RECIPES: `int4`, `int8`, `int8-g128`, `mixed`, `int4-cal`, `mixed-cal`;
+(RECIPES: `int4`, `int8`, `int8-g32`, `int8-g128`, `mixed`, `int4-cal`,
+`mixed-cal`;
 the calibrated ones on `--calibrate-text`, by default chapter II of the
 same book, so the text scored is not the text calibrated on), e.g.
 
@@ -104,6 +105,7 @@ TOK = "{tokenizer}"
 RECIPES = {
     "int4": ["--quantize", "int4", "--group-size", "32"],
     "int8": ["--quantize", "int8"],
+    "int8-g32": ["--quantize", "int8", "--group-size", "32"],
     "int8-g128": ["--quantize", "int8", "--group-size", "128"],
     "mixed": ["--quantize", "mixed"],
     "int4-cal": ["--quantize", "int4", "--group-size", "32", "--calibrate", CAL, "--tokenizer", TOK],
@@ -271,7 +273,8 @@ def main():
     sources["eager f32"] = eager_logits(model, inputs, chunk)
     sources["eager bf16"] = eager_logits(bf16_model, inputs, chunk)
     pairs = [("etmetal bf16", f"etmetal {name}") for name in quant]
-    pairs += [("eager bf16", "etmetal bf16"), ("eager f32", "eager bf16")]
+    pairs += [("eager bf16", "etmetal bf16"), ("eager f32", "eager bf16"), ("eager f32", "etmetal bf16")]
+    pairs += [("eager f32", f"etmetal {name}") for name in quant]
     forced = teacher_forced(sources, targets, pairs)
     del bf16_model
     forced["seconds"] = round(time.time() - t0, 1)
