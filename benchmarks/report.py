@@ -4,6 +4,7 @@ benchmarks/results/{gpu,cpu}.json. Run through `run.py report`."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -238,34 +239,51 @@ def host_path_section():
                    "PyTorch copies ms", "host / PyTorch"], rows), ""]
 
 
-def int4_accuracy_section():
-    """BENCHMARKS.md's int4 section, from results/int4_accuracy.json
+def quant_accuracy_section():
+    """BENCHMARKS.md's quantization section, from results/quant_accuracy.json
     (scripts/eval_llm.py); empty where that file is missing."""
-    r = load("int4_accuracy")
+    r = load("quant_accuracy")
     if not r:
         return []
     tf, size = r["teacher_forced"], r["size_bytes"]
-    md = ["## int4 on real weights: accuracy, size, decode speed", "",
+    quant = [k for k in size if k != "bf16"]
+    commands = r.get("compile", {})
+    rows = []
+    for name in quant:
+        pair = f"etmetal {name} vs etmetal bf16"
+        rows.append([name, f"{100 * tf['agreement'][pair]:.2f}%", f(tf["kl"][pair], 4),
+                     f"{100 * tf['agreement'].get(f'etmetal {name} vs eager f32', float('nan')):.2f}%",
+                     f(tf["perplexity"][f"etmetal {name}"], 3), mib(size[name]), f"{r['size_ratio'][name]:.3f}",
+                     f(r.get("decode", {}).get(name, {}).get("decode_tokens_per_s"), 2),
+                     f(commands.get(name, {}).get("seconds"), 0)])
+    md = ["## Quantization on real weights: accuracy, size, decode speed", "",
           f"`scripts/eval_llm.py` on {r['model']}: one bfloat16 export (transformers' ExecuTorch recipe, "
-          "`scripts/export_llm.py --dtype bfloat16`) compiled twice, once with `--quantize int4 "
-          "--group-size 32` (the commands: the script's docstring). Text: "
-          f"`{r['text']}` ({tf['tokens']} next-token predictions), teacher-forced through each `.pte`'s "
+          "`scripts/export_llm.py --dtype bfloat16`) compiled once in bf16 and once per recipe (the flags below; "
+          f"the calibrated ones on `{r.get('calibration_text', '')}`, the scored text being another chapter). "
+          f"Text: `{r['text']}` ({tf['tokens']} next-token predictions), teacher-forced through each `.pte`'s "
           "`prefill` chunk by chunk with the KV cache, and through eager transformers in one call. "
           f"Machine: {r['machine']['cores']} cores of {r['machine']['cpu']} (shared: other builds ran "
-          f"meanwhile, so the rates are rough), etmetal on `--device {r['machine']['device']}`; decode "
-          f"tokens/s summed over the greedy prompts. Command: `{r['command']}`.", "",
-          table(["model", "perplexity"], [[k, f(v, 3)] for k, v in tf["perplexity"].items()]), "",
-          table(["pair", "next-token agreement", "mean KL (nats)"],
-                [[k, f"{100 * v:.2f}%", f(tf["kl"][k], 4)] for k, v in tf["agreement"].items()]), "",
-          table(["file", "MiB on disk", "decode tokens/s"],
-                [[k, mib(v), f(r["decode"][k]["decode_tokens_per_s"], 2)] for k, v in size.items()]), "",
-          f"int4 / bf16 size: {r['size_ratio']:.3f}. Where the loss comes from (per tensor kind, per "
-          "quantizer variant, with calibration as an upper bound): `scripts/int4_sensitivity.py`, its figures "
-          "in the module comment of `crates/etmetal-graph/src/quantize.rs`. "
-          f"Greedy text ({len(r['greedy'])} prompts):", ""]
-    for g in r["greedy"]:
-        md += [f"- `{g['prompt']}`"] + [f"  - {k}: {json.dumps(v, ensure_ascii=False)}"
-                                       for k, v in g.items() if k != "prompt"]
+          f"meanwhile, so rates and compile times are rough), etmetal on `--device {r['machine']['device']}`; "
+          f"decode tokens/s summed over the greedy prompts. Command: `{r['command']}`.", "",
+          table(["recipe", "agreement with etmetal bf16", "mean KL (nats)", "agreement with eager f32",
+                 "perplexity", "MiB on disk", "size / bf16 file", "decode tokens/s", "compile s"], rows), "",
+          "The references: " + "; ".join(
+              f"{k}: {100 * v:.2f}% (KL {f(tf['kl'][k], 4)})" for k, v in tf["agreement"].items()
+              if not any(k.startswith(f"etmetal {q} ") for q in quant)) + "; perplexity " + ", ".join(
+              f"{k} {f(v, 3)}" for k, v in tf["perplexity"].items() if k.split(" ", 1)[1] not in quant) + ". "
+          f"The bf16 file is {mib(size['bf16'])} MiB: it stores the tied embedding twice (the table and the head's "
+          "copy), which the quantized files do not (the embedding gathers rows of the head's quantized table).", "",
+          "Recipes (each `etmetal compile` of the export's `forward` and `prefill`):", ""]
+    for name, c in commands.items():
+        words = c["command"].split()
+        flags = words[words.index("--quantize"):] if "--quantize" in words else []
+        flags = [re.sub(r"^.*/(tests/parity/data/)", r"\1", re.sub(r"^.*/(export-[^/]+)/", r"$E/", w)) for w in flags]
+        md.append(f"- {name}: `{' '.join(flags) or '(none)'}`")
+    if r["greedy"]:
+        md += ["", f"Greedy text ({len(r['greedy'])} prompts):", ""]
+        for g in r["greedy"]:
+            md += [f"- `{g['prompt']}`"] + [f"  - {k}: {json.dumps(v, ensure_ascii=False)}"
+                                           for k, v in g.items() if k != "prompt"]
     return md + [""]
 
 
@@ -398,7 +416,7 @@ def main():
     else:
         md += ["## CPU", "", "Not run: no `results/cpu.json`.", ""]
     md += host_path_section()
-    md += int4_accuracy_section()
+    md += quant_accuracy_section()
     md += whisper_rtf_section()
     if gpu and chart(op_ratios, model_ratios):
         md += ["## Chart", "", "![etmetal / PyTorch time ratios](benchmarks/ratios.png)", ""]
