@@ -54,6 +54,8 @@ pub struct MetalBackend {
     cap: Option<Requirements>,
     /// Whether payload alternatives may run (see `with_cooperative_matrix`).
     coop: bool,
+    /// The alternative every dispatch runs (see `with_forced_alternative`).
+    forced: Option<usize>,
     device: Mutex<Option<Arc<GpuDevice>>>,
     counters: Arc<delegate::Counters>,
 }
@@ -66,6 +68,7 @@ impl MetalBackend {
             timeout: DEFAULT_TIMEOUT,
             cap: None,
             coop: false,
+            forced: None,
             device: Mutex::new(None),
             counters: Arc::default(),
         }
@@ -88,6 +91,17 @@ impl MetalBackend {
     /// opened with cooperative matrices where the adapter has them.
     pub fn with_cooperative_matrix(mut self, on: bool) -> MetalBackend {
         self.coop = on;
+        self
+    }
+
+    /// Run alternative `n` of every dispatch that has one the device can
+    /// run, instead of measuring which form is fastest (as
+    /// `ETMETAL_COOP_FORCE=n` does): for tests that must reach a
+    /// tensor-core kernel on a GPU that has them, and for timing each
+    /// variant. Turns alternatives on.
+    pub fn with_forced_alternative(mut self, n: usize) -> MetalBackend {
+        self.coop = true;
+        self.forced = Some(n);
         self
     }
 
@@ -187,7 +201,7 @@ impl Backend for MetalBackend {
             self.timeout,
             (payload, select::fnv64(&[processed])),
             named_data,
-            self.coop,
+            select::Selection::of(self.coop, self.forced)?,
         )?))
     }
 }

@@ -190,9 +190,6 @@ fn lower(
         // against, so it loads wherever they fit
         let pre_options = PreprocessOptions {
             max_buffer_bytes: options.partition.limits.max_buffer_bytes,
-            // (kernels not yet right on a real GPU, for checking them there)
-            unvalidated: options.preprocess.unvalidated
-                || std::env::var("ETMETAL_UNVALIDATED_KERNELS").is_ok_and(|v| v == "1"),
             ..options.preprocess.clone()
         };
         for p in &parts.partitions {

@@ -81,12 +81,6 @@ pub struct PreprocessOptions {
     /// tensor-core forms are alternatives with their real primitives, which
     /// the runtime runs where the adapter reports them.
     pub emulate_coop: Option<CoopForm>,
-    /// Also offer the alternatives that have not yet given right results
-    /// on a real GPU (the 16×16 flash attention, `attention_flash.rs`: its
-    /// emulated form matches the CPU kernels, its real form gave infinities
-    /// on an H100). Off by default; `etmetal compile` sets it where
-    /// `ETMETAL_UNVALIDATED_KERNELS=1`, for checking them on a GPU.
-    pub unvalidated: bool,
 }
 
 impl Default for PreprocessOptions {
@@ -97,7 +91,6 @@ impl Default for PreprocessOptions {
             max_workgroups_per_dim: 65535,
             max_buffer_bytes: DeviceLimits::default().max_buffer_bytes,
             emulate_coop: None,
-            unvalidated: false,
         }
     }
 }
