@@ -85,10 +85,9 @@ impl MetalBackend {
     /// Whether delegates may run their payload's alternatives (tensor-core
     /// matrix products) where the device offers what they need; with
     /// `false` every dispatch runs its portable kernel, as on a device
-    /// without them. Off by default: on the H200 a multi-threaded test
-    /// run with them on crashed, now and then, inside NVIDIA's shader
-    /// compiler (see the README's Tensor cores). With `true` the device is
-    /// opened with cooperative matrices where the adapter has them.
+    /// without them. Off by default until the measured choice has run on
+    /// more cards (see the README's Tensor cores). With `true` the device
+    /// is opened with cooperative matrices where the adapter has them.
     pub fn with_cooperative_matrix(mut self, on: bool) -> MetalBackend {
         self.coop = on;
         self
