@@ -82,6 +82,43 @@ struct SharedState {
     initial: etmetal_core::Tensor,
     /// Offset in planned memory 2.
     offset: u64,
+    /// The first method that holds it.
+    method: String,
+}
+
+/// How a buffer's initial value `b` in method `mb` differs from `a` in
+/// method `ma`: "is float32 [1, 4, 8] in method `prefill` but float32 [1,
+/// 4, 16] in method `forward`", or where its values differ; `None` when
+/// alike.
+fn state_mismatch(
+    a: &etmetal_core::Tensor,
+    ma: &str,
+    b: &etmetal_core::Tensor,
+    mb: &str,
+) -> Option<String> {
+    if a.dtype() != b.dtype() || a.shape() != b.shape() {
+        return Some(format!(
+            "is {} {:?} in method `{mb}` but {} {:?} in method `{ma}`",
+            b.dtype(),
+            b.shape(),
+            a.dtype(),
+            a.shape()
+        ));
+    }
+    if a.bytes() == b.bytes() {
+        return None;
+    }
+    let (va, vb) = (a.to_f64_vec(), b.to_f64_vec());
+    let at = va
+        .iter()
+        .zip(&vb)
+        .position(|(x, y)| x.to_bits() != y.to_bits());
+    let detail = at.map_or(String::new(), |k| {
+        format!(" (element {k}: {} in `{mb}`, {} in `{ma}`)", vb[k], va[k])
+    });
+    Some(format!(
+        "starts from other values in method `{mb}` than in method `{ma}`{detail}"
+    ))
 }
 
 /// What the methods of one program share: the constant segment (a
@@ -135,18 +172,11 @@ impl ProgramParts<'_> {
             let i = match self.state.iter().position(|s| s.fqn == fqn) {
                 Some(i) => {
                     let s = &self.state[i];
-                    if s.initial.dtype() != initial.dtype()
-                        || s.initial.shape() != initial.shape()
-                        || s.initial.bytes() != initial.bytes()
-                    {
+                    if let Some(why) = state_mismatch(&s.initial, &s.method, initial, &l.name) {
                         return Err(Error::invalid_input(format!(
-                            "buffer `{fqn}` is {} {:?} in method `{}` but {} {:?} (or another \
-                             initial value) in an earlier method: methods share buffers by name",
-                            initial.dtype(),
-                            initial.shape(),
-                            l.name,
-                            s.initial.dtype(),
-                            s.initial.shape()
+                            "state buffer `{fqn}` {why}: methods share a buffer by name, so \
+                             they must hold it alike (export every method from one model with \
+                             one cache: the same batch size, cache length and config)"
                         )));
                     }
                     i
@@ -161,6 +191,7 @@ impl ProgramParts<'_> {
                         fqn,
                         initial: initial.clone(),
                         offset,
+                        method: l.name.clone(),
                     });
                     self.state.len() - 1
                 }

@@ -138,9 +138,14 @@ pub(crate) fn sym_tensor_meta(
 /// Whether a `TensorMeta` describes a dense tensor: contiguous strides and
 /// storage offset 0, so its storage holds exactly its elements in order.
 pub(crate) fn is_dense(meta: &Value, sizes: &[usize]) -> bool {
-    let strides = meta.get("strides").map(sym_ints);
     let offset = meta.get("storage_offset").map(sym_int);
-    let (Some(Ok(strides)), Some(Ok(0))) = (strides, offset) else {
+    matches!(offset, Some(Ok(0))) && is_contiguous(meta, sizes)
+}
+
+/// Whether a `TensorMeta` has contiguous strides (at any storage offset):
+/// what `Tensor.is_contiguous()` answers.
+pub(crate) fn is_contiguous(meta: &Value, sizes: &[usize]) -> bool {
+    let Some(Ok(strides)) = meta.get("strides").map(sym_ints) else {
         return false;
     };
     let mut want = 1i64;
