@@ -35,7 +35,7 @@
 //! arithmetic, computed once, before the first call that reads it; `int[]`
 //! arguments name those values (see [`SymArg`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::{Add, Mul, Sub};
 
 use etmetal_core::{DType, Error, Op, Result, Scalar, SymExpr};
@@ -57,6 +57,10 @@ pub(crate) struct LoweredMethod {
     pub payloads: Vec<Vec<u8>>,
     /// Mutable buffers a delegate keeps on the GPU (no `copy_` write-back).
     pub resident: Vec<ValueId>,
+    /// Mutable buffers (by name) whose value before the call the method
+    /// never reads: it writes them whole first (transformers' recipe
+    /// `copy_`s the position into its `cumulative_length` at every call).
+    pub unread_state: HashSet<String>,
 }
 
 /// Named data (GPU weights) is page-aligned in the file (Apple's 16 KiB
@@ -82,8 +86,12 @@ struct SharedState {
     initial: etmetal_core::Tensor,
     /// Offset in planned memory 2.
     offset: u64,
-    /// The first method that holds it.
+    /// The method whose initial value it keeps: the first that reads it,
+    /// else the first that holds it.
     method: String,
+    /// Whether a method reads its value before writing it: only then does
+    /// the initial value matter.
+    observed: bool,
 }
 
 /// How a buffer's initial value `b` in method `mb` differs from `a` in
@@ -169,15 +177,29 @@ impl ProgramParts<'_> {
             let initial = g.constants.get(&b).ok_or_else(|| {
                 Error::invalid_input(format!("mutated buffer `{fqn}` has no initial value"))
             })?;
+            let reads = !l.unread_state.contains(&fqn);
             let i = match self.state.iter().position(|s| s.fqn == fqn) {
                 Some(i) => {
-                    let s = &self.state[i];
-                    if let Some(why) = state_mismatch(&s.initial, &s.method, initial, &l.name) {
+                    let s = &mut self.state[i];
+                    // an initial value no method reads is never seen: a
+                    // non-strict export leaves in a buffer what tracing's
+                    // real in-place ops made of it (the recipe's
+                    // `cumulative_length.add_(T)`), T differing by method
+                    let layout = s.initial.dtype() != initial.dtype()
+                        || s.initial.shape() != initial.shape();
+                    let why = state_mismatch(&s.initial, &s.method, initial, &l.name)
+                        .filter(|_| layout || (reads && s.observed));
+                    if let Some(why) = why {
                         return Err(Error::invalid_input(format!(
                             "state buffer `{fqn}` {why}: methods share a buffer by name, so \
                              they must hold it alike (export every method from one model with \
                              one cache: the same batch size, cache length and config)"
                         )));
+                    }
+                    if reads && !s.observed {
+                        s.initial = initial.clone();
+                        s.method = l.name.clone();
+                        s.observed = true;
                     }
                     i
                 }
@@ -192,6 +214,7 @@ impl ProgramParts<'_> {
                         initial: initial.clone(),
                         offset,
                         method: l.name.clone(),
+                        observed: reads,
                     });
                     self.state.len() - 1
                 }

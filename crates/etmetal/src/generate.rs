@@ -377,6 +377,19 @@ fn cache_len(model: &mut Model) -> Result<Option<usize>> {
         .min())
 }
 
+/// Whether a prefill chunk may be padded past the prompt: every state
+/// tensor of two or more dims is a KV cache (named like one), whose
+/// entries past the prompt no earlier position reads and decode
+/// overwrites. A recurrent or convolution state (linear attention,
+/// state-space layers: `recurrent_state_0`, `conv_state_0`) takes in
+/// every token it sees, padding included.
+fn paddable(model: &mut Model) -> Result<bool> {
+    Ok(model
+        .read_state()?
+        .iter()
+        .all(|(name, t)| t.rank() < 2 || name.to_lowercase().contains("cache")))
+}
+
 /// What [`generate`] did, for the tokens/s line.
 #[derive(Clone, Debug, Default)]
 pub struct Stats {
@@ -450,8 +463,9 @@ fn logits_row(outputs: &[Tensor], row: usize, method: &str) -> Result<Vec<f32>> 
 /// one, P tokens a call: the last call's unused places get the prompt's
 /// last token at the positions after it (a causal decoder's earlier
 /// positions do not see them, and decode overwrites their cache entries
-/// before any position does), where that stays inside the cache; what is
-/// left goes token by token through `forward`. A `prefill` of dynamic T
+/// before any position does), where that stays inside the cache and the
+/// program keeps no recurrent state (see [`paddable`]); what is left goes
+/// token by token through `forward`. A `prefill` of dynamic T
 /// takes the whole prompt in one call at its length (up to its bound). With greedy sampling and a
 /// [`GREEDY_METHOD`] in the program, the tokens after prefill and every
 /// decode step go through it instead: the same step, which returns its
@@ -483,6 +497,7 @@ pub fn generate(
     let step_method = if greedy { GREEDY_METHOD } else { "forward" };
     model.reset_state()?;
     let cache = cache_len(model)?;
+    let pad = paddable(model)?;
     if let Some(cache) = cache.filter(|&c| prompt.len() > c) {
         return Err(Error::invalid_input(format!(
             "the prompt has {} tokens, more than the KV cache holds ({cache} positions)",
@@ -509,10 +524,11 @@ pub fn generate(
         while pos < tokens.len() {
             let n = (tokens.len() - pos).min(p);
             // a dynamic prefill takes the chunk as it is; a static one pads
-            // a short chunk only where its logits row is there and its
-            // positions stay inside the cache
+            // a short chunk only where its logits row is there, its
+            // positions stay inside the cache and no recurrent state would
+            // take in the padding
             let padded = if dynamic { n } else { p };
-            let fits = n == padded || (rows == p && cache.is_some_and(|c| pos + p <= c));
+            let fits = n == padded || (pad && rows == p && cache.is_some_and(|c| pos + p <= c));
             if !fits {
                 break;
             }
