@@ -1,6 +1,10 @@
 """Export a transformers decoder LM for `etmetal generate`, through
 transformers' own ExecuTorch recipe (`TorchExportableModuleForDecoderOnlyLM`:
-a static KV cache in buffers, the hybrid sliding-window cache for Gemma 3).
+a static KV cache in buffers, the hybrid sliding-window cache for Gemma 3),
+or, for the hybrid linear-attention and state-space LMs that recipe does
+not take (Qwen3.5, Qwen3-Next, Mamba, Mamba-2, Jamba, Falcon-H1), through
+transformers' cache API (`StateCacheRecipe`: a `StaticCache` whose KV,
+convolution and recurrent states are buffers).
 
 Writes into OUT: `forward.pt2` (a decode step: input_ids [1, 1],
 cache_position [1]), `prefill.pt2` (input_ids [1, P], cache_position [P];
@@ -19,7 +23,7 @@ generation_config.json). Then:
 Usage (the project venv has torch, transformers, gguf and accelerate):
     python scripts/export_llm.py MODEL_DIR [--gguf FILE.gguf] -o OUT
         [--max-cache-len 256] [--prefill 32] [--dynamic-prefill] [--no-decode]
-        [--dtype float32|bfloat16]
+        [--dtype float32|bfloat16] [--non-strict]
 """
 
 from __future__ import annotations

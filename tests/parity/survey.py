@@ -41,6 +41,8 @@ FAST = {
     "hf_beit",  # meshgrid for its relative position bias
     "hf_efficientnet",  # a ceil-mode pool whose kernel exceeds its input
     "tv_densenet169",  # cats of up to 33 parts, each written by kernels of 8 bindings
+    "hf_qwen3_5",  # the chunked gated delta rule (forward substitution, eye, tensor_split)
+    "hf_mamba2",  # Mamba-2's chunked SSD scan and the causal convolution
 }
 
 

@@ -245,6 +245,38 @@ def check_recipe_steps(kind, etmetal, tmp_path, backend: str, decode_steps: int,
     return report
 
 
+def test_state_that_disagrees_between_methods_is_refused_naming_it(etmetal, tmp_path):
+    """Methods exported from models or caches that disagree on a state are
+    refused at compile (exit 2), naming the state buffer, both methods and
+    both shapes: Mamba-2's recurrent and convolution states of another
+    state size, a hybrid's KV cache of another length."""
+    import transformers
+
+    cls, config, kw = HYBRID["mamba2"]
+
+    def mamba2(state_size):
+        torch.manual_seed(0)
+        cfg = getattr(transformers, config)(**dict(kw, use_cache=True, state_size=state_size))
+        return getattr(transformers, cls)(cfg).eval()
+
+    cases = {
+        "mamba2": [export_llm.recipe(mamba2(8), CACHE), export_llm.recipe(mamba2(16), CACHE)],
+        "qwen3_5": [export_llm.recipe(tiny("qwen3_5"), CACHE), export_llm.recipe(tiny("qwen3_5"), CACHE // 2)],
+    }
+    for kind, (decode, prefill) in cases.items():
+        files = [tmp_path / f"{kind}-forward.pt2", tmp_path / f"{kind}-prefill.pt2"]
+        torch.export.save(export_llm.export_step(decode, 1, strict=False), files[0])
+        torch.export.save(export_llm.export_step(prefill, PREFILL, strict=False), files[1])
+        p = subprocess.run([str(etmetal.binary), "compile", str(files[0]), "--method", f"prefill={files[1]}",
+                            "-o", str(tmp_path / "bad.pte")], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 2, p.stderr
+        want = {"mamba2": "state buffer `conv_state_0` is float32 [1, 96, 4] in method `prefill` but float32 "
+                          "[1, 80, 4] in method `forward`",
+                "qwen3_5": "state buffer `key_cache_1` is float32 [1, 2, 16, 8] in method `prefill` but float32 "
+                           "[1, 2, 32, 8] in method `forward`"}[kind]
+        assert want in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_dynamic_prefill_matches_eager_at_every_length(kind, etmetal, tmp_path):
     model = tiny(kind)
