@@ -375,6 +375,29 @@ impl<'a> Args<'a> {
         }
     }
 
+    /// A list of ints as symbolic sizes (`None` when absent).
+    pub fn sym_ints(&self, name: &str) -> Result<Option<Vec<SymExpr>>> {
+        let items = match self.get(name)? {
+            None => return Ok(None),
+            Some(("as_ints" | "as_sym_ints", Value::Array(items))) => items,
+            Some((tag, _)) => return Err(Self::bad(name, "a list of ints", tag)),
+        };
+        items
+            .iter()
+            .map(|v| match v.get("as_name").and_then(Value::as_str) {
+                Some(n) => {
+                    let (e, _) = self.syms.get(n).ok_or_else(|| {
+                        Error::format(format!("symbolic int `{n}` is not in sym_int_values"))
+                    })?;
+                    self.read_sym.set(true);
+                    Ok(e.clone())
+                }
+                None => self.int_value(v).map(SymExpr::Const),
+            })
+            .collect::<Result<_>>()
+            .map(Some)
+    }
+
     pub fn string(&self, name: &str) -> Result<Option<&'a str>> {
         match self.get(name)? {
             None => Ok(None),

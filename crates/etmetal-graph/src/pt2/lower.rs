@@ -658,6 +658,40 @@ impl<'m> Lowerer<'m> {
                 c.outputs.len()
             )));
         }
+        // where the dim or an index is symbolic, each piece keeps its bounds
+        // for the emitter to evaluate at run time: indices as the program
+        // states them (a negative one counts from the run-time end), and
+        // sections (whose sizes follow the run-time size) from the pieces'
+        // symbolic sizes in the file
+        let dynamic_dim = self.graph.sym_dims(x)[dim].as_const().is_none();
+        let bounds = match overload {
+            "indices" => {
+                let ix = c.args.sym_ints("indices")?.unwrap_or_default();
+                let mut b = vec![SymExpr::Const(0)];
+                b.extend(ix);
+                b.push(SymExpr::Const(i64::MAX));
+                Some(b)
+            }
+            _ if dynamic_dim => {
+                let mut b = vec![SymExpr::Const(0)];
+                for name in &c.outputs {
+                    let size = name
+                        .as_ref()
+                        .and_then(|n| self.sym_meta.get(n))
+                        .and_then(|d| d.get(dim))
+                        .ok_or_else(|| {
+                            Error::unsupported(format!(
+                                "tensor_split along dynamic dim {dim}: the file gives no \
+                                 symbolic size for each piece"
+                            ))
+                        })?;
+                    let start = b.last().cloned().unwrap_or(SymExpr::Const(0));
+                    b.push(start + size.clone());
+                }
+                Some(b)
+            }
+            _ => None,
+        };
         for (i, (start, end)) in pieces.into_iter().enumerate() {
             if !self.is_used(c, i) {
                 continue;
@@ -669,6 +703,9 @@ impl<'m> Lowerer<'m> {
                 step: 1,
             };
             let v = self.emit1(c, op, vec![Some(x)])?;
+            if let Some(b) = &bounds {
+                self.keep_sym_args(x, dim, vec![b[i].clone(), b[i + 1].clone()])?;
+            }
             self.bind(c, i, v)?;
         }
         Ok(())
