@@ -155,12 +155,14 @@ LLAMA = ("The Llama-3.2-1B shape (16 layers, hidden 2048, 32/8 heads, MLP 8192, 
 
 def run_of(row) -> str:
     """The run a row comes from (`run.py merge` folds several into one
-    file): its date, and `events` where PyTorch's figure was CUDA events
-    around each call (launch overhead included) and each figure one
+    file): its date and card, and `events` where PyTorch's figure was CUDA
+    events around each call (launch overhead included) and each figure one
     measurement, as before the profiler timing."""
+    card = row.get("card", "").replace("NVIDIA ", "").split(" ")[0]
+    run = f"{row.get('run', '–')} {card}".strip()
     if row.get("torch_timing", "events") == "profiler":
-        return row.get("run", "–")
-    return f"{row.get('run', '–')} (events)"
+        return run
+    return f"{run} (events)"
 
 
 def rows_of(results) -> list:
@@ -267,6 +269,28 @@ def int4_accuracy_section():
     return md + [""]
 
 
+def whisper_rtf_section():
+    """BENCHMARKS.md's speech-to-text section, from results/whisper_rtf.json
+    (benchmarks/whisper_rtf.py); empty where that file is missing."""
+    r = load("whisper_rtf")
+    if not r:
+        return []
+    rows = [[row["machine"], f"`--device {row['device']}` (`--backend {row['backend']}`)", f(row["audio_s"], 1),
+             f(row["seconds"], 2), f(row["rtf"], 3), f(row["encoder_ms_per_window"], 1),
+             f(row["ms_per_token"], 2)] for row in r["rows"]]
+    return ["## Speech to text: `etmetal transcribe` real-time factor", "",
+            f"`benchmarks/whisper_rtf.py`: {r['model']}, exported by `scripts/export_whisper.py` and compiled "
+            f"for the GPU and the CPU; `etmetal transcribe --language en` of {r['audio_s']:.0f} s of synthetic "
+            f"audio in 30-second windows, each decoding to `max_length` {r['max_length']} (random weights never "
+            "end a window; about what 30 s of speech gives), the second of two runs (the first builds the GPU "
+            "pipelines). Real-time factor: processing time (features, encoder, decoder; the load not counted) "
+            "over audio time, below 1 faster than real time. What the seconds hold beyond the encoder and the "
+            "decoder is the log-mel features (on one core) and, at each window, the caches moving between the "
+            "two methods (read back from `text_decoder`'s delegate, uploaded to `encoder`'s, and back).", "",
+            table(["machine", "device", "audio s", "seconds", "real-time factor", "encoder ms / window",
+                   "decoder ms / token"], rows), ""]
+
+
 def main():
     gpu, cpu = load("gpu"), load("cpu")
     md = ["# etmetal benchmarks", "",
@@ -277,9 +301,11 @@ def main():
     if gpu:
         mach = gpu["machine"]
         md += ["## GPU: etmetal (wgpu over Vulkan) vs PyTorch eager CUDA", "",
-               f"Machine: {mach['gpu']} ({mach['sms']} SMs; nvidia-smi: {mach['nvidia_smi']}), "
+               f"Cards: {', '.join(sorted({r.get('card', mach['gpu']) for r in rows_of(gpu)}))}, each row "
+               "naming its own in the run column (ratios are within one row, one card, one run). "
+               f"Last machine: {mach['gpu']} ({mach['sms']} SMs; nvidia-smi: {mach['nvidia_smi']}), "
                f"{mach['cores']} cores of {mach['cpu']}; PyTorch {mach['torch']} (CUDA {mach['cuda']}). "
-               f"etmetal adapter: {next((o['adapter'] for o in gpu['ops'] if 'adapter' in o), '–')}. "
+               f"etmetal adapters: {', '.join(sorted({o['adapter'] for o in gpu['ops'] if 'adapter' in o})) or '–'}. "
                f"{gpu['runs']} timed runs after {gpu['warmup']} warm-ups (PyTorch: 5x the runs). "
                f"{repeats(gpu)} etmetal "
                "runs with `--coop auto`: f16/bf16 matrix products on the tensor-core alternatives where the "
@@ -373,6 +399,7 @@ def main():
         md += ["## CPU", "", "Not run: no `results/cpu.json`.", ""]
     md += host_path_section()
     md += int4_accuracy_section()
+    md += whisper_rtf_section()
     if gpu and chart(op_ratios, model_ratios):
         md += ["## Chart", "", "![etmetal / PyTorch time ratios](benchmarks/ratios.png)", ""]
     elif PNG.exists():

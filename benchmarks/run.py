@@ -893,8 +893,10 @@ def gpu(args):
                 print(json.dumps(dynamic[-1]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = Path(args.out) if args.out else RESULTS / "gpu.json"
-    run = {"run": time.strftime("%Y-%m-%d", time.gmtime()), "torch_timing": "profiler", "repeat": REPEAT}
-    out.write_text(json.dumps({"machine": gpu_info(), "runs": RUNS, "warmup": WARMUP, **run,
+    machine = gpu_info()
+    run = {"run": time.strftime("%Y-%m-%d", time.gmtime()), "torch_timing": "profiler", "repeat": REPEAT,
+           "card": machine["gpu"]}
+    out.write_text(json.dumps({"machine": machine, "runs": RUNS, "warmup": WARMUP, **run,
                                "ops": [{**run, **o} for o in ops], "models": [{**run, **m} for m in models],
                                "dynamic": [{**run, **r} for r in dynamic]}, indent=1) + "\n")
     print(f"wrote {out}")
@@ -908,11 +910,15 @@ def merge(args):
     run, with CUDA-event timing and one measurement)."""
     path = RESULTS / "gpu.json"
     base = json.loads(path.read_text())
-    first = {"run": "2026-12-04", "torch_timing": base.get("torch_timing", "events"), "repeat": base.get("repeat", 1)}
+    # each row keeps the card it ran on: H100 and H200 figures never share a ratio
+    first = {"run": "2026-12-04", "torch_timing": base.get("torch_timing", "events"), "repeat": base.get("repeat", 1),
+             "card": base["machine"]["gpu"]}
     for kind, key, variant in (("ops", "op", "dtype"), ("models", "model", "dtype"), ("dynamic", "model", "size")):
         rows = {(r[key], r.get(variant)): {**first, **r} for r in base.get(kind, [])}
         for f in args.files:
-            for r in json.loads(Path(f).read_text()).get(kind, []):
+            run = json.loads(Path(f).read_text())
+            for r in run.get(kind, []):
+                r = {"card": run["machine"]["gpu"], **r}
                 k = (r[key], r.get(variant))
                 if "error" in r and k in rows and "error" not in rows[k]:
                     print(f"{f}: keeping the earlier {k[0]} {k[1]}: this run failed ({r['error'][-120:]})")

@@ -174,7 +174,11 @@ fn lower(
         etmetal_graph::decompose(&mut g, &ops_to_not_decompose);
         folded += etmetal_graph::fold_constants(&mut g, state)?;
         etmetal_graph::eliminate_dead_code(&mut g);
-        let parts = partition(&g, &options.partition)?;
+        let within = PartitionOptions {
+            state: state.to_vec(),
+            ..options.partition.clone()
+        };
+        let parts = partition(&g, &within)?;
         for (i, reason) in &parts.cpu_nodes {
             let node = &g.nodes[*i];
             cpu_nodes.push((

@@ -166,11 +166,24 @@ impl ProgramParts<'_> {
     }
 
     /// Add the mutable buffers of `l` (by fully qualified name) and return
-    /// value → index into `state`.
-    fn add_state(&mut self, l: &LoweredMethod) -> Result<HashMap<ValueId, usize>> {
+    /// value → index into `state`. `written`: the buffers any method of
+    /// the program writes; one that `l` only reads is state there too, so
+    /// that it reads what another method wrote, not the initial value.
+    fn add_state(
+        &mut self,
+        l: &LoweredMethod,
+        written: &HashSet<String>,
+    ) -> Result<HashMap<ValueId, usize>> {
         let g = &l.graph;
         let mut buffers: Vec<ValueId> = g.buffer_mutations()?.into_iter().map(|(b, _)| b).collect();
         buffers.extend(&l.resident);
+        for (v, kind) in &g.inputs {
+            if let InputKind::Buffer { fqn, .. } = kind {
+                if written.contains(fqn) && !buffers.contains(v) && g.constants.contains_key(v) {
+                    buffers.push(*v);
+                }
+            }
+        }
         let mut map = HashMap::new();
         for b in buffers {
             let fqn = buffer_fqn(g, b)?;
@@ -245,9 +258,16 @@ pub(crate) fn write_program(
         // the constant segment comes first; its bytes are known at the end
         segments: vec![Segment::new(vec![])],
     };
+    let mut written = HashSet::new();
+    for l in methods {
+        let mutated = l.graph.buffer_mutations()?.into_iter().map(|(b, _)| b);
+        for b in mutated.chain(l.resident.iter().copied()) {
+            written.insert(buffer_fqn(&l.graph, b)?);
+        }
+    }
     let states = methods
         .iter()
-        .map(|l| parts.add_state(l))
+        .map(|l| parts.add_state(l, &written))
         .collect::<Result<Vec<_>>>()?;
     let mut mutable_data_segments = vec![];
     if !parts.state.is_empty() {

@@ -14,6 +14,11 @@
 //! argmax of its logits, int64 [1]: scripts/export_llm.py exports it), so
 //! greedy decoding reads back one token a step instead of the logits.
 //!
+//! [`Decoder`] drives these methods at the next positions and keeps what
+//! the cache holds, and [`Sampler`] picks tokens: `generate` here, and
+//! `chat` (a conversation over one cache) and `transcribe` (Whisper's
+//! `text_decoder`, the same step signature) use them too.
+//!
 //! Text goes in and out through a Hugging Face `tokenizer.json`
 //! ([`TextTokenizer`]); tokens are turned into text as they come
 //! ([`TextStream`]), so a character split over several byte tokens is
@@ -101,6 +106,17 @@ impl TextTokenizer {
         let encoding = self
             .inner
             .encode(text, true)
+            .map_err(|e| tok_error(&self.path, e))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The token ids of `text` as they are, no special tokens added (as
+    /// `tokenizer(text, add_special_tokens=False)`: a rendered chat
+    /// template writes its own).
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, false)
             .map_err(|e| tok_error(&self.path, e))?;
         Ok(encoding.get_ids().to_vec())
     }
@@ -296,10 +312,9 @@ fn step_shape(model: &Model, method: &str) -> Result<(usize, usize, bool)> {
     Ok((t, rows, dynamic))
 }
 
-/// Whether [`GREEDY_METHOD`] is a one-token step returning one int64
+/// Whether the greedy step `method` takes one token and returns one int64
 /// token (else an error saying what it is).
-fn check_greedy_step(model: &Model) -> Result<()> {
-    let method = GREEDY_METHOD;
+fn check_greedy_step(model: &Model, method: &str) -> Result<()> {
     let (t, _) = step_tokens(model, method)?;
     let outputs = model.method_outputs(method)?;
     match outputs.first() {
@@ -320,16 +335,16 @@ fn check_greedy_step(model: &Model) -> Result<()> {
 }
 
 /// The token a greedy step returned.
-fn step_token(outputs: &[Tensor]) -> Result<u32> {
+fn step_token(outputs: &[Tensor], method: &str) -> Result<u32> {
     let token = outputs.first().map(|t| t.to_i64_vec());
     match token.as_deref() {
         Some(&[id]) => u32::try_from(id).map_err(|_| {
             Error::invalid_input(format!(
-                "method `{GREEDY_METHOD}` returned token {id}, not a token id"
+                "method `{method}` returned token {id}, not a token id"
             ))
         }),
         _ => Err(Error::internal(format!(
-            "method `{GREEDY_METHOD}` returned no token"
+            "method `{method}` returned no token"
         ))),
     }
 }
@@ -377,13 +392,14 @@ fn cache_len(model: &mut Model) -> Result<Option<usize>> {
         .min())
 }
 
-/// Whether a prefill chunk may be padded past the prompt: every state
-/// tensor of two or more dims is a KV cache (named like one), whose
-/// entries past the prompt no earlier position reads and decode
-/// overwrites. A recurrent or convolution state (linear attention,
-/// state-space layers: `recurrent_state_0`, `conv_state_0`) takes in
-/// every token it sees, padding included.
-fn paddable(model: &mut Model) -> Result<bool> {
+/// Whether the program's state is all KV caches: every state tensor of two
+/// or more dims is named like a cache. Past a cache's prompt entries no
+/// earlier position reads and later tokens overwrite, so a prefill chunk
+/// may be padded and the decoder may go back to an earlier position. A
+/// recurrent or convolution state (linear attention, state-space layers:
+/// `recurrent_state_0`, `conv_state_0`) takes in every token it sees,
+/// padding included, and cannot go back.
+fn caches_only(model: &mut Model) -> Result<bool> {
     Ok(model
         .read_state()?
         .iter()
@@ -457,16 +473,292 @@ fn logits_row(outputs: &[Tensor], row: usize, method: &str) -> Result<Vec<f32>> 
         })
 }
 
+/// Which methods of a program make up a decoder.
+#[derive(Clone, Copy, Debug)]
+pub struct DecoderMethods<'a> {
+    /// The decode step: one token a call, logits out ([`SIGNATURE`]).
+    pub step: &'a str,
+    /// The prompt's method, P tokens a call, where the program has it.
+    pub prefill: Option<&'a str>,
+    /// The decode step returning its greedy token, where the program has it.
+    pub greedy: Option<&'a str>,
+}
+
+impl DecoderMethods<'static> {
+    /// A decoder LM as `scripts/export_llm.py` exports it: `forward`,
+    /// `prefill`, `decode`.
+    pub const LM: DecoderMethods<'static> = DecoderMethods {
+        step: "forward",
+        prefill: Some("prefill"),
+        greedy: Some(GREEDY_METHOD),
+    };
+}
+
+/// What a call of a decoder gives for the position after its last token.
+#[derive(Clone, Debug)]
+pub enum Next {
+    /// The logits, to pick from.
+    Logits(Vec<f32>),
+    /// The greedy token (the program's greedy step picked it).
+    Token(u32),
+}
+
+/// A decoder over a loaded [`Model`]: its methods, checked once, and the
+/// tokens whose keys and values its KV cache holds (positions `0..len`).
+/// Tokens fed go in at the next position, so a conversation or a window of
+/// speech continues where the last call stopped; [`Decoder::rewind`] goes
+/// back to an earlier position (the cache's later rows are then never read
+/// before they are written again: attention is causal by position), or to
+/// the start where the program keeps recurrent state.
+pub struct Decoder {
+    step: String,
+    /// The prefill method: its name, T, logits rows and whether T is dynamic.
+    prefill: Option<(String, usize, usize, bool)>,
+    /// The greedy step's name, where it is used.
+    greedy: Option<String>,
+    /// Positions the cache holds (`None`: unknown).
+    cache: Option<usize>,
+    /// The tokens in the cache, by position.
+    tokens: Vec<u32>,
+    /// Calls of the prefill method so far.
+    pub prefill_calls: usize,
+    /// The program keeps recurrent state (not only KV caches): a prefill
+    /// chunk is never padded, and a rewind goes back to the start.
+    recurrent: bool,
+    /// A rewind went back to the start of recurrent state: the next feed
+    /// resets the model's state first.
+    reset: bool,
+}
+
+impl Decoder {
+    /// Check `methods` of `model` against [`SIGNATURE`]. With `greedy` and
+    /// a greedy step in the program, the positions after a prompt go
+    /// through it (a token read back, not the logits).
+    pub fn new(model: &mut Model, methods: &DecoderMethods, greedy: bool) -> Result<Decoder> {
+        let step = methods.step;
+        let (decode_t, _, _) = step_shape(model, step)?;
+        if decode_t != 1 {
+            return Err(Error::invalid_input(format!(
+                "method `{step}` takes {decode_t} tokens a call, not 1: it is not a decode step \
+                 (expected {SIGNATURE}, T = 1)"
+            )));
+        }
+        let prefill = match methods.prefill.filter(|p| model.has_method(p)) {
+            Some(name) => {
+                let (t, rows, dynamic) = step_shape(model, name)?;
+                Some((name.to_string(), t, rows, dynamic))
+            }
+            None => None,
+        };
+        let greedy = match methods.greedy.filter(|g| greedy && model.has_method(g)) {
+            Some(name) => {
+                check_greedy_step(model, name)?;
+                Some(name.to_string())
+            }
+            None => None,
+        };
+        Ok(Decoder {
+            step: step.to_string(),
+            prefill,
+            greedy,
+            cache: cache_len(model)?,
+            tokens: vec![],
+            prefill_calls: 0,
+            recurrent: !caches_only(model)?,
+            reset: false,
+        })
+    }
+
+    /// The method that takes decode steps (the greedy one where used).
+    pub fn step_method(&self) -> &str {
+        self.greedy.as_deref().unwrap_or(&self.step)
+    }
+
+    /// Positions the KV cache holds, where the program tells.
+    pub fn capacity(&self) -> Option<usize> {
+        self.cache
+    }
+
+    /// Stop at `positions` (a cache whose buffers do not say how many
+    /// positions the decoder's embeddings take: Whisper's `max_length`).
+    pub fn limit_capacity(&mut self, positions: usize) {
+        self.cache = Some(self.cache.map_or(positions, |c| c.min(positions)));
+    }
+
+    /// The tokens the cache holds, by position.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The next position.
+    pub fn position(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Forget the positions from `position` on, and return the position
+    /// the next token goes to: `position`, or 0 where the program keeps
+    /// recurrent state (it took in the later tokens, and cannot forget
+    /// them: the next feed resets the model's state and starts over).
+    pub fn rewind(&mut self, position: usize) -> usize {
+        if self.recurrent && position < self.tokens.len() {
+            self.tokens.clear();
+            self.reset = true;
+        }
+        self.tokens.truncate(position);
+        self.tokens.len()
+    }
+
+    /// The bound of a dynamic prefill (a prompt longer than it takes
+    /// several calls).
+    pub fn dynamic_prefill_bound(&self) -> Option<usize> {
+        self.prefill.as_ref().filter(|p| p.3).map(|p| p.1)
+    }
+
+    /// Run `tokens` at the next positions and return what the last one
+    /// predicts. They go through the prefill method where the program has
+    /// one, P tokens a call: a static prefill's last call gets the last
+    /// token again at the positions after the chunk (a causal decoder's
+    /// earlier positions do not see them, and they are written again
+    /// before any position reads them) where its logits row is there, the
+    /// positions stay inside the cache and the program keeps no recurrent
+    /// state (which would take in the padding); a dynamic prefill takes each
+    /// chunk at its length. What is left goes token by token through the
+    /// step (the greedy step where used: then the result is its token).
+    pub fn feed(&mut self, model: &mut Model, tokens: &[u32]) -> Result<Next> {
+        let Some(&last) = tokens.last() else {
+            return Err(Error::invalid_input("no tokens to run"));
+        };
+        if std::mem::take(&mut self.reset) {
+            model.reset_state()?;
+        }
+        let start = self.position();
+        if let Some(cache) = self.cache.filter(|&c| start + tokens.len() > c) {
+            return Err(Error::invalid_input(format!(
+                "{} tokens after position {start} are more than the KV cache holds \
+                 ({cache} positions)",
+                tokens.len()
+            )));
+        }
+        let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+        let mut done = 0;
+        let mut next = None;
+        if let Some((name, p, rows, dynamic)) = self.prefill.clone() {
+            while done < ids.len() {
+                let pos = start + done;
+                let n = (ids.len() - done).min(p);
+                let padded = if dynamic { n } else { p };
+                let fits = n == padded
+                    || (!self.recurrent && rows == p && self.cache.is_some_and(|c| pos + p <= c));
+                if !fits {
+                    break;
+                }
+                let mut chunk = ids[done..done + n].to_vec();
+                chunk.resize(padded, ids[done + n - 1]);
+                let outputs = model
+                    .execute_method(&name, step_inputs(&chunk, pos)?)
+                    .map_err(|e| e.context(format!("{name} at position {pos}")))?;
+                let row = if rows == 1 { 0 } else { n - 1 };
+                next = Some(Next::Logits(logits_row(&outputs, row, &name)?));
+                self.prefill_calls += 1;
+                done += n;
+            }
+        }
+        for (k, &t) in ids.iter().enumerate().skip(done) {
+            next = Some(self.step(model, t, start + k)?);
+        }
+        self.tokens.extend_from_slice(tokens);
+        match next {
+            Some(next) => Ok(next),
+            None => Err(Error::internal(format!(
+                "token {last} ran through no method"
+            ))),
+        }
+    }
+
+    fn step(&mut self, model: &mut Model, token: i64, pos: usize) -> Result<Next> {
+        let method = self.step_method().to_string();
+        let outputs = model
+            .execute_method(&method, step_inputs(&[token], pos)?)
+            .map_err(|e| e.context(format!("{method} at position {pos}")))?;
+        Ok(match self.greedy {
+            Some(_) => Next::Token(step_token(&outputs, &method)?),
+            None => Next::Logits(logits_row(&outputs, 0, &method)?),
+        })
+    }
+
+    /// Make up to `options.max_tokens` tokens after a call that gave
+    /// `next`, handing each to `on_token` (which may end generation by
+    /// returning false) before it runs; an end-of-sequence token ends
+    /// generation unseen, as does the end of the cache. The last token
+    /// handed out is never run: it is not in the cache.
+    pub fn generate(
+        &mut self,
+        model: &mut Model,
+        next: Next,
+        options: &Options,
+        sampler: &mut Sampler,
+        on_token: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<Stats> {
+        let t0 = Instant::now();
+        let mut stats = Stats {
+            decode_method: self.step_method().to_string(),
+            ..Stats::default()
+        };
+        let mut next = sampler.choose(next);
+        let mut made = 0;
+        while made < options.max_tokens && !options.eos.contains(&next) {
+            let go_on = on_token(next)?;
+            made += 1;
+            if !go_on || made == options.max_tokens {
+                break;
+            }
+            if self.cache.is_some_and(|c| self.position() >= c) {
+                stats.cache_full = true;
+                break;
+            }
+            let at = self.position();
+            let out = self.step(model, next as i64, at)?;
+            self.tokens.push(next);
+            next = sampler.choose(out);
+            stats.decode_tokens += 1;
+        }
+        stats.decode_seconds = t0.elapsed().as_secs_f64();
+        Ok(stats)
+    }
+}
+
+/// Picks tokens from logits by a [`Sampling`], with its seeded source.
+pub struct Sampler {
+    sampling: Sampling,
+    rng: Rng,
+}
+
+impl Sampler {
+    pub fn new(sampling: Sampling) -> Sampler {
+        Sampler {
+            sampling,
+            rng: Rng(sampling.seed),
+        }
+    }
+
+    /// The token `logits` give (see [`Sampling`]).
+    pub fn pick(&mut self, logits: &[f32]) -> u32 {
+        pick(logits, &self.sampling, &mut self.rng)
+    }
+
+    fn choose(&mut self, next: Next) -> u32 {
+        match next {
+            Next::Token(t) => t,
+            Next::Logits(l) => self.pick(&l),
+        }
+    }
+}
+
 /// Run `prompt` through `model` (a fresh state: the cache is reset first),
 /// then make up to `options.max_tokens` tokens, giving each to `on_token`
-/// as it comes. The prompt goes through `prefill` where the program has
-/// one, P tokens a call: the last call's unused places get the prompt's
-/// last token at the positions after it (a causal decoder's earlier
-/// positions do not see them, and decode overwrites their cache entries
-/// before any position does), where that stays inside the cache and the
-/// program keeps no recurrent state (see [`paddable`]); what is left goes
-/// token by token through `forward`. A `prefill` of dynamic T
-/// takes the whole prompt in one call at its length (up to its bound). With greedy sampling and a
+/// as it comes (see [`Decoder::feed`] and [`Decoder::generate`]). A
+/// `prefill` of dynamic T takes the whole prompt in one call at its length
+/// (a longer prompt is refused). With greedy sampling and a
 /// [`GREEDY_METHOD`] in the program, the tokens after prefill and every
 /// decode step go through it instead: the same step, which returns its
 /// token rather than the logits.
@@ -479,115 +771,37 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(Error::invalid_input("the prompt has no tokens"));
     }
-    let (decode_t, _, _) = step_shape(model, "forward")?;
-    if decode_t != 1 {
-        return Err(Error::invalid_input(format!(
-            "method `forward` takes {decode_t} tokens a call, not 1: it is not a decode step \
-             (expected {SIGNATURE}, T = 1)"
-        )));
-    }
-    let prefill = match model.has_method("prefill") {
-        true => Some(step_shape(model, "prefill")?),
-        false => None,
-    };
-    let greedy = options.sampling.temperature <= 0.0 && model.has_method(GREEDY_METHOD);
-    if greedy {
-        check_greedy_step(model)?;
-    }
-    let step_method = if greedy { GREEDY_METHOD } else { "forward" };
+    let greedy = options.sampling.temperature <= 0.0;
+    let mut decoder = Decoder::new(model, &DecoderMethods::LM, greedy)?;
     model.reset_state()?;
-    let cache = cache_len(model)?;
-    let pad = paddable(model)?;
-    if let Some(cache) = cache.filter(|&c| prompt.len() > c) {
+    if let Some(cache) = decoder.capacity().filter(|&c| prompt.len() > c) {
         return Err(Error::invalid_input(format!(
             "the prompt has {} tokens, more than the KV cache holds ({cache} positions)",
             prompt.len()
         )));
     }
-    if let Some((bound, _, true)) = prefill.filter(|&(p, _, _)| prompt.len() > p) {
+    if let Some(bound) = decoder
+        .dynamic_prefill_bound()
+        .filter(|&p| prompt.len() > p)
+    {
         return Err(Error::invalid_input(format!(
             "the prompt has {} tokens, more than method `prefill` takes (T <= {bound})",
             prompt.len()
         )));
     }
-    let tokens: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
-    let mut stats = Stats {
-        prompt_tokens: prompt.len(),
-        decode_method: step_method.to_string(),
-        ..Stats::default()
-    };
-    let mut rng = Rng(options.sampling.seed);
+    let mut sampler = Sampler::new(options.sampling);
     let t0 = Instant::now();
-    let mut pos = 0;
-    let mut logits = vec![];
-    if let Some((p, rows, dynamic)) = prefill {
-        while pos < tokens.len() {
-            let n = (tokens.len() - pos).min(p);
-            // a dynamic prefill takes the chunk as it is; a static one pads
-            // a short chunk only where its logits row is there, its
-            // positions stay inside the cache and no recurrent state would
-            // take in the padding
-            let padded = if dynamic { n } else { p };
-            let fits = n == padded || (pad && rows == p && cache.is_some_and(|c| pos + p <= c));
-            if !fits {
-                break;
-            }
-            let mut chunk = tokens[pos..pos + n].to_vec();
-            chunk.resize(padded, tokens[pos + n - 1]);
-            let outputs = model
-                .execute_method("prefill", step_inputs(&chunk, pos)?)
-                .map_err(|e| e.context(format!("prefill at position {pos}")))?;
-            logits = logits_row(&outputs, if rows == 1 { 0 } else { n - 1 }, "prefill")?;
-            stats.prefill_calls += 1;
-            pos += n;
-        }
-    }
-    // the token after the prompt: a greedy step's, else picked from logits
-    let mut stepped = None;
-    for (k, &t) in tokens.iter().enumerate().skip(pos) {
-        let outputs = model
-            .execute_method(step_method, step_inputs(&[t], k)?)
-            .map_err(|e| e.context(format!("prompt token at position {k}")))?;
-        if greedy {
-            stepped = Some(step_token(&outputs)?);
-        } else {
-            logits = logits_row(&outputs, 0, step_method)?;
-        }
-    }
-    let mut next = match stepped {
-        Some(token) => token,
-        None => pick(&logits, &options.sampling, &mut rng),
-    };
-    stats.prefill_seconds = t0.elapsed().as_secs_f64();
-    let t1 = Instant::now();
-    let mut made = 0;
-    while made < options.max_tokens && !options.eos.contains(&next) {
-        on_token(next)?;
-        made += 1;
-        if made == options.max_tokens {
-            break;
-        }
-        let at = prompt.len() + made - 1;
-        if cache.is_some_and(|c| at >= c) {
-            stats.cache_full = true;
-            break;
-        }
-        let outputs = model
-            .execute_method(step_method, step_inputs(&[next as i64], at)?)
-            .map_err(|e| e.context(format!("decode at position {at}")))?;
-        next = if greedy {
-            step_token(&outputs)?
-        } else {
-            pick(
-                &logits_row(&outputs, 0, step_method)?,
-                &options.sampling,
-                &mut rng,
-            )
-        };
-        stats.decode_tokens += 1;
-    }
-    stats.decode_seconds = t1.elapsed().as_secs_f64();
-    Ok(stats)
+    let next = decoder.feed(model, prompt)?;
+    let prefill_seconds = t0.elapsed().as_secs_f64();
+    let stats = decoder.generate(model, next, options, &mut sampler, &mut |id| {
+        on_token(id).map(|()| true)
+    })?;
+    Ok(Stats {
+        prompt_tokens: prompt.len(),
+        prefill_seconds,
+        prefill_calls: decoder.prefill_calls,
+        ..stats
+    })
 }
 
 /// Generate from `prompt`'s text and write the text to `out` as it comes:
@@ -686,5 +900,31 @@ mod tests {
         assert!(a.contains(&0) && a.contains(&1));
         assert_eq!(a, draw(7));
         assert_ne!(a, draw(8));
+    }
+
+    /// A decoder over KV caches goes back to any earlier position; one
+    /// with recurrent state goes back to the start, and its next feed
+    /// resets the state (a chat turn whose rendering differs from what the
+    /// state took in runs the conversation again).
+    #[test]
+    fn rewind_goes_to_the_start_of_recurrent_state() {
+        let decoder = |recurrent| Decoder {
+            step: "forward".into(),
+            prefill: None,
+            greedy: None,
+            cache: None,
+            tokens: vec![5, 6, 7],
+            prefill_calls: 0,
+            recurrent,
+            reset: false,
+        };
+        let mut caches = decoder(false);
+        assert_eq!(caches.rewind(2), 2);
+        assert_eq!((caches.tokens(), caches.reset), (&[5, 6][..], false));
+        let mut recurrent = decoder(true);
+        assert_eq!(recurrent.rewind(3), 3, "nothing to forget");
+        assert!(!recurrent.reset);
+        assert_eq!(recurrent.rewind(2), 0);
+        assert_eq!((recurrent.tokens(), recurrent.reset), (&[][..], true));
     }
 }

@@ -8,6 +8,8 @@
 //! [`compile::compile_pt2_cpu`] writes a `.pt2` as a `.pte` of
 //! ExecuTorch portable-kernel calls.
 
+pub mod audio;
+pub mod chat;
 pub mod compile;
 pub mod device;
 mod emit;
@@ -15,5 +17,6 @@ pub mod eval;
 pub mod generate;
 mod model;
 pub mod summary;
+pub mod transcribe;
 
 pub use model::{is_pte, Model};

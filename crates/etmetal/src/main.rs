@@ -1,7 +1,9 @@
-//! The `etmetal` command line: `compile`, `run`, `generate` and `inspect`
-//! (README: Command line). This file holds the arguments and what each
-//! command does with them; `inspect` and `run --bench` have modules of their
-//! own, and `generate`'s work is the library's `etmetal::generate`.
+//! The `etmetal` command line: `compile`, `run`, `generate`, `transcribe`,
+//! `chat` and `inspect` (README: Command line). This file holds the
+//! arguments and what each command does with them; `inspect` and `run
+//! --bench` have modules of their own, and the work of `generate`,
+//! `transcribe` and `chat` is the library's (`etmetal::generate`,
+//! `etmetal::transcribe`, `etmetal::chat`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -103,8 +105,10 @@ enum Partition {
 enum Command {
     /// Compile a `.pt2` archive into an ExecuTorch `.pte` program.
     Compile {
-        /// A `.pt2` archive written by `torch.export.save`: method `forward`.
-        model: PathBuf,
+        /// A `.pt2` archive written by `torch.export.save`: method `forward`
+        /// (optional where `--method` gives every method).
+        #[arg(required_unless_present = "methods")]
+        model: Option<PathBuf>,
         /// Another method of the same module, NAME=FILE.pt2 (`prefill=prefill.pt2`);
         /// repeatable. Buffers of the same name are one state in all methods.
         #[arg(long = "method", value_name = "NAME=FILE")]
@@ -159,6 +163,13 @@ enum Command {
     /// Generate text with a decoder `.pte`, streaming it to stdout; prefill
     /// and decode tokens/s go to stderr.
     Generate(GenerateArgs),
+    /// Transcribe a WAV file with a speech program (Whisper from
+    /// scripts/export_whisper.py, or a CTC model), streaming the text to
+    /// stdout; the real-time factor goes to stderr.
+    Transcribe(TranscribeArgs),
+    /// Chat with a decoder `.pte` in its chat template, the KV cache kept
+    /// across turns; prompts from the terminal, a file or stdin.
+    Chat(ChatArgs),
     /// Run a program and write its outputs as .npy files.
     ///
     /// NumPy has no bfloat16: bf16 outputs are written as float32, and a
@@ -255,6 +266,100 @@ struct GenerateArgs {
     repeat: usize,
 }
 
+/// Where GPU work runs, shared by the commands that run a `.pte`.
+#[derive(clap::Args)]
+struct DeviceArgs {
+    /// Where GPU work runs (as for `run`).
+    #[arg(long, value_enum, default_value = "auto", env = "ETMETAL_DEVICE")]
+    device: Device,
+    /// Tensor-core forms of f16/bf16 matrix products (as for `run`).
+    #[arg(long, value_enum, default_value = "off", env = "ETMETAL_COOP")]
+    coop: Coop,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum TaskArg {
+    Transcribe,
+    Translate,
+}
+
+/// `etmetal transcribe`'s options (crates/etmetal/src/transcribe/ does the work).
+#[derive(clap::Args)]
+struct TranscribeArgs {
+    /// A speech `.pte`: Whisper (methods `encoder` and `text_decoder`, from
+    /// scripts/export_whisper.py) or a CTC model (`forward(input_values
+    /// [1, samples]) -> logits`).
+    model: PathBuf,
+    /// A WAV file: any sample rate (resampled to 16 kHz) and channel count
+    /// (averaged); 8/16/24/32-bit integer or 32-bit float samples.
+    audio: PathBuf,
+    /// Whisper's language (`en`, `english`); detected from the first
+    /// window when not given (multilingual models).
+    #[arg(long, value_name = "L")]
+    language: Option<String>,
+    /// Whisper's task: `translate` writes English text.
+    #[arg(long, value_enum, default_value = "transcribe")]
+    task: TaskArg,
+    /// Whisper's timestamps: one `[start --> end] text` line per segment.
+    #[arg(long)]
+    timestamps: bool,
+    /// The folder with the model's tokenizer.json, generation_config.json
+    /// (Whisper) or vocab.json (CTC); default: the program's folder.
+    #[arg(long, value_name = "DIR")]
+    tokenizer: Option<PathBuf>,
+    /// Print each window's token ids (Whisper: the decoder's sequence, as
+    /// transformers' generate() returns it; CTC: each frame's) instead of text.
+    #[arg(long)]
+    ids: bool,
+    /// Write each window's model input (log-mel features, or CTC samples)
+    /// as DIR/window{k}.npy.
+    #[arg(long, value_name = "DIR")]
+    dump_features: Option<PathBuf>,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+/// `etmetal chat`'s options (crates/etmetal/src/chat.rs does the work).
+#[derive(clap::Args)]
+struct ChatArgs {
+    /// A decoder `.pte`, as for `generate`.
+    model: PathBuf,
+    /// The tokenizer folder (tokenizer.json, tokenizer_config.json or
+    /// chat_template.jinja with the chat template, generation_config.json),
+    /// or its tokenizer.json.
+    #[arg(long, value_name = "DIR")]
+    tokenizer: PathBuf,
+    /// A system prompt.
+    #[arg(long, value_name = "TEXT")]
+    system: Option<String>,
+    /// Read the user's turns from FILE, one a line (`-`: stdin), and print
+    /// each reply on a line; without it, stdin that is no terminal is read so.
+    #[arg(long, value_name = "FILE")]
+    prompts: Option<PathBuf>,
+    /// New tokens at most, per reply.
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    max_tokens: usize,
+    /// 0: greedy; above 0, sample softmax(logits / T).
+    #[arg(long, default_value_t = 0.0, value_name = "T")]
+    temperature: f32,
+    /// Sample only from the most likely tokens whose probabilities add up to P.
+    #[arg(long, default_value_t = 1.0, value_name = "P")]
+    top_p: f32,
+    /// Seed for sampling (default: from the clock).
+    #[arg(long, value_name = "S")]
+    seed: Option<u64>,
+    /// A token that ends a reply, by id or text; repeatable; replaces the
+    /// configured ones (generation_config.json's eos_token_id).
+    #[arg(long = "eos", value_name = "TOKEN")]
+    eos: Vec<String>,
+    /// A text that ends a reply (cut before it); repeatable; added to
+    /// generation_config.json's stop_strings.
+    #[arg(long = "stop", value_name = "TEXT")]
+    stop: Vec<String>,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
 fn main() -> ExitCode {
     // Mesa's Vulkan drivers print a line on stderr when XDG_RUNTIME_DIR is
     // unset (a headless server); our errors are one line, so give them one.
@@ -293,6 +398,7 @@ fn main() -> ExitCode {
                         max_buffer_bytes: max_buffer,
                         ..DeviceLimits::default()
                     },
+                    ..PartitionOptions::default()
                 },
                 ..CompileOptions::default()
             };
@@ -307,7 +413,7 @@ fn main() -> ExitCode {
             });
             compile_cmd(
                 &mut out,
-                &model,
+                model.as_deref(),
                 &methods,
                 &output,
                 &options,
@@ -318,6 +424,8 @@ fn main() -> ExitCode {
         }
         Command::Inspect { model, verbose } => cli::inspect::inspect(&mut out, &model, verbose),
         Command::Generate(args) => generate_cmd(&args),
+        Command::Transcribe(args) => transcribe_cmd(&args),
+        Command::Chat(args) => chat_cmd(&args),
         Command::Run {
             model,
             method,
@@ -380,7 +488,7 @@ struct Int4Options {
 #[allow(clippy::too_many_arguments)]
 fn compile_cmd(
     out: &mut String,
-    path: &Path,
+    path: Option<&Path>,
     extra: &[String],
     output: &Path,
     options: &CompileOptions,
@@ -389,7 +497,10 @@ fn compile_cmd(
     emit_msl: Option<&Path>,
 ) -> Result<()> {
     let start = Instant::now();
-    let mut files = vec![("forward".to_string(), path.to_path_buf())];
+    let mut files: Vec<(String, PathBuf)> = path
+        .map(|p| ("forward".to_string(), p.to_path_buf()))
+        .into_iter()
+        .collect();
     for m in extra {
         let (name, file) = m
             .split_once('=')
@@ -436,7 +547,10 @@ fn compile_cmd(
     // progress goes to stderr as it happens; the summary to stdout
     let compiled =
         compile::compile_methods(&methods, options, &mut |line| eprintln!("etmetal: {line}"))
-            .map_err(|e| e.context(format!("compiling {}", path.display())))?;
+            .map_err(|e| {
+                let first = files.first().map(|f| f.1.display().to_string());
+                e.context(format!("compiling {}", first.unwrap_or_default()))
+            })?;
     std::fs::write(output, &compiled.pte).map_err(|e| Error::io(output.display(), e))?;
     say!(
         out,
@@ -642,31 +756,47 @@ fn run(
     Ok(())
 }
 
-fn generate_cmd(args: &GenerateArgs) -> Result<()> {
-    use etmetal::generate::{self as gen, TextTokenizer};
-    let path = &args.model;
+/// Load the `.pte` at `path` for `what` (a command's name) on the device
+/// `device` asks for: every method, GPU delegates on the adapter chosen.
+fn load_pte(path: &Path, what: &str, device: Device, coop: Coop) -> Result<Model> {
     if !etmetal::is_pte(path)? {
         return Err(Error::invalid_input(format!(
-            "{}: generate runs a .pte; make one with `etmetal compile`",
+            "{}: {what} runs a .pte; make one with `etmetal compile`",
             path.display()
         )));
     }
     let program = etmetal_runtime::Program::load(path)?;
-    let placement = device::choose(
-        args.device.preference(),
-        path,
-        Workload::of_pte(program.file()),
-    )?;
+    let placement = device::choose(device.preference(), path, Workload::of_pte(program.file()))?;
     if let Some(warning) = &placement.warning {
         eprintln!("etmetal: warning: {warning}");
     }
-    let gpu = placement.backend(args.coop == Coop::Auto);
+    let gpu = placement.backend(coop == Coop::Auto);
     let mut options = etmetal_runtime::LoadOptions::default();
     if let Some(backend) = &gpu {
         options.backends.register(backend.clone())?;
     }
-    let mut model = Model::from_pte_program(program, options)
-        .map_err(|e| e.context(path.display().to_string()))?;
+    Model::from_pte_program(program, options).map_err(|e| e.context(path.display().to_string()))
+}
+
+/// `--seed`, or one from the clock.
+fn seed_or_clock(seed: Option<u64>) -> u64 {
+    seed.unwrap_or_else(|| {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        now.map_or(0, |d| d.as_nanos() as u64)
+    })
+}
+
+/// `--eos` tokens by id or text, or the tokenizer's configured ones.
+fn eos_ids(tokenizer: &etmetal::generate::TextTokenizer, eos: &[String]) -> Result<Vec<u32>> {
+    match eos.is_empty() {
+        true => Ok(tokenizer.eos.clone()),
+        false => eos.iter().map(|t| tokenizer.token_id(t)).collect(),
+    }
+}
+
+fn generate_cmd(args: &GenerateArgs) -> Result<()> {
+    use etmetal::generate::{self as gen, TextTokenizer};
+    let mut model = load_pte(&args.model, "generate", args.device, args.coop)?;
     if let Some(dir) = &args.replay {
         return gen::replay(&mut model, dir, args.steps, args.repeat);
     }
@@ -674,26 +804,14 @@ fn generate_cmd(args: &GenerateArgs) -> Result<()> {
         return Err(Error::invalid_input("--tokenizer and --prompt are needed"));
     };
     let tokenizer = TextTokenizer::load(tokenizer)?;
-    let eos = match args.eos.is_empty() {
-        true => tokenizer.eos.clone(),
-        false => args
-            .eos
-            .iter()
-            .map(|t| tokenizer.token_id(t))
-            .collect::<Result<_>>()?,
-    };
-    let seed = args.seed.unwrap_or_else(|| {
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
-        now.map_or(0, |d| d.as_nanos() as u64)
-    });
     let options = gen::Options {
         max_tokens: args.max_tokens,
         sampling: gen::Sampling {
             temperature: args.temperature,
             top_p: args.top_p,
-            seed,
+            seed: seed_or_clock(args.seed),
         },
-        eos,
+        eos: eos_ids(&tokenizer, &args.eos)?,
     };
     let stats = gen::generate_text(
         &mut model,
@@ -706,6 +824,111 @@ fn generate_cmd(args: &GenerateArgs) -> Result<()> {
         eprintln!("etmetal: generation stopped at the end of the KV cache");
     }
     eprintln!("etmetal: {}", stats.line());
+    Ok(())
+}
+
+fn transcribe_cmd(args: &TranscribeArgs) -> Result<()> {
+    use etmetal::transcribe::{self, Task};
+    let start = Instant::now();
+    // the audio first: a bad file fails before a GPU is opened
+    let audio = etmetal::audio::load_wav(&args.audio, etmetal::audio::SPEECH_RATE)?;
+    let mut model = load_pte(
+        &args.model,
+        "transcribe",
+        args.device.device,
+        args.device.coop,
+    )?;
+    transcribe::kind(&model).map_err(|e| e.context(args.model.display().to_string()))?;
+    let dir = match &args.tokenizer {
+        Some(dir) => dir.clone(),
+        None => args.model.parent().unwrap_or(Path::new(".")).to_path_buf(),
+    };
+    let options = transcribe::Options {
+        language: args.language.clone(),
+        task: match args.task {
+            TaskArg::Transcribe => Task::Transcribe,
+            TaskArg::Translate => Task::Translate,
+        },
+        timestamps: args.timestamps,
+        ids: args.ids,
+        dump_features: args.dump_features.clone(),
+    };
+    let load = start.elapsed().as_secs_f64();
+    let report = transcribe::transcribe(
+        &mut model,
+        &dir,
+        &audio,
+        &options,
+        &mut std::io::stdout().lock(),
+    )?;
+    eprintln!("etmetal: {} (load {load:.3} s)", report.line());
+    Ok(())
+}
+
+fn chat_cmd(args: &ChatArgs) -> Result<()> {
+    use etmetal::chat::{self, Chat, ChatOptions};
+    use etmetal::generate::{self as gen, TextTokenizer};
+    use std::io::{BufRead, IsTerminal, Write};
+    let mut model = load_pte(&args.model, "chat", args.device.device, args.device.coop)?;
+    let dir = chat::tokenizer_dir(&args.tokenizer);
+    let tokenizer = TextTokenizer::load(&chat::tokenizer_json(&args.tokenizer)?)?;
+    let mut stop = chat::configured_stop_strings(&dir)?;
+    stop.extend(args.stop.iter().cloned());
+    let options = ChatOptions {
+        generation: gen::Options {
+            max_tokens: args.max_tokens,
+            sampling: gen::Sampling {
+                temperature: args.temperature,
+                top_p: args.top_p,
+                seed: seed_or_clock(args.seed),
+            },
+            eos: eos_ids(&tokenizer, &args.eos)?,
+        },
+        stop,
+        system: args.system.clone(),
+    };
+    let mut chat = Chat::new(&mut model, &dir, options)?;
+    let interactive = args.prompts.is_none() && std::io::stdin().is_terminal();
+    let reader: Box<dyn BufRead> = match &args.prompts {
+        Some(p) if p.as_os_str() != "-" => Box::new(std::io::BufReader::new(
+            std::fs::File::open(p).map_err(|e| Error::io(p.display(), e))?,
+        )),
+        _ => Box::new(std::io::stdin().lock()),
+    };
+    if interactive {
+        eprintln!(
+            "etmetal: chat with {} (an empty line or end of input ends it)",
+            args.model.display()
+        );
+        eprint!("> ");
+    }
+    let mut stdout = std::io::stdout().lock();
+    for line in reader.lines() {
+        let line = line.map_err(|e| Error::io("stdin", e))?;
+        let text = line.trim_end_matches('\r');
+        if text.trim().is_empty() {
+            if interactive {
+                break;
+            }
+            continue;
+        }
+        let (_, stats) = chat.turn(&mut model, text, &mut |piece| {
+            stdout
+                .write_all(piece.as_bytes())
+                .and_then(|()| stdout.flush())
+                .map_err(|e| Error::io("stdout", e))
+        })?;
+        stdout
+            .write_all(b"\n")
+            .map_err(|e| Error::io("stdout", e))?;
+        if stats.decode.cache_full {
+            eprintln!("etmetal: the reply stopped at the end of the KV cache");
+        }
+        eprintln!("etmetal: {}", stats.line());
+        if interactive {
+            eprint!("> ");
+        }
+    }
     Ok(())
 }
 

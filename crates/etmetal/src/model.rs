@@ -72,22 +72,22 @@ impl Model {
         })
     }
 
-    /// A `.pte` program held in memory (every method; `forward` is
-    /// required), e.g. one just compiled from a `.pt2`.
+    /// A `.pte` program held in memory (every method), e.g. one just
+    /// compiled from a `.pt2`.
     pub fn from_pte_bytes(bytes: &[u8], options: etmetal_runtime::LoadOptions) -> Result<Model> {
         Model::from_pte_program(etmetal_runtime::Program::from_bytes(bytes)?, options)
     }
 
-    /// An already loaded `.pte` program (every method; `forward` is
-    /// required), run with `options`.
+    /// An already loaded `.pte` program (every method: `forward`, or
+    /// others such as Whisper's `encoder` and `text_decoder`), run with
+    /// `options`.
     pub fn from_pte_program(
         program: etmetal_runtime::Program,
         options: etmetal_runtime::LoadOptions,
     ) -> Result<Model> {
         let program = program.with_options(options);
-        if !program.method_names().contains(&"forward") {
-            // the error names the methods there are
-            program.method("forward")?;
+        if program.method_names().is_empty() {
+            return Err(Error::invalid_input("the program has no methods"));
         }
         let methods = program
             .method_names()
@@ -175,10 +175,9 @@ impl Model {
         }
     }
 
-    /// The inputs of `forward`.
+    /// The inputs of `forward` (none where the program has no `forward`).
     pub fn inputs(&self) -> Vec<TensorSpec> {
-        self.method_inputs("forward")
-            .expect("a loaded model has a forward method")
+        self.method_inputs("forward").unwrap_or_default()
     }
 
     /// All-ones inputs of the declared shapes and dtypes.

@@ -418,6 +418,26 @@ fn topk_largest_smallest_and_ties() {
     })
     .input_permuted(random(DType::BF16, &[3, 70, 2], 62), &[1, 2, 0])
     .check(0.0);
+    // int64 and int32 values (an MoE router's sort of its expert ids, as
+    // `torch.sort` exports it: top-k of every element), negatives and ties
+    for dtype in [DType::I64, DType::I32] {
+        let ids = Tensor::from_i64(
+            dtype,
+            &[2, 9],
+            &[3, -7, 3, 0, 12, 5, 5, -1, 2, 9, 9, 1, 0, 4, 8, 2, 7, 6],
+        )
+        .unwrap();
+        for largest in [true, false] {
+            OpCase::new(Op::TopK {
+                k: 9,
+                dim: 1,
+                largest,
+                sorted: true,
+            })
+            .input(ids.clone())
+            .check(0.0);
+        }
+    }
 }
 
 #[test]

@@ -146,6 +146,71 @@ fn methods_share_state_by_name() {
     assert_eq!(outs[2], first_again[0]);
 }
 
+/// `return acc * 2 + y`: a method that only reads the buffer `acc` (as
+/// `accumulator` does, starting at `init`).
+fn reader(init: Tensor) -> Graph {
+    let mut g = Graph::default();
+    let acc = g.add_constant("b_acc", init);
+    g.inputs.push((
+        acc,
+        InputKind::Buffer {
+            fqn: "acc".into(),
+            persistent: true,
+        },
+    ));
+    let y = g.add_value("y", DType::F32, vec![2]);
+    g.inputs.push((y, InputKind::User));
+    let two = g.add_constant("two", Tensor::from_f32(DType::F32, &[], &[2.0]).unwrap());
+    let (twice, out) = (
+        g.add_value("twice", DType::F32, vec![2]),
+        g.add_value("out", DType::F32, vec![2]),
+    );
+    for (name, op, a, b, o) in [
+        ("mul", BinaryOp::Mul, acc, two, twice),
+        ("add", BinaryOp::Add, twice, y, out),
+    ] {
+        g.nodes.push(Node {
+            name: name.into(),
+            target: "test".into(),
+            op: Op::Binary(op),
+            inputs: vec![Some(a), Some(b)],
+            outputs: vec![o],
+        });
+    }
+    g.outputs.push((out, OutputKind::User));
+    g
+}
+
+/// A method that only reads a buffer another method writes sees what that
+/// method wrote (not the initial value), on both backends; a reset gives
+/// it the initial value again.
+#[test]
+fn a_method_reading_a_buffer_sees_what_another_wrote() {
+    let init = Tensor::from_f32(DType::F32, &[2], &[1.0, 2.0]).unwrap();
+    let (write, read) = (accumulator(), reader(init));
+    for backend in [Backend::Cpu, Backend::Metal] {
+        let options = CompileOptions {
+            backend,
+            ..CompileOptions::default()
+        };
+        let compiled =
+            compile_methods(&[("write", &write), ("read", &read)], &options, &mut |_| {}).unwrap();
+        let gpu =
+            (backend == Backend::Metal).then(|| Arc::new(MetalBackend::new(DeviceChoice::Auto)));
+        let calls = [
+            ("write", [10.0, 20.0]),
+            ("read", [0.5, 0.5]),
+            ("read", [0.0, 0.0]),
+            ("write", [1.0, 1.0]),
+        ];
+        // acc = [1, 2], [11, 22] after the write; a reset before the third call
+        let (outs, _) = run_calls(&compiled.pte, gpu, &calls);
+        assert_eq!(outs[1], [22.5, 44.5], "{backend:?}");
+        assert_eq!(outs[2], [2.0, 4.0], "{backend:?}");
+        assert_eq!(outs[3], [4.0, 6.0], "{backend:?}");
+    }
+}
+
 /// [`Model::execute_method_borrowed`] of `x`: the first output's values.
 fn borrowed(model: &mut Model, method: &str, x: &Tensor) -> Vec<f64> {
     let mut out = vec![];

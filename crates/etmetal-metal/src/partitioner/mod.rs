@@ -19,7 +19,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
 use etmetal_core::{Error, Op, Result};
-use etmetal_graph::{Graph, ValueId};
+use etmetal_graph::{Graph, InputKind, ValueId};
 
 pub use support::{op_supported, supports, DeviceLimits};
 
@@ -38,6 +38,10 @@ pub struct PartitionOptions {
     /// Ops kept off the GPU, by [`Op::name`] (`"sdpa"`, `"add"`).
     pub skip_ops: Vec<String>,
     pub limits: DeviceLimits,
+    /// Buffers (by fully qualified name) that another method of the
+    /// program writes: a method that only reads one takes it as a delegate
+    /// input, never as a weight baked into the payload.
+    pub state: Vec<String>,
 }
 
 /// One delegated subgraph.
@@ -136,6 +140,13 @@ pub fn partition(graph: &Graph, options: &PartitionOptions) -> Result<Partitioni
         }
     }
     let mutations = graph.buffer_mutations()?;
+    // buffers this method reads and another writes: state here too
+    let written_elsewhere: Vec<ValueId> = (graph.inputs.iter())
+        .filter_map(|(v, kind)| match kind {
+            InputKind::Buffer { fqn, .. } if options.state.contains(fqn) => Some(*v),
+            _ => None,
+        })
+        .collect();
     let count = groups.live().count();
     let mut nodes_of: Vec<Vec<usize>> = vec![vec![]; count];
     for (i, id) in node_partition.iter().enumerate() {
@@ -146,7 +157,10 @@ pub fn partition(graph: &Graph, options: &PartitionOptions) -> Result<Partitioni
     let partitions: Vec<Partition> = nodes_of
         .into_iter()
         .enumerate()
-        .map(|(id, nodes)| describe(graph, id, nodes, &node_partition, &readers, &mutations))
+        .map(|(id, nodes)| {
+            let state = (&mutations[..], &written_elsewhere[..]);
+            describe(graph, id, nodes, &node_partition, &readers, state)
+        })
         .collect();
     Ok(Partitioning {
         partitions,
@@ -454,13 +468,14 @@ fn describe(
     nodes: Vec<usize>,
     node_partition: &[Option<usize>],
     readers: &HashMap<ValueId, Vec<usize>>,
-    mutations: &[(ValueId, ValueId)],
+    (mutations, written_elsewhere): (&[(ValueId, ValueId)], &[ValueId]),
 ) -> Partition {
     let readers = |v: ValueId| readers.get(&v).map_or(&[][..], Vec::as_slice);
     let graph_outputs: BTreeSet<ValueId> = graph.outputs.iter().map(|(v, _)| *v).collect();
     // a constant is delegated when every reader is delegated and it is not
-    // also returned or mutated
-    let is_mutated_buffer = |v: ValueId| mutations.iter().any(|&(b, _)| b == v);
+    // also returned or mutated (here or by another method)
+    let is_mutated_buffer =
+        |v: ValueId| mutations.iter().any(|&(b, _)| b == v) || written_elsewhere.contains(&v);
     let read_only_by_delegates =
         |v: ValueId| readers(v).iter().all(|&i| node_partition[i].is_some());
     let produced: BTreeSet<ValueId> = nodes

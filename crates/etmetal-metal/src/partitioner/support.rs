@@ -213,6 +213,7 @@ fn takes_int64(op: &Op) -> bool {
             | Op::Reduce { .. }
             | Op::ArgReduce { .. }
             | Op::ReduceWithIndices { .. }
+            | Op::TopK { .. }
             | Op::CumSum { .. }
             | Op::Cast { .. }
             | Op::Where
@@ -415,7 +416,13 @@ fn dtypes_taken(
             if *k > limits.max_topk {
                 return Err(format!("top-k with k = {k} (at most {})", limits.max_topk));
             }
-            float(required(ins, 0)?, 0)
+            // (an MoE router's sort of int64 expert ids: exact in i32)
+            let x = required(ins, 0)?;
+            if is_int_lane(x.dtype) {
+                Ok(())
+            } else {
+                float(x, 0)
+            }
         }
         Op::Var { .. }
         | Op::Softmax { .. }
@@ -728,6 +735,13 @@ mod tests {
             ..DeviceLimits::default()
         };
         assert_eq!(supports(&graph, &node, &wide), Ok(()));
+        // an MoE router's sort of int64 expert ids stays on the GPU
+        let (graph, mut node) = one_node(topk(4), &[(DType::I64, &[4])], (DType::I64, &[4]));
+        let idx = ValueId(graph.values.len());
+        let mut graph = graph;
+        graph.add_value("idx", DType::I64, vec![4]);
+        node.outputs.push(idx);
+        assert_eq!(supports(&graph, &node, &DeviceLimits::default()), Ok(()));
     }
 
     #[test]

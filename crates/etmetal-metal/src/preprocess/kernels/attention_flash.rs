@@ -28,7 +28,8 @@
 //! 1. the workgroup stages the key and value tiles in workgroup memory
 //!    (8 bytes a load; zeros past the end of keys);
 //! 2. each subgroup computes `S = Q·Kᵀ` (16 × bc) and stores it;
-//! 3. two lanes a row turn their half of the row into scores in log2 units
+//! 3. two lanes a row (pairs by subgroup and lane, which Vulkan does not
+//!    tie to the local index) turn their half of the row into scores in log2 units
 //!    (`S · scale · log2 e · 2^-(sq + sk)`, masked as the portable kernel
 //!    masks), reduce the row's max, and write `P = 2^(x − m)` as f16
 //!    scaled by 2^[`P_EXP`], summing it in f32. The reference `m` moves
@@ -503,6 +504,7 @@ fn kernel(
          \x20 let qh = {qh};\n  let kh = {kh};\n  let vh = {vh};\n\
          \x20 let f = unscale({}, {eq}, {ek});\n\
          \x20 let r = sl / 2u;\n  let hf = sl % 2u;\n  let row = sg * {RS}u + r;\n\
+         \x20 let lane = sg * {SUBGROUP}u + sl;\n\
          \x20 let gi = i0 + row;\n  let qi = min(gi, {}u);\n",
         a.block_lets("g1", br, blocks),
         a.batch_lets(),
@@ -599,7 +601,7 @@ fn kernel(
          \x20     let jj = hf * {half}u + c;\n      let key = t0 + jj;\n\
          \x20     var x = sc[row * {sw}u + jj] * f;\n{}\
          \x20     sc[row * {sw}u + jj] = x;\n      mx = max(mx, x);\n    }}\n\
-         \x20   rm[lid] = mx;\n    workgroupBarrier();\n    mx = max(mx, rm[lid ^ 1u]);\n\
+         \x20   rm[lane] = mx;\n    workgroupBarrier();\n    mx = max(mx, rm[lane ^ 1u]);\n\
          \x20   var al = 1.0;\n\
          \x20   if (mx > mref + {}) {{\n\
          \x20     al = exp2(mref - mx);\n      if (mref != {ninf}) {{ resc = 1u; }}\n\
@@ -612,14 +614,14 @@ fn kernel(
          \x20     sum = sum + p.x + p.y;\n\
          \x20     let h = vec2<f16>(p * {});\n\
          \x20     pt[row * {pw}u + jj] = h.x;\n      pt[row * {pw}u + jj + 1u] = h.y;\n    }}\n\
-         \x20   rs[lid] = sum;\n",
+         \x20   rs[lane] = sum;\n",
         indent(&masked, 6),
         float_literal(TAU),
         float_literal(2f64.powi(P_EXP))
     );
     // (the barrier inside the uniform load also orders rs, pt and rowa)
     m.push_str(
-        "    let rescale = workgroupUniformLoad(&resc);\n    l = l + sum + rs[lid ^ 1u];\n    if (rescale != 0u) {\n",
+        "    let rescale = workgroupUniformLoad(&resc);\n    l = l + sum + rs[lane ^ 1u];\n    if (rescale != 0u) {\n",
     );
     // (rare) the accumulators rescaled by their rows' factors
     m.push_str(&indent(

@@ -269,10 +269,10 @@ impl Qmv<'_> {
         let _ = writeln!(
             s,
             "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n{prologue}\n\
-             \x20 let n0 = (g % {blocks}u) * {};\n  let m0 = (g / {blocks}u) * {mb}u;\n\
+             \x20 let n0 = (g % {blocks}u) * {}u;\n  let m0 = (g / {blocks}u) * {mb}u;\n\
              \x20 let grp = lid / {threads}u;\n  let tl = lid % {threads}u;",
             blocks * mblocks,
-            format!("{}u", cols * groups)
+            cols * groups
         );
         if self.experts.is_some() {
             let count = self.packed.shape[0];

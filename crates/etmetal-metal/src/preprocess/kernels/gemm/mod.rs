@@ -29,5 +29,7 @@ mod tiled;
 
 pub(super) use coop::HELPERS as F16_SCALING_WGSL;
 pub(super) use dequant::Int4Operands;
-pub(super) use gemv::{column_groups, reduce_sums, Gemv, GEMV_ROWS, GROUP_FILL};
+#[cfg(test)]
+pub(super) use gemv::GROUP_FILL;
+pub(super) use gemv::{column_groups, reduce_sums, Gemv, GEMV_ROWS};
 pub(super) use spec::{Epilogue, F16Scaling, Gemm, GemmArgs, GemvArgs};
