@@ -72,8 +72,6 @@ ARCHS = {
 # CI's (kind, backend) pairs: MoE routing, partial rotary with LayerNorm,
 # soft-capping with a sliding window (the survey runs MoE on the GPU)
 ARCHS_FAST = {("mixtral", "cpu"), ("phi", "metal"), ("gemma2", "cpu")}
-# MoE routing's argsort of int64 expert ids (WGSL has no 64-bit integers)
-ARCHS_CPU_NODES = {"mixtral": 2, "qwen3_moe": 2}
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
 
@@ -83,8 +81,6 @@ COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention
 # own cache API by export_llm.StateCacheRecipe. CI runs HYBRID_FAST.
 HYBRID = {name: (cls, config, kw) for name, cls, config, kw, _ in survey.HYBRID}
 HYBRID_FAST = {"qwen3_5", "mamba2"}
-# MoE routing's argsort of int64 expert ids, as in ARCHS_CPU_NODES
-HYBRID_CPU_NODES = {"qwen3_5_moe": 2, "qwen3_next": 2, "jamba": 1}
 
 
 def tiny(kind: str):
@@ -174,16 +170,29 @@ HYBRID_CASES = [k for k in HYBRID if os.environ.get("ETMETAL_SURVEY") == "full" 
 def test_hybrid_decoder_keeps_its_recurrent_state_on_the_gpu(kind, etmetal, tmp_path):
     """A hybrid linear-attention or state-space LM through transformers'
     cache API (`export_llm.StateCacheRecipe`): a prefill of PREFILL tokens
-    and decode steps, every step's logits against eager; both methods run
-    on the GPU (no node on the CPU but MoE routing's int64 argsort) and the
-    decode step keeps every state of the cache on the GPU: the recurrent
-    and convolution states and the attention layers' KV caches."""
+    and decode steps, every step's logits against eager; every node of
+    both methods runs on the GPU (MoE routing's sort of int64 expert ids
+    too) and the decode step keeps every state of the cache on the GPU:
+    the recurrent and convolution states and the attention layers' KV
+    caches. At run time a decode step after a decode step moves only its
+    inputs to the GPU and its logits back (the switch from prefill moves
+    the state once)."""
     report = check_recipe_steps(kind, etmetal, tmp_path, "metal", 3, prompt=PREFILL)
     wrapper = export_llm.recipe(tiny(kind), CACHE)
-    state = {name for name, _ in wrapper.model.named_buffers()
+    buffers = dict(wrapper.model.named_buffers())
+    state = {name for name in buffers
              if name.startswith(("conv_state", "recurrent_state", "key_cache", "value_cache"))}
     assert any(n.startswith("recurrent_state") for n in state), state
     assert state <= resident_state(report, "forward"), report
+    state_bytes = sum(buffers[n].nbytes for n in state)
+    # the replay's steps: prefill, then 3 decode steps (token and position
+    # int64, logits [1, 1, vocab] f32)
+    logits = 4 * tiny(kind).config.vocab_size
+    for k in (2, 3):
+        moved = dict(line.split() for line in (tmp_path / f"step{k}_transfers.txt").read_text().splitlines())
+        up, back = int(moved["uploaded"]), int(moved["read_back"])
+        # (at most the inputs' 16 bytes: the GPU takes int64 as 32-bit)
+        assert up <= 16 and back == logits, f"decode step {k}: {moved} (state: {state_bytes} bytes)"
 
 
 FULL = os.environ.get("ETMETAL_SURVEY") == "full"
@@ -211,9 +220,9 @@ def check_recipe_steps(kind, etmetal, tmp_path, backend: str, decode_steps: int,
     pte = tmp_path / "model.pte"
     report = compile_pte(etmetal, files, pte, backend=backend)
     if backend == "metal":
-        cpu_nodes = ARCHS_CPU_NODES.get(kind, HYBRID_CPU_NODES.get(kind, 0))
+        # every node on the GPU, MoE routing's sort of int64 expert ids too
         for method in ("forward", "prefill"):
-            assert f"kernel(s); {cpu_nodes} node(s) on the cpu" in report.split(f"method `{method}`")[1], report
+            assert "kernel(s); 0 node(s) on the cpu" in report.split(f"method `{method}`")[1], report
         assert report.count("state kept on the GPU") == 2, report
     # eager: the recipe module, its cache advancing as etmetal's does; the
     # prompt padded to PREFILL (what `etmetal generate` does), then greedy

@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use etmetal_core::{npy, DType, Error, Result, Tensor, TensorSpec};
+use etmetal_metal_runtime::MetalBackend;
 
 use crate::Model;
 
@@ -836,8 +837,18 @@ pub fn generate_text(
 /// name from `step{k}_method.txt`, `forward` without it) and writes
 /// `step{k}_output{i}.npy`. With `repeat` R > 1 the state is reset and the
 /// steps run again, run r writing `run{r}_step{k}_output{i}.npy`. What the
-/// parity suite compares with eager PyTorch at every step.
-pub fn replay(model: &mut Model, dir: &Path, steps: usize, repeat: usize) -> Result<()> {
+/// parity suite compares with eager PyTorch at every step. With `gpu` (the
+/// backend the model's delegates run on) each step also writes
+/// `step{k}_transfers.txt`: the bytes it uploaded to the GPU and read back
+/// (`uploaded N` and `read_back M` lines), which show whether its state
+/// stayed on the GPU.
+pub fn replay(
+    model: &mut Model,
+    dir: &Path,
+    steps: usize,
+    repeat: usize,
+    gpu: Option<&MetalBackend>,
+) -> Result<()> {
     for r in 0..repeat {
         if r > 0 {
             model.reset_state()?;
@@ -856,9 +867,20 @@ pub fn replay(model: &mut Model, dir: &Path, steps: usize, repeat: usize) -> Res
             let inputs = (0..model.method_inputs(&method)?.len())
                 .map(|i| npy::read(&dir.join(format!("step{k}_input{i}.npy"))))
                 .collect::<Result<Vec<_>>>()?;
+            let before = gpu.map(MetalBackend::stats);
             let outputs = model
                 .execute_method(&method, inputs)
                 .map_err(|e| e.context(format!("step {k} (method `{method}`)")))?;
+            if let (Some(gpu), Some(before)) = (gpu, before) {
+                let after = gpu.stats();
+                let file = dir.join(format!("{run}step{k}_transfers.txt"));
+                let text = format!(
+                    "uploaded {}\nread_back {}\n",
+                    after.bytes_uploaded - before.bytes_uploaded,
+                    after.bytes_read_back - before.bytes_read_back
+                );
+                std::fs::write(&file, text).map_err(|e| Error::io(file.display(), e))?;
+            }
             for (i, t) in outputs.iter().enumerate() {
                 npy::write(&dir.join(format!("{run}step{k}_output{i}.npy")), t)?;
             }
