@@ -21,6 +21,7 @@
 //! [`etmetal_metal::payload::State`], its new value is no delegate output
 //! and the chain has no `copy_` for it.
 
+use std::collections::HashSet;
 use std::path::Path;
 
 use etmetal_core::{Error, Op, Result};
@@ -163,6 +164,7 @@ fn lower(
 ) -> Result<(LoweredMethod, MethodReport)> {
     let mut g = graph.clone();
     check_signature(&g)?;
+    let unread_state = unread_state(&g)?;
     let mut payloads = vec![];
     let mut reports = vec![];
     let mut cpu_nodes = vec![];
@@ -241,6 +243,7 @@ fn lower(
             graph: g,
             payloads,
             resident: resident.iter().map(|r| r.buffer).collect(),
+            unread_state,
         },
         MethodReport {
             name: name.to_string(),
@@ -250,6 +253,20 @@ fn lower(
             folded_nodes: folded,
         },
     ))
+}
+
+/// The mutated buffers (by name) whose value before the call `g` never
+/// reads: no node and no output takes the buffer input itself.
+fn unread_state(g: &Graph) -> Result<HashSet<String>> {
+    let mut out = HashSet::new();
+    for (buffer, _) in g.buffer_mutations()? {
+        let read = g.nodes.iter().any(|n| n.inputs.contains(&Some(buffer)))
+            || g.outputs.iter().any(|(v, _)| *v == buffer);
+        if !read {
+            out.insert(buffer_fqn(g, buffer)?);
+        }
+    }
+    Ok(out)
 }
 
 /// `(partition, buffer)` of each mutated buffer that one partition reads
