@@ -257,8 +257,8 @@ pub(crate) struct Lowering<'g> {
     /// The actual dims of buffers holding dynamic graph values.
     pub dims: sizes::BufferDims,
     /// While a size bucket's variant is lowered: its 0/1 gate, by which
-    /// every dispatch's run-time count is multiplied.
-    pub gate: Option<SymExpr>,
+    /// every dispatch's run-time count is multiplied (set by [`Lowering::gated`]).
+    gate: Option<SymExpr>,
     /// The buffers of resident state inputs ([`Boundary::resident`]): the
     /// partition may write them in place.
     resident: HashSet<BufferIdx>,
@@ -1197,6 +1197,20 @@ impl<'g> Lowering<'g> {
         }
         self.scatters.push(s);
         Ok(())
+    }
+
+    /// Run `lower` with every dispatch it adds gated to `gate` (a bucket of
+    /// a run-time size: the dispatch runs only where the size falls in it),
+    /// the previous gate back afterwards, whatever `lower` returns.
+    pub fn gated<T>(
+        &mut self,
+        gate: SymExpr,
+        lower: impl FnOnce(&mut Lowering) -> Result<T>,
+    ) -> Result<T> {
+        let outer = self.gate.replace(gate);
+        let lowered = lower(self);
+        self.gate = outer;
+        lowered
     }
 
     /// Dispatch the row writes waiting (one kernel), outside any size gate.
