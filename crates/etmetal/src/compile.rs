@@ -188,12 +188,7 @@ fn lower(
             ));
         }
         let kept = resident_buffers(&g, &parts)?;
-        // every buffer of a payload within the limit the values were checked
-        // against, so it loads wherever they fit
-        let pre_options = PreprocessOptions {
-            max_buffer_bytes: options.partition.limits.max_buffer_bytes,
-            ..options.preprocess.clone()
-        };
+        let pre_options = options.preprocess.within(&options.partition.limits);
         for p in &parts.partitions {
             let here: Vec<ResidentBuffer> = kept
                 .iter()

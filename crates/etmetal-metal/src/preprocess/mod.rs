@@ -96,12 +96,13 @@ impl Default for PreprocessOptions {
 }
 
 impl PreprocessOptions {
-    /// The default options within the buffer limit of `limits` (what the
-    /// partitioner checked the partition's values against).
-    pub fn within(limits: &DeviceLimits) -> PreprocessOptions {
+    /// These options within the buffer limit of `limits` (what the
+    /// partitioner checked the partition's values against): every buffer
+    /// of the payload fits where the values were checked to fit.
+    pub fn within(&self, limits: &DeviceLimits) -> PreprocessOptions {
         PreprocessOptions {
             max_buffer_bytes: limits.max_buffer_bytes,
-            ..PreprocessOptions::default()
+            ..self.clone()
         }
     }
 }
