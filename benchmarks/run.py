@@ -210,16 +210,17 @@ class Step(nn.Module):
         return self.m(input_ids=tokens, cache_position=positions)
 
 
-def llama(**config) -> nn.Module:
+def llama(device="cpu", **config) -> nn.Module:
     """A random transformers Llama of `config` (LLAMA_1B's keys) in bf16
     behind transformers' static-cache recipe (scripts/export_llm.py; the
-    cache takes the model's dtype when the recipe is made)."""
+    cache takes the model's dtype and device when the recipe is made, and
+    `.to(device)` does not move it afterwards, so the model is moved first)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(REPO / "scripts"))
     from export_llm import recipe
 
-    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.bfloat16).eval()
+    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.bfloat16).eval().to(device)
     return Step(recipe(model, LLAMA_CACHE).model)
 
 
@@ -276,13 +277,13 @@ def model_cases() -> dict[str, ModelCase]:
         "llama_decode": ModelCase(lambda: full_decoder(True), tokens(32000, 1, PREFILL)),
         "gpt_prefill128": ModelCase(lambda: full_decoder(False), tokens(50257, PREFILL, 0)),
         "gpt_decode": ModelCase(lambda: full_decoder(False), tokens(50257, 1, PREFILL)),
-        "llama1b_decode512": ModelCase(lambda: llama(**LLAMA_1B), tokens(vocab, 1, LLAMA_CTX),
+        "llama1b_decode512": ModelCase(lambda device="cpu": llama(device, **LLAMA_1B), tokens(vocab, 1, LLAMA_CTX),
                                        dtypes=("bf16", "int4"), cpu=False, roofline=(LLAMA_1B, LLAMA_CTX),
                                        recipe=True),
         "llama1b_user_decode512": ModelCase(user_llama1b, tokens(vocab, 1, LLAMA_CTX),
                                             dtypes=("bf16", "int4", "f32"), cpu=False,
                                             roofline=(LLAMA_1B, LLAMA_CTX)),
-        "llama1b_prefill512": ModelCase(lambda: llama(**LLAMA_1B), tokens(vocab, LLAMA_CTX, 0),
+        "llama1b_prefill512": ModelCase(lambda device="cpu": llama(device, **LLAMA_1B), tokens(vocab, LLAMA_CTX, 0),
                                         dtypes=("bf16", "int4"), cpu=False, recipe=True),
     }
 
@@ -291,11 +292,13 @@ def seed_of(name: str) -> int:
     return sum(name.encode()) * 7919
 
 
-def make_model(name: str, dtype: str):
-    """Module (eval, weights from the name's seed) and its inputs, both in `dtype` where floating."""
+def make_model(name: str, dtype: str, device="cpu"):
+    """Module (eval, weights from the name's seed) and its inputs, both in
+    `dtype` where floating; a recipe's module is made on `device` (its
+    cache cannot be moved afterwards), the others on the CPU."""
     case = model_cases()[name]
     torch.manual_seed(seed_of(name))
-    module = case.make().eval()
+    module = (case.make(device=device) if case.recipe else case.make()).eval()
     xs = case.inputs(torch.Generator().manual_seed(seed_of(name) + 1))
     if DTYPES[dtype] == torch.bfloat16:
         module = module.to(torch.bfloat16)
@@ -720,7 +723,8 @@ def torch_side(name: str, dt: str, scratch: Path, shared: dict) -> dict:
     pt2 = scratch / f"{name}.{dt}.pt2"
     export_save(module, xs, pt2, case.recipe)
     cuda_xs = tuple(x.cuda() for x in xs)
-    m = module.cuda()
+    # (a recipe's cache stays where it was made: the same seed, made on the GPU)
+    m = make_model(name, dt, "cuda")[0] if case.recipe else module.cuda()
     with torch.no_grad():
         # decoders write the same cache slot every call, so outputs repeat
         want = as_tuple(m(*cuda_xs))[0]

@@ -231,7 +231,44 @@ class InPlaceState(nn.Module):
         return h.sum(1) + self.cache.sum(1) * self.count
 
 
-STATEFUL = {"inplace_state"}
+class Recurrence:
+    """Tensors held by a plain object, as transformers' cache layers hold
+    their states: `torch.export`'s non-strict mode lifts them as
+    constants."""
+
+    def __init__(self):
+        self.state = torch.zeros(2, 4)
+        self.seen = torch.zeros(2, 1)
+
+
+class LiftedState(nn.Module):
+    """State held outside the module's attributes and written in place:
+    `rec.state` is also registered as the buffer `state` (one tensor, two
+    names, as transformers' recipe registers its caches), written through
+    a `to` that returns it; `rec.seen` is registered nowhere, so the export
+    keeps it as a lifted constant that the graph writes. Also tensor_split
+    by indices and by sections, and eye (n, and n by m with a dtype).
+    STATEFUL: outputs of a second call are saved too."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.rec = Recurrence()
+        self.register_buffer("state", self.rec.state, persistent=False)
+
+    def forward(self, x):
+        a, b, _ = torch.tensor_split(x, [3, 4], dim=1)
+        p, q = torch.tensor_split(x[:, :5], 2, dim=1)
+        h = self.fc(torch.cat([a, b], 1))
+        prev = self.rec.seen.clone()
+        s = self.rec.state.to(torch.float32)
+        s.copy_(s * 0.5 + h @ (torch.eye(4) * 0.5 + 0.25))
+        self.rec.seen.copy_(b)
+        e = torch.eye(2, 3, dtype=torch.float64).sum().float()
+        return self.rec.state.sum(1) + prev.squeeze(1) + p.sum(1) * q.sum(1) + e
+
+
+STATEFUL = {"inplace_state", "lifted_state"}
 
 
 def fixtures():
@@ -252,6 +289,7 @@ def fixtures():
     yield "ops_misc", OpsMisc(), ops_inputs, False
     yield "ops_misc_decomposed", OpsMisc(), ops_inputs, True
     yield "inplace_state", InPlaceState(), (torch.randn(3, 4), torch.tensor([3, 1])), False
+    yield "lifted_state", LiftedState(), (torch.randn(2, 7),), False
 
 
 # Bounded dynamic shapes, under dynamic/ (the static fixtures' tests run

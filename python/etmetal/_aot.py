@@ -77,8 +77,12 @@ def _pt2_bytes(ep: ExportedProgram) -> bytes:
             continue
         changed.append((node, node.target, node.args, node.kwargs))
         node.target, node.args, node.kwargs = call
-    # the edge verifier (save validates) would refuse the ATen targets
-    verifiers, ep._verifiers = ep._verifiers, [Verifier]
+    # the edge verifier (save validates) would refuse the ATen targets; an
+    # ATen program (before `to_edge`, as `ops_to_not_decompose` sees it)
+    # keeps its own, which takes its in-place ops (a KV cache's `copy_`)
+    verifiers = ep._verifiers
+    if changed:
+        ep._verifiers = [Verifier]
     try:
         buf = io.BytesIO()
         torch.export.save(ep, buf)

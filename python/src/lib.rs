@@ -161,7 +161,7 @@ fn preprocess<'py>(
         .filter(|(_, kind)| *kind == OutputKind::User)
         .map(|(v, _)| *v)
         .collect();
-    let within = PreprocessOptions::within(&options.limits);
+    let within = PreprocessOptions::default().within(&options.limits);
     let pre = etmetal_metal::preprocess::preprocess(&g, &p, &within)
         .map_err(|e| py_err(e.context(format!("{BACKEND_ID} preprocess"))))?;
     let named = pre

@@ -41,6 +41,8 @@ FAST = {
     "hf_beit",  # meshgrid for its relative position bias
     "hf_efficientnet",  # a ceil-mode pool whose kernel exceeds its input
     "tv_densenet169",  # cats of up to 33 parts, each written by kernels of 8 bindings
+    "hf_qwen3_5",  # the chunked gated delta rule (forward substitution, eye, tensor_split)
+    "hf_mamba2",  # Mamba-2's chunked SSD scan and the causal convolution
 }
 
 
@@ -192,6 +194,28 @@ def audio(g):
     return (torch.randn(1, 1600, generator=g),)
 
 
+# linear-attention layers of the Qwen hybrids: 2 key heads, 4 value heads of 8
+LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+              linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"])
+QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+MAMBA = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4)
+# (name, model class, config class, config, why nodes stay on the cpu)
+HYBRID = [
+    ("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(DECODER, **LINEAR), None),
+    ("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", dict(DECODER, **LINEAR, **QWEN_MOE), None),
+    ("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig", dict(DECODER, **LINEAR, **QWEN_MOE), None),
+    ("mamba", "MambaForCausalLM", "MambaConfig", dict(MAMBA, time_step_rank=4, use_cache=False), None),
+    ("mamba2", "Mamba2ForCausalLM", "Mamba2Config",
+     dict(MAMBA, num_heads=8, head_dim=8, n_groups=1, chunk_size=8, use_cache=False), None),
+    ("jamba", "JambaForCausalLM", "JambaConfig",
+     dict(DECODER, num_experts=2, num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+          attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4), None),
+    ("falcon_h1", "FalconH1ForCausalLM", "FalconH1Config",
+     dict(DECODER, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
+          mamba_expand=2, mamba_chunk_size=8), None),
+]
+
+
 def transformers_entries() -> list[Entry]:
     enc = dict(SMALL, type_vocab_size=2)
     e = [
@@ -252,6 +276,10 @@ def transformers_entries() -> list[Entry]:
         ("lfm2", "Lfm2ForCausalLM", "Lfm2Config", {"layer_types": ["conv", "full_attention"]}),
     ]:
         e.append(Entry(f"hf_{name}", hf(cls, config, **{**DECODER, **extra}), tokens()))
+    # Hybrid linear-attention and state-space LMs: their recurrences (the
+    # chunked gated delta rule, the selective scan, Mamba-2's chunked SSD
+    # scan, the causal short convolution) export as loops of ATen ops
+    e += [Entry(f"hf_{name}", hf(cls, config, **kw), tokens(), cpu_reason=why) for name, cls, config, kw, why in HYBRID]
     more = [
         ("gpt_neo", "GPTNeoForCausalLM", "GPTNeoConfig", dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=8, max_position_embeddings=64, use_cache=False)),
         ("codegen", "CodeGenForCausalLM", "CodeGenConfig", dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64, n_ctx=64, use_cache=False)),

@@ -149,6 +149,19 @@ class NarrowLastDim(nn.Module):
         return x.narrow(-1, 0, half) * 2.0 + x.narrow(-1, half, half)
 
 
+class TensorSplit(nn.Module):
+    """tensor_split of a dynamic dim (Mamba and Mamba-2 split their scan's
+    sequence so): at a SymInt index, at an index counted from the end, and into
+    sections whose sizes follow the run-time size."""
+
+    def forward(self, x, y):
+        n = x.shape[-1]
+        a, b, c = torch.tensor_split(x, (3, n - 1), dim=-1)
+        d, e = torch.tensor_split(x, (-2,), dim=-1)
+        f, g, h = torch.tensor_split(y, 3, dim=-1)
+        return a * 2, b + 1, c * 3, d - 1, e * 4, f * 2, g + 1, h * 3
+
+
 class TopK(nn.Module):
     def __init__(self):
         super().__init__()
@@ -209,6 +222,9 @@ CASES = [
         metal_cpu=("sdpa",),
     ),
     Case("seed_narrow_last_dim", NarrowLastDim, lambda n: [(2, 4, 2 * n)], lambda d: ({2: 2 * d},), 1, 16, 5),
+    # (y's size 3n+1: sections of it are n+1, n and n)
+    Case("tensor_split", TensorSplit, lambda n: [(2, n), (2, 3 * n + 1)], lambda d: ({1: d}, {1: 3 * d + 1}),
+         6, 16, 11, example=8),
     Case("seed_topk_batch", TopK, lambda n: [(n, 64)], batch0(), 1, 16, 5, metal_cpu=("top_k",)),
 ]
 CASES_BY_NAME = {c.name: c for c in CASES}

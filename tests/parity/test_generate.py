@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import eval_llm  # noqa: E402
 import export_llm  # noqa: E402
 
+import survey  # noqa: E402
 from runner import to_npy  # noqa: E402
 
 PROMPT = 6
@@ -71,10 +72,15 @@ ARCHS = {
 # CI's (kind, backend) pairs: MoE routing, partial rotary with LayerNorm,
 # soft-capping with a sliding window (the survey runs MoE on the GPU)
 ARCHS_FAST = {("mixtral", "cpu"), ("phi", "metal"), ("gemma2", "cpu")}
-# MoE routing's argsort of int64 expert ids (WGSL has no 64-bit integers)
-ARCHS_CPU_NODES = {"mixtral": 2, "qwen3_moe": 2}
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
+
+
+# Hybrid linear-attention and state-space LMs (the survey's configs), whose
+# cache transformers' recipe does not take: exported through transformers'
+# own cache API by export_llm.StateCacheRecipe. CI runs HYBRID_FAST.
+HYBRID = {name: (cls, config, kw) for name, cls, config, kw, _ in survey.HYBRID}
+HYBRID_FAST = {"qwen3_5", "mamba2"}
 
 
 def tiny(kind: str):
@@ -83,7 +89,10 @@ def tiny(kind: str):
 
     torch.manual_seed(0)
     common = COMMON
-    if kind == "llama":
+    if kind in HYBRID:
+        cls, config, kw = HYBRID[kind]
+        model = getattr(transformers, cls)(getattr(transformers, config)(**dict(kw, use_cache=True)))
+    elif kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **common))
     elif kind in ARCHS:
         cls, config, extra = ARCHS[kind]
@@ -96,6 +105,14 @@ def tiny(kind: str):
         model = Gemma3ForCausalLM(config)
     model.generation_config.use_cache = True
     return model.eval()
+
+
+def resident_state(report: str, method: str) -> set[str]:
+    """The buffers `etmetal compile`'s report says `method` keeps on the GPU
+    (the report of a one-method program names no method)."""
+    part = report.split(f"method `{method}`")[1].split("method `")[0] if "method `" in report else report
+    line = next((ln for ln in part.splitlines() if "state kept on the GPU:" in ln), "")
+    return {name.strip() for name in line.split(":", 1)[-1].split(",") if name.strip()}
 
 
 def compile_pte(etmetal, files: list[Path], pte: Path, extra=(), backend="metal") -> str:
@@ -112,6 +129,72 @@ def test_recipe_decoder_matches_eager_at_every_step(kind, etmetal, tmp_path):
     check_recipe_steps(kind, etmetal, tmp_path, "metal", STEPS)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_non_strict_recipe_export_matches_eager_at_every_step(kind, etmetal, tmp_path):
+    """The recipe exported with `strict=False`: its caches are lifted
+    constants that the graph writes (`copy_`, `index_copy_`), which etmetal
+    keeps as state under the names of the buffers they are, on the GPU."""
+    report = check_recipe_steps(kind, etmetal, tmp_path, "metal", 4, strict=False)
+    caches = {f"{kv}_cache_{i}" for kv in ("key", "value") for i in range(3 if kind == "gemma3" else 2)}
+    assert caches <= resident_state(report, "forward"), report
+
+
+def test_non_strict_recipe_export_quantizes_as_the_strict_one(etmetal, tmp_path):
+    """`--quantize int4` of the non-strict export gives the strict export's
+    logits at every step (one graph, its state under the same names)."""
+    wrapper = export_llm.recipe(tiny("llama"), CACHE)
+    g = torch.Generator().manual_seed(3)
+    steps = [("prefill", (torch.randint(0, 96, (1, PREFILL), generator=g), torch.arange(PREFILL)))]
+    steps += [("forward", (torch.randint(0, 96, (1, 1), generator=g), torch.tensor([PREFILL + k]))) for k in range(3)]
+    got = {}
+    for strict in (True, False):
+        files = []
+        for name, tokens in [("forward", 1), ("prefill", PREFILL)]:
+            files.append(tmp_path / f"{name}-{strict}.pt2")
+            torch.export.save(export_llm.export_step(wrapper, tokens, strict=strict), files[-1])
+        pte = tmp_path / f"int4-{strict}.pte"
+        compile_pte(etmetal, files, pte, extra=["--quantize", "int4"])
+        run = tmp_path / f"run-{strict}"
+        run.mkdir()
+        r = etmetal.replay(pte, steps, run)
+        assert r.returncode == 0, r.stderr
+        got[strict] = [np.load(run / f"step{k}_output0.npy") for k in range(len(steps))]
+    for k, (a, b) in enumerate(zip(got[True], got[False])):
+        np.testing.assert_array_equal(a, b, err_msg=f"step {k}")
+
+
+HYBRID_CASES = [k for k in HYBRID if os.environ.get("ETMETAL_SURVEY") == "full" or k in HYBRID_FAST]
+
+
+@pytest.mark.parametrize("kind", HYBRID_CASES)
+def test_hybrid_decoder_keeps_its_recurrent_state_on_the_gpu(kind, etmetal, tmp_path):
+    """A hybrid linear-attention or state-space LM through transformers'
+    cache API (`export_llm.StateCacheRecipe`): a prefill of PREFILL tokens
+    and decode steps, every step's logits against eager; every node of
+    both methods runs on the GPU (MoE routing's sort of int64 expert ids
+    too) and the decode step keeps every state of the cache on the GPU:
+    the recurrent and convolution states and the attention layers' KV
+    caches. At run time a decode step after a decode step moves only its
+    inputs to the GPU and its logits back (the switch from prefill moves
+    the state once)."""
+    report = check_recipe_steps(kind, etmetal, tmp_path, "metal", 3, prompt=PREFILL)
+    wrapper = export_llm.recipe(tiny(kind), CACHE)
+    buffers = dict(wrapper.model.named_buffers())
+    state = {name for name in buffers
+             if name.startswith(("conv_state", "recurrent_state", "key_cache", "value_cache"))}
+    assert any(n.startswith("recurrent_state") for n in state), state
+    assert state <= resident_state(report, "forward"), report
+    state_bytes = sum(buffers[n].nbytes for n in state)
+    # the replay's steps: prefill, then 3 decode steps (token and position
+    # int64, logits [1, 1, vocab] f32)
+    logits = 4 * tiny(kind).config.vocab_size
+    for k in (2, 3):
+        moved = dict(line.split() for line in (tmp_path / f"step{k}_transfers.txt").read_text().splitlines())
+        up, back = int(moved["uploaded"]), int(moved["read_back"])
+        # (at most the inputs' 16 bytes: the GPU takes int64 as 32-bit)
+        assert up <= 16 and back == logits, f"decode step {k}: {moved} (state: {state_bytes} bytes)"
+
+
 FULL = os.environ.get("ETMETAL_SURVEY") == "full"
 ARCH_CASES = [(k, b) for k in ARCHS for b in ("metal", "cpu") if FULL or (k, b) in ARCHS_FAST]
 
@@ -121,37 +204,40 @@ def test_recipe_architecture_matches_eager(kind, backend, etmetal, tmp_path):
     check_recipe_steps(kind, etmetal, tmp_path, backend, 3)
 
 
-def check_recipe_steps(kind, etmetal, tmp_path, backend: str, decode_steps: int):
+def check_recipe_steps(kind, etmetal, tmp_path, backend: str, decode_steps: int, strict: bool | None = None,
+                       prompt: int = PROMPT) -> str:
     """The recipe's `forward` and `prefill` of `tiny(kind)` compiled for
-    `backend`; a padded prompt through `prefill`, then `decode_steps` greedy
-    steps, each step's logits against the recipe module run eagerly."""
+    `backend` (exported with `strict`, the recipe's default where None); a
+    prompt of `prompt` tokens, padded, through `prefill`, then
+    `decode_steps` greedy steps, each step's logits against the recipe
+    module run eagerly. Returns the compile report."""
     model = tiny(kind)
     wrapper = export_llm.recipe(model, CACHE)
     files = []
     for name, tokens in [("forward", 1), ("prefill", PREFILL)]:
         files.append(tmp_path / f"{name}.pt2")
-        torch.export.save(export_llm.export_step(wrapper, tokens), files[-1])
+        torch.export.save(export_llm.export_step(wrapper, tokens, strict=strict), files[-1])
     pte = tmp_path / "model.pte"
     report = compile_pte(etmetal, files, pte, backend=backend)
     if backend == "metal":
-        cpu_nodes = ARCHS_CPU_NODES.get(kind, 0)
+        # every node on the GPU, MoE routing's sort of int64 expert ids too
         for method in ("forward", "prefill"):
-            assert f"kernel(s); {cpu_nodes} node(s) on the cpu" in report.split(f"method `{method}`")[1], report
+            assert "kernel(s); 0 node(s) on the cpu" in report.split(f"method `{method}`")[1], report
         assert report.count("state kept on the GPU") == 2, report
     # eager: the recipe module, its cache advancing as etmetal's does; the
     # prompt padded to PREFILL (what `etmetal generate` does), then greedy
     eager = wrapper.model
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 96, (PROMPT,), generator=g)
-    padded = torch.cat([prompt, prompt[-1:].repeat(PREFILL - PROMPT)])
+    tokens = torch.randint(0, 96, (prompt,), generator=g)
+    padded = torch.cat([tokens, tokens[-1:].repeat(PREFILL - prompt)])
     steps = [("prefill", (padded.view(1, -1), torch.arange(PREFILL)))]
     want = []
     with torch.no_grad():
         logits = eager(input_ids=steps[0][1][0], cache_position=steps[0][1][1])
         want.append(to_npy(logits))
-        token = logits[0, PROMPT - 1].argmax()
+        token = logits[0, prompt - 1].argmax()
         for k in range(decode_steps):
-            inputs = (token.view(1, 1), torch.tensor([PROMPT + k]))
+            inputs = (token.view(1, 1), torch.tensor([prompt + k]))
             steps.append(("forward", inputs))
             logits = eager(input_ids=inputs[0], cache_position=inputs[1])
             want.append(to_npy(logits))
@@ -161,10 +247,43 @@ def check_recipe_steps(kind, etmetal, tmp_path, backend: str, decode_steps: int)
     for k, (method, _) in enumerate(steps):
         got = np.load(tmp_path / f"step{k}_output0.npy")
         # a padded prefill's rows past the prompt are not compared
-        rows = PROMPT if method == "prefill" else 1
+        rows = prompt if method == "prefill" else 1
         w, g_ = want[k][:, :rows], got[:, :rows]
         err = np.abs(g_ - w).max()
         assert err <= 1e-4 * np.abs(w).max(), f"{kind} ({backend}): step {k} ({method}) differs by {err:.3g}"
+    return report
+
+
+def test_state_that_disagrees_between_methods_is_refused_naming_it(etmetal, tmp_path):
+    """Methods exported from models or caches that disagree on a state are
+    refused at compile (exit 2), naming the state buffer, both methods and
+    both shapes: Mamba-2's recurrent and convolution states of another
+    state size, a hybrid's KV cache of another length."""
+    import transformers
+
+    cls, config, kw = HYBRID["mamba2"]
+
+    def mamba2(state_size):
+        torch.manual_seed(0)
+        cfg = getattr(transformers, config)(**dict(kw, use_cache=True, state_size=state_size))
+        return getattr(transformers, cls)(cfg).eval()
+
+    cases = {
+        "mamba2": [export_llm.recipe(mamba2(8), CACHE), export_llm.recipe(mamba2(16), CACHE)],
+        "qwen3_5": [export_llm.recipe(tiny("qwen3_5"), CACHE), export_llm.recipe(tiny("qwen3_5"), CACHE // 2)],
+    }
+    for kind, (decode, prefill) in cases.items():
+        files = [tmp_path / f"{kind}-forward.pt2", tmp_path / f"{kind}-prefill.pt2"]
+        torch.export.save(export_llm.export_step(decode, 1, strict=False), files[0])
+        torch.export.save(export_llm.export_step(prefill, PREFILL, strict=False), files[1])
+        p = subprocess.run([str(etmetal.binary), "compile", str(files[0]), "--method", f"prefill={files[1]}",
+                            "-o", str(tmp_path / "bad.pte")], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 2, p.stderr
+        want = {"mamba2": "state buffer `conv_state_0` is float32 [1, 96, 4] in method `prefill` but float32 "
+                          "[1, 80, 4] in method `forward`",
+                "qwen3_5": "state buffer `key_cache_1` is float32 [1, 2, 16, 8] in method `prefill` but float32 "
+                           "[1, 2, 32, 8] in method `forward`"}[kind]
+        assert want in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
@@ -240,7 +359,11 @@ def gemma():
     return gemma3()
 
 
-def test_gemma3_270m_generate_prints_eager_greedy_text(etmetal, gemma, tmp_path):
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non_strict"])
+def test_gemma3_270m_generate_prints_eager_greedy_text(strict, etmetal, gemma, tmp_path):
+    """Also exported with `strict=False`, where the recipe's caches are
+    lifted constants that the graph writes: etmetal keeps them as state
+    (on the GPU) under the names of the buffers they are."""
     model, tokenizer = gemma
     prompt, new = "The capital of France is", 24
     ids = tokenizer(prompt, return_tensors="pt")
@@ -248,12 +371,13 @@ def test_gemma3_270m_generate_prints_eager_greedy_text(etmetal, gemma, tmp_path)
         out = model.generate(**ids, max_new_tokens=new, do_sample=False)
     want = tokenizer.decode(out[0], skip_special_tokens=True)
     # the export is cached beside the model (a few minutes to make)
-    export = GEMMA_DIR / f"export-{CACHE * 4}-{PREFILL * 2}"
+    export = GEMMA_DIR / f"export-{'' if strict else 'non-strict-'}{CACHE * 4}-{PREFILL * 2}"
     files = [export / "forward.pt2", export / "prefill.pt2"]
     if not all(f.is_file() for f in files):
-        export_llm.export(model, tokenizer, export, CACHE * 4, PREFILL * 2)
+        export_llm.export(model, tokenizer, export, CACHE * 4, PREFILL * 2, decode=False, strict=strict)
     pte = tmp_path / "gemma3.pte"
-    compile_pte(etmetal, files, pte)
+    report = compile_pte(etmetal, files, pte)
+    assert "key_cache_0" in resident_state(report, "forward"), report
     r = subprocess.run([str(etmetal.binary), "generate", str(pte), "--tokenizer", str(export / "tokenizer.json"),
                         "--prompt", prompt, "--max-tokens", str(new)],
                        capture_output=True, text=True, timeout=1800)

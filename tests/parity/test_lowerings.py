@@ -1,6 +1,6 @@
 """Parity of the importer's lowerings of what transformers, torchvision and
 timm emit (device moves, eval-mode dropouts, diff, roll, einsum, norms,
-weight norm, fills, as_strided, ...): each small module is exported as it is
+weight norm, fills, as_strided, tensor_split, eye, ...): each small module is exported as it is
 (no `run_decompositions`), run by etmetal on the CPU (`.pt2`) and compiled
 for the GPU (`--backend metal`, run on this machine's adapter), and compared
 with eager PyTorch in f32 (atol=rtol=1e-5)."""
@@ -165,6 +165,9 @@ CASES += [
     ("meshgrid", lambda: Lambda(lambda a, b, c: (*torch.meshgrid(a, b, indexing="xy"), *torch.meshgrid(a, b, c, indexing="ij"), *torch.meshgrid(a, c[0], indexing="xy"))), [r(3), r(4), r(2)]),
     ("pool_kernel_over_input", lambda: Lambda(lambda x: (F.avg_pool2d(x, 9, ceil_mode=True), F.avg_pool2d(x, 9, padding=2, ceil_mode=True), F.avg_pool2d(x, 9, padding=2, ceil_mode=True, count_include_pad=False), F.max_pool2d(x, (7, 3), ceil_mode=True), F.avg_pool1d(x[0], 8, ceil_mode=True))), [r(1, 2, 4, 6)]),
     ("im2col_col2im", lambda: Lambda(lambda x, cols: (F.unfold(x, 2, stride=2), F.unfold(x, (3, 2), dilation=(1, 2), padding=1, stride=(2, 1)), F.unfold(x[0], 3), F.fold(cols, (5, 6), (2, 3), dilation=(2, 1), padding=(1, 0), stride=(1, 2)), F.fold(F.unfold(x, 2, stride=2), (4, 6), 2, stride=2), F.fold(cols[0], (5, 6), (2, 3), dilation=(2, 1), padding=(1, 0), stride=(1, 2)))), [r(1, 2, 4, 6), r(1, 12, 10)]),
+    # Mamba's and Qwen3.5's scans split off their sequential tail (often
+    # empty, never read); Qwen3.5's chunked delta rule adds an eye
+    ("tensor_split_eye", lambda: Lambda(lambda x: (*torch.tensor_split(x, [1, -2], dim=1), *torch.tensor_split(x, 3, dim=0)[::2], torch.tensor_split(x, [2, 9], dim=1)[0], torch.tensor_split(x, torch.tensor(4), dim=1)[3], x[:3, :3] @ torch.eye(3), torch.eye(3, 5, dtype=torch.int64) * 2, torch.eye(2, dtype=torch.bool) & (x[:2, :2] > 0))), [r(5, 6)]),
     ("view_like_aliases", lambda: Lambda(lambda x, y, i: (x.view_as(y), x.reshape_as(y) * 2, torch.broadcast_to(x[:1], (3, 2, 6)), torch.concat([x, x], 1), torch.cumsum(i, 0, dtype=torch.int32), torch.cumsum(x, 1, dtype=torch.float64))), [r(2, 6), r(3, 4), ints(5, 6)]),
 ]
 

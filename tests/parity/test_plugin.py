@@ -332,3 +332,31 @@ def test_quantize_compile_spec_makes_int4_weights(tmp_path):
     check_outputs("int4 via compile spec", program.forward(x), want, *TOL["float32"])
     with pytest.raises(ValueError, match="only 'int4'"):
         EtMetalBackend.generate_quantize_compile_spec("int8")
+
+
+def test_non_strict_recipe_decoder_steps_through_load(etmetal, tmp_path):
+    """transformers' recipe exported with `strict=False` (its KV caches are
+    lifted constants that the graph writes), compiled by `etmetal compile`
+    and stepped token by token through `etmetal.load`'s `forward`, whose
+    state persists between calls: every step's logits against eager, the
+    caches on the GPU. (ExecuTorch's own lowering does not take such a
+    program: torch's `run_decompositions` fails on the mutated constants.)"""
+    from test_generate import CACHE, compile_pte, export_llm, resident_state, tiny
+
+    wrapper = export_llm.recipe(tiny("llama"), CACHE)
+    pt2 = tmp_path / "forward.pt2"
+    torch.export.save(export_llm.export_step(wrapper, 1, strict=False), pt2)
+    pte = tmp_path / "decoder.pte"
+    report = compile_pte(etmetal, [pt2], pte)
+    assert {"key_cache_0", "value_cache_1"} <= resident_state(report, "forward"), report
+    program = etm.load(pte)
+    assert program.device != "cpu"
+    token = torch.tensor([[5]])
+    with torch.no_grad():
+        for pos in range(6):
+            inputs = (token, torch.tensor([pos]))
+            want = to_npy(wrapper.model(input_ids=inputs[0], cache_position=inputs[1]))
+            (got,) = program.forward(*inputs)
+            err = np.abs(got - want).max()
+            assert err <= 1e-4 * np.abs(want).max(), f"step {pos} differs by {err:.3g}"
+            token = torch.from_numpy(got[:, -1].argmax(-1, keepdims=True))

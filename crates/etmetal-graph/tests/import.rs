@@ -1965,3 +1965,99 @@ fn index_add_and_accumulating_index_put_sum_rows_by_a_matmul() {
     assert_eq!(node(&g, "p").op, Op::Binary(BinaryOp::Add));
     assert_eq!(ops(&g).iter().filter(|o| **o == "mat_mul").count(), 2);
 }
+
+/// The inputs of `g` other than parameters, as `(fqn or name, kind)`.
+fn state_inputs(g: &Graph) -> Vec<(String, &'static str)> {
+    g.inputs
+        .iter()
+        .filter_map(|(v, k)| match k {
+            InputKind::Buffer { fqn, .. } => Some((fqn.clone(), "buffer")),
+            InputKind::Constant { fqn } => Some((fqn.clone(), "constant")),
+            InputKind::User => Some((g.value(*v).name.clone(), "user")),
+            InputKind::Parameter { .. } => None,
+        })
+        .collect()
+}
+
+#[test]
+fn lifted_constants_written_in_place_are_state() {
+    // scripts/make_fixtures.py's LiftedState, exported non-strict: the
+    // tensor the module also registers as buffer `state` is lifted as
+    // `lifted_tensor_1` (one storage in the archive), written through a
+    // `to` that returns it; `lifted_tensor_0` is registered nowhere
+    let g = load("lifted_state");
+    assert_consistent(&g);
+    assert_eq!(
+        state_inputs(&g),
+        [
+            ("state".to_string(), "buffer"),
+            ("lifted_tensor_0".to_string(), "buffer"),
+            ("x".to_string(), "user"),
+        ]
+    );
+    let kinds: Vec<&OutputKind> = g.outputs.iter().map(|(_, k)| k).collect();
+    assert_eq!(
+        kinds,
+        [
+            &OutputKind::BufferMutation {
+                fqn: "state".into()
+            },
+            &OutputKind::BufferMutation {
+                fqn: "lifted_tensor_0".into()
+            },
+            &OutputKind::User
+        ]
+    );
+    // tensor_split by indices and by sections are slices; eye compares
+    // row and column indices
+    assert!(!ops(&g).contains(&"tensor_split"));
+    assert!(ops(&g).iter().filter(|o| **o == "slice").count() >= 4);
+}
+
+#[test]
+fn a_written_constant_that_overlaps_another_input_is_refused() {
+    // `lifted_tensor_0` made a view of the first half of `state`'s storage:
+    // a write to either would show in the other in eager
+    let mut es = entries("lifted_state");
+    let state_file = {
+        let (_, data) = es
+            .iter()
+            .find(|(n, _)| n.ends_with("constants_config.json"))
+            .unwrap();
+        let v: Value = serde_json::from_slice(data).unwrap();
+        v["config"]["state"]["path_name"].clone()
+    };
+    let (_, data) = es
+        .iter_mut()
+        .find(|(n, _)| n.ends_with("constants_config.json"))
+        .unwrap();
+    let mut v: Value = serde_json::from_slice(data).unwrap();
+    let seen = &mut v["config"]["lifted_tensor_0"];
+    seen["path_name"] = state_file;
+    seen["tensor_meta"]["strides"] = serde_json::json!([{"as_int": 4}, {"as_int": 1}]);
+    *data = serde_json::to_vec(&v).unwrap();
+    let e = err(&rezip(&es));
+    let msg = e.to_string();
+    assert!(
+        msg.contains("writes graph input") && msg.contains("overlaps") && msg.contains("b_state"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_written_parameter_is_refused_naming_it() {
+    let bytes = edited_json("lifted_state", "models/model.json", |v| {
+        // the graph's `copy_` into the unregistered constant copies fc.bias
+        // into itself instead
+        let graph = &mut v["graph_module"]["graph"];
+        let bias = graph["tensor_values"]["p_fc_bias"].clone();
+        graph["tensor_values"]["copy__1"] = bias;
+        let nodes = graph["nodes"].as_array_mut().unwrap();
+        let copy = nodes.iter_mut().find(|n| n["name"] == "copy__1").unwrap();
+        for arg in copy["inputs"].as_array_mut().unwrap() {
+            arg["arg"]["as_tensor"]["name"] = Value::from("p_fc_bias");
+        }
+    });
+    let msg = err(&bytes).to_string();
+    assert!(msg.contains("writes parameter `fc.bias`"), "{msg}");
+}

@@ -570,7 +570,7 @@ impl GpuDelegate {
         timeout: Duration,
         (payload, payload_hash): (Payload, u64),
         named_data: &dyn NamedData,
-        alternatives: bool,
+        selection: Selection,
     ) -> Result<GpuDelegate> {
         let device = &gpu.device;
         let limits = &gpu.limits;
@@ -710,7 +710,6 @@ impl GpuDelegate {
             )));
         }
 
-        let selection = Selection::of(alternatives)?;
         let offer = gpu
             .coop
             .as_ref()

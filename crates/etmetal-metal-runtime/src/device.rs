@@ -93,18 +93,34 @@ fn rank(info: &wgpu::AdapterInfo) -> (bool, u8) {
     (info.backend != wgpu::Backend::Metal, kind)
 }
 
-fn new_instance(backends: wgpu::Backends) -> wgpu::Instance {
-    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
-    desc.backends = backends;
-    wgpu::Instance::new(desc)
+/// The process's instance for `backends` (made at the first call) and its
+/// adapters, enumerated under one process-wide lock. NVIDIA's Vulkan driver
+/// probes X11 when an instance is made and its adapters enumerated; test
+/// binaries that did so on several threads at once died as threads exited
+/// (2026-12-06, H100, driver 580.159: `free` inside `xcb_connect`,
+/// `_IO_flockfile`: a corrupted heap), 1 run in 2 to 4.
+fn enumerate(backends: wgpu::Backends) -> (wgpu::Instance, Vec<wgpu::Adapter>) {
+    static INSTANCES: Mutex<Vec<(wgpu::Backends, wgpu::Instance)>> = Mutex::new(Vec::new());
+    let mut instances = INSTANCES.lock().unwrap_or_else(|p| p.into_inner());
+    let instance = match instances.iter().find(|(b, _)| *b == backends) {
+        Some((_, i)) => i.clone(),
+        None => {
+            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+            desc.backends = backends;
+            let i = wgpu::Instance::new(desc);
+            instances.push((backends, i.clone()));
+            i
+        }
+    };
+    let adapters = pollster::block_on(instance.enumerate_adapters(backends));
+    (instance, adapters)
 }
 
 /// The adapter `choice` selects, or an error naming the backends tried and
 /// the adapters other backends have.
 pub fn select_adapter(choice: DeviceChoice) -> Result<(wgpu::Instance, wgpu::Adapter)> {
     let tried = choice.backends() & wgpu::Instance::enabled_backend_features();
-    let instance = new_instance(tried);
-    let mut adapters = pollster::block_on(instance.enumerate_adapters(tried));
+    let (instance, mut adapters) = enumerate(tried);
     adapters.sort_by_key(|a| rank(&a.get_info()));
     if let Some(adapter) = adapters.into_iter().next() {
         return Ok((instance, adapter));
@@ -113,7 +129,8 @@ pub fn select_adapter(choice: DeviceChoice) -> Result<(wgpu::Instance, wgpu::Ada
     let found: Vec<String> = if others.is_empty() {
         Vec::new()
     } else {
-        pollster::block_on(new_instance(others).enumerate_adapters(others))
+        enumerate(others)
+            .1
             .iter()
             .map(|a| describe(&a.get_info()))
             .collect()

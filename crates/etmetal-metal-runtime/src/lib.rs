@@ -54,6 +54,8 @@ pub struct MetalBackend {
     cap: Option<Requirements>,
     /// Whether payload alternatives may run (see `with_cooperative_matrix`).
     coop: bool,
+    /// The alternative every dispatch runs (see `with_forced_alternative`).
+    forced: Option<usize>,
     device: Mutex<Option<Arc<GpuDevice>>>,
     counters: Arc<delegate::Counters>,
 }
@@ -66,6 +68,7 @@ impl MetalBackend {
             timeout: DEFAULT_TIMEOUT,
             cap: None,
             coop: false,
+            forced: None,
             device: Mutex::new(None),
             counters: Arc::default(),
         }
@@ -82,12 +85,22 @@ impl MetalBackend {
     /// Whether delegates may run their payload's alternatives (tensor-core
     /// matrix products) where the device offers what they need; with
     /// `false` every dispatch runs its portable kernel, as on a device
-    /// without them. Off by default: on the H200 a multi-threaded test
-    /// run with them on crashed, now and then, inside NVIDIA's shader
-    /// compiler (see the README's Tensor cores). With `true` the device is
-    /// opened with cooperative matrices where the adapter has them.
+    /// without them. Off by default until the measured choice has run on
+    /// more cards (see the README's Tensor cores). With `true` the device
+    /// is opened with cooperative matrices where the adapter has them.
     pub fn with_cooperative_matrix(mut self, on: bool) -> MetalBackend {
         self.coop = on;
+        self
+    }
+
+    /// Run alternative `n` of every dispatch that has one the device can
+    /// run, instead of measuring which form is fastest (as
+    /// `ETMETAL_COOP_FORCE=n` does): for tests that must reach a
+    /// tensor-core kernel on a GPU that has them, and for timing each
+    /// variant. Turns alternatives on.
+    pub fn with_forced_alternative(mut self, n: usize) -> MetalBackend {
+        self.coop = true;
+        self.forced = Some(n);
         self
     }
 
@@ -187,7 +200,7 @@ impl Backend for MetalBackend {
             self.timeout,
             (payload, select::fnv64(&[processed])),
             named_data,
-            self.coop,
+            select::Selection::of(self.coop, self.forced)?,
         )?))
     }
 }

@@ -46,11 +46,16 @@ pub(crate) enum Selection {
 }
 
 impl Selection {
-    /// The backend's setting (`with_cooperative_matrix`), forced by
-    /// `ETMETAL_COOP_FORCE` when it is set to an alternative's index.
-    pub(crate) fn of(alternatives: bool) -> Result<Selection> {
+    /// The backend's setting: portable unless `alternatives`
+    /// (`with_cooperative_matrix`); then alternative `forced`
+    /// (`with_forced_alternative`) or the one `ETMETAL_COOP_FORCE` names,
+    /// else measured.
+    pub(crate) fn of(alternatives: bool, forced: Option<usize>) -> Result<Selection> {
         if !alternatives {
             return Ok(Selection::Portable);
+        }
+        if let Some(n) = forced {
+            return Ok(Selection::Forced(n));
         }
         match std::env::var("ETMETAL_COOP_FORCE") {
             Ok(v) if !v.is_empty() => v.trim().parse().map(Selection::Forced).map_err(|_| {

@@ -438,11 +438,11 @@ impl Chat {
                 ids.len()
             )));
         }
-        // the cache keeps the common prefix; at least one token is run
+        // the cache keeps the common prefix (where the program's state can
+        // go back to it: none of a recurrent state); at least one token is run
         let held = self.decoder.tokens();
         let common = held.iter().zip(&ids).take_while(|(a, b)| a == b).count();
-        let common = common.min(ids.len() - 1);
-        self.decoder.rewind(common);
+        let common = self.decoder.rewind(common.min(ids.len() - 1));
         let mut stats = TurnStats {
             prefilled: ids.len() - common,
             reused: common,

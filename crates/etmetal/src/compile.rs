@@ -21,6 +21,7 @@
 //! [`etmetal_metal::payload::State`], its new value is no delegate output
 //! and the chain has no `copy_` for it.
 
+use std::collections::HashSet;
 use std::path::Path;
 
 use etmetal_core::{Error, Op, Result};
@@ -163,6 +164,7 @@ fn lower(
 ) -> Result<(LoweredMethod, MethodReport)> {
     let mut g = graph.clone();
     check_signature(&g)?;
+    let unread_state = unread_state(&g)?;
     let mut payloads = vec![];
     let mut reports = vec![];
     let mut cpu_nodes = vec![];
@@ -186,15 +188,7 @@ fn lower(
             ));
         }
         let kept = resident_buffers(&g, &parts)?;
-        // every buffer of a payload within the limit the values were checked
-        // against, so it loads wherever they fit
-        let pre_options = PreprocessOptions {
-            max_buffer_bytes: options.partition.limits.max_buffer_bytes,
-            // (kernels not yet right on a real GPU, for checking them there)
-            unvalidated: options.preprocess.unvalidated
-                || std::env::var("ETMETAL_UNVALIDATED_KERNELS").is_ok_and(|v| v == "1"),
-            ..options.preprocess.clone()
-        };
+        let pre_options = options.preprocess.within(&options.partition.limits);
         for p in &parts.partitions {
             let here: Vec<ResidentBuffer> = kept
                 .iter()
@@ -244,6 +238,7 @@ fn lower(
             graph: g,
             payloads,
             resident: resident.iter().map(|r| r.buffer).collect(),
+            unread_state,
         },
         MethodReport {
             name: name.to_string(),
@@ -253,6 +248,20 @@ fn lower(
             folded_nodes: folded,
         },
     ))
+}
+
+/// The mutated buffers (by name) whose value before the call `g` never
+/// reads: no node and no output takes the buffer input itself.
+fn unread_state(g: &Graph) -> Result<HashSet<String>> {
+    let mut out = HashSet::new();
+    for (buffer, _) in g.buffer_mutations()? {
+        let read = g.nodes.iter().any(|n| n.inputs.contains(&Some(buffer)))
+            || g.outputs.iter().any(|(v, _)| *v == buffer);
+        if !read {
+            out.insert(buffer_fqn(g, buffer)?);
+        }
+    }
+    Ok(out)
 }
 
 /// `(partition, buffer)` of each mutated buffer that one partition reads

@@ -57,6 +57,10 @@ pub(crate) struct LoweredMethod {
     pub payloads: Vec<Vec<u8>>,
     /// Mutable buffers a delegate keeps on the GPU (no `copy_` write-back).
     pub resident: Vec<ValueId>,
+    /// Mutable buffers (by name) whose value before the call the method
+    /// never reads: it writes them whole first (transformers' recipe
+    /// `copy_`s the position into its `cumulative_length` at every call).
+    pub unread_state: HashSet<String>,
 }
 
 /// Named data (GPU weights) is page-aligned in the file (Apple's 16 KiB
@@ -82,6 +86,47 @@ struct SharedState {
     initial: etmetal_core::Tensor,
     /// Offset in planned memory 2.
     offset: u64,
+    /// The method whose initial value it keeps: the first that reads it,
+    /// else the first that holds it.
+    method: String,
+    /// Whether a method reads its value before writing it: only then does
+    /// the initial value matter.
+    observed: bool,
+}
+
+/// How a buffer's initial value `b` in method `mb` differs from `a` in
+/// method `ma`: "is float32 [1, 4, 8] in method `prefill` but float32 [1,
+/// 4, 16] in method `forward`", or where its values differ; `None` when
+/// alike.
+fn state_mismatch(
+    a: &etmetal_core::Tensor,
+    ma: &str,
+    b: &etmetal_core::Tensor,
+    mb: &str,
+) -> Option<String> {
+    if a.dtype() != b.dtype() || a.shape() != b.shape() {
+        return Some(format!(
+            "is {} {:?} in method `{mb}` but {} {:?} in method `{ma}`",
+            b.dtype(),
+            b.shape(),
+            a.dtype(),
+            a.shape()
+        ));
+    }
+    if a.bytes() == b.bytes() {
+        return None;
+    }
+    let (va, vb) = (a.to_f64_vec(), b.to_f64_vec());
+    let at = va
+        .iter()
+        .zip(&vb)
+        .position(|(x, y)| x.to_bits() != y.to_bits());
+    let detail = at.map_or(String::new(), |k| {
+        format!(" (element {k}: {} in `{mb}`, {} in `{ma}`)", vb[k], va[k])
+    });
+    Some(format!(
+        "starts from other values in method `{mb}` than in method `{ma}`{detail}"
+    ))
 }
 
 /// What the methods of one program share: the constant segment (a
@@ -145,22 +190,29 @@ impl ProgramParts<'_> {
             let initial = g.constants.get(&b).ok_or_else(|| {
                 Error::invalid_input(format!("mutated buffer `{fqn}` has no initial value"))
             })?;
+            let reads = !l.unread_state.contains(&fqn);
             let i = match self.state.iter().position(|s| s.fqn == fqn) {
                 Some(i) => {
-                    let s = &self.state[i];
-                    if s.initial.dtype() != initial.dtype()
-                        || s.initial.shape() != initial.shape()
-                        || s.initial.bytes() != initial.bytes()
-                    {
+                    let s = &mut self.state[i];
+                    // an initial value no method reads is never seen: a
+                    // non-strict export leaves in a buffer what tracing's
+                    // real in-place ops made of it (the recipe's
+                    // `cumulative_length.add_(T)`), T differing by method
+                    let layout = s.initial.dtype() != initial.dtype()
+                        || s.initial.shape() != initial.shape();
+                    let why = state_mismatch(&s.initial, &s.method, initial, &l.name)
+                        .filter(|_| layout || (reads && s.observed));
+                    if let Some(why) = why {
                         return Err(Error::invalid_input(format!(
-                            "buffer `{fqn}` is {} {:?} in method `{}` but {} {:?} (or another \
-                             initial value) in an earlier method: methods share buffers by name",
-                            initial.dtype(),
-                            initial.shape(),
-                            l.name,
-                            s.initial.dtype(),
-                            s.initial.shape()
+                            "state buffer `{fqn}` {why}: methods share a buffer by name, so \
+                             they must hold it alike (export every method from one model with \
+                             one cache: the same batch size, cache length and config)"
                         )));
+                    }
+                    if reads && !s.observed {
+                        s.initial = initial.clone();
+                        s.method = l.name.clone();
+                        s.observed = true;
                     }
                     i
                 }
@@ -174,6 +226,8 @@ impl ProgramParts<'_> {
                         fqn,
                         initial: initial.clone(),
                         offset,
+                        method: l.name.clone(),
+                        observed: reads,
                     });
                     self.state.len() - 1
                 }

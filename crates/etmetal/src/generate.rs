@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use etmetal_core::{npy, DType, Error, Result, Tensor, TensorSpec};
+use etmetal_metal_runtime::MetalBackend;
 
 use crate::Model;
 
@@ -400,6 +401,20 @@ pub(crate) fn cache_positions<'a>(
         .min()
 }
 
+/// Whether the program's state is all KV caches: every state tensor of two
+/// or more dims is named like a cache. Past a cache's prompt entries no
+/// earlier position reads and later tokens overwrite, so a prefill chunk
+/// may be padded and the decoder may go back to an earlier position. A
+/// recurrent or convolution state (linear attention, state-space layers:
+/// `recurrent_state_0`, `conv_state_0`) takes in every token it sees,
+/// padding included, and cannot go back.
+fn caches_only(model: &mut Model) -> Result<bool> {
+    Ok(model
+        .read_state()?
+        .iter()
+        .all(|(name, t)| t.rank() < 2 || name.to_lowercase().contains("cache")))
+}
+
 /// What [`generate`] did, for the tokens/s line.
 #[derive(Clone, Debug, Default)]
 pub struct Stats {
@@ -502,7 +517,8 @@ pub enum Next {
 /// Tokens fed go in at the next position, so a conversation or a window of
 /// speech continues where the last call stopped; [`Decoder::rewind`] goes
 /// back to an earlier position (the cache's later rows are then never read
-/// before they are written again: attention is causal by position).
+/// before they are written again: attention is causal by position), or to
+/// the start where the program keeps recurrent state.
 pub struct Decoder {
     step: String,
     /// The prefill method: its name, T, logits rows and whether T is dynamic.
@@ -515,6 +531,12 @@ pub struct Decoder {
     tokens: Vec<u32>,
     /// Calls of the prefill method so far.
     pub prefill_calls: usize,
+    /// The program keeps recurrent state (not only KV caches): a prefill
+    /// chunk is never padded, and a rewind goes back to the start.
+    recurrent: bool,
+    /// A rewind went back to the start of recurrent state: the next feed
+    /// resets the model's state first.
+    reset: bool,
 }
 
 impl Decoder {
@@ -551,6 +573,8 @@ impl Decoder {
             cache: cache_len(model)?,
             tokens: vec![],
             prefill_calls: 0,
+            recurrent: !caches_only(model)?,
+            reset: false,
         })
     }
 
@@ -580,9 +604,17 @@ impl Decoder {
         self.tokens.len()
     }
 
-    /// Forget the positions from `position` on.
-    pub fn rewind(&mut self, position: usize) {
+    /// Forget the positions from `position` on, and return the position
+    /// the next token goes to: `position`, or 0 where the program keeps
+    /// recurrent state (it took in the later tokens, and cannot forget
+    /// them: the next feed resets the model's state and starts over).
+    pub fn rewind(&mut self, position: usize) -> usize {
+        if self.recurrent && position < self.tokens.len() {
+            self.tokens.clear();
+            self.reset = true;
+        }
         self.tokens.truncate(position);
+        self.tokens.len()
     }
 
     /// The bound of a dynamic prefill (a prompt longer than it takes
@@ -596,14 +628,18 @@ impl Decoder {
     /// one, P tokens a call: a static prefill's last call gets the last
     /// token again at the positions after the chunk (a causal decoder's
     /// earlier positions do not see them, and they are written again
-    /// before any position reads them) where its logits row is there and
-    /// the positions stay inside the cache; a dynamic prefill takes each
+    /// before any position reads them) where its logits row is there, the
+    /// positions stay inside the cache and the program keeps no recurrent
+    /// state (which would take in the padding); a dynamic prefill takes each
     /// chunk at its length. What is left goes token by token through the
     /// step (the greedy step where used: then the result is its token).
     pub fn feed(&mut self, model: &mut Model, tokens: &[u32]) -> Result<Next> {
         let Some(&last) = tokens.last() else {
             return Err(Error::invalid_input("no tokens to run"));
         };
+        if std::mem::take(&mut self.reset) {
+            model.reset_state()?;
+        }
         let start = self.position();
         if let Some(cache) = self.cache.filter(|&c| start + tokens.len() > c) {
             return Err(Error::invalid_input(format!(
@@ -620,7 +656,8 @@ impl Decoder {
                 let pos = start + done;
                 let n = (ids.len() - done).min(p);
                 let padded = if dynamic { n } else { p };
-                let fits = n == padded || (rows == p && self.cache.is_some_and(|c| pos + p <= c));
+                let fits = n == padded
+                    || (!self.recurrent && rows == p && self.cache.is_some_and(|c| pos + p <= c));
                 if !fits {
                     break;
                 }
@@ -808,8 +845,18 @@ pub fn generate_text(
 /// name from `step{k}_method.txt`, `forward` without it) and writes
 /// `step{k}_output{i}.npy`. With `repeat` R > 1 the state is reset and the
 /// steps run again, run r writing `run{r}_step{k}_output{i}.npy`. What the
-/// parity suite compares with eager PyTorch at every step.
-pub fn replay(model: &mut Model, dir: &Path, steps: usize, repeat: usize) -> Result<()> {
+/// parity suite compares with eager PyTorch at every step. With `gpu` (the
+/// backend the model's delegates run on) each step also writes
+/// `step{k}_transfers.txt`: the bytes it uploaded to the GPU and read back
+/// (`uploaded N` and `read_back M` lines), which show whether its state
+/// stayed on the GPU.
+pub fn replay(
+    model: &mut Model,
+    dir: &Path,
+    steps: usize,
+    repeat: usize,
+    gpu: Option<&MetalBackend>,
+) -> Result<()> {
     for r in 0..repeat {
         if r > 0 {
             model.reset_state()?;
@@ -828,9 +875,20 @@ pub fn replay(model: &mut Model, dir: &Path, steps: usize, repeat: usize) -> Res
             let inputs = (0..model.method_inputs(&method)?.len())
                 .map(|i| npy::read(&dir.join(format!("step{k}_input{i}.npy"))))
                 .collect::<Result<Vec<_>>>()?;
+            let before = gpu.map(MetalBackend::stats);
             let outputs = model
                 .execute_method(&method, inputs)
                 .map_err(|e| e.context(format!("step {k} (method `{method}`)")))?;
+            if let (Some(gpu), Some(before)) = (gpu, before) {
+                let after = gpu.stats();
+                let file = dir.join(format!("{run}step{k}_transfers.txt"));
+                let text = format!(
+                    "uploaded {}\nread_back {}\n",
+                    after.bytes_uploaded - before.bytes_uploaded,
+                    after.bytes_read_back - before.bytes_read_back
+                );
+                std::fs::write(&file, text).map_err(|e| Error::io(file.display(), e))?;
+            }
             for (i, t) in outputs.iter().enumerate() {
                 npy::write(&dir.join(format!("{run}step{k}_output{i}.npy")), t)?;
             }
@@ -872,5 +930,31 @@ mod tests {
         assert!(a.contains(&0) && a.contains(&1));
         assert_eq!(a, draw(7));
         assert_ne!(a, draw(8));
+    }
+
+    /// A decoder over KV caches goes back to any earlier position; one
+    /// with recurrent state goes back to the start, and its next feed
+    /// resets the state (a chat turn whose rendering differs from what the
+    /// state took in runs the conversation again).
+    #[test]
+    fn rewind_goes_to_the_start_of_recurrent_state() {
+        let decoder = |recurrent| Decoder {
+            step: "forward".into(),
+            prefill: None,
+            greedy: None,
+            cache: None,
+            tokens: vec![5, 6, 7],
+            prefill_calls: 0,
+            recurrent,
+            reset: false,
+        };
+        let mut caches = decoder(false);
+        assert_eq!(caches.rewind(2), 2);
+        assert_eq!((caches.tokens(), caches.reset), (&[5, 6][..], false));
+        let mut recurrent = decoder(true);
+        assert_eq!(recurrent.rewind(3), 3, "nothing to forget");
+        assert!(!recurrent.reset);
+        assert_eq!(recurrent.rewind(2), 0);
+        assert_eq!((recurrent.tokens(), recurrent.reset), (&[][..], true));
     }
 }

@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -16,6 +17,7 @@ use etmetal::Model;
 use etmetal_core::{npy, DType, Error, Result, Tensor};
 use etmetal_graph::quantize::{QuantizeOptions, Quantizer, Scheme};
 use etmetal_metal::partitioner::{DeviceLimits, PartitionMode, PartitionOptions};
+use etmetal_metal_runtime::MetalBackend;
 
 /// Append one line to the command's output, which `main` prints at the end.
 macro_rules! say {
@@ -274,7 +276,9 @@ struct GenerateArgs {
     coop: Coop,
     /// Instead of generating, run any stateful program step by step on
     /// DIR/step{k}_input{i}.npy (method from DIR/step{k}_method.txt) and
-    /// write DIR/step{k}_output{i}.npy, through one loaded model.
+    /// write DIR/step{k}_output{i}.npy, through one loaded model (on a GPU,
+    /// also DIR/step{k}_transfers.txt: the bytes the step uploaded and read
+    /// back).
     #[arg(long, value_name = "DIR", conflicts_with_all = ["tokenizer", "prompt"])]
     replay: Option<PathBuf>,
     /// Steps to replay.
@@ -920,6 +924,16 @@ fn run(
 /// Load the `.pte` at `path` for `what` (a command's name) on the device
 /// `device` asks for: every method, GPU delegates on the adapter chosen.
 fn load_pte(path: &Path, what: &str, device: Device, coop: Coop) -> Result<Model> {
+    load_pte_on(path, what, device, coop).map(|(model, _)| model)
+}
+
+/// [`load_pte`], and the GPU backend its delegates run on (if any).
+fn load_pte_on(
+    path: &Path,
+    what: &str,
+    device: Device,
+    coop: Coop,
+) -> Result<(Model, Option<Arc<MetalBackend>>)> {
     if !etmetal::is_pte(path)? {
         return Err(Error::invalid_input(format!(
             "{}: {what} runs a .pte; make one with `etmetal compile`",
@@ -936,7 +950,9 @@ fn load_pte(path: &Path, what: &str, device: Device, coop: Coop) -> Result<Model
     if let Some(backend) = &gpu {
         options.backends.register(backend.clone())?;
     }
-    Model::from_pte_program(program, options).map_err(|e| e.context(path.display().to_string()))
+    let model = Model::from_pte_program(program, options)
+        .map_err(|e| e.context(path.display().to_string()))?;
+    Ok((model, gpu))
 }
 
 /// `--seed`, or one from the clock.
@@ -957,9 +973,9 @@ fn eos_ids(tokenizer: &etmetal::generate::TextTokenizer, eos: &[String]) -> Resu
 
 fn generate_cmd(args: &GenerateArgs) -> Result<()> {
     use etmetal::generate::{self as gen, TextTokenizer};
-    let mut model = load_pte(&args.model, "generate", args.device, args.coop)?;
+    let (mut model, gpu) = load_pte_on(&args.model, "generate", args.device, args.coop)?;
     if let Some(dir) = &args.replay {
-        return gen::replay(&mut model, dir, args.steps, args.repeat);
+        return gen::replay(&mut model, dir, args.steps, args.repeat, gpu.as_deref());
     }
     let (Some(tokenizer), Some(prompt)) = (&args.tokenizer, &args.prompt) else {
         return Err(Error::invalid_input("--tokenizer and --prompt are needed"));

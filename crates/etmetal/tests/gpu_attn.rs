@@ -3,9 +3,15 @@
 
 mod common;
 
-use common::gpu::{check_dynamic, random, random_indices, OpCase};
+use std::sync::Arc;
+
+use common::gpu::{
+    adapter_offers_coop, assert_close, check_dynamic, compile_whole, load_method_on, random,
+    random_indices, OpCase,
+};
 use etmetal_core::{DType, Op, Tensor};
 use etmetal_metal::preprocess::CoopForm;
+use etmetal_metal_runtime::{DeviceChoice, MetalBackend};
 
 const TOL: f32 = 1e-5;
 const BF16_TOL: f32 = 1e-2;
@@ -336,6 +342,54 @@ fn attention_on_emulated_tensor_cores() {
     case(sdpa(true, Some(0.2), false), f, [2, 70, 70, 64], 2, APPLE);
     case(sdpa(false, None, false), b, [8, 64, 17, 64], 8, BOTH);
     case(sdpa(false, None, false), h, [16, 256, 1, 64], 16, BOTH);
+}
+
+/// The real 16×16 flash attention (not emulated), each of its variants
+/// forced in turn, against the CPU kernels: on an adapter that offers the
+/// form (NVIDIA through Vulkan) every case must run it; elsewhere (lavapipe)
+/// the portable kernel runs, and must still be right. Blocks of several
+/// subgroups, keys off the tiles, key splits, causal GQA, head dims 64 and
+/// 128. (Its emulated form passed while the real one read every matrix two
+/// halves off: a workgroup array's alignment, which only a real GPU shows.)
+#[test]
+fn flash_attention_on_real_tensor_cores_where_offered() {
+    let offered = adapter_offers_coop();
+    let (b, h) = (DType::BF16, DType::F16);
+    let cases = [
+        (sdpa(false, None, false), b, [4, 4, 150, 150, 64]),
+        (sdpa(true, None, true), b, [8, 2, 256, 256, 64]),
+        (sdpa(false, None, false), b, [1, 1, 64, 64, 64]),
+        (sdpa(true, None, true), h, [4, 2, 130, 150, 128]),
+    ];
+    for (op, dtype, [heads, kv, l, s, d]) in cases {
+        let what = format!("{op:?} {dtype:?} {heads}/{kv} heads, {l}x{s}, d {d}");
+        let seed = (heads * 1000 + l + s) as u64;
+        let (graph, inputs) = OpCase::new(op)
+            .input(random(dtype, &[1, heads, l, d], seed))
+            .input(random(dtype, &[1, kv, s, d], seed + 1))
+            .input(random(dtype, &[1, kv, s, d], seed + 2))
+            .build();
+        let expected = etmetal::eval::run_graph(&graph, inputs.clone()).unwrap();
+        let pte = compile_whole(&graph);
+        // (the 16×16 variants come first among the alternatives)
+        for variant in 0..3 {
+            let gpu =
+                Arc::new(MetalBackend::new(DeviceChoice::Auto).with_forced_alternative(variant));
+            let mut method = load_method_on(gpu.clone(), &pte);
+            assert_eq!(
+                gpu.stats().alternatives_chosen,
+                u64::from(offered),
+                "{what}: variant {variant} runs where offered ({offered})"
+            );
+            let got = method.execute(inputs.clone()).unwrap();
+            assert_close(
+                &got[0],
+                &expected[0],
+                BF16_TOL,
+                &format!("{what}: variant {variant}"),
+            );
+        }
+    }
 }
 
 /// Masks on the tensor cores: an additive bf16 mask broadcast over heads,

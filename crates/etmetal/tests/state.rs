@@ -445,3 +445,84 @@ fn in_place_export_keeps_its_buffers_as_state_on_both_backends() {
         }
     }
 }
+
+/// State held outside a module's attributes (scripts/make_fixtures.py's
+/// LiftedState, exported non-strict, as transformers' caches are): the
+/// lifted constants the graph writes are state, one of them under the name
+/// of the buffer it is; both stay on the GPU, and two calls, a reset and
+/// two more give eager PyTorch's outputs on either backend.
+#[test]
+fn lifted_constants_written_in_place_stay_on_the_gpu_as_state() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let graph = etmetal_graph::load_pt2(&dir.join("lifted_state.pt2")).unwrap();
+    let npy = |f: &str| etmetal_core::npy::read(&dir.join(f)).unwrap();
+    let inputs = vec![npy("lifted_state.input_0.npy")];
+    let want: Vec<Vec<f64>> = ["output_0", "call2.output_0"]
+        .iter()
+        .map(|o| npy(&format!("lifted_state.{o}.npy")).to_f64_vec())
+        .collect();
+    for backend in [Backend::Cpu, Backend::Metal] {
+        let options = CompileOptions {
+            backend,
+            ..CompileOptions::default()
+        };
+        let compiled = compile_methods(&[("forward", &graph)], &options, &mut |_| {}).unwrap();
+        let mut load = LoadOptions::default();
+        if backend == Backend::Metal {
+            assert_eq!(
+                compiled.methods[0].resident_state,
+                ["state", "lifted_tensor_0"]
+            );
+            let gpu = Arc::new(MetalBackend::new(DeviceChoice::Auto));
+            load.backends.register(gpu).unwrap();
+        }
+        let mut model = Model::from_pte_bytes(&compiled.pte, load).unwrap();
+        for round in 0..2 {
+            for (call, w) in want.iter().enumerate() {
+                let got = model.execute(inputs.clone()).unwrap()[0].to_f64_vec();
+                for (a, b) in got.iter().zip(w) {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                        "{backend:?} round {round} call {}: {got:?} vs {w:?}",
+                        call + 1
+                    );
+                }
+            }
+            model.reset_state().unwrap();
+        }
+    }
+}
+
+/// Two methods that hold a state buffer differently (as a prefill and a
+/// decode step exported with different caches would) are refused naming
+/// the buffer, both methods and what differs.
+#[test]
+fn methods_holding_a_state_differently_are_refused_naming_it() {
+    let wide = common::graphs::accumulator(Tensor::from_f32(DType::F32, &[3], &[0.0; 3]).unwrap());
+    let other_start =
+        common::graphs::accumulator(Tensor::from_f32(DType::F32, &[2], &[1.0, 5.0]).unwrap());
+    for (g, want) in [
+        (
+            &wide,
+            "state buffer `acc` is float32 [3] in method `prefill` but float32 [2] in method `forward`",
+        ),
+        (
+            &other_start,
+            "state buffer `acc` starts from other values in method `prefill` than in method \
+             `forward` (element 1: 5 in `prefill`, 2 in `forward`)",
+        ),
+    ] {
+        for backend in [Backend::Cpu, Backend::Metal] {
+            let options = CompileOptions {
+                backend,
+                ..CompileOptions::default()
+            };
+            let first = accumulator();
+            let e = compile_methods(&[("forward", &first), ("prefill", g)], &options, &mut |_| {})
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{backend:?}: {e}");
+            assert!(e.contains("the same batch size, cache length"), "{e}");
+        }
+    }
+}

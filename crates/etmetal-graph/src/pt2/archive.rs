@@ -166,8 +166,38 @@ impl Archive {
         Ok(())
     }
 
-    /// Load the tensor `fqn` described by the payload config `config_path`
-    /// (in folder `dir`), or `None` when the config does not list it.
+    /// Where the tensor `fqn` of a payload config lies in its storage (`None`
+    /// when the config does not list it). `torch.export.save` writes one
+    /// file per storage, so two names of one eager tensor (a lifted
+    /// constant that is also a registered buffer) have equal [`Storage`]s.
+    pub fn payload_storage(&self, dir: &str, config: &Value, fqn: &str) -> Result<Option<Storage>> {
+        let Some(entry) = config.get("config").and_then(|c| c.get(fqn)) else {
+            return Ok(None);
+        };
+        let what = format!("{}: tensor `{fqn}`", self.origin);
+        let path_name = field(entry, "path_name")
+            .and_then(|v| {
+                v.as_str()
+                    .ok_or_else(|| Error::format("`path_name` is not a string"))
+            })
+            .map_err(|e| e.context(&what))?;
+        let meta = field(entry, "tensor_meta").map_err(|e| e.context(&what))?;
+        let (dtype, sizes) = tensor_meta(meta).map_err(|e| e.context(&what))?;
+        let strides = sym_ints(field(meta, "strides").map_err(|e| e.context(&what))?)
+            .map_err(|e| e.context(&what))?;
+        let offset = match meta.get("storage_offset") {
+            Some(v) if !v.is_null() => super::json::sym_int(v).map_err(|e| e.context(&what))?,
+            _ => 0,
+        };
+        Ok(Some(Storage {
+            file: format!("{dir}/{path_name}"),
+            dtype,
+            sizes,
+            strides,
+            offset,
+        }))
+    }
+
     /// The tensor `fqn` of a payload config, and whether it is fake (no
     /// storage bytes for a non-empty tensor: zeros).
     pub fn payload_tensor(
@@ -209,6 +239,51 @@ impl Archive {
         strided_tensor(dtype, &sizes, &strides, offset, bytes, span.clone())
             .map(|t| Some((t, fake)))
             .map_err(|e| e.context(format!("{what} (`{file}`)")))
+    }
+}
+
+/// A tensor's place in an archive: its storage file and the view of it.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Storage {
+    pub file: String,
+    pub dtype: DType,
+    pub sizes: Vec<usize>,
+    pub strides: Vec<i64>,
+    pub offset: i64,
+}
+
+impl Storage {
+    /// The elements `[first, last]` of the storage the view can touch
+    /// (`None` for an empty tensor).
+    fn extent(&self) -> Option<(i64, i64)> {
+        if self.sizes.contains(&0) {
+            return None;
+        }
+        let reach: i64 = self
+            .sizes
+            .iter()
+            .zip(&self.strides)
+            .map(|(&n, &s)| (n as i64 - 1) * s.abs())
+            .sum();
+        Some((self.offset, self.offset + reach))
+    }
+
+    /// Whether the two views may share an element of one storage without
+    /// being the same view.
+    pub fn overlaps(&self, other: &Storage) -> bool {
+        if self.file != other.file || self == other {
+            return false;
+        }
+        let bytes = |s: &Storage| {
+            s.extent().map(|(a, b)| {
+                let e = s.dtype.size() as i64;
+                (a * e, (b + 1) * e)
+            })
+        };
+        match (bytes(self), bytes(other)) {
+            (Some((a0, a1)), Some((b0, b1))) => a0 < b1 && b0 < a1,
+            _ => false,
+        }
     }
 }
 

@@ -138,9 +138,14 @@ pub(crate) fn sym_tensor_meta(
 /// Whether a `TensorMeta` describes a dense tensor: contiguous strides and
 /// storage offset 0, so its storage holds exactly its elements in order.
 pub(crate) fn is_dense(meta: &Value, sizes: &[usize]) -> bool {
-    let strides = meta.get("strides").map(sym_ints);
     let offset = meta.get("storage_offset").map(sym_int);
-    let (Some(Ok(strides)), Some(Ok(0))) = (strides, offset) else {
+    matches!(offset, Some(Ok(0))) && is_contiguous(meta, sizes)
+}
+
+/// Whether a `TensorMeta` has contiguous strides (at any storage offset):
+/// what `Tensor.is_contiguous()` answers.
+pub(crate) fn is_contiguous(meta: &Value, sizes: &[usize]) -> bool {
+    let Some(Ok(strides)) = meta.get("strides").map(sym_ints) else {
         return false;
     };
     let mut want = 1i64;
@@ -368,6 +373,29 @@ impl<'a> Args<'a> {
             }
             Some(_) => self.opt_int(name).map(|v| v.map(SymExpr::Const)),
         }
+    }
+
+    /// A list of ints as symbolic sizes (`None` when absent).
+    pub fn sym_ints(&self, name: &str) -> Result<Option<Vec<SymExpr>>> {
+        let items = match self.get(name)? {
+            None => return Ok(None),
+            Some(("as_ints" | "as_sym_ints", Value::Array(items))) => items,
+            Some((tag, _)) => return Err(Self::bad(name, "a list of ints", tag)),
+        };
+        items
+            .iter()
+            .map(|v| match v.get("as_name").and_then(Value::as_str) {
+                Some(n) => {
+                    let (e, _) = self.syms.get(n).ok_or_else(|| {
+                        Error::format(format!("symbolic int `{n}` is not in sym_int_values"))
+                    })?;
+                    self.read_sym.set(true);
+                    Ok(e.clone())
+                }
+                None => self.int_value(v).map(SymExpr::Const),
+            })
+            .collect::<Result<_>>()
+            .map(Some)
     }
 
     pub fn string(&self, name: &str) -> Result<Option<&'a str>> {

@@ -93,8 +93,13 @@ pub(crate) struct Lowerer<'m> {
     views: inplace::Views,
     /// The graph inputs' source names, in signature order.
     placeholders: Vec<String>,
+    /// Pairs of graph inputs whose data overlap in one storage without
+    /// being one tensor (see [`inplace`]: neither may be written).
+    overlaps: Vec<(String, String)>,
     /// Names whose file layout is dense (see [`super::json::is_dense`]).
     dense: HashSet<String>,
+    /// Names whose file strides are contiguous.
+    contiguous: HashSet<String>,
     /// `dequantize_affine` results awaiting the linear they fuse into.
     dequant: HashMap<String, quant::Dequant>,
     /// `aten.t` of a constant int8 weight, by output name (see
@@ -132,6 +137,7 @@ impl<'m> Lowerer<'m> {
         sym_meta: &'m HashMap<String, Vec<SymExpr>>,
         used: HashSet<String>,
         dense: HashSet<String>,
+        contiguous: HashSet<String>,
     ) -> Lowerer<'m> {
         Lowerer {
             graph,
@@ -143,7 +149,9 @@ impl<'m> Lowerer<'m> {
             hit_failed: false,
             views: inplace::Views::new(),
             placeholders: vec![],
+            overlaps: vec![],
             dense,
+            contiguous,
             dequant: HashMap::new(),
             int8_t: HashMap::new(),
         }
@@ -588,6 +596,144 @@ impl<'m> Lowerer<'m> {
             start += n;
         }
         Ok(())
+    }
+
+    /// `torch.tensor_split`: pieces of `self` along `dim` between split
+    /// indices (clamped as slice bounds, so a piece may be empty), or
+    /// `sections` pieces whose first `n % sections` are one longer; the
+    /// tensor form takes a constant 0-d tensor (sections) or 1-d tensor
+    /// (indices). Only the pieces something reads are computed (Mamba's
+    /// scan splits off an empty tail it never reads).
+    fn tensor_split(&mut self, c: &Ctx, overload: &str) -> Result<()> {
+        let x = self.t(c, "self")?;
+        let shape = self.shape(x);
+        let (dim, n) = self.sized_dim(c, "dim", 0, &shape)?;
+        let sections = |k: i64| -> Result<Vec<(usize, usize)>> {
+            let k = usize::try_from(k)
+                .ok()
+                .filter(|&k| k > 0)
+                .ok_or_else(|| Error::shape(format!("tensor_split into {k} sections")))?;
+            let (piece, extra) = (n / k, n % k);
+            let mut start = 0;
+            Ok((0..k)
+                .map(|i| {
+                    let len = piece + usize::from(i < extra);
+                    start += len;
+                    (start - len, start)
+                })
+                .collect())
+        };
+        let indices = |ix: &[i64]| -> Vec<(usize, usize)> {
+            let mut bounds = vec![None];
+            bounds.extend(ix.iter().map(|&i| Some(i)));
+            bounds.push(None);
+            bounds
+                .windows(2)
+                .map(|w| Self::clamp_range(w[0], w[1], n))
+                .collect()
+        };
+        let pieces = match overload {
+            "sections" => sections(c.args.int("sections", 1)?)?,
+            "indices" => indices(&self.req_ints(c, "indices")?),
+            _ => {
+                let t = self.t(c, "tensor_indices_or_sections")?;
+                let Some(table) = self.known_constant(t) else {
+                    return Err(Error::unsupported(
+                        "tensor_split by a tensor computed at run time (its values set the \
+                         output shapes): pass a list of ints",
+                    ));
+                };
+                let v = table.to_i64_vec();
+                match table.shape().len() {
+                    0 => sections(v[0])?,
+                    1 => indices(&v),
+                    r => {
+                        return Err(Error::shape(format!(
+                            "tensor_split by a {r}-d tensor (0-d sections or 1-d indices expected)"
+                        )))
+                    }
+                }
+            }
+        };
+        if pieces.len() != c.outputs.len() {
+            return Err(Error::format(format!(
+                "tensor_split into {} pieces, but the node has {} outputs",
+                pieces.len(),
+                c.outputs.len()
+            )));
+        }
+        // where the dim or an index is symbolic, each piece keeps its bounds
+        // for the emitter to evaluate at run time: indices as the program
+        // states them (a negative one counts from the run-time end), and
+        // sections (whose sizes follow the run-time size) from the pieces'
+        // symbolic sizes in the file
+        let dynamic_dim = self.graph.sym_dims(x)[dim].as_const().is_none();
+        let bounds = match overload {
+            "indices" => {
+                let ix = c.args.sym_ints("indices")?.unwrap_or_default();
+                let mut b = vec![SymExpr::Const(0)];
+                b.extend(ix);
+                b.push(SymExpr::Const(i64::MAX));
+                Some(b)
+            }
+            _ if dynamic_dim => {
+                let mut b = vec![SymExpr::Const(0)];
+                for name in &c.outputs {
+                    let size = name
+                        .as_ref()
+                        .and_then(|n| self.sym_meta.get(n))
+                        .and_then(|d| d.get(dim))
+                        .ok_or_else(|| {
+                            Error::unsupported(format!(
+                                "tensor_split along dynamic dim {dim}: the file gives no \
+                                 symbolic size for each piece"
+                            ))
+                        })?;
+                    let start = b.last().cloned().unwrap_or(SymExpr::Const(0));
+                    b.push(start + size.clone());
+                }
+                Some(b)
+            }
+            _ => None,
+        };
+        for (i, (start, end)) in pieces.into_iter().enumerate() {
+            if !self.is_used(c, i) {
+                continue;
+            }
+            let op = Op::Slice {
+                dim,
+                start,
+                end,
+                step: 1,
+            };
+            let v = self.emit1(c, op, vec![Some(x)])?;
+            if let Some(b) = &bounds {
+                self.keep_sym_args(x, dim, vec![b[i].clone(), b[i + 1].clone()])?;
+            }
+            self.bind(c, i, v)?;
+        }
+        Ok(())
+    }
+
+    /// The data of `v` where it is a constant or an identity of one (a
+    /// `torch.tensor(4)` in the module exports as a lifted constant read
+    /// through `lift_fresh_copy`).
+    fn known_constant(&self, mut v: ValueId) -> Option<&Tensor> {
+        loop {
+            if let Some(t) = self.graph.constants.get(&v) {
+                return Some(t);
+            }
+            let node = self
+                .graph
+                .nodes
+                .iter()
+                .rev()
+                .find(|n| n.outputs.contains(&v))?;
+            match (&node.op, node.inputs.as_slice()) {
+                (Op::Identity, [Some(x)]) => v = *x,
+                _ => return None,
+            }
+        }
     }
 
     fn conv_attr(&self, c: &Ctx, arg: &str, spatial: usize, default: usize) -> Result<Vec<usize>> {
@@ -1483,6 +1629,9 @@ impl<'m> Lowerer<'m> {
                     }
                 };
                 self.split(c, x, dim, &sizes)
+            }
+            ("tensor_split", "indices" | "sections" | "tensor_indices_or_sections") => {
+                self.tensor_split(c, overload)
             }
             ("unbind", "int") => {
                 let x = self.t(c, "self")?;

@@ -16,8 +16,10 @@ use etmetal_core::{DType, Error, Result, SymExpr, SymRange, SymRanges};
 use serde_json::Value;
 
 use crate::ir::{Graph, InputKind, OutputKind};
-use archive::Archive;
-use json::{field, is_dense, short, sym_size, sym_tensor_meta, union, Args, SymInts};
+use archive::{Archive, Storage};
+use json::{
+    field, is_contiguous, is_dense, short, sym_size, sym_tensor_meta, union, Args, SymInts,
+};
 use lower::{functional_target, is_unsupported, Ctx, Lowerer};
 
 /// The torch.export serde schema major version this importer reads.
@@ -210,6 +212,22 @@ impl Payloads {
         })
     }
 
+    /// Where `fqn`'s data lies (see [`archive::Storage`]), `None` when no
+    /// config lists it.
+    fn storage(&self, archive: &Archive, fqn: &str) -> Result<Option<Storage>> {
+        for (dir, config) in [
+            ("data/weights", &self.weights),
+            ("data/constants", &self.constants),
+        ] {
+            if let Some(config) = config {
+                if let Some(s) = archive.payload_storage(dir, config, fqn)? {
+                    return Ok(Some(s));
+                }
+            }
+        }
+        Ok(None)
+    }
+
     /// The data of `fqn`, from the weights config or else the constants
     /// one, and whether it is fake.
     fn tensor(&self, archive: &Archive, fqn: &str) -> Result<(etmetal_core::Tensor, bool)> {
@@ -248,12 +266,16 @@ fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Gra
     let mut meta: HashMap<String, (DType, Vec<usize>)> = HashMap::new();
     let mut sym_meta: HashMap<String, Vec<SymExpr>> = HashMap::new();
     let mut dense = HashSet::new();
+    let mut contiguous = HashSet::new();
     if let Some(tv) = g.get("tensor_values").and_then(Value::as_object) {
         for (name, m) in tv {
             let (dtype, shape, sym) =
                 sym_tensor_meta(m, &ranges).with_context(|| format!("tensor `{name}`"))?;
             if is_dense(m, &shape) {
                 dense.insert(name.clone());
+            }
+            if is_contiguous(m, &shape) {
+                contiguous.insert(name.clone());
             }
             meta.insert(name.clone(), (dtype, shape));
             if let Some(sym) = sym {
@@ -264,9 +286,11 @@ fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Gra
     let payloads = Payloads::read(archive, model)?;
     let mut graph = Graph::default();
     graph.sym.ranges = ranges;
-    let mut lowerer = Lowerer::new(graph, &meta, &sym_meta, used_names(g), dense);
+    let mut lowerer = Lowerer::new(graph, &meta, &sym_meta, used_names(g), dense, contiguous);
 
     // Placeholders: one per input spec, in signature order.
+    // Where each buffer and constant lies, to find the names of one tensor.
+    let mut storages: Vec<(String, Storage)> = vec![];
     let specs = field(signature, "input_specs")?
         .as_array()
         .ok_or_else(|| Error::format("`input_specs` is not a list"))?;
@@ -312,6 +336,34 @@ fn import_program(archive: &Archive, model: &str, program: &Value) -> Result<Gra
             | InputKind::Buffer { fqn, .. }
             | InputKind::Constant { fqn } => Some(fqn.clone()),
         };
+        if let (InputKind::Buffer { fqn, .. } | InputKind::Constant { fqn }, false) =
+            (&kind, sym_meta.contains_key(name))
+        {
+            let storage = payloads
+                .storage(archive, fqn)
+                .with_context(|| format!("input `{name}`"))?;
+            if let Some(storage) = storage {
+                let same = storages.iter().find(|(_, s)| *s == storage);
+                if let (InputKind::Constant { .. }, Some((base, _))) = (&kind, same) {
+                    // A lifted constant that is an earlier buffer's (or
+                    // constant's) tensor in eager: a non-strict export
+                    // lifts the tensors a module reaches other than through
+                    // its attributes (transformers' static cache layers)
+                    // although they are its registered buffers. One
+                    // tensor, one value: what the graph writes through
+                    // either name is the buffer's new state.
+                    let base = base.clone();
+                    lowerer.alias_input(name, &base)?;
+                    continue;
+                }
+                for (other, s) in &storages {
+                    if s.overlaps(&storage) {
+                        lowerer.note_overlap(name, other);
+                    }
+                }
+                storages.push((name.to_string(), storage));
+            }
+        }
         let id = lowerer.graph.add_value(name, dtype, shape.clone());
         if let Some(sym) = sym_meta.get(name) {
             if fqn.is_some() {

@@ -360,7 +360,7 @@ fn dtypes_taken(
                 _ => float(x, 0),
             }
         }
-        Op::Binary(b) if is_bitwise(*b) => {
+        Op::Binary(b) if b.is_bitwise() => {
             for slot in 0..2 {
                 let v = required(ins, slot)?;
                 if !matches!(v.dtype, DType::I32 | DType::I64 | DType::Bool) {
@@ -499,13 +499,6 @@ fn dtypes_taken(
 }
 
 /// Bitwise ops take integer lanes only.
-fn is_bitwise(b: BinaryOp) -> bool {
-    matches!(
-        b,
-        BinaryOp::BitwiseAnd | BinaryOp::BitwiseOr | BinaryOp::BitwiseXor
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

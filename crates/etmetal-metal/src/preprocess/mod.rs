@@ -81,12 +81,6 @@ pub struct PreprocessOptions {
     /// tensor-core forms are alternatives with their real primitives, which
     /// the runtime runs where the adapter reports them.
     pub emulate_coop: Option<CoopForm>,
-    /// Also offer the alternatives that have not yet given right results
-    /// on a real GPU (the 16×16 flash attention, `attention_flash.rs`: its
-    /// emulated form matches the CPU kernels, its real form gave infinities
-    /// on an H100). Off by default; `etmetal compile` sets it where
-    /// `ETMETAL_UNVALIDATED_KERNELS=1`, for checking them on a GPU.
-    pub unvalidated: bool,
 }
 
 impl Default for PreprocessOptions {
@@ -97,18 +91,18 @@ impl Default for PreprocessOptions {
             max_workgroups_per_dim: 65535,
             max_buffer_bytes: DeviceLimits::default().max_buffer_bytes,
             emulate_coop: None,
-            unvalidated: false,
         }
     }
 }
 
 impl PreprocessOptions {
-    /// The default options within the buffer limit of `limits` (what the
-    /// partitioner checked the partition's values against).
-    pub fn within(limits: &DeviceLimits) -> PreprocessOptions {
+    /// These options within the buffer limit of `limits` (what the
+    /// partitioner checked the partition's values against): every buffer
+    /// of the payload fits where the values were checked to fit.
+    pub fn within(&self, limits: &DeviceLimits) -> PreprocessOptions {
         PreprocessOptions {
             max_buffer_bytes: limits.max_buffer_bytes,
-            ..PreprocessOptions::default()
+            ..self.clone()
         }
     }
 }
@@ -264,8 +258,8 @@ pub(crate) struct Lowering<'g> {
     /// The actual dims of buffers holding dynamic graph values.
     pub dims: sizes::BufferDims,
     /// While a size bucket's variant is lowered: its 0/1 gate, by which
-    /// every dispatch's run-time count is multiplied.
-    pub gate: Option<SymExpr>,
+    /// every dispatch's run-time count is multiplied (set by [`Lowering::gated`]).
+    gate: Option<SymExpr>,
     /// The buffers of resident state inputs ([`Boundary::resident`]): the
     /// partition may write them in place.
     resident: HashSet<BufferIdx>,
@@ -1204,6 +1198,20 @@ impl<'g> Lowering<'g> {
         }
         self.scatters.push(s);
         Ok(())
+    }
+
+    /// Run `lower` with every dispatch it adds gated to `gate` (a bucket of
+    /// a run-time size: the dispatch runs only where the size falls in it),
+    /// the previous gate back afterwards, whatever `lower` returns.
+    pub fn gated<T>(
+        &mut self,
+        gate: SymExpr,
+        lower: impl FnOnce(&mut Lowering) -> Result<T>,
+    ) -> Result<T> {
+        let outer = self.gate.replace(gate);
+        let lowered = lower(self);
+        self.gate = outer;
+        lowered
     }
 
     /// Dispatch the row writes waiting (one kernel), outside any size gate.

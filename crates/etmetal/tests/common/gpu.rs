@@ -194,6 +194,25 @@ pub fn check_graph_emulating(
     }
 }
 
+/// Whether this machine's adapter offers what the tensor-core kernels
+/// need, read from the adapter itself (not through the runtime's choice).
+pub fn adapter_offers_coop() -> bool {
+    use etmetal_metal_runtime::wgpu;
+    let (_, adapter) = select_adapter(DeviceChoice::Auto).unwrap();
+    let info = adapter.get_info();
+    let features = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
+        | wgpu::Features::SHADER_F16
+        | wgpu::Features::SUBGROUP;
+    adapter.features().contains(features)
+        && (info.subgroup_min_size, info.subgroup_max_size) == (32, 32)
+        && adapter.limits().max_compute_workgroup_storage_size >= 32768
+        && adapter.cooperative_matrix_properties().iter().any(|c| {
+            (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
+                && c.ab_type == wgpu::CooperativeScalarType::F16
+                && c.cr_type == wgpu::CooperativeScalarType::F32
+        })
+}
+
 /// The `forward` method of a `.pte`, with the GPU backend registered.
 pub fn load_method(pte: &[u8]) -> Method {
     load_method_on(backend(), pte)

@@ -2,7 +2,7 @@
 //! compositions of existing ops (so a program saved straight from
 //! `torch.export.export` imports): softplus and its relatives, logsumexp,
 //! addcmul/addcdiv/baddbmm, NaN and infinity tests, flip, glu, pixel
-//! shuffles, histc, and the grouped matmul of mixture-of-experts layers.
+//! shuffles, histc, eye, and the grouped matmul of mixture-of-experts layers.
 
 use etmetal_core::{BinaryOp, DType, Error, Op, ReduceOp, Result, Scalar, Tensor, UnaryOp};
 
@@ -34,6 +34,15 @@ impl Lowerer<'_> {
         let soft = self.bin_k(c, BinaryOp::Div, l, beta)?;
         let big = self.bin_k(c, BinaryOp::Gt, bx, threshold)?;
         self.select3(c, big, x, soft)
+    }
+
+    /// A size argument (an int, not negative).
+    fn size_int(&self, c: &Ctx, arg: &str) -> Result<usize> {
+        let v = c
+            .args
+            .opt_int(arg)?
+            .ok_or_else(|| Error::format(format!("missing int argument `{arg}`")))?;
+        usize::try_from(v).map_err(|_| Error::shape(format!("`{arg}` = {v} is negative")))
     }
 
     fn sum(&mut self, c: &Ctx, x: ValueId, dim: usize) -> Result<ValueId> {
@@ -276,6 +285,25 @@ impl Lowerer<'_> {
                 self.bin(c, BinaryOp::Add, x, p)?
             }
             ("histc", "default") => self.histc(c)?,
+            ("eye", "default" | "m") => {
+                // (row index == column index), cast to the dtype asked for
+                let n = self.size_int(c, "n")?;
+                let m = match overload {
+                    "m" => self.size_int(c, "m")?,
+                    _ => n,
+                };
+                let dtype = a.scalar_type("dtype")?.unwrap_or(DType::F32);
+                let rows = self.iota(c, n, DType::I64)?;
+                let rows = self.reshaped(c, rows, vec![n, 1])?;
+                let cols = self.iota(c, m, DType::I64)?;
+                let cols = self.reshaped(c, cols, vec![1, m])?;
+                let diagonal = self.bin(c, BinaryOp::Eq, rows, cols)?;
+                if dtype == DType::Bool {
+                    diagonal
+                } else {
+                    self.emit1(c, Op::Cast { dtype }, vec![Some(diagonal)])?
+                }
+            }
             ("_grouped_mm", "default") => {
                 if let Some(d) = a.scalar_type("out_dtype")? {
                     let x = self.t(c, "self")?;

@@ -134,6 +134,7 @@ impl Lowerer<'_> {
                     step,
                 }),
                 ("select", Some(&Op::Select { dim, index })) => Some(Link::Select { dim, index }),
+                ("to" | "type_as", Some(Op::Identity)) if self.returns_self(c)? => Some(Link::Same),
                 ("as_strided", _) => Some(self.strided_link(c)?),
                 (name, _) if OPAQUE_VIEWS.contains(&name) => Some(Link::Opaque(c.target.clone())),
                 _ => None,
@@ -208,6 +209,30 @@ impl Lowerer<'_> {
         Ok(())
     }
 
+    /// Whether a conversion (`to`, `type_as`) that changes no dtype gives
+    /// its input itself, as PyTorch's does unless asked to copy or to change
+    /// the memory format of a tensor not already in it: a write into the
+    /// result then writes the input (transformers' `initial_state.to(value)`
+    /// of a cache's recurrent state, written back with `copy_`).
+    fn returns_self(&self, c: &Ctx) -> Result<bool> {
+        if c.args.bool("copy", false)? {
+            return Ok(false);
+        }
+        // torch.export's serde numbers memory formats: 1 contiguous, 4 preserve
+        Ok(match c.args.get("memory_format")? {
+            None => true,
+            Some(("as_memory_format", v)) => match v.as_i64() {
+                Some(4) => true,
+                Some(1) => c
+                    .args
+                    .tensor_name("self")?
+                    .is_some_and(|n| self.contiguous.contains(n)),
+                _ => false,
+            },
+            Some(_) => false,
+        })
+    }
+
     /// How an `as_strided` node's result views its input: strided when no
     /// element repeats; else opaque, since a write to one element would
     /// show at several.
@@ -280,12 +305,60 @@ impl Lowerer<'_> {
         }
     }
 
+    /// Source name `name` is the graph input `base` under another name
+    /// (one tensor in eager): it reads `base`'s value, and a write through
+    /// either is a write of both.
+    pub(crate) fn alias_input(&mut self, name: &str, base: &str) -> Result<()> {
+        let id = self.lookup(base)?;
+        self.names.insert(name.to_string(), Bound::Value(id));
+        self.views.insert(
+            name.to_string(),
+            View {
+                base: base.to_string(),
+                link: Link::Same,
+            },
+        );
+        Ok(())
+    }
+
+    /// Graph inputs `a` and `b` share part of one storage: eager would see
+    /// a write to one in the other, which the separate values do not, so
+    /// [`Self::mutation_outputs`] refuses a write to either.
+    pub(crate) fn note_overlap(&mut self, a: &str, b: &str) {
+        self.overlaps.push((a.to_string(), b.to_string()));
+    }
+
     /// Mutation outputs for the graph inputs that in-place ops wrote (as a
-    /// functional export's signature lists them); an error for a written
-    /// parameter or constant, or an input left stale.
-    pub(crate) fn mutation_outputs(&self) -> Result<Vec<(ValueId, OutputKind)>> {
+    /// functional export's signature lists them). A written lifted
+    /// constant becomes a (non-persistent) buffer: a non-strict export
+    /// lifts as constants the tensors a module holds other than as
+    /// attributes, such as a cache object's, and eager keeps what the
+    /// graph writes into them for the next call, as it does a buffer's.
+    /// An error for a written parameter, a written input that shares
+    /// storage with another, or an input left stale.
+    pub(crate) fn mutation_outputs(&mut self) -> Result<Vec<(ValueId, OutputKind)>> {
+        let written = |me: &Self, name: &str| {
+            me.graph
+                .inputs
+                .iter()
+                .zip(&me.placeholders)
+                .find(|(_, n)| n.as_str() == name)
+                .is_some_and(
+                    |((id, _), _)| !matches!(me.names.get(name), Some(Bound::Value(v)) if v == id),
+                )
+        };
+        for (a, b) in &self.overlaps {
+            if let Some(w) = [a, b].into_iter().find(|n| written(self, n)) {
+                return Err(Error::unsupported(format!(
+                    "an in-place op writes graph input `{w}`, whose data overlaps `{}` in \
+                     one storage of the archive (a view of the other): etmetal keeps them \
+                     as separate tensors, so the write would not show in the other as in eager",
+                    if w == a { b } else { a }
+                )));
+            }
+        }
         let mut out = vec![];
-        for ((id, kind), name) in self.graph.inputs.iter().zip(&self.placeholders) {
+        for ((id, kind), name) in self.graph.inputs.iter_mut().zip(&self.placeholders) {
             let now = match self.names.get(name) {
                 Some(Bound::Value(v)) if v == id => continue,
                 Some(Bound::Value(v)) => *v,
@@ -305,9 +378,18 @@ impl Lowerer<'_> {
                     InputKind::User => OutputKind::UserInputMutation {
                         input_name: name.clone(),
                     },
-                    InputKind::Parameter { fqn } | InputKind::Constant { fqn } => {
+                    InputKind::Constant { fqn } => {
+                        let fqn = fqn.clone();
+                        *kind = InputKind::Buffer {
+                            fqn: fqn.clone(),
+                            persistent: false,
+                        };
+                        OutputKind::BufferMutation { fqn }
+                    }
+                    InputKind::Parameter { fqn } => {
                         return Err(Error::unsupported(format!(
-                            "an in-place op writes `{fqn}` ({kind:?}): only buffers keep state"
+                            "an in-place op writes parameter `{fqn}`: only buffers and \
+                             lifted constants keep state (register it as a buffer)"
                         )))
                     }
                 },

@@ -157,10 +157,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         .chain([a.g.l])
     {
         let top = (hi < a.g.l).then_some(hi);
-        lw.gate = Some(bucket(&rows, lo, top)?);
-        let lowered = prefill(lw, &a, hi);
-        lw.gate = None;
-        lowered?;
+        lw.gated(bucket(&rows, lo, top)?, |lw| prefill(lw, &a, hi))?;
         lo = hi;
     }
     Ok(())

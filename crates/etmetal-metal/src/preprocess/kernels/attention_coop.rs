@@ -85,10 +85,7 @@ pub(super) fn alternatives(
     }
     for form in CoopForm::ALL {
         match form {
-            CoopForm::Half16
-                if super::flash::applies(a)
-                    && (lw.options.unvalidated || lw.options.emulate_coop.is_some()) =>
-            {
+            CoopForm::Half16 if super::flash::applies(a) => {
                 super::flash::alternatives(lw, a, d, split, span)?
             }
             CoopForm::Half16 => {}
@@ -453,12 +450,10 @@ mod tests {
     }
 
     /// Kernel name tags of the payload's dispatches and of its
-    /// alternatives, lowered with `emulate` (the unvalidated 16×16 form
-    /// offered too).
+    /// alternatives, lowered with `emulate`.
     fn tags(op: Op, operands: Vec<Option<Operand>>, emulate: Option<CoopForm>) -> Vec<String> {
         let options = PreprocessOptions {
             emulate_coop: emulate,
-            unvalidated: true,
             ..PreprocessOptions::default()
         };
         let p = lower_one_with(op, operands, &options).unwrap().payload;
@@ -545,27 +540,13 @@ mod tests {
             dynamic_input(b, &[1, 2, 512, 64], 2),
             dynamic_input(b, &[1, 2, 512, 64], 2),
         ];
-        // by default the 16×16 form, not yet right on a real GPU, is not offered
-        let plain = lower_one(sdpa(true, true), operands.clone())
-            .unwrap()
-            .payload;
-        assert!(plain
-            .dispatches
-            .iter()
-            .flat_map(|d| &d.alternatives)
-            .all(|a| a.needs.m == 8));
-        let options = PreprocessOptions {
-            unvalidated: true,
-            ..PreprocessOptions::default()
-        };
-        let p = lower_one_with(sdpa(true, true), operands, &options)
-            .unwrap()
-            .payload;
+        let p = lower_one(sdpa(true, true), operands).unwrap().payload;
         let sizes = [1, 64, 65, 256, 257, 512];
         assert_eq!(alternatives_gated_alike(&p, &sizes), 3, "buckets");
         for d in p.dispatches.iter().filter(|d| !d.alternatives.is_empty()) {
             // the 16×16 form's variants, then the 8×8 form
             assert!(d.alternatives.len() >= 2, "{}", d.alternatives.len());
+            assert!(d.alternatives.iter().any(|a| a.needs.m == 16));
             for alt in &d.alternatives {
                 let k = &p.kernels[alt.dispatches.last().unwrap().kernel];
                 assert!(k.wgsl.contains("sz.v"), "{}", k.name);

@@ -45,7 +45,7 @@
 use std::fmt::Write;
 
 use etmetal_core::sym::SymExpr;
-use etmetal_core::{DType, Result};
+use etmetal_core::{DType, Error, Result};
 
 use super::{Attn, KeySplit};
 use crate::payload::Size;
@@ -204,7 +204,7 @@ fn storage(a: &Attn, v: Variant) -> usize {
     let p = pitches(a, v);
     let (rows, threads) = (v.subgroups * RS, v.subgroups * SUBGROUP);
     let bytes =
-        2 * v.bc * (p.k + p.v) + 4 * rows * p.s + 2 * rows * p.p + 4 * (rows + 2 * threads + 1);
+        2 * v.bc * (p.k + p.v) + 4 * rows * p.s + 2 * rows * p.p + 4 * (rows + 2 * threads + 4);
     bytes.next_multiple_of(16)
 }
 
@@ -475,13 +475,30 @@ fn kernel(
     );
     let ev = kb.load(cv.exps.0, &exp_at(cv, &format!("vh * {dv}u + col")));
 
+    // Every workgroup array is a whole number of 16 bytes (the flag too):
+    // a cooperative-matrix load or store needs a 16-byte aligned pointer,
+    // and the driver lays the arrays out as it likes. (On an H100 a lone
+    // `u32` flag set every array 4 bytes off, and each load read its
+    // matrix 2 halves early.)
+    let sizes = [
+        2 * bc * (kp + vp),
+        4 * br * sw,
+        2 * br * pw,
+        4 * br,
+        4 * threads,
+    ];
+    if let Some(bad) = sizes.iter().find(|&&b| b % 16 != 0) {
+        return Err(Error::internal(format!(
+            "flash attention: a workgroup array of {bad} bytes breaks the 16-byte alignment"
+        )));
+    }
     let mut m = String::new();
     let _ = writeln!(
         m,
         "var<workgroup> kv: array<f16, {}>;\nvar<workgroup> sc: array<f32, {}>;\n\
          var<workgroup> pt: array<f16, {}>;\nvar<workgroup> rowa: array<f32, {br}>;\n\
          var<workgroup> rm: array<f32, {threads}>;\nvar<workgroup> rs: array<f32, {threads}>;\n\
-         var<workgroup> resc: u32;",
+         var<workgroup> resc: array<u32, 4>;",
         bc * (kp + vp),
         br * sw,
         br * pw
@@ -542,7 +559,7 @@ fn kernel(
         m,
         "  var mref = {ninf};\n  var l = 0.0;\n\
          \x20 for (var t0 = kbeg; t0 < kend; t0 = t0 + {bc}u) {{\n\
-         \x20   workgroupBarrier();\n    if (lid == 0u) {{ resc = 0u; }}"
+         \x20   workgroupBarrier();\n    if (lid == 0u) {{ resc[0] = 0u; }}"
     );
     // 1. the key and value tiles (zeros past the end of keys)
     for (src, head, copy, cols, pitch, at) in [
@@ -604,7 +621,7 @@ fn kernel(
          \x20   rm[lane] = mx;\n    workgroupBarrier();\n    mx = max(mx, rm[lane ^ 1u]);\n\
          \x20   var al = 1.0;\n\
          \x20   if (mx > mref + {}) {{\n\
-         \x20     al = exp2(mref - mx);\n      if (mref != {ninf}) {{ resc = 1u; }}\n\
+         \x20     al = exp2(mref - mx);\n      if (mref != {ninf}) {{ resc[0] = 1u; }}\n\
          \x20     l = l * al;\n      mref = mx;\n    }}\n\
          \x20   if (hf == 0u) {{ rowa[row] = al; }}\n\
          \x20   let ms = select(mref, 0.0, mref == {ninf});\n    var sum = 0.0;\n\
@@ -621,7 +638,7 @@ fn kernel(
     );
     // (the barrier inside the uniform load also orders rs, pt and rowa)
     m.push_str(
-        "    let rescale = workgroupUniformLoad(&resc);\n    l = l + sum + rs[lane ^ 1u];\n    if (rescale != 0u) {\n",
+        "    let rescale = workgroupUniformLoad(&resc[0]);\n    l = l + sum + rs[lane ^ 1u];\n    if (rescale != 0u) {\n",
     );
     // (rare) the accumulators rescaled by their rows' factors
     m.push_str(&indent(

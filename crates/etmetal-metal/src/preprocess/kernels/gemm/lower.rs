@@ -45,10 +45,7 @@ impl Gemm {
                 ..*self
             };
             let top = (hi < bound).then_some(hi);
-            lw.gate = Some(bucket(&size, lo, top)?);
-            let lowered = variant.lower_one(lw, args);
-            lw.gate = None;
-            lowered?;
+            lw.gated(bucket(&size, lo, top)?, |lw| variant.lower_one(lw, args))?;
             lo = hi;
         }
         Ok(())
