@@ -458,7 +458,7 @@ impl Stage {
     /// 32-wide column group has invocations (too short a `k` to gain).
     fn plan(mb: usize, chunks: usize, codes: usize) -> Option<Stage> {
         let fit = STAGE_BYTES / (4 * mb * codes);
-        let blocks = (chunks.div_ceil(fit.max(1))..=chunks).find(|b| chunks % b == 0)?;
+        let blocks = (chunks.div_ceil(fit.max(1))..=chunks).find(|&b| chunks.is_multiple_of(b))?;
         let chunks = chunks / blocks;
         (chunks >= 32).then_some(Stage { chunks, codes })
     }
