@@ -396,6 +396,84 @@ fn int8_linear_decode_and_prefill() {
     }
 }
 
+/// A quantized decode product whose input is computed (an RMSNorm's
+/// scaling, a SiLU gate) deep enough that the kernel evaluates its input
+/// once per workgroup into workgroup memory: int4 in one block (k 2048), in
+/// two (k 4096; two rows at k 2048) and in seven (k 7168, groups of 128);
+/// int8 in two (k 4096), the residual add in the store, within the 16 KiB
+/// every adapter offers.
+#[test]
+fn quantized_product_stages_a_computed_input_in_blocks() {
+    use etmetal_core::quant::QuantFormat;
+    for dtype in [DType::F32, DType::BF16] {
+        for (m, k, n, format, norm, seed) in [
+            (1, 2048, 40, QuantFormat::int4(32), true, 61),
+            (1, 4096, 37, QuantFormat::int4(64), false, 62),
+            (2, 2048, 19, QuantFormat::int4(32), true, 63),
+            (1, 7168, 11, QuantFormat::int4(128), false, 64),
+            (1, 4096, 23, QuantFormat::int8(32), true, 65),
+        ] {
+            let g = format.group_size;
+            let mut b = Builder::default();
+            let h = if norm {
+                let x = b.input(random(dtype, &[1, m, k], seed));
+                let sq = b.binary(BinaryOp::Mul, x, x);
+                let mean = Op::Reduce {
+                    op: ReduceOp::Mean,
+                    dims: vec![2],
+                    keepdim: true,
+                };
+                let ms = b.node(mean, &[Some(sq)]);
+                let eps = b.weight(Tensor::scalar_f64(dtype, 1e-6).unwrap());
+                let ms = b.binary(BinaryOp::Add, ms, eps);
+                let r = b.node(Op::Unary(UnaryOp::Rsqrt), &[Some(ms)]);
+                let h = b.binary(BinaryOp::Mul, x, r);
+                let w = b.weight(random(dtype, &[k], seed + 1));
+                b.binary(BinaryOp::Mul, h, w)
+            } else {
+                let gate = b.input(random(dtype, &[1, m, k], seed));
+                let up = b.input(random(dtype, &[1, m, k], seed + 1));
+                let s = b.node(Op::Unary(UnaryOp::Silu), &[Some(gate)]);
+                b.binary(BinaryOp::Mul, s, up)
+            };
+            let packed = b.weight(random_words(&[n, k / format.per_word()], seed + 2));
+            // small scales keep every output within bf16's reach of the
+            // CPU's (8-bit codes are 16 times int4's)
+            let shrink = if format.bits == 8 { 0.002 } else { 0.02 };
+            let scales = random(dtype, &[n, k / g], seed + 3).to_f32_vec();
+            let scales: Vec<f32> = scales.iter().map(|s| s * shrink).collect();
+            let scales = b.weight(Tensor::from_f32(dtype, &[n, k / g], &scales).unwrap());
+            let zeros = b.weight(random(dtype, &[n, k / g], seed + 4));
+            let y = b.node(
+                format.linear_op(),
+                &[Some(h), Some(packed), Some(scales), Some(zeros)],
+            );
+            let res = b.input(random(dtype, &[1, m, n], seed + 5));
+            let y = b.binary(BinaryOp::Add, y, res);
+            let what = format!("{} {dtype} m {m} k {k} n {n} g {g}", format.name());
+            b.graph.outputs.push((y, OutputKind::User));
+            let compiled = compile_whole_within(&b.graph, &DeviceLimits::default());
+            let payload = &compiled.methods[0].partitions[0].payload;
+            let product = payload
+                .dispatches
+                .iter()
+                .map(|d| &payload.kernels[d.kernel])
+                .find(|k| k.ops[0] == format.linear_op().name())
+                .unwrap_or_else(|| panic!("{what}: no product kernel"));
+            assert!(
+                product.wgsl.contains("var<workgroup> xs"),
+                "{what}: the input is not staged"
+            );
+            assert!(
+                payload.requirements.max_compute_workgroup_storage_size <= 16384,
+                "{what}: {:?}",
+                payload.requirements
+            );
+            check_graph(&b.graph, b.inputs, tol(dtype), &what);
+        }
+    }
+}
+
 /// A convolution's eval batch norm, activation and skip connection's add
 /// are computed in its store: one dispatch (and, for a 16-bit output, the
 /// copy packing it), matching the CPU kernels. Implicit GEMM (grouped
