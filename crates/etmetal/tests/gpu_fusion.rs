@@ -68,8 +68,9 @@ impl Builder {
 
     /// GPU and CPU agree, every dispatch is a kernel of one of the ops
     /// `kernels` names (the others fused into them) or a copy packing a
-    /// 16-bit output (products store f32 intermediates), and the products
-    /// take at most `products` dispatches.
+    /// 16-bit output (products store f32 intermediates), the products
+    /// take at most `products` dispatches, and every kernel fits wgpu's
+    /// default 16 KiB of workgroup memory.
     fn check(
         mut self,
         outputs: &[ValueId],
@@ -93,6 +94,11 @@ impl Builder {
             .filter(|d| payload.kernels[d.kernel].ops[0] == "linear")
             .count();
         assert!(linear <= products, "{what}: {linear} product dispatches");
+        let storage = payload.requirements.max_compute_workgroup_storage_size;
+        assert!(
+            storage <= 16384,
+            "{what}: {storage} bytes of workgroup memory"
+        );
         for d in &payload.dispatches {
             let k = &payload.kernels[d.kernel];
             let op = k.ops[0].as_str();
@@ -126,6 +132,7 @@ fn rms_norm_into_a_product_with_a_residual_add() {
             (3, 64, 64, 2),
             (8, 130, 33, 3),
             (1, 256, 514, 4),
+            (1, 1024, 600, 5),
         ] {
             let mut b = Builder::default();
             let x = b.input(random(dtype, &[1, m, k], seed));
@@ -164,11 +171,20 @@ fn rms_norm_into_a_product_with_a_residual_add() {
 }
 
 /// `down(silu(gate) · up) + x`: the down product reads the gate as its
-/// input and stores the residual add.
+/// input (evaluated once a workgroup into workgroup memory; a Llama-3.2-1B
+/// down product's `k` of 8192 in blocks, with a shorter last one; split
+/// among workgroups for few columns, its parts added up by a second
+/// dispatch) and stores the residual add.
 #[test]
 fn silu_gate_into_the_down_product() {
     for dtype in [DType::F32, DType::BF16] {
-        for (m, k, n, seed) in [(1, 45, 21, 5), (2, 128, 64, 6), (5, 258, 7, 7)] {
+        for (m, k, n, products, seed) in [
+            (1, 45, 21, 1, 5),
+            (2, 128, 64, 1, 6),
+            (5, 258, 7, 1, 7),
+            (1, 8192, 512, 1, 8),
+            (4, 8192, 64, 2, 9),
+        ] {
             let mut b = Builder::default();
             let gate = b.input(random(dtype, &[1, m, k], seed));
             let up = b.input(random(dtype, &[1, m, k], seed + 1));
@@ -179,7 +195,7 @@ fn silu_gate_into_the_down_product() {
             let y = b.node(Op::Linear, &[Some(h), Some(w), None]);
             let y = b.binary(BinaryOp::Add, y, x);
             let what = format!("{dtype} m {m} k {k} n {n}");
-            b.check(&[y], tol(dtype), &what, &["linear"], 1);
+            b.check(&[y], tol(dtype), &what, &["linear"], products);
         }
     }
 }

@@ -530,6 +530,16 @@ impl GemvArgs for MatmulArgs {
     fn b_dtype(&self) -> DType {
         self.b.dtype
     }
+
+    fn a_is_plain(&self) -> bool {
+        let mut idx = unravel("bt", &self.batch);
+        idx.extend(["j".to_string(), "k".to_string()]);
+        k_run(&self.a, &idx).is_some()
+    }
+
+    fn prologue_bytes(&self) -> usize {
+        self.stats.iter().map(|(st, _)| 4 * st.rows).sum()
+    }
 }
 
 /// Emit `fn name(bt: u32, j: u32, k: u32)`: elements `k … k+lanes-1`

@@ -146,6 +146,20 @@ pub fn lower_one_with(
     preprocess(&graph, &part, options)
 }
 
+/// Preprocess every node of `graph` (its inputs, constants and outputs
+/// already listed) as one partition.
+pub fn lower_graph(graph: &Graph) -> Result<Preprocessed> {
+    let part = Partition {
+        id: 0,
+        nodes: (0..graph.nodes.len()).collect(),
+        inputs: graph.inputs.iter().map(|(v, _)| *v).collect(),
+        outputs: graph.outputs.iter().map(|(v, _)| *v).collect(),
+        constants: graph.constants.keys().copied().collect(),
+        mutated_buffers: vec![],
+    };
+    preprocess(graph, &part, &PreprocessOptions::default())
+}
+
 /// [`lower_one`] over user inputs of `(dtype, shape)` (`None`: an empty
 /// slot).
 pub fn lower_inputs(op: Op, inputs: &[Option<(DType, &[usize])>]) -> Result<Preprocessed> {

@@ -15,9 +15,13 @@ use crate::preprocess::Lowering;
 /// operand (a linear layer's weight) is a [`Gemv`].
 pub(crate) const GEMV_ROWS: usize = 8;
 
-/// Accumulators of a [`Gemv`] invocation (`rows × columns`), bounded so the
-/// workgroup's partial sums fit 16 KiB.
+/// Accumulators of a [`Gemv`] invocation (`rows × columns`), bounded so a
+/// 128-invocation workgroup's partial sums fit [`WORKGROUP_BYTES`].
 const GEMV_SUMS: usize = 32;
+
+/// Workgroup memory of a [`Gemv`] kernel at most (wgpu's default limit,
+/// which every adapter offers).
+const WORKGROUP_BYTES: usize = 16384;
 
 /// Workgroups a [`Gemv`] wants before it gives each fewer columns: about
 /// four 128-invocation workgroups on each of an H200's 132 units.
@@ -59,9 +63,14 @@ const GEMV_LOADS: usize = 8;
 /// loads are one coalesced run), issuing up to [`GEMV_LOADS`] loads before
 /// using them, keep `rows × cols` f32 partial sums, and add them up across
 /// the workgroup in workgroup memory ([`reduce_sums`]); too few columns for
-/// a large GPU split a deep `k` among workgroups ([`SplitK`]). The caller's
-/// [`GemvArgs`] read the operands in chunks along `k` and store the
-/// results.
+/// a large GPU split a deep `k` among workgroups ([`SplitK`]). A workgroup
+/// of several column groups reads each chunk of the left operand once a
+/// group; where that read is more than a load (an RMSNorm's scaling, a SiLU
+/// gate, a permuted view), the workgroup instead evaluates its rows of the
+/// left operand once into workgroup memory and the groups read them there
+/// ([`Stage`]), in blocks of `k` where they do not fit at once. All of it
+/// stays within [`WORKGROUP_BYTES`]. The caller's [`GemvArgs`] read the
+/// operands in chunks along `k` and store the results.
 pub(crate) struct Gemv {
     pub batch: usize,
     pub m: usize,
@@ -98,6 +107,19 @@ impl Plan {
     }
 }
 
+/// How a [`Gemv`] workgroup stages the left operand's rows in workgroup
+/// memory (`xs`, f32; half `h` of chunk `c` of row `r` at `(r · lanes/4 +
+/// h) · block + c`, so neighbouring invocations read neighbouring words):
+/// a block of `k` at a time, each block filled by all invocations (one
+/// evaluation of A an element), then read by every column group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stage {
+    /// Chunks of each row a block holds: the whole of a split's `k`, else
+    /// a multiple of the unrolled loop's step (`unroll · threads`, fewer
+    /// chunks unrolled where not one step fits).
+    block: usize,
+}
+
 impl Gemv {
     /// The most columns (≤ 4) that keep enough workgroups, `k` split when
     /// there still are too few and each part keeps 32 invocations busy
@@ -126,7 +148,11 @@ impl Gemv {
             .min(GEMV_LOADS / self.m.max(1))
             .min(chunks / threads)
             .max(1);
-        let groups = column_groups(self.n.div_ceil(cols) * self.batch * splits, threads);
+        let mut groups = column_groups(self.n.div_ceil(cols) * self.batch * splits, threads);
+        // (the partial sums within the workgroup memory: up to 8 rows)
+        while groups > 1 && 4 * self.m * cols * threads * groups > WORKGROUP_BYTES {
+            groups /= 2;
+        }
         Plan {
             threads,
             cols,
@@ -135,6 +161,28 @@ impl Gemv {
             lanes,
             unroll,
         }
+    }
+
+    /// How a workgroup stages the left operand when `fixed` bytes of
+    /// workgroup memory are already taken: the whole of a split's `k` where
+    /// it fits, else blocks of as many unrolled steps as fit (fewer chunks
+    /// unrolled where not one step does); `None` (the operand read in
+    /// place) for one column group, which reads each chunk once anyway, or
+    /// where not even one chunk per invocation fits.
+    fn stage(&self, plan: &Plan, fixed: usize) -> Option<Stage> {
+        if plan.groups == 1 {
+            return None;
+        }
+        let chunks = (self.k / plan.splits).div_ceil(plan.lanes);
+        let fit = WORKGROUP_BYTES.saturating_sub(fixed) / (4 * self.m * plan.lanes);
+        if chunks <= fit {
+            return Some(Stage { block: chunks });
+        }
+        let unroll = plan.unroll.min(fit / plan.threads);
+        let step = unroll * plan.threads;
+        (unroll > 0).then(|| Stage {
+            block: fit / step * step,
+        })
     }
 
     pub fn lower(&self, lw: &mut Lowering, args: &impl GemvArgs) -> Result<()> {
@@ -146,18 +194,23 @@ impl Gemv {
         let split = SplitK::new(lw, plan.splits, self.batch, self.m, self.n)?;
         let mut kb = KernelBuilder::new(&lw.buffers);
         let (decls, pro) = args.prologue(&mut kb, plan.size())?;
+        let fixed = self.red_bytes(&plan) + args.prologue_bytes();
+        let stage = match args.a_is_plain() {
+            true => None,
+            false => self.stage(&plan, fixed),
+        };
         let fns = args.k_chunks(&mut kb, plan.lanes)? + &split.store(&mut kb, args)?;
+        let (shared, staged) = self.shared(&plan, stage);
         let main = format!(
-            "{fns}\n{}{decls}{}{}  let g = {FLAT_GROUP};\n{}}}\n",
+            "{fns}\n{}{decls}{shared}{}  let g = {FLAT_GROUP};\n{}}}\n",
             dot_fn(plan.lanes),
-            self.shared(&plan),
             entry(plan.size() as u32),
-            self.body(&plan, "", &pro)
+            self.body(&plan, "", &pro, stage)
         );
         let built = kb.finish(&main);
         let groups = (self.n.div_ceil(plan.block()) * self.batch * plan.splits) as u64;
         let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
-        let storage = (4 * self.m * plan.cols * plan.size()) as u32;
+        let storage = (fixed + staged) as u32;
         let ops = vec![lw.op_label()];
         lw.add_dispatch(built, ops, [plan.size() as u32, 1, 1], workgroups, storage)?;
         split.sum(lw, args)
@@ -168,7 +221,8 @@ impl Gemv {
     /// blocks of all, each workgroup taking a block of one product. Each
     /// member's reads and store are its [`GemvArgs`], whose functions carry
     /// the member's tag (`xa{tag}`, `xb{tag}`, `gstore{tag}`). `k` is not
-    /// split: the members' columns together fill the GPU.
+    /// split: the members' columns together fill the GPU. The staged left
+    /// operand's array is one for all members (they share `m` and `k`).
     pub fn lower_group(
         lw: &mut Lowering,
         m: usize,
@@ -187,17 +241,23 @@ impl Gemv {
         let mut kb = KernelBuilder::new(&lw.buffers);
         let mut fns = String::new();
         let mut pros = vec![];
+        let mut fixed = whole.red_bytes(&plan);
         for (_, _, args) in members {
             let (decls, pro) = args.prologue(&mut kb, plan.size())?;
             fns += &decls;
+            fixed += args.prologue_bytes();
             pros.push(pro);
             fns += &args.k_chunks(&mut kb, plan.lanes)?;
             fns += &args.store(&mut kb)?;
         }
+        let stage = match members.iter().all(|(_, _, a)| a.a_is_plain()) {
+            true => None,
+            false => whole.stage(&plan, fixed),
+        };
+        let (shared, staged) = whole.shared(&plan, stage);
         let mut main = format!(
-            "{fns}\n{}{}{}  let g0 = {FLAT_GROUP};\n",
+            "{fns}\n{}{shared}{}  let g0 = {FLAT_GROUP};\n",
             dot_fn(plan.lanes),
-            whole.shared(&plan),
             entry(plan.size() as u32)
         );
         let mut start = 0;
@@ -212,38 +272,67 @@ impl Gemv {
             let _ = writeln!(
                 main,
                 "  if (g0 < {end}u) {{\n  let g = g0 - {start}u;\n{}  return;\n  }}",
-                part.body(&plan, tag, pro)
+                part.body(&plan, tag, pro, stage)
             );
             start = end;
         }
         main.push_str("}\n");
         let built = kb.finish(&main);
         let workgroups = grid(start as u64, lw.options.max_workgroups_per_dim)?;
-        let storage = (4 * m * plan.cols * plan.size()) as u32;
+        let storage = (fixed + staged) as u32;
         let ops = vec![lw.op_label()];
         lw.add_dispatch(built, ops, [plan.size() as u32, 1, 1], workgroups, storage)
     }
 
-    /// The workgroup memory the partial sums are reduced in.
-    fn shared(&self, plan: &Plan) -> String {
-        format!(
+    /// Bytes of the workgroup memory the partial sums are reduced in.
+    fn red_bytes(&self, plan: &Plan) -> usize {
+        4 * self.m * plan.cols * plan.size()
+    }
+
+    /// The workgroup memory the partial sums are reduced in and, where
+    /// staged, the left operand's (`xs`, read by `fn xsa(r, c)`: chunk `c`
+    /// of row `r` of the block), and the bytes of the latter.
+    fn shared(&self, plan: &Plan, stage: Option<Stage>) -> (String, usize) {
+        let mut s = format!(
             "var<workgroup> red: array<f32, {}>;\n",
             self.m * plan.cols * plan.size()
-        )
+        );
+        let Some(Stage { block }) = stage else {
+            return (s, 0);
+        };
+        let halves = plan.lanes / 4;
+        let _ = writeln!(
+            s,
+            "var<workgroup> xs: array<vec4<f32>, {}>;",
+            self.m * halves * block
+        );
+        let _ = match halves {
+            1 => writeln!(
+                s,
+                "fn xsa(r: u32, c: u32) -> vec4<f32> {{ return xs[r * {block}u + c]; }}"
+            ),
+            _ => writeln!(
+                s,
+                "fn xsa(r: u32, c: u32) -> array<vec4<f32>, 2> {{\n\
+                 \x20 let o = r * {}u + c;\n\
+                 \x20 return array<vec4<f32>, 2>(xs[o], xs[o + {block}u]);\n}}",
+                2 * block
+            ),
+        };
+        (s, 16 * self.m * halves * block)
     }
 
     /// The statements of a workgroup `g` (a `u32` in scope) computing its
     /// block of columns after the `prologue`, calling the functions tagged
-    /// `tag`.
-    fn body(&self, plan: &Plan, tag: &str, prologue: &str) -> String {
+    /// `tag`, the left operand staged as `stage` says (else read in place).
+    fn body(&self, plan: &Plan, tag: &str, prologue: &str, stage: Option<Stage>) -> String {
         let (m, n) = (self.m, self.n);
         let Plan {
             threads,
             cols,
-            groups,
             splits,
             lanes,
-            unroll,
+            ..
         } = *plan;
         // k of a split (a multiple of the chunk when split)
         let depth = self.k / splits;
@@ -274,16 +363,93 @@ impl Gemv {
                 let _ = writeln!(s, "  var s{i}_{j} = 0.0;");
             }
         }
-        // `unroll` chunks of each column at once while every invocation has
-        // them, then one at a time
+        let Some(st) = stage else {
+            s += &self.chunks(plan, tag, None, chunks, "kbase", prologue);
+            return self.reduce(s, plan, tag);
+        };
+        if chunks <= st.block {
+            let pre = prologue.to_string() + &self.fill(plan, tag, st, "kbase", chunks);
+            s += &self.chunks(plan, tag, stage, chunks, "kbase", &pre);
+            return self.reduce(s, plan, tag);
+        }
+        // blocks of `k` (a uniform loop: its barriers are the workgroup's),
+        // then what is left
+        s.push_str(prologue);
+        let (whole, rest) = (chunks / st.block, chunks % st.block);
+        let span = st.block * lanes;
+        let _ = writeln!(
+            s,
+            "  for (var ko = kbase; ko < kbase + {}u; ko = ko + {span}u) {{",
+            whole * span
+        );
+        let pre = self.fill(plan, tag, st, "ko", st.block);
+        s += &self.chunks(plan, tag, stage, st.block, "ko", &pre);
+        s.push_str("  workgroupBarrier();\n  }\n");
+        if rest > 0 {
+            let _ = writeln!(s, "  {{\n  let ko = kbase + {}u;", whole * span);
+            let pre = self.fill(plan, tag, st, "ko", rest);
+            s += &self.chunks(plan, tag, stage, rest, "ko", &pre);
+            s.push_str("  }\n");
+        }
+        self.reduce(s, plan, tag)
+    }
+
+    /// Statements filling the staged left operand with chunks `0 … count`
+    /// of the block from `base` (a WGSL `u32`), then a barrier: all of the
+    /// workgroup's invocations, each evaluating `xa` for a chunk of a row.
+    fn fill(&self, plan: &Plan, tag: &str, stage: Stage, base: &str, count: usize) -> String {
+        let (lanes, block) = (plan.lanes, stage.block);
+        let mut s = format!(
+            "  for (var e = lid; e < {}u; e = e + {}u) {{\n\
+             \x20   let r = e / {count}u;\n    let c = e % {count}u;\n\
+             \x20   let a = xa{tag}(bt, r, {base} + c * {lanes}u);\n",
+            self.m * count,
+            plan.size()
+        );
+        match lanes {
+            4 => {
+                let _ = writeln!(s, "    xs[r * {block}u + c] = a;");
+            }
+            _ => {
+                let _ = writeln!(
+                    s,
+                    "    xs[r * {}u + c] = a[0];\n    xs[r * {}u + {block}u + c] = a[1];",
+                    2 * block,
+                    2 * block
+                );
+            }
+        }
+        s.push_str("  }\n  workgroupBarrier();\n");
+        s
+    }
+
+    /// The loop over chunks `0 … count` of a split's `k`, or of a block of
+    /// it, from `base` (a WGSL `u32`): the plan's unrolled chunks of each
+    /// column at once (no more than each invocation has) while every
+    /// invocation has them, then one at a time; `pre` runs after the first
+    /// pass's loads (the prologue, the staging: their barriers would
+    /// otherwise hold the loads back). The left operand's chunks are read
+    /// from the staged block where `stage` is given.
+    fn chunks(
+        &self,
+        plan: &Plan,
+        tag: &str,
+        stage: Option<Stage>,
+        count: usize,
+        base: &str,
+        pre: &str,
+    ) -> String {
+        let (m, cols, threads, lanes) = (self.m, plan.cols, plan.threads, plan.lanes);
+        let unroll = plan.unroll.min(count / threads).max(1);
+        let mut s = String::new();
         let step = unroll * threads;
-        let full = chunks / step * step;
+        let full = count / step * step;
         // the right operand's chunks `q + x·threads`, x < u
         let loads = |s: &mut String, u: usize| {
             for x in 0..u {
                 let _ = writeln!(
                     s,
-                    "    let k{x} = kbase + (q + {}u) * {lanes}u;",
+                    "    let k{x} = {base} + (q + {}u) * {lanes}u;",
                     x * threads
                 );
                 for j in 0..cols {
@@ -294,7 +460,11 @@ impl Gemv {
         let math = |s: &mut String, u: usize| {
             for x in 0..u {
                 for i in 0..m {
-                    let _ = writeln!(s, "    let a{x}_{i} = xa{tag}(bt, {i}u, k{x});");
+                    let a = match stage {
+                        Some(_) => format!("xsa({i}u, q + {}u)", x * threads),
+                        None => format!("xa{tag}(bt, {i}u, k{x})"),
+                    };
+                    let _ = writeln!(s, "    let a{x}_{i} = {a};");
                     for j in 0..cols {
                         let _ = writeln!(s, "    s{i}_{j} = s{i}_{j} + dotc(a{x}_{i}, b{x}_{j});");
                     }
@@ -303,18 +473,16 @@ impl Gemv {
         };
         let mut from = 0;
         if full > 0 {
-            // the first pass's loads go out before the prologue, whose
-            // barriers would otherwise hold them back
             s.push_str("  {\n    let q = tl;\n");
             loads(&mut s, unroll);
-            s.push_str(prologue);
+            s.push_str(pre);
             math(&mut s, unroll);
             s.push_str("  }\n");
             from = step;
         } else {
-            s.push_str(prologue);
+            s.push_str(pre);
         }
-        for (u, to, by) in [(unroll, full, step), (1, chunks, threads)] {
+        for (u, to, by) in [(unroll, full, step), (1, count, threads)] {
             if from < to {
                 let _ = writeln!(
                     s,
@@ -326,15 +494,22 @@ impl Gemv {
             }
             from = from.max(to);
         }
+        s
+    }
+
+    /// `s` with the statements adding up the workgroup's partial sums and
+    /// storing them appended.
+    fn reduce(&self, mut s: String, plan: &Plan, tag: &str) -> String {
+        let (m, n, cols) = (self.m, self.n, plan.cols);
         let sums: Vec<String> = (0..m)
             .flat_map(|i| (0..cols).map(move |j| format!("s{i}_{j}")))
             .collect();
-        let per = self.m * cols;
+        let per = m * cols;
         let store = format!(
             "let c = n0 + (lid / {per}u) * {cols}u + lid % {cols}u;\n\
              \x20   if (c < {n}u) {{ gstore{tag}(sb, (lid % {per}u) / {cols}u, c, v); }}"
         );
-        s.push_str(&reduce_sums(&sums, threads, groups, &store));
+        s.push_str(&reduce_sums(&sums, plan.threads, plan.groups, &store));
         s
     }
 }
@@ -394,7 +569,129 @@ pub(crate) fn reduce_sums(sums: &[String], threads: usize, groups: usize, store:
 
 #[cfg(test)]
 mod tests {
-    use super::{Gemv, Plan};
+    use etmetal_core::{BinaryOp, DType, Op, ReduceOp, Tensor, UnaryOp};
+    use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
+
+    use super::{Gemv, Plan, WORKGROUP_BYTES};
+    use crate::preprocess::kernels::testing::lower_graph;
+
+    /// Append `op` over `inputs` to `g`: its output.
+    fn node(g: &mut Graph, op: Op, inputs: &[ValueId]) -> ValueId {
+        let mut node = Node {
+            name: format!("n{}", g.nodes.len()),
+            target: "test".into(),
+            op,
+            inputs: inputs.iter().map(|&v| Some(v)).collect(),
+            outputs: vec![],
+        };
+        let (dtype, shape) = etmetal_graph::infer::infer(g, &node).unwrap().remove(0);
+        let v = g.add_value(node.name.clone(), dtype, shape);
+        node.outputs.push(v);
+        g.nodes.push(node);
+        v
+    }
+
+    fn input(g: &mut Graph, dtype: DType, shape: &[usize]) -> ValueId {
+        let v = g.add_value(format!("x{}", g.inputs.len()), dtype, shape.to_vec());
+        g.inputs.push((v, InputKind::User));
+        v
+    }
+
+    fn constant(g: &mut Graph, t: Tensor) -> ValueId {
+        let name = format!("w{}", g.constants.len());
+        let v = g.add_constant(name.clone(), t);
+        g.inputs.push((v, InputKind::Parameter { fqn: name }));
+        v
+    }
+
+    /// `linear(a(x), w)` for `w` of `[n, k]`: the product's kernel and its
+    /// dispatch's workgroup memory (the payload's requirement).
+    fn product(
+        dtype: DType,
+        (m, n, k): (usize, usize, usize),
+        a: impl Fn(&mut Graph, ValueId) -> ValueId,
+    ) -> (String, u32) {
+        let mut g = Graph::default();
+        let x = input(&mut g, dtype, &[1, m, k]);
+        let h = a(&mut g, x);
+        let w = constant(&mut g, Tensor::zeros(dtype, &[n, k]).unwrap());
+        let y = node(&mut g, Op::Linear, &[h, w]);
+        g.outputs.push((y, OutputKind::User));
+        let p = lower_graph(&g).unwrap().payload;
+        let kernel = p
+            .kernels
+            .iter()
+            .find(|k| k.wgsl.contains("gstore"))
+            .expect("a product kernel");
+        (
+            kernel.wgsl.clone(),
+            p.requirements.max_compute_workgroup_storage_size,
+        )
+    }
+
+    /// `rms_norm(x) · g` written out as a decoder does.
+    fn rms_norm(g: &mut Graph, x: ValueId) -> ValueId {
+        let (dtype, k) = (g.value(x).dtype, *g.value(x).shape.last().unwrap());
+        let sq = node(g, Op::Binary(BinaryOp::Mul), &[x, x]);
+        let mean = Op::Reduce {
+            op: ReduceOp::Mean,
+            dims: vec![2],
+            keepdim: true,
+        };
+        let ms = node(g, mean, &[sq]);
+        let eps = constant(g, Tensor::scalar_f64(dtype, 1e-6).unwrap());
+        let ms = node(g, Op::Binary(BinaryOp::Add), &[ms, eps]);
+        let r = node(g, Op::Unary(UnaryOp::Rsqrt), &[ms]);
+        let h = node(g, Op::Binary(BinaryOp::Mul), &[x, r]);
+        let w = constant(g, Tensor::zeros(dtype, &[k]).unwrap());
+        node(g, Op::Binary(BinaryOp::Mul), &[h, w])
+    }
+
+    /// `silu(x) · x`: a SiLU gate (of itself).
+    fn silu_gate(g: &mut Graph, x: ValueId) -> ValueId {
+        let s = node(g, Op::Unary(UnaryOp::Silu), &[x]);
+        node(g, Op::Binary(BinaryOp::Mul), &[s, x])
+    }
+
+    /// A left operand that is more than a load (an RMSNorm computed in the
+    /// prologue, a SiLU gate) is evaluated once a workgroup of several
+    /// column groups into workgroup memory, in blocks of `k` where it does
+    /// not fit at once (a Llama-3.2-1B down product's 8192), within 16 KiB;
+    /// a plain load, or one column group's operand, is read in place.
+    #[test]
+    fn a_computed_left_operand_is_staged() {
+        let staged = "var<workgroup> xs";
+        let (wgsl, _) = product(DType::BF16, (1, 2048, 2048), |_, x| x);
+        assert!(!wgsl.contains(staged), "a plain load staged");
+        // (64 columns: one group a workgroup)
+        let (wgsl, _) = product(DType::F32, (3, 64, 1000), rms_norm);
+        assert!(!wgsl.contains(staged), "one column group staged");
+        for (dtype, (m, n, k)) in [
+            (DType::BF16, (1, 2048, 2048)),
+            (DType::F32, (2, 2048, 1000)),
+            (DType::F16, (8, 1024, 128)),
+        ] {
+            let (wgsl, bytes) = product(dtype, (m, n, k), rms_norm);
+            assert!(wgsl.contains(staged), "{dtype:?} {m}x{n}x{k}: not staged");
+            assert!(!wgsl.contains("for (var ko"), "{k} in blocks");
+            assert!(bytes as usize <= WORKGROUP_BYTES, "{bytes} bytes");
+        }
+        for (m, n) in [(1, 2048), (1, 512), (4, 64)] {
+            let (wgsl, bytes) = product(DType::BF16, (m, n, 8192), silu_gate);
+            assert!(wgsl.contains(staged), "{m}x{n}: not staged");
+            assert!(wgsl.contains("for (var ko"), "{m}x{n}: not in blocks");
+            assert!(bytes as usize <= WORKGROUP_BYTES, "{m}x{n}: {bytes} bytes");
+        }
+    }
+
+    /// Up to 8 rows and 4 columns keep the partial sums within 16 KiB.
+    #[test]
+    fn partial_sums_fit_the_workgroup_memory() {
+        for (m, n, k) in [(8, 4096, 4096), (5, 2048, 256), (8, 128256, 2048)] {
+            let p: Plan = Gemv { batch: 1, m, n, k }.plan(usize::MAX, true);
+            assert!(4 * m * p.cols * p.size() <= WORKGROUP_BYTES, "{p:?}");
+        }
+    }
 
     #[test]
     fn few_columns_split_deep_k() {

@@ -147,12 +147,22 @@ pub(crate) trait GemvArgs: Epilogue {
     /// The element type of B, the operand whose bytes bound the kernel.
     fn b_dtype(&self) -> DType;
 
+    /// Whether `xa` only reads a buffer along its contiguous dim (no math,
+    /// no gather): cheaper to read again for each column group than to
+    /// stage in workgroup memory.
+    fn a_is_plain(&self) -> bool;
+
     /// What a workgroup of `threads` invocations computes before the
     /// product, called before the readers are emitted: `(module-level
     /// declarations, statements)` (row statistics of A it reads from
     /// workgroup memory).
     fn prologue(&self, _kb: &mut KernelBuilder, _threads: usize) -> Result<(String, String)> {
         Ok(Default::default())
+    }
+
+    /// Bytes of workgroup memory the prologue's declarations take.
+    fn prologue_bytes(&self) -> usize {
+        0
     }
 }
 
