@@ -202,15 +202,15 @@ struct Qmv<'a> {
 
 /// Independent 16-byte weight loads an invocation issues before using
 /// them (channels × unrolled chunks; as the matrix-vector GEMM's).
-const QMV_LOADS: usize = 16;
+const QMV_LOADS: usize = 8;
 
 /// Workgroups wanted before a workgroup takes fewer channels (four of 128
 /// invocations on each of an H200's 132 units).
 const QMV_FILL: usize = 512;
 
 impl Qmv<'_> {
-    /// Append the kernel. A workgroup takes `cols` channels (8, 4, 2 or
-    /// 1: the most that keep [`QMV_FILL`] workgroups) for a block of rows
+    /// Append the kernel. A workgroup takes `cols` channels (4, 2 or 1:
+    /// the most that keep [`QMV_FILL`] workgroups) for a block of rows
     /// (every row; one for gather_qmv, whose rows pick their own expert).
     /// Its invocations stride over the packed rows in chunks of `cw` words
     /// (4, one `vec4<u32>` load, where the words, the groups and the
@@ -293,7 +293,7 @@ impl Qmv<'_> {
             }
         }
         let chunks = words / cw;
-        let cols = [8, 4, 2]
+        let cols = [4, 2]
             .into_iter()
             .find(|&c| mb * c <= 32 && n.div_ceil(c) * mblocks >= QMV_FILL)
             .unwrap_or(1);
@@ -315,9 +315,16 @@ impl Qmv<'_> {
         };
         let (mut threads, mut unroll, mut groups) = layout(stage);
         if let Some(st) = stage {
-            // the partial sums and the block within what every adapter offers
+            // the partial sums and the block within what every adapter
+            // offers: fewer column groups a workgroup, else no staging
             let means: usize = self.stats.iter().map(|(st, _)| 4 * st.rows).sum();
-            if 4 * mb * cols * threads * groups + st.bytes(mb) + means > WORKGROUP_BYTES {
+            let fits = |groups: usize| {
+                4 * mb * cols * threads * groups + st.bytes(mb) + means <= WORKGROUP_BYTES
+            };
+            while !fits(groups) && groups > 1 {
+                groups /= 2;
+            }
+            if !fits(groups) {
                 stage = None;
                 (threads, unroll, groups) = layout(None);
             }
