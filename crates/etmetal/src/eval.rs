@@ -75,39 +75,12 @@ pub fn run_graph_observed(
             continue;
         }
         let at = || format!("node `{}` ({})", node.name, node.target);
-        let args: Vec<Option<&Tensor>> = node
-            .inputs
-            .iter()
-            .map(|slot| match slot {
-                None => Ok(None),
-                Some(v) => env[v.0].as_deref().map(Some).ok_or_else(|| {
-                    Error::internal(format!(
-                        "value `{}` is read before it is computed",
-                        graph.value(*v).name
-                    ))
-                }),
-            })
-            .collect::<Result<_>>()
-            .map_err(|e| e.context(at()))?;
+        let args = node_args(graph, node, |v| env[v.0].as_deref())?;
         observe(node, &args).map_err(|e| e.context(at()))?;
         if skip {
             continue;
         }
-        let specs: Vec<_> = node
-            .outputs
-            .iter()
-            .map(|v| (graph.value(*v).dtype, graph.value(*v).shape.clone()))
-            .collect();
-        let results = etmetal_cpu::execute(&node.op, &args, &specs).map_err(|e| e.context(at()))?;
-        if results.len() != node.outputs.len() {
-            return Err(Error::internal(format!(
-                "node `{}`: kernel {} returned {} outputs, the graph has {}",
-                node.name,
-                node.op.name(),
-                results.len(),
-                node.outputs.len()
-            )));
-        }
+        let results = execute_node(graph, node, &args)?;
         for (v, t) in node.outputs.iter().zip(results) {
             env[v.0] = Some(Cow::Owned(t));
         }
@@ -195,9 +168,17 @@ fn run_node<'a>(
     node: &Node,
     get: impl Fn(ValueId) -> Option<&'a Tensor>,
 ) -> Result<Vec<Tensor>> {
-    let at = || format!("node `{}` ({})", node.name, node.target);
-    let args: Vec<Option<&Tensor>> = node
-        .inputs
+    execute_node(graph, node, &node_args(graph, node, get)?)
+}
+
+/// The inputs of `node`, read through `get` (an absent optional input is
+/// `None`; a value not computed yet is an error naming it).
+fn node_args<'a>(
+    graph: &Graph,
+    node: &Node,
+    get: impl Fn(ValueId) -> Option<&'a Tensor>,
+) -> Result<Vec<Option<&'a Tensor>>> {
+    node.inputs
         .iter()
         .map(|slot| match slot {
             None => Ok(None),
@@ -209,13 +190,18 @@ fn run_node<'a>(
             }),
         })
         .collect::<Result<_>>()
-        .map_err(|e| e.context(at()))?;
+        .map_err(|e| e.context(format!("node `{}` ({})", node.name, node.target)))
+}
+
+/// `node` on the CPU kernels, given its inputs: one result per output.
+fn execute_node(graph: &Graph, node: &Node, args: &[Option<&Tensor>]) -> Result<Vec<Tensor>> {
+    let at = || format!("node `{}` ({})", node.name, node.target);
     let specs: Vec<_> = node
         .outputs
         .iter()
         .map(|v| (graph.value(*v).dtype, graph.value(*v).shape.clone()))
         .collect();
-    let results = etmetal_cpu::execute(&node.op, &args, &specs).map_err(|e| e.context(at()))?;
+    let results = etmetal_cpu::execute(&node.op, args, &specs).map_err(|e| e.context(at()))?;
     if results.len() != node.outputs.len() {
         return Err(Error::internal(format!(
             "node `{}`: kernel {} returned {} outputs, the graph has {}",

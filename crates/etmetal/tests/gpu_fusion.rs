@@ -66,6 +66,24 @@ impl Builder {
         self.node(Op::Binary(op), &[Some(a), Some(b)])
     }
 
+    /// `rms_norm(x) · g` over the last of x's 3 dims (`k` wide), written
+    /// out as a decoder does: mean of squares, rsqrt, two products.
+    fn rms_norm(&mut self, x: ValueId, dtype: DType, k: usize, seed: u64) -> ValueId {
+        let sq = self.binary(BinaryOp::Mul, x, x);
+        let mean = Op::Reduce {
+            op: ReduceOp::Mean,
+            dims: vec![2],
+            keepdim: true,
+        };
+        let ms = self.node(mean, &[Some(sq)]);
+        let eps = self.weight(Tensor::scalar_f64(dtype, 1e-6).unwrap());
+        let ms = self.binary(BinaryOp::Add, ms, eps);
+        let r = self.node(Op::Unary(UnaryOp::Rsqrt), &[Some(ms)]);
+        let h = self.binary(BinaryOp::Mul, x, r);
+        let g = self.weight(random(dtype, &[k], seed));
+        self.binary(BinaryOp::Mul, h, g)
+    }
+
     /// GPU and CPU agree, every dispatch is a kernel of one of the ops
     /// `kernels` names (the others fused into them) or a copy packing a
     /// 16-bit output (products store f32 intermediates), the products
@@ -136,19 +154,7 @@ fn rms_norm_into_a_product_with_a_residual_add() {
         ] {
             let mut b = Builder::default();
             let x = b.input(random(dtype, &[1, m, k], seed));
-            let sq = b.binary(BinaryOp::Mul, x, x);
-            let mean = Op::Reduce {
-                op: ReduceOp::Mean,
-                dims: vec![2],
-                keepdim: true,
-            };
-            let ms = b.node(mean, &[Some(sq)]);
-            let eps = b.weight(Tensor::scalar_f64(dtype, 1e-6).unwrap());
-            let ms = b.binary(BinaryOp::Add, ms, eps);
-            let r = b.node(Op::Unary(UnaryOp::Rsqrt), &[Some(ms)]);
-            let h = b.binary(BinaryOp::Mul, x, r);
-            let g = b.weight(random(dtype, &[k], seed + 10));
-            let h = b.binary(BinaryOp::Mul, h, g);
+            let h = b.rms_norm(x, dtype, k, seed + 10);
             let w = b.weight(random(dtype, &[k, k], seed + 20));
             let y = b.node(Op::Linear, &[Some(h), Some(w), None]);
             let y = b.binary(BinaryOp::Add, x, y);
@@ -433,19 +439,7 @@ fn quantized_product_stages_a_computed_input_in_blocks() {
             let mut b = Builder::default();
             let h = if norm {
                 let x = b.input(random(dtype, &[1, m, k], seed));
-                let sq = b.binary(BinaryOp::Mul, x, x);
-                let mean = Op::Reduce {
-                    op: ReduceOp::Mean,
-                    dims: vec![2],
-                    keepdim: true,
-                };
-                let ms = b.node(mean, &[Some(sq)]);
-                let eps = b.weight(Tensor::scalar_f64(dtype, 1e-6).unwrap());
-                let ms = b.binary(BinaryOp::Add, ms, eps);
-                let r = b.node(Op::Unary(UnaryOp::Rsqrt), &[Some(ms)]);
-                let h = b.binary(BinaryOp::Mul, x, r);
-                let w = b.weight(random(dtype, &[k], seed + 1));
-                b.binary(BinaryOp::Mul, h, w)
+                b.rms_norm(x, dtype, k, seed + 1)
             } else {
                 let gate = b.input(random(dtype, &[1, m, k], seed));
                 let up = b.input(random(dtype, &[1, m, k], seed + 1));

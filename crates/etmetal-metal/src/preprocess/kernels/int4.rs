@@ -30,7 +30,7 @@ use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
 use super::epilogue::Tail;
-use super::gemm::{column_groups, reduce_sums};
+use super::gemm::{column_groups, reduce_sums, WORKGROUP_BYTES};
 use super::matmul::row_stat_prologue;
 use super::rows::as_rows;
 use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
@@ -511,9 +511,6 @@ impl Qmv<'_> {
 /// Workgroup memory for the staged activations of a [`Qmv`], leaving
 /// the partial sums and the row means room within [`WORKGROUP_BYTES`].
 const STAGE_BYTES: usize = 8192;
-
-/// The workgroup memory every adapter offers (wgpu's default limit).
-const WORKGROUP_BYTES: usize = 16384;
 
 /// How a [`Qmv`] stages a computed `x`: blocks of `chunks` chunks of `k`
 /// (each `codes` deep), every row of the block evaluated once into the

@@ -19,9 +19,10 @@ pub(crate) const GEMV_ROWS: usize = 8;
 /// 128-invocation workgroup's partial sums fit [`WORKGROUP_BYTES`].
 const GEMV_SUMS: usize = 32;
 
-/// Workgroup memory of a [`Gemv`] kernel at most (wgpu's default limit,
-/// which every adapter offers).
-const WORKGROUP_BYTES: usize = 16384;
+/// Workgroup memory of a matrix-vector kernel (a [`Gemv`], the quantized
+/// decode product) at most: wgpu's default limit, which every adapter
+/// offers.
+pub(crate) const WORKGROUP_BYTES: usize = 16384;
 
 /// Workgroups a [`Gemv`] wants before it gives each fewer columns: about
 /// four 128-invocation workgroups on each of an H200's 132 units.

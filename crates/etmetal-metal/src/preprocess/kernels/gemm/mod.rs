@@ -31,5 +31,5 @@ pub(super) use coop::HELPERS as F16_SCALING_WGSL;
 pub(super) use dequant::QuantOperands;
 #[cfg(test)]
 pub(super) use gemv::GROUP_FILL;
-pub(super) use gemv::{column_groups, reduce_sums, Gemv, GEMV_ROWS};
+pub(super) use gemv::{column_groups, reduce_sums, Gemv, GEMV_ROWS, WORKGROUP_BYTES};
 pub(super) use spec::{Epilogue, F16Scaling, Gemm, GemmArgs, GemvArgs};
