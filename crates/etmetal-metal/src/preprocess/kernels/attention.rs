@@ -55,6 +55,8 @@ pub(crate) const MAX_HEAD_DIM: usize = 256;
 const DECODE_ROWS: usize = 4;
 /// Keys a decode workgroup scores at once (two per invocation).
 const DECODE_CHUNK: usize = 2 * ROW_WORKGROUP as usize;
+/// Keys whose V rows a decode invocation loads before it uses them.
+const PV_UNROLL: usize = 4;
 /// Workgroups below which the keys are split (a few per SM of a large GPU).
 const TARGET_GROUPS: usize = 256;
 
@@ -847,17 +849,39 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     main.push_str("    l = l * a + tsum;\n    m = mx;\n");
     main.extend((0..ncols).map(|c| format!("    o{c} = o{c} * a;\n")));
     main.push_str(&format!(
-        "    let nk = min({DECODE_CHUNK}u, kend - c0);\n\
-         \x20   for (var j = part; j < nk; j = j + {parts}u) {{\n      let p = ps[j];\n      let kr = c0 + j;\n"
+        "    let nk = min({DECODE_CHUNK}u, kend - c0);\n    var j = part;\n"
     ));
-    let vv = vec4_at(&|col| a.v_at("kr", col), ev, ev % 4 == 0);
-    for c in 0..ncols {
-        main.push_str(&format!(
-            "      {{ let d = 4u * min(cc + {}u, {}u); o{c} = o{c} + p * {vv}; }}\n",
-            c * cw,
-            c4 - 1
-        ));
-    }
+    // the keys' V rows `PV_UNROLL` at a time, their loads issued before
+    // the products use them, then one at a time
+    let accumulate = |main: &mut String, u: usize| {
+        for x in 0..u {
+            main.push_str(&format!(
+                "      let p{x} = ps[j + {o}u];\n      let kr{x} = c0 + j + {o}u;\n",
+                o = x * parts
+            ));
+            let row = format!("kr{x}");
+            let vv = vec4_at(&|col| a.v_at(&row, col), ev, ev % 4 == 0);
+            for c in 0..ncols {
+                main.push_str(&format!(
+                    "      var v{x}_{c}: vec4<f32>;\n      {{ let d = 4u * min(cc + {}u, {}u); v{x}_{c} = {vv}; }}\n",
+                    c * cw,
+                    c4 - 1
+                ));
+            }
+        }
+        for c in 0..ncols {
+            let terms: Vec<String> = (0..u).map(|x| format!("p{x} * v{x}_{c}")).collect();
+            main.push_str(&format!("      o{c} = o{c} + {};\n", terms.join(" + ")));
+        }
+    };
+    main.push_str(&format!(
+        "    for (; j + {}u < nk; j = j + {}u) {{\n",
+        (PV_UNROLL - 1) * parts,
+        PV_UNROLL * parts
+    ));
+    accumulate(&mut main, PV_UNROLL);
+    main.push_str(&format!("    }}\n    for (; j < nk; j = j + {parts}u) {{\n"));
+    accumulate(&mut main, 1);
     main.push_str("    }\n    workgroupBarrier();\n  }\n");
     if parts > 1 {
         // one vec4 each (cw ≥ c4): add the parts' sums
