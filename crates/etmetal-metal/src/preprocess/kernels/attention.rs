@@ -20,7 +20,9 @@
 //!   workgroup memory and of k) per chunk of [`DECODE_CHUNK`] keys, max
 //!   and sum are tree reductions in workgroup memory, and the invocations
 //!   share the output vec4s (several invocations a vec4 for small head
-//!   dims, each taking part of the keys, added up at the end).
+//!   dims, each taking part of the keys, added up at the end), loading the
+//!   V rows of [`PV_UNROLL`] keys before they use them (on an H100 this
+//!   took a Llama-1B-shaped step's attention from 0.62 to 0.52 ms).
 //! * Either grid, when small, splits the keys over workgroups
 //!   (flash-decoding, see [`key_split`]): each split writes its partial
 //!   max, sum and unnormalised output, and a combine kernel merges them.
