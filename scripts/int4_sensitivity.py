@@ -1,4 +1,4 @@
-"""Where int4 weight quantization loses a decoder LM's accuracy: the
+"""Where int4 (and int8) weight quantization loses a decoder LM's accuracy: the
 arithmetic of crates/etmetal-graph/src/quantize.rs reproduced in PyTorch
 (fake quantization: each linear's weight replaced by its dequantized int4
 form), the eager transformers model run on the first `--tokens` tokens of the
@@ -6,6 +6,10 @@ text scripts/eval_llm.py measures, each variant against the unquantized model.
 
     python scripts/int4_sensitivity.py --model ~/.cache/etmetal/gemma3-270m \
         --gguf gemma-3-270m-q4_k_m.gguf [--tokens 300] [--only REGEX]
+
+`--only int8` runs the int8 variants alone (`--quantize int8`: codes
+0..255, per output channel or per group of 32), per tensor kind, so a
+missed int8 goal can be read weight by weight.
 
 Both models run in float32 with the weights rounded to bfloat16 first (the
 weights of the bfloat16 export `etmetal compile` quantizes), so the figures
@@ -51,8 +55,8 @@ REPO = Path(__file__).resolve().parents[1]
 SEARCH_R = [14.0 + 0.2 * i for i in range(11)] + [float(r) for r in range(10, 14)]
 
 
-def _codes(w, s, z, h):
-    c = torch.round((w - z) / s).clamp_(0, 15)
+def _codes(w, s, z, h, top=15):
+    c = torch.round((w - z) / s).clamp_(0, top)
     return c, (h * (c * s + z - w) ** 2).sum(-1)
 
 
@@ -67,13 +71,15 @@ def _lsq(w, c, h):
     return s[:, None], z[:, None], (det > 1e-9 * n * sqq) & (s > 1e-12)
 
 
-def quantize_groups(w: torch.Tensor, h: torch.Tensor, refine=True, search=False, rounds=6, round_params="after"):
+def quantize_groups(w: torch.Tensor, h: torch.Tensor, refine=True, search=False, rounds=6, round_params="after",
+                    bits=4):
     """Dequantized `w [G, gs]`, one scale and zero per row; `h` weighs each
-    element's squared error."""
+    element's squared error; codes of `bits` bits (the search: 4 only)."""
     w, h = w.double(), h.double()
+    top = (1 << bits) - 1
     lo, hi = w.min(-1, keepdim=True).values, w.max(-1, keepdim=True).values
-    s, z = ((hi - lo) / 15).clamp(min=1e-8), lo
-    c, err = _codes(w, s, z, h)
+    s, z = ((hi - lo) / top).clamp(min=1e-8), lo
+    c, err = _codes(w, s, z, h, top)
     if search:
         span = (hi - lo).clamp(min=1e-8)
         for r in SEARCH_R:
@@ -92,7 +98,7 @@ def quantize_groups(w: torch.Tensor, h: torch.Tensor, refine=True, search=False,
             active &= ok
             ts = torch.where(active[:, None], ts, s)
             tz = torch.where(active[:, None], tz, z)
-            trial, terr = _codes(w, ts, tz, h)
+            trial, terr = _codes(w, ts, tz, h, top)
             better = active & (terr < err)
             s, z = torch.where(better[:, None], ts, s), torch.where(better[:, None], tz, z)
             c, err = torch.where(better[:, None], trial, c), torch.where(better, terr, err)
@@ -102,13 +108,15 @@ def quantize_groups(w: torch.Tensor, h: torch.Tensor, refine=True, search=False,
     if round_params != "none":
         s, z = s.to(torch.bfloat16).double(), z.to(torch.bfloat16).double()
         if round_params == "recode":
-            c, _ = _codes(w, s, z, h)
+            c, _ = _codes(w, s, z, h, top)
     return (c * s + z).float()
 
 
-def quantize(w: torch.Tensor, gs: int, h: torch.Tensor | None = None, **kw) -> torch.Tensor:
-    """`h [K]`: the importance of each input channel (ones if None)."""
+def quantize(w: torch.Tensor, gs: int | None, h: torch.Tensor | None = None, **kw) -> torch.Tensor:
+    """`h [K]`: the importance of each input channel (ones if None); `gs`
+    None: one group a row (per output channel)."""
     n, k = w.shape
+    gs = gs or k
     groups = w.reshape(-1, gs)
     hg = (torch.ones(k) if h is None else h).reshape(1, k // gs, gs).expand(n, -1, -1).reshape(-1, gs)
     out = torch.empty_like(groups)
@@ -153,6 +161,19 @@ def variants(layers: int):
         ("minmax+refine, group 64", ALL, {**BASE, "gs": 64}),
         ("search+refine, recode, group 64", ALL, {**BASE, "search": True, "round_params": "recode", "gs": 64}),
     ]
+    # --quantize int8: per output channel (the default) and per group of 32,
+    # codes re-rounded to the stored scale and zero as quantize/fit.rs does
+    int8 = {**BASE, "bits": 8, "round_params": "recode", "gs": None}
+    out += [
+        ("int8 per channel, all", ALL, int8),
+        ("int8 group 32, all", ALL, {**int8, "gs": 32}),
+        ("  int8 per channel, all but lm_head", NO_HEAD, int8),
+        ("  int8 per channel, lm_head only", lambda n: n == "lm_head", int8),
+        ("  int8 per channel, attention only", lambda n: ".self_attn." in n, int8),
+        ("  int8 per channel, mlp only", lambda n: ".mlp." in n, int8),
+    ]
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        out.append((f"  int8 per channel, {proj} only", lambda n, p=proj: n.endswith(p), int8))
     return out
 
 

@@ -882,7 +882,9 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
         PV_UNROLL * parts
     ));
     accumulate(&mut main, PV_UNROLL);
-    main.push_str(&format!("    }}\n    for (; j < nk; j = j + {parts}u) {{\n"));
+    main.push_str(&format!(
+        "    }}\n    for (; j < nk; j = j + {parts}u) {{\n"
+    ));
     accumulate(&mut main, 1);
     main.push_str("    }\n    workgroupBarrier();\n  }\n");
     if parts > 1 {
