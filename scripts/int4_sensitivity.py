@@ -136,18 +136,24 @@ NO_HEAD = lambda name: name != "lm_head"  # noqa: E731
 BASE = dict(refine=True, search=False, round_params="after", gs=32)
 
 
+def by_kind(label: str, q: dict) -> list:
+    """Variants quantizing one kind of weight with `q` each: all but the
+    head, the head, attention, the MLPs, then each projection."""
+    out = [
+        (f"  {label}all but lm_head", NO_HEAD, q),
+        (f"  {label}lm_head only", lambda n: n == "lm_head", q),
+        (f"  {label}attention only (q,k,v,o)", lambda n: ".self_attn." in n, q),
+        (f"  {label}mlp only (gate,up,down)", lambda n: ".mlp." in n, q),
+    ]
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        out.append((f"  {label}{proj} only", lambda n, p=proj: n.endswith(p), q))
+    return out
+
+
 def variants(layers: int):
     """(name, which weights, quantizer) of each variant."""
     last = layers - 1
-    out = [
-        ("minmax+refine (quantize.rs before re-rounding), all", ALL, BASE),
-        ("  all but lm_head", NO_HEAD, BASE),
-        ("  lm_head only", lambda n: n == "lm_head", BASE),
-        ("  attention only (q,k,v,o)", lambda n: ".self_attn." in n, BASE),
-        ("  mlp only (gate,up,down)", lambda n: ".mlp." in n, BASE),
-    ]
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-        out.append((f"  {proj} only", lambda n, p=proj: n.endswith(p), BASE))
+    out = [("minmax+refine (quantize.rs before re-rounding), all", ALL, BASE), *by_kind("", BASE)]
     out += [
         ("  layer 0 only", lambda n: ".layers.0." in n, BASE),
         (f"  layer {last} only", lambda n, s=f".layers.{last}.": s in n, BASE),
@@ -164,17 +170,8 @@ def variants(layers: int):
     # --quantize int8: per output channel (the default) and per group of 32,
     # codes re-rounded to the stored scale and zero as quantize/fit.rs does
     int8 = {**BASE, "bits": 8, "round_params": "recode", "gs": None}
-    out += [
-        ("int8 per channel, all", ALL, int8),
-        ("int8 group 32, all", ALL, {**int8, "gs": 32}),
-        ("  int8 per channel, all but lm_head", NO_HEAD, int8),
-        ("  int8 per channel, lm_head only", lambda n: n == "lm_head", int8),
-        ("  int8 per channel, attention only", lambda n: ".self_attn." in n, int8),
-        ("  int8 per channel, mlp only", lambda n: ".mlp." in n, int8),
-    ]
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-        out.append((f"  int8 per channel, {proj} only", lambda n, p=proj: n.endswith(p), int8))
-    return out
+    out += [("int8 per channel, all", ALL, int8), ("int8 group 32, all", ALL, {**int8, "gs": 32})]
+    return out + by_kind("int8 per channel, ", int8)
 
 
 def main():
