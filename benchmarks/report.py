@@ -239,6 +239,36 @@ def host_path_section():
                    "PyTorch copies ms", "host / PyTorch"], rows), ""]
 
 
+def binaries_section():
+    """BENCHMARKS.md's kernel-change section, from results/binaries*.json
+    (benchmarks/binaries.py: one row compiled and run by several binaries
+    in one run on one card); empty where there is none."""
+    md = []
+    for path in sorted(RESULTS.glob("binaries*.json")):
+        r = json.loads(path.read_text())
+        card = r["machine"].get("nvidia_smi") or r["machine"].get("gpu")
+        rows = []
+        for row in r["rows"]:
+            if "error" in row:
+                rows.append([row["row"], row["binary"], "error: " + row["error"][:80], "", "", "", ""])
+                continue
+            top = sorted(row["families"].items(), key=lambda x: -x[1])[:3]
+            rows.append([row["row"], row["binary"], fs(row, "gpu_ms"), fs(row, "e2e_ms"), row["dispatches"],
+                         mib(row["size"]), ", ".join(f"{k} {v:.3f}" for k, v in top)])
+        what = "; ".join(f"`{k}`: {v}" for k, v in r["binaries"].items())
+        md += [f"### `{path.name}`", "",
+               f"{r['run']}, {card}. Binaries: {what}." + (f" {r['note']}." if r.get("note") else ""), "",
+               table(["row", "binary", "GPU ms", "end to end ms", "dispatches", "MiB", "largest kernel families, ms"],
+                     rows), ""]
+    if not md:
+        return []
+    return ["## Kernel changes: binaries side by side", "",
+            "`benchmarks/binaries.py`: each row (`run.py`'s model cases, `MODEL:DTYPE[:FLAGS]`) exported once and "
+            "compiled and run by each binary in the same run on the same card; medians of REPEAT `etmetal run "
+            "--bench` sessions with their [min, max]; kernel families summed over the step (first session).", "",
+            *md]
+
+
 def quant_accuracy_section():
     """BENCHMARKS.md's quantization section, from results/quant_accuracy.json
     (scripts/eval_llm.py); empty where that file is missing."""
@@ -416,6 +446,7 @@ def main():
     else:
         md += ["## CPU", "", "Not run: no `results/cpu.json`.", ""]
     md += host_path_section()
+    md += binaries_section()
     md += quant_accuracy_section()
     md += whisper_rtf_section()
     if gpu and chart(op_ratios, model_ratios):
