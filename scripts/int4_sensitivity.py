@@ -1,5 +1,5 @@
 """Where int4 (and int8) weight quantization loses a decoder LM's accuracy: the
-arithmetic of crates/etmetal-graph/src/quantize.rs reproduced in PyTorch
+arithmetic of crates/etmetal-graph/src/quantize/fit.rs reproduced in PyTorch
 (fake quantization: each linear's weight replaced by its dequantized int4
 form), the eager transformers model run on the first `--tokens` tokens of the
 text scripts/eval_llm.py measures, each variant against the unquantized model.
@@ -29,13 +29,13 @@ Quantizers (groups of `gs` along K, `w = code * scale + zero`, code 0..15):
   keep the group's best; r over 14..16 step 0.2 (clipping the range a little,
   or widening it) and the integers 10..13 (a group whose values already sit
   on a 16-level grid using fewer than 16 levels, as the Q4_K tensors of a
-  GGUF-dequantized model do, is then represented exactly). quantize.rs
-  tried it and left it out (its module comment has the figures);
+  GGUF-dequantized model do, is then represented exactly). quantize/
+  tried it and left it out (quantize/mod.rs's module comment has the figures);
 - `h`: weigh each input channel's squared error (least squares and search
   alike) by `norm`, the square of the RMSNorm scale `1 + weight` feeding the
   linear (data-free; it made Gemma 3 worse), or `act`, the activations' mean
   square on the evaluated text itself (an oracle for calibration-based
-  methods such as AWQ/GPTQ, which quantize.rs does not do);
+  methods such as AWQ/GPTQ; `--calibrate` does GPTQ, quantize/gptq.rs);
 - scale and zero are stored in the activation dtype (bf16): `round=after`
   rounds them after the codes are chosen (codes not re-rounded), `round=recode`
   re-rounds the codes to the rounded parameters, `round=none` keeps f32.
