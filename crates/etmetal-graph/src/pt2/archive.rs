@@ -215,21 +215,16 @@ impl Archive {
                 "{what} is pickled (tensor subclass), which is not supported"
             )));
         }
-        let path_name = field(entry, "path_name")
-            .and_then(|v| {
-                v.as_str()
-                    .ok_or_else(|| Error::format("`path_name` is not a string"))
-            })
-            .map_err(|e| e.context(&what))?;
-        let meta = field(entry, "tensor_meta").map_err(|e| e.context(&what))?;
-        let (dtype, sizes) = tensor_meta(meta).map_err(|e| e.context(&what))?;
-        let strides = sym_ints(field(meta, "strides").map_err(|e| e.context(&what))?)
-            .map_err(|e| e.context(&what))?;
-        let offset = match meta.get("storage_offset") {
-            Some(v) if !v.is_null() => super::json::sym_int(v).map_err(|e| e.context(&what))?,
-            _ => 0,
+        let Some(Storage {
+            file,
+            dtype,
+            sizes,
+            strides,
+            offset,
+        }) = self.payload_storage(dir, config, fqn)?
+        else {
+            return Ok(None);
         };
-        let file = format!("{dir}/{path_name}");
         let Some((bytes, span)) = self.entries.get(&file) else {
             return Err(Error::format(format!(
                 "{what}: payload `{file}` is missing from the archive"
