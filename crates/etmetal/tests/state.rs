@@ -418,32 +418,7 @@ fn in_place_export_keeps_its_buffers_as_state_on_both_backends() {
         .iter()
         .map(|o| npy(&format!("inplace_state.{o}.npy")).to_f64_vec())
         .collect();
-    for backend in [Backend::Cpu, Backend::Metal] {
-        let options = CompileOptions {
-            backend,
-            ..CompileOptions::default()
-        };
-        let compiled = compile_methods(&[("forward", &graph)], &options, &mut |_| {}).unwrap();
-        let mut load = LoadOptions::default();
-        if backend == Backend::Metal {
-            let gpu = Arc::new(MetalBackend::new(DeviceChoice::Auto));
-            load.backends.register(gpu).unwrap();
-        }
-        let mut model = Model::from_pte_bytes(&compiled.pte, load).unwrap();
-        for round in 0..2 {
-            for (call, w) in want.iter().enumerate() {
-                let got = model.execute(inputs.clone()).unwrap()[0].to_f64_vec();
-                for (a, b) in got.iter().zip(w) {
-                    assert!(
-                        (a - b).abs() <= 1e-5 * b.abs().max(1.0),
-                        "{backend:?} round {round} call {}: {got:?} vs {w:?}",
-                        call + 1
-                    );
-                }
-            }
-            model.reset_state().unwrap();
-        }
-    }
+    calls_reset_calls(&graph, &inputs, &want, None);
 }
 
 /// State held outside a module's attributes (scripts/make_fixtures.py's
@@ -461,36 +436,7 @@ fn lifted_constants_written_in_place_stay_on_the_gpu_as_state() {
         .iter()
         .map(|o| npy(&format!("lifted_state.{o}.npy")).to_f64_vec())
         .collect();
-    for backend in [Backend::Cpu, Backend::Metal] {
-        let options = CompileOptions {
-            backend,
-            ..CompileOptions::default()
-        };
-        let compiled = compile_methods(&[("forward", &graph)], &options, &mut |_| {}).unwrap();
-        let mut load = LoadOptions::default();
-        if backend == Backend::Metal {
-            assert_eq!(
-                compiled.methods[0].resident_state,
-                ["state", "lifted_tensor_0"]
-            );
-            let gpu = Arc::new(MetalBackend::new(DeviceChoice::Auto));
-            load.backends.register(gpu).unwrap();
-        }
-        let mut model = Model::from_pte_bytes(&compiled.pte, load).unwrap();
-        for round in 0..2 {
-            for (call, w) in want.iter().enumerate() {
-                let got = model.execute(inputs.clone()).unwrap()[0].to_f64_vec();
-                for (a, b) in got.iter().zip(w) {
-                    assert!(
-                        (a - b).abs() <= 1e-5 * b.abs().max(1.0),
-                        "{backend:?} round {round} call {}: {got:?} vs {w:?}",
-                        call + 1
-                    );
-                }
-            }
-            model.reset_state().unwrap();
-        }
-    }
+    calls_reset_calls(&graph, &inputs, &want, Some(&["state", "lifted_tensor_0"]));
 }
 
 /// Two methods that hold a state buffer differently (as a prefill and a
@@ -523,6 +469,46 @@ fn methods_holding_a_state_differently_are_refused_naming_it() {
                 .to_string();
             assert!(e.contains(want), "{backend:?}: {e}");
             assert!(e.contains("the same batch size, cache length"), "{e}");
+        }
+    }
+}
+
+/// On either backend, `graph`'s outputs over calls with `inputs` are
+/// `want`'s (one per call), and again after a state reset; on the GPU the
+/// buffers kept there as state are `resident`, where given.
+fn calls_reset_calls(
+    graph: &Graph,
+    inputs: &[Tensor],
+    want: &[Vec<f64>],
+    resident: Option<&[&str]>,
+) {
+    for backend in [Backend::Cpu, Backend::Metal] {
+        let options = CompileOptions {
+            backend,
+            ..CompileOptions::default()
+        };
+        let compiled = compile_methods(&[("forward", graph)], &options, &mut |_| {}).unwrap();
+        let mut load = LoadOptions::default();
+        if backend == Backend::Metal {
+            if let Some(resident) = resident {
+                assert_eq!(compiled.methods[0].resident_state, resident);
+            }
+            let gpu = Arc::new(MetalBackend::new(DeviceChoice::Auto));
+            load.backends.register(gpu).unwrap();
+        }
+        let mut model = Model::from_pte_bytes(&compiled.pte, load).unwrap();
+        for round in 0..2 {
+            for (call, w) in want.iter().enumerate() {
+                let got = model.execute(inputs.to_vec()).unwrap()[0].to_f64_vec();
+                for (a, b) in got.iter().zip(w) {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                        "{backend:?} round {round} call {}: {got:?} vs {w:?}",
+                        call + 1
+                    );
+                }
+            }
+            model.reset_state().unwrap();
         }
     }
 }
