@@ -333,10 +333,7 @@ impl<'a> Kernels<'a> {
                     label: Some(&k.name),
                     entries: &entries,
                 });
-                let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                    label: Some(&k.name),
-                    source: wgpu::ShaderSource::Wgsl(k.wgsl.as_str().into()),
-                });
+                let module = gpu.kernel_module(&k.name, &k.wgsl);
                 let pipeline_layout =
                     device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
                         label: Some(&k.name),
