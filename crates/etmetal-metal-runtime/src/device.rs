@@ -87,8 +87,8 @@ fn shader_checks(backend: wgpu::Backend) -> Result<wgpu::ShaderRuntimeChecks> {
         Ok("") | Err(_) => backend != wgpu::Backend::Vulkan,
         Ok(other) => {
             return Err(Error::invalid_input(format!(
-                "ETMETAL_SHADER_CHECKS={other}: expected `on` or `off` (unset: the backend's default)"
-            )))
+            "ETMETAL_SHADER_CHECKS={other}: expected `on` or `off` (unset: the backend's default)"
+        )))
         }
     };
     Ok(wgpu::ShaderRuntimeChecks {
