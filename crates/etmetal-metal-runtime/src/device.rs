@@ -85,11 +85,9 @@ fn shader_checks(backend: wgpu::Backend) -> Result<wgpu::ShaderRuntimeChecks> {
         Ok("on") => return Ok(wgpu::ShaderRuntimeChecks::checked()),
         Ok("off") => false,
         Ok("") | Err(_) => backend != wgpu::Backend::Vulkan,
-        Ok(other) => {
-            return Err(Error::invalid_input(format!(
+        Ok(other) => return Err(Error::invalid_input(format!(
             "ETMETAL_SHADER_CHECKS={other}: expected `on` or `off` (unset: the backend's default)"
-        )))
-        }
+        ))),
     };
     Ok(wgpu::ShaderRuntimeChecks {
         bounds_checks: bounds,

@@ -6,8 +6,8 @@ mod common;
 use std::sync::Arc;
 
 use common::gpu::{
-    adapter_offers_coop, assert_close, check_dynamic, check_graph_emulating_variant,
-    compile_emulating_variant, compile_whole, load_method_on, random, random_indices, OpCase,
+    adapter_offers_coop, assert_close, check_dynamic, compile_whole, load_method_on, random,
+    random_indices, OpCase,
 };
 use etmetal_core::{DType, Op, Tensor};
 use etmetal_metal::preprocess::CoopForm;
@@ -342,50 +342,6 @@ fn attention_on_emulated_tensor_cores() {
     case(sdpa(true, Some(0.2), false), f, [2, 70, 70, 64], 2, APPLE);
     case(sdpa(false, None, false), b, [8, 64, 17, 64], 8, BOTH);
     case(sdpa(false, None, false), h, [16, 256, 1, 64], 16, BOTH);
-}
-
-/// The 16×16 form's other variants (attention_flash.rs `VARIANTS`, the
-/// smallest first): after two subgroups over staged tiles (variant 0,
-/// above), two reading their key and value matrices straight from the
-/// 16-bit copies, and four over staged tiles; rows and keys off the
-/// tiles, causal with GQA.
-#[test]
-fn flash_attention_variants_on_emulated_tensor_cores() {
-    let b = DType::BF16;
-    for (op, [heads, l, s, d], kv) in [
-        (sdpa(false, None, false), [4, 150, 150, 64], 4),
-        (sdpa(true, None, true), [8, 100, 100, 64], 2),
-    ] {
-        let seed = (heads * 1000 + l + s) as u64;
-        let (graph, inputs) = OpCase::new(op)
-            .input(random(b, &[1, heads, l, d], seed))
-            .input(random(b, &[1, kv, s, d], seed + 1))
-            .input(random(b, &[1, kv, s, d], seed + 2))
-            .build();
-        // each variant is a kernel of its own (none falls back to another)
-        let kernels: Vec<Vec<String>> = (0..3)
-            .map(|v| {
-                let c = compile_emulating_variant(&graph, CoopForm::Half16, v);
-                let p = &c.methods[0].partitions[0].payload;
-                p.kernels.iter().map(|k| k.wgsl.clone()).collect()
-            })
-            .collect();
-        let what = format!("{heads}×{l}×{s}");
-        assert!(
-            kernels[0] != kernels[1] && kernels[1] != kernels[2],
-            "{what}: the variants' kernels repeat"
-        );
-        for v in 1..3 {
-            check_graph_emulating_variant(
-                &graph,
-                inputs.clone(),
-                BF16_TOL,
-                CoopForm::Half16,
-                v,
-                &what,
-            );
-        }
-    }
 }
 
 /// The real 16×16 flash attention (not emulated), each of its variants

@@ -81,11 +81,6 @@ pub struct PreprocessOptions {
     /// tensor-core forms are alternatives with their real primitives, which
     /// the runtime runs where the adapter reports them.
     pub emulate_coop: Option<CoopForm>,
-    /// With [`Self::emulate_coop`], which of a kernel's variants of that
-    /// form is emulated, counting those a software adapter's workgroup
-    /// memory holds, smallest first (past the last: the last), so that
-    /// tests reach each variant.
-    pub emulate_variant: usize,
 }
 
 impl Default for PreprocessOptions {
@@ -96,7 +91,6 @@ impl Default for PreprocessOptions {
             max_workgroups_per_dim: 65535,
             max_buffer_bytes: DeviceLimits::default().max_buffer_bytes,
             emulate_coop: None,
-            emulate_variant: 0,
         }
     }
 }

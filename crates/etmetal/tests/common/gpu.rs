@@ -63,12 +63,6 @@ pub fn compile_emulating(graph: &Graph, form: CoopForm) -> Vec<u8> {
 
 /// [`compile_emulating`], with what went where.
 pub fn compile_emulating_report(graph: &Graph, form: CoopForm) -> Compiled {
-    compile_emulating_variant(graph, form, 0)
-}
-
-/// [`compile_emulating_report`] emulating variant `variant` of each
-/// kernel's form (`PreprocessOptions::emulate_variant`).
-pub fn compile_emulating_variant(graph: &Graph, form: CoopForm, variant: usize) -> Compiled {
     let options = CompileOptions {
         partition: PartitionOptions {
             mode: PartitionMode::Whole,
@@ -76,7 +70,6 @@ pub fn compile_emulating_variant(graph: &Graph, form: CoopForm, variant: usize) 
         },
         preprocess: PreprocessOptions {
             emulate_coop: Some(form),
-            emulate_variant: variant,
             ..PreprocessOptions::default()
         },
         ..CompileOptions::default()
@@ -192,25 +185,12 @@ pub fn check_graph_emulating(
     form: CoopForm,
     what: &str,
 ) {
-    check_graph_emulating_variant(graph, inputs, tol, form, 0, what)
-}
-
-/// [`check_graph_emulating`] for variant `variant` of the form.
-pub fn check_graph_emulating_variant(
-    graph: &Graph,
-    inputs: Vec<Tensor>,
-    tol: f32,
-    form: CoopForm,
-    variant: usize,
-    what: &str,
-) {
     let expected = etmetal::eval::run_graph(graph, inputs.clone())
         .unwrap_or_else(|e| panic!("{what}: CPU reference: {e}"));
-    let got = run_pte(compile_emulating_variant(graph, form, variant).pte, inputs);
+    let got = run_pte(compile_emulating(graph, form), inputs);
     assert_eq!(got.len(), expected.len(), "{what}: output count");
     for (k, (g, e)) in got.iter().zip(&expected).enumerate() {
-        let at = format!("{what} emulating {form:?} variant {variant} output {k}");
-        assert_close(g, e, tol, &at);
+        assert_close(g, e, tol, &format!("{what} emulating {form:?} output {k}"));
     }
 }
 

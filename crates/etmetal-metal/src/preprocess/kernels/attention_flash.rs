@@ -9,8 +9,7 @@
 //! same row buckets, grid order and end of keys.
 //!
 //! **16-bit copies.** Pre-passes write q, k and v as f16 (two a word, rows
-//! padded to whole [`CHUNK_ROWS`], k and v with one more, and zero there),
-//! each scaled by a power
+//! padded to whole [`CHUNK_ROWS`] and zero there), each scaled by a power
 //! of two into f16's range: q and k by one factor per head (the largest
 //! finite |x| of the head below 2^15), v by one per head and column. Two
 //! kernels a copy, both spread over (head, chunk of rows): the first
@@ -27,10 +26,7 @@
 //! matrices (staged once) and its 16 × dv output as f32
 //! accumulators, and the keys go by in tiles of `bc`:
 //! 1. the workgroup stages the key and value tiles in workgroup memory
-//!    (8 bytes a load; zeros past the end of keys) — or, in the `direct`
-//!    variants, each subgroup loads its key and value matrices from the
-//!    copies as it multiplies (past the end of keys they hold finite
-//!    values of later keys or zeros, which the mask and P = 0 cancel);
+//!    (8 bytes a load; zeros past the end of keys);
 //! 2. each subgroup computes `S = Q·Kᵀ` (16 × bc) and stores it;
 //! 3. two lanes a row (pairs by subgroup and lane, which Vulkan does not
 //!    tie to the local index) turn their half of the row into scores in log2 units
@@ -76,42 +72,32 @@ const P_EXP: i32 = 7;
 /// Workgroup memory a variant may use (what NVIDIA's Vulkan drivers offer).
 const MAX_STORAGE: usize = 48 << 10;
 
-/// One shape of the kernel: subgroups a workgroup, keys a tile, and
-/// where its key and value matrices come from.
+/// One shape of the kernel: subgroups a workgroup, keys a tile.
 #[derive(Clone, Copy, Debug)]
 struct Variant {
     subgroups: usize,
     bc: usize,
-    /// Each subgroup loads its key and value matrices straight from the
-    /// 16-bit copies (cached reads, no staging, two barriers a tile
-    /// fewer) instead of from tiles the workgroup staged.
-    direct: bool,
-}
-
-const fn variant(subgroups: usize, bc: usize, direct: bool) -> Variant {
-    Variant {
-        subgroups,
-        bc,
-        direct,
-    }
 }
 
 /// The variants offered (those within [`MAX_STORAGE`]).
-/// (Two subgroups over staged tiles measured 1.4–2.8× slower than four on
-/// an H100; the smallest of them stays for head dim 128 on software
-/// adapters.)
-const VARIANTS: [Variant; 6] = [
-    variant(4, 64, false),
-    variant(4, 32, false),
-    variant(4, 64, true),
-    variant(4, 32, true),
-    variant(2, 64, true),
-    variant(2, 32, false),
+const VARIANTS: [Variant; 4] = [
+    Variant {
+        subgroups: 4,
+        bc: 64,
+    },
+    Variant {
+        subgroups: 4,
+        bc: 32,
+    },
+    Variant {
+        subgroups: 2,
+        bc: 64,
+    },
+    Variant {
+        subgroups: 2,
+        bc: 32,
+    },
 ];
-
-/// Workgroup memory of a software adapter (lavapipe), which runs the
-/// emulated variants.
-const EMULATED_STORAGE: usize = 32 << 10;
 
 /// The largest rows a workgroup of any variant takes (the q copy's padding).
 const MAX_ROWS: usize = 4 * RS;
@@ -137,16 +123,10 @@ pub(super) fn alternatives(
     let mut copies: Option<[Copy16; 3]> = None;
     let mut variants: Vec<Variant> = VARIANTS.into_iter().filter(|&v| fits(a, v)).collect();
     if !lw.variants() {
-        // emulated, one replaces the portable dispatch: the one asked for
-        // among those a software adapter runs, smallest first (the
-        // quickest there), or the last of them
-        variants.retain(|&v| storage(a, v) <= EMULATED_STORAGE);
+        // emulated, the smallest replaces the portable dispatch (software
+        // adapters offer 32 KiB of workgroup memory)
         variants.sort_by_key(|&v| storage(a, v));
-        let n = lw
-            .options
-            .emulate_variant
-            .min(variants.len().saturating_sub(1));
-        variants = variants.into_iter().skip(n).take(1).collect();
+        variants.truncate(1);
     }
     for v in variants {
         lw.alternative(d, CoopForm::Half16, |lw| {
@@ -168,7 +148,6 @@ pub(super) fn alternatives(
                             MAX_ROWS,
                             (exps, 0),
                             false,
-                            false,
                         )?,
                         Copy16::new(
                             lw,
@@ -177,7 +156,6 @@ pub(super) fn alternatives(
                             CHUNK_ROWS,
                             (exps, nq),
                             false,
-                            true,
                         )?,
                         Copy16::new(
                             lw,
@@ -185,7 +163,6 @@ pub(super) fn alternatives(
                             &format!("{label}.v16"),
                             CHUNK_ROWS,
                             (exps, nq + nk),
-                            true,
                             true,
                         )?,
                     ];
@@ -222,32 +199,20 @@ fn pitches(a: &Attn, v: Variant) -> Pitches {
     }
 }
 
-/// Halves of the workgroup array `kv`: the key and value tiles, where
-/// the block's q rows are staged first; only the q rows where the
-/// matrices are read directly.
-fn kv_halves(a: &Attn, v: Variant) -> usize {
-    let p = pitches(a, v);
-    let q = v.subgroups * RS * p.k;
-    if v.direct {
-        q
-    } else {
-        q.max(v.bc * (p.k + p.v))
-    }
-}
-
 /// Workgroup memory of variant `v` for `a`, in bytes.
 fn storage(a: &Attn, v: Variant) -> usize {
     let p = pitches(a, v);
     let (rows, threads) = (v.subgroups * RS, v.subgroups * SUBGROUP);
     let bytes =
-        2 * kv_halves(a, v) + 4 * rows * p.s + 2 * rows * p.p + 4 * (rows + 2 * threads + 4);
+        2 * v.bc * (p.k + p.v) + 4 * rows * p.s + 2 * rows * p.p + 4 * (rows + 2 * threads + 4);
     bytes.next_multiple_of(16)
 }
 
-/// Whether variant `v` applies to `a`: its workgroup memory fits (and its
-/// key tiles are within the copies' spare chunk, [`Copy16::new`]).
+/// Whether variant `v` applies to `a`: the block's q rows fit where the
+/// key and value tiles go, and its workgroup memory fits.
 fn fits(a: &Attn, v: Variant) -> bool {
-    storage(a, v) <= MAX_STORAGE && v.bc <= CHUNK_ROWS
+    let p = pitches(a, v);
+    v.subgroups * RS * p.k <= v.bc * (p.k + p.v) && storage(a, v) <= MAX_STORAGE
 }
 
 /// The run-time query rows, where they are a run-time size.
@@ -276,10 +241,6 @@ struct Copy16 {
 }
 
 impl Copy16 {
-    /// The copy of `x`, its rows padded to a multiple of `pad` and then
-    /// of [`CHUNK_ROWS`], with one chunk more where `spare` (the keys and
-    /// values: a tile of at most [`CHUNK_ROWS`] keys starting before the
-    /// end of keys then stays within the copy, wherever a split starts).
     fn new(
         lw: &mut Lowering,
         x: &LazyRef,
@@ -287,15 +248,11 @@ impl Copy16 {
         pad: usize,
         exps: (BufferIdx, usize),
         per_column: bool,
-        spare: bool,
     ) -> Result<Copy16> {
         let r = x.shape.len();
         let heads: usize = x.shape[..r - 2].iter().product();
         let (rows, cols) = (x.shape[r - 2], x.shape[r - 1]);
-        let mut prows = rows.next_multiple_of(pad).next_multiple_of(CHUNK_ROWS);
-        if spare {
-            prows += CHUNK_ROWS;
-        }
+        let prows = rows.next_multiple_of(pad).next_multiple_of(CHUNK_ROWS);
         let chunks = prows / CHUNK_ROWS;
         Ok(Copy16 {
             data: lw.temp16(name, &[heads, prows, cols])?,
@@ -479,11 +436,7 @@ fn kernel(
     span: usize,
 ) -> Result<()> {
     let (l, dh, dv) = (a.g.l, a.g.e, a.g.ev);
-    let Variant {
-        subgroups,
-        bc,
-        direct,
-    } = v;
+    let Variant { subgroups, bc } = v;
     let br = subgroups * RS;
     let threads = subgroups * SUBGROUP;
     let Pitches {
@@ -505,11 +458,11 @@ fn kernel(
         kb.value_fn(mask, "mask")?;
     }
     cm.enable(&mut kb);
-    let bq = kb.halves4(cq.data)?;
-    let (bk, bv) = match direct {
-        true => (kb.halves(ck.data)?, kb.halves(cv.data)?),
-        false => (kb.halves4(ck.data)?, kb.halves4(cv.data)?),
-    };
+    let (bq, bk, bv) = (
+        kb.halves4(cq.data)?,
+        kb.halves4(ck.data)?,
+        kb.halves4(cv.data)?,
+    );
     let (qh, kh, vh) = (
         head_of(a, &a.q.shape, 1),
         head_of(a, &a.k.shape, a.g.k_group),
@@ -527,8 +480,13 @@ fn kernel(
     // and the driver lays the arrays out as it likes. (On an H100 a lone
     // `u32` flag set every array 4 bytes off, and each load read its
     // matrix 2 halves early.)
-    let kv = kv_halves(a, v);
-    let sizes = [2 * kv, 4 * br * sw, 2 * br * pw, 4 * br, 4 * threads];
+    let sizes = [
+        2 * bc * (kp + vp),
+        4 * br * sw,
+        2 * br * pw,
+        4 * br,
+        4 * threads,
+    ];
     if let Some(bad) = sizes.iter().find(|&&b| b % 16 != 0) {
         return Err(Error::internal(format!(
             "flash attention: a workgroup array of {bad} bytes breaks the 16-byte alignment"
@@ -541,7 +499,7 @@ fn kernel(
          var<workgroup> pt: array<f16, {}>;\nvar<workgroup> rowa: array<f32, {br}>;\n\
          var<workgroup> rm: array<f32, {threads}>;\nvar<workgroup> rs: array<f32, {threads}>;\n\
          var<workgroup> resc: array<u32, 4>;",
-        kv,
+        bc * (kp + vp),
         br * sw,
         br * pw
     );
@@ -603,18 +561,11 @@ fn kernel(
          \x20 for (var t0 = kbeg; t0 < kend; t0 = t0 + {bc}u) {{\n\
          \x20   workgroupBarrier();\n    if (lid == 0u) {{ resc[0] = 0u; }}"
     );
-    // 1. the key and value tiles (zeros past the end of keys), unless the
-    //    matrices are read from the copies (keys past the end are masked
-    //    and their values finite)
-    let tiles = if direct {
-        vec![]
-    } else {
-        vec![
-            (&bk, "kh", ck, dh, kp, "0u".to_string()),
-            (&bv, "vh", cv, dv, vp, format!("{}u", bc * kp)),
-        ]
-    };
-    for (src, head, copy, cols, pitch, at) in tiles {
+    // 1. the key and value tiles (zeros past the end of keys)
+    for (src, head, copy, cols, pitch, at) in [
+        (&bk, "kh", ck, dh, kp, "0u".to_string()),
+        (&bv, "vh", cv, dv, vp, format!("{}u", bc * kp)),
+    ] {
         let read = format!(
             "{src}[({head} * {}u + min(t0 + j, {}u)) * {}u + c]",
             copy.prows,
@@ -626,32 +577,7 @@ fn kernel(
             2,
         ));
     }
-    if !direct {
-        m.push_str("    workgroupBarrier();\n");
-    }
-    // where a subgroup reads the matrix at (key row, column) of the key
-    // or (`value`) value tile: the staged tile or the copy
-    let tile = |value: bool, row: usize, col: usize| -> [String; 3] {
-        let (copy, src, head, at0, pitch) = match value {
-            false => (ck, &bk, "kh", 0, kp),
-            true => (cv, &bv, "vh", bc * kp, vp),
-        };
-        match direct {
-            true => [
-                src.clone(),
-                format!(
-                    "({head} * {}u + t0 + {row}u) * {}u + {col}u",
-                    copy.prows, copy.cols
-                ),
-                format!("{}u", copy.cols),
-            ],
-            false => [
-                "kv".into(),
-                format!("{}u", at0 + row * pitch + col),
-                format!("{pitch}u"),
-            ],
-        }
-    };
+    m.push_str("    workgroupBarrier();\n");
     // 2. S = Q·Kᵀ
     m.push_str("    {\n");
     for j in 0..bc / 16 {
@@ -659,8 +585,14 @@ fn kernel(
     }
     for d in 0..dh / 16 {
         for j in 0..bc / 16 {
-            let [array, at, stride] = tile(false, j * 16, d * 16);
-            let ld = cm.load(Role::B, &array, "f16", &at, &stride, false);
+            let ld = cm.load(
+                Role::B,
+                "kv",
+                "f16",
+                &format!("{}u", j * 16 * kp + d * 16),
+                &format!("{kp}u"),
+                false,
+            );
             let product = cm.mma(&format!("qa{d}"), &format!("kb{d}_{j}"), &format!("s{j}"));
             let _ = writeln!(m, "      let kb{d}_{j} = {ld};\n      s{j} = {product};");
         }
@@ -738,8 +670,14 @@ fn kernel(
         );
         let _ = writeln!(m, "    let pa{kk} = {pa};");
         for j in 0..dv / 16 {
-            let [array, at, stride] = tile(true, kk * 16, j * 16);
-            let vb = cm.load(Role::B, &array, "f16", &at, &stride, true);
+            let vb = cm.load(
+                Role::B,
+                "kv",
+                "f16",
+                &format!("{}u", bc * kp + kk * 16 * vp + j * 16),
+                &format!("{vp}u"),
+                true,
+            );
             let product = cm.mma(&format!("pa{kk}"), &format!("vb{kk}_{j}"), &format!("o{j}"));
             let _ = writeln!(m, "    let vb{kk}_{j} = {vb};\n    o{j} = {product};");
         }
