@@ -44,6 +44,8 @@ pub(crate) struct KernelBuilder<'a> {
     elements: HashMap<BufferIdx, String>,
     /// Reads the sizes uniform ([`Self::size`]).
     sizes: bool,
+    /// Emitting a [`Self::row_fn`]: loads give their index instead.
+    offsets: bool,
 }
 
 /// The statements of one function being emitted, with its memo of values
@@ -84,6 +86,7 @@ impl<'a> KernelBuilder<'a> {
             substitutes: HashMap::new(),
             elements: HashMap::new(),
             sizes: false,
+            offsets: false,
         }
     }
 
@@ -363,6 +366,38 @@ impl<'a> KernelBuilder<'a> {
         Ok(())
     }
 
+    /// Emit `fn name(i0: u32, …) -> u32` over all but the last index of
+    /// `v`: the element of `v.row_source()` where that row of `v` starts.
+    pub fn row_fn(&mut self, v: &LazyRef, name: &str) -> Result<()> {
+        if v.row_source().is_none() {
+            return Err(Error::internal(format!(
+                "`{name}` does not read whole rows of one buffer"
+            )));
+        }
+        let rows = v.shape.len() - 1;
+        let mut params: Vec<String> = (0..rows).map(|d| format!("i{d}")).collect();
+        let sig = params
+            .iter()
+            .map(|p| format!("{p}: u32"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        params.push("0u".into());
+        let mut body = FnBody {
+            lines: String::new(),
+            memo: HashMap::new(),
+            temps: 0,
+        };
+        self.offsets = true;
+        let result = self.emit(&mut body, v, &params);
+        self.offsets = false;
+        let _ = write!(
+            self.functions,
+            "fn {name}({sig}) -> u32 {{\n{}  return {};\n}}\n\n",
+            body.lines, result?
+        );
+        Ok(())
+    }
+
     fn emit(&mut self, f: &mut FnBody, v: &LazyRef, idx: &[String]) -> Result<String> {
         let key = (std::rc::Rc::as_ptr(v) as usize, idx.to_vec());
         if let Some(name) = f.memo.get(&key) {
@@ -382,7 +417,13 @@ impl<'a> KernelBuilder<'a> {
             Kind::Load(buf) => {
                 let n = v.shape.iter().product::<usize>().max(1);
                 let lin = linear(idx, &v.shape);
-                self.load(*buf, &format!("min({lin}, {}u)", n - 1))
+                let at = format!("min({lin}, {}u)", n - 1);
+                if self.offsets {
+                    let name = f.bind("u32", at);
+                    f.memo.insert(key, name.clone());
+                    return Ok(name);
+                }
+                self.load(*buf, &at)
             }
             Kind::Literal(s) => pointwise::literal(*s, v.dtype)?,
             Kind::Iota { start, step } => {
