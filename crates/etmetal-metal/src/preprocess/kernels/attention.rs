@@ -821,9 +821,9 @@ impl RowRead {
             return RowRead::Scalar;
         };
         let width = match lw.buffers.list[buf].storage {
-            Storage::Packed16 if n % 8 == 0 => 8,
+            Storage::Packed16 if n.is_multiple_of(8) => 8,
             Storage::I32 => return RowRead::Scalar,
-            _ if n % 4 == 0 => 4,
+            _ if n.is_multiple_of(4) => 4,
             _ => return RowRead::Scalar,
         };
         RowRead::Wide { buf, width }
@@ -1054,8 +1054,9 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     // the keys' V rows `PV_UNROLL` at a time, their loads issued before
     // the products use them, then one at a time
     let mut accumulate = |main: &mut String, u: usize| -> Result<()> {
-        let mut vecs = vec![vec![]; u];
-        for (x, vx) in vecs.iter_mut().enumerate() {
+        // terms[c][h]: the products adding to `o{c}_{h}`
+        let mut terms = vec![vec![vec![]; nh]; ncols];
+        for x in 0..u {
             main.push_str(&format!(
                 "      let p{x} = ps[j + {o}u];\n      let kr{x} = c0 + j + {o}u;\n",
                 o = x * parts
@@ -1067,34 +1068,31 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
                     a.call("v_row", &a.v, a.g.v_group, &[&row])
                 ));
             }
-            for c in 0..ncols {
+            for (c, tc) in terms.iter_mut().enumerate() {
                 let unit = format!("min(cc + {}u, {}u)", c * cw, units - 1);
-                match vr {
+                let vecs = match vr {
                     RowRead::Wide { .. } => {
                         let (stmt, v) =
                             vr.load(&mut kb, &format!("v{x}_{c}"), &format!("vo{x} + {unit}"))?;
                         main.push_str(&format!("      {stmt}\n"));
-                        vx.push(v);
+                        v
                     }
                     RowRead::Scalar => {
                         let vv = vec4_at(&|col| a.v_at(&row, col), ev, ev % 4 == 0);
                         main.push_str(&format!(
                             "      var v{x}_{c}: vec4<f32>;\n      {{ let d = 4u * {unit}; v{x}_{c} = {vv}; }}\n"
                         ));
-                        vx.push(vec![format!("v{x}_{c}")]);
+                        vec![format!("v{x}_{c}")]
                     }
+                };
+                for (t, v) in tc.iter_mut().zip(vecs) {
+                    t.push(format!("p{x} * {v}"));
                 }
             }
         }
-        for c in 0..ncols {
-            for h in 0..nh {
-                let terms: Vec<String> = (0..u)
-                    .map(|x| format!("p{x} * {}", vecs[x][c][h]))
-                    .collect();
-                main.push_str(&format!(
-                    "      o{c}_{h} = o{c}_{h} + {};\n",
-                    terms.join(" + ")
-                ));
+        for (c, tc) in terms.iter().enumerate() {
+            for (h, t) in tc.iter().enumerate() {
+                main.push_str(&format!("      o{c}_{h} = o{c}_{h} + {};\n", t.join(" + ")));
             }
         }
         Ok(())
