@@ -344,26 +344,7 @@ impl<'a> KernelBuilder<'a> {
     /// Emit `fn name(i0: u32, …) -> T` computing `v` at a logical index
     /// (out-of-range indices are clamped into the buffers read).
     pub fn value_fn(&mut self, v: &LazyRef, name: &str) -> Result<()> {
-        let rank = v.shape.len();
-        let params: Vec<String> = (0..rank).map(|d| format!("i{d}")).collect();
-        let mut body = FnBody {
-            lines: String::new(),
-            memo: HashMap::new(),
-            temps: 0,
-        };
-        let result = self.emit(&mut body, v, &params)?;
-        let sig = params
-            .iter()
-            .map(|p| format!("{p}: u32"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let _ = write!(
-            self.functions,
-            "fn {name}({sig}) -> {} {{\n{}  return {result};\n}}\n\n",
-            compute_type(v.dtype),
-            body.lines
-        );
-        Ok(())
+        self.function(v, name, v.shape.len(), compute_type(v.dtype))
     }
 
     /// Emit `fn name(i0: u32, …) -> u32` over all but the last index of
@@ -374,26 +355,33 @@ impl<'a> KernelBuilder<'a> {
                 "`{name}` does not read whole rows of one buffer"
             )));
         }
-        let rows = v.shape.len() - 1;
-        let mut params: Vec<String> = (0..rows).map(|d| format!("i{d}")).collect();
+        self.offsets = true;
+        let made = self.function(v, name, v.shape.len() - 1, "u32");
+        self.offsets = false;
+        made
+    }
+
+    /// Emit `fn name(i0: u32, … i{params - 1}: u32) -> ret` computing `v`
+    /// at that index (the dims past `params` at 0).
+    fn function(&mut self, v: &LazyRef, name: &str, params: usize, ret: &str) -> Result<()> {
+        let params: Vec<String> = (0..params).map(|d| format!("i{d}")).collect();
         let sig = params
             .iter()
             .map(|p| format!("{p}: u32"))
             .collect::<Vec<_>>()
             .join(", ");
-        params.push("0u".into());
+        let mut idx = params;
+        idx.resize(v.shape.len(), "0u".into());
         let mut body = FnBody {
             lines: String::new(),
             memo: HashMap::new(),
             temps: 0,
         };
-        self.offsets = true;
-        let result = self.emit(&mut body, v, &params);
-        self.offsets = false;
+        let result = self.emit(&mut body, v, &idx)?;
         let _ = write!(
             self.functions,
-            "fn {name}({sig}) -> u32 {{\n{}  return {};\n}}\n\n",
-            body.lines, result?
+            "fn {name}({sig}) -> {ret} {{\n{}  return {result};\n}}\n\n",
+            body.lines
         );
         Ok(())
     }
