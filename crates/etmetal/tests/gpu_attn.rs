@@ -236,6 +236,97 @@ fn attention_one_query_many_keys_and_gqa() {
     attention_case(sdpa(false, None, false), DType::F16, 2, 5, 40, 16, 16);
 }
 
+/// The decode kernel reads a row of k or v 16 bytes a load (8 bytes for
+/// 16-bit rows of a multiple of 4 but not 8) where the rows lie whole in a
+/// buffer: head dims 64, 128 and 80 in every float dtype, 20 and 12
+/// (narrower loads), 6 (element reads), a v of another head dim; 300 and
+/// 1600 keys split over workgroups, GQA heads.
+#[test]
+fn decode_reads_k_and_v_rows_wide() {
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for d in [64, 128, 80] {
+            attention_case(sdpa(false, None, true), dtype, 4, 1, 300, d, d);
+        }
+    }
+    attention_case(sdpa(false, None, false), DType::BF16, 2, 1, 1600, 64, 64);
+    attention_case(sdpa(false, None, false), DType::F32, 2, 1, 200, 20, 20);
+    attention_case(sdpa(false, None, false), DType::BF16, 2, 2, 200, 12, 12);
+    attention_case(sdpa(false, None, true), DType::BF16, 4, 1, 150, 6, 6);
+    attention_case(sdpa(false, None, true), DType::BF16, 4, 3, 150, 64, 20);
+    attention_case(sdpa(true, None, false), DType::F32, 2, 4, 300, 16, 8);
+}
+
+/// transformers' `repeat_kv`: `[b, kv, s, d]` to `[b, kv·rep, s, d]` by an
+/// unsqueeze, an expand and a reshape (rows still whole in the cache).
+fn repeat_kv(shape: &[usize], rep: usize) -> Vec<Op> {
+    let &[b, kv, s, d] = shape else {
+        panic!("{shape:?} is not [b, kv, s, d]")
+    };
+    vec![
+        Op::Reshape {
+            shape: vec![b, kv, 1, s, d],
+        },
+        Op::Expand {
+            shape: vec![b, kv, rep, s, d],
+        },
+        Op::Reshape {
+            shape: vec![b, kv * rep, s, d],
+        },
+    ]
+}
+
+/// k and v read through GQA's views (wide), k through a transpose of a
+/// `[.., d, s]` tensor (element reads; as many keys as the head dim, so
+/// that only the permute tells the rows apart), in bf16 and f32.
+#[test]
+fn decode_through_gqa_views_and_transposes() {
+    for (dtype, tol) in [(DType::BF16, BF16_TOL), (DType::F32, TOL)] {
+        let kv = [1, 2, 300, 64];
+        OpCase::new(sdpa(false, None, false))
+            .input(random(dtype, &[1, 8, 1, 64], 120))
+            .input_through(random(dtype, &kv, 121), repeat_kv(&kv, 4))
+            .input_through(random(dtype, &kv, 122), repeat_kv(&kv, 4))
+            .check(tol);
+        OpCase::new(sdpa(false, None, true))
+            .input(random(dtype, &[1, 4, 1, 64], 123))
+            .input_permuted(random(dtype, &[1, 2, 64, 64], 124), &[0, 1, 3, 2])
+            .input(random(dtype, &[1, 2, 64, 64], 125))
+            .check(tol);
+    }
+}
+
+/// A KV cache of `s` positions holding keys up to `pos`: the mask (bool,
+/// or additive 0 / −∞ in the model's dtype) keeps keys `0..=pos`; the keys
+/// past it are never scored (their splits write empty partials). Its
+/// first position, the middle of a split, a split's first key, the last
+/// slot; GQA views of the caches as transformers reads them.
+#[test]
+fn decode_stops_at_the_masked_tail() {
+    let s = 700;
+    for dtype in [DType::F32, DType::BF16] {
+        let tol = if dtype == DType::F32 { TOL } else { BF16_TOL };
+        for pos in [0, 350, 384, s - 1] {
+            let keep: Vec<i64> = (0..s).map(|j| i64::from(j <= pos)).collect();
+            let bias: Vec<f32> = (0..s)
+                .map(|j| if j <= pos { 0.0 } else { f32::NEG_INFINITY })
+                .collect();
+            let masks = [
+                Tensor::from_i64(DType::Bool, &[1, 1, 1, s], &keep).unwrap(),
+                Tensor::from_f32(dtype, &[1, 1, 1, s], &bias).unwrap(),
+            ];
+            let kv = [1, 2, s, 64];
+            for mask in masks {
+                OpCase::new(sdpa(false, None, false))
+                    .input(random(dtype, &[1, 4, 1, 64], 130))
+                    .input_through(random(dtype, &kv, 131), repeat_kv(&kv, 2))
+                    .input_through(random(dtype, &kv, 132), repeat_kv(&kv, 2))
+                    .input(mask)
+                    .check(tol);
+            }
+        }
+    }
+}
+
 /// 40 queries over 4096 keys split the keys 128 ways, their partials
 /// (204 800 bytes) larger than any value (131 072): within a 140 000 byte
 /// limit the keys split fewer ways and the payload loads on a device

@@ -44,6 +44,8 @@ pub(crate) struct KernelBuilder<'a> {
     elements: HashMap<BufferIdx, String>,
     /// Reads the sizes uniform ([`Self::size`]).
     sizes: bool,
+    /// Emitting a [`Self::row_fn`]: loads give their index instead.
+    offsets: bool,
 }
 
 /// The statements of one function being emitted, with its memo of values
@@ -84,6 +86,7 @@ impl<'a> KernelBuilder<'a> {
             substitutes: HashMap::new(),
             elements: HashMap::new(),
             sizes: false,
+            offsets: false,
         }
     }
 
@@ -341,23 +344,43 @@ impl<'a> KernelBuilder<'a> {
     /// Emit `fn name(i0: u32, …) -> T` computing `v` at a logical index
     /// (out-of-range indices are clamped into the buffers read).
     pub fn value_fn(&mut self, v: &LazyRef, name: &str) -> Result<()> {
-        let rank = v.shape.len();
-        let params: Vec<String> = (0..rank).map(|d| format!("i{d}")).collect();
-        let mut body = FnBody {
-            lines: String::new(),
-            memo: HashMap::new(),
-            temps: 0,
-        };
-        let result = self.emit(&mut body, v, &params)?;
+        self.function(v, name, v.shape.len(), compute_type(v.dtype))
+    }
+
+    /// Emit `fn name(i0: u32, …) -> u32` over all but the last index of
+    /// `v`: the element of `v.row_source()` where that row of `v` starts.
+    pub fn row_fn(&mut self, v: &LazyRef, name: &str) -> Result<()> {
+        if v.row_source().is_none() {
+            return Err(Error::internal(format!(
+                "`{name}` does not read whole rows of one buffer"
+            )));
+        }
+        self.offsets = true;
+        let made = self.function(v, name, v.shape.len() - 1, "u32");
+        self.offsets = false;
+        made
+    }
+
+    /// Emit `fn name(i0: u32, … i{params - 1}: u32) -> ret` computing `v`
+    /// at that index (the dims past `params` at 0).
+    fn function(&mut self, v: &LazyRef, name: &str, params: usize, ret: &str) -> Result<()> {
+        let params: Vec<String> = (0..params).map(|d| format!("i{d}")).collect();
         let sig = params
             .iter()
             .map(|p| format!("{p}: u32"))
             .collect::<Vec<_>>()
             .join(", ");
+        let mut idx = params;
+        idx.resize(v.shape.len(), "0u".into());
+        let mut body = FnBody {
+            lines: String::new(),
+            memo: HashMap::new(),
+            temps: 0,
+        };
+        let result = self.emit(&mut body, v, &idx)?;
         let _ = write!(
             self.functions,
-            "fn {name}({sig}) -> {} {{\n{}  return {result};\n}}\n\n",
-            compute_type(v.dtype),
+            "fn {name}({sig}) -> {ret} {{\n{}  return {result};\n}}\n\n",
             body.lines
         );
         Ok(())
@@ -382,7 +405,13 @@ impl<'a> KernelBuilder<'a> {
             Kind::Load(buf) => {
                 let n = v.shape.iter().product::<usize>().max(1);
                 let lin = linear(idx, &v.shape);
-                self.load(*buf, &format!("min({lin}, {}u)", n - 1))
+                let at = format!("min({lin}, {}u)", n - 1);
+                if self.offsets {
+                    let name = f.bind("u32", at);
+                    f.memo.insert(key, name.clone());
+                    return Ok(name);
+                }
+                self.load(*buf, &at)
             }
             Kind::Literal(s) => pointwise::literal(*s, v.dtype)?,
             Kind::Iota { start, step } => {

@@ -187,6 +187,26 @@ impl Lazy {
         }
     }
 
+    /// Where its rows lie whole and in order in one buffer: the buffer,
+    /// when reading it costs only index arithmetic and one load and every
+    /// layout op keeps the last dim as it is (so element `(…, c)` is the
+    /// `c`-th after `(…, 0)`, and a row starts at a multiple of the row
+    /// length: the buffer's rows are the same). Kernels read such rows
+    /// in wide chunks.
+    pub fn row_source(&self) -> Option<BufferIdx> {
+        let last = self.shape.last()?;
+        let same = |x: &Lazy| x.dtype == self.dtype && x.shape.last() == Some(last);
+        let inner = self.shape.len() - 1;
+        match &self.kind {
+            Kind::Load(b) => Some(*b),
+            Kind::Permute(x, dims) if dims[inner] == inner && same(x) => x.row_source(),
+            Kind::Expand(x) | Kind::Reshape(x) | Kind::Repeat(x) if same(x) => x.row_source(),
+            Kind::Slice { x, dim, .. } if *dim < inner && same(x) => x.row_source(),
+            Kind::Select { x, dim, .. } if *dim < inner + 1 && same(x) => x.row_source(),
+            _ => None,
+        }
+    }
+
     /// Whether every element is zero by its form alone (a literal 0,
     /// `arange(1)`, views and casts of one).
     pub fn is_zero(&self) -> bool {

@@ -295,22 +295,32 @@ impl OpCase {
     }
 
     /// The op reads `permute(t, dims)`: `t` is what the caller passes.
-    pub fn input_permuted(mut self, t: Tensor, dims: &[usize]) -> OpCase {
-        let v = self.user_input(&t);
-        let shape: Vec<usize> = dims.iter().map(|&d| t.shape()[d]).collect();
-        let y = self
-            .graph
-            .add_value(format!("p{}", self.slots.len()), t.dtype(), shape);
-        self.graph.nodes.push(Node {
-            name: format!("permute{}", self.slots.len()),
-            target: "test".into(),
-            op: Op::Permute {
-                dims: dims.to_vec(),
-            },
-            inputs: vec![Some(v)],
-            outputs: vec![y],
-        });
-        self.slots.push(Some(y));
+    pub fn input_permuted(self, t: Tensor, dims: &[usize]) -> OpCase {
+        let dims = dims.to_vec();
+        self.input_through(t, vec![Op::Permute { dims }])
+    }
+
+    /// The op reads `t` through the view ops `views`, in order (a
+    /// permute, GQA's unsqueeze, expand and reshape of k and v, …).
+    pub fn input_through(mut self, t: Tensor, views: Vec<Op>) -> OpCase {
+        let mut v = self.user_input(&t);
+        let slot = self.slots.len();
+        for (k, op) in views.into_iter().enumerate() {
+            let mut node = Node {
+                name: format!("view{slot}_{k}"),
+                target: "test".into(),
+                op,
+                inputs: vec![Some(v)],
+                outputs: vec![],
+            };
+            let outs = etmetal_graph::infer::infer(&self.graph, &node)
+                .unwrap_or_else(|e| panic!("infer: {e}"));
+            let (dtype, shape) = outs.into_iter().next().unwrap();
+            v = self.graph.add_value(format!("v{slot}_{k}"), dtype, shape);
+            node.outputs.push(v);
+            self.graph.nodes.push(node);
+        }
+        self.slots.push(Some(v));
         self
     }
 

@@ -17,12 +17,19 @@
 //!   over workgroups (the scores are recomputed per slice).
 //! * Decode (at most [`DECODE_ROWS`] query rows): a workgroup takes one
 //!   query row; its invocations score one key each (vec4 reads of q from
-//!   workgroup memory and of k) per chunk of [`DECODE_CHUNK`] keys, max
-//!   and sum are tree reductions in workgroup memory, and the invocations
-//!   share the output vec4s (several invocations a vec4 for small head
-//!   dims, each taking part of the keys, added up at the end), loading the
-//!   V rows of [`PV_UNROLL`] keys before they use them (on an H100 this
-//!   took a Llama-1B-shaped step's attention from 0.62 to 0.52 ms).
+//!   workgroup memory) per chunk of [`DECODE_CHUNK`] keys, the max is a
+//!   tree reduction in workgroup memory (each invocation sums its own
+//!   keys' weights, added up once at the end), and the invocations share
+//!   the output columns (several invocations a unit for small head dims,
+//!   each taking part of the keys, added up at the end), loading the V
+//!   rows of [`PV_UNROLL`] keys before they use them (on an H100 this took
+//!   a Llama-1B-shaped step's attention from 0.62 to 0.52 ms). Where the
+//!   rows of k or v lie whole in one buffer (the KV cache, through GQA's
+//!   expand and reshape), they are read 16 bytes a load from the row's
+//!   start ([`RowRead`]), else element by element. With a mask, a
+//!   workgroup first finds the last key the mask keeps in its range and
+//!   ends its keys there: a cache's positions past the current one are
+//!   not read.
 //! * Either grid, when small, splits the keys over workgroups
 //!   (flash-decoding, see [`key_split`]): each split writes its partial
 //!   max, sum and unnormalised output, and a combine kernel merges them.
@@ -36,7 +43,7 @@ use etmetal_graph::Node;
 
 use super::rows::{shared, tree_reduce, ROW_WORKGROUP};
 use crate::payload::Size;
-use crate::preprocess::buffers::BufferIdx;
+use crate::preprocess::buffers::{BufferIdx, Storage};
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::LazyRef;
 use crate::preprocess::pointwise::{cast, float_literal};
@@ -61,6 +68,8 @@ const DECODE_CHUNK: usize = 2 * ROW_WORKGROUP as usize;
 const PV_UNROLL: usize = 4;
 /// Workgroups below which the keys are split (a few per SM of a large GPU).
 const TARGET_GROUPS: usize = 256;
+/// Key splits whose partials a combine invocation loads at once.
+const COMBINE_UNROLL: usize = 8;
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     let Op::Sdpa {
@@ -241,10 +250,25 @@ struct KeySplit {
 impl Attn {
     /// A kernel builder with `q`, `k`, `v` (and `mask`) value functions.
     fn builder<'b>(&self, lw: &'b Lowering) -> Result<KernelBuilder<'b>> {
+        self.builder_reading(lw, RowRead::Scalar, RowRead::Scalar)
+    }
+
+    /// [`Self::builder`] where k and v are read as `k` and `v` say: a
+    /// wide one gets its row function (`k_row`, `v_row`) instead.
+    fn builder_reading<'b>(
+        &self,
+        lw: &'b Lowering,
+        k: RowRead,
+        v: RowRead,
+    ) -> Result<KernelBuilder<'b>> {
         let mut kb = KernelBuilder::new(&lw.buffers);
         kb.value_fn(&self.q, "q")?;
-        kb.value_fn(&self.k, "k")?;
-        kb.value_fn(&self.v, "v")?;
+        for (x, name, read) in [(&self.k, "k", k), (&self.v, "v", v)] {
+            match read {
+                RowRead::Wide { .. } => kb.row_fn(x, &format!("{name}_row"))?,
+                RowRead::Scalar => kb.value_fn(x, name)?,
+            }
+        }
         if let Some(m) = &self.mask {
             kb.value_fn(m, "mask")?;
         }
@@ -280,9 +304,13 @@ impl Attn {
     }
 
     fn read(&self, name: &str, x: &LazyRef, rep: usize, row: &str, col: &str) -> String {
+        self.call(name, x, rep, &[row, col])
+    }
+
+    /// `name(batch args…, rest…)` for operand `x` (see [`Self::batch_args`]).
+    fn call(&self, name: &str, x: &LazyRef, rep: usize, rest: &[&str]) -> String {
         let mut args = self.batch_args(&x.shape, rep);
-        args.push(row.into());
-        args.push(col.into());
+        args.extend(rest.iter().map(|a| a.to_string()));
         format!("{name}({})", args.join(", "))
     }
 
@@ -773,6 +801,104 @@ fn vec4_at(at: &dyn Fn(&str) -> String, n: usize, exact: bool) -> String {
     format!("vec4<f32>({})", comps.join(", "))
 }
 
+/// How the decode kernel reads the rows of k or v.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum RowRead {
+    /// `width` elements a load of buffer `buf` (8: 16 bytes of a 16-bit
+    /// buffer; 4: 16 bytes of an f32 one, 8 of a 16-bit one whose rows
+    /// are no multiple of 8), from the row start its `_row` function gives.
+    Wide { buf: BufferIdx, width: usize },
+    /// Element by element through the operand's value function.
+    Scalar,
+}
+
+impl RowRead {
+    /// How rows of `n` elements of `x` are read: wide where they lie whole
+    /// in one buffer ([`crate::preprocess::expr::Lazy::row_source`]), so
+    /// that every row starts at a multiple of `n`, a multiple of the width.
+    fn of(lw: &Lowering, x: &LazyRef, n: usize) -> RowRead {
+        let Some(buf) = x.row_source() else {
+            return RowRead::Scalar;
+        };
+        let width = match lw.buffers.list[buf].storage {
+            Storage::Packed16 if n.is_multiple_of(8) => 8,
+            Storage::I32 => return RowRead::Scalar,
+            _ if n.is_multiple_of(4) => 4,
+            _ => return RowRead::Scalar,
+        };
+        RowRead::Wide { buf, width }
+    }
+
+    /// Columns one unit of a row holds: a load, or a vec4 of element reads.
+    fn width(self) -> usize {
+        match self {
+            RowRead::Wide { width, .. } => width,
+            RowRead::Scalar => 4,
+        }
+    }
+
+    fn buf(self) -> Option<BufferIdx> {
+        match self {
+            RowRead::Wide { buf, .. } => Some(buf),
+            RowRead::Scalar => None,
+        }
+    }
+
+    /// A statement binding `var` to unit `unit` (a u32 expression in
+    /// units of the width from the buffer's start), and its vec4s.
+    fn load(self, kb: &mut KernelBuilder, var: &str, unit: &str) -> Result<(String, Vec<String>)> {
+        let RowRead::Wide { buf, width } = self else {
+            return Err(Error::internal("element reads load no units"));
+        };
+        Ok(if width == 8 {
+            let at = kb.load8(buf, unit)?;
+            (
+                format!("let {var} = {at};"),
+                vec![format!("{var}[0]"), format!("{var}[1]")],
+            )
+        } else {
+            (
+                format!("let {var} = {};", kb.load4(buf, unit)?),
+                vec![var.to_string()],
+            )
+        })
+    }
+}
+
+/// k's and v's [`RowRead`]s for the decode kernel: wide where the buffer
+/// is bound only so (a buffer bound both in units and element by element,
+/// or in units of two widths, would take two of the kernel's bindings).
+fn row_reads(lw: &Lowering, a: &Attn) -> [RowRead; 2] {
+    let mut reads = [RowRead::of(lw, &a.k, a.g.e), RowRead::of(lw, &a.v, a.g.ev)];
+    let [k, v] = reads;
+    if k.buf().is_some() && k.buf() == v.buf() && k != v {
+        let width = k.width().min(v.width());
+        reads = reads.map(|r| match r {
+            RowRead::Wide { buf, .. } => RowRead::Wide { buf, width },
+            r => r,
+        });
+    }
+    // element reads may turn more reads into element reads: twice settles
+    for _ in 0..2 {
+        let mut plain = vec![];
+        a.q.buffers(&mut plain);
+        if let Some(m) = &a.mask {
+            m.buffers(&mut plain);
+        }
+        for (x, r) in [&a.k, &a.v].into_iter().zip(reads) {
+            if r == RowRead::Scalar {
+                x.buffers(&mut plain);
+            }
+        }
+        for r in &mut reads {
+            if r.buf().is_some_and(|b| plain.contains(&b)) {
+                *r = RowRead::Scalar;
+            }
+        }
+    }
+    reads
+}
+
 /// The decode kernel (see the module docs).
 fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     let Geometry { l, s, e, ev, .. } = a.g;
@@ -782,55 +908,125 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     let (nsplit, span) = key_split(a.nb * l, s.div_ceil(DECODE_CHUNK), DECODE_CHUNK, most);
     let total = a.nb * l * nsplit;
     let split = a.split(lw, nsplit)?;
-    let mut kb = a.builder(lw)?;
-    let (e4, c4) = (e.div_ceil(4), ev.div_ceil(4));
-    // invocations share the output vec4s: `cw` a column group, `parts`
-    // groups each taking every `parts`-th key
-    let cw = c4.next_power_of_two().min(wg);
+    let [kr, vr] = row_reads(lw, a);
+    let mut kb = a.builder_reading(lw, kr, vr)?;
+    let e4 = e.div_ceil(4);
+    // invocations share the output: units of `vw` columns (one V load or
+    // vec4), `cw` units a column group, `parts` groups each taking every
+    // `parts`-th key
+    let vw = vr.width();
+    let (nh, units) = (vw / 4, ev.div_ceil(vw));
+    let cw = units.next_power_of_two().min(wg);
     let parts = wg / cw;
-    let ncols = c4.div_ceil(cw);
+    let ncols = units.div_ceil(cw);
 
     let mut main = format!(
         "var<workgroup> qs: array<vec4<f32>, {e4}>;\nvar<workgroup> ps: array<f32, {DECODE_CHUNK}>;\n"
     );
     main.push_str(&shared("red", "f32"));
     if parts > 1 {
-        main.push_str(&format!("var<workgroup> red4: array<vec4<f32>, {wg}>;\n"));
+        main.push_str(&format!(
+            "var<workgroup> red4: array<vec4<f32>, {}>;\n",
+            wg * nh
+        ));
+    }
+    if a.mask.is_some() {
+        main.push_str(&shared("ends", "u32"));
     }
     main.push_str(&entry(ROW_WORKGROUP));
-    let kend = if a.is_causal {
-        format!("min(min({s}u, kbeg + {span}u), i + 1u)")
-    } else {
-        format!("min({s}u, kbeg + {span}u)")
-    };
+    let mut kend = format!("min({s}u, kbeg + {span}u)");
+    if a.is_causal {
+        kend = format!("min({kend}, i + 1u)");
+    }
     main.push_str(&format!(
         "  let g0 = {FLAT_GROUP};\n  if (g0 >= {total}u) {{ return; }}\n\
          \x20 let sp = g0 % {nsplit}u;\n  let g1 = g0 / {nsplit}u;\n\
          \x20 let i = g1 % {l}u;\n  let b = g1 / {l}u;\n{}\
-         \x20 let kbeg = sp * {span}u;\n  let kend = {kend};\n\
-         \x20 for (var t = lid; t < {e4}u; t = t + {wg}u) {{ let d = 4u * t; qs[t] = {}; }}\n\
+         \x20 let kbeg = sp * {span}u;\n",
+        a.batch_lets(),
+    ));
+    if a.mask.is_some() {
+        // the keys end after the last one the mask keeps: a KV cache's
+        // positions past the current one are neither read nor scored, and a
+        // split wholly past it writes an empty partial
+        let keep = a.mask("x", "i", "j", "true", None);
+        main.push_str(&format!(
+            "  let kall = {kend};\n  var last = 0u;\n\
+             \x20 for (var j = kbeg + lid; j < kall; j = j + {wg}u) {{\n    var x = 0.0;\n"
+        ));
+        main.extend(keep.lines().map(|line| format!("    {line}\n")));
+        main.push_str(&format!(
+            "    if (x != {ninf}) {{ last = j + 1u; }}\n  }}\n"
+        ));
+        main.push_str(&tree_reduce("ends", "last", "tend", &|x, y| {
+            format!("max({x}, {y})")
+        }));
+        main.push_str("  let kend = min(kall, tend);\n");
+    } else {
+        main.push_str(&format!("  let kend = {kend};\n"));
+    }
+    main.push_str(&format!(
+        "  for (var t = lid; t < {e4}u; t = t + {wg}u) {{ let d = 4u * t; qs[t] = {}; }}\n\
          \x20 workgroupBarrier();\n\
          \x20 let cc = lid % {cw}u;\n  let part = lid / {cw}u;\n\
-         \x20 var m = {ninf};\n  var l = 0.0;\n",
-        a.batch_lets(),
+         \x20 var m = {ninf};\n  var lp = 0.0;\n",
         vec4_at(&|col| a.q_at("i", col), e, e % 4 == 0)
     ));
-    main.extend((0..ncols).map(|c| format!("  var o{c} = vec4<f32>();\n")));
+    for c in 0..ncols {
+        main.extend((0..nh).map(|h| format!("  var o{c}_{h} = vec4<f32>();\n")));
+    }
     main.push_str(&format!(
         "  for (var c0 = kbeg; c0 < kend; c0 = c0 + {DECODE_CHUNK}u) {{\n    var cmax = {ninf};\n"
     ));
-    let kv = vec4_at(&|col| a.k_at("kr", col), e, e % 4 == 0);
-    for kk in 0..DECODE_CHUNK / wg {
-        let j = format!("(c0 + lid + {}u)", kk * wg);
-        let fix = a.score("x", "i", &j, &format!("{j} < kend"));
+    // scores of the invocation's keys, all their K loads issued first (no
+    // K row read past the end: its keys read the last row again)
+    let keys = DECODE_CHUNK / wg;
+    for kk in 0..keys {
         main.push_str(&format!(
-            "    {{\n      let kr = min({j}, {}u);\n      var x = 0.0;\n\
-             \x20     for (var t = 0u; t < {e4}u; t = t + 1u) {{ let d = 4u * t; x = x + dot(qs[t], {kv}); }}\n",
-            s.max(1) - 1
+            "    let j{kk} = c0 + lid + {}u;\n    let kr{kk} = min(j{kk}, kend - 1u);\n    var x{kk} = 0.0;\n",
+            kk * wg
         ));
-        main.extend(fix.lines().map(|line| format!("      {line}\n")));
+        if let RowRead::Wide { width, .. } = kr {
+            main.push_str(&format!(
+                "    let ko{kk} = {} / {width}u;\n",
+                a.call("k_row", &a.k, a.g.k_group, &[&format!("kr{kk}")])
+            ));
+        }
+    }
+    match kr {
+        RowRead::Wide { width, .. } => {
+            let mut dots = String::new();
+            for kk in 0..keys {
+                for t in 0..e / width {
+                    let (stmt, vecs) =
+                        kr.load(&mut kb, &format!("k{kk}_{t}"), &format!("ko{kk} + {t}u"))?;
+                    main.push_str(&format!("    {stmt}\n"));
+                    for (h, v) in vecs.iter().enumerate() {
+                        dots.push_str(&format!(
+                            "    x{kk} = x{kk} + dot(qs[{}u], {v});\n",
+                            t * width / 4 + h
+                        ));
+                    }
+                }
+            }
+            main.push_str(&dots);
+        }
+        RowRead::Scalar => {
+            for kk in 0..keys {
+                let row = format!("kr{kk}");
+                let kv = vec4_at(&|col| a.k_at(&row, col), e, e % 4 == 0);
+                main.push_str(&format!(
+                    "    for (var t = 0u; t < {e4}u; t = t + 1u) {{ let d = 4u * t; x{kk} = x{kk} + dot(qs[t], {kv}); }}\n"
+                ));
+            }
+        }
+    }
+    for kk in 0..keys {
+        let (x, j) = (format!("x{kk}"), format!("j{kk}"));
+        let fix = a.score(&x, "i", &j, &format!("{j} < kend"));
+        main.extend(fix.lines().map(|line| format!("    {line}\n")));
         main.push_str(&format!(
-            "      ps[lid + {}u] = x;\n      cmax = max(cmax, x);\n    }}\n",
+            "    ps[lid + {}u] = {x};\n    cmax = max(cmax, {x});\n",
             kk * wg
         ));
     }
@@ -840,72 +1036,103 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
         "    let mx = max(m, tmax);\n    let ms = select(mx, 0.0, mx == {ninf});\n\
          \x20   let a = exp(m - ms);\n    var psum = 0.0;\n"
     ));
-    for kk in 0..DECODE_CHUNK / wg {
+    for kk in 0..keys {
         main.push_str(&format!(
             "    {{ let p = exp(ps[lid + {o}u] - ms); ps[lid + {o}u] = p; psum = psum + p; }}\n",
             o = kk * wg
         ));
     }
-    let body = tree_reduce("red", "psum", "tsum", &|x, y| format!("({x} + {y})"));
-    main.extend(body.lines().map(|line| format!("  {line}\n")));
-    main.push_str("    l = l * a + tsum;\n    m = mx;\n");
-    main.extend((0..ncols).map(|c| format!("    o{c} = o{c} * a;\n")));
+    // each invocation sums its own keys' weights (the rescale `a` is the
+    // workgroup's): one sum at the end instead of one a chunk
+    main.push_str("    lp = lp * a + psum;\n    m = mx;\n    workgroupBarrier();\n");
+    for c in 0..ncols {
+        main.extend((0..nh).map(|h| format!("    o{c}_{h} = o{c}_{h} * a;\n")));
+    }
     main.push_str(&format!(
         "    let nk = min({DECODE_CHUNK}u, kend - c0);\n    var j = part;\n"
     ));
     // the keys' V rows `PV_UNROLL` at a time, their loads issued before
     // the products use them, then one at a time
-    let accumulate = |main: &mut String, u: usize| {
+    let mut accumulate = |main: &mut String, u: usize| -> Result<()> {
+        // terms[c][h]: the products adding to `o{c}_{h}`
+        let mut terms = vec![vec![vec![]; nh]; ncols];
         for x in 0..u {
             main.push_str(&format!(
                 "      let p{x} = ps[j + {o}u];\n      let kr{x} = c0 + j + {o}u;\n",
                 o = x * parts
             ));
             let row = format!("kr{x}");
-            let vv = vec4_at(&|col| a.v_at(&row, col), ev, ev % 4 == 0);
-            for c in 0..ncols {
+            if let RowRead::Wide { width, .. } = vr {
                 main.push_str(&format!(
-                    "      var v{x}_{c}: vec4<f32>;\n      {{ let d = 4u * min(cc + {}u, {}u); v{x}_{c} = {vv}; }}\n",
-                    c * cw,
-                    c4 - 1
+                    "      let vo{x} = {} / {width}u;\n",
+                    a.call("v_row", &a.v, a.g.v_group, &[&row])
                 ));
             }
+            for (c, tc) in terms.iter_mut().enumerate() {
+                let unit = format!("min(cc + {}u, {}u)", c * cw, units - 1);
+                let vecs = match vr {
+                    RowRead::Wide { .. } => {
+                        let (stmt, v) =
+                            vr.load(&mut kb, &format!("v{x}_{c}"), &format!("vo{x} + {unit}"))?;
+                        main.push_str(&format!("      {stmt}\n"));
+                        v
+                    }
+                    RowRead::Scalar => {
+                        let vv = vec4_at(&|col| a.v_at(&row, col), ev, ev % 4 == 0);
+                        main.push_str(&format!(
+                            "      var v{x}_{c}: vec4<f32>;\n      {{ let d = 4u * {unit}; v{x}_{c} = {vv}; }}\n"
+                        ));
+                        vec![format!("v{x}_{c}")]
+                    }
+                };
+                for (t, v) in tc.iter_mut().zip(vecs) {
+                    t.push(format!("p{x} * {v}"));
+                }
+            }
         }
-        for c in 0..ncols {
-            let terms: Vec<String> = (0..u).map(|x| format!("p{x} * v{x}_{c}")).collect();
-            main.push_str(&format!("      o{c} = o{c} + {};\n", terms.join(" + ")));
+        for (c, tc) in terms.iter().enumerate() {
+            for (h, t) in tc.iter().enumerate() {
+                main.push_str(&format!("      o{c}_{h} = o{c}_{h} + {};\n", t.join(" + ")));
+            }
         }
+        Ok(())
     };
     main.push_str(&format!(
         "    for (; j + {}u < nk; j = j + {}u) {{\n",
         (PV_UNROLL - 1) * parts,
         PV_UNROLL * parts
     ));
-    accumulate(&mut main, PV_UNROLL);
+    accumulate(&mut main, PV_UNROLL)?;
     main.push_str(&format!(
         "    }}\n    for (; j < nk; j = j + {parts}u) {{\n"
     ));
-    accumulate(&mut main, 1);
+    accumulate(&mut main, 1)?;
     main.push_str("    }\n    workgroupBarrier();\n  }\n");
     if parts > 1 {
-        // one vec4 each (cw ≥ c4): add the parts' sums
-        let terms: Vec<String> = (0..parts)
-            .map(|p| format!("red4[cc + {}u]", p * cw))
-            .collect();
-        main.push_str(&format!(
-            "  red4[lid] = o0;\n  workgroupBarrier();\n  o0 = {};\n",
-            terms.join(" + ")
-        ));
+        // one unit each (cw ≥ units): add the parts' sums
+        main.extend((0..nh).map(|h| format!("  red4[lid * {nh}u + {h}u] = o0_{h};\n")));
+        main.push_str("  workgroupBarrier();\n");
+        for h in 0..nh {
+            let terms: Vec<String> = (0..parts)
+                .map(|p| format!("red4[(cc + {}u) * {nh}u + {h}u]", p * cw))
+                .collect();
+            main.push_str(&format!("  o0_{h} = {};\n", terms.join(" + ")));
+        }
     }
+    main.push_str(&tree_reduce("red", "lp", "l", &|x, y| {
+        format!("({x} + {y})")
+    }));
     main.push_str("  let inv = select(0.0, 1.0 / l, l > 0.0);\n  if (part == 0u) {\n");
     for c in 0..ncols {
-        for (k, comp) in ["x", "y", "z", "w"].iter().enumerate() {
-            let col = format!("(cc + {}u) * 4u + {k}u", c * cw);
-            let store = a.store_col(&mut kb, &split, "i", &col, &format!("o{c}.{comp}"))?;
-            main.push_str(&format!(
-                "    if (cc + {}u < {c4}u && {col} < {ev}u) {{ {store} }}\n",
-                c * cw
-            ));
+        for h in 0..nh {
+            for (k, comp) in ["x", "y", "z", "w"].iter().enumerate() {
+                let col = format!("(cc + {}u) * {vw}u + {}u", c * cw, 4 * h + k);
+                let store = a.store_col(&mut kb, &split, "i", &col, &format!("o{c}_{h}.{comp}"))?;
+                main.push_str(&format!(
+                    "    if (cc + {}u < {units}u && {col} < {ev}u) {{ {store} }}\n",
+                    c * cw
+                ));
+            }
         }
     }
     let stats = a.store_stats(&mut kb, &split, "i")?;
@@ -914,8 +1141,9 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     }
     main.push_str("  }\n}\n");
     let workgroups = grid(total as u64, lw.options.max_workgroups_per_dim)?;
-    let red4 = if parts > 1 { 16 * wg } else { 0 };
-    let storage = (16 * e4 + 4 * (DECODE_CHUNK + wg) + red4) as u32;
+    let red4 = if parts > 1 { 16 * wg * nh } else { 0 };
+    let ends = if a.mask.is_some() { 4 * wg } else { 0 };
+    let storage = (16 * e4 + 4 * (DECODE_CHUNK + wg) + red4 + ends) as u32;
     lw.add_dispatch(
         kb.finish(&main),
         vec![lw.op_label()],
@@ -937,14 +1165,33 @@ fn combine(lw: &mut Lowering, a: &Attn, sp: &KeySplit) -> Result<()> {
     let items = a.nb * a.g.l * ev;
     let ninf = float_literal(f64::NEG_INFINITY);
     let mut kb = KernelBuilder::new(&lw.buffers);
-    let at = |kb: &mut KernelBuilder, col: &str| {
-        kb.load(sp.part, &format!("base + t * {width}u + {col}"))
+    // the splits `unroll` at a time, their loads issued together (one
+    // at a time, each pass waited out n loads in turn); past the last
+    // split, `t` reads the last again and its weight is 0
+    let unroll = n.min(COMBINE_UNROLL);
+    let t = |u: usize| match n % unroll {
+        0 => format!("t0 + {u}u"),
+        _ => format!("min(t0 + {u}u, {}u)", n - 1),
     };
-    let (mload, lload, oload) = (
-        at(&mut kb, &format!("{ev}u")),
-        at(&mut kb, &format!("{}u", ev + 1)),
-        at(&mut kb, "c"),
-    );
+    let mut at =
+        |u: usize, col: &str| kb.load(sp.part, &format!("base + ({}) * {width}u + {col}", t(u)));
+    let mut maxes = String::new();
+    let mut sums = String::new();
+    for u in 0..unroll {
+        let (m, l, o) = (
+            at(u, &format!("{ev}u")),
+            at(u, &format!("{}u", ev + 1)),
+            at(u, "c"),
+        );
+        maxes.push_str(&format!("    mx = max(mx, {m});\n"));
+        let w = match n % unroll {
+            0 => format!("exp({m} - ms)"),
+            _ => format!("select(0.0, exp({m} - ms), t0 + {u}u < {n}u)"),
+        };
+        sums.push_str(&format!(
+            "    let w{u} = {w};\n    acc = acc + w{u} * {o};\n    l = l + w{u} * {l};\n"
+        ));
+    }
     let y = cast("(acc * inv)", DType::F32, a.out_dtype);
     let store = kb.store(a.out, "g", &y)?;
     let mut main = entry(FLAT_WORKGROUP);
@@ -952,10 +1199,9 @@ fn combine(lw: &mut Lowering, a: &Attn, sp: &KeySplit) -> Result<()> {
         "  let g = {FLAT_GROUP} * {FLAT_WORKGROUP}u + lid;\n  if (g >= {items}u) {{ return; }}\n\
          \x20 let c = g % {ev}u;\n  let base = (g / {ev}u) * {}u;\n\
          \x20 var mx = {ninf};\n\
-         \x20 for (var t = 0u; t < {n}u; t = t + 1u) {{ mx = max(mx, {mload}); }}\n\
+         \x20 for (var t0 = 0u; t0 < {n}u; t0 = t0 + {unroll}u) {{\n{maxes}  }}\n\
          \x20 let ms = select(mx, 0.0, mx == {ninf});\n  var acc = 0.0;\n  var l = 0.0;\n\
-         \x20 for (var t = 0u; t < {n}u; t = t + 1u) {{\n\
-         \x20   let w = exp({mload} - ms);\n    acc = acc + w * {oload};\n    l = l + w * {lload};\n  }}\n\
+         \x20 for (var t0 = 0u; t0 < {n}u; t0 = t0 + {unroll}u) {{\n{sums}  }}\n\
          \x20 let inv = select(0.0, 1.0 / l, l > 0.0);\n  {store}\n}}\n",
         n * width
     ));
@@ -1077,6 +1323,45 @@ mod tests {
             let binding = p.payload.requirements.max_storage_buffer_binding_size;
             assert_eq!(binding, largest, "limit {limit}");
             assert!(binding <= limit);
+        }
+    }
+
+    /// The decode kernel reads k and v rows 16 bytes a load (`vec4<u32>`
+    /// of a 16-bit buffer, `vec4<f32>` of an f32 one), 8 bytes where a
+    /// 16-bit row is no multiple of 8, element by element where a row is
+    /// no multiple of 4; with a mask, its keys end at the last one kept.
+    #[test]
+    fn decode_reads_whole_rows_in_wide_loads() {
+        let op = Op::Sdpa {
+            is_causal: false,
+            scale: None,
+            enable_gqa: true,
+        };
+        for (dtype, d, binding) in [
+            (DType::BF16, 64, Some("array<vec4<u32>>")),
+            (DType::F16, 128, Some("array<vec4<u32>>")),
+            (DType::F32, 64, Some("array<vec4<f32>>")),
+            (DType::BF16, 12, Some("array<vec2<u32>>")),
+            (DType::BF16, 6, None),
+        ] {
+            let p = lower_one(
+                op.clone(),
+                &[
+                    Some((dtype, &[1, 4, 1, d])),
+                    Some((dtype, &[1, 2, 40, d])),
+                    Some((dtype, &[1, 2, 40, d])),
+                    Some((DType::Bool, &[1, 1, 1, 40])),
+                ],
+            )
+            .unwrap();
+            let wgsl = &p.payload.kernels[p.payload.dispatches[0].kernel].wgsl;
+            for f in ["fn k_row(", "fn v_row("] {
+                assert_eq!(wgsl.contains(f), binding.is_some(), "{dtype} {d}: {f}");
+            }
+            if let Some(b) = binding {
+                assert!(wgsl.contains(b), "{dtype} {d}: no {b}");
+            }
+            assert!(wgsl.contains("min(kall, tend)"), "{dtype} {d}");
         }
     }
 
