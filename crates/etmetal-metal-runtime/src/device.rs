@@ -75,19 +75,27 @@ pub struct GpuDevice {
 /// - Bounds checks are off on Vulkan only, where wgpu enables the
 ///   driver's robust buffer access, so a kernel still cannot touch memory
 ///   outside its bound buffers; workgroup arrays are indexed within their
-///   sizes by construction (tested on lavapipe, which runs the same
-///   unchecked kernels). Metal, DX12 and GL keep them until measured there.
+///   sizes by construction. Metal, DX12 and GL keep them until measured
+///   there.
+/// - Software adapters (lavapipe) keep both: without them its LLVM took
+///   6× longer over an emulated tensor-core attention test (unrolling, it
+///   seems, what the loop counter kept rolled), and such an adapter is
+///   for correctness, not speed.
 ///
 /// `ETMETAL_SHADER_CHECKS=on` restores wgpu's defaults (to tell a kernel
-/// bug from a checked index), `off` drops both checks on any backend.
-fn shader_checks(backend: wgpu::Backend) -> Result<wgpu::ShaderRuntimeChecks> {
+/// bug from a checked index), `off` drops both checks on any adapter.
+fn shader_checks(info: &wgpu::AdapterInfo) -> Result<wgpu::ShaderRuntimeChecks> {
+    let software = info.device_type == wgpu::DeviceType::Cpu;
     let bounds = match std::env::var("ETMETAL_SHADER_CHECKS").as_deref() {
         Ok("on") => return Ok(wgpu::ShaderRuntimeChecks::checked()),
         Ok("off") => false,
-        Ok("") | Err(_) => backend != wgpu::Backend::Vulkan,
-        Ok(other) => return Err(Error::invalid_input(format!(
+        Ok("") | Err(_) if software => return Ok(wgpu::ShaderRuntimeChecks::checked()),
+        Ok("") | Err(_) => info.backend != wgpu::Backend::Vulkan,
+        Ok(other) => {
+            return Err(Error::invalid_input(format!(
             "ETMETAL_SHADER_CHECKS={other}: expected `on` or `off` (unset: the backend's default)"
-        ))),
+        )))
+        }
     };
     Ok(wgpu::ShaderRuntimeChecks {
         bounds_checks: bounds,
@@ -416,7 +424,7 @@ impl GpuDevice {
     ) -> Result<Arc<GpuDevice>> {
         let (instance, adapter) = select_adapter(choice)?;
         let info = adapter.get_info();
-        let checks = shader_checks(info.backend)?;
+        let checks = shader_checks(&info)?;
         let mut available = adapter.limits();
         let mut features = adapter.features();
         let mut name = describe(&info);
@@ -536,5 +544,30 @@ mod tests {
         assert_eq!(CoopOffer::subgroup_sizes(&metal), (32, 32));
         let vulkan = info(wgpu::Backend::Vulkan, 32, 64);
         assert_eq!(CoopOffer::subgroup_sizes(&vulkan), (32, 64));
+    }
+
+    #[test]
+    fn kernels_drop_the_checks_only_where_safe_and_measured() {
+        if std::env::var_os("ETMETAL_SHADER_CHECKS").is_some() {
+            return; // the override decides, not the adapter
+        }
+        let checks = |kind, backend| {
+            let c = super::shader_checks(&wgpu::AdapterInfo::new(kind, backend)).unwrap();
+            (c.bounds_checks, c.force_loop_bounding)
+        };
+        use wgpu::{Backend, DeviceType};
+        assert_eq!(
+            checks(DeviceType::DiscreteGpu, Backend::Vulkan),
+            (false, false)
+        );
+        assert_eq!(
+            checks(DeviceType::IntegratedGpu, Backend::Metal),
+            (true, false)
+        );
+        assert_eq!(
+            checks(DeviceType::DiscreteGpu, Backend::Dx12),
+            (true, false)
+        );
+        assert_eq!(checks(DeviceType::Cpu, Backend::Vulkan), (true, true));
     }
 }
