@@ -334,7 +334,7 @@ fn int4_gemm_on_emulated_tensor_cores() {
                 .build();
             for form in [CoopForm::Half16, CoopForm::Float8] {
                 let what = format!("int4 {dtype} g {g} m {m} n {n} k {k}");
-                check_graph_emulating(&graph, inputs.clone(), BF16_TOL, form, &what);
+                check_graph_emulating(&graph, inputs.clone(), BF16_TOL, (form, 0), &what);
             }
         }
     }
@@ -414,7 +414,7 @@ fn int8_linear_decode_and_prefill() {
     let (graph, inputs) = case(DType::BF16, 256, 70, 96, 256, 76);
     for form in [CoopForm::Half16, CoopForm::Float8] {
         let what = format!("int8 bf16 g 256 m 70 n 96 k 256 {form:?}");
-        check_graph_emulating(&graph, inputs.clone(), BF16_TOL, form, &what);
+        check_graph_emulating(&graph, inputs.clone(), BF16_TOL, (form, 0), &what);
     }
 }
 
