@@ -9,7 +9,9 @@
 
 mod common;
 
-use common::gpu::{check_graph, check_graph_emulating, compile_whole_within, random, OpCase};
+use common::gpu::{
+    check_graph, check_graph_emulating, compile_whole_within, emulations, random, OpCase,
+};
 use etmetal_core::{BinaryOp, DType, Op, ReduceOp, Tensor, UnaryOp};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
 use etmetal_metal::partitioner::DeviceLimits;
@@ -203,6 +205,34 @@ fn silu_gate_into_the_down_product() {
             let what = format!("{dtype} m {m} k {k} n {n}");
             b.check(&[y], tol(dtype), &what, &["linear"], products);
         }
+    }
+}
+
+/// A prefill-sized bf16 linear whose store adds its bias and a residual,
+/// on each emulated tensor-core form in each of its GEMM variants: the
+/// add is the product's store, not a dispatch of its own.
+#[test]
+fn residual_add_in_the_tensor_core_store() {
+    let bf = DType::BF16;
+    let mut b = Builder::default();
+    let x = b.input(random(bf, &[1, 100, 96], 1));
+    let w = b.weight(random(bf, &[130, 96], 2));
+    let bias = b.weight(random(bf, &[130], 3));
+    let y = b.node(Op::Linear, &[Some(x), Some(w), Some(bias)]);
+    let res = b.input(random(bf, &[1, 100, 130], 4));
+    let y = b.binary(BinaryOp::Add, y, res);
+    b.graph.outputs.push((y, OutputKind::User));
+    let payload =
+        &compile_whole_within(&b.graph, &DeviceLimits::default()).methods[0].partitions[0].payload;
+    let ops: Vec<&[String]> = payload
+        .dispatches
+        .iter()
+        .map(|d| payload.kernels[d.kernel].ops.as_slice())
+        .collect();
+    assert!(ops.iter().all(|o| o[0] != "add"), "{ops:?}");
+    for e in emulations(&[CoopForm::Half16, CoopForm::Float8]) {
+        let what = format!("linear + residual {e:?}");
+        check_graph_emulating(&b.graph, b.inputs.clone(), BF16_TOL, e, &what);
     }
 }
 

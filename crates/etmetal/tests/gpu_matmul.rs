@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use common::gpu::{
     adapter_offers_coop, assert_close, check_dynamic, compile_emulating, compile_whole, emulations,
-    load_method_on, random, run_pte, OpCase,
+    load_method_on, random, run_pte, Emulation, OpCase,
 };
 use etmetal_core::{AvgPoolAttrs, ConvAttrs, DType, MaxPoolAttrs, Op, Tensor};
 use etmetal_metal::preprocess::CoopForm;
@@ -709,7 +709,7 @@ fn coop_bf16_range_scaling_beyond_f16() {
 
 /// `graph` compiled with the tensor-core alternatives (`None`), and with
 /// each form emulated in each of its GEMM variants.
-fn variants(graph: &etmetal_graph::Graph) -> Vec<(Option<(CoopForm, usize)>, Vec<u8>)> {
+fn variants(graph: &etmetal_graph::Graph) -> Vec<(Option<Emulation>, Vec<u8>)> {
     let mut v = vec![(None, compile_whole(graph))];
     v.extend(
         emulations(FORMS)

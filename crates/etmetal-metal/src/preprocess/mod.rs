@@ -44,8 +44,8 @@ use buffers::{BufferDesc, BufferIdx, Buffers, Place, Storage};
 use emit::{entry, grid, unravel, Built, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use expr::{Kind, Lazy, LazyRef};
 pub use kernels::coopmat::CoopForm;
-pub use kernels::GEMM_COOP_VARIANTS;
 use kernels::coopmat::CoopMat;
+pub use kernels::GEMM_COOP_VARIANTS;
 
 /// What preprocess makes of one partition.
 #[derive(Clone, Debug)]

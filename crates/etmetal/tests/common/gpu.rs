@@ -107,7 +107,7 @@ pub fn check_dynamic(
     bound: usize,
     sizes: &[usize],
     tol: f32,
-    emulated: Option<(CoopForm, usize)>,
+    emulated: Option<Emulation>,
     what: &str,
 ) {
     use etmetal_core::sym::{SymExpr, SymRange};
@@ -187,7 +187,7 @@ pub fn check_graph_emulating(
     graph: &Graph,
     inputs: Vec<Tensor>,
     tol: f32,
-    (form, variant): (CoopForm, usize),
+    (form, variant): Emulation,
     what: &str,
 ) {
     let expected = etmetal::eval::run_graph(graph, inputs.clone())
@@ -200,9 +200,12 @@ pub fn check_graph_emulating(
     }
 }
 
+/// A tensor-core form emulated, with the variant its GEMMs take.
+pub type Emulation = (CoopForm, usize);
+
 /// Each tensor-core form of `forms` with each of its GEMM variants (the
 /// 16×16 form's several; the 8×8 form's one).
-pub fn emulations(forms: &[CoopForm]) -> Vec<(CoopForm, usize)> {
+pub fn emulations(forms: &[CoopForm]) -> Vec<Emulation> {
     let variants = |f| match f {
         CoopForm::Half16 => GEMM_COOP_VARIANTS,
         CoopForm::Float8 => 1,
@@ -402,7 +405,7 @@ impl OpCase {
 
     /// [`OpCase::check`], then again emulating each of `emulated` (a form
     /// and its GEMMs' variant).
-    pub fn check_coop_emulating(self, tol: f32, emulated: &[(CoopForm, usize)]) {
+    pub fn check_coop_emulating(self, tol: f32, emulated: &[Emulation]) {
         let what = format!("{:?}", self.op);
         let (graph, inputs) = self.build();
         check_graph(&graph, inputs.clone(), tol, &what);

@@ -597,7 +597,10 @@ impl F16Copy {
                     let at = format!("min(i + {l}u, {}u)", len - 1);
                     format!("pow2({})", o.exponent(&mut kb, &at))
                 };
-                format!("vec4<f32>({})", (0..4).map(line).collect::<Vec<_>>().join(", "))
+                format!(
+                    "vec4<f32>({})",
+                    (0..4).map(line).collect::<Vec<_>>().join(", ")
+                )
             }
         };
         let mut s = format!("{fns}{HELPERS}");
@@ -743,7 +746,15 @@ fn lower<A: GemmArgs + ?Sized>(
     let mut cm = lw.coop_mat(form);
     cm.enable(&mut kb);
     let fns = gemm.chunk_reads(&mut kb, args)? + &split.store(&mut kb, args)? + HELPERS;
-    let main = kernel(&mut kb, &mut cm, gemm, &t, split.splits, &operands, v.staging)?;
+    let main = kernel(
+        &mut kb,
+        &mut cm,
+        gemm,
+        &t,
+        split.splits,
+        &operands,
+        v.staging,
+    )?;
     let built = kb
         .finish(&format!("{fns}{}{main}", cm.helpers()))
         .tagged(cm.tag());
@@ -816,7 +827,11 @@ fn kernel(
             };
             Some([(ca, bind(kb, ca)?), (cb, bind(kb, cb)?)])
         }
-        _ => return Err(Error::internal("a tensor-core GEMM variant without its copies")),
+        _ => {
+            return Err(Error::internal(
+                "a tensor-core GEMM variant without its copies",
+            ))
+        }
     };
     // each split's part of k as the kernel walks it
     let part = copies.as_ref().map_or(depth, |[(c, _), _]| c.depth);
@@ -824,7 +839,11 @@ fn kernel(
     // Every workgroup array is a whole number of 16 bytes: a
     // cooperative-matrix load needs a 16-byte aligned pointer, and the
     // driver lays the arrays out as it likes (attention_flash.rs).
-    let sizes = [2 * sa.size() * bytes, 2 * sb.size() * bytes, t.subgroups() * sq * 4];
+    let sizes = [
+        2 * sa.size() * bytes,
+        2 * sb.size() * bytes,
+        t.subgroups() * sq * 4,
+    ];
     if let Some(bad) = sizes.iter().find(|&&b| b % 16 != 0) {
         return Err(Error::internal(format!(
             "tensor-core GEMM: a workgroup array of {bad} bytes breaks the 16-byte alignment"
@@ -1071,9 +1090,7 @@ fn products(
         for (src, role, count, name) in [(a, Role::A, fm, "ma"), (b, Role::B, fnn, "mb")] {
             for i in 0..count {
                 let kk = format!("{}{}u", src.k0, size * step);
-                let at = src
-                    .layout
-                    .at(&format!("{} + {}u", src.line, size * i), &kk);
+                let at = src.layout.at(&format!("{} + {}u", src.line, size * i), &kk);
                 // A is row-major in memory when k-fast, B when not
                 let row_major = src.layout.k_fast == (role == Role::A);
                 let ld = cm.load(
@@ -1259,7 +1276,9 @@ mod tests {
                 _ => vec!["cvt16", "cvt16", "coop"],
             };
             let emulated = |tags: &[&'static str]| -> Vec<&'static str> {
-                let t = tags.iter().map(|&k| if k == "coop" { "coopemu" } else { k });
+                let t = tags
+                    .iter()
+                    .map(|&k| if k == "coop" { "coopemu" } else { k });
                 t.collect()
             };
             for v in 0..VARIANT_COUNT {
