@@ -9,7 +9,9 @@
 
 mod common;
 
-use common::gpu::{check_graph, check_graph_emulating, compile_whole_within, random, OpCase};
+use common::gpu::{
+    check_graph, check_graph_emulating, compile_whole_within, emulations, random, OpCase,
+};
 use etmetal_core::{BinaryOp, DType, Op, ReduceOp, Tensor, UnaryOp};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
 use etmetal_metal::partitioner::DeviceLimits;
@@ -206,6 +208,34 @@ fn silu_gate_into_the_down_product() {
     }
 }
 
+/// A prefill-sized bf16 linear whose store adds its bias and a residual,
+/// on each emulated tensor-core form in each of its GEMM variants: the
+/// add is the product's store, not a dispatch of its own.
+#[test]
+fn residual_add_in_the_tensor_core_store() {
+    let bf = DType::BF16;
+    let mut b = Builder::default();
+    let x = b.input(random(bf, &[1, 100, 96], 1));
+    let w = b.weight(random(bf, &[130, 96], 2));
+    let bias = b.weight(random(bf, &[130], 3));
+    let y = b.node(Op::Linear, &[Some(x), Some(w), Some(bias)]);
+    let res = b.input(random(bf, &[1, 100, 130], 4));
+    let y = b.binary(BinaryOp::Add, y, res);
+    b.graph.outputs.push((y, OutputKind::User));
+    let payload =
+        &compile_whole_within(&b.graph, &DeviceLimits::default()).methods[0].partitions[0].payload;
+    let ops: Vec<&[String]> = payload
+        .dispatches
+        .iter()
+        .map(|d| payload.kernels[d.kernel].ops.as_slice())
+        .collect();
+    assert!(ops.iter().all(|o| o[0] != "add"), "{ops:?}");
+    for e in emulations(&[CoopForm::Half16, CoopForm::Float8]) {
+        let what = format!("linear + residual {e:?}");
+        check_graph_emulating(&b.graph, b.inputs.clone(), BF16_TOL, e, &what);
+    }
+}
+
 /// Reductions over dims of size 1 are casts of their input, fused into
 /// their readers (int32 sums widen to int64, `any` of int32 is a bool).
 #[test]
@@ -334,7 +364,7 @@ fn int4_gemm_on_emulated_tensor_cores() {
                 .build();
             for form in [CoopForm::Half16, CoopForm::Float8] {
                 let what = format!("int4 {dtype} g {g} m {m} n {n} k {k}");
-                check_graph_emulating(&graph, inputs.clone(), BF16_TOL, form, &what);
+                check_graph_emulating(&graph, inputs.clone(), BF16_TOL, (form, 0), &what);
             }
         }
     }
@@ -414,7 +444,7 @@ fn int8_linear_decode_and_prefill() {
     let (graph, inputs) = case(DType::BF16, 256, 70, 96, 256, 76);
     for form in [CoopForm::Half16, CoopForm::Float8] {
         let what = format!("int8 bf16 g 256 m 70 n 96 k 256 {form:?}");
-        check_graph_emulating(&graph, inputs.clone(), BF16_TOL, form, &what);
+        check_graph_emulating(&graph, inputs.clone(), BF16_TOL, (form, 0), &what);
     }
 }
 

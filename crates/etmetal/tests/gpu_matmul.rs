@@ -8,8 +8,8 @@ mod common;
 use std::sync::Arc;
 
 use common::gpu::{
-    adapter_offers_coop, assert_close, check_dynamic, compile_emulating, compile_whole,
-    load_method_on, random, run_pte, OpCase,
+    adapter_offers_coop, assert_close, check_dynamic, compile_emulating, compile_whole, emulations,
+    load_method_on, random, run_pte, Emulation, OpCase,
 };
 use etmetal_core::{AvgPoolAttrs, ConvAttrs, DType, MaxPoolAttrs, Op, Tensor};
 use etmetal_metal::preprocess::CoopForm;
@@ -529,34 +529,41 @@ fn coop_tile_edges_and_k_tails() {
         OpCase::new(Op::MatMul)
             .input(random(dtype, &[m, k], seed))
             .input(random(dtype, &[k, n], seed + 1))
-            .check_coop(BF_TOL, FORMS);
+            .check_gemm_coop(BF_TOL, FORMS);
     }
 }
 
 /// The 128×128 tile, both operands read through transposes (A along m,
-/// B along k), batches with and without broadcasting. (The 128×128 tile's
-/// 48 KiB of workgroup memory is more than lavapipe's 32 KiB, so it runs
-/// emulated only in the 8×8 form, whose tile is 64×64.)
+/// B along k), batches with and without broadcasting. (The 128×128 tile
+/// staged in workgroup memory takes 48 KiB, more than lavapipe's 32 KiB,
+/// so it runs emulated only where the fragments load straight from the
+/// f16 copies, 8 subgroups of 64×32 or 4 of 64×64; and in the 8×8 form,
+/// whose tile is 64×64.)
 #[test]
 fn coop_big_tile_transposes_and_batches() {
+    let (direct, wide) = ((CoopForm::Half16, 2), (CoopForm::Half16, 3));
     OpCase::new(Op::MatMul)
         .input(random(H, &[2048, 40], 1))
         .input(random(H, &[40, 2048], 2))
-        .check_coop(BF_TOL, &[CoopForm::Float8]);
+        .check_coop_emulating(BF_TOL, &[(CoopForm::Float8, 0), direct, wide]);
+    OpCase::new(Op::MatMul)
+        .input_permuted(random(BF, &[40, 2048], 1), &[1, 0])
+        .input_permuted(random(BF, &[2048, 40], 2), &[1, 0])
+        .check_coop_emulating(BF_TOL, &[direct, wide]);
     for dtype in [BF, H] {
         OpCase::new(Op::MatMul)
             .input_permuted(random(dtype, &[200, 300], 3), &[1, 0])
             .input_permuted(random(dtype, &[261, 200], 4), &[1, 0])
-            .check_coop(BF_TOL, FORMS);
+            .check_gemm_coop(BF_TOL, FORMS);
     }
     OpCase::new(Op::MatMul)
         .input(random(BF, &[4, 100, 64], 5))
         .input(random(BF, &[4, 64, 90], 6))
-        .check_coop(BF_TOL, FORMS);
+        .check_gemm_coop(BF_TOL, FORMS);
     OpCase::new(Op::MatMul)
         .input(random(BF, &[1, 100, 64], 7))
         .input_permuted(random(BF, &[3, 90, 64], 8), &[0, 2, 1])
-        .check_coop(BF_TOL, FORMS);
+        .check_gemm_coop(BF_TOL, FORMS);
 }
 
 /// The epilogue after the tensor cores: bias, alpha/beta, split-k partial
@@ -567,7 +574,7 @@ fn coop_epilogue_bias_alpha_beta_split_k_and_convolution() {
         .input(random(BF, &[3, 100, 64], 1))
         .weight(random(BF, &[96, 64], 2))
         .weight(random(BF, &[96], 3))
-        .check_coop(BF_TOL, FORMS);
+        .check_gemm_coop(BF_TOL, FORMS);
     OpCase::new(Op::Addmm {
         beta: 0.5,
         alpha: 2.0,
@@ -575,17 +582,17 @@ fn coop_epilogue_bias_alpha_beta_split_k_and_convolution() {
     .input(random(H, &[130], 4))
     .input(random(H, &[70, 90], 5))
     .input(random(H, &[90, 130], 6))
-    .check_coop(BF_TOL, FORMS);
+    .check_gemm_coop(BF_TOL, FORMS);
     // few tiles, deep k: split among workgroups, a second kernel adds
     OpCase::new(Op::MatMul)
         .input(random(H, &[2, 64, 4096], 7))
         .input(random(H, &[2, 4096, 64], 8))
-        .check_coop(BF_TOL, FORMS);
+        .check_gemm_coop(BF_TOL, FORMS);
     OpCase::new(conv(&[1, 1], &[1, 1], &[1, 1], 1))
         .input(random(BF, &[2, 16, 20, 20], 9))
         .weight(random(BF, &[64, 16, 3, 3], 10))
         .weight(random(BF, &[64], 11))
-        .check_coop(BF_TOL, FORMS);
+        .check_gemm_coop(BF_TOL, FORMS);
 }
 
 /// `x` scaled row by row (`row_scale(i)`), as `dtype`.
@@ -697,17 +704,17 @@ fn coop_bf16_range_scaling_beyond_f16() {
             }
         }))
         .input(scaled(H, [80, 96], 4, |_, _| 1e-3))
-        .check_coop(BF_TOL, FORMS);
+        .check_gemm_coop(BF_TOL, FORMS);
 }
 
 /// `graph` compiled with the tensor-core alternatives (`None`), and with
-/// each form emulated.
-fn variants(graph: &etmetal_graph::Graph) -> Vec<(Option<CoopForm>, Vec<u8>)> {
+/// each form emulated in each of its GEMM variants.
+fn variants(graph: &etmetal_graph::Graph) -> Vec<(Option<Emulation>, Vec<u8>)> {
     let mut v = vec![(None, compile_whole(graph))];
     v.extend(
-        FORMS
-            .iter()
-            .map(|&f| (Some(f), compile_emulating(graph, f))),
+        emulations(FORMS)
+            .into_iter()
+            .map(|(f, n)| (Some((f, n)), compile_emulating(graph, f, n))),
     );
     v
 }
@@ -730,15 +737,15 @@ fn coop_dynamic_rows() {
                 .build()
         }
     };
-    for form in FORMS {
-        let what = format!("dynamic bf16 linear {form:?}");
+    for emulated in emulations(FORMS) {
+        let what = format!("dynamic bf16 linear {emulated:?}");
         check_dynamic(
             linear(BF),
             &[(0, 0)],
             128,
             &SIZES,
             BF_TOL,
-            Some(*form),
+            Some(emulated),
             &what,
         );
     }
@@ -758,14 +765,15 @@ fn coop_dynamic_rows() {
             .weight(random(BF, &[64], 2))
             .build()
     };
-    let form = Some(CoopForm::Half16);
+    // (the variants reading f16 copies: fragments straight from them, and
+    // staged)
     check_dynamic(
         convolution,
         &[(0, 0)],
         4,
         &[4, 1, 3],
         BF_TOL,
-        form,
+        Some((CoopForm::Half16, 2)),
         "dynamic bf16 conv",
     );
     let what = "dynamic f16 matmul";
@@ -775,7 +783,7 @@ fn coop_dynamic_rows() {
         128,
         &SIZES,
         BF_TOL,
-        Some(CoopForm::Half16),
+        Some((CoopForm::Half16, 1)),
         what,
     );
 }

@@ -45,6 +45,7 @@ use emit::{entry, grid, unravel, Built, KernelBuilder, FLAT_GROUP, FLAT_WORKGROU
 use expr::{Kind, Lazy, LazyRef};
 pub use kernels::coopmat::CoopForm;
 use kernels::coopmat::CoopMat;
+pub use kernels::GEMM_COOP_VARIANTS;
 
 /// What preprocess makes of one partition.
 #[derive(Clone, Debug)]
@@ -81,6 +82,11 @@ pub struct PreprocessOptions {
     /// tensor-core forms are alternatives with their real primitives, which
     /// the runtime runs where the adapter reports them.
     pub emulate_coop: Option<CoopForm>,
+    /// Test mode, with `emulate_coop` set to the 16×16 form: which of a
+    /// GEMM's tensor-core variants replaces its portable kernel, by index
+    /// below [`GEMM_COOP_VARIANTS`] (the first where that one does not
+    /// apply). Flash attention takes its smallest.
+    pub emulate_variant: usize,
 }
 
 impl Default for PreprocessOptions {
@@ -91,6 +97,7 @@ impl Default for PreprocessOptions {
             max_workgroups_per_dim: 65535,
             max_buffer_bytes: DeviceLimits::default().max_buffer_bytes,
             emulate_coop: None,
+            emulate_variant: 0,
         }
     }
 }

@@ -11,7 +11,7 @@ use etmetal_core::{DType, Op, Tensor};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
 use etmetal_metal::partitioner::{DeviceLimits, PartitionMode, PartitionOptions};
 use etmetal_metal::payload::Requirements;
-use etmetal_metal::preprocess::{CoopForm, PreprocessOptions};
+use etmetal_metal::preprocess::{CoopForm, PreprocessOptions, GEMM_COOP_VARIANTS};
 use etmetal_metal_runtime::{select_adapter, DeviceChoice, MetalBackend};
 use etmetal_runtime::{BackendRegistry, LoadOptions, Method, Program};
 
@@ -57,12 +57,14 @@ pub fn compile_whole_within(graph: &Graph, limits: &DeviceLimits) -> Compiled {
 /// a test mode): they run on any adapter. Panics unless some kernel of
 /// that form is in it, so a case that never reaches the tensor-core
 /// kernels cannot pass on the portable ones.
-pub fn compile_emulating(graph: &Graph, form: CoopForm) -> Vec<u8> {
-    compile_emulating_report(graph, form).pte
+/// With the 16×16 form, a GEMM takes its tensor-core variant `variant`
+/// (below [`GEMM_COOP_VARIANTS`]; the first where that one does not apply).
+pub fn compile_emulating(graph: &Graph, form: CoopForm, variant: usize) -> Vec<u8> {
+    compile_emulating_report(graph, form, variant).pte
 }
 
 /// [`compile_emulating`], with what went where.
-pub fn compile_emulating_report(graph: &Graph, form: CoopForm) -> Compiled {
+pub fn compile_emulating_report(graph: &Graph, form: CoopForm, variant: usize) -> Compiled {
     let options = CompileOptions {
         partition: PartitionOptions {
             mode: PartitionMode::Whole,
@@ -70,12 +72,13 @@ pub fn compile_emulating_report(graph: &Graph, form: CoopForm) -> Compiled {
         },
         preprocess: PreprocessOptions {
             emulate_coop: Some(form),
+            emulate_variant: variant,
             ..PreprocessOptions::default()
         },
         ..CompileOptions::default()
     };
     let compiled = compile(graph, &options, &mut |_| {})
-        .unwrap_or_else(|e| panic!("compile emulating {form:?}: {e}"));
+        .unwrap_or_else(|e| panic!("compile emulating {form:?} variant {variant}: {e}"));
     let tag = format!("_{}", form.emulated_tag());
     let emulated = compiled
         .methods
@@ -93,8 +96,8 @@ pub fn compile_emulating_report(graph: &Graph, form: CoopForm) -> Compiled {
 /// `case(n)`: a graph and its inputs with a dim of size `n`, the same
 /// graph at every `n` but for that dim (constants alike). The graph at
 /// `bound` with that dim, `at` (`(user input, dim)` pairs), made the
-/// dynamic symbol `s` in `1..=bound`, compiled emulating `form` (`None`:
-/// as compiled, the alternatives where the adapter offers them), runs at
+/// dynamic symbol `s` in `1..=bound`, compiled emulating `emulated` (a
+/// form and its GEMMs' variant; `None`: as compiled, the alternatives where the adapter offers them), runs at
 /// each of `sizes` in one loaded method and matches the CPU kernels on
 /// `case(n)`; at each size some kernel of the form is among the dispatches
 /// that run (the bucket of that size has them).
@@ -104,7 +107,7 @@ pub fn check_dynamic(
     bound: usize,
     sizes: &[usize],
     tol: f32,
-    form: Option<CoopForm>,
+    emulated: Option<Emulation>,
     what: &str,
 ) {
     use etmetal_core::sym::{SymExpr, SymRange};
@@ -131,14 +134,15 @@ pub fn check_dynamic(
     for node in graph.nodes.clone() {
         etmetal_graph::infer_sym::assign_sym(&mut graph, &node).unwrap();
     }
-    let compiled = match form {
-        Some(form) => compile_emulating_report(&graph, form),
+    let compiled = match emulated {
+        Some((form, variant)) => compile_emulating_report(&graph, form, variant),
         None => compile_whole_within(&graph, &DeviceLimits::default()),
     };
     let parts = &compiled.methods[0].partitions;
     assert_eq!(parts.len(), 1, "{what}: not delegated whole");
     let payload = &parts[0].payload;
     assert_eq!(payload.symbols.len(), 1, "{what}: symbols");
+    let form = emulated.map(|(f, _)| f);
     let tag = form.map(|f| format!("_{}", f.emulated_tag()));
     let mut method = load_method(&compiled.pte);
     for &n in sizes {
@@ -170,28 +174,46 @@ pub fn check_dynamic(
                 g,
                 e,
                 tol,
-                &format!("{what} at {n} emulating {form:?} output {k}"),
+                &format!("{what} at {n} emulating {emulated:?} output {k}"),
             );
         }
     }
 }
 
 /// `graph` on the GPU, with tensor-core form `form` emulated
-/// ([`compile_emulating`]), matches the CPU kernels on `inputs`.
+/// ([`compile_emulating`], GEMMs in `variant`), matches the CPU kernels
+/// on `inputs`.
 pub fn check_graph_emulating(
     graph: &Graph,
     inputs: Vec<Tensor>,
     tol: f32,
-    form: CoopForm,
+    (form, variant): Emulation,
     what: &str,
 ) {
     let expected = etmetal::eval::run_graph(graph, inputs.clone())
         .unwrap_or_else(|e| panic!("{what}: CPU reference: {e}"));
-    let got = run_pte(compile_emulating(graph, form), inputs);
+    let got = run_pte(compile_emulating(graph, form, variant), inputs);
     assert_eq!(got.len(), expected.len(), "{what}: output count");
     for (k, (g, e)) in got.iter().zip(&expected).enumerate() {
-        assert_close(g, e, tol, &format!("{what} emulating {form:?} output {k}"));
+        let what = format!("{what} emulating {form:?} variant {variant} output {k}");
+        assert_close(g, e, tol, &what);
     }
+}
+
+/// A tensor-core form emulated, with the variant its GEMMs take.
+pub type Emulation = (CoopForm, usize);
+
+/// Each tensor-core form of `forms` with each of its GEMM variants (the
+/// 16×16 form's several; the 8×8 form's one).
+pub fn emulations(forms: &[CoopForm]) -> Vec<Emulation> {
+    let variants = |f| match f {
+        CoopForm::Half16 => GEMM_COOP_VARIANTS,
+        CoopForm::Float8 => 1,
+    };
+    forms
+        .iter()
+        .flat_map(|&f| (0..variants(f)).map(move |v| (f, v)))
+        .collect()
 }
 
 /// Whether this machine's adapter offers what the tensor-core kernels
@@ -379,13 +401,26 @@ impl OpCase {
 
     /// [`OpCase::check`] (the tensor-core alternatives where the adapter
     /// offers them), then again with each of `forms` emulated
-    /// ([`check_graph_emulating`]).
+    /// ([`check_graph_emulating`]; a GEMM in its first variant).
     pub fn check_coop(self, tol: f32, forms: &[CoopForm]) {
+        let emulated: Vec<_> = forms.iter().map(|&f| (f, 0)).collect();
+        self.check_coop_emulating(tol, &emulated);
+    }
+
+    /// [`OpCase::check_coop`] in every GEMM variant of each form
+    /// ([`emulations`]).
+    pub fn check_gemm_coop(self, tol: f32, forms: &[CoopForm]) {
+        self.check_coop_emulating(tol, &emulations(forms));
+    }
+
+    /// [`OpCase::check`], then again emulating each of `emulated` (a form
+    /// and its GEMMs' variant).
+    pub fn check_coop_emulating(self, tol: f32, emulated: &[Emulation]) {
         let what = format!("{:?}", self.op);
         let (graph, inputs) = self.build();
         check_graph(&graph, inputs.clone(), tol, &what);
-        for &form in forms {
-            check_graph_emulating(&graph, inputs.clone(), tol, form, &what);
+        for &e in emulated {
+            check_graph_emulating(&graph, inputs.clone(), tol, e, &what);
         }
     }
 

@@ -23,6 +23,7 @@ mod topk;
 use etmetal_core::{Error, Result};
 use etmetal_graph::Node;
 
+pub use gemm::GEMM_COOP_VARIANTS;
 pub(crate) use reduce::row_mean;
 pub(crate) use scatter::{dispatch as scatter, joins as scatter_joins, Scatter};
 

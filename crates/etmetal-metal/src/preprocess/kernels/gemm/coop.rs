@@ -28,6 +28,19 @@
 //! its invocations apply the caller's [`super::Epilogue`] (`gstore`: bias,
 //! alpha/beta, split-K partial sums, rounding to the output dtype).
 //!
+//! Variants ([`VARIANTS`], in the order of the payload's alternatives,
+//! the 8×8 form after them; the runtime measures them all). The kernel
+//! above stages each slice through the operands' chunk readers, scaling
+//! and converting as it goes ([`Staging::Reader`]); on an H100 that
+//! staging, not the tensor cores, took most of its time. The others read
+//! f16 copies of the operands ([`F16Copy`]) that a conversion pass writes
+//! after the range pre-pass, already scaled and padded to whole tiles and
+//! slices: staged as they are ([`Staging::Copy`]), or with the fragments
+//! loaded straight from them, no workgroup staging and no barrier in the
+//! loop ([`Staging::Direct`]), over the same tiles or over 128×128 tiles
+//! whose 4 subgroups take 64×64 each. Packed int4 weights are never
+//! copied (they keep the first variant).
+//!
 //! Scaling ([`F16Scaling`]). The tensor cores take f16: |x| ≤ 65504,
 //! normal from 2^-14, and on the H200 an f16 below 2^-14 (subnormal) is
 //! flushed to zero in these products (measured by the GPU test `coop_bf16_range_scaling_beyond_f16`,
@@ -72,7 +85,7 @@
 use std::fmt::Write;
 
 use etmetal_core::sym::SymExpr;
-use etmetal_core::{DType, Result, Tensor};
+use etmetal_core::{DType, Error, Result, Tensor};
 
 use super::spec::{F16Scaling, Gemm, GemmArgs, FILL};
 use super::split::SplitK;
@@ -91,8 +104,11 @@ const PAD_BYTES: usize = 16;
 /// than the tensor cores save.
 const MIN_WORK: usize = 1 << 18;
 
-/// Invocations of a pre-pass workgroup.
+/// Invocations of a pre-pass (and conversion pass) workgroup.
 const PREPASS: usize = 256;
+/// Lines of an [`F16Copy`] are padded to a multiple of this: every tile's
+/// sides divide it.
+const COPY_LINES: usize = 128;
 /// Chunks of 4 lines a pre-pass workgroup takes where lines are not
 /// contiguous along k.
 const PREPASS_CHUNKS: usize = 8;
@@ -260,25 +276,93 @@ pub(super) fn worth(gemm: &Gemm) -> bool {
         && gemm.batch * gemm.m * gemm.n * gemm.k >= MIN_WORK
 }
 
-/// One operand's slice of k in workgroup memory: `len` rows (columns) of
-/// the tile by `bk`, laid out k-fastest when the operand is contiguous
-/// along k, else `len`-fastest.
+/// How a kernel of the 16×16 form brings its operands to the tensor
+/// cores (module comment).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Staging {
+    /// Slices read through the chunk readers, scaled and converted as they
+    /// are staged in workgroup memory.
+    Reader,
+    /// Slices of the f16 copies staged in workgroup memory as they are
+    /// (8-byte loads; no scaling, conversion or bounds in the loop).
+    Copy,
+    /// Fragments loaded straight from the f16 copies (the caches in place
+    /// of workgroup memory).
+    Direct,
+}
+
+/// One kernel of the 16×16 form: its staging, and its tile: [`tile`]'s,
+/// or where `wide`, 128×128 in 4 subgroups of 64×64 wherever m and n
+/// reach 128 (16 products per 8 fragment loads, against 8 per 6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Variant {
+    staging: Staging,
+    wide: bool,
+}
+
+/// The 16×16 form's variants, in the payload's order (`benchmarks/
+/// variants.py` forces alternatives by index; keep it stable).
+const VARIANTS: [Variant; 4] = [
+    Variant {
+        staging: Staging::Reader,
+        wide: false,
+    },
+    Variant {
+        staging: Staging::Copy,
+        wide: false,
+    },
+    Variant {
+        staging: Staging::Direct,
+        wide: false,
+    },
+    Variant {
+        staging: Staging::Direct,
+        wide: true,
+    },
+];
+
+/// How many variants the 16×16 form has (`PreprocessOptions::emulate_variant`).
+pub const VARIANT_COUNT: usize = VARIANTS.len();
+
+/// The tile of variant `v` of the 16×16 form for `gemm`.
+fn variant_tile(gemm: &Gemm, v: Variant) -> CoopTile {
+    let t = tile(gemm, CoopForm::Half16);
+    match v.wide {
+        false => t,
+        true if gemm.m >= 128 && gemm.n >= 128 => CoopTile {
+            bm: 128,
+            bn: 128,
+            wm: 64,
+            wn: 64,
+            bk: 32,
+        },
+        // 2×2 subgroups of the plain tile
+        true => CoopTile {
+            wm: t.bm / 2,
+            wn: t.bn / 2,
+            ..t
+        },
+    }
+}
+
+/// One operand's slice of k in workgroup memory, or one batch of its
+/// [`F16Copy`]: `len` rows (columns) of the tile by `bk`, laid out
+/// k-fastest when the operand is contiguous along k, else `len`-fastest,
+/// each row followed by `pad` elements.
+#[derive(Clone)]
 struct Stage {
     len: usize,
     bk: usize,
     k_fast: bool,
     /// Bytes of an element.
     elem: usize,
+    pad: usize,
 }
 
 impl Stage {
     fn pitch(&self) -> usize {
-        let pad = PAD_BYTES / self.elem;
-        if self.k_fast {
-            self.bk + pad
-        } else {
-            self.len + pad
-        }
+        let row = if self.k_fast { self.bk } else { self.len };
+        row + self.pad
     }
 
     /// Elements of one stage.
@@ -322,6 +406,8 @@ struct CoopOperand<'a> {
     /// [`F16Scaling::Lines`].
     exps: Option<BufferIdx>,
     stage: &'a Stage,
+    /// Its f16 copy, for the variants that read one.
+    copy: Option<F16Copy>,
 }
 
 impl CoopOperand<'_> {
@@ -342,16 +428,17 @@ impl CoopOperand<'_> {
 
 /// Add the pre-pass writing the exponent of each line (row of A, column
 /// of B; `batch × len` of them) of operand `o` of `gemm`, read through its
-/// chunk reader (of `args`); returns the buffer it writes.
+/// chunk reader (of `args`), to `o.exps`.
 fn prepass<A: GemmArgs + ?Sized>(
     lw: &mut Lowering,
     o: &CoopOperand,
     gemm: &Gemm,
     args: &A,
-) -> Result<BufferIdx> {
+) -> Result<()> {
     let (len, k, batch) = (o.len, o.k, o.batch);
-    let name = format!("{}.exponents_{}", lw.op_label(), o.name);
-    let exps = lw.temp(&name, DType::I32, &[batch * len])?;
+    let exps = o
+        .exps
+        .ok_or_else(|| Error::internal("a range pre-pass with nowhere to write"))?;
     let mut kb = KernelBuilder::new(&lw.buffers);
     let fns = gemm.chunk_reads(&mut kb, args)?;
     // a maximum per invocation: of its chunks (k-fast), or of 4 lines
@@ -447,30 +534,177 @@ fn prepass<A: GemmArgs + ?Sized>(
         workgroups,
         (PREPASS * 16) as u32,
         actual,
-    )?;
-    Ok(exps)
+    )
+}
+
+/// An operand's f16 copy (module comment): scaled as [`Staging::Reader`]
+/// scales it, along the operand's contiguous dim as in memory, its lines
+/// padded to [`COPY_LINES`] and each split's part of k to `depth` (whole
+/// slices), zeros there: the kernels read it with no bounds or clamps.
+#[derive(Clone)]
+struct F16Copy {
+    buf: BufferIdx,
+    /// One batch of it (`bk`: all of k, padded; `pad` 0).
+    layout: Stage,
+    /// Elements of k each split's part takes.
+    depth: usize,
+}
+
+impl F16Copy {
+    fn new(lw: &mut Lowering, o: &CoopOperand, splits: usize, bk: usize) -> Result<F16Copy> {
+        let depth = (o.k / splits).next_multiple_of(bk);
+        let layout = Stage {
+            len: o.len.next_multiple_of(COPY_LINES),
+            bk: splits * depth,
+            k_fast: o.k_fast,
+            elem: 2,
+            pad: 0,
+        };
+        let name = format!("{}.f16_{}", lw.op_label(), o.name);
+        let buf = lw.temp16(&name, &[o.batch * layout.size()])?;
+        Ok(F16Copy { buf, layout, depth })
+    }
+
+    /// Add the pass writing it from operand `o` (after `o`'s pre-pass, whose
+    /// exponents it applies) of `gemm` split `splits` ways along k, an
+    /// invocation a 4-element chunk of the copy.
+    fn convert<A: GemmArgs + ?Sized>(
+        &self,
+        lw: &mut Lowering,
+        o: &CoopOperand,
+        gemm: &Gemm,
+        args: &A,
+        splits: usize,
+    ) -> Result<()> {
+        let (len, k) = (o.len, o.k / splits);
+        let mut kb = KernelBuilder::new(&lw.buffers);
+        let fns = gemm.chunk_reads(&mut kb, args)?;
+        let out = kb.halves4(self.buf)?;
+        let per = self.layout.size() / 4;
+        let row = self.layout.pitch() / 4;
+        let chunks = o.batch * per;
+        // the chunk's line `i` and depth `kq` in the copy, its depth `kk`
+        // in the operand (one split's part of k after another)
+        let (i, kq, read) = match o.k_fast {
+            true => ("r", "q", format!("{}(bt, i, kk)", o.reader)),
+            false => ("q", "r", format!("{}(bt, kk, i)", o.reader)),
+        };
+        let factor = match (o.scaled(), o.k_fast) {
+            (false, _) => "1.0".to_string(),
+            (true, true) => format!("pow2({})", o.exponent(&mut kb, "i")),
+            (true, false) => {
+                let line = |l: usize| {
+                    let at = format!("min(i + {l}u, {}u)", len - 1);
+                    format!("pow2({})", o.exponent(&mut kb, &at))
+                };
+                format!(
+                    "vec4<f32>({})",
+                    (0..4).map(line).collect::<Vec<_>>().join(", ")
+                )
+            }
+        };
+        let mut s = format!("{fns}{HELPERS}");
+        s.push_str(&entry(PREPASS as u32));
+        let _ = writeln!(
+            s,
+            "  let c = {FLAT_GROUP} * {PREPASS}u + lid;
+  if (c >= {chunks}u) {{ return; }}
+               let bt = c / {per}u;
+  let r = (c % {per}u) / {row}u;
+  let q = (c % {row}u) * 4u;
+               let i = {i};
+  let w = {kq} % {depth}u;
+               let kk = ({kq} / {depth}u) * {k}u + w;
+  var v = vec4<f32>(0.0);
+               if (i < {len}u && w < {k}u) {{ v = {read} * {factor}; }}
+               {out}[c] = vec4<f16>(v);
+}}",
+            depth = self.depth,
+        );
+        let built = kb.finish(&s).tagged("cvt16");
+        let workgroups = grid(
+            chunks.div_ceil(PREPASS) as u64,
+            lw.options.max_workgroups_per_dim,
+        )?;
+        let ops = vec![lw.op_label()];
+        lw.add_dispatch(built, ops, [PREPASS as u32, 1, 1], workgroups, 0)
+    }
+}
+
+/// What one product's variants share, made by the first that needs it:
+/// each operand's exponents and f16 copy.
+#[derive(Default)]
+struct Shared {
+    exps: [Option<BufferIdx>; 2],
+    copies: [Option<F16Copy>; 2],
+}
+
+/// Add the tensor-core alternatives of dispatch `d`, the portable kernel
+/// of `gemm` (with `split` along k): the 16×16 form's [`VARIANTS`] (only
+/// the first where not `copies`, or where a split's part of k is not
+/// whole chunks of 4), then the 8×8 form. Emulating, the form emulated
+/// replaces the dispatch, in the variant the options name.
+pub(super) fn alternatives<A: GemmArgs + ?Sized>(
+    lw: &mut Lowering,
+    d: usize,
+    gemm: &Gemm,
+    split: &SplitK,
+    args: &A,
+    copies: bool,
+) -> Result<()> {
+    let copies = copies && (split.splits == 1 || (gemm.k / split.splits).is_multiple_of(4));
+    let mut offered: Vec<Variant> = VARIANTS
+        .into_iter()
+        .filter(|v| copies || v.staging == Staging::Reader)
+        .collect();
+    if !lw.variants() {
+        let named = VARIANTS.get(lw.options.emulate_variant);
+        let v = named.filter(|v| offered.contains(v)).unwrap_or(&offered[0]);
+        offered = vec![*v];
+    }
+    // (a wide variant whose tile is the plain one's adds nothing; they are
+    // adjacent)
+    offered.dedup_by_key(|v| (variant_tile(gemm, *v), v.staging));
+    let mut shared = Shared::default();
+    for v in offered {
+        let form = CoopForm::Half16;
+        lw.alternative(d, form, |lw| {
+            lower(lw, gemm, split, args, form, v, &mut shared)
+        })?;
+    }
+    let form = CoopForm::Float8;
+    lw.alternative(d, form, |lw| {
+        lower(lw, gemm, split, args, form, VARIANTS[0], &mut shared)
+    })
 }
 
 /// Build the alternative's dispatches for `gemm` (already lowered as the
-/// portable dispatch, with `split` along k) in form `form`: for
-/// [`CoopForm::Half16`] a pre-pass for each operand scaled at run time, then
-/// the tensor-core kernel, reading the operands in chunks
-/// ([`GemmArgs::chunks`]) and storing through `split`.
-pub(super) fn lower<A: GemmArgs + ?Sized>(
+/// portable dispatch, with `split` along k) in form `form` and variant `v`
+/// (the first for [`CoopForm::Float8`]): for [`CoopForm::Half16`] a
+/// pre-pass for each operand scaled at run time and the conversion passes
+/// the variant reads, then the tensor-core kernel, reading the operands
+/// in chunks ([`GemmArgs::chunks`]) or from their copies and storing
+/// through `split`.
+fn lower<A: GemmArgs + ?Sized>(
     lw: &mut Lowering,
     gemm: &Gemm,
     split: &SplitK,
     args: &A,
     form: CoopForm,
+    v: Variant,
+    shared: &mut Shared,
 ) -> Result<()> {
     let Some([mut ra, mut rb]) = gemm.coop else {
         return Ok(());
     };
-    if form == CoopForm::Float8 {
-        // f32 holds every f16 and bf16 value as it is
-        (ra, rb) = (F16Scaling::Exact(0), F16Scaling::Exact(0));
-    }
-    let t = tile(gemm, form);
+    let t = match form {
+        CoopForm::Half16 => variant_tile(gemm, v),
+        CoopForm::Float8 => {
+            // f32 holds every f16 and bf16 value as it is
+            (ra, rb) = (F16Scaling::Exact(0), F16Scaling::Exact(0));
+            tile(gemm, form)
+        }
+    };
     let (sa, sb) = stages(gemm, &t, form);
     let operand = |name, reader, len, k_fast, scaling, stage| CoopOperand {
         name,
@@ -482,25 +716,53 @@ pub(super) fn lower<A: GemmArgs + ?Sized>(
         scaling,
         exps: None,
         stage,
+        copy: None,
     };
     let mut operands = [
         operand("a", "ca", gemm.m, gemm.a_k_fast, ra, &sa),
         operand("b", "cb", gemm.n, gemm.b_k_fast, rb, &sb),
     ];
-    for o in &mut operands {
+    for (x, o) in operands.iter_mut().enumerate() {
         if o.scaling == F16Scaling::Lines {
-            o.exps = Some(prepass(lw, o, gemm, args)?);
+            if shared.exps[x].is_none() {
+                let name = format!("{}.exponents_{}", lw.op_label(), o.name);
+                shared.exps[x] = Some(lw.temp(&name, DType::I32, &[o.batch * o.len])?);
+            }
+            o.exps = shared.exps[x];
+            prepass(lw, o, gemm, args)?;
+        }
+        if v.staging != Staging::Reader {
+            if shared.copies[x].is_none() {
+                shared.copies[x] = Some(F16Copy::new(lw, o, split.splits, t.bk)?);
+            }
+            let copy = shared.copies[x].clone();
+            if let Some(c) = &copy {
+                c.convert(lw, o, gemm, args, split.splits)?;
+            }
+            o.copy = copy;
         }
     }
     let mut kb = KernelBuilder::new(&lw.buffers);
     let mut cm = lw.coop_mat(form);
     cm.enable(&mut kb);
     let fns = gemm.chunk_reads(&mut kb, args)? + &split.store(&mut kb, args)? + HELPERS;
-    let main = kernel(&mut kb, &mut cm, gemm, &t, split.splits, &operands);
+    let main = kernel(
+        &mut kb,
+        &mut cm,
+        gemm,
+        &t,
+        split.splits,
+        &operands,
+        v.staging,
+    )?;
     let built = kb
         .finish(&format!("{fns}{}{main}", cm.helpers()))
         .tagged(cm.tag());
-    let storage = sa.bytes() + sb.bytes() + t.subgroups() * form.size().pow(2) * 4;
+    let staged = match v.staging {
+        Staging::Direct => 0,
+        _ => sa.bytes() + sb.bytes(),
+    };
+    let storage = staged + t.subgroups() * form.size().pow(2) * 4;
     let tiles = (gemm.m.div_ceil(t.bm) * gemm.n.div_ceil(t.bn)) as u64;
     let groups = tiles * (gemm.batch * split.splits) as u64;
     let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
@@ -519,23 +781,18 @@ pub(super) fn lower<A: GemmArgs + ?Sized>(
 
 fn stages(gemm: &Gemm, t: &CoopTile, form: CoopForm) -> (Stage, Stage) {
     let elem = form.elem().1;
-    (
-        Stage {
-            len: t.bm,
-            bk: t.bk,
-            k_fast: gemm.a_k_fast,
-            elem,
-        },
-        Stage {
-            len: t.bn,
-            bk: t.bk,
-            k_fast: gemm.b_k_fast,
-            elem,
-        },
-    )
+    let stage = |len, k_fast| Stage {
+        len,
+        bk: t.bk,
+        k_fast,
+        elem,
+        pad: PAD_BYTES / elem,
+    };
+    (stage(t.bm, gemm.a_k_fast), stage(t.bn, gemm.b_k_fast))
 }
 
-/// The kernel's main (see the module comment).
+/// The kernel's main (see the module comment), staging as `staging` says
+/// (the copies are the operands' own where it reads them).
 fn kernel(
     kb: &mut KernelBuilder,
     cm: &mut CoopMat,
@@ -543,10 +800,11 @@ fn kernel(
     t: &CoopTile,
     splits: usize,
     operands: &[CoopOperand; 2],
-) -> String {
+    staging: Staging,
+) -> Result<String> {
     let CoopTile { bm, bn, wm, wn, bk } = *t;
     let form = cm.form;
-    let (size, (elem, _)) = (form.size(), form.elem());
+    let (size, (elem, bytes)) = (form.size(), form.elem());
     // elements of one matrix (a subgroup's epilogue slot)
     let sq = size * size;
     let (m, n, k) = (gemm.m, gemm.n, gemm.k);
@@ -555,13 +813,47 @@ fn kernel(
     let tiles = tiles_m * tiles_n;
     let per = tiles * gemm.batch;
     let depth = k / splits;
-    let nt = depth.div_ceil(bk);
     let (fm, fnn) = (wm / size, wn / size);
     let [oa, ob] = operands;
     let (sa, sb) = (oa.stage, ob.stage);
+    // the copies (and how each is bound: 4 halves an element where staged,
+    // halves where the fragments load from it)
+    let copies = match (staging, &oa.copy, &ob.copy) {
+        (Staging::Reader, _, _) => None,
+        (_, Some(ca), Some(cb)) => {
+            let bind = |kb: &mut KernelBuilder, c: &F16Copy| match staging {
+                Staging::Direct => kb.halves(c.buf),
+                _ => kb.halves4(c.buf),
+            };
+            Some([(ca, bind(kb, ca)?), (cb, bind(kb, cb)?)])
+        }
+        _ => {
+            return Err(Error::internal(
+                "a tensor-core GEMM variant without its copies",
+            ))
+        }
+    };
+    // each split's part of k as the kernel walks it
+    let part = copies.as_ref().map_or(depth, |[(c, _), _]| c.depth);
+    let nt = part.div_ceil(bk);
+    // Every workgroup array is a whole number of 16 bytes: a
+    // cooperative-matrix load needs a 16-byte aligned pointer, and the
+    // driver lays the arrays out as it likes (attention_flash.rs).
+    let sizes = [
+        2 * sa.size() * bytes,
+        2 * sb.size() * bytes,
+        t.subgroups() * sq * 4,
+    ];
+    if let Some(bad) = sizes.iter().find(|&&b| b % 16 != 0) {
+        return Err(Error::internal(format!(
+            "tensor-core GEMM: a workgroup array of {bad} bytes breaks the 16-byte alignment"
+        )));
+    }
     let mut s = String::new();
-    let _ = writeln!(s, "var<workgroup> ta: array<{elem}, {}>;", 2 * sa.size());
-    let _ = writeln!(s, "var<workgroup> tb: array<{elem}, {}>;", 2 * sb.size());
+    if staging != Staging::Direct {
+        let _ = writeln!(s, "var<workgroup> ta: array<{elem}, {}>;", 2 * sa.size());
+        let _ = writeln!(s, "var<workgroup> tb: array<{elem}, {}>;", 2 * sb.size());
+    }
     let _ = writeln!(s, "var<workgroup> tc: array<f32, {}>;", t.subgroups() * sq);
     let _ = writeln!(
         s,
@@ -576,7 +868,7 @@ fn kernel(
         "  let g = {FLAT_GROUP};\n  if (g >= {}u) {{ return; }}\n\
          \x20 let ks = g / {per}u;\n  let sb = g / {tiles}u;\n\
          \x20 let bt = sb % {}u;\n  let tile = g % {tiles}u;\n\
-         \x20 let kbase = ks * {depth}u;\n{}\
+         \x20 let kbase = ks * {part}u;\n{}\
          \x20 let wr = (sg / {}u) * {wm}u;\n  let wc = (sg % {}u) * {wn}u;",
         per * splits,
         gemm.batch,
@@ -611,6 +903,26 @@ fn kernel(
         }
     }
     let origin = |o: &CoopOperand| if o.name == "a" { "m0" } else { "n0" };
+    if let Some([(ca, a16), (cb, b16)]) = &copies {
+        if staging == Staging::Direct {
+            // no staging: each slice's fragments come from the copies
+            let _ = writeln!(
+                s,
+                "  for (var t = 0u; t < {nt}u; t = t + 1u) {{\n    let k0 = kbase + t * {bk}u;"
+            );
+            let from = |c: &F16Copy, array: &str, line: &str| Source {
+                array: array.to_string(),
+                base: format!("bt * {}u", c.layout.size()),
+                layout: c.layout.clone(),
+                line: line.to_string(),
+                k0: "k0 + ".into(),
+            };
+            let sources = [from(ca, a16, "m0 + wr"), from(cb, b16, "n0 + wc")];
+            products(&mut s, cm, &sources, (fm, fnn), bk);
+            s.push_str("  }\n");
+            return Ok(s + &epilogue(kb, cm, gemm, operands, (fm, fnn)));
+        }
+    }
     let per_thread = |o: &CoopOperand| o.stage.len * bk / 4 / threads;
     // chunk j of an operand's slice: (index along m/n, depth) of its
     // first element; the chunk runs along k when the operand is k-fast,
@@ -633,7 +945,7 @@ fn kernel(
     for o in operands {
         for j in 0..per_thread(o) {
             let _ = writeln!(s, "  var p{}{j}: vec4<{elem}>;", o.name);
-            if !o.scaled() {
+            if staging != Staging::Reader || !o.scaled() {
                 continue;
             }
             // the factors of the chunk's line(s), the same in every slice
@@ -654,11 +966,23 @@ fn kernel(
         }
     }
     let read = |s: &mut String, k0: &str| {
-        for o in operands {
+        for (x, o) in operands.iter().enumerate() {
             for j in 0..per_thread(o) {
                 let (i, kk) = chunk(o, j);
                 let gi = format!("{} + {i}", origin(o));
                 let gk = format!("{k0} + {kk}");
+                if let Some(cs) = &copies {
+                    // the copy is whole 4-element chunks, in range
+                    let (c, array) = &cs[x];
+                    let at = c.layout.at(&gi, &gk);
+                    let _ = writeln!(
+                        s,
+                        "    p{}{j} = {array}[(bt * {}u + {at}) / 4u];",
+                        o.name,
+                        c.layout.size()
+                    );
+                    continue;
+                }
                 let mut conds = vec![];
                 if !o.len.is_multiple_of(o.stage.len) {
                     conds.push(format!("{gi} < {}u", o.len));
@@ -722,56 +1046,99 @@ fn kernel(
             sa.size(),
             sb.size()
         );
-        // A is row-major in memory when k-fast, B when not
-        for step in 0..bk / size {
-            let kk = format!("{}u", size * step);
-            s.push_str("    {\n");
-            for i in 0..fm {
-                let at = sa.at(&format!("wr + {}u", size * i), &kk);
-                let ld = cm.load(
-                    Role::A,
-                    "ta",
-                    elem,
-                    &format!("oa + {at}"),
-                    &format!("{}u", sa.pitch()),
-                    sa.k_fast,
-                );
-                let _ = writeln!(s, "      let ma{i} = {ld};");
-            }
-            for j in 0..fnn {
-                let at = sb.at(&format!("wc + {}u", size * j), &kk);
-                let ld = cm.load(
-                    Role::B,
-                    "tb",
-                    elem,
-                    &format!("ob + {at}"),
-                    &format!("{}u", sb.pitch()),
-                    !sb.k_fast,
-                );
-                let _ = writeln!(s, "      let mb{j} = {ld};");
-            }
-            for i in 0..fm {
-                for j in 0..fnn {
-                    let c = format!("c{i}_{j}");
-                    let _ = writeln!(
-                        s,
-                        "      {c} = {};",
-                        cm.mma(&format!("ma{i}"), &format!("mb{j}"), &c)
-                    );
-                }
-            }
-            s.push_str("    }\n");
-        }
+        let staged = |array: &str, base: &str, stage: &Stage, line: &str| Source {
+            array: array.into(),
+            base: base.into(),
+            layout: stage.clone(),
+            line: line.into(),
+            k0: String::new(),
+        };
+        let sources = [staged("ta", "oa", sa, "wr"), staged("tb", "ob", sb, "wc")];
+        products(&mut s, cm, &sources, (fm, fnn), bk);
         s.push_str("    if (more) {\n");
         write(&mut s, "(1u - cur)");
         s.push_str("    }\n    workgroupBarrier();\n  }\n");
     }
+    Ok(s + &epilogue(kb, cm, gemm, operands, (fm, fnn)))
+}
+
+/// Where a slice's fragments of one operand are read: `array` from
+/// element `base`, laid out as `layout`; the subgroup's first line
+/// (`line`) and the slice's depth (`k0`, a WGSL prefix) as WGSL.
+struct Source {
+    array: String,
+    base: String,
+    layout: Stage,
+    line: String,
+    k0: String,
+}
+
+/// The statements multiplying one `bk`-deep slice into the subgroup's
+/// `fm × fn` accumulators `c{i}_{j}`, fragments from `sources` (A, B).
+fn products(
+    s: &mut String,
+    cm: &mut CoopMat,
+    sources: &[Source; 2],
+    (fm, fnn): (usize, usize),
+    bk: usize,
+) {
+    let size = cm.form.size();
+    let elem = cm.form.elem().0;
+    let [a, b] = sources;
+    for step in 0..bk / size {
+        s.push_str("    {\n");
+        for (src, role, count, name) in [(a, Role::A, fm, "ma"), (b, Role::B, fnn, "mb")] {
+            for i in 0..count {
+                let kk = format!("{}{}u", src.k0, size * step);
+                let at = src.layout.at(&format!("{} + {}u", src.line, size * i), &kk);
+                // A is row-major in memory when k-fast, B when not
+                let row_major = src.layout.k_fast == (role == Role::A);
+                let ld = cm.load(
+                    role,
+                    &src.array,
+                    elem,
+                    &format!("{} + {at}", src.base),
+                    &format!("{}u", src.layout.pitch()),
+                    row_major,
+                );
+                let _ = writeln!(s, "      let {name}{i} = {ld};");
+            }
+        }
+        for i in 0..fm {
+            for j in 0..fnn {
+                let c = format!("c{i}_{j}");
+                let _ = writeln!(
+                    s,
+                    "      {c} = {};",
+                    cm.mma(&format!("ma{i}"), &format!("mb{j}"), &c)
+                );
+            }
+        }
+        s.push_str("    }\n");
+    }
+}
+
+/// The statements storing the subgroup's accumulators (one at a time,
+/// through its slot of `tc`), unscaled, through `gstore`, and the end of
+/// the kernel.
+fn epilogue(
+    kb: &mut KernelBuilder,
+    cm: &mut CoopMat,
+    gemm: &Gemm,
+    operands: &[CoopOperand; 2],
+    (fm, fnn): (usize, usize),
+) -> String {
+    let [oa, ob] = operands;
+    let size = cm.form.size();
+    let sq = size * size;
+    let (m, n) = (gemm.m, gemm.n);
     let value = if oa.scaled() || ob.scaled() {
         let (ea, eb) = (oa.exponent(kb, "r"), ob.exponent(kb, "c"));
         format!("unscale(tc[e], {ea}, {eb})")
     } else {
         "tc[e]".to_string()
     };
+    let mut s = String::new();
     for i in 0..fm {
         for j in 0..fnn {
             let store = cm.store(
@@ -901,35 +1268,49 @@ mod tests {
         ];
         for (op, operands, kinds) in cases {
             let name = format!("{op:?}");
-            for form in CoopForm::ALL {
-                let want: Vec<&str> = match form {
-                    CoopForm::Half16 => kinds
-                        .iter()
-                        .map(|&k| if k == "coop" { "coopemu" } else { k })
-                        .collect(),
-                    CoopForm::Float8 => vec!["coop8x8emu"],
-                };
-                emulated_in_place(op.clone(), operands.clone(), form, &want);
+            // the variants reading f16 copies: each operand's conversion
+            // after its pre-pass (in these cases only A's where one is)
+            let copying: Vec<&str> = match kinds.len() {
+                3 => vec!["range", "cvt16", "range", "cvt16", "coop"],
+                2 => vec!["range", "cvt16", "cvt16", "coop"],
+                _ => vec!["cvt16", "cvt16", "coop"],
+            };
+            let emulated = |tags: &[&'static str]| -> Vec<&'static str> {
+                let t = tags
+                    .iter()
+                    .map(|&k| if k == "coop" { "coopemu" } else { k });
+                t.collect()
+            };
+            for v in 0..VARIANT_COUNT {
+                let want = if v == 0 { kinds } else { &copying[..] };
+                let options = (CoopForm::Half16, v);
+                emulated_in_place(op.clone(), operands.clone(), options, &emulated(want));
             }
+            let float8 = (CoopForm::Float8, 0);
+            emulated_in_place(op.clone(), operands.clone(), float8, &["coop8x8emu"]);
             let p = lower_one(op, operands).unwrap_or_else(|e| panic!("{name}: {e}"));
             let alts = alternatives(&p.payload);
 
-            assert_eq!(alts.len(), 2, "{name}: {alts:?}");
+            // the wide variant only where its tile differs (m, n ≥ 128)
+            assert!(matches!(alts.len(), 4 | 5), "{name}: {alts:?}");
             let tags = |names: &[String]| -> Vec<String> {
                 names
                     .iter()
                     .map(|n| n.rsplit('_').next().unwrap().to_string())
                     .collect()
             };
-            let (names, needs) = &alts[0];
-            assert_eq!(tags(names), *kinds, "{name}");
-            assert_eq!((needs.m, needs.ab), (16, CoopType::F16), "{name}");
-            // (skinny tiles need about 11 KiB)
-            assert!(
-                needs.workgroup_storage > 8192 && needs.workgroup_storage <= 49152,
-                "{needs:?}"
-            );
-            let (names, needs) = &alts[1];
+            for (v, (names, needs)) in alts[..alts.len() - 1].iter().enumerate() {
+                let want = if v == 0 { kinds } else { &copying[..] };
+                assert_eq!(tags(names), want, "{name} variant {v}");
+                assert_eq!((needs.m, needs.ab), (16, CoopType::F16), "{name}");
+                // staged: 11 KiB (skinny tiles) to 48; straight from the
+                // copies, the epilogue's slots only
+                let least = if v < 2 { 8192 } else { 4096 };
+                let bytes = needs.workgroup_storage;
+                assert!(least <= bytes && bytes <= 49152, "{needs:?}");
+                assert_eq!(bytes % 16, 0, "{needs:?}");
+            }
+            let (names, needs) = &alts[alts.len() - 1];
             assert_eq!(tags(names), ["coop8x8"], "{name}");
             assert_eq!(
                 (needs.m, needs.n, needs.k, needs.ab, needs.cr),
@@ -992,17 +1373,24 @@ mod tests {
         assert_eq!((rows(200), rows(300), rows(512)), (0, 300, 512));
     }
 
-    /// Lowered emulating `form` (test mode), `op` has no alternative: its
-    /// first dispatches are the form's kernels tagged `want` (pre-passes,
-    /// then the product), in place of the portable kernel, and no kernel
-    /// it runs uses cooperative matrices or subgroups (naga validated them
-    /// without those capabilities); the 16×16 form asks for shader-f16.
-    fn emulated_in_place(op: Op, operands: Vec<Option<Operand>>, form: CoopForm, want: &[&str]) {
+    /// Lowered emulating `form` in GEMM variant `variant` (test mode), `op`
+    /// has no alternative: its first dispatches are the form's kernels
+    /// tagged `want` (pre-passes, then the product), in place of the
+    /// portable kernel, and no kernel it runs uses cooperative matrices or
+    /// subgroups (naga validated them without those capabilities); the
+    /// 16×16 form asks for shader-f16.
+    fn emulated_in_place(
+        op: Op,
+        operands: Vec<Option<Operand>>,
+        (form, variant): (CoopForm, usize),
+        want: &[&str],
+    ) {
         let options = PreprocessOptions {
             emulate_coop: Some(form),
+            emulate_variant: variant,
             ..PreprocessOptions::default()
         };
-        let name = format!("{op:?} emulating {form:?}");
+        let name = format!("{op:?} emulating {form:?} variant {variant}");
         let p = lower_one_with(op, operands, &options)
             .unwrap_or_else(|e| panic!("{name}: {e}"))
             .payload;
@@ -1050,14 +1438,34 @@ mod tests {
             ((4096, 4096), CoopForm::Float8, (64, 64, 16)),
             ((40, 48), CoopForm::Float8, (64, 64, 16)),
         ];
-        for ((m, n), form, want) in cases {
-            let t = tile(&g(m, n), form);
-            assert_eq!((t.bm, t.bn, t.bk), want, "{m}x{n} {form:?}");
+        let covers = |t: CoopTile, form: CoopForm| {
             for len in [t.bm, t.bn] {
                 assert_eq!(len * t.bk % (4 * t.threads()), 0, "{t:?}");
             }
             assert_eq!(t.bm % t.wm + t.bn % t.wn, 0, "{t:?}");
-            assert_eq!((t.wm % form.size(), t.bk % form.size()), (0, 0), "{t:?}");
+            let s = form.size();
+            assert_eq!((t.wm % s, t.wn % s, t.bk % s), (0, 0, 0), "{t:?}");
+            assert_eq!(COPY_LINES % t.bm + COPY_LINES % t.bn, 0, "{t:?}");
+        };
+        for ((m, n), form, want) in cases {
+            let t = tile(&g(m, n), form);
+            assert_eq!((t.bm, t.bn, t.bk), want, "{m}x{n} {form:?}");
+            covers(t, form);
+        }
+        // the wide variant: 4 subgroups of 64×64, or of a quarter of the
+        // plain tile
+        let wide = VARIANTS[3];
+        for ((m, n), want) in [
+            ((4096, 4096), (128, 128, 64, 64)),
+            ((1024, 1024), (128, 128, 64, 64)),
+            ((512, 128), (128, 128, 64, 64)),
+            ((100, 4096), (64, 64, 32, 32)),
+            ((40, 48), (32, 32, 16, 16)),
+        ] {
+            let t = variant_tile(&g(m, n), wide);
+            assert_eq!((t.bm, t.bn, t.wm, t.wn), want, "{m}x{n}");
+            assert_eq!(t.subgroups(), 4, "{t:?}");
+            covers(t, CoopForm::Half16);
         }
     }
 

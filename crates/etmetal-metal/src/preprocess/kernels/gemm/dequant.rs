@@ -30,7 +30,6 @@ use super::split::SplitK;
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::KernelBuilder;
 use crate::preprocess::expr::LazyRef;
-use crate::preprocess::kernels::coopmat::CoopForm;
 use crate::preprocess::Lowering;
 
 /// A quantized linear `y [m, n] = x [m, k] @ Wᵀ` as a GEMM's operands.
@@ -73,14 +72,10 @@ impl QuantOperands<'_> {
         if !coop::worth(&gemm) {
             return Ok(());
         }
-        for form in CoopForm::ALL {
-            lw.alternative(d, form, |lw| {
-                // one workgroup per tile along all of k: no partial sums
-                let split = SplitK::new(lw, 1, 1, self.m, self.n)?;
-                coop::lower(lw, &gemm, &split, self, form)
-            })?;
-        }
-        Ok(())
+        // one workgroup per tile along all of k: no partial sums; the
+        // packed weight is never copied (DESIGN: quantized weights)
+        let split = SplitK::new(lw, 1, 1, self.m, self.n)?;
+        coop::alternatives(lw, d, &gemm, &split, self, false)
     }
 
     /// WGSL of `fn dq4(c: u32, q: u32) -> vec4<f32>`: weights `q … q+3`

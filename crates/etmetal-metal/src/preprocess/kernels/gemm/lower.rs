@@ -8,7 +8,6 @@ use super::coop;
 use super::spec::{Gemm, GemmArgs, FILL};
 use super::split::{split_k, SplitK};
 use crate::preprocess::emit::{grid, Built, KernelBuilder};
-use crate::preprocess::kernels::coopmat::CoopForm;
 use crate::preprocess::sizes::{bucket, ROW_BUCKETS};
 use crate::preprocess::Lowering;
 
@@ -83,11 +82,8 @@ impl Gemm {
         let size = [t.threads() as u32, 1, 1];
         lw.add_dispatch_sized(built, ops, size, workgroups, storage, actual)?;
         if coop::worth(self) {
-            // the same partial sums or outputs, from the same split of k;
-            // NVIDIA's 16×16 form first, then Apple's 8×8
-            for form in CoopForm::ALL {
-                lw.alternative(d, form, |lw| coop::lower(lw, self, &split, args, form))?;
-            }
+            // the same partial sums or outputs, from the same split of k
+            coop::alternatives(lw, d, self, &split, args, true)?;
         }
         split.sum(lw, args)
     }

@@ -9,8 +9,9 @@
 //!
 //! - `spec`: the leaf: [`Gemm`], [`F16Scaling`], `FILL` and the args traits;
 //! - `tiled`: the portable register-tiled kernel;
-//! - `coop`: the cooperative-matrix (tensor-core) kernel for 16-bit
-//!   operands, with its scaling into f16's range;
+//! - `coop`: the cooperative-matrix (tensor-core) kernels for 16-bit
+//!   operands (variants the runtime measures), with their scaling into
+//!   f16's range and the f16 copies some of them read;
 //! - `gemv`: the matrix-vector kernel (also several products of one
 //!   input in one dispatch);
 //! - `split`: split-K partial sums and their sum;
@@ -28,6 +29,7 @@ mod split;
 mod tiled;
 
 pub(super) use coop::HELPERS as F16_SCALING_WGSL;
+pub use coop::VARIANT_COUNT as GEMM_COOP_VARIANTS;
 pub(super) use dequant::QuantOperands;
 #[cfg(test)]
 pub(super) use gemv::GROUP_FILL;
