@@ -12,7 +12,7 @@ use common::gpu::{
     load_method_on, random, run_pte, Emulation, OpCase,
 };
 use etmetal_core::{AvgPoolAttrs, ConvAttrs, DType, MaxPoolAttrs, Op, Tensor};
-use etmetal_metal::preprocess::CoopForm;
+use etmetal_metal::preprocess::{CoopForm, GEMM_COOP_VARIANTS};
 use etmetal_metal_runtime::{DeviceChoice, MetalBackend};
 
 const F: DType = DType::F32;
@@ -480,11 +480,14 @@ fn coop_alternative_runs_where_the_adapter_offers_it() {
     let expected = etmetal::eval::run_graph(&graph, inputs.clone()).unwrap();
     let pte = compile_whole(&graph);
     let offered = adapter_offers_coop();
-    let backends = [
+    // each 16×16 variant forced in turn (on a real GPU: each one checked)
+    let forced = (0..GEMM_COOP_VARIANTS).map(|n| {
         (
             "forced",
-            MetalBackend::new(DeviceChoice::Auto).with_forced_alternative(0),
-        ),
+            MetalBackend::new(DeviceChoice::Auto).with_forced_alternative(n),
+        )
+    });
+    let backends = forced.chain([
         (
             "measured",
             MetalBackend::new(DeviceChoice::Auto).with_cooperative_matrix(true),
@@ -493,7 +496,7 @@ fn coop_alternative_runs_where_the_adapter_offers_it() {
             "off",
             MetalBackend::new(DeviceChoice::Auto).with_cooperative_matrix(false),
         ),
-    ];
+    ]);
     for (mode, gpu) in backends {
         let gpu = Arc::new(gpu);
         let mut method = load_method_on(gpu.clone(), &pte);
