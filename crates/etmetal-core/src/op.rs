@@ -8,43 +8,9 @@
 //! in range); scalars of binary ops are 0-d constant tensors of the dtype that
 //! PyTorch's promotion gives them, so every binary op sees two tensors.
 
-use crate::dtype::DType;
+use crate::dtype::{DType, Scalar};
 use crate::error::{Error, Result};
 use crate::shape;
-
-/// A scalar attribute, kept exact for integers.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Scalar {
-    Int(i64),
-    Float(f64),
-    Bool(bool),
-}
-
-impl Scalar {
-    /// The dtype PyTorch gives a Python scalar on its own
-    /// (`torch.tensor(v)`): int64, float32 (the default dtype) or bool.
-    pub fn dtype(self) -> DType {
-        match self {
-            Scalar::Int(_) => DType::I64,
-            Scalar::Float(_) => DType::F32,
-            Scalar::Bool(_) => DType::Bool,
-        }
-    }
-    pub fn to_f64(self) -> f64 {
-        match self {
-            Scalar::Int(v) => v as f64,
-            Scalar::Float(v) => v,
-            Scalar::Bool(v) => v as i64 as f64,
-        }
-    }
-    pub fn to_i64(self) -> i64 {
-        match self {
-            Scalar::Int(v) => v,
-            Scalar::Float(v) => v as i64,
-            Scalar::Bool(v) => v as i64,
-        }
-    }
-}
 
 /// Elementwise functions of one tensor. The output dtype is the input's
 /// (floats), or the node's output dtype where PyTorch promotes (e.g. `sqrt`
