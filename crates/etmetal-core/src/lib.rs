@@ -15,6 +15,7 @@ pub mod dtype;
 pub mod error;
 pub mod npy;
 pub mod op;
+pub mod op_table;
 pub mod quant;
 pub mod shape;
 pub mod spec;

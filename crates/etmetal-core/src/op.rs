@@ -10,6 +10,7 @@
 
 use crate::dtype::{DType, Scalar};
 use crate::error::{Error, Result};
+use crate::op_table;
 use crate::shape;
 
 /// Elementwise functions of one tensor. The output dtype is the input's
@@ -93,17 +94,12 @@ pub enum BinaryOp {
 impl BinaryOp {
     /// Whether the result is bool regardless of the inputs.
     pub fn is_predicate(self) -> bool {
-        use BinaryOp::*;
-        matches!(
-            self,
-            Eq | Ne | Lt | Le | Gt | Ge | LogicalAnd | LogicalOr | LogicalXor
-        )
+        op_table::binary_row(self).predicate
     }
 
     /// Whether the op works on bits (integer and bool tensors only).
     pub fn is_bitwise(self) -> bool {
-        use BinaryOp::*;
-        matches!(self, BitwiseAnd | BitwiseOr | BitwiseXor)
+        op_table::binary_row(self).bitwise
     }
 }
 
@@ -548,66 +544,27 @@ impl Op {
 }
 
 impl UnaryOp {
-    /// The op's name ([`Op::name`]).
+    /// The op's name ([`Op::name`]): the op table's, or the name of an op
+    /// with attributes.
     pub fn name(self) -> &'static str {
         match self {
-            UnaryOp::Relu => "relu",
             UnaryOp::Gelu { .. } => "gelu",
-            UnaryOp::Silu => "silu",
-            UnaryOp::Sigmoid => "sigmoid",
-            UnaryOp::Tanh => "tanh",
-            UnaryOp::Exp => "exp",
-            UnaryOp::Log => "log",
-            UnaryOp::Sqrt => "sqrt",
-            UnaryOp::Rsqrt => "rsqrt",
-            UnaryOp::Neg => "neg",
-            UnaryOp::Abs => "abs",
-            UnaryOp::Reciprocal => "reciprocal",
-            UnaryOp::Sin => "sin",
-            UnaryOp::Cos => "cos",
-            UnaryOp::Erf => "erf",
-            UnaryOp::Floor => "floor",
-            UnaryOp::Ceil => "ceil",
-            UnaryOp::Round => "round",
-            UnaryOp::Sign => "sign",
-            UnaryOp::Hardswish => "hardswish",
-            UnaryOp::Hardsigmoid => "hardsigmoid",
             UnaryOp::LeakyRelu { .. } => "leaky_relu",
             UnaryOp::Clamp { .. } => "clamp",
             UnaryOp::PowScalar { .. } => "pow_scalar",
-            UnaryOp::LogicalNot => "logical_not",
-            UnaryOp::BitwiseNot => "bitwise_not",
+            u => {
+                op_table::unary_row(u)
+                    .expect("every unary op without attributes has a row (tested)")
+                    .name
+            }
         }
     }
 }
 
 impl BinaryOp {
-    /// The op's name ([`Op::name`]).
+    /// The op's name ([`Op::name`]), from the op table.
     pub fn name(self) -> &'static str {
-        match self {
-            BinaryOp::Add => "add",
-            BinaryOp::Sub => "sub",
-            BinaryOp::Mul => "mul",
-            BinaryOp::Div => "div",
-            BinaryOp::FloorDiv => "floor_div",
-            BinaryOp::TruncDiv => "trunc_div",
-            BinaryOp::Remainder => "remainder",
-            BinaryOp::Pow => "pow",
-            BinaryOp::Maximum => "maximum",
-            BinaryOp::Minimum => "minimum",
-            BinaryOp::Eq => "eq",
-            BinaryOp::Ne => "ne",
-            BinaryOp::Lt => "lt",
-            BinaryOp::Le => "le",
-            BinaryOp::Gt => "gt",
-            BinaryOp::Ge => "ge",
-            BinaryOp::LogicalAnd => "logical_and",
-            BinaryOp::LogicalOr => "logical_or",
-            BinaryOp::LogicalXor => "logical_xor",
-            BinaryOp::BitwiseAnd => "bitwise_and",
-            BinaryOp::BitwiseOr => "bitwise_or",
-            BinaryOp::BitwiseXor => "bitwise_xor",
-        }
+        op_table::binary_row(self).name
     }
 }
 
