@@ -6,7 +6,7 @@
 //! `etmetal compile` makes, through the one pipeline of `etmetal::compile`
 //! and its `CompileOptions`: [`ops_taken`] for `ops_to_not_decompose`,
 //! [`partition`] for the partitioner's tags, [`preprocess`] for the
-//! delegate payload and its named data, [`compile`] for a whole `.pte`
+//! delegate payload and its named data, [`compile_program`] for a whole `.pte`
 //! (`etmetal.compile`, with `dtype` and quantization as the CLI's flags). The runtime half is [`Program`] /
 //! [`Method`] over `etmetal-runtime` with the GPU backend chosen by the
 //! rule `etmetal run --device` uses ([`etmetal::device::choose`]).
@@ -173,8 +173,9 @@ fn preprocess<'py>(
     pt2, dtype="f32", backend="metal", partition="auto", skip_ops=Vec::new(),
     quantize=None, group_size=None, quantize_skip=Vec::new(), max_buffer=None,
 ))]
+#[pyo3(name = "compile")]
 #[allow(clippy::too_many_arguments)]
-fn compile<'py>(
+fn compile_program<'py>(
     py: Python<'py>,
     pt2: &[u8],
     dtype: &str,
@@ -408,7 +409,7 @@ fn _etmetal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops_taken, m)?)?;
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(preprocess, m)?)?;
-    m.add_function(wrap_pyfunction!(compile, m)?)?;
+    m.add_function(wrap_pyfunction!(compile_program, m)?)?;
     m.add_function(wrap_pyfunction!(method_name_spec, m)?)?;
     m.add_function(wrap_pyfunction!(method_name, m)?)?;
     m.add_class::<Program>()?;
