@@ -92,7 +92,7 @@ fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
 mod tests {
     use super::*;
     use crate::ir::ValueId;
-    use etmetal_core::{ConvAttrs, MaxPoolAttrs};
+    use etmetal_core::{BinaryOp, ConvAttrs, MaxPoolAttrs, ReduceOp};
 
     fn node(graph: &mut Graph, op: Op, inputs: &[(DType, &[usize])]) -> Result<Out> {
         let ids = inputs
