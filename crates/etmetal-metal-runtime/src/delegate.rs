@@ -799,7 +799,7 @@ fn choose_forms(
                                 .iter()
                                 .map(|form| {
                                     form.iter()
-                                        .map(|x| binder.bind(&kernels, x, "timing"))
+                                        .map(|x| binder.bind(kernels, x, "timing"))
                                         .collect::<Result<Vec<_>>>()
                                 })
                                 .collect::<Result<Vec<_>>>()?;
