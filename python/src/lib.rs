@@ -3,9 +3,11 @@
 //! The compiler half works on `.pt2` bytes (what `torch.export.save`
 //! writes; the Python half first rewrites ExecuTorch's edge-dialect targets
 //! to the ATen targets the importer reads), so the decisions are the ones
-//! `etmetal compile` makes: [`ops_taken`] for `ops_to_not_decompose`,
+//! `etmetal compile` makes, through the one pipeline of `etmetal::compile`
+//! and its `CompileOptions`: [`ops_taken`] for `ops_to_not_decompose`,
 //! [`partition`] for the partitioner's tags, [`preprocess`] for the
-//! delegate payload and its named data. The runtime half is [`Program`] /
+//! delegate payload and its named data, [`compile_program`] for a whole `.pte`
+//! (`etmetal.compile`, with `dtype` and quantization as the CLI's flags). The runtime half is [`Program`] /
 //! [`Method`] over `etmetal-runtime` with the GPU backend chosen by the
 //! rule `etmetal run --device` uses ([`etmetal::device::choose`]).
 
@@ -14,12 +16,13 @@ use std::ffi::CString;
 use std::path::Path;
 use std::sync::Mutex;
 
+use etmetal::compile::{self, Backend, CompileOptions, Partitioned, Quantization};
 use etmetal::device::{DevicePreference, Workload};
 use etmetal_core::{DType, Error, ErrorKind, Tensor};
-use etmetal_graph::{Graph, OutputKind};
+use etmetal_graph::quantize::{QuantizeOptions, Scheme};
+use etmetal_graph::Graph;
 use etmetal_metal::compile_spec;
-use etmetal_metal::partitioner::{self, Partition, PartitionMode, PartitionOptions};
-use etmetal_metal::preprocess::PreprocessOptions;
+use etmetal_metal::partitioner::{self, PartitionMode, PartitionOptions};
 use etmetal_metal_runtime::BACKEND_ID;
 use etmetal_pte::CompileSpec;
 use etmetal_runtime::LoadOptions;
@@ -46,39 +49,9 @@ fn import(pt2: &[u8], origin: &str) -> PyResult<Graph> {
     etmetal_graph::import_pt2(pt2, origin).map_err(py_err)
 }
 
-/// The graph as `etmetal compile` partitions it: everything the backend does
-/// not take whole decomposed, dead code removed.
-fn decomposed_for_backend(pt2: &[u8], origin: &str) -> PyResult<Graph> {
-    let mut g = import(pt2, origin)?;
-    etmetal_graph::decompose(&mut g, &partitioner::ops_to_not_decompose);
-    etmetal_graph::eliminate_dead_code(&mut g);
-    Ok(g)
-}
-
-/// For each source node of the (ATen-dialect) program: whether the backend
-/// takes every node it imports to whole (`ops_to_not_decompose`) and would
-/// delegate them (within the support table's limits, not in `skip_ops`).
-#[pyfunction]
-fn ops_taken(pt2: &[u8], skip_ops: Vec<String>) -> PyResult<Vec<(String, bool)>> {
-    let g = import(pt2, "ops_to_not_decompose program")?;
-    let limits = partitioner::DeviceLimits::default();
-    let mut out: Vec<(String, bool)> = vec![];
-    let mut row: HashMap<&str, usize> = HashMap::new();
-    for node in &g.nodes {
-        let name = fx_name(&node.name);
-        let keep = partitioner::ops_to_not_decompose(&node.op)
-            && !skip_ops.iter().any(|s| s == node.op.name())
-            && partitioner::supports(&g, node, &limits).is_ok();
-        let i = *row.entry(name).or_insert_with(|| {
-            out.push((name.to_string(), true));
-            out.len() - 1
-        });
-        out[i].1 &= keep;
-    }
-    Ok(out)
-}
-
-fn partition_options(mode: &str, skip_ops: Vec<String>) -> PyResult<PartitionOptions> {
+/// The compile options of a partition mode (`auto`, `whole`) and ops kept
+/// off the GPU, as the CLI's `--partition` and `--skip-op` make them.
+fn partition_options(mode: &str, skip_ops: Vec<String>) -> PyResult<CompileOptions> {
     let mode = match mode {
         "auto" => PartitionMode::Auto,
         "whole" => PartitionMode::Whole,
@@ -88,22 +61,54 @@ fn partition_options(mode: &str, skip_ops: Vec<String>) -> PyResult<PartitionOpt
             )))
         }
     };
-    Ok(PartitionOptions {
-        mode,
-        skip_ops,
-        ..PartitionOptions::default()
+    Ok(CompileOptions {
+        partition: PartitionOptions {
+            mode,
+            skip_ops,
+            ..PartitionOptions::default()
+        },
+        ..CompileOptions::default()
     })
+}
+
+/// For each source node of the (ATen-dialect) program: whether the backend
+/// takes every node it imports to whole (`ops_to_not_decompose`) and would
+/// delegate them (within the support table's limits, not in `skip_ops`).
+#[pyfunction]
+fn ops_taken(pt2: &[u8], skip_ops: Vec<String>) -> PyResult<Vec<(String, bool)>> {
+    let g = import(pt2, "ops_to_not_decompose program")?;
+    let options = partition_options("auto", skip_ops)?.partition;
+    let mut out: Vec<(String, bool)> = vec![];
+    let mut row: HashMap<&str, usize> = HashMap::new();
+    for node in &g.nodes {
+        let name = fx_name(&node.name);
+        let keep = partitioner::ops_to_not_decompose(&node.op)
+            && !options.skip_ops.iter().any(|s| s == node.op.name())
+            && partitioner::supports(&g, node, &options.limits).is_ok();
+        let i = *row.entry(name).or_insert_with(|| {
+            out.push((name.to_string(), true));
+            out.len() - 1
+        });
+        out[i].1 &= keep;
+    }
+    Ok(out)
 }
 
 /// `(fx node name, partition id or None, op, reason it stays on the CPU)`.
 type NodeDecision = (String, Option<usize>, String, String);
 
-/// The partitioner's decision for every node of the decomposed graph.
+/// The partitioner's decision for every node of the graph as `etmetal
+/// compile` partitions it (decomposed for the backend, input-free nodes
+/// folded: a source node with no row joins its neighbours' partition).
 #[pyfunction]
 fn partition(pt2: &[u8], mode: &str, skip_ops: Vec<String>) -> PyResult<Vec<NodeDecision>> {
     let options = partition_options(mode, skip_ops)?;
-    let g = decomposed_for_backend(pt2, "edge program")?;
-    let parts = partitioner::partition(&g, &options).map_err(py_err)?;
+    let g = import(pt2, "edge program")?;
+    let Partitioned {
+        graph: g,
+        partitioning: parts,
+        ..
+    } = compile::partition_graph(&g, &options).map_err(py_err)?;
     let mut out: Vec<_> = g
         .nodes
         .iter()
@@ -129,9 +134,7 @@ fn partition(pt2: &[u8], mode: &str, skip_ops: Vec<String>) -> PyResult<Vec<Node
 type NamedBytes<'py> = (String, Bound<'py, PyBytes>);
 
 /// The delegate payload of one lowered partition (a whole edge program)
-/// and its named data `(key, GPU bytes)`. Delegate inputs and outputs are
-/// the program's user inputs and outputs in signature order, as ExecuTorch's
-/// delegate call passes them.
+/// and its named data `(key, GPU bytes)` ([`compile::delegate_payload`]).
 ///
 /// `int4_group_size` quantizes the partition's linears to int4 weights with
 /// groups of that size (`etmetal compile --quantize int4`), except those
@@ -144,25 +147,15 @@ fn preprocess<'py>(
     int4_group_size: Option<usize>,
     quantize_skip: Vec<String>,
 ) -> PyResult<(Bound<'py, PyBytes>, Vec<NamedBytes<'py>>)> {
-    let mut g = decomposed_for_backend(pt2, "partition program")?;
-    if let Some(group_size) = int4_group_size {
-        etmetal_graph::quantize::quantize_int4(&mut g, group_size, &quantize_skip)
-            .map_err(|e| py_err(e.context(format!("{BACKEND_ID} int4 quantization"))))?;
-    }
-    let options = PartitionOptions {
-        mode: PartitionMode::Whole,
-        ..PartitionOptions::default()
+    let g = import(pt2, "partition program")?;
+    let options = CompileOptions {
+        quantize: int4_group_size.map(|group_size| Quantization {
+            options: QuantizeOptions::int4(group_size, &quantize_skip),
+            calibration: None,
+        }),
+        ..CompileOptions::default()
     };
-    let mut p = whole_partition(&g, &options).map_err(py_err)?;
-    p.inputs = g.user_inputs().collect();
-    p.outputs = g
-        .outputs
-        .iter()
-        .filter(|(_, kind)| *kind == OutputKind::User)
-        .map(|(v, _)| *v)
-        .collect();
-    let within = PreprocessOptions::default().within(&options.limits);
-    let pre = etmetal_metal::preprocess::preprocess(&g, &p, &within)
+    let pre = compile::delegate_payload(&g, &options)
         .map_err(|e| py_err(e.context(format!("{BACKEND_ID} preprocess"))))?;
     let named = pre
         .named_data
@@ -172,15 +165,74 @@ fn preprocess<'py>(
     Ok((PyBytes::new(py, &pre.payload.encode()), named))
 }
 
-/// The one partition of a program the partitioner tagged as a whole.
-fn whole_partition(g: &Graph, options: &PartitionOptions) -> etmetal_core::Result<Partition> {
-    let mut parts = partitioner::partition(g, options)?;
-    match parts.partitions.len() {
-        1 => Ok(parts.partitions.remove(0)),
-        n => Err(Error::unsupported(format!(
-            "the lowered program makes {n} partitions, expected exactly one"
-        ))),
+/// A whole `.pt2` program compiled into the bytes of a `.pte`, as `etmetal
+/// compile` writes it: the keywords are its flags (`dtype`: `f32`, `bf16`,
+/// `f16` or a torch dtype name).
+#[pyfunction]
+#[pyo3(signature = (
+    pt2, dtype="f32", backend="metal", partition="auto", skip_ops=Vec::new(),
+    quantize=None, group_size=None, quantize_skip=Vec::new(), max_buffer=None,
+))]
+#[pyo3(name = "compile")]
+#[allow(clippy::too_many_arguments)]
+fn compile_program<'py>(
+    py: Python<'py>,
+    pt2: &[u8],
+    dtype: &str,
+    backend: &str,
+    partition: &str,
+    skip_ops: Vec<String>,
+    quantize: Option<&str>,
+    group_size: Option<usize>,
+    quantize_skip: Vec<String>,
+    max_buffer: Option<u64>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let mut options = partition_options(partition, skip_ops)?;
+    options.backend = match backend {
+        "metal" => Backend::Metal,
+        "cpu" => Backend::Cpu,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "backend `{other}`: expected `metal` or `cpu`"
+            )))
+        }
+    };
+    options.dtype = match dtype {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        name => DType::from_name(name).ok_or_else(|| {
+            PyValueError::new_err(format!("dtype `{name}`: expected f32, bf16 or f16"))
+        })?,
+    };
+    if let Some(scheme) = quantize {
+        let scheme = match scheme {
+            "int4" => Scheme::Int4,
+            "int8" => Scheme::Int8,
+            "mixed" => Scheme::Mixed,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "quantize `{other}`: expected int4, int8 or mixed"
+                )))
+            }
+        };
+        options.quantize = Some(Quantization {
+            options: QuantizeOptions {
+                scheme,
+                group_size,
+                skip: quantize_skip,
+            },
+            calibration: None,
+        });
     }
+    if let Some(bytes) = max_buffer {
+        options.partition.limits.max_buffer_bytes = bytes;
+    }
+    let graph = import(pt2, "program")?;
+    let compiled = py
+        .detach(|| compile::compile(&graph, &options, &mut |_| {}))
+        .map_err(py_err)?;
+    Ok(PyBytes::new(py, &compiled.pte))
 }
 
 /// `(key, value)` of the compile spec naming `method`.
@@ -357,6 +409,7 @@ fn _etmetal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops_taken, m)?)?;
     m.add_function(wrap_pyfunction!(partition, m)?)?;
     m.add_function(wrap_pyfunction!(preprocess, m)?)?;
+    m.add_function(wrap_pyfunction!(compile_program, m)?)?;
     m.add_function(wrap_pyfunction!(method_name_spec, m)?)?;
     m.add_function(wrap_pyfunction!(method_name, m)?)?;
     m.add_class::<Program>()?;

@@ -52,3 +52,32 @@ def test_bf16_rotary_positions_past_256_stay_float32(etmetal, tmp_path):
     problems = [f"output {i}: {msg}" for i, (g, w) in enumerate(zip(res.outputs, want))
                 if (msg := compare(g, w, 1e-2, 1e-2))]
     assert len(res.outputs) == 3 and not problems, "\n".join(problems)
+
+
+def test_python_compile_dtype_matches_eager(tmp_path):
+    """`etmetal.compile(ep, dtype=…)` is `etmetal compile --dtype` from
+    Python: one float32 export, compiled for bf16 and f16 with the CPU and
+    the Metal backend, against eager `module.to(dtype)`."""
+    import copy
+
+    import etmetal as etm
+
+    torch.manual_seed(0)
+    module = Rotary().eval()
+    positions = torch.tensor([[0, 1, 255, 257, 301, 513, 777, 999]])
+    x = torch.randn(1, positions.shape[1], 16)
+    ep = zoo.export(module, (x, positions), "default")
+    problems = []
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)):
+        eager = copy.deepcopy(module).to(torch_dtype)
+        xd = x.to(torch_dtype)
+        with torch.no_grad():
+            want = eager(xd, positions)
+        for backend in ("cpu", "metal"):
+            pte = tmp_path / f"rotary_{dtype}_{backend}.pte"
+            pte.write_bytes(etm.compile(ep, dtype=dtype, backend=backend))
+            outputs = etm.load(pte).forward(xd, positions)
+            assert len(outputs) == 3, (dtype, backend)
+            problems += [f"{dtype} {backend} output {i}: {msg}" for i, (g, w) in enumerate(zip(outputs, want))
+                         if (msg := compare(g, w, 1e-2, 1e-2))]
+    assert not problems, "\n".join(problems)

@@ -1,7 +1,6 @@
 //! Element types, numbered as ExecuTorch's `ScalarType` (`scalar_type.fbs`).
 
 use crate::error::{Error, Result};
-use crate::op::Scalar;
 
 /// An element type. The discriminant is ExecuTorch's `ScalarType` value, so
 /// `dtype as i8` is what a `.pte` stores.
@@ -143,6 +142,41 @@ impl DType {
                     y
                 }
             }
+        }
+    }
+}
+
+/// A scalar attribute (a Python number), kept exact for integers; here
+/// beside the promotion rules that give it a dtype.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scalar {
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+}
+
+impl Scalar {
+    /// The dtype PyTorch gives a Python scalar on its own
+    /// (`torch.tensor(v)`): int64, float32 (the default dtype) or bool.
+    pub fn dtype(self) -> DType {
+        match self {
+            Scalar::Int(_) => DType::I64,
+            Scalar::Float(_) => DType::F32,
+            Scalar::Bool(_) => DType::Bool,
+        }
+    }
+    pub fn to_f64(self) -> f64 {
+        match self {
+            Scalar::Int(v) => v as f64,
+            Scalar::Float(v) => v,
+            Scalar::Bool(v) => v as i64 as f64,
+        }
+    }
+    pub fn to_i64(self) -> i64 {
+        match self {
+            Scalar::Int(v) => v,
+            Scalar::Float(v) => v as i64,
+            Scalar::Bool(v) => v as i64,
         }
     }
 }

@@ -15,17 +15,16 @@ pub mod dtype;
 pub mod error;
 pub mod npy;
 pub mod op;
+pub mod op_table;
 pub mod quant;
 pub mod shape;
 pub mod spec;
 pub mod sym;
 pub mod tensor;
 
-pub use dtype::DType;
+pub use dtype::{DType, Scalar};
 pub use error::{Error, ErrorKind, Result};
-pub use op::{
-    AvgPoolAttrs, BinaryOp, ConvAttrs, MaxPoolAttrs, Op, PoolWindow, ReduceOp, Scalar, UnaryOp,
-};
+pub use op::{AvgPoolAttrs, BinaryOp, ConvAttrs, MaxPoolAttrs, Op, PoolWindow, ReduceOp, UnaryOp};
 pub use spec::{check_inputs, TensorSpec};
 pub use sym::{SymExpr, SymRange, SymRanges};
 pub use tensor::{Tensor, View, ViewMut};

@@ -8,43 +8,10 @@
 //! in range); scalars of binary ops are 0-d constant tensors of the dtype that
 //! PyTorch's promotion gives them, so every binary op sees two tensors.
 
-use crate::dtype::DType;
+use crate::dtype::{DType, Scalar};
 use crate::error::{Error, Result};
+use crate::op_table;
 use crate::shape;
-
-/// A scalar attribute, kept exact for integers.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Scalar {
-    Int(i64),
-    Float(f64),
-    Bool(bool),
-}
-
-impl Scalar {
-    /// The dtype PyTorch gives a Python scalar on its own
-    /// (`torch.tensor(v)`): int64, float32 (the default dtype) or bool.
-    pub fn dtype(self) -> DType {
-        match self {
-            Scalar::Int(_) => DType::I64,
-            Scalar::Float(_) => DType::F32,
-            Scalar::Bool(_) => DType::Bool,
-        }
-    }
-    pub fn to_f64(self) -> f64 {
-        match self {
-            Scalar::Int(v) => v as f64,
-            Scalar::Float(v) => v,
-            Scalar::Bool(v) => v as i64 as f64,
-        }
-    }
-    pub fn to_i64(self) -> i64 {
-        match self {
-            Scalar::Int(v) => v,
-            Scalar::Float(v) => v as i64,
-            Scalar::Bool(v) => v as i64,
-        }
-    }
-}
 
 /// Elementwise functions of one tensor. The output dtype is the input's
 /// (floats), or the node's output dtype where PyTorch promotes (e.g. `sqrt`
@@ -127,17 +94,12 @@ pub enum BinaryOp {
 impl BinaryOp {
     /// Whether the result is bool regardless of the inputs.
     pub fn is_predicate(self) -> bool {
-        use BinaryOp::*;
-        matches!(
-            self,
-            Eq | Ne | Lt | Le | Gt | Ge | LogicalAnd | LogicalOr | LogicalXor
-        )
+        op_table::binary_row(self).predicate
     }
 
     /// Whether the op works on bits (integer and bool tensors only).
     pub fn is_bitwise(self) -> bool {
-        use BinaryOp::*;
-        matches!(self, BitwiseAnd | BitwiseOr | BitwiseXor)
+        op_table::binary_row(self).bitwise
     }
 }
 
@@ -582,66 +544,27 @@ impl Op {
 }
 
 impl UnaryOp {
-    /// The op's name ([`Op::name`]).
+    /// The op's name ([`Op::name`]): the op table's, or the name of an op
+    /// with attributes.
     pub fn name(self) -> &'static str {
         match self {
-            UnaryOp::Relu => "relu",
             UnaryOp::Gelu { .. } => "gelu",
-            UnaryOp::Silu => "silu",
-            UnaryOp::Sigmoid => "sigmoid",
-            UnaryOp::Tanh => "tanh",
-            UnaryOp::Exp => "exp",
-            UnaryOp::Log => "log",
-            UnaryOp::Sqrt => "sqrt",
-            UnaryOp::Rsqrt => "rsqrt",
-            UnaryOp::Neg => "neg",
-            UnaryOp::Abs => "abs",
-            UnaryOp::Reciprocal => "reciprocal",
-            UnaryOp::Sin => "sin",
-            UnaryOp::Cos => "cos",
-            UnaryOp::Erf => "erf",
-            UnaryOp::Floor => "floor",
-            UnaryOp::Ceil => "ceil",
-            UnaryOp::Round => "round",
-            UnaryOp::Sign => "sign",
-            UnaryOp::Hardswish => "hardswish",
-            UnaryOp::Hardsigmoid => "hardsigmoid",
             UnaryOp::LeakyRelu { .. } => "leaky_relu",
             UnaryOp::Clamp { .. } => "clamp",
             UnaryOp::PowScalar { .. } => "pow_scalar",
-            UnaryOp::LogicalNot => "logical_not",
-            UnaryOp::BitwiseNot => "bitwise_not",
+            u => {
+                op_table::unary_row(u)
+                    .expect("every unary op without attributes has a row (tested)")
+                    .name
+            }
         }
     }
 }
 
 impl BinaryOp {
-    /// The op's name ([`Op::name`]).
+    /// The op's name ([`Op::name`]), from the op table.
     pub fn name(self) -> &'static str {
-        match self {
-            BinaryOp::Add => "add",
-            BinaryOp::Sub => "sub",
-            BinaryOp::Mul => "mul",
-            BinaryOp::Div => "div",
-            BinaryOp::FloorDiv => "floor_div",
-            BinaryOp::TruncDiv => "trunc_div",
-            BinaryOp::Remainder => "remainder",
-            BinaryOp::Pow => "pow",
-            BinaryOp::Maximum => "maximum",
-            BinaryOp::Minimum => "minimum",
-            BinaryOp::Eq => "eq",
-            BinaryOp::Ne => "ne",
-            BinaryOp::Lt => "lt",
-            BinaryOp::Le => "le",
-            BinaryOp::Gt => "gt",
-            BinaryOp::Ge => "ge",
-            BinaryOp::LogicalAnd => "logical_and",
-            BinaryOp::LogicalOr => "logical_or",
-            BinaryOp::LogicalXor => "logical_xor",
-            BinaryOp::BitwiseAnd => "bitwise_and",
-            BinaryOp::BitwiseOr => "bitwise_or",
-            BinaryOp::BitwiseXor => "bitwise_xor",
-        }
+        op_table::binary_row(self).name
     }
 }
 

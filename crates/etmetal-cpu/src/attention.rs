@@ -10,9 +10,9 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use crate::buf::{domain, Buf, Domain, Elem};
+use crate::ctx::Ctx;
 use crate::elementwise::Real;
 use crate::matmul::{Mat, MatElem};
-use crate::Ctx;
 
 /// The mask, as either kept positions or additive biases, in the full
 /// `[batch…, L, S]` layout given by `strides`.

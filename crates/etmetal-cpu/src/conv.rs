@@ -7,9 +7,9 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use crate::buf::{domain, numeric, Elem};
+use crate::ctx::Ctx;
 use crate::matmul::{Mat, MatElem};
 use crate::strided::window_table;
-use crate::Ctx;
 
 /// Checked sizes of one convolution.
 pub(crate) struct Geometry {

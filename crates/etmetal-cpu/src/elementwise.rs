@@ -9,8 +9,8 @@ use etmetal_core::shape::{broadcast_shapes, broadcast_strides};
 use etmetal_core::{BinaryOp, DType, Result, Tensor, UnaryOp};
 
 use crate::buf::{domain, load, Buf, Domain};
+use crate::ctx::Ctx;
 use crate::strided::for_each_offset;
-use crate::Ctx;
 
 /// The float operations kernels need, for f32 and f64 alike.
 pub trait Real:

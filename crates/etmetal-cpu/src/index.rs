@@ -5,8 +5,8 @@
 use etmetal_core::shape::{broadcast_shapes, broadcast_strides, contiguous_strides, numel};
 use etmetal_core::{Result, Tensor};
 
+use crate::ctx::Ctx;
 use crate::strided::{by_width, for_each_offset};
-use crate::Ctx;
 
 /// The integer indices in `slot`, each checked in `0..size` (negative values
 /// count from the end when `wrap`).

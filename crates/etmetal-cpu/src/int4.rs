@@ -19,8 +19,8 @@ use etmetal_core::{DType, Result, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+use crate::ctx::Ctx;
 use crate::matmul::{Mat, MatElem};
-use crate::Ctx;
 
 /// Output channels per task of the linear: each task dequantizes a
 /// `TILE_COLS × TILE_K` panel of the weight into its own f32 scratch and

@@ -5,8 +5,8 @@
 use etmetal_core::shape::contiguous_strides;
 use etmetal_core::{Op, Result, Tensor};
 
+use crate::ctx::Ctx;
 use crate::strided::{by_width, for_each_offset, materialize};
-use crate::Ctx;
 
 pub fn reshape(ctx: &Ctx, shape: &[usize]) -> Result<Tensor> {
     let x = ctx.input(0)?;

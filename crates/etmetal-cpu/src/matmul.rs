@@ -10,8 +10,8 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use crate::buf::{domain, numeric, Elem};
+use crate::ctx::Ctx;
 use crate::strided::for_each_offset;
-use crate::Ctx;
 
 /// A row-major-or-strided matrix operand: data and (row, column) strides.
 #[derive(Clone, Copy)]

@@ -4,7 +4,7 @@
 use etmetal_core::{DType, Result, Tensor};
 
 use crate::buf::Buf;
-use crate::Ctx;
+use crate::ctx::Ctx;
 
 /// The optional per-feature tensor in `slot`, checked to have `n` elements.
 fn param(ctx: &Ctx, slot: usize, n: usize, what: &str) -> Result<Option<Vec<f64>>> {

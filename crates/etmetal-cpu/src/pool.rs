@@ -6,8 +6,8 @@ use etmetal_core::shape::contiguous_strides;
 use etmetal_core::{AvgPoolAttrs, MaxPoolAttrs, Result, Tensor};
 
 use crate::buf::{with_ordered, Buf, Elem};
+use crate::ctx::Ctx;
 use crate::strided::{for_each_offset, window_table};
-use crate::Ctx;
 
 /// `(planes, spatial dims)` of an input with `sr` trailing spatial dims.
 fn planes(ctx: &Ctx, x: &Tensor, sr: usize) -> Result<(usize, Vec<usize>)> {

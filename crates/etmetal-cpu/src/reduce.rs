@@ -5,8 +5,8 @@
 use etmetal_core::{ReduceOp, Result, Tensor};
 
 use crate::buf::{load, with_ordered, Buf, Domain, Elem};
+use crate::ctx::Ctx;
 use crate::strided::gather;
-use crate::Ctx;
 
 /// Which dims of a rank-`rank` tensor are reduced (all when `dims` is empty).
 fn reduced_mask(ctx: &Ctx, rank: usize, dims: &[usize]) -> Result<Vec<bool>> {

@@ -4,7 +4,6 @@
 pub mod decompose;
 pub mod fold;
 pub mod infer;
-mod infer_quant;
 pub mod infer_sym;
 pub mod ir;
 pub mod plan;

@@ -560,213 +560,228 @@ fn download_bound(src: &[u8], bound: &[usize], out: &mut ViewMut) -> Result<()> 
 /// Bytes of the sizes uniform (`array<vec4<u32>, 4>`, 16 symbols).
 const SIZES_BYTES: u64 = 64;
 
-impl GpuDelegate {
-    pub(crate) fn load(
-        gpu: Arc<GpuDevice>,
-        counters: Arc<Counters>,
-        timeout: Duration,
-        (payload, payload_hash): (Payload, u64),
-        named_data: &dyn NamedData,
-        selection: Selection,
-    ) -> Result<GpuDelegate> {
-        let device = &gpu.device;
-        let limits = &gpu.limits;
-        let mut buffers = Vec::new();
-        // Weight key -> (buffer, bytes), so a weight is uploaded once.
-        let mut by_key: HashMap<&str, (usize, u64)> = HashMap::new();
-        let mut regions = Vec::with_capacity(payload.buffers.len());
-        let new_buffer = |buffers: &mut Vec<wgpu::Buffer>, b: wgpu::Buffer| {
-            counters.buffers.fetch_add(1, Ordering::Relaxed);
-            buffers.push(b);
-            buffers.len() - 1
-        };
-        // Arenas first, so arena `a` is buffer `a`.
-        for (a, &size) in payload.arenas.iter().enumerate() {
-            if size > limits.max_buffer_size {
-                return Err(Error::limit(format!(
-                    "arena {a} of {size} bytes exceeds the GPU's max_buffer_size = {}",
-                    limits.max_buffer_size
-                )));
-            }
-            let buffer = scoped(
-                &gpu,
-                || format!("allocating arena {a} ({size} bytes)"),
-                || {
-                    device.create_buffer(&wgpu::BufferDescriptor {
-                        label: Some(&format!("arena {a}")),
-                        size: size.max(4).next_multiple_of(4),
-                        usage: wgpu::BufferUsages::STORAGE
-                            | wgpu::BufferUsages::COPY_DST
-                            | wgpu::BufferUsages::COPY_SRC,
-                        mapped_at_creation: false,
-                    })
-                },
-            )?;
-            new_buffer(&mut buffers, buffer);
-        }
-        for b in &payload.buffers {
-            let size = payload::gpu_bytes(b.dtype, b.shape.iter().product())?;
-            let region = match &b.location {
-                Location::Arena { arena, offset } => Region {
-                    buffer: *arena,
-                    offset: *offset,
-                    size,
-                },
-                Location::Weight { key } => {
-                    let buffer = match by_key.get(key.as_str()) {
-                        Some(&(i, bytes)) if bytes == size => i,
-                        Some(&(_, bytes)) => {
-                            return Err(Error::format(format!(
-                                "weight `{}` takes {size} bytes of named data `{key}`, \
-                                 another buffer of that key {bytes}",
-                                b.name
-                            )))
-                        }
-                        None => {
-                            let what = || format!("weight `{}` (named data `{key}`)", b.name);
-                            let data = named_data.get(key).map_err(|e| e.context(what()))?;
-                            if data.len() as u64 != size {
-                                return Err(Error::format(format!(
-                                    "{}: {} bytes, but a {} tensor of shape {:?} takes {size} \
-                                     bytes on the GPU",
-                                    what(),
-                                    data.len(),
-                                    b.dtype.name(),
-                                    b.shape
-                                )));
-                            }
-                            if size > limits.max_buffer_size {
-                                return Err(Error::limit(format!(
-                                    "{}: {size} bytes exceed the GPU's max_buffer_size = {}",
-                                    what(),
-                                    limits.max_buffer_size
-                                )));
-                            }
-                            let buffer = scoped(&gpu, what, || {
-                                device.create_buffer(&wgpu::BufferDescriptor {
-                                    label: Some(key),
-                                    size,
-                                    usage: wgpu::BufferUsages::STORAGE
-                                        | wgpu::BufferUsages::COPY_DST,
-                                    mapped_at_creation: false,
-                                })
-                            })?;
-                            upload_weight(&gpu, &buffer, data, named_data, timeout)
-                                .map_err(|e| e.context(what()))?;
-                            let i = new_buffer(&mut buffers, buffer);
-                            by_key.insert(key, (i, size));
-                            i
-                        }
-                    };
-                    Region {
-                        buffer,
-                        offset: 0,
-                        size,
-                    }
-                }
-            };
-            regions.push(region);
-        }
-
-        // Each resident state gets a GPU buffer of its own (a copy within one
-        // buffer is not allowed), which its input binds instead of the arena.
-        for st in &payload.state {
-            let id = payload.inputs[st.input];
-            let size = regions[id].size;
-            let buffer = scoped(
-                &gpu,
-                || format!("allocating state `{}` ({size} bytes)", st.fqn),
-                || {
-                    device.create_buffer(&wgpu::BufferDescriptor {
-                        label: Some(&st.fqn),
-                        size,
-                        usage: wgpu::BufferUsages::STORAGE
-                            | wgpu::BufferUsages::COPY_DST
-                            | wgpu::BufferUsages::COPY_SRC,
-                        mapped_at_creation: false,
-                    })
-                },
-            )?;
-            regions[id] = Region {
-                buffer: new_buffer(&mut buffers, buffer),
-                offset: 0,
-                size,
-            };
-        }
-
-        // Inputs are written with `write_buffer`, which weights do not allow.
-        if let Some((k, &id)) = payload
-            .inputs
-            .iter()
-            .enumerate()
-            .find(|(_, &id)| !matches!(payload.buffers[id].location, Location::Arena { .. }))
-        {
-            return Err(Error::format(format!(
-                "EtMetalBackend payload: input {k} (`{}`) is not an arena buffer",
-                payload.buffers[id].name
+/// The delegate's GPU buffers and where each payload buffer lives in them:
+/// arenas first (arena `a` is buffer `a`), each weight once per key
+/// (uploaded from `named_data`), then a buffer of its own for each
+/// resident state.
+fn place_buffers(
+    gpu: &GpuDevice,
+    counters: &Counters,
+    payload: &Payload,
+    named_data: &dyn NamedData,
+    timeout: Duration,
+) -> Result<(Vec<wgpu::Buffer>, Vec<Region>)> {
+    let device = &gpu.device;
+    let limits = &gpu.limits;
+    let mut buffers = Vec::new();
+    // Weight key -> (buffer, bytes), so a weight is uploaded once.
+    let mut by_key: HashMap<&str, (usize, u64)> = HashMap::new();
+    let mut regions = Vec::with_capacity(payload.buffers.len());
+    let new_buffer = |buffers: &mut Vec<wgpu::Buffer>, b: wgpu::Buffer| {
+        counters.buffers.fetch_add(1, Ordering::Relaxed);
+        buffers.push(b);
+        buffers.len() - 1
+    };
+    // Arenas first, so arena `a` is buffer `a`.
+    for (a, &size) in payload.arenas.iter().enumerate() {
+        if size > limits.max_buffer_size {
+            return Err(Error::limit(format!(
+                "arena {a} of {size} bytes exceeds the GPU's max_buffer_size = {}",
+                limits.max_buffer_size
             )));
         }
-
-        let offer = gpu
-            .coop
-            .as_ref()
-            .filter(|_| selection != Selection::Portable);
-        let eligible =
-            select::eligible(&payload, offer, limits.max_storage_buffers_per_shader_stage);
-        let sizes = payload
-            .kernels
-            .iter()
-            .any(|k| k.sizes)
-            .then(|| {
-                scoped(
-                    &gpu,
-                    || "allocating the sizes uniform".to_string(),
-                    || {
-                        device.create_buffer(&wgpu::BufferDescriptor {
-                            label: Some("sizes"),
-                            size: SIZES_BYTES,
-                            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-                            mapped_at_creation: false,
-                        })
-                    },
-                )
-            })
-            .transpose()?;
-        let mut kernels = Kernels::new(&gpu, &payload, &counters);
-        let binder = Binder {
-            gpu: &gpu,
-            payload: &payload,
-            regions: &regions,
-            buffers: &buffers,
-            sizes: sizes.as_ref(),
-        };
-        let choices: Vec<Choice> = match selection {
-            Selection::Portable => vec![None; payload.dispatches.len()],
-            Selection::Forced(k) => eligible
-                .iter()
-                .map(|e| e.contains(&k).then_some(k))
-                .collect(),
-            Selection::Measured if eligible.iter().all(Vec::is_empty) => {
-                vec![None; payload.dispatches.len()]
-            }
-            Selection::Measured => {
-                let mut cache = TuningCache::open(&gpu.adapter.get_info(), payload_hash);
-                // (kernels reading the run-time sizes run at their bounds)
-                if let Some(u) = &sizes {
-                    let words: Vec<u8> = payload
-                        .symbols
-                        .iter()
-                        .flat_map(|s| (s.max as u32).to_le_bytes())
-                        .collect();
-                    if !words.is_empty() {
-                        gpu.queue.write_buffer(u, 0, &words);
+        let buffer = scoped(
+            gpu,
+            || format!("allocating arena {a} ({size} bytes)"),
+            || {
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some(&format!("arena {a}")),
+                    size: size.max(4).next_multiple_of(4),
+                    usage: wgpu::BufferUsages::STORAGE
+                        | wgpu::BufferUsages::COPY_DST
+                        | wgpu::BufferUsages::COPY_SRC,
+                    mapped_at_creation: false,
+                })
+            },
+        )?;
+        new_buffer(&mut buffers, buffer);
+    }
+    for b in &payload.buffers {
+        let size = payload::gpu_bytes(b.dtype, b.shape.iter().product())?;
+        let region = match &b.location {
+            Location::Arena { arena, offset } => Region {
+                buffer: *arena,
+                offset: *offset,
+                size,
+            },
+            Location::Weight { key } => {
+                let buffer = match by_key.get(key.as_str()) {
+                    Some(&(i, bytes)) if bytes == size => i,
+                    Some(&(_, bytes)) => {
+                        return Err(Error::format(format!(
+                            "weight `{}` takes {size} bytes of named data `{key}`, \
+                             another buffer of that key {bytes}",
+                            b.name
+                        )))
                     }
+                    None => {
+                        let what = || format!("weight `{}` (named data `{key}`)", b.name);
+                        let data = named_data.get(key).map_err(|e| e.context(what()))?;
+                        if data.len() as u64 != size {
+                            return Err(Error::format(format!(
+                                "{}: {} bytes, but a {} tensor of shape {:?} takes {size} \
+                                 bytes on the GPU",
+                                what(),
+                                data.len(),
+                                b.dtype.name(),
+                                b.shape
+                            )));
+                        }
+                        if size > limits.max_buffer_size {
+                            return Err(Error::limit(format!(
+                                "{}: {size} bytes exceed the GPU's max_buffer_size = {}",
+                                what(),
+                                limits.max_buffer_size
+                            )));
+                        }
+                        let buffer = scoped(gpu, what, || {
+                            device.create_buffer(&wgpu::BufferDescriptor {
+                                label: Some(key),
+                                size,
+                                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+                                mapped_at_creation: false,
+                            })
+                        })?;
+                        upload_weight(gpu, &buffer, data, named_data, timeout)
+                            .map_err(|e| e.context(what()))?;
+                        let i = new_buffer(&mut buffers, buffer);
+                        by_key.insert(key, (i, size));
+                        i
+                    }
+                };
+                Region {
+                    buffer,
+                    offset: 0,
+                    size,
                 }
-                let choices = trace::span(
+            }
+        };
+        regions.push(region);
+    }
+
+    // Each resident state gets a GPU buffer of its own (a copy within one
+    // buffer is not allowed), which its input binds instead of the arena.
+    for st in &payload.state {
+        let id = payload.inputs[st.input];
+        let size = regions[id].size;
+        let buffer = scoped(
+            gpu,
+            || format!("allocating state `{}` ({size} bytes)", st.fqn),
+            || {
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some(&st.fqn),
+                    size,
+                    usage: wgpu::BufferUsages::STORAGE
+                        | wgpu::BufferUsages::COPY_DST
+                        | wgpu::BufferUsages::COPY_SRC,
+                    mapped_at_creation: false,
+                })
+            },
+        )?;
+        regions[id] = Region {
+            buffer: new_buffer(&mut buffers, buffer),
+            offset: 0,
+            size,
+        };
+    }
+
+    // Inputs are written with `write_buffer`, which weights do not allow.
+    if let Some((k, &id)) = payload
+        .inputs
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| !matches!(payload.buffers[id].location, Location::Arena { .. }))
+    {
+        return Err(Error::format(format!(
+            "EtMetalBackend payload: input {k} (`{}`) is not an arena buffer",
+            payload.buffers[id].name
+        )));
+    }
+    Ok((buffers, regions))
+}
+
+/// The uniform of run-time sizes, where a kernel reads them.
+fn sizes_uniform(gpu: &GpuDevice, payload: &Payload) -> Result<Option<wgpu::Buffer>> {
+    let device = &gpu.device;
+    payload
+        .kernels
+        .iter()
+        .any(|k| k.sizes)
+        .then(|| {
+            scoped(
+                gpu,
+                || "allocating the sizes uniform".to_string(),
+                || {
+                    device.create_buffer(&wgpu::BufferDescriptor {
+                        label: Some("sizes"),
+                        size: SIZES_BYTES,
+                        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                        mapped_at_creation: false,
+                    })
+                },
+            )
+        })
+        .transpose()
+}
+
+/// Which form each dispatch runs (`None`: the portable kernel), as
+/// `selection` asks: measured forms are built and timed here through
+/// `kernels` and `binder`, the choice cached per adapter and payload.
+fn choose_forms(
+    gpu: &GpuDevice,
+    (payload, payload_hash): (&Payload, u64),
+    selection: Selection,
+    timeout: Duration,
+    kernels: &mut Kernels,
+    binder: &Binder,
+) -> Result<Vec<Choice>> {
+    let offer = gpu
+        .coop
+        .as_ref()
+        .filter(|_| selection != Selection::Portable);
+    let eligible = select::eligible(
+        payload,
+        offer,
+        gpu.limits.max_storage_buffers_per_shader_stage,
+    );
+    Ok(match selection {
+        Selection::Portable => vec![None; payload.dispatches.len()],
+        Selection::Forced(k) => eligible
+            .iter()
+            .map(|e| e.contains(&k).then_some(k))
+            .collect(),
+        Selection::Measured if eligible.iter().all(Vec::is_empty) => {
+            vec![None; payload.dispatches.len()]
+        }
+        Selection::Measured => {
+            let mut cache = TuningCache::open(&gpu.adapter.get_info(), payload_hash);
+            // (kernels reading the run-time sizes run at their bounds)
+            if let Some(u) = binder.sizes {
+                let words: Vec<u8> = payload
+                    .symbols
+                    .iter()
+                    .flat_map(|s| (s.max as u32).to_le_bytes())
+                    .collect();
+                if !words.is_empty() {
+                    gpu.queue.write_buffer(u, 0, &words);
+                }
+            }
+            let choices =
+                trace::span(
                     || "gpu: measure the kernels' forms".into(),
                     None,
                     || {
-                        select::measured(&payload, &eligible, &mut cache, |d, alts| {
+                        select::measured(payload, &eligible, &mut cache, |d, alts| {
                             let main = &payload.dispatches[d];
                             let mut forms: Vec<Vec<&Dispatch>> = vec![vec![main]];
                             forms.extend(alts.iter().map(|&a| {
@@ -781,7 +796,7 @@ impl GpuDelegate {
                                 .iter()
                                 .map(|form| {
                                     form.iter()
-                                        .map(|x| binder.bind(&kernels, x, "timing"))
+                                        .map(|x| binder.bind(kernels, x, "timing"))
                                         .collect::<Result<Vec<_>>>()
                                 })
                                 .collect::<Result<Vec<_>>>()?;
@@ -796,17 +811,149 @@ impl GpuDelegate {
                                 })
                                 .collect();
                             scoped(
-                                &gpu,
+                                gpu,
                                 || format!("timing the forms of dispatch {d}"),
                                 || select::time_forms(&gpu.device, &gpu.queue, &timed, timeout),
                             )?
                         })
                     },
                 )?;
-                cache.save();
-                choices
-            }
+            cache.save();
+            choices
+        }
+    })
+}
+
+/// The host side of an execute: each input's place in the mapped upload
+/// buffer (`None` for resident state), each output's and status check's in
+/// the read-back buffer, and the two buffers.
+struct HostBuffers {
+    state: HashMap<usize, (Region, Region)>,
+    upload: Option<wgpu::Buffer>,
+    upload_at: Vec<Option<u64>>,
+    outputs: Vec<Output>,
+    statuses: Vec<(Region, u64)>,
+    staging: wgpu::Buffer,
+}
+
+fn host_buffers(
+    gpu: &GpuDevice,
+    counters: &Counters,
+    payload: &Payload,
+    regions: &[Region],
+) -> Result<HostBuffers> {
+    let device = &gpu.device;
+    let state: HashMap<usize, (Region, Region)> = payload
+        .state
+        .iter()
+        .map(|st| {
+            let input = regions[payload.inputs[st.input]];
+            (st.input, (input, regions[st.new_value]))
+        })
+        .collect();
+    let mut upload_size = 0;
+    let upload_at: Vec<Option<u64>> = payload
+        .inputs
+        .iter()
+        .enumerate()
+        .map(|(k, &id)| {
+            let at = upload_size;
+            (!state.contains_key(&k)).then(|| {
+                upload_size += regions[id].size;
+                at
+            })
+        })
+        .collect();
+    let upload = (upload_size > 0)
+        .then(|| {
+            scoped(
+                gpu,
+                || format!("allocating the {upload_size}-byte input buffer"),
+                || {
+                    device.create_buffer(&wgpu::BufferDescriptor {
+                        label: Some("inputs"),
+                        size: upload_size,
+                        usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
+                        mapped_at_creation: true,
+                    })
+                },
+            )
+        })
+        .transpose()?;
+    counters
+        .buffers
+        .fetch_add(u64::from(upload.is_some()), Ordering::Relaxed);
+    let mut staging_size = 0;
+    let outputs: Vec<Output> = payload
+        .outputs
+        .iter()
+        .map(|&id| {
+            let region = regions[id];
+            let out = Output {
+                id,
+                region,
+                staging_offset: staging_size,
+            };
+            staging_size += region.size;
+            out
+        })
+        .collect();
+    let mut statuses = Vec::with_capacity(payload.checks.len());
+    for check in &payload.checks {
+        let region = regions[check.buffer];
+        statuses.push((region, staging_size));
+        staging_size += region.size;
+    }
+    let staging = scoped(
+        gpu,
+        || format!("allocating the {staging_size}-byte read-back buffer"),
+        || {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("outputs"),
+                size: staging_size.max(4),
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        },
+    )?;
+    counters.buffers.fetch_add(1, Ordering::Relaxed);
+    Ok(HostBuffers {
+        state,
+        upload,
+        upload_at,
+        outputs,
+        statuses,
+        staging,
+    })
+}
+
+impl GpuDelegate {
+    pub(crate) fn load(
+        gpu: Arc<GpuDevice>,
+        counters: Arc<Counters>,
+        timeout: Duration,
+        (payload, payload_hash): (Payload, u64),
+        named_data: &dyn NamedData,
+        selection: Selection,
+    ) -> Result<GpuDelegate> {
+        let (buffers, regions) = place_buffers(&gpu, &counters, &payload, named_data, timeout)?;
+        let sizes = sizes_uniform(&gpu, &payload)?;
+        let mut kernels = Kernels::new(&gpu, &payload, &counters);
+        let binder = Binder {
+            gpu: &gpu,
+            payload: &payload,
+            regions: &regions,
+            buffers: &buffers,
+            sizes: sizes.as_ref(),
         };
+        let choices = choose_forms(
+            &gpu,
+            (&payload, payload_hash),
+            selection,
+            timeout,
+            &mut kernels,
+            &binder,
+        )?;
         let launches = select::launches(&payload, &choices);
         // each payload dispatch is one portable launch or its alternative's
         let portable = launches.iter().filter(|s| s.variant.is_none()).count();
@@ -822,80 +969,14 @@ impl GpuDelegate {
         // (kernels only measured are dropped)
         let pipelines = kernels.keep(&launches);
 
-        let state: HashMap<usize, (Region, Region)> = payload
-            .state
-            .iter()
-            .map(|st| {
-                let input = regions[payload.inputs[st.input]];
-                (st.input, (input, regions[st.new_value]))
-            })
-            .collect();
-        let mut upload_size = 0;
-        let upload_at: Vec<Option<u64>> = payload
-            .inputs
-            .iter()
-            .enumerate()
-            .map(|(k, &id)| {
-                let at = upload_size;
-                (!state.contains_key(&k)).then(|| {
-                    upload_size += regions[id].size;
-                    at
-                })
-            })
-            .collect();
-        let upload = (upload_size > 0)
-            .then(|| {
-                scoped(
-                    &gpu,
-                    || format!("allocating the {upload_size}-byte input buffer"),
-                    || {
-                        device.create_buffer(&wgpu::BufferDescriptor {
-                            label: Some("inputs"),
-                            size: upload_size,
-                            usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
-                            mapped_at_creation: true,
-                        })
-                    },
-                )
-            })
-            .transpose()?;
-        counters
-            .buffers
-            .fetch_add(u64::from(upload.is_some()), Ordering::Relaxed);
-        let mut staging_size = 0;
-        let outputs: Vec<Output> = payload
-            .outputs
-            .iter()
-            .map(|&id| {
-                let region = regions[id];
-                let out = Output {
-                    id,
-                    region,
-                    staging_offset: staging_size,
-                };
-                staging_size += region.size;
-                out
-            })
-            .collect();
-        let mut statuses = Vec::with_capacity(payload.checks.len());
-        for check in &payload.checks {
-            let region = regions[check.buffer];
-            statuses.push((region, staging_size));
-            staging_size += region.size;
-        }
-        let staging = scoped(
-            &gpu,
-            || format!("allocating the {staging_size}-byte read-back buffer"),
-            || {
-                device.create_buffer(&wgpu::BufferDescriptor {
-                    label: Some("outputs"),
-                    size: staging_size.max(4),
-                    usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                    mapped_at_creation: false,
-                })
-            },
-        )?;
-        counters.buffers.fetch_add(1, Ordering::Relaxed);
+        let HostBuffers {
+            state,
+            upload,
+            upload_at,
+            outputs,
+            statuses,
+            staging,
+        } = host_buffers(&gpu, &counters, &payload, &regions)?;
         if let Some(e) = gpu.take_uncaptured() {
             return Err(Error::internal(format!("GPU error while loading: {e}")));
         }

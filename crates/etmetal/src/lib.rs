@@ -13,7 +13,6 @@ pub mod calibrate;
 pub mod chat;
 pub mod compile;
 pub mod device;
-mod emit;
 pub mod eval;
 pub mod generate;
 mod model;

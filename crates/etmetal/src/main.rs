@@ -15,7 +15,7 @@ use etmetal::compile::{self, CompileOptions};
 use etmetal::device::{self, DevicePreference, Workload};
 use etmetal::Model;
 use etmetal_core::{npy, DType, Error, Result, Tensor};
-use etmetal_graph::quantize::{QuantizeOptions, Quantizer, Scheme};
+use etmetal_graph::quantize::{QuantizeOptions, Scheme};
 use etmetal_metal::partitioner::{DeviceLimits, PartitionMode, PartitionOptions};
 use etmetal_metal_runtime::MetalBackend;
 
@@ -413,6 +413,23 @@ fn main() -> ExitCode {
                     Backend::Metal => compile::Backend::Metal,
                     Backend::Cpu => compile::Backend::Cpu,
                 },
+                dtype: match dtype {
+                    FloatDtype::F32 => DType::F32,
+                    FloatDtype::Bf16 => DType::BF16,
+                    FloatDtype::F16 => DType::F16,
+                },
+                quantize: quantize.map(|q| compile::Quantization {
+                    options: QuantizeOptions {
+                        scheme: match q {
+                            Quantize::Int4 => Scheme::Int4,
+                            Quantize::Int8 => Scheme::Int8,
+                            Quantize::Mixed => Scheme::Mixed,
+                        },
+                        group_size,
+                        skip: quantize_skip,
+                    },
+                    calibration: calibrate.map(|file| compile::CalibrationText { file, tokenizer }),
+                }),
                 partition: PartitionOptions {
                     mode: match partition {
                         Partition::Auto => PartitionMode::Auto,
@@ -427,32 +444,12 @@ fn main() -> ExitCode {
                 },
                 ..CompileOptions::default()
             };
-            let dtype = match dtype {
-                FloatDtype::F32 => DType::F32,
-                FloatDtype::Bf16 => DType::BF16,
-                FloatDtype::F16 => DType::F16,
-            };
-            let quant = quantize.map(|q| QuantArgs {
-                options: QuantizeOptions {
-                    scheme: match q {
-                        Quantize::Int4 => Scheme::Int4,
-                        Quantize::Int8 => Scheme::Int8,
-                        Quantize::Mixed => Scheme::Mixed,
-                    },
-                    group_size,
-                    skip: quantize_skip,
-                },
-                calibrate,
-                tokenizer,
-            });
             compile_cmd(
                 &mut out,
                 model.as_deref(),
                 &methods,
                 &output,
                 &options,
-                dtype,
-                quant.as_ref(),
                 emit_msl.as_deref(),
             )
         }
@@ -513,169 +510,12 @@ fn human_bytes(n: usize) -> String {
     }
 }
 
-/// `--quantize` and its options.
-struct QuantArgs {
-    options: QuantizeOptions,
-    calibrate: Option<PathBuf>,
-    tokenizer: Option<PathBuf>,
-}
-
-/// Quantize the methods' graphs (README: `--quantize`), calibrated where
-/// asked; progress to stderr.
-fn quantize_methods(
-    q: &QuantArgs,
-    files: &[(String, PathBuf)],
-    graphs: &mut [etmetal_graph::Graph],
-) -> Result<()> {
-    let scheme = q.options.scheme.name();
-    q.options.check()?;
-    let calibration = match &q.calibrate {
-        None => None,
-        Some(file) => {
-            let start = Instant::now();
-            let (tokens, prefix) = etmetal::calibrate::read_tokens(file, q.tokenizer.as_deref())?;
-            let methods: Vec<(&str, &etmetal_graph::Graph)> = files
-                .iter()
-                .zip(graphs.iter())
-                .map(|((name, _), g)| (name.as_str(), g))
-                .collect();
-            let m = etmetal::calibrate::pick_method(&methods)?;
-            let (name, file_of) = (&files[m].0, &files[m].1);
-            let c = etmetal::calibrate::calibrate(&graphs[m], &tokens, &prefix, &mut |line| {
-                eprintln!("etmetal: {line}")
-            })
-            .map_err(|e| e.context(format!("method `{name}` ({})", file_of.display())))?;
-            eprintln!(
-                "etmetal: calibrated on {} tokens of {} through method `{name}` in {:.1} s: \
-                 statistics of {} weights",
-                c.tokens,
-                file.display(),
-                start.elapsed().as_secs_f64(),
-                c.stats.len()
-            );
-            Some((c, m, tokens))
-        }
-    };
-    let start = Instant::now();
-    let mut quantizer = Quantizer::new(q.options.clone(), calibration.as_ref().map(|c| &c.0));
-    {
-        let all: Vec<&etmetal_graph::Graph> = graphs.iter().collect();
-        match &calibration {
-            // calibrated mixed: each weight measured on the model's logits
-            Some((_, m, tokens)) if q.options.scheme == Scheme::Mixed => {
-                let sweep = etmetal::calibrate::Sweep::new(&graphs[*m], tokens).map_err(|e| {
-                    e.context(format!(
-                        "method `{}` ({})",
-                        files[*m].0,
-                        files[*m].1.display()
-                    ))
-                })?;
-                let (mut done, mut said) = (0, Instant::now());
-                let mut measure = |name: &str, w: &[f32], n: usize, k: usize| {
-                    let kl = sweep.kl(name, w, n, k);
-                    done += 1;
-                    if said.elapsed().as_secs() >= 20 {
-                        eprintln!("etmetal: mixed: measured {done} weights in int4");
-                        said = Instant::now();
-                    }
-                    kl
-                };
-                quantizer.plan(&all, Some(&mut measure))?;
-                eprintln!(
-                    "etmetal: mixed: each weight's int4 form measured on {} tokens of logits",
-                    sweep.rows()
-                );
-            }
-            _ => quantizer.plan(&all, None)?,
-        }
-    }
-    if !quantizer.sensitivity.is_empty() {
-        let int8: Vec<&str> = quantizer
-            .sensitivity
-            .iter()
-            .filter(|s| s.int8)
-            .map(|s| s.weight.as_str())
-            .collect();
-        eprintln!(
-            "etmetal: mixed: {} of {} weights in int8, the most sensitive ({}): {}",
-            int8.len(),
-            quantizer.sensitivity.len(),
-            if calibration.is_some() {
-                "mean KL of the logits with the weight alone in calibrated int4"
-            } else {
-                "relative error of the weight in int4, data-free"
-            },
-            int8.join(", ")
-        );
-    }
-    let mut linears = 0;
-    for ((name, file), graph) in files.iter().zip(graphs.iter_mut()) {
-        let r = quantizer
-            .quantize(graph)
-            .map_err(|e| e.context(format!("method `{name}` ({})", file.display())))?;
-        linears += r.quantized.len() + r.skipped.len();
-        if r.quantized.is_empty() && r.skipped.is_empty() {
-            continue;
-        }
-        let formats: std::collections::BTreeSet<_> = r
-            .quantized
-            .iter()
-            .map(|(_, f)| (f.bits, f.group_size))
-            .collect();
-        let what = match (formats.len(), r.quantized.first()) {
-            (1, Some((_, f))) => format!("in {} (group {})", f.name(), f.group_size),
-            (0, _) => "quantized".to_string(),
-            _ => format!("({})", r.summary()),
-        };
-        eprintln!(
-            "etmetal: method `{name}`: {} linears {what}, {} kept in float{}",
-            r.quantized.len(),
-            r.skipped.len(),
-            match r.calibrated.len() {
-                0 => String::new(),
-                n => format!("; {n} calibrated"),
-            }
-        );
-        if !r.reused.is_empty() {
-            eprintln!(
-                "etmetal:   {} of them reuse quantized weights already made (shared with an earlier method or node)",
-                r.reused.len()
-            );
-        }
-        for node in &r.embeddings {
-            eprintln!(
-                "etmetal:   {node} gathers rows of the quantized table of the head tied to it"
-            );
-        }
-        for (node, why) in &r.skipped {
-            eprintln!("etmetal:   {node} stays in float: {why}");
-        }
-    }
-    if linears == 0 {
-        let where_: Vec<String> = files.iter().map(|(_, f)| f.display().to_string()).collect();
-        return Err(Error::invalid_input(format!(
-            "--quantize {scheme}: {} {} no linear layer to quantize (no `linear`, and no \
-             `matmul` with a constant weight)",
-            where_.join(", "),
-            if where_.len() == 1 { "has" } else { "have" }
-        )));
-    }
-    eprintln!(
-        "etmetal: quantized in {:.1} s",
-        start.elapsed().as_secs_f64()
-    );
-    Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
 fn compile_cmd(
     out: &mut String,
     path: Option<&Path>,
     extra: &[String],
     output: &Path,
     options: &CompileOptions,
-    dtype: DType,
-    quant: Option<&QuantArgs>,
     emit_msl: Option<&Path>,
 ) -> Result<()> {
     let start = Instant::now();
@@ -689,20 +529,11 @@ fn compile_cmd(
             .ok_or_else(|| Error::invalid_input(format!("--method {m}: expected NAME=FILE.pt2")))?;
         files.push((name.to_string(), PathBuf::from(file)));
     }
-    if let Some(q) = quant {
-        // a bad group size is refused before any work
-        q.options.check()?;
-    }
+    // a bad group size is refused before any model is read
+    options.check()?;
     let mut graphs = Vec::with_capacity(files.len());
-    for (name, file) in &files {
-        let mut graph = etmetal_graph::load_pt2(file)?;
-        etmetal_graph::precision::convert_floats(&mut graph, dtype)
-            .map_err(|e| e.context(format!("method `{name}` ({})", file.display())))?;
-        graphs.push(graph);
-    }
-    if let Some(q) = quant {
-        // the methods' shared weights are quantized once
-        quantize_methods(q, &files, &mut graphs)?;
+    for (_, file) in &files {
+        graphs.push(etmetal_graph::load_pt2(file)?);
     }
     let methods: Vec<(&str, &etmetal_graph::Graph)> = files
         .iter()
@@ -710,12 +541,27 @@ fn compile_cmd(
         .map(|((name, _), g)| (name.as_str(), g))
         .collect();
     // progress goes to stderr as it happens; the summary to stdout
-    let compiled =
-        compile::compile_methods(&methods, options, &mut |line| eprintln!("etmetal: {line}"))
-            .map_err(|e| {
-                let first = files.first().map(|f| f.1.display().to_string());
-                e.context(format!("compiling {}", first.unwrap_or_default()))
-            })?;
+    let mut progress = |line: &str| eprintln!("etmetal: {line}");
+    let in_file = |e: Error| {
+        let first = files.first().map(|f| f.1.display().to_string());
+        e.context(format!("compiling {}", first.unwrap_or_default()))
+    };
+    let prepared = compile::prepare(&methods, options, &mut progress).map_err(in_file)?;
+    if let Some(q) = &options.quantize {
+        // asked to quantize a program with nothing to quantize: refused
+        // before any kernel is compiled
+        if prepared.linears.iter().all(|&n| n == 0) {
+            let where_: Vec<String> = files.iter().map(|(_, f)| f.display().to_string()).collect();
+            return Err(Error::invalid_input(format!(
+                "--quantize {}: {} {} no linear layer to quantize (no `linear`, and no \
+                 `matmul` with a constant weight)",
+                q.options.scheme.name(),
+                where_.join(", "),
+                if where_.len() == 1 { "has" } else { "have" }
+            )));
+        }
+    }
+    let compiled = compile::compile_prepared(prepared, options, &mut progress).map_err(in_file)?;
     std::fs::write(output, &compiled.pte).map_err(|e| Error::io(output.display(), e))?;
     say!(
         out,

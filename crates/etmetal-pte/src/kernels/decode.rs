@@ -13,6 +13,7 @@
 //! value: the caller passes them to the op as 0-d tensors (see
 //! [`Decoded`]; the op set takes every operand of a binary op as a tensor).
 
+use etmetal_core::op_table::{self, Elementwise};
 use etmetal_core::shape::normalize_dim;
 use etmetal_core::{
     AvgPoolAttrs, BinaryOp, ConvAttrs, DType, Error, MaxPoolAttrs, Op, ReduceOp, Result, Scalar,
@@ -618,27 +619,16 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
             _ => custom::decode(a, name, overload).unwrap_or_else(|| Err(unsupported(a))),
         };
     };
+    // elementwise ops without attributes: (self, out) or (self, other[, alpha], out)
+    match op_table::of_kernel(op, overload) {
+        Some((Elementwise::Unary(u), _)) => return unary(a, u, 1),
+        Some((Elementwise::Binary(b, alpha), scalar)) => {
+            let (alpha, out) = if alpha { (Some(2), 3) } else { (None, 2) };
+            return binary(a, b, scalar, alpha, out);
+        }
+        None => {}
+    }
     match (op, overload) {
-        // ---- unary: (self, out)
-        ("abs", "out") => unary(a, U::Abs, 1),
-        ("ceil", "out") => unary(a, U::Ceil, 1),
-        ("cos", "out") => unary(a, U::Cos, 1),
-        ("erf", "out") => unary(a, U::Erf, 1),
-        ("exp", "out") => unary(a, U::Exp, 1),
-        ("floor", "out") => unary(a, U::Floor, 1),
-        ("log", "out") => unary(a, U::Log, 1),
-        ("neg", "out") => unary(a, U::Neg, 1),
-        ("reciprocal", "out") => unary(a, U::Reciprocal, 1),
-        ("relu", "out") => unary(a, U::Relu, 1),
-        ("round", "out") => unary(a, U::Round, 1),
-        ("rsqrt", "out") => unary(a, U::Rsqrt, 1),
-        ("sigmoid", "out") => unary(a, U::Sigmoid, 1),
-        ("sign", "out") => unary(a, U::Sign, 1),
-        ("sin", "out") => unary(a, U::Sin, 1),
-        ("sqrt", "out") => unary(a, U::Sqrt, 1),
-        ("tanh", "out") => unary(a, U::Tanh, 1),
-        ("logical_not", "out") => unary(a, U::LogicalNot, 1),
-        ("bitwise_not", "out") => unary(a, U::BitwiseNot, 1),
         // (self, approximate, out)
         ("gelu", "out") => {
             let tanh = match a.opt_string(1)?.unwrap_or("none") {
@@ -681,15 +671,7 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
             2,
         ),
 
-        // ---- binary: (self, other[, alpha], out)
-        ("add", "out") => binary(a, B::Add, false, Some(2), 3),
-        ("add", "Scalar_out") => binary(a, B::Add, true, Some(2), 3),
-        ("sub", "out") => binary(a, B::Sub, false, Some(2), 3),
-        ("sub", "Scalar_out") => binary(a, B::Sub, true, Some(2), 3),
-        ("mul", "out") => binary(a, B::Mul, false, None, 2),
-        ("mul", "Scalar_out") => binary(a, B::Mul, true, None, 2),
-        ("div", "out") => binary(a, B::Div, false, None, 2),
-        ("div", "Scalar_out") => binary(a, B::Div, true, None, 2),
+        // ---- binary with attributes; the rest are in the op table
         // (self, other, rounding_mode?, out)
         ("div", "out_mode") | ("div", "Scalar_mode_out") => {
             let b = match a.opt_string(2)? {
@@ -701,9 +683,6 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
             binary(a, b, overload == "Scalar_mode_out", None, 3)
         }
         ("floor_divide", "out") => binary(a, B::FloorDiv, false, None, 2),
-        ("remainder", "Tensor_out") => binary(a, B::Remainder, false, None, 2),
-        ("remainder", "Scalar_out") => binary(a, B::Remainder, true, None, 2),
-        ("pow", "Tensor_Tensor_out") => binary(a, B::Pow, false, None, 2),
         // (Scalar self, Tensor exponent, out)
         ("pow", "Scalar_out") => one(
             Op::Binary(B::Pow),
@@ -720,33 +699,6 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
                 vec![Some(a.scalar_slot(1)?), Some(a.tensor(0)?)],
                 vec![a.tensor(3)?],
             )
-        }
-        ("maximum", "out") => binary(a, B::Maximum, false, None, 2),
-        ("minimum", "out") => binary(a, B::Minimum, false, None, 2),
-        ("logical_and", "out") => binary(a, B::LogicalAnd, false, None, 2),
-        ("logical_or", "out") => binary(a, B::LogicalOr, false, None, 2),
-        ("logical_xor", "out") => binary(a, B::LogicalXor, false, None, 2),
-        (cmp @ ("eq" | "ne" | "lt" | "le" | "gt" | "ge"), ov @ ("Tensor_out" | "Scalar_out")) => {
-            let b = match cmp {
-                "eq" => B::Eq,
-                "ne" => B::Ne,
-                "lt" => B::Lt,
-                "le" => B::Le,
-                "gt" => B::Gt,
-                _ => B::Ge,
-            };
-            binary(a, b, ov == "Scalar_out", None, 2)
-        }
-        (
-            bit @ ("bitwise_and" | "bitwise_or" | "bitwise_xor"),
-            ov @ ("Tensor_out" | "Scalar_out"),
-        ) => {
-            let b = match bit {
-                "bitwise_and" => B::BitwiseAnd,
-                "bitwise_or" => B::BitwiseOr,
-                _ => B::BitwiseXor,
-            };
-            binary(a, b, ov == "Scalar_out", None, 2)
         }
         // (condition, self, other, out)
         ("where", "self_out") => one(

@@ -11,7 +11,7 @@
 //! more than the op produces (layer/group/batch norm statistics, max-pool
 //! indices) the caller supplies scratch tensors for the extra ones.
 
-use etmetal_core::{BinaryOp, Error, Op, ReduceOp, Result, Scalar, UnaryOp};
+use etmetal_core::{op_table, BinaryOp, Error, Op, ReduceOp, Result, Scalar, UnaryOp};
 
 use super::{Call, CallArg, TensorMeta};
 
@@ -71,63 +71,28 @@ fn opt_dims(dims: &[usize]) -> CallArg {
     }
 }
 
+/// The portable kernel of a unary op without attributes (op table).
 fn unary_name(u: &UnaryOp) -> Option<&'static str> {
-    use UnaryOp::*;
-    Some(match u {
-        Relu => "relu",
-        Sigmoid => "sigmoid",
-        Tanh => "tanh",
-        Exp => "exp",
-        Log => "log",
-        Sqrt => "sqrt",
-        Rsqrt => "rsqrt",
-        Neg => "neg",
-        Abs => "abs",
-        Reciprocal => "reciprocal",
-        Sin => "sin",
-        Cos => "cos",
-        Erf => "erf",
-        Floor => "floor",
-        Ceil => "ceil",
-        Round => "round",
-        Sign => "sign",
-        LogicalNot => "logical_not",
-        BitwiseNot => "bitwise_not",
-        _ => return None,
-    })
+    op_table::unary_row(*u)?.kernel.map(|k| k.name)
 }
 
-fn binary(b: BinaryOp) -> (&'static str, &'static str, Vec<CallArg>) {
-    use BinaryOp::*;
-    let (name, overload) = match b {
-        Add => ("add", "out"),
-        Sub => ("sub", "out"),
-        Mul => ("mul", "out"),
-        Div | FloorDiv | TruncDiv => ("div", if b == Div { "out" } else { "out_mode" }),
-        Remainder => ("remainder", "Tensor_out"),
-        Pow => ("pow", "Tensor_Tensor_out"),
-        Maximum => ("maximum", "out"),
-        Minimum => ("minimum", "out"),
-        Eq => ("eq", "Tensor_out"),
-        Ne => ("ne", "Tensor_out"),
-        Lt => ("lt", "Tensor_out"),
-        Le => ("le", "Tensor_out"),
-        Gt => ("gt", "Tensor_out"),
-        Ge => ("ge", "Tensor_out"),
-        LogicalAnd => ("logical_and", "out"),
-        LogicalOr => ("logical_or", "out"),
-        LogicalXor => ("logical_xor", "out"),
-        BitwiseAnd => ("bitwise_and", "Tensor_out"),
-        BitwiseOr => ("bitwise_or", "Tensor_out"),
-        BitwiseXor => ("bitwise_xor", "Tensor_out"),
-    };
-    let extra = match b {
-        Add | Sub => vec![CallArg::Scalar(Scalar::Int(1))], // alpha
-        FloorDiv => vec![CallArg::Str("floor".into())],
-        TruncDiv => vec![CallArg::Str("trunc".into())],
-        _ => vec![],
-    };
-    (name, overload, extra)
+/// The portable kernel of a binary op, its overload and the arguments
+/// after the two operands: the op table's kernel (with `alpha = 1` where
+/// it takes one), or `div.out_mode` with the rounding mode.
+fn binary(b: BinaryOp) -> Result<(&'static str, &'static str, Vec<CallArg>)> {
+    Ok(match (b, op_table::binary_row(b).kernel) {
+        (BinaryOp::FloorDiv, _) => ("div", "out_mode", vec![CallArg::Str("floor".into())]),
+        (BinaryOp::TruncDiv, _) => ("div", "out_mode", vec![CallArg::Str("trunc".into())]),
+        (_, Some(k)) => {
+            let alpha = [CallArg::Scalar(Scalar::Int(1))];
+            (
+                k.name,
+                k.tensor,
+                alpha.into_iter().filter(|_| k.alpha).collect(),
+            )
+        }
+        (_, None) => return Err(unsupported(format!("{b:?} (no portable kernel)"))),
+    })
 }
 
 /// `ScalarType? dtype`: given only where the output dtype differs from the
@@ -187,7 +152,7 @@ fn encode_op(op: &Op, inputs: &[Option<TensorMeta>], outputs: &[TensorMeta]) -> 
             }
         }
         Op::Binary(b) => {
-            let (name, overload, extra) = binary(*b);
+            let (name, overload, extra) = binary(*b)?;
             let mut args = vec![Input(0), Input(1)];
             args.extend(extra);
             call(name, overload, args, 1)

@@ -8,11 +8,11 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use etmetal::compile::{partition_graph, CompileOptions, Partitioned};
 use etmetal::summary::{payload_bytes, summarize};
 use etmetal::Model;
 use etmetal_core::{Error, Result, Tensor};
 use etmetal_graph::{InputKind, OutputKind};
-use etmetal_metal::partitioner::{ops_to_not_decompose, partition, PartitionOptions};
 use etmetal_metal::payload::Payload;
 use etmetal_pte::{DataLocation, EValue, ExecutionPlan, Instruction, PteFile};
 
@@ -43,11 +43,12 @@ pub fn inspect(out: &mut String, path: &Path, verbose: bool) -> Result<()> {
 /// it would leave on the CPU, with the reasons: the partitioner's answer,
 /// without compiling any kernel.
 fn summarize_partitions(out: &mut String, path: &Path) -> Result<()> {
-    let mut g = etmetal_graph::load_pt2(path)?;
-    etmetal_graph::decompose(&mut g, &ops_to_not_decompose);
-    let folded = etmetal_graph::fold_constants(&mut g, &[])?;
-    etmetal_graph::eliminate_dead_code(&mut g);
-    let parts = partition(&g, &PartitionOptions::default())?;
+    let graph = etmetal_graph::load_pt2(path)?;
+    let Partitioned {
+        graph: g,
+        partitioning: parts,
+        folded_nodes: folded,
+    } = partition_graph(&graph, &CompileOptions::default())?;
     let delegated: usize = parts.partitions.iter().map(|p| p.nodes.len()).sum();
     say!(
         out,

@@ -188,8 +188,27 @@ impl Lowerer<'_> {
     /// The composite ops of this module (`name` as in `lower_node`);
     /// `Ok(false)` when `name` is not one of them.
     pub(super) fn composite(&mut self, c: &Ctx, name: &str, overload: &str) -> Result<bool> {
+        let v = match self.pointwise_composite(c, name, overload)? {
+            Some(v) => v,
+            None => match self.structural_composite(c, name, overload)? {
+                Some(v) => v,
+                None => return Ok(false),
+            },
+        };
+        self.bind(c, 0, v)?;
+        Ok(true)
+    }
+
+    /// Composites computed elementwise (activations, `log1p`, `lerp`, …)
+    /// and `logsumexp`, `glu`: the value to bind, or `None`.
+    fn pointwise_composite(
+        &mut self,
+        c: &Ctx,
+        name: &str,
+        overload: &str,
+    ) -> Result<Option<ValueId>> {
         let a = &c.args;
-        let v = match (name, overload) {
+        Ok(Some(match (name, overload) {
             ("softplus", "default") => {
                 let x = self.t(c, "self")?;
                 self.softplus_of(c, x, a.float("beta", 1.0)?, a.float("threshold", 20.0)?)?
@@ -284,62 +303,6 @@ impl Lowerer<'_> {
                 };
                 self.bin(c, BinaryOp::Add, x, p)?
             }
-            ("histc", "default") => self.histc(c)?,
-            ("eye", "default" | "m") => {
-                // (row index == column index), cast to the dtype asked for
-                let n = self.size_int(c, "n")?;
-                let m = match overload {
-                    "m" => self.size_int(c, "m")?,
-                    _ => n,
-                };
-                let dtype = a.scalar_type("dtype")?.unwrap_or(DType::F32);
-                let rows = self.iota(c, n, DType::I64)?;
-                let rows = self.reshaped(c, rows, vec![n, 1])?;
-                let cols = self.iota(c, m, DType::I64)?;
-                let cols = self.reshaped(c, cols, vec![1, m])?;
-                let diagonal = self.bin(c, BinaryOp::Eq, rows, cols)?;
-                if dtype == DType::Bool {
-                    diagonal
-                } else {
-                    self.emit1(c, Op::Cast { dtype }, vec![Some(diagonal)])?
-                }
-            }
-            ("_grouped_mm", "default") => {
-                if let Some(d) = a.scalar_type("out_dtype")? {
-                    let x = self.t(c, "self")?;
-                    if d != self.dtype(x) {
-                        return Err(Error::unsupported(format!(
-                            "_grouped_mm to out_dtype {d:?}"
-                        )));
-                    }
-                }
-                if a.tensor_name("bias")?.is_some() {
-                    return Err(Error::unsupported("_grouped_mm with a bias"));
-                }
-                self.grouped_mm(c, "self", "mat2", "offs")?;
-                return Ok(true);
-            }
-            ("baddbmm", "default") => {
-                let x = self.t(c, "self")?;
-                let (b1, b2) = (self.t(c, "batch1")?, self.t(c, "batch2")?);
-                let m = self.emit1(c, Op::MatMul, vec![Some(b1), Some(b2)])?;
-                let (beta, alpha) = (a.float("beta", 1.0)?, a.float("alpha", 1.0)?);
-                let m = if alpha == 1.0 {
-                    m
-                } else {
-                    self.bin_k(c, BinaryOp::Mul, m, alpha)?
-                };
-                if beta == 0.0 {
-                    m
-                } else {
-                    let x = if beta == 1.0 {
-                        x
-                    } else {
-                        self.bin_k(c, BinaryOp::Mul, x, beta)?
-                    };
-                    self.bin(c, BinaryOp::Add, m, x)?
-                }
-            }
             ("isnan", "default") => {
                 let x = self.t(c, "self")?;
                 self.bin(c, BinaryOp::Ne, x, x)?
@@ -429,36 +392,6 @@ impl Lowerer<'_> {
                 let g = self.un(c, UnaryOp::Sigmoid, second)?;
                 self.bin(c, BinaryOp::Mul, first, g)?
             }
-            ("flip", "default") => {
-                let x = self.t(c, "self")?;
-                let shape = self.shape(x);
-                let mut y = self.emit1(c, Op::Identity, vec![Some(x)])?;
-                for d in self.dims(c, "dims", shape.len())? {
-                    let n = shape[d];
-                    let rev: Vec<i64> = (0..n as i64).rev().collect();
-                    let rev = Tensor::from_i64(DType::I64, &[n], &rev)?;
-                    let rev = self.add_table(c, "rev", rev);
-                    y = self.emit1(c, Op::IndexSelect { dim: d }, vec![Some(y), Some(rev)])?;
-                }
-                y
-            }
-            ("outer" | "ger", "default") => {
-                let x = self.t(c, "self")?;
-                let y = self.t(c, "vec2")?;
-                let n = self.shape(x).iter().product();
-                let col = self.emit1(c, Op::Reshape { shape: vec![n, 1] }, vec![Some(x)])?;
-                self.bin(c, BinaryOp::Mul, col, y)?
-            }
-            ("mT" | "mH" | "adjoint", "default") => {
-                let x = self.t(c, "self")?;
-                let r = self.rank(x);
-                if r < 2 {
-                    return Err(Error::shape(format!("{name} of a {r}-D tensor")));
-                }
-                let mut dims: Vec<usize> = (0..r).collect();
-                dims.swap(r - 2, r - 1);
-                self.emit1(c, Op::Permute { dims }, vec![Some(x)])?
-            }
             ("prelu" | "_prelu_kernel", "default") => {
                 // x where x > 0, else weight * x; the weight runs along dim 1
                 let x = self.t(c, "self")?;
@@ -488,6 +421,91 @@ impl Lowerer<'_> {
                 } else {
                     t
                 }
+            }
+            _ => return Ok(None),
+        }))
+    }
+
+    /// Composites that move or make elements (`flip`, `eye`, `outer`,
+    /// `pixel_shuffle`, `histc`, `baddbmm`): the value to bind, or `None`.
+    fn structural_composite(
+        &mut self,
+        c: &Ctx,
+        name: &str,
+        overload: &str,
+    ) -> Result<Option<ValueId>> {
+        let a = &c.args;
+        Ok(Some(match (name, overload) {
+            ("histc", "default") => self.histc(c)?,
+            ("eye", "default" | "m") => {
+                // (row index == column index), cast to the dtype asked for
+                let n = self.size_int(c, "n")?;
+                let m = match overload {
+                    "m" => self.size_int(c, "m")?,
+                    _ => n,
+                };
+                let dtype = a.scalar_type("dtype")?.unwrap_or(DType::F32);
+                let rows = self.iota(c, n, DType::I64)?;
+                let rows = self.reshaped(c, rows, vec![n, 1])?;
+                let cols = self.iota(c, m, DType::I64)?;
+                let cols = self.reshaped(c, cols, vec![1, m])?;
+                let diagonal = self.bin(c, BinaryOp::Eq, rows, cols)?;
+                if dtype == DType::Bool {
+                    diagonal
+                } else {
+                    self.emit1(c, Op::Cast { dtype }, vec![Some(diagonal)])?
+                }
+            }
+            ("baddbmm", "default") => {
+                let x = self.t(c, "self")?;
+                let (b1, b2) = (self.t(c, "batch1")?, self.t(c, "batch2")?);
+                let m = self.emit1(c, Op::MatMul, vec![Some(b1), Some(b2)])?;
+                let (beta, alpha) = (a.float("beta", 1.0)?, a.float("alpha", 1.0)?);
+                let m = if alpha == 1.0 {
+                    m
+                } else {
+                    self.bin_k(c, BinaryOp::Mul, m, alpha)?
+                };
+                if beta == 0.0 {
+                    m
+                } else {
+                    let x = if beta == 1.0 {
+                        x
+                    } else {
+                        self.bin_k(c, BinaryOp::Mul, x, beta)?
+                    };
+                    self.bin(c, BinaryOp::Add, m, x)?
+                }
+            }
+            ("flip", "default") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let mut y = self.emit1(c, Op::Identity, vec![Some(x)])?;
+                for d in self.dims(c, "dims", shape.len())? {
+                    let n = shape[d];
+                    let rev: Vec<i64> = (0..n as i64).rev().collect();
+                    let rev = Tensor::from_i64(DType::I64, &[n], &rev)?;
+                    let rev = self.add_table(c, "rev", rev);
+                    y = self.emit1(c, Op::IndexSelect { dim: d }, vec![Some(y), Some(rev)])?;
+                }
+                y
+            }
+            ("outer" | "ger", "default") => {
+                let x = self.t(c, "self")?;
+                let y = self.t(c, "vec2")?;
+                let n = self.shape(x).iter().product();
+                let col = self.emit1(c, Op::Reshape { shape: vec![n, 1] }, vec![Some(x)])?;
+                self.bin(c, BinaryOp::Mul, col, y)?
+            }
+            ("mT" | "mH" | "adjoint", "default") => {
+                let x = self.t(c, "self")?;
+                let r = self.rank(x);
+                if r < 2 {
+                    return Err(Error::shape(format!("{name} of a {r}-D tensor")));
+                }
+                let mut dims: Vec<usize> = (0..r).collect();
+                dims.swap(r - 2, r - 1);
+                self.emit1(c, Op::Permute { dims }, vec![Some(x)])?
             }
             ("pixel_shuffle" | "pixel_unshuffle", "default") => {
                 let x = self.t(c, "self")?;
@@ -535,9 +553,7 @@ impl Lowerer<'_> {
                 let o = [lead_shape, out].concat();
                 self.emit1(c, Op::Reshape { shape: o }, vec![Some(v)])?
             }
-            _ => return Ok(false),
-        };
-        self.bind(c, 0, v)?;
-        Ok(true)
+            _ => return Ok(None),
+        }))
     }
 }

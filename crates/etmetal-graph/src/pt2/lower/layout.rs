@@ -3,10 +3,12 @@
 //! index table computed here (the GPU runs it as index arithmetic, as its
 //! other layout ops).
 
-use etmetal_core::shape::{normalize_dim, numel};
-use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor};
+use std::ops::Add;
 
-use super::{Ctx, Lowerer};
+use etmetal_core::shape::{normalize_dim, numel};
+use etmetal_core::{BinaryOp, DType, Error, Op, Result, SymExpr, Tensor};
+
+use super::{usizes, Ctx, Lowerer};
 use crate::ir::ValueId;
 
 impl Lowerer<'_> {
@@ -307,5 +309,396 @@ impl Lowerer<'_> {
         let table = self.add_table(c, "index", table);
         let picked = self.emit1(c, Op::IndexSelect { dim: 0 }, vec![Some(flat), Some(table)])?;
         self.finish(c, Op::Reshape { shape: size }, vec![Some(picked)])
+    }
+}
+
+impl Lowerer<'_> {
+    /// Lower `c` (ATen op `name`, overload `overload`) if it is a view: a reshape, permute or expand, or a strided view;
+    /// `false` when it is not.
+    pub(super) fn lower_view(&mut self, c: &Ctx, name: &str, overload: &str) -> Result<bool> {
+        let a = &c.args;
+        let lowered = match (name, overload) {
+            ("as_strided" | "as_strided_copy", "default") => self.as_strided(c),
+            ("movedim", "int" | "intlist") => self.movedim(c),
+            ("unfold", "default") => self.unfold(c),
+            ("numpy_T", "default") => {
+                // `x.T`: every dim reversed
+                let x = self.t(c, "self")?;
+                let dims = (0..self.rank(x)).rev().collect();
+                self.finish(c, Op::Permute { dims }, vec![Some(x)])
+            }
+            ("view_as" | "reshape_as", "default") => {
+                let x = self.t(c, "self")?;
+                let other = self.t(c, "other")?;
+                let size: Vec<i64> = self.shape(other).iter().map(|&d| d as i64).collect();
+                self.reshape(c, x, &size)
+            }
+            ("expand_as", "default") => {
+                let x = self.t(c, "self")?;
+                let other = self.t(c, "other")?;
+                let shape = self.shape(other);
+                self.finish(c, Op::Expand { shape }, vec![Some(x)])
+            }
+            ("view" | "_unsafe_view", "default") => {
+                let x = self.t(c, "self")?;
+                let size = self.req_ints(c, "size")?;
+                self.reshape(c, x, &size)
+            }
+            ("reshape", "default") => {
+                let x = self.t(c, "self")?;
+                let size = self.req_ints(c, "shape")?;
+                self.reshape(c, x, &size)
+            }
+            ("flatten", "using_ints") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let r = shape.len();
+                if r == 0 {
+                    return self.reshape(c, x, &[1]).map(|()| true);
+                }
+                let (s, e) = (
+                    self.dim(c, "start_dim", 0, r)?,
+                    self.dim(c, "end_dim", -1, r)?,
+                );
+                if s > e {
+                    return Err(Error::shape(format!("flatten start_dim {s} > end_dim {e}")));
+                }
+                let mut sizes: Vec<i64> = shape[..s].iter().map(|&d| d as i64).collect();
+                sizes.push(shape[s..=e].iter().product::<usize>() as i64);
+                sizes.extend(shape[e + 1..].iter().map(|&d| d as i64));
+                self.reshape(c, x, &sizes)
+            }
+            ("unflatten", "int") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let (d, _) = self.sized_dim(c, "dim", 0, &shape)?;
+                let mut sizes: Vec<i64> = shape[..d].iter().map(|&v| v as i64).collect();
+                sizes.extend(self.req_ints(c, "sizes")?);
+                sizes.extend(shape[d + 1..].iter().map(|&v| v as i64));
+                self.reshape(c, x, &sizes)
+            }
+            ("squeeze", "dim" | "dims" | "default") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let dims = match a.get("dim")? {
+                    None => (0..shape.len()).collect(),
+                    Some(("as_int", _)) => vec![self.dim(c, "dim", 0, shape.len())?],
+                    Some(_) => self.dims(c, "dim", shape.len())?,
+                };
+                let sizes: Vec<i64> = shape
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, &n)| !(n == 1 && dims.contains(i)))
+                    .map(|(_, &n)| n as i64)
+                    .collect();
+                self.reshape(c, x, &sizes)
+            }
+            ("unsqueeze", "default") => {
+                let x = self.t(c, "self")?;
+                let mut sizes: Vec<i64> = self.shape(x).iter().map(|&n| n as i64).collect();
+                let d = self.dim(c, "dim", 0, sizes.len() + 1)?;
+                sizes.insert(d, 1);
+                self.reshape(c, x, &sizes)
+            }
+            ("permute", "default") => {
+                let x = self.t(c, "self")?;
+                let r = self.rank(x);
+                let dims = self
+                    .req_ints(c, "dims")?
+                    .into_iter()
+                    .map(|d| normalize_dim(d, r))
+                    .collect::<Result<_>>()?;
+                self.finish(c, Op::Permute { dims }, vec![Some(x)])
+            }
+            ("transpose" | "swapdims", "int" | "default")
+            | ("swapaxes", "default")
+            | ("t", "default") => {
+                let x = self.t(c, "self")?;
+                let r = self.rank(x);
+                if r < 2 {
+                    return self.unary_identity(c, "self").map(|()| true);
+                }
+                let (n0, n1) = if name == "swapaxes" {
+                    ("axis0", "axis1")
+                } else {
+                    ("dim0", "dim1")
+                };
+                let (d0, d1) = (self.dim(c, n0, 0, r)?, self.dim(c, n1, 1, r)?);
+                let mut dims: Vec<usize> = (0..r).collect();
+                dims.swap(d0, d1);
+                self.finish(c, Op::Permute { dims }, vec![Some(x)])
+            }
+            ("expand" | "broadcast_to", "default") => {
+                let x = self.t(c, "self")?;
+                let from = self.shape(x);
+                let size = self.req_ints(c, "size")?;
+                let lead = size.len().checked_sub(from.len()).ok_or_else(|| {
+                    Error::shape(format!("cannot expand {from:?} to fewer dims {size:?}"))
+                })?;
+                let shape = size
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &s)| match s {
+                        -1 if i >= lead => Ok(from[i - lead]),
+                        s if s >= 0 => Ok(s as usize),
+                        _ => Err(Error::shape(format!("cannot expand {from:?} to {size:?}"))),
+                    })
+                    .collect::<Result<_>>()?;
+                self.finish(c, Op::Expand { shape }, vec![Some(x)])
+            }
+            _ => return Ok(false),
+        };
+        lowered.map(|()| true)
+    }
+}
+
+impl Lowerer<'_> {
+    /// Lower `c` (ATen op `name`, overload `overload`) if it is a slice, split, cat, pad, repeat or triangle;
+    /// `false` when it is not.
+    pub(super) fn lower_layout(&mut self, c: &Ctx, name: &str, overload: &str) -> Result<bool> {
+        let a = &c.args;
+        let lowered = match (name, overload) {
+            ("diff", "default") => self.diff(c),
+            ("roll", "default") => self.roll(c),
+            ("slice", "Tensor") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let (dim, size) = self.sized_dim(c, "dim", 0, &shape)?;
+                let step = usize::try_from(a.int("step", 1)?)
+                    .ok()
+                    .filter(|&s| s > 0)
+                    .ok_or_else(|| Error::format("slice step must be positive"))?;
+                let (start, end) = Self::clamp_range(a.opt_int("start")?, a.opt_int("end")?, size);
+                self.finish(
+                    c,
+                    Op::Slice {
+                        dim,
+                        start,
+                        end,
+                        step,
+                    },
+                    vec![Some(x)],
+                )?;
+                let start = a.sym_int("start")?.unwrap_or(SymExpr::Const(0));
+                let end = a.sym_int("end")?.unwrap_or(SymExpr::Const(i64::MAX));
+                self.keep_sym_args(x, dim, vec![start, end])
+            }
+            ("narrow", "default") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let (dim, n) = self.sized_dim(c, "dim", 0, &shape)?;
+                let n = n as i64;
+                let start = a.int("start", 0)?;
+                let start = if start < 0 { start + n } else { start };
+                let len = a.int("length", 0)?;
+                if start < 0 || len < 0 || start + len > n {
+                    return Err(Error::shape(format!(
+                        "narrow({dim}, {start}, {len}) of {shape:?}"
+                    )));
+                }
+                let op = Op::Slice {
+                    dim,
+                    start: start as usize,
+                    end: (start + len) as usize,
+                    step: 1,
+                };
+                self.finish(c, op, vec![Some(x)])?;
+                let start = a.sym_int("start")?.unwrap_or(SymExpr::Const(0));
+                let len = a.sym_int("length")?.unwrap_or(SymExpr::Const(0));
+                // a negative start counts from the end, so its end does too
+                let end = match start.as_const() {
+                    Some(s) if s < 0 && s + len.as_const().unwrap_or(0) == 0 => {
+                        SymExpr::Const(i64::MAX)
+                    }
+                    _ => SymExpr::add(start.clone(), len),
+                };
+                self.keep_sym_args(x, dim, vec![start, end])
+            }
+            ("select", "int") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let (dim, n) = self.sized_dim(c, "dim", 0, &shape)?;
+                let i = a.int("index", 0)?;
+                let index =
+                    usize::try_from(if i < 0 { i + n as i64 } else { i }).map_err(|_| {
+                        Error::shape(format!("select index {i} of dim {dim} of {shape:?}"))
+                    })?;
+                self.finish(c, Op::Select { dim, index }, vec![Some(x)])?;
+                let index = a.sym_int("index")?.unwrap_or(SymExpr::Const(0));
+                self.keep_sym_args(x, dim, vec![index])
+            }
+            ("split", "Tensor") | ("split_with_sizes", "default") | ("chunk", "default") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let (dim, n) = self.sized_dim(c, "dim", 0, &shape)?;
+                let sizes = match name {
+                    "split_with_sizes" => usizes(&self.req_ints(c, "split_sizes")?, "split_sizes")?,
+                    _ => {
+                        let piece = if name == "chunk" {
+                            let chunks = usize::try_from(a.int("chunks", 1)?)
+                                .ok()
+                                .filter(|&k| k > 0)
+                                .ok_or_else(|| Error::format("chunks must be positive"))?;
+                            n.div_ceil(chunks)
+                        } else {
+                            usize::try_from(a.int("split_size", 1)?)
+                                .ok()
+                                .filter(|&k| k > 0)
+                                .ok_or_else(|| Error::format("split_size must be positive"))?
+                        };
+                        let mut sizes = vec![piece; n / piece.max(1)];
+                        if !n.is_multiple_of(piece) {
+                            sizes.push(n % piece);
+                        }
+                        sizes
+                    }
+                };
+                self.split(c, x, dim, &sizes)
+            }
+            ("tensor_split", "indices" | "sections" | "tensor_indices_or_sections") => {
+                self.tensor_split(c, overload)
+            }
+            ("unbind", "int") => {
+                let x = self.t(c, "self")?;
+                let shape = self.shape(x);
+                let (dim, n) = self.sized_dim(c, "dim", 0, &shape)?;
+                for index in 0..n {
+                    let v = self.emit1(c, Op::Select { dim, index }, vec![Some(x)])?;
+                    self.bind(c, index, v)?;
+                }
+                Ok(())
+            }
+            ("meshgrid", "default" | "indexing") => {
+                let parts = self.tensor_list(c, "tensors")?;
+                let xy = match a.string("indexing")? {
+                    None | Some("ij") => false,
+                    Some("xy") => true,
+                    Some(m) => return Err(Error::format(format!("meshgrid indexing `{m}`"))),
+                };
+                let mut sizes = Vec::with_capacity(parts.len());
+                for &p in &parts {
+                    match self.shape(p)[..] {
+                        [] => sizes.push(1),
+                        [n] => sizes.push(n),
+                        ref s => {
+                            return Err(Error::shape(format!(
+                                "meshgrid of a {s:?} tensor (1-D only)"
+                            )))
+                        }
+                    }
+                }
+                // "xy": the first two inputs vary along the output's dims 1 and 0
+                let place = |i: usize| match i {
+                    0 | 1 if xy && sizes.len() > 1 => 1 - i,
+                    _ => i,
+                };
+                let mut out = vec![0; sizes.len()];
+                for (i, &n) in sizes.iter().enumerate() {
+                    out[place(i)] = n;
+                }
+                for (i, &p) in parts.iter().enumerate() {
+                    let mut shape = vec![1; sizes.len()];
+                    shape[place(i)] = sizes[i];
+                    let v = self.emit1(c, Op::Reshape { shape }, vec![Some(p)])?;
+                    let v = self.emit1(c, Op::Expand { shape: out.clone() }, vec![Some(v)])?;
+                    self.bind(c, i, v)?;
+                }
+                Ok(())
+            }
+            ("cat" | "concat" | "concatenate", "default") => {
+                let parts = self.tensor_list(c, "tensors")?;
+                // legacy 1-D empty tensors do not decide the rank
+                let rank = parts
+                    .iter()
+                    .map(|&p| self.shape(p))
+                    .find(|s| s != &[0])
+                    .map_or(1, |s| s.len());
+                let dim = self.dim(c, "dim", 0, rank)?;
+                self.finish(c, Op::Cat { dim }, parts.into_iter().map(Some).collect())
+            }
+            ("stack", "default") => {
+                let parts = self.tensor_list(c, "tensors")?;
+                let first = parts
+                    .first()
+                    .ok_or_else(|| Error::shape("stack of no tensors"))?;
+                let mut shape = self.shape(*first);
+                let dim = self.dim(c, "dim", 0, shape.len() + 1)?;
+                shape.insert(dim, 1);
+                let mut unsqueezed = vec![];
+                for p in parts {
+                    unsqueezed.push(Some(self.emit1(
+                        c,
+                        Op::Reshape {
+                            shape: shape.clone(),
+                        },
+                        vec![Some(p)],
+                    )?));
+                }
+                self.finish(c, Op::Cat { dim }, unsqueezed)
+            }
+            ("triu" | "tril", "default") => {
+                let x = self.t(c, "self")?;
+                let op = Op::Triangle {
+                    upper: name == "triu",
+                    diagonal: a.int("diagonal", 0)?,
+                };
+                self.finish(c, op, vec![Some(x)])
+            }
+            ("repeat", "default") => {
+                let x = self.t(c, "self")?;
+                let repeats = usizes(&self.req_ints(c, "repeats")?, "repeats")?;
+                self.finish(c, Op::Repeat { repeats }, vec![Some(x)])
+            }
+            ("repeat_interleave", "self_int") => {
+                // each element `repeats` times along `dim` (flattened when
+                // absent): unsqueeze after `dim`, expand, merge the two dims
+                let mut x = self.t(c, "self")?;
+                let repeats = usizes(&[c.args.int("repeats", 1)?], "repeats")?[0];
+                let d = match c.args.opt_int("dim")? {
+                    Some(d) => normalize_dim(d, self.rank(x))?,
+                    None => {
+                        let n = self.shape(x).iter().product();
+                        x = self.emit1(c, Op::Reshape { shape: vec![n] }, vec![Some(x)])?;
+                        0
+                    }
+                };
+                let shape = self.shape(x);
+                let mut expanded = shape.clone();
+                expanded.insert(d + 1, 1);
+                let u = self.emit1(
+                    c,
+                    Op::Reshape {
+                        shape: expanded.clone(),
+                    },
+                    vec![Some(x)],
+                )?;
+                expanded[d + 1] = repeats;
+                let e = self.emit1(c, Op::Expand { shape: expanded }, vec![Some(u)])?;
+                let mut sizes: Vec<i64> = shape.iter().map(|&n| n as i64).collect();
+                sizes[d] *= repeats as i64;
+                self.reshape(c, e, &sizes)
+            }
+            ("constant_pad_nd", "default") | ("pad", "default") => {
+                if let Some(mode) = a.string("mode")? {
+                    if mode != "constant" {
+                        return Err(Error::unsupported(format!(
+                            "pad mode `{mode}` (only constant)"
+                        )));
+                    }
+                }
+                let x = self.t(c, "self")?;
+                let pad = self.req_ints(c, "pad")?;
+                self.finish(
+                    c,
+                    Op::ConstantPad {
+                        pad,
+                        value: a.float("value", 0.0)?,
+                    },
+                    vec![Some(x)],
+                )
+            }
+            _ => return Ok(false),
+        };
+        lowered.map(|()| true)
     }
 }

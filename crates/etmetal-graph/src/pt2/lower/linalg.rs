@@ -395,3 +395,64 @@ impl Lowerer<'_> {
         self.bind(c, 0, w)
     }
 }
+
+impl Lowerer<'_> {
+    /// Lower `c` (ATen op `name`, overload `overload`) if it is a matrix product (grouped too), `einsum` or a vector norm;
+    /// `false` when it is not.
+    pub(super) fn lower_linalg(&mut self, c: &Ctx, name: &str, overload: &str) -> Result<bool> {
+        let a = &c.args;
+        let lowered = match (name, overload) {
+            ("einsum", "default") => self.einsum(c),
+            ("linalg_vector_norm", "default") => self.vector_norm(c, "ord"),
+            ("norm", "Scalar" | "ScalarOpt_dim" | "ScalarOpt_dim_dtype" | "ScalarOpt_dtype") => {
+                self.vector_norm(c, "p")
+            }
+            ("_weight_norm" | "_weight_norm_interface", "default") => self.weight_norm(c),
+            ("matmul", "default") => {
+                let (x, y) = (self.t(c, "self")?, self.t(c, "other")?);
+                self.finish(c, Op::MatMul, vec![Some(x), Some(y)])
+            }
+            ("mm" | "bmm", "default") => {
+                let (x, y) = (self.t(c, "self")?, self.t(c, "mat2")?);
+                let want = if name == "mm" { 2 } else { 3 };
+                if self.rank(x) != want || self.rank(y) != want {
+                    return Err(Error::shape(format!("{name} needs {want}-D operands")));
+                }
+                self.finish(c, Op::MatMul, vec![Some(x), Some(y)])
+            }
+            ("addmm", "default") => {
+                let bias = self.t(c, "self")?;
+                let (x, y) = (self.t(c, "mat1")?, self.t(c, "mat2")?);
+                let op = Op::Addmm {
+                    beta: a.float("beta", 1.0)?,
+                    alpha: a.float("alpha", 1.0)?,
+                };
+                self.finish(c, op, vec![Some(bias), Some(x), Some(y)])
+            }
+            ("linear", "default") => {
+                let (x, w, b) = (
+                    self.t(c, "input")?,
+                    self.t(c, "weight")?,
+                    self.opt_t(c, "bias")?,
+                );
+                self.finish(c, Op::Linear, vec![Some(x), Some(w), b])
+            }
+            ("_grouped_mm", "default") => {
+                if let Some(d) = a.scalar_type("out_dtype")? {
+                    let x = self.t(c, "self")?;
+                    if d != self.dtype(x) {
+                        return Err(Error::unsupported(format!(
+                            "_grouped_mm to out_dtype {d:?}"
+                        )));
+                    }
+                }
+                if a.tensor_name("bias")?.is_some() {
+                    return Err(Error::unsupported("_grouped_mm with a bias"));
+                }
+                self.grouped_mm(c, "self", "mat2", "offs")
+            }
+            _ => return Ok(false),
+        };
+        lowered.map(|()| true)
+    }
+}

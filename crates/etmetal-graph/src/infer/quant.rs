@@ -6,14 +6,14 @@
 use etmetal_core::quant::{check_activation, check_weight, QuantFormat};
 use etmetal_core::{DType, Error, Op, Result};
 
-use crate::infer::{req, Out};
+use super::common::{req, Out};
 use crate::ir::ValueInfo;
 
 fn spec(v: &ValueInfo) -> (DType, &[usize]) {
     (v.dtype, v.shape.as_slice())
 }
 
-pub(crate) fn infer_quant(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
+pub(super) fn infer(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
     match op {
         Op::Int4Linear { .. } | Op::Int8Linear { .. } => {
             let format = QuantFormat::of_linear(op)
