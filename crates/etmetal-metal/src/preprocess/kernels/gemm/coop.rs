@@ -652,7 +652,12 @@ pub(super) fn alternatives<A: GemmArgs + ?Sized>(
     args: &A,
     copies: bool,
 ) -> Result<()> {
-    let copies = copies && (split.splits == 1 || (gemm.k / split.splits).is_multiple_of(4));
+    // a copy kernel binds the two copies and their exponents in place of
+    // the operands' sources: within the budget where the portable kernel
+    // leaves two bindings to spare (the sources were at least one each)
+    let spare = lw.dispatches[d].buffers.len() + 2 <= lw.options.max_bindings;
+    let copies =
+        copies && spare && (split.splits == 1 || (gemm.k / split.splits).is_multiple_of(4));
     let mut offered: Vec<Variant> = VARIANTS
         .into_iter()
         .filter(|v| copies || v.staging == Staging::Reader)
@@ -745,7 +750,13 @@ fn lower<A: GemmArgs + ?Sized>(
     let mut kb = KernelBuilder::new(&lw.buffers);
     let mut cm = lw.coop_mat(form);
     cm.enable(&mut kb);
-    let fns = gemm.chunk_reads(&mut kb, args)? + &split.store(&mut kb, args)? + HELPERS;
+    // (the operands' readers only where the kernel reads them: a copy's
+    // reader binds its sources, which the budget of bindings may not hold)
+    let reads = match (form, v.staging) {
+        (CoopForm::Half16, Staging::Copy | Staging::Direct) => String::new(),
+        _ => gemm.chunk_reads(&mut kb, args)?,
+    };
+    let fns = reads + &split.store(&mut kb, args)? + HELPERS;
     let main = kernel(
         &mut kb,
         &mut cm,
