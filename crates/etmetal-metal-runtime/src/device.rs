@@ -82,16 +82,20 @@ pub struct GpuDevice {
 ///   seems, what the loop counter kept rolled), and such an adapter is
 ///   for correctness, not speed.
 ///
-/// `ETMETAL_SHADER_CHECKS=on` restores wgpu's defaults (to tell a kernel
-/// bug from a checked index), `off` drops both checks on any adapter.
-fn shader_checks(info: &wgpu::AdapterInfo) -> Result<wgpu::ShaderRuntimeChecks> {
+/// `setting` is `ETMETAL_SHADER_CHECKS`: `on` restores wgpu's defaults (to
+/// tell a kernel bug from a checked index), `off` drops both checks on any
+/// adapter.
+fn shader_checks(
+    info: &wgpu::AdapterInfo,
+    setting: Option<&str>,
+) -> Result<wgpu::ShaderRuntimeChecks> {
     let software = info.device_type == wgpu::DeviceType::Cpu;
-    let bounds = match std::env::var("ETMETAL_SHADER_CHECKS").as_deref() {
-        Ok("on") => return Ok(wgpu::ShaderRuntimeChecks::checked()),
-        Ok("off") => false,
-        Ok("") | Err(_) if software => return Ok(wgpu::ShaderRuntimeChecks::checked()),
-        Ok("") | Err(_) => info.backend != wgpu::Backend::Vulkan,
-        Ok(other) => {
+    let bounds = match setting {
+        Some("on") => return Ok(wgpu::ShaderRuntimeChecks::checked()),
+        Some("off") => false,
+        Some("") | None if software => return Ok(wgpu::ShaderRuntimeChecks::checked()),
+        Some("") | None => info.backend != wgpu::Backend::Vulkan,
+        Some(other) => {
             return Err(Error::invalid_input(format!(
             "ETMETAL_SHADER_CHECKS={other}: expected `on` or `off` (unset: the backend's default)"
         )))
@@ -424,7 +428,8 @@ impl GpuDevice {
     ) -> Result<Arc<GpuDevice>> {
         let (instance, adapter) = select_adapter(choice)?;
         let info = adapter.get_info();
-        let checks = shader_checks(&info)?;
+        let setting = std::env::var("ETMETAL_SHADER_CHECKS").ok();
+        let checks = shader_checks(&info, setting.as_deref())?;
         let mut available = adapter.limits();
         let mut features = adapter.features();
         let mut name = describe(&info);
@@ -548,26 +553,37 @@ mod tests {
 
     #[test]
     fn kernels_drop_the_checks_only_where_safe_and_measured() {
-        if std::env::var_os("ETMETAL_SHADER_CHECKS").is_some() {
-            return; // the override decides, not the adapter
-        }
-        let checks = |kind, backend| {
-            let c = super::shader_checks(&wgpu::AdapterInfo::new(kind, backend)).unwrap();
+        use wgpu::{Backend, DeviceType};
+        let checks = |kind, backend, setting| {
+            let info = wgpu::AdapterInfo::new(kind, backend);
+            let c = super::shader_checks(&info, setting).unwrap();
             (c.bounds_checks, c.force_loop_bounding)
         };
-        use wgpu::{Backend, DeviceType};
+        let gpu = (DeviceType::DiscreteGpu, Backend::Vulkan);
+        assert_eq!(checks(gpu.0, gpu.1, None), (false, false));
+        assert_eq!(checks(gpu.0, gpu.1, Some("")), (false, false));
         assert_eq!(
-            checks(DeviceType::DiscreteGpu, Backend::Vulkan),
+            checks(DeviceType::IntegratedGpu, Backend::Metal, None),
+            (true, false)
+        );
+        assert_eq!(
+            checks(DeviceType::DiscreteGpu, Backend::Dx12, None),
+            (true, false)
+        );
+        assert_eq!(checks(DeviceType::Cpu, Backend::Vulkan, None), (true, true));
+        // the override decides, whatever the adapter
+        assert_eq!(checks(gpu.0, gpu.1, Some("on")), (true, true));
+        assert_eq!(
+            checks(DeviceType::Cpu, Backend::Vulkan, Some("off")),
             (false, false)
         );
-        assert_eq!(
-            checks(DeviceType::IntegratedGpu, Backend::Metal),
-            (true, false)
+        let info = wgpu::AdapterInfo::new(gpu.0, gpu.1);
+        let err = super::shader_checks(&info, Some("maybe"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("ETMETAL_SHADER_CHECKS=maybe") && err.contains("`on` or `off`"),
+            "{err}"
         );
-        assert_eq!(
-            checks(DeviceType::DiscreteGpu, Backend::Dx12),
-            (true, false)
-        );
-        assert_eq!(checks(DeviceType::Cpu, Backend::Vulkan), (true, true));
     }
 }
