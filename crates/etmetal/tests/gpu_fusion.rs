@@ -153,6 +153,9 @@ fn rms_norm_into_a_product_with_a_residual_add() {
             (8, 130, 33, 3),
             (1, 256, 514, 4),
             (1, 1024, 600, 5),
+            // (columns enough for 16 chunks an invocation, 16 invocations
+            // a column: a Llama head's layout)
+            (1, 256, 12288, 6),
         ] {
             let mut b = Builder::default();
             let x = b.input(random(dtype, &[1, m, k], seed));
