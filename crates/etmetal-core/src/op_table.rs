@@ -1,14 +1,90 @@
-//! The op table of the elementwise ops without attributes, as tinygrad
-//! keeps its op set: per op its name ([`crate::Op::name`], the `--skip-op`
-//! contract), the ATen ops the importer lowers to it, the ExecuTorch
-//! portable kernel that computes it, and its properties. The importer
-//! (`etmetal-graph::pt2`), the kernel-call encoder and decoder
-//! (`etmetal-pte::kernels`) and the passes asking a property read it here,
-//! so an op is added in one place. Ops with attributes (`gelu`'s
-//! approximation, `clamp`'s bounds, `div`'s rounding mode) are spelt out
-//! where they are read.
+//! The op table, as tinygrad keeps its op set: the properties of the ops,
+//! which the passes ask here instead of matching op names.
+//!
+//! - Every op has a [`Family`], which the passes that treat a family alike
+//!   ask (shape inference has a module per family, the GPU partitioner
+//!   takes int64 values by family).
+//! - Per elementwise op without attributes: its name ([`crate::Op::name`],
+//!   the `--skip-op` contract), the ATen ops the importer lowers to it, the
+//!   ExecuTorch portable kernel that computes it, and its properties. The
+//!   importer (`etmetal-graph::pt2`), the kernel-call encoder and decoder
+//!   (`etmetal-pte::kernels`) and the passes asking a property read it
+//!   here, so an op is added in one place. Ops with attributes (`gelu`'s
+//!   approximation, `clamp`'s bounds, `div`'s rounding mode) are spelt out
+//!   where they are read.
 
-use crate::op::{BinaryOp, UnaryOp};
+use crate::op::{BinaryOp, Op, UnaryOp};
+
+/// The families of the op set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// Unary and binary functions, `where`, casts and copies.
+    Elementwise,
+    /// Reductions over dims, and the ops that reduce or scan along one:
+    /// variance, arg and indexed reductions, cumulative sum, softmax,
+    /// top-k.
+    Reduction,
+    /// Network layers: norms, matrix products, convolution, pooling,
+    /// attention.
+    Layer,
+    /// Ops that move or make values with no arithmetic on them: views and
+    /// layout, gathers and writes by index, triangles, `full`, `arange`.
+    Layout,
+    /// etmetal's own ops beyond ATen's (ExecuTorch custom kernels):
+    /// weight-only quantized linears, the MoE gather, the gated delta rule.
+    Custom,
+    /// A call into a backend's delegate.
+    Delegate,
+}
+
+/// The family of `op`.
+pub fn family(op: &Op) -> Family {
+    match op {
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::Identity => {
+            Family::Elementwise
+        }
+        Op::Reduce { .. }
+        | Op::Var { .. }
+        | Op::ArgReduce { .. }
+        | Op::ReduceWithIndices { .. }
+        | Op::CumSum { .. }
+        | Op::Softmax { .. }
+        | Op::TopK { .. } => Family::Reduction,
+        Op::LayerNorm { .. }
+        | Op::RmsNorm { .. }
+        | Op::BatchNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::MatMul
+        | Op::Addmm { .. }
+        | Op::Linear
+        | Op::Convolution(_)
+        | Op::MaxPool(_)
+        | Op::AvgPool(_)
+        | Op::AdaptiveAvgPool { .. }
+        | Op::Sdpa { .. } => Family::Layer,
+        Op::Embedding
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Expand { .. }
+        | Op::Slice { .. }
+        | Op::Select { .. }
+        | Op::Cat { .. }
+        | Op::ConstantPad { .. }
+        | Op::IndexSelect { .. }
+        | Op::Gather { .. }
+        | Op::IndexCopy { .. }
+        | Op::Index
+        | Op::Triangle { .. }
+        | Op::Repeat { .. }
+        | Op::Full { .. }
+        | Op::Arange { .. } => Family::Layout,
+        Op::Int4Linear { .. }
+        | Op::Int8Linear { .. }
+        | Op::GatherQmv { .. }
+        | Op::GatedDeltaRule => Family::Custom,
+        Op::Delegate { .. } => Family::Delegate,
+    }
+}
 
 /// An ExecuTorch portable out-variant kernel computing an elementwise op:
 /// `aten::<name>.<tensor>` with tensor operands, and `aten::<name>.<scalar>`

@@ -17,6 +17,7 @@
 //! in i32 with a check per operation that fails the execute on a result
 //! beyond i32 instead of wrapping.
 
+use etmetal_core::op_table::{self, Family};
 use etmetal_core::{BinaryOp, DType, Op, ReduceOp, Scalar, UnaryOp};
 use etmetal_graph::{Graph, Node, ValueInfo};
 
@@ -201,39 +202,17 @@ fn storable(v: &ValueInfo, limits: &DeviceLimits) -> Result<(), String> {
     }
 }
 
-/// Ops that take int64 values narrowed to i32: those that move them, and
-/// the elementwise ops and reductions whose int64 forms the kernels compute
-/// exactly or with run-time checks ([`dtypes_taken`] narrows these down).
+/// Ops that take int64 values narrowed to i32: those that move or make
+/// them (the layout family), and the elementwise ops and reductions whose
+/// int64 forms the kernels compute exactly or with run-time checks
+/// ([`dtypes_taken`] narrows these down). Variance and softmax are float
+/// arithmetic with no integer form, as are the layers.
 fn takes_int64(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Identity
-            | Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Reduce { .. }
-            | Op::ArgReduce { .. }
-            | Op::ReduceWithIndices { .. }
-            | Op::TopK { .. }
-            | Op::CumSum { .. }
-            | Op::Cast { .. }
-            | Op::Where
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Expand { .. }
-            | Op::Slice { .. }
-            | Op::Select { .. }
-            | Op::Cat { .. }
-            | Op::ConstantPad { .. }
-            | Op::Repeat { .. }
-            | Op::Triangle { .. }
-            | Op::Embedding
-            | Op::IndexSelect { .. }
-            | Op::Gather { .. }
-            | Op::IndexCopy { .. }
-            | Op::Index
-            | Op::Full { .. }
-            | Op::Arange { .. }
-    )
+    match op_table::family(op) {
+        Family::Elementwise | Family::Layout => true,
+        Family::Reduction => !matches!(op, Op::Var { .. } | Op::Softmax { .. }),
+        Family::Layer | Family::Custom | Family::Delegate => false,
+    }
 }
 
 /// Integer constants the kernels bake in must fit the GPU's 32-bit integers.
