@@ -2,8 +2,9 @@
 //! which the passes ask here instead of matching op names.
 //!
 //! - Every op has a [`Family`], which the passes that treat a family alike
-//!   ask (shape inference has a module per family, the GPU partitioner
-//!   takes int64 values by family).
+//!   ask (shape inference has a module per family, the kernel-call encoder
+//!   a function per family, the GPU partitioner takes int64 values by
+//!   family).
 //! - Per elementwise op without attributes: its name ([`crate::Op::name`],
 //!   the `--skip-op` contract), the ATen ops the importer lowers to it, the
 //!   ExecuTorch portable kernel that computes it, and its properties. The
