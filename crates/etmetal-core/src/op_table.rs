@@ -7,12 +7,13 @@
 //!   family).
 //! - Per elementwise op without attributes: its name ([`crate::Op::name`],
 //!   the `--skip-op` contract), the ATen ops the importer lowers to it, the
-//!   ExecuTorch portable kernel that computes it, and its properties. The
-//!   importer (`etmetal-graph::pt2`), the kernel-call encoder and decoder
-//!   (`etmetal-pte::kernels`) and the passes asking a property read it
-//!   here, so an op is added in one place. Ops with attributes (`gelu`'s
-//!   approximation, `clamp`'s bounds, `div`'s rounding mode) are spelt out
-//!   where they are read.
+//!   ExecuTorch portable kernel that computes it, and its properties
+//!   (bitwise, predicate: [`UnaryOp::is_bitwise`], [`BinaryOp::is_predicate`]
+//!   and the like). The importer (`etmetal-graph::pt2`), the kernel-call
+//!   encoder and decoder (`etmetal-pte::kernels`) and the passes asking a
+//!   property read it here, so an op is added in one place. Ops with
+//!   attributes (`gelu`'s approximation, `clamp`'s bounds, `div`'s rounding
+//!   mode) are spelt out where they are read.
 
 use crate::op::{BinaryOp, Op, UnaryOp};
 
@@ -370,6 +371,52 @@ pub fn of_kernel(name: &str, overload: &str) -> Option<(Elementwise, bool)> {
     })
 }
 
+/// Names and properties of the elementwise ops, read from their rows.
+impl UnaryOp {
+    /// The op's name ([`Op::name`]): the op table's, or the name of an op
+    /// with attributes.
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Gelu { .. } => "gelu",
+            UnaryOp::LeakyRelu { .. } => "leaky_relu",
+            UnaryOp::Clamp { .. } => "clamp",
+            UnaryOp::PowScalar { .. } => "pow_scalar",
+            u => {
+                unary_row(u)
+                    .expect("every unary op without attributes has a row (tested)")
+                    .name
+            }
+        }
+    }
+
+    /// Whether the result is bool whatever the input.
+    pub fn is_predicate(self) -> bool {
+        unary_row(self).is_some_and(|r| r.predicate)
+    }
+
+    /// Whether the op works on bits (integer and bool tensors only).
+    pub fn is_bitwise(self) -> bool {
+        unary_row(self).is_some_and(|r| r.bitwise)
+    }
+}
+
+impl BinaryOp {
+    /// The op's name ([`Op::name`]), from the op table.
+    pub fn name(self) -> &'static str {
+        binary_row(self).name
+    }
+
+    /// Whether the result is bool regardless of the inputs.
+    pub fn is_predicate(self) -> bool {
+        binary_row(self).predicate
+    }
+
+    /// Whether the op works on bits (integer and bool tensors only).
+    pub fn is_bitwise(self) -> bool {
+        binary_row(self).bitwise
+    }
+}
+
 /// What [`of_kernel`] found: a unary op, or a binary op and whether its
 /// kernel takes an `alpha`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -381,6 +428,19 @@ pub enum Elementwise {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unary_properties_are_the_rows() {
+        assert!(UnaryOp::BitwiseNot.is_bitwise() && !UnaryOp::BitwiseNot.is_predicate());
+        assert!(UnaryOp::LogicalNot.is_predicate() && !UnaryOp::LogicalNot.is_bitwise());
+        let clamp = UnaryOp::Clamp {
+            min: None,
+            max: None,
+        };
+        for u in [UnaryOp::Relu, UnaryOp::Neg, clamp] {
+            assert!(!u.is_bitwise() && !u.is_predicate(), "{u:?}");
+        }
+    }
 
     #[test]
     fn every_binary_op_has_one_row_and_names_are_unique() {

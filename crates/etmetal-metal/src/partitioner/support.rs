@@ -320,22 +320,22 @@ fn dtypes_taken(
         Op::Unary(u) => {
             let x = required(ins, 0)?;
             match u {
+                // `logical_not` takes any dtype
+                u if u.is_predicate() => Ok(()),
+                // exact on int64 narrowed to i32: sign extension commutes
+                u if u.is_bitwise() => match x.dtype {
+                    DType::I32 | DType::I64 | DType::Bool => Ok(()),
+                    d => Err(format!("{} of {}", u.name(), d.name())),
+                },
                 UnaryOp::Relu
                 | UnaryOp::Neg
                 | UnaryOp::Abs
                 | UnaryOp::Sign
                 | UnaryOp::Clamp { .. }
-                | UnaryOp::LogicalNot
                     if is_int_lane(x.dtype) || x.dtype == DType::Bool =>
                 {
                     Ok(())
                 }
-                UnaryOp::LogicalNot => Ok(()),
-                // exact on int64 narrowed to i32: sign extension commutes
-                UnaryOp::BitwiseNot => match x.dtype {
-                    DType::I32 | DType::I64 | DType::Bool => Ok(()),
-                    d => Err(format!("bitwise_not of {}", d.name())),
-                },
                 _ => float(x, 0),
             }
         }
