@@ -14,6 +14,9 @@
 //!   property read it here, so an op is added in one place. Ops with
 //!   attributes (`gelu`'s approximation, `clamp`'s bounds, `div`'s rounding
 //!   mode) are spelt out where they are read.
+//! - ATen's in-place naming ([`functional_aten`]: `relu_` writes in place
+//!   what `relu` returns), which the importer's functionalization and its
+//!   hints read.
 
 use crate::op::{BinaryOp, Op, UnaryOp};
 
@@ -350,6 +353,14 @@ pub fn binary_of_aten(aten: &str) -> Option<BinaryOp> {
     BINARY.iter().find(|r| r.aten.contains(&aten)).map(|r| r.op)
 }
 
+/// The functional ATen op of an in-place one (`relu_` → `relu`): the name
+/// less its trailing `_`. `None` for a name that does not write in place
+/// (`relu`; `__and__` and friends end in `_` without writing in place).
+pub fn functional_aten(name: &str) -> Option<&str> {
+    name.strip_suffix('_')
+        .filter(|b| !b.is_empty() && !b.ends_with('_'))
+}
+
 /// The op a portable kernel call `aten::<name>.<overload>` computes, with
 /// whether its `other` is a scalar: unary ops first, then binary ones.
 pub fn of_kernel(name: &str, overload: &str) -> Option<(Elementwise, bool)> {
@@ -428,6 +439,15 @@ pub enum Elementwise {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn in_place_names_give_their_functional_op() {
+        assert_eq!(functional_aten("relu_"), Some("relu"));
+        assert_eq!(functional_aten("index_put_"), Some("index_put"));
+        assert_eq!(functional_aten("relu"), None);
+        assert_eq!(functional_aten("__and__"), None);
+        assert_eq!(functional_aten("_"), None);
+    }
 
     #[test]
     fn unary_properties_are_the_rows() {
