@@ -82,9 +82,7 @@ fn ops_taken(pt2: &[u8], skip_ops: Vec<String>) -> PyResult<Vec<(String, bool)>>
     let mut row: HashMap<&str, usize> = HashMap::new();
     for node in &g.nodes {
         let name = fx_name(&node.name);
-        let keep = partitioner::ops_to_not_decompose(&node.op)
-            && !options.skip_ops.iter().any(|s| s == node.op.name())
-            && partitioner::supports(&g, node, &options.limits).is_ok();
+        let keep = partitioner::ops_to_not_decompose(&node.op) && options.takes(&g, node).is_ok();
         let i = *row.entry(name).or_insert_with(|| {
             out.push((name.to_string(), true));
             out.len() - 1

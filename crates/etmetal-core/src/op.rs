@@ -10,7 +10,6 @@
 
 use crate::dtype::{DType, Scalar};
 use crate::error::{Error, Result};
-use crate::op_table;
 use crate::shape;
 
 /// Elementwise functions of one tensor. The output dtype is the input's
@@ -89,18 +88,6 @@ pub enum BinaryOp {
     BitwiseAnd,
     BitwiseOr,
     BitwiseXor,
-}
-
-impl BinaryOp {
-    /// Whether the result is bool regardless of the inputs.
-    pub fn is_predicate(self) -> bool {
-        op_table::binary_row(self).predicate
-    }
-
-    /// Whether the op works on bits (integer and bool tensors only).
-    pub fn is_bitwise(self) -> bool {
-        op_table::binary_row(self).bitwise
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -540,31 +527,6 @@ impl Op {
             Op::GatherQmv { .. } => "gather_qmv",
             Op::GatedDeltaRule => "gated_delta_rule",
         }
-    }
-}
-
-impl UnaryOp {
-    /// The op's name ([`Op::name`]): the op table's, or the name of an op
-    /// with attributes.
-    pub fn name(self) -> &'static str {
-        match self {
-            UnaryOp::Gelu { .. } => "gelu",
-            UnaryOp::LeakyRelu { .. } => "leaky_relu",
-            UnaryOp::Clamp { .. } => "clamp",
-            UnaryOp::PowScalar { .. } => "pow_scalar",
-            u => {
-                op_table::unary_row(u)
-                    .expect("every unary op without attributes has a row (tested)")
-                    .name
-            }
-        }
-    }
-}
-
-impl BinaryOp {
-    /// The op's name ([`Op::name`]), from the op table.
-    pub fn name(self) -> &'static str {
-        op_table::binary_row(self).name
     }
 }
 

@@ -1,14 +1,95 @@
-//! The op table of the elementwise ops without attributes, as tinygrad
-//! keeps its op set: per op its name ([`crate::Op::name`], the `--skip-op`
-//! contract), the ATen ops the importer lowers to it, the ExecuTorch
-//! portable kernel that computes it, and its properties. The importer
-//! (`etmetal-graph::pt2`), the kernel-call encoder and decoder
-//! (`etmetal-pte::kernels`) and the passes asking a property read it here,
-//! so an op is added in one place. Ops with attributes (`gelu`'s
-//! approximation, `clamp`'s bounds, `div`'s rounding mode) are spelt out
-//! where they are read.
+//! The op table, as tinygrad keeps its op set: the properties of the ops,
+//! which the passes ask here instead of matching op names.
+//!
+//! - Every op has a [`Family`], which the passes that treat a family alike
+//!   ask (shape inference has a module per family, the kernel-call encoder
+//!   a function per family, the GPU partitioner takes int64 values by
+//!   family).
+//! - Per elementwise op without attributes: its name ([`crate::Op::name`],
+//!   the `--skip-op` contract), the ATen ops the importer lowers to it, the
+//!   ExecuTorch portable kernel that computes it, and its properties
+//!   (bitwise, predicate: [`UnaryOp::is_bitwise`], [`BinaryOp::is_predicate`]
+//!   and the like). The importer (`etmetal-graph::pt2`), the kernel-call
+//!   encoder and decoder (`etmetal-pte::kernels`) and the passes asking a
+//!   property read it here, so an op is added in one place. Ops with
+//!   attributes (`gelu`'s approximation, `clamp`'s bounds, `div`'s rounding
+//!   mode) are spelt out where they are read.
+//! - ATen's in-place naming ([`functional_aten`]: `relu_` writes in place
+//!   what `relu` returns), which the importer's functionalization and its
+//!   hints read.
 
-use crate::op::{BinaryOp, UnaryOp};
+use crate::op::{BinaryOp, Op, UnaryOp};
+
+/// The families of the op set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// Unary and binary functions, `where`, casts and copies.
+    Elementwise,
+    /// Reductions over dims, and the ops that reduce or scan along one:
+    /// variance, arg and indexed reductions, cumulative sum, softmax,
+    /// top-k.
+    Reduction,
+    /// Network layers: norms, matrix products, convolution, pooling,
+    /// attention.
+    Layer,
+    /// Ops that move or make values with no arithmetic on them: views and
+    /// layout, gathers and writes by index, triangles, `full`, `arange`.
+    Layout,
+    /// etmetal's own ops beyond ATen's (ExecuTorch custom kernels):
+    /// weight-only quantized linears, the MoE gather, the gated delta rule.
+    Custom,
+    /// A call into a backend's delegate.
+    Delegate,
+}
+
+/// The family of `op`.
+pub fn family(op: &Op) -> Family {
+    match op {
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::Identity => {
+            Family::Elementwise
+        }
+        Op::Reduce { .. }
+        | Op::Var { .. }
+        | Op::ArgReduce { .. }
+        | Op::ReduceWithIndices { .. }
+        | Op::CumSum { .. }
+        | Op::Softmax { .. }
+        | Op::TopK { .. } => Family::Reduction,
+        Op::LayerNorm { .. }
+        | Op::RmsNorm { .. }
+        | Op::BatchNorm { .. }
+        | Op::GroupNorm { .. }
+        | Op::MatMul
+        | Op::Addmm { .. }
+        | Op::Linear
+        | Op::Convolution(_)
+        | Op::MaxPool(_)
+        | Op::AvgPool(_)
+        | Op::AdaptiveAvgPool { .. }
+        | Op::Sdpa { .. } => Family::Layer,
+        Op::Embedding
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Expand { .. }
+        | Op::Slice { .. }
+        | Op::Select { .. }
+        | Op::Cat { .. }
+        | Op::ConstantPad { .. }
+        | Op::IndexSelect { .. }
+        | Op::Gather { .. }
+        | Op::IndexCopy { .. }
+        | Op::Index
+        | Op::Triangle { .. }
+        | Op::Repeat { .. }
+        | Op::Full { .. }
+        | Op::Arange { .. } => Family::Layout,
+        Op::Int4Linear { .. }
+        | Op::Int8Linear { .. }
+        | Op::GatherQmv { .. }
+        | Op::GatedDeltaRule => Family::Custom,
+        Op::Delegate { .. } => Family::Delegate,
+    }
+}
 
 /// An ExecuTorch portable out-variant kernel computing an elementwise op:
 /// `aten::<name>.<tensor>` with tensor operands, and `aten::<name>.<scalar>`
@@ -272,6 +353,14 @@ pub fn binary_of_aten(aten: &str) -> Option<BinaryOp> {
     BINARY.iter().find(|r| r.aten.contains(&aten)).map(|r| r.op)
 }
 
+/// The functional ATen op of an in-place one (`relu_` → `relu`): the name
+/// less its trailing `_`. `None` for a name that does not write in place
+/// (`relu`; `__and__` and friends end in `_` without writing in place).
+pub fn functional_aten(name: &str) -> Option<&str> {
+    name.strip_suffix('_')
+        .filter(|b| !b.is_empty() && !b.ends_with('_'))
+}
+
 /// The op a portable kernel call `aten::<name>.<overload>` computes, with
 /// whether its `other` is a scalar: unary ops first, then binary ones.
 pub fn of_kernel(name: &str, overload: &str) -> Option<(Elementwise, bool)> {
@@ -293,6 +382,52 @@ pub fn of_kernel(name: &str, overload: &str) -> Option<(Elementwise, bool)> {
     })
 }
 
+/// Names and properties of the elementwise ops, read from their rows.
+impl UnaryOp {
+    /// The op's name ([`Op::name`]): the op table's, or the name of an op
+    /// with attributes.
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Gelu { .. } => "gelu",
+            UnaryOp::LeakyRelu { .. } => "leaky_relu",
+            UnaryOp::Clamp { .. } => "clamp",
+            UnaryOp::PowScalar { .. } => "pow_scalar",
+            u => {
+                unary_row(u)
+                    .expect("every unary op without attributes has a row (tested)")
+                    .name
+            }
+        }
+    }
+
+    /// Whether the result is bool whatever the input.
+    pub fn is_predicate(self) -> bool {
+        unary_row(self).is_some_and(|r| r.predicate)
+    }
+
+    /// Whether the op works on bits (integer and bool tensors only).
+    pub fn is_bitwise(self) -> bool {
+        unary_row(self).is_some_and(|r| r.bitwise)
+    }
+}
+
+impl BinaryOp {
+    /// The op's name ([`Op::name`]), from the op table.
+    pub fn name(self) -> &'static str {
+        binary_row(self).name
+    }
+
+    /// Whether the result is bool regardless of the inputs.
+    pub fn is_predicate(self) -> bool {
+        binary_row(self).predicate
+    }
+
+    /// Whether the op works on bits (integer and bool tensors only).
+    pub fn is_bitwise(self) -> bool {
+        binary_row(self).bitwise
+    }
+}
+
 /// What [`of_kernel`] found: a unary op, or a binary op and whether its
 /// kernel takes an `alpha`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -304,6 +439,28 @@ pub enum Elementwise {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn in_place_names_give_their_functional_op() {
+        assert_eq!(functional_aten("relu_"), Some("relu"));
+        assert_eq!(functional_aten("index_put_"), Some("index_put"));
+        assert_eq!(functional_aten("relu"), None);
+        assert_eq!(functional_aten("__and__"), None);
+        assert_eq!(functional_aten("_"), None);
+    }
+
+    #[test]
+    fn unary_properties_are_the_rows() {
+        assert!(UnaryOp::BitwiseNot.is_bitwise() && !UnaryOp::BitwiseNot.is_predicate());
+        assert!(UnaryOp::LogicalNot.is_predicate() && !UnaryOp::LogicalNot.is_bitwise());
+        let clamp = UnaryOp::Clamp {
+            min: None,
+            max: None,
+        };
+        for u in [UnaryOp::Relu, UnaryOp::Neg, clamp] {
+            assert!(!u.is_bitwise() && !u.is_predicate(), "{u:?}");
+        }
+    }
 
     #[test]
     fn every_binary_op_has_one_row_and_names_are_unique() {

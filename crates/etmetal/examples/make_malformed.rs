@@ -130,6 +130,21 @@ fn with_scalar_type_code(pte: &Pte, code: u8) -> Vec<u8> {
 fn pte_cases(c: &mut Corpus) {
     let pt2 = root().join("tests/fixtures/mlp.pt2");
     let pte = Pte::new(etmetal::compile::compile_pt2_cpu(&pt2).expect("mlp.pt2 compiles"));
+    for part in [
+        truncated_or_foreign,
+        header_fields,
+        segment_table,
+        indices_out_of_range,
+        tensor_metadata,
+        chain_instructions,
+        resource_limits,
+    ] {
+        part(c, &pte);
+    }
+}
+
+/// Cut short, or not an ExecuTorch program at all.
+fn truncated_or_foreign(c: &mut Corpus, pte: &Pte) {
     let len = pte.bytes.len();
     let header = etmetal_pte::parse(&pte.bytes).unwrap().header.unwrap();
     let (program_size, base) = (
@@ -177,8 +192,11 @@ fn pte_cases(c: &mut Corpus) {
         "Format",
         "not a .pt2 archive",
     );
+}
 
-    // Extended header (magic at 8, length at 12, then u64 fields at 16/24/32).
+/// Extended header fields (magic at 8, length at 12, then u64 fields at
+/// 16/24/32).
+fn header_fields(c: &mut Corpus, pte: &Pte) {
     let mut b = pte.bytes.clone();
     b[12..16].copy_from_slice(&16u32.to_le_bytes());
     c.add(
@@ -217,8 +235,10 @@ fn pte_cases(c: &mut Corpus) {
         "Format",
         "exceeds the header's segment_data_size 16",
     );
+}
 
-    // Segments.
+/// Segments and the constant segment.
+fn segment_table(c: &mut Corpus, pte: &Pte) {
     c.add(
         "pte/segment_past_end.pte",
         pte.mutated(|p| p.segments[0].size += 4096),
@@ -251,8 +271,10 @@ fn pte_cases(c: &mut Corpus) {
         "Format",
         "is past the",
     );
+}
 
-    // Indices out of range.
+/// Value, operator, delegate, memory and constant indices out of range.
+fn indices_out_of_range(c: &mut Corpus, pte: &Pte) {
     c.add(
         "pte/input_index.pte",
         pte.mutated(|p| p.execution_plan[0].inputs[0] = 999),
@@ -347,8 +369,10 @@ fn pte_cases(c: &mut Corpus) {
         "Format",
         "run past the",
     );
+}
 
-    // Tensor metadata.
+/// Tensor sizes, dim orders, scalar types, and the schema version.
+fn tensor_metadata(c: &mut Corpus, pte: &Pte) {
     c.add(
         "pte/sizes_overflow_u64.pte",
         pte.mutated(|p| {
@@ -380,7 +404,7 @@ fn pte_cases(c: &mut Corpus) {
     );
     c.add(
         "pte/scalar_type_99.pte",
-        with_scalar_type_code(&pte, 99),
+        with_scalar_type_code(pte, 99),
         "Format",
         "unsupported ExecuTorch scalar type 99",
     );
@@ -390,8 +414,11 @@ fn pte_cases(c: &mut Corpus) {
         "Format",
         "schema version 1 is newer",
     );
+}
 
-    // Chains.
+/// Chains: none, a jump out of range or round in a circle, an unknown
+/// operator.
+fn chain_instructions(c: &mut Corpus, pte: &Pte) {
     c.add(
         "pte/no_chain.pte",
         pte.mutated(|p| p.execution_plan[0].chains.clear()),
@@ -423,8 +450,10 @@ fn pte_cases(c: &mut Corpus) {
         "Unsupported",
         "aten::frobnicate",
     );
+}
 
-    // Resource limits: refused before allocating.
+/// Resource limits: refused before allocating.
+fn resource_limits(c: &mut Corpus, pte: &Pte) {
     c.add(
         "pte/huge_arena.pte",
         pte.mutated(|p| {

@@ -13,13 +13,14 @@ pub(super) fn infer(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
         Op::Unary(u) => {
             let x = first(inputs)?;
             let dtype = match u {
+                u if u.is_predicate() => DType::Bool,
+                u if u.is_bitwise() => x.dtype,
                 UnaryOp::Relu
                 | UnaryOp::Neg
                 | UnaryOp::Abs
                 | UnaryOp::Sign
                 | UnaryOp::Clamp { .. } => x.dtype,
-                UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::BitwiseNot => x.dtype,
-                UnaryOp::LogicalNot => DType::Bool,
+                UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round => x.dtype,
                 UnaryOp::PowScalar { exponent }
                     if !x.dtype.is_float() && exponent.fract() == 0.0 =>
                 {

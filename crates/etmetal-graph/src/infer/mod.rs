@@ -3,8 +3,9 @@
 //! with 0-d operands, matmul broadcasting, convolution arithmetic, …).
 
 //!
-//! One module per op family (`elementwise`, `reduce`, `nn`, `layout`,
-//! `quant`), each inferring its own ops; `common` holds what they share.
+//! One module per op family (`op_table::Family`: `elementwise`, `reduce`,
+//! `nn`, `layout`, and `quant` for the custom ops), each inferring its own
+//! ops; `common` holds what they share.
 
 mod common;
 mod elementwise;
@@ -13,6 +14,7 @@ mod nn;
 mod quant;
 mod reduce;
 
+use etmetal_core::op_table::{self, Family};
 use etmetal_core::{DType, Error, Op, Result};
 
 use crate::ir::{Graph, Node, ValueInfo};
@@ -39,52 +41,18 @@ pub fn infer(graph: &Graph, node: &Node) -> Result<Vec<(DType, Vec<usize>)>> {
 }
 
 fn infer_op(op: &Op, inputs: &[Option<&ValueInfo>]) -> Result<Out> {
-    match op {
-        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::Identity => {
-            elementwise::infer(op, inputs)
-        }
-        Op::Reduce { .. }
-        | Op::Var { .. }
-        | Op::ArgReduce { .. }
-        | Op::ReduceWithIndices { .. }
-        | Op::CumSum { .. }
-        | Op::Softmax { .. }
-        | Op::TopK { .. } => reduce::infer(op, inputs),
-        Op::LayerNorm { .. }
-        | Op::RmsNorm { .. }
-        | Op::BatchNorm { .. }
-        | Op::GroupNorm { .. }
-        | Op::MatMul
-        | Op::Addmm { .. }
-        | Op::Linear
-        | Op::Convolution(_)
-        | Op::MaxPool(_)
-        | Op::AvgPool(_)
-        | Op::AdaptiveAvgPool { .. }
-        | Op::Sdpa { .. } => nn::infer(op, inputs),
-        Op::Embedding
-        | Op::Reshape { .. }
-        | Op::Permute { .. }
-        | Op::Expand { .. }
-        | Op::Slice { .. }
-        | Op::Select { .. }
-        | Op::Cat { .. }
-        | Op::ConstantPad { .. }
-        | Op::IndexSelect { .. }
-        | Op::Gather { .. }
-        | Op::IndexCopy { .. }
-        | Op::Index
-        | Op::Triangle { .. }
-        | Op::Repeat { .. }
-        | Op::Full { .. }
-        | Op::Arange { .. } => layout::infer(op, inputs),
-        Op::Delegate { index } => Err(Error::internal(format!(
-            "delegate call {index}: its outputs are declared by the backend, not inferred"
-        ))),
-        Op::Int4Linear { .. }
-        | Op::Int8Linear { .. }
-        | Op::GatherQmv { .. }
-        | Op::GatedDeltaRule => quant::infer(op, inputs),
+    match op_table::family(op) {
+        Family::Elementwise => elementwise::infer(op, inputs),
+        Family::Reduction => reduce::infer(op, inputs),
+        Family::Layer => nn::infer(op, inputs),
+        Family::Layout => layout::infer(op, inputs),
+        Family::Custom => quant::infer(op, inputs),
+        Family::Delegate => Err(Error::internal(match op {
+            Op::Delegate { index } => format!(
+                "delegate call {index}: its outputs are declared by the backend, not inferred"
+            ),
+            other => format!("{} is not a delegate call", other.name()),
+        })),
     }
 }
 

@@ -19,7 +19,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
 use etmetal_core::{Error, Op, Result};
-use etmetal_graph::{Graph, InputKind, ValueId};
+use etmetal_graph::{Graph, InputKind, Node, ValueId};
 
 pub use support::{op_supported, supports, DeviceLimits};
 
@@ -42,6 +42,20 @@ pub struct PartitionOptions {
     /// program writes: a method that only reads one takes it as a delegate
     /// input, never as a weight baked into the payload.
     pub state: Vec<String>,
+}
+
+impl PartitionOptions {
+    /// Whether the partitioner gives `node` of `graph` to the GPU: its op
+    /// is not in `skip_ops` and [`supports`] takes it within `limits`;
+    /// `Err` holds the reason it stays on the CPU.
+    pub fn takes(&self, graph: &Graph, node: &Node) -> Result<(), String> {
+        let name = node.op.name();
+        if self.skip_ops.iter().any(|s| s == name) {
+            Err(format!("`{name}` is in skip_ops"))
+        } else {
+            supports(graph, node, &self.limits)
+        }
+    }
 }
 
 /// One delegated subgraph.
@@ -116,13 +130,7 @@ pub fn partition(graph: &Graph, options: &PartitionOptions) -> Result<Partitioni
     let mut cpu_nodes = vec![];
     let mut groups = Groups::new(n);
     for (i, node) in graph.nodes.iter().enumerate() {
-        let name = node.op.name();
-        let verdict = if options.skip_ops.iter().any(|s| s == name) {
-            Err(format!("`{name}` is in skip_ops"))
-        } else {
-            supports(graph, node, &options.limits)
-        };
-        match verdict {
+        match options.takes(graph, node) {
             Ok(()) => groups.add(i, &dag),
             Err(reason) => cpu_nodes.push((i, reason)),
         }

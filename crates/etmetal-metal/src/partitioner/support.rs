@@ -17,6 +17,7 @@
 //! in i32 with a check per operation that fails the execute on a result
 //! beyond i32 instead of wrapping.
 
+use etmetal_core::op_table::{self, Family};
 use etmetal_core::{BinaryOp, DType, Op, ReduceOp, Scalar, UnaryOp};
 use etmetal_graph::{Graph, Node, ValueInfo};
 
@@ -201,39 +202,17 @@ fn storable(v: &ValueInfo, limits: &DeviceLimits) -> Result<(), String> {
     }
 }
 
-/// Ops that take int64 values narrowed to i32: those that move them, and
-/// the elementwise ops and reductions whose int64 forms the kernels compute
-/// exactly or with run-time checks ([`dtypes_taken`] narrows these down).
+/// Ops that take int64 values narrowed to i32: those that move or make
+/// them (the layout family), and the elementwise ops and reductions whose
+/// int64 forms the kernels compute exactly or with run-time checks
+/// ([`dtypes_taken`] narrows these down). Variance and softmax are float
+/// arithmetic with no integer form, as are the layers.
 fn takes_int64(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Identity
-            | Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Reduce { .. }
-            | Op::ArgReduce { .. }
-            | Op::ReduceWithIndices { .. }
-            | Op::TopK { .. }
-            | Op::CumSum { .. }
-            | Op::Cast { .. }
-            | Op::Where
-            | Op::Reshape { .. }
-            | Op::Permute { .. }
-            | Op::Expand { .. }
-            | Op::Slice { .. }
-            | Op::Select { .. }
-            | Op::Cat { .. }
-            | Op::ConstantPad { .. }
-            | Op::Repeat { .. }
-            | Op::Triangle { .. }
-            | Op::Embedding
-            | Op::IndexSelect { .. }
-            | Op::Gather { .. }
-            | Op::IndexCopy { .. }
-            | Op::Index
-            | Op::Full { .. }
-            | Op::Arange { .. }
-    )
+    match op_table::family(op) {
+        Family::Elementwise | Family::Layout => true,
+        Family::Reduction => !matches!(op, Op::Var { .. } | Op::Softmax { .. }),
+        Family::Layer | Family::Custom | Family::Delegate => false,
+    }
 }
 
 /// Integer constants the kernels bake in must fit the GPU's 32-bit integers.
@@ -341,22 +320,22 @@ fn dtypes_taken(
         Op::Unary(u) => {
             let x = required(ins, 0)?;
             match u {
+                // `logical_not` takes any dtype
+                u if u.is_predicate() => Ok(()),
+                // exact on int64 narrowed to i32: sign extension commutes
+                u if u.is_bitwise() => match x.dtype {
+                    DType::I32 | DType::I64 | DType::Bool => Ok(()),
+                    d => Err(format!("{} of {}", u.name(), d.name())),
+                },
                 UnaryOp::Relu
                 | UnaryOp::Neg
                 | UnaryOp::Abs
                 | UnaryOp::Sign
                 | UnaryOp::Clamp { .. }
-                | UnaryOp::LogicalNot
                     if is_int_lane(x.dtype) || x.dtype == DType::Bool =>
                 {
                     Ok(())
                 }
-                UnaryOp::LogicalNot => Ok(()),
-                // exact on int64 narrowed to i32: sign extension commutes
-                UnaryOp::BitwiseNot => match x.dtype {
-                    DType::I32 | DType::I64 | DType::Bool => Ok(()),
-                    d => Err(format!("bitwise_not of {}", d.name())),
-                },
                 _ => float(x, 0),
             }
         }

@@ -589,46 +589,85 @@ fn softmax(a: &Args, log: bool) -> Result<DecodedCall> {
     )
 }
 
+/// The kernel of `name.overload`: the `aten::` kernels family by family,
+/// then the other namespaces.
 fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
-    use BinaryOp as B;
-    use UnaryOp as U;
     let Some(op) = name.strip_prefix("aten::") else {
-        return match (name, overload) {
-            // `_to_copy` / `clone` with a dim order; dtype is the out tensor's.
-            ("dim_order_ops::_to_dim_order_copy", "out") => {
-                contiguous_dim_order(a, 2)?;
-                one(
-                    Op::Cast { dtype: a.dtype(3)? },
-                    vec![Some(a.tensor(0)?)],
-                    vec![a.tensor(3)?],
-                )
-            }
-            ("dim_order_ops::_clone_dim_order", "out") => {
-                contiguous_dim_order(a, 2)?;
-                one(Op::Identity, vec![Some(a.tensor(0)?)], vec![a.tensor(3)?])
-            }
-            // (self, size, out): a view, `out` planned at `self`'s bytes;
-            // ExecuTorch emits it for the view/reshape of a dynamic tensor
-            ("executorch_prim::et_view", "default" | "") => {
-                reshape(a, 2, |x| view_shape(&a.ints(1)?, x))
-            }
-            ("dim_order_ops::_empty_dim_order", "out") => {
-                contiguous_dim_order(a, 1)?;
-                full(a, Scalar::Int(0), Some(0), 2)
-            }
-            _ => custom::decode(a, name, overload).unwrap_or_else(|| Err(unsupported(a))),
-        };
+        return other_namespace(a, name, overload);
     };
-    // elementwise ops without attributes: (self, out) or (self, other[, alpha], out)
-    match op_table::of_kernel(op, overload) {
-        Some((Elementwise::Unary(u), _)) => return unary(a, u, 1),
+    let families: [Family; 10] = [
+        elementwise,
+        unary_with_attrs,
+        binary_with_attrs,
+        copies,
+        reductions,
+        norms,
+        products_and_windows,
+        indexing,
+        layout,
+        creation,
+    ];
+    for family in families {
+        if let Some(call) = family(a, op, overload)? {
+            return Ok(call);
+        }
+    }
+    Err(unsupported(a))
+}
+
+/// The calls of one family of `aten::` kernels, by op name (`aten::`
+/// dropped) and overload: `None` for another family's.
+type Family = fn(&Args, &str, &str) -> Result<Option<DecodedCall>>;
+
+/// Kernels outside `aten::`: EXIR's dim-order ops, `et_view`, and the
+/// custom quantized and MoE calls.
+fn other_namespace(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
+    match (name, overload) {
+        // `_to_copy` / `clone` with a dim order; dtype is the out tensor's.
+        ("dim_order_ops::_to_dim_order_copy", "out") => {
+            contiguous_dim_order(a, 2)?;
+            one(
+                Op::Cast { dtype: a.dtype(3)? },
+                vec![Some(a.tensor(0)?)],
+                vec![a.tensor(3)?],
+            )
+        }
+        ("dim_order_ops::_clone_dim_order", "out") => {
+            contiguous_dim_order(a, 2)?;
+            one(Op::Identity, vec![Some(a.tensor(0)?)], vec![a.tensor(3)?])
+        }
+        // (self, size, out): a view, `out` planned at `self`'s bytes;
+        // ExecuTorch emits it for the view/reshape of a dynamic tensor
+        ("executorch_prim::et_view", "default" | "") => {
+            reshape(a, 2, |x| view_shape(&a.ints(1)?, x))
+        }
+        ("dim_order_ops::_empty_dim_order", "out") => {
+            contiguous_dim_order(a, 1)?;
+            full(a, Scalar::Int(0), Some(0), 2)
+        }
+        _ => custom::decode(a, name, overload).unwrap_or_else(|| Err(unsupported(a))),
+    }
+}
+
+/// The elementwise ops without attributes, from the op table: `(self, out)`
+/// or `(self, other[, alpha], out)`.
+fn elementwise(a: &Args, op: &str, overload: &str) -> Result<Option<DecodedCall>> {
+    let call = match op_table::of_kernel(op, overload) {
+        Some((Elementwise::Unary(u), _)) => unary(a, u, 1),
         Some((Elementwise::Binary(b, alpha), scalar)) => {
             let (alpha, out) = if alpha { (Some(2), 3) } else { (None, 2) };
-            return binary(a, b, scalar, alpha, out);
+            binary(a, b, scalar, alpha, out)
         }
-        None => {}
-    }
-    match (op, overload) {
+        None => return Ok(None),
+    };
+    call.map(Some)
+}
+
+/// Unary ops with attributes (`gelu`'s approximation, clamps' bounds);
+/// the rest are in the op table.
+fn unary_with_attrs(a: &Args, op: &str, overload: &str) -> Result<Option<DecodedCall>> {
+    use UnaryOp as U;
+    let call = match (op, overload) {
         // (self, approximate, out)
         ("gelu", "out") => {
             let tanh = match a.opt_string(1)?.unwrap_or("none") {
@@ -670,8 +709,16 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
             },
             2,
         ),
+        _ => return Ok(None),
+    };
+    call.map(Some)
+}
 
-        // ---- binary with attributes; the rest are in the op table
+/// Binary ops with attributes (a rounding mode, a scalar `self`, an
+/// `alpha`), and `where`; the rest are in the op table.
+fn binary_with_attrs(a: &Args, op: &str, overload: &str) -> Result<Option<DecodedCall>> {
+    use BinaryOp as B;
+    let call = match (op, overload) {
         // (self, other, rounding_mode?, out)
         ("div", "out_mode") | ("div", "Scalar_mode_out") => {
             let b = match a.opt_string(2)? {
@@ -716,8 +763,14 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
             ],
             vec![a.tensor(3)?],
         ),
+        _ => return Ok(None),
+    };
+    call.map(Some)
+}
 
-        // ---- copies and casts
+/// Copies and casts.
+fn copies(a: &Args, op: &str, overload: &str) -> Result<Option<DecodedCall>> {
+    let call = match (op, overload) {
         // (self, non_blocking, memory_format?, out): dtype is the out tensor's
         ("_to_copy", "out") => one(
             Op::Cast { dtype: a.dtype(3)? },
@@ -736,8 +789,14 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
             vec![Some(a.tensor(1)?)],
             vec![a.tensor(3)?],
         ),
+        _ => return Ok(None),
+    };
+    call.map(Some)
+}
 
-        // ---- reductions
+/// Reductions, scans, softmax and top-k.
+fn reductions(a: &Args, op: &str, overload: &str) -> Result<Option<DecodedCall>> {
+    let call = match (op, overload) {
         // (self, dim?, keepdim, dtype?, out)
         ("sum", "IntList_out") => reduce(a, ReduceOp::Sum, a.opt_ints(1)?, a.bool(2)?, 4),
         ("mean", "out") => reduce(a, ReduceOp::Mean, a.opt_ints(1)?, a.bool(2)?, 4),
@@ -831,8 +890,14 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
                 vec![a.tensor(5)?, a.tensor(6)?],
             )
         }
+        _ => return Ok(None),
+    };
+    call.map(Some)
+}
 
-        // ---- norms (extra statistics outputs are reported, not computed)
+/// Norms (extra statistics outputs are reported, not computed).
+fn norms(a: &Args, op: &str, overload: &str) -> Result<Option<DecodedCall>> {
+    let call = match (op, overload) {
         // (input, normalized_shape, weight?, bias?, eps, out0, out1, out2)
         ("native_layer_norm", "out") => {
             let op = Op::LayerNorm {
@@ -885,8 +950,14 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
                 unwritten: vec![a.tensor(9)?, a.tensor(10)?],
             })
         }
+        _ => return Ok(None),
+    };
+    call.map(Some)
+}
 
-        // ---- matmul and convolution
+/// Matrix products, convolution and pooling.
+fn products_and_windows(a: &Args, op: &str, overload: &str) -> Result<Option<DecodedCall>> {
+    let call = match (op, overload) {
         ("mm" | "bmm", "out") => one(
             Op::MatMul,
             vec![Some(a.tensor(0)?), Some(a.tensor(1)?)],
@@ -960,8 +1031,14 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
             vec![Some(a.tensor(0)?)],
             vec![a.tensor(2)?],
         ),
+        _ => return Ok(None),
+    };
+    call.map(Some)
+}
 
-        // ---- indexing
+/// Gathers by index, and `tril`.
+fn indexing(a: &Args, op: &str, overload: &str) -> Result<Option<DecodedCall>> {
+    let call = match (op, overload) {
         // (weight, indices, padding_idx, scale_grad_by_freq, sparse, out)
         ("embedding", "out") => one(
             Op::Embedding,
@@ -995,8 +1072,14 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
             vec![Some(a.tensor(0)?)],
             vec![a.tensor(2)?],
         ),
+        _ => return Ok(None),
+    };
+    call.map(Some)
+}
 
-        // ---- layout (shapes are the out tensor's: `-1` sizes are resolved there)
+/// Layout (shapes are the out tensor's: `-1` sizes are resolved there).
+fn layout(a: &Args, op: &str, overload: &str) -> Result<Option<DecodedCall>> {
+    let call = match (op, overload) {
         // (self, size, out)
         ("view_copy", "out") => reshape(a, 2, |x| view_shape(&a.ints(1)?, x)),
         // (self, dim | dims, out)
@@ -1162,8 +1245,14 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
             vec![Some(a.tensor(0)?)],
             vec![a.tensor(2)?],
         ),
+        _ => return Ok(None),
+    };
+    call.map(Some)
+}
 
-        // ---- creation: shape and dtype are the out tensor's
+/// Creation: shape and dtype are the out tensor's.
+fn creation(a: &Args, op: &str, overload: &str) -> Result<Option<DecodedCall>> {
+    let call = match (op, overload) {
         // (size, fill_value, out)
         ("full", "out") => full(a, a.scalar(1)?, Some(0), 2),
         // (self, fill_value, memory_format?, out)
@@ -1197,8 +1286,9 @@ fn table(a: &Args, name: &str, overload: &str) -> Result<DecodedCall> {
             };
             one(op, vec![], vec![a.tensor(3)?])
         }
-        _ => Err(unsupported(a)),
-    }
+        _ => return Ok(None),
+    };
+    call.map(Some)
 }
 
 fn unsupported(a: &Args) -> Error {

@@ -11,7 +11,8 @@
 //! more than the op produces (layer/group/batch norm statistics, max-pool
 //! indices) the caller supplies scratch tensors for the extra ones.
 
-use etmetal_core::{op_table, BinaryOp, Error, Op, ReduceOp, Result, Scalar, UnaryOp};
+use etmetal_core::op_table::{self, Family};
+use etmetal_core::{BinaryOp, Error, Op, ReduceOp, Result, Scalar, UnaryOp};
 
 use super::{Call, CallArg, TensorMeta};
 
@@ -118,6 +119,24 @@ fn encode_op(op: &Op, inputs: &[Option<TensorMeta>], outputs: &[TensorMeta]) -> 
             outputs.len()
         )));
     }
+    match op_table::family(op) {
+        Family::Elementwise => elementwise(op),
+        Family::Reduction => reduction(op, inputs, outputs),
+        Family::Layer => layer(op, inputs),
+        Family::Layout => layout(op, inputs),
+        Family::Custom => custom::encode(op).unwrap_or_else(|| Err(unsupported(op.name()))),
+        Family::Delegate => Err(needs_rewrite(op)),
+    }
+}
+
+/// An op the portable library has no kernel for: `to_portable` rewrites it
+/// first.
+fn needs_rewrite(op: &Op) -> Error {
+    unsupported(format!("{} (rewrite it with to_portable)", op.name()))
+}
+
+/// Unary and binary functions, `where`, casts and copies.
+fn elementwise(op: &Op) -> Result<Call> {
     let x = Input(0);
     match op {
         Op::Unary(u) => {
@@ -161,6 +180,14 @@ fn encode_op(op: &Op, inputs: &[Option<TensorMeta>], outputs: &[TensorMeta]) -> 
         // dtype comes from the out tensor; non_blocking=False, memory_format=None
         Op::Cast { .. } => call("_to_copy", "out", vec![x, Bool(false), Null], 1),
         Op::Identity => call("clone", "out", vec![x, Null], 1),
+        other => Err(needs_rewrite(other)),
+    }
+}
+
+/// Reductions, arg and indexed reductions, scans, softmax and top-k.
+fn reduction(op: &Op, inputs: &[Option<TensorMeta>], outputs: &[TensorMeta]) -> Result<Call> {
+    let x = Input(0);
+    match op {
         Op::Reduce {
             op: r,
             dims,
@@ -249,6 +276,14 @@ fn encode_op(op: &Op, inputs: &[Option<TensorMeta>], outputs: &[TensorMeta]) -> 
             ],
             2,
         ),
+        other => Err(needs_rewrite(other)),
+    }
+}
+
+/// Norms, matrix products, convolution and pooling.
+fn layer(op: &Op, inputs: &[Option<TensorMeta>]) -> Result<Call> {
+    let x = Input(0);
+    match op {
         Op::LayerNorm {
             normalized_dims,
             eps,
@@ -375,6 +410,14 @@ fn encode_op(op: &Op, inputs: &[Option<TensorMeta>], outputs: &[TensorMeta]) -> 
             }
             call("_adaptive_avg_pool2d", "out", vec![x, ints(output_size)], 1)
         }
+        other => Err(needs_rewrite(other)),
+    }
+}
+
+/// Views and layout, gathers by index, `tril`, `full` and `arange`.
+fn layout(op: &Op, inputs: &[Option<TensorMeta>]) -> Result<Call> {
+    let x = Input(0);
+    match op {
         Op::Embedding => {
             // padding_idx only matters for gradients
             call(
@@ -458,14 +501,7 @@ fn encode_op(op: &Op, inputs: &[Option<TensorMeta>], outputs: &[TensorMeta]) -> 
             let s = |v: &Scalar| CallArg::Scalar(*v);
             call("arange", "start_out", vec![s(start), s(end), s(step)], 1)
         }
-        Op::Int4Linear { .. }
-        | Op::Int8Linear { .. }
-        | Op::GatherQmv { .. }
-        | Op::GatedDeltaRule => custom::encode(op).unwrap_or_else(|| Err(unsupported(op.name()))),
-        other => Err(unsupported(format!(
-            "{} (rewrite it with to_portable)",
-            other.name()
-        ))),
+        other => Err(needs_rewrite(other)),
     }
 }
 

@@ -1,6 +1,8 @@
 //! What a user can do about a target etmetal does not lower, where a
 //! documented rewrite helps: the "no lowering" error carries it.
 
+use etmetal_core::op_table;
+
 /// ATen ops whose `run_decompositions()` forms are ops etmetal lowers
 /// (checked by tests/parity/test_lowerings.py).
 const DECOMPOSED_BY_TORCH: &[&str] = &["logit", "cosine_similarity"];
@@ -31,7 +33,8 @@ pub(super) fn hint(target: &str) -> Option<String> {
         ));
     };
     let name = short.split_once('.').map_or(short, |(n, _)| n);
-    let name = name.strip_suffix('_').unwrap_or(name);
+    // an in-place op gets the hint of its functional form
+    let name = op_table::functional_aten(name).unwrap_or(name);
     if DECOMPOSED_BY_TORCH.contains(&name) {
         return Some(
             "save the program after `ep.run_decompositions()`, which rewrites it into \

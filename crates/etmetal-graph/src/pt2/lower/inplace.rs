@@ -12,7 +12,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use etmetal_core::{Error, Op, Result};
+use etmetal_core::{op_table, Error, Op, Result};
 
 use super::{Bound, Ctx, Lowerer};
 use crate::ir::{InputKind, OutputKind, ValueId};
@@ -95,10 +95,7 @@ const OPAQUE_VIEWS: &[&str] = &[
 pub(crate) fn functional_target(target: &str) -> Option<String> {
     let short = target.strip_prefix("torch.ops.aten.")?;
     let (name, overload) = short.split_once('.').unwrap_or((short, "default"));
-    // `__and__` and friends end in `_` without writing in place
-    let base = name
-        .strip_suffix('_')
-        .filter(|b| !b.is_empty() && !b.ends_with('_'))?;
+    let base = op_table::functional_aten(name)?;
     Some(format!("torch.ops.aten.{base}.{overload}"))
 }
 
