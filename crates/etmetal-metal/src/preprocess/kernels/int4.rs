@@ -209,6 +209,52 @@ const QMV_LOADS: usize = 8;
 const QMV_FILL: usize = 512;
 
 impl Qmv<'_> {
+    /// WGSL of `fn wc((e,) c, q)`: the `cw` words of chunk `q` of channel
+    /// `c` (of expert `e`), one 16-byte load where `cw` is 4.
+    fn words_fn(&self, kb: &mut KernelBuilder, cw: usize) -> Result<String> {
+        let (n, words) = (self.n, self.words);
+        let at_e = if self.experts.is_some() { "e, " } else { "" };
+        let mut fns = String::new();
+        // the words of chunk `q` of channel `c` (of expert `e`)
+        let lead = if self.experts.is_some() {
+            "e: u32, "
+        } else {
+            ""
+        };
+        match (&self.packed.kind, cw) {
+            (Kind::Load(buf), 4) => {
+                let at = match self.experts {
+                    Some(_) => format!("(e * {n}u + c) * {}u + q", words / 4),
+                    None => format!("c * {}u + q", words / 4),
+                };
+                let load = kb.load_words4(*buf, &at)?;
+                let _ = writeln!(
+                    fns,
+                    "fn wc({lead}c: u32, q: u32) -> vec4<u32> {{ return {load}; }}"
+                );
+            }
+            (_, 1) => {
+                kb.value_fn(self.packed, "wq")?;
+                let _ = writeln!(
+                    fns,
+                    "fn wc({lead}c: u32, q: u32) -> u32 {{ return bitcast<u32>(wq({at_e}c, q)); }}"
+                );
+            }
+            _ => {
+                kb.value_fn(self.packed, "wq")?;
+                let parts: Vec<String> = (0..cw)
+                    .map(|w| format!("bitcast<u32>(wq({at_e}c, q * {cw}u + {w}u))"))
+                    .collect();
+                let _ = writeln!(
+                    fns,
+                    "fn wc({lead}c: u32, q: u32) -> vec{cw}<u32> {{ return vec{cw}<u32>({}); }}",
+                    parts.join(", ")
+                );
+            }
+        }
+        Ok(fns)
+    }
+
     /// Append the kernel. A workgroup takes `cols` channels (4, 2 or 1:
     /// the most that keep [`QMV_FILL`] workgroups) for a block of rows
     /// (every row; one for gather_qmv, whose rows pick their own expert).
@@ -258,44 +304,7 @@ impl Qmv<'_> {
         };
         // activation loads of 8 a chunk, and vec4 pieces of codes a word
         let (loads, pieces) = (cw * per_word / 8, per_word / 4);
-        let mut fns = String::new();
-        // the words of chunk `q` of channel `c` (of expert `e`)
-        let lead = if self.experts.is_some() {
-            "e: u32, "
-        } else {
-            ""
-        };
-        match (&self.packed.kind, cw) {
-            (Kind::Load(buf), 4) => {
-                let at = match self.experts {
-                    Some(_) => format!("(e * {n}u + c) * {}u + q", words / 4),
-                    None => format!("c * {}u + q", words / 4),
-                };
-                let load = kb.load_words4(*buf, &at)?;
-                let _ = writeln!(
-                    fns,
-                    "fn wc({lead}c: u32, q: u32) -> vec4<u32> {{ return {load}; }}"
-                );
-            }
-            (_, 1) => {
-                kb.value_fn(self.packed, "wq")?;
-                let _ = writeln!(
-                    fns,
-                    "fn wc({lead}c: u32, q: u32) -> u32 {{ return bitcast<u32>(wq({at_e}c, q)); }}"
-                );
-            }
-            _ => {
-                kb.value_fn(self.packed, "wq")?;
-                let parts: Vec<String> = (0..cw)
-                    .map(|w| format!("bitcast<u32>(wq({at_e}c, q * {cw}u + {w}u))"))
-                    .collect();
-                let _ = writeln!(
-                    fns,
-                    "fn wc({lead}c: u32, q: u32) -> vec{cw}<u32> {{ return vec{cw}<u32>({}); }}",
-                    parts.join(", ")
-                );
-            }
-        }
+        let mut fns = self.words_fn(&mut kb, cw)?;
         let chunks = words / cw;
         let cols = [4, 2]
             .into_iter()
