@@ -15,8 +15,9 @@
 //! min-max 6.12e-3, refined 5.23e-3; student-t(3) 8.35e-3, 6.97e-3.
 //! The module comment of `quantize` has what these choices cost a model.
 
-use etmetal_core::quant::{pack, unpack, QuantFormat};
-use etmetal_core::{DType, Result, Tensor};
+use etmetal_core::quant::{pack_into, unpack, QuantFormat};
+use etmetal_core::{DType, Error, Result, Tensor};
+use rayon::prelude::*;
 
 /// Least-squares refinement rounds per group: the error stops dropping
 /// after 3-4 on gaussian and heavy-tailed weights.
@@ -134,6 +135,74 @@ pub(super) fn par_rows<T: Send>(n: usize, f: impl Fn(usize, usize) -> T + Sync) 
     })
 }
 
+/// Groups one task quantizes: the tasks, and so the results, are the
+/// same whatever the number of threads.
+const TASK_GROUPS: usize = 1024;
+
+/// Where [`quantize_groups`] reads a weight `[N, K]` (row-major) from.
+#[derive(Clone, Copy)]
+pub(super) enum Values<'a> {
+    F32(&'a [f32]),
+    /// A float tensor, converted a task's groups at a time
+    /// ([`Tensor::read_f32`]): no f32 copy of the whole weight.
+    Tensor(&'a Tensor),
+}
+
+impl Values<'_> {
+    /// Values `start..start + len`, borrowed or converted into `scratch`.
+    fn get<'s>(&'s self, start: usize, len: usize, scratch: &'s mut Vec<f32>) -> &'s [f32] {
+        match self {
+            Values::F32(w) => &w[start..start + len],
+            Values::Tensor(t) => {
+                scratch.resize(len, 0.0);
+                t.read_f32(start, scratch);
+                scratch
+            }
+        }
+    }
+}
+
+/// Quantize the groups of `w` in `format`, in parallel tasks of
+/// [`TASK_GROUPS`] groups, each fitted ([`fit_group`]), its scale and zero
+/// rounded to `dtype` ([`stored`]) and its codes rounded to those and
+/// packed: `packed` gets the codes (`bits / 8` bytes a value), `scales`
+/// and `zeros` the stored parameters (one a group).
+fn quantize_groups(
+    w: Values,
+    format: QuantFormat,
+    fit: Fit,
+    dtype: DType,
+    packed: &mut [u8],
+    scales: &mut [f32],
+    zeros: &mut [f32],
+) -> Result<()> {
+    let gs = format.group_size;
+    let max = format.max_code() as f32;
+    let group_bytes = gs / format.per_byte();
+    packed
+        .par_chunks_mut(TASK_GROUPS * group_bytes)
+        .zip(scales.par_chunks_mut(TASK_GROUPS))
+        .zip(zeros.par_chunks_mut(TASK_GROUPS))
+        .enumerate()
+        .try_for_each_init(
+            || (vec![], vec![0u8; gs], vec![0u8; gs]),
+            |(scratch, q, trial), (task, ((packed, scales), zeros))| -> Result<()> {
+                let w = w.get(task * TASK_GROUPS * gs, scales.len() * gs, scratch);
+                for ((wg, s), z) in w.chunks_exact(gs).zip(&mut *scales).zip(&mut *zeros) {
+                    (*s, *z) = fit_group(wg, max, fit, q, trial);
+                }
+                scales.copy_from_slice(&stored(dtype, scales)?);
+                zeros.copy_from_slice(&stored(dtype, zeros)?);
+                let groups = w.chunks_exact(gs).zip(packed.chunks_exact_mut(group_bytes));
+                for (((wg, pg), &s), &z) in groups.zip(&*scales).zip(&*zeros) {
+                    codes(wg, s, z, max, q);
+                    pack_into(format.bits, q, pg);
+                }
+                Ok(())
+            },
+        )
+}
+
 /// Quantize `w [N, K]` (row-major) in `format`'s groups along K, scales
 /// and zeros stored in `dtype`: the codes are rounded to the stored
 /// (rounded) parameters, which the kernels read.
@@ -145,37 +214,72 @@ pub fn quantize_weight(
     fit: Fit,
     dtype: DType,
 ) -> Result<QuantWeight> {
-    let gs = format.group_size;
-    let max = format.max_code() as f32;
-    let groups = n * (k / gs);
-    // groups split over the cores: each is independent
-    let parts = par_rows(groups, |g0, count| {
-        let mut trial = vec![0u8; gs];
-        let mut q = vec![0u8; gs];
-        let (mut s, mut z) = (Vec::with_capacity(count), Vec::with_capacity(count));
-        for g in g0..g0 + count {
-            let (a, b) = fit_group(&w[g * gs..(g + 1) * gs], max, fit, &mut q, &mut trial);
-            s.push(a);
-            z.push(b);
-        }
-        (s, z)
-    });
-    let (mut scales, mut zeros) = (Vec::with_capacity(groups), Vec::with_capacity(groups));
-    for (s, z) in parts {
-        scales.extend(s);
-        zeros.extend(z);
-    }
-    let (scales, zeros) = (stored(dtype, &scales)?, stored(dtype, &zeros)?);
-    let mut q = vec![0u8; n * k];
-    for (i, (wg, qg)) in w.chunks_exact(gs).zip(q.chunks_exact_mut(gs)).enumerate() {
-        codes(wg, scales[i], zeros[i], max, qg);
-    }
+    let groups = n * (k / format.group_size);
+    let mut packed = vec![0u8; groups * format.group_size / format.per_byte()];
+    let (mut scales, mut zeros) = (vec![0f32; groups], vec![0f32; groups]);
+    let values = Values::F32(&w[..groups * format.group_size]);
+    quantize_groups(
+        values,
+        format,
+        fit,
+        dtype,
+        &mut packed,
+        &mut scales,
+        &mut zeros,
+    )?;
     Ok(QuantWeight {
         format,
-        packed: pack(format.bits, &q),
+        packed,
         scales,
         zeros,
     })
+}
+
+/// [`quantize_weight`] of `w [N, K]` as the graph stores it: the packed
+/// codes as int32 words `[N, K / per word]`, the scales and zeros as
+/// `dtype` tensors `[N, K / group]`. The bytes of
+/// `as_words(Tensor::from_slice(U8, .., &q.packed))`,
+/// `Tensor::from_f32(dtype, .., &q.scales)` and of the zeros, written in
+/// place.
+pub(super) fn quantize_tensors(
+    w: Values,
+    n: usize,
+    k: usize,
+    format: QuantFormat,
+    fit: Fit,
+    dtype: DType,
+) -> Result<[Tensor; 3]> {
+    let row_bytes = k / format.per_byte();
+    if !row_bytes.is_multiple_of(4) {
+        return Err(Error::shape(format!(
+            "packed weight {:?}: its rows are not whole 32-bit words",
+            [n, row_bytes]
+        )));
+    }
+    let groups = k / format.group_size;
+    let mut packed = Tensor::zeros(DType::I32, &[n, row_bytes / 4])?;
+    let (mut scales, mut zeros) = (vec![0f32; n * groups], vec![0f32; n * groups]);
+    quantize_groups(
+        w,
+        format,
+        fit,
+        dtype,
+        packed.bytes_mut(),
+        &mut scales,
+        &mut zeros,
+    )?;
+    let as_dtype = |v: &[f32]| -> Result<Tensor> {
+        let mut t = Tensor::zeros(dtype, &[n, groups])?;
+        let size = dtype.size();
+        (t.bytes_mut().par_chunks_mut(TASK_GROUPS * size))
+            .zip(v.par_chunks(TASK_GROUPS))
+            .try_for_each(|(out, v)| {
+                out.copy_from_slice(Tensor::from_f32(dtype, &[v.len()], v)?.bytes());
+                Ok(())
+            })?;
+        Ok(t)
+    };
+    Ok([packed, as_dtype(&scales)?, as_dtype(&zeros)?])
 }
 
 /// The float weight `[N, K]` a quantized weight stands for.
@@ -236,6 +340,57 @@ pub(crate) mod tests {
             .sum();
         let den: f64 = w.iter().map(|a| (*a as f64).powi(2)).sum();
         num / den
+    }
+
+    /// The quantized weight is the same whatever the number of threads,
+    /// and the graph's tensors, read from a bf16 weight in place, hold the
+    /// bytes of the float form's.
+    #[test]
+    fn quantized_weights_do_not_depend_on_threads_or_the_source() {
+        // more groups than a task takes, and not a whole number of tasks
+        let (n, k) = (77, 1024);
+        let w = Tensor::from_f32(DType::BF16, &[n, k], &heavy_tailed(5, n * k)).unwrap();
+        let values = w.to_f32_vec();
+        let on = |threads: usize, format: QuantFormat| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let q = quantize_weight(&values, n, k, format, Fit::Refine, DType::BF16).unwrap();
+                let t =
+                    quantize_tensors(Values::Tensor(&w), n, k, format, Fit::Refine, DType::BF16)
+                        .unwrap();
+                (q, t)
+            })
+        };
+        for format in [QuantFormat::int4(32), QuantFormat::int8(64)] {
+            let (q, [packed, scales, zeros]) = on(1, format);
+            for threads in [2, 3] {
+                let (other, t) = on(threads, format);
+                assert_eq!(other, q, "{format:?}, {threads} threads");
+                assert_eq!(
+                    t[0].bytes(),
+                    packed.bytes(),
+                    "{format:?}, {threads} threads"
+                );
+            }
+            let groups = k / format.group_size;
+            let words = etmetal_core::quant::as_words(
+                &Tensor::from_slice(DType::U8, &[n, k / format.per_byte()], &q.packed).unwrap(),
+            )
+            .unwrap();
+            assert_eq!(
+                (packed.dtype(), packed.shape()),
+                (words.dtype(), words.shape())
+            );
+            assert_eq!(packed.bytes(), words.bytes());
+            for (t, v) in [(scales, &q.scales), (zeros, &q.zeros)] {
+                let expected = Tensor::from_f32(DType::BF16, &[n, groups], v).unwrap();
+                assert_eq!(t.shape(), expected.shape());
+                assert_eq!(t.bytes(), expected.bytes());
+            }
+        }
     }
 
     #[test]
