@@ -43,36 +43,95 @@ pub struct QuantWeight {
 }
 
 /// Codes of one group for `scale`, `zero` (codes `0..=max`), and their
-/// squared error.
+/// squared error (summed in order, after the codes: the code loop has no
+/// carried dependency, so it runs at the throughput of its instructions).
 pub(super) fn codes(w: &[f32], scale: f32, zero: f32, max: f32, q: &mut [u8]) -> f64 {
     let inv = 1.0 / scale;
-    let mut err = 0.0f64;
     for (v, c) in w.iter().zip(q.iter_mut()) {
-        *c = ((v - zero) * inv).round().clamp(0.0, max) as u8;
-        let d = (*c as f32 * scale + zero - v) as f64;
+        *c = code((v - zero) * inv, max);
+    }
+    let mut err = 0.0f64;
+    for (v, &c) in w.iter().zip(q.iter()) {
+        let d = (c as f32 * scale + zero - v) as f64;
         err += d * d;
     }
     err
 }
 
-/// The `(scale, zero)` minimising the squared error of `w` for the codes
-/// `q`; None when the codes do not determine a positive scale.
-fn least_squares(w: &[f32], q: &[u8]) -> Option<(f32, f32)> {
-    let n = w.len() as f64;
-    let (mut sq, mut sqq, mut sw, mut sqw) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
-    for (&v, &c) in w.iter().zip(q) {
-        let (c, v) = (c as f64, v as f64);
-        sq += c;
-        sqq += c * c;
-        sw += v;
-        sqw += c * v;
+/// `x.round().clamp(0.0, max) as u8` (half away from zero; NaN gives 0)
+/// for a code range `max` of 15 or 255, without `round`'s library call
+/// (x86-64 has no rounding instruction before SSE4.1, and the fit rounds
+/// every value of every group several times): `x` clamped to
+/// `0..=max + 1` first (NaN to 0) rounds as it would unclamped, and there
+/// `x` less its truncation is exact, so comparing it with one half decides
+/// the rounding. Equal to the `round` form for every `f32` (checked over
+/// all of them for both ranges; `code_is_round_and_clamp` samples them).
+#[inline]
+fn code(x: f32, max: f32) -> u8 {
+    let y = x.max(0.0).min(max + 1.0);
+    // SAFETY: `y` is in 0..=256, which an i32 holds
+    let t = unsafe { y.to_int_unchecked::<i32>() };
+    let r = t + (y - t as f32 >= 0.5) as i32;
+    r.min(max as i32) as u8
+}
+
+/// What least squares needs of a group's values `w` and codes `q`, each
+/// summed in f64 in the order of the values: `Σq`, `Σq²` (integers, exact
+/// in any order), `Σw` and `Σq·w`.
+#[derive(Clone, Copy)]
+struct Sums {
+    sq: f64,
+    sqq: f64,
+    sw: f64,
+    sqw: f64,
+}
+
+/// [`codes`] into `q`, their squared error and their [`Sums`] (`sw`: `Σw`,
+/// the same for every set of codes), in one pass after the codes: the error
+/// and `Σq·w` are two independent chains of additions.
+fn codes_and_sums(
+    w: &[f32],
+    scale: f32,
+    zero: f32,
+    max: f32,
+    q: &mut [u8],
+    sw: f64,
+) -> (f64, Sums) {
+    let inv = 1.0 / scale;
+    for (v, c) in w.iter().zip(q.iter_mut()) {
+        *c = code((v - zero) * inv, max);
     }
-    let det = n * sqq - sq * sq;
+    let (mut err, mut sqw) = (0.0f64, 0.0f64);
+    for (&v, &c) in w.iter().zip(q.iter()) {
+        let d = (c as f32 * scale + zero - v) as f64;
+        err += d * d;
+        sqw += c as f64 * v as f64;
+    }
+    let (mut sq, mut sqq) = (0u64, 0u64);
+    for &c in q.iter() {
+        sq += c as u64;
+        sqq += c as u64 * c as u64;
+    }
+    let sums = Sums {
+        sq: sq as f64,
+        sqq: sqq as f64,
+        sw,
+        sqw,
+    };
+    (err, sums)
+}
+
+/// The `(scale, zero)` minimising the squared error of `n` values for the
+/// codes whose [`Sums`] these are; None when the codes do not determine a
+/// positive scale.
+fn least_squares(n: usize, s: Sums) -> Option<(f32, f32)> {
+    let n = n as f64;
+    let det = n * s.sqq - s.sq * s.sq;
     if det <= 0.0 {
         return None;
     }
-    let scale = (n * sqw - sq * sw) / det;
-    (scale > 1e-12).then(|| (scale as f32, ((sw - scale * sq) / n) as f32))
+    let scale = (n * s.sqw - s.sq * s.sw) / det;
+    (scale > 1e-12).then(|| (scale as f32, ((s.sw - scale * s.sq) / n) as f32))
 }
 
 /// `(scale, zero)` of one group with codes `0..=max`, its codes written
@@ -90,22 +149,23 @@ pub(super) fn fit_group(
             (a.min(v), b.max(v))
         });
     let mut best = (((hi - lo) / max).max(1e-8), lo);
-    let mut best_err = codes(w, best.0, best.1, max, q);
     if fit == Fit::MinMax {
+        codes(w, best.0, best.1, max, q);
         return best;
     }
+    let sw = w.iter().fold(0.0f64, |s, &v| s + v as f64);
+    let (mut best_err, mut sums) = codes_and_sums(w, best.0, best.1, max, q, sw);
     // Refinement: refit to the codes, re-round the codes, while the error
     // drops.
-    trial.copy_from_slice(q);
     for _ in 0..REFINE_ROUNDS {
-        let Some((scale, zero)) = least_squares(w, trial) else {
+        let Some((scale, zero)) = least_squares(w.len(), sums) else {
             break;
         };
-        let err = codes(w, scale, zero, max, trial);
+        let (err, next) = codes_and_sums(w, scale, zero, max, trial, sw);
         if err >= best_err {
             break;
         }
-        (best, best_err) = ((scale, zero), err);
+        (best, best_err, sums) = ((scale, zero), err, next);
         q.copy_from_slice(trial);
     }
     best
@@ -340,6 +400,41 @@ pub(crate) mod tests {
             .sum();
         let den: f64 = w.iter().map(|a| (*a as f64).powi(2)).sum();
         num / den
+    }
+
+    #[test]
+    fn code_is_round_and_clamp() {
+        let reference = |x: f32, max: f32| x.round().clamp(0.0, max) as u8;
+        let mut xs = vec![
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            -0.0,
+            1e-45,
+            3e9,
+            -3e9,
+        ];
+        // the halves and their neighbours, where rounding decides
+        for k in -3..=300 {
+            let half = k as f32 + 0.5;
+            xs.extend([half, half.next_up(), half.next_down(), k as f32]);
+        }
+        // and a sweep over every exponent
+        xs.extend((0..u32::MAX).step_by(65_537).map(f32::from_bits));
+        for max in [15.0, 255.0] {
+            for &x in &xs {
+                assert_eq!(
+                    code(x, max),
+                    reference(x, max),
+                    "{x:e} ({:#x}), max {max}",
+                    x.to_bits()
+                );
+            }
+        }
     }
 
     /// The quantized weight is the same whatever the number of threads,
