@@ -249,11 +249,24 @@ pub fn as_words(packed: &Tensor) -> Result<Tensor> {
 /// each code are dropped.
 pub fn pack(bits: u32, q: &[u8]) -> Vec<u8> {
     match bits {
-        4 => q
-            .chunks_exact(2)
-            .map(|p| (p[0] & 15) | ((p[1] & 15) << 4))
-            .collect(),
+        4 => {
+            let mut out = vec![0; q.len() / 2];
+            pack_into(bits, q, &mut out);
+            out
+        }
         _ => q.to_vec(),
+    }
+}
+
+/// [`pack`] into `out`, which holds `q.len() * bits / 8` bytes.
+pub fn pack_into(bits: u32, q: &[u8], out: &mut [u8]) {
+    match bits {
+        4 => {
+            for (o, p) in out.iter_mut().zip(q.chunks_exact(2)) {
+                *o = (p[0] & 15) | ((p[1] & 15) << 4);
+            }
+        }
+        _ => out.copy_from_slice(q),
     }
 }
 

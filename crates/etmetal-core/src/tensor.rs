@@ -44,6 +44,34 @@ fn words_of(data: &[u8]) -> Vec<u64> {
     words
 }
 
+/// Owned words behind a shared handle ([`Tensor::into_shared`]): 8-byte
+/// aligned, as owned bytes are.
+struct Words {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl AsRef<[u8]> for Words {
+    fn as_ref(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+}
+
+/// One element of `dtype` (its little-endian bytes `c`) as f64.
+fn element_f64(dtype: DType, c: &[u8]) -> f64 {
+    match dtype {
+        DType::F32 => f32::from_le_bytes(c.try_into().unwrap()) as f64,
+        DType::F64 => f64::from_le_bytes(c.try_into().unwrap()),
+        DType::F16 => f16::from_le_bytes(c.try_into().unwrap()).to_f64(),
+        DType::BF16 => bf16::from_le_bytes(c.try_into().unwrap()).to_f64(),
+        DType::Bool | DType::U8 => c[0] as f64,
+        DType::I8 => c[0] as i8 as f64,
+        DType::I16 => i16::from_le_bytes(c.try_into().unwrap()) as f64,
+        DType::I32 => i32::from_le_bytes(c.try_into().unwrap()) as f64,
+        DType::I64 => i64::from_le_bytes(c.try_into().unwrap()) as f64,
+    }
+}
+
 impl Bytes {
     fn as_slice(&self) -> &[u8] {
         match self {
@@ -359,17 +387,7 @@ impl Tensor {
         let b = self.bytes();
         let w = self.dtype.size();
         b.chunks_exact(w)
-            .map(|c| match self.dtype {
-                DType::F32 => f32::from_le_bytes(c.try_into().unwrap()) as f64,
-                DType::F64 => f64::from_le_bytes(c.try_into().unwrap()),
-                DType::F16 => f16::from_le_bytes(c.try_into().unwrap()).to_f64(),
-                DType::BF16 => bf16::from_le_bytes(c.try_into().unwrap()).to_f64(),
-                DType::Bool | DType::U8 => c[0] as f64,
-                DType::I8 => c[0] as i8 as f64,
-                DType::I16 => i16::from_le_bytes(c.try_into().unwrap()) as f64,
-                DType::I32 => i32::from_le_bytes(c.try_into().unwrap()) as f64,
-                DType::I64 => i64::from_le_bytes(c.try_into().unwrap()) as f64,
-            })
+            .map(|c| element_f64(self.dtype, c))
             .collect()
     }
 
@@ -380,7 +398,60 @@ impl Tensor {
                 .values::<f32>()
                 .map(|v| v.into_owned())
                 .unwrap_or_default(),
-            _ => self.to_f64_vec().into_iter().map(|v| v as f32).collect(),
+            _ => {
+                let mut out = vec![0.0; self.numel()];
+                self.read_f32(0, &mut out);
+                out
+            }
+        }
+    }
+
+    /// Elements `start..start + out.len()` converted to f32 into `out`, as
+    /// [`Tensor::to_f32_vec`] converts them: a part of a large tensor
+    /// without converting all of it (bf16 and f16 straight to f32, which
+    /// is exact; the other dtypes through f64). Panics past the end.
+    pub fn read_f32(&self, start: usize, out: &mut [f32]) {
+        let w = self.dtype.size();
+        let bytes = &self.bytes()[start * w..(start + out.len()) * w];
+        let chunks = bytes.chunks_exact(w);
+        match self.dtype {
+            DType::F32 => {
+                for (o, c) in out.iter_mut().zip(chunks) {
+                    *o = f32::from_le_bytes(c.try_into().unwrap());
+                }
+            }
+            DType::BF16 => {
+                for (o, c) in out.iter_mut().zip(chunks) {
+                    *o = bf16::from_le_bytes(c.try_into().unwrap()).to_f32();
+                }
+            }
+            DType::F16 => {
+                for (o, c) in out.iter_mut().zip(chunks) {
+                    *o = f16::from_le_bytes(c.try_into().unwrap()).to_f32();
+                }
+            }
+            dtype => {
+                for (o, c) in out.iter_mut().zip(chunks) {
+                    *o = element_f64(dtype, c) as f32;
+                }
+            }
+        }
+    }
+
+    /// The same tensor with its bytes behind a shared handle: a clone
+    /// shares them instead of copying (an owned tensor's bytes are moved,
+    /// not copied; mutable access copies them out again).
+    pub fn into_shared(self) -> Tensor {
+        match self.bytes {
+            Bytes::Owned { words, len } => Tensor {
+                bytes: Bytes::Shared {
+                    data: Arc::new(Words { words, len }),
+                    offset: 0,
+                    len,
+                },
+                ..self
+            },
+            Bytes::Shared { .. } => self,
         }
     }
 
@@ -475,6 +546,40 @@ mod tests {
         let s = Tensor::from_shared(DType::F32, &[4], shared.clone(), 3).unwrap();
         assert_eq!(s.to_f32_vec(), vec![1.0, 2.0, 3.0, 4.0]);
         assert!(Tensor::from_shared(DType::F32, &[5], shared, 3).is_err());
+    }
+
+    #[test]
+    fn half_floats_widen_to_f32_as_through_f64() {
+        // every bit pattern, NaNs included: the direct widening to f32
+        // gives the bits the f64 route gave
+        for dtype in [DType::BF16, DType::F16] {
+            let bits: Vec<u16> = (0..=u16::MAX).collect();
+            let t = Tensor::from_slice(dtype, &[bits.len()], &bits).unwrap();
+            let direct: Vec<u32> = t.to_f32_vec().iter().map(|v| v.to_bits()).collect();
+            let through: Vec<u32> = t
+                .to_f64_vec()
+                .iter()
+                .map(|&v| (v as f32).to_bits())
+                .collect();
+            assert_eq!(direct, through, "{dtype}");
+            let mut part = vec![0.0f32; 5];
+            t.read_f32(0x3f80, &mut part);
+            let part: Vec<u32> = part.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(part, direct[0x3f80..0x3f85], "{dtype}");
+        }
+    }
+
+    #[test]
+    fn a_shared_tensor_keeps_its_bytes_and_copies_on_write() {
+        let t = Tensor::from_f32(DType::F32, &[3], &[1.0, 2.0, 3.0]).unwrap();
+        let shared = t.clone().into_shared();
+        assert_eq!(shared.bytes(), t.bytes());
+        // a clone shares the bytes; writing copies them
+        let mut other = shared.clone();
+        assert_eq!(other.bytes().as_ptr(), shared.bytes().as_ptr());
+        other.values_mut::<f32>().unwrap()[0] = 9.0;
+        assert_eq!(shared.to_f32_vec(), [1.0, 2.0, 3.0]);
+        assert_eq!(other.to_f32_vec(), [9.0, 2.0, 3.0]);
     }
 
     #[test]

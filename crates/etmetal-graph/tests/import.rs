@@ -373,6 +373,31 @@ fn non_zip_and_truncated_files_are_format_errors() {
 }
 
 #[test]
+fn a_corrupted_weight_is_refused_by_its_crc() {
+    let es = entries("mlp");
+    let (name, weight) = es
+        .iter()
+        .filter(|(n, _)| n.contains("/data/weights/"))
+        .max_by_key(|(_, d)| d.len())
+        .unwrap();
+    let mut bytes = rezip(&es);
+    // one bit of the weight's stored bytes flipped: the archive still
+    // opens, the entry's CRC no longer matches
+    let at = bytes
+        .windows(weight.len())
+        .position(|w| w == weight.as_slice())
+        .unwrap();
+    bytes[at + weight.len() / 2] ^= 1;
+    let e = err(&bytes);
+    assert_eq!(e.kind(), ErrorKind::Format, "{e}");
+    assert!(
+        e.to_string()
+            .contains(&format!("reading zip entry `{name}`: Invalid checksum")),
+        "{e}"
+    );
+}
+
+#[test]
 fn missing_program_is_reported() {
     let es: Vec<_> = entries("mlp")
         .into_iter()

@@ -26,5 +26,6 @@ pub use named_data::NamedDataStore;
 pub use read::{parse, PteFile};
 pub use schema::*;
 pub use write::{
-    add_named_data, constant_segment, layout_segments, serialize, serialize_as_is, Segment,
+    add_named_data, constant_segment, layout_segments, serialize, serialize_as_is,
+    serialize_to_file, Segment,
 };

@@ -4,6 +4,8 @@
 //! aligned offsets (FORMATS.md A.2, A.3).
 
 use std::borrow::Cow;
+use std::io::Write;
+use std::path::Path;
 
 use etmetal_core::{Error, Result};
 use flatbuffers::{FlatBufferBuilder, Push, PushAlignment, TableFinishedWIPOffset, WIPOffset};
@@ -40,12 +42,38 @@ impl<'a> Segment<'a> {
 /// `segments[i]` becomes `Program.segments[i]`. The result is checked like
 /// a file being read, so a program that points outside its data is an error.
 pub fn serialize(program: &Program, segments: &[Segment]) -> Result<Vec<u8>> {
+    let (program, layout) = checked_layout(program, segments)?;
+    Ok(layout.into_bytes(&program, segments))
+}
+
+/// [`serialize`] into a file created at `path` once the program is laid
+/// out and checked (an error before leaves no file), written a piece at a
+/// time: the program, then each segment from its own bytes after the zeros
+/// before it. The file is never whole in memory; its bytes are those
+/// [`serialize`] returns. Returns their number.
+pub fn serialize_to_file(program: &Program, segments: &[Segment], path: &Path) -> Result<u64> {
+    let (program, layout) = checked_layout(program, segments)?;
+    let io = |e| Error::io(path.display(), e);
+    let mut file = std::fs::File::create(path).map_err(io)?;
+    layout.write(&program, segments, &mut file).map_err(io)?;
+    file.flush().map_err(io)?;
+    Ok(layout.total as u64)
+}
+
+/// `program` with `segments` laid out ([`layout_segments`]), and its
+/// layout, checked as a file being read.
+fn checked_layout(program: &Program, segments: &[Segment]) -> Result<(Program, Layout)> {
     let mut program = program.clone();
     layout_segments(&mut program, segments)?;
-    let out = serialize_as_is(&program, segments)?;
-    let header = ExtendedHeader::parse(&out)?;
-    verify::check(&program, header.as_ref(), out.len()).map_err(|e| e.context("serialize"))?;
-    Ok(out)
+    let layout = Layout::new(&program, segments)?;
+    // the header the file will hold (without segment data the file is the
+    // head, and its bytes tell)
+    let header = match layout.header {
+        Some(h) => Some(h),
+        None => ExtendedHeader::parse(&layout.head)?,
+    };
+    verify::check(&program, header.as_ref(), layout.total).map_err(|e| e.context("serialize"))?;
+    Ok((program, layout))
 }
 
 /// Set `program.segments` to ExecuTorch's layout of `segments`: back to
@@ -72,63 +100,170 @@ pub fn layout_segments(program: &mut Program, segments: &[Segment]) -> Result<()
 /// tests that must produce deliberately inconsistent files. The header's
 /// `segment_data_size` covers the bytes actually placed.
 pub fn serialize_as_is(program: &Program, segments: &[Segment]) -> Result<Vec<u8>> {
-    if segments.len() != program.segments.len() {
-        return Err(Error::invalid_input(format!(
-            "{} segment buffers for {} entries in program.segments",
-            segments.len(),
-            program.segments.len()
-        )));
-    }
-    let mut data_size = 0u64;
-    for (seg, at) in segments.iter().zip(&program.segments) {
-        let end = at.offset.checked_add(seg.data.len() as u64);
-        data_size = data_size.max(end.ok_or_else(|| Error::limit("segment end overflows u64"))?);
-    }
-    let mut fbb = FlatBufferBuilder::new();
-    let root = write_program(&mut fbb, program);
-    fbb.finish(root, Some("ET12"));
-    let flat = fbb.finished_data();
-    if data_size == 0 {
-        return Ok(flat.to_vec());
+    Ok(Layout::new(program, segments)?.into_bytes(program, segments))
+}
+
+/// A `.pte` before its segments: the program (the flatbuffer with the
+/// header inserted after byte 8 when there is segment data), where the
+/// segments start and the file's length.
+struct Layout {
+    head: Vec<u8>,
+    /// The inserted header, where there is segment data.
+    header: Option<ExtendedHeader>,
+    segment_base_offset: u64,
+    total: usize,
+}
+
+impl Layout {
+    fn new(program: &Program, segments: &[Segment]) -> Result<Layout> {
+        if segments.len() != program.segments.len() {
+            return Err(Error::invalid_input(format!(
+                "{} segment buffers for {} entries in program.segments",
+                segments.len(),
+                program.segments.len()
+            )));
+        }
+        let mut data_size = 0u64;
+        for (seg, at) in segments.iter().zip(&program.segments) {
+            let end = at.offset.checked_add(seg.data.len() as u64);
+            data_size =
+                data_size.max(end.ok_or_else(|| Error::limit("segment end overflows u64"))?);
+        }
+        let mut fbb = FlatBufferBuilder::new();
+        let root = write_program(&mut fbb, program);
+        fbb.finish(root, Some("ET12"));
+        let flat = fbb.finished_data();
+        if data_size == 0 {
+            return Ok(Layout {
+                head: flat.to_vec(),
+                header: None,
+                segment_base_offset: 0,
+                total: flat.len(),
+            });
+        }
+
+        // The header is padded to the flatbuffer's largest force_align (16) so
+        // every offset after byte 8 keeps its alignment; 32 already is.
+        let padded =
+            aligned_size(u64::from(HEADER_LENGTH), TENSOR_ALIGNMENT).unwrap_or(u64::MAX) as usize;
+        let program_size = (padded + flat.len()) as u64;
+        let segment_base_offset = aligned_size(program_size, SEGMENT_ALIGNMENT)
+            .ok_or_else(|| Error::limit("program too large for a segment base offset"))?;
+        let header = ExtendedHeader {
+            program_size,
+            segment_base_offset,
+            segment_data_size: data_size,
+        };
+        let total = segment_base_offset
+            .checked_add(data_size)
+            .and_then(|t| usize::try_from(t).ok())
+            .ok_or_else(|| {
+                Error::limit(format!(
+                    "a .pte of {segment_base_offset} + {data_size} bytes"
+                ))
+            })?;
+
+        let mut head = Vec::with_capacity(program_size as usize);
+        let root = u32::from_le_bytes([flat[0], flat[1], flat[2], flat[3]]);
+        let root = root
+            .checked_add(padded as u32)
+            .ok_or_else(|| Error::limit("flatbuffer root offset overflows with the header"))?;
+        head.extend_from_slice(&root.to_le_bytes());
+        head.extend_from_slice(&flat[4..HEADER_OFFSET]);
+        head.extend_from_slice(&header.to_bytes());
+        head.resize(HEADER_OFFSET + padded, 0);
+        head.extend_from_slice(&flat[HEADER_OFFSET..]);
+        Ok(Layout {
+            head,
+            header: Some(header),
+            segment_base_offset,
+            total,
+        })
     }
 
-    // The header is padded to the flatbuffer's largest force_align (16) so
-    // every offset after byte 8 keeps its alignment; 32 already is.
-    let padded =
-        aligned_size(u64::from(HEADER_LENGTH), TENSOR_ALIGNMENT).unwrap_or(u64::MAX) as usize;
-    let program_size = (padded + flat.len()) as u64;
-    let segment_base_offset = aligned_size(program_size, SEGMENT_ALIGNMENT)
-        .ok_or_else(|| Error::limit("program too large for a segment base offset"))?;
-    let header = ExtendedHeader {
-        program_size,
-        segment_base_offset,
-        segment_data_size: data_size,
-    };
-    let total = segment_base_offset
-        .checked_add(data_size)
-        .and_then(|t| usize::try_from(t).ok())
-        .ok_or_else(|| {
-            Error::limit(format!(
-                "a .pte of {segment_base_offset} + {data_size} bytes"
-            ))
-        })?;
-
-    let mut out = Vec::with_capacity(total);
-    let root = u32::from_le_bytes([flat[0], flat[1], flat[2], flat[3]]);
-    let root = root
-        .checked_add(padded as u32)
-        .ok_or_else(|| Error::limit("flatbuffer root offset overflows with the header"))?;
-    out.extend_from_slice(&root.to_le_bytes());
-    out.extend_from_slice(&flat[4..HEADER_OFFSET]);
-    out.extend_from_slice(&header.to_bytes());
-    out.resize(HEADER_OFFSET + padded, 0);
-    out.extend_from_slice(&flat[HEADER_OFFSET..]);
-    out.resize(total, 0);
-    for (seg, at) in segments.iter().zip(&program.segments) {
-        let start = (segment_base_offset + at.offset) as usize;
-        out[start..start + seg.data.len()].copy_from_slice(&seg.data);
+    /// Where segment `i` starts in the file.
+    fn start(&self, program: &Program, i: usize) -> usize {
+        (self.segment_base_offset + program.segments[i].offset) as usize
     }
-    Ok(out)
+
+    /// The segments in the order of their offsets, where none overlaps
+    /// another (as [`layout_segments`] places them).
+    fn in_order(program: &Program, segments: &[Segment]) -> Option<Vec<usize>> {
+        let mut order: Vec<usize> = (0..segments.len()).collect();
+        order.sort_by_key(|&i| program.segments[i].offset);
+        let end = |i: usize| program.segments[i].offset + segments[i].data.len() as u64;
+        let disjoint = order
+            .windows(2)
+            .all(|p| end(p[0]) <= program.segments[p[1]].offset);
+        disjoint.then_some(order)
+    }
+
+    /// The whole file in memory: segments that do not overlap written in
+    /// order (no zeroing of the whole file first), overlapping ones (a
+    /// deliberately inconsistent file) copied over zeros in their order.
+    fn into_bytes(self, program: &Program, segments: &[Segment]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.total);
+        out.extend_from_slice(&self.head);
+        if self.total == self.head.len() {
+            return out;
+        }
+        match Layout::in_order(program, segments) {
+            Some(order) => {
+                for i in order {
+                    out.resize(self.start(program, i), 0);
+                    out.extend_from_slice(&segments[i].data);
+                }
+                out.resize(self.total, 0);
+            }
+            None => {
+                out.resize(self.total, 0);
+                for (i, seg) in segments.iter().enumerate() {
+                    let start = self.start(program, i);
+                    out[start..start + seg.data.len()].copy_from_slice(&seg.data);
+                }
+            }
+        }
+        out
+    }
+
+    /// The file written to `out` a piece at a time (the whole file in
+    /// memory where segments overlap).
+    fn write(
+        &self,
+        program: &Program,
+        segments: &[Segment],
+        out: &mut dyn std::io::Write,
+    ) -> std::io::Result<()> {
+        let Some(order) = Layout::in_order(program, segments) else {
+            let bytes = Layout {
+                head: self.head.clone(),
+                ..*self
+            }
+            .into_bytes(program, segments);
+            return out.write_all(&bytes);
+        };
+        let zeros = [0u8; 4096];
+        let pad = |out: &mut dyn std::io::Write, mut n: usize| -> std::io::Result<()> {
+            while n > 0 {
+                let step = n.min(zeros.len());
+                out.write_all(&zeros[..step])?;
+                n -= step;
+            }
+            Ok(())
+        };
+        out.write_all(&self.head)?;
+        let mut at = self.head.len();
+        if self.total == at {
+            return Ok(());
+        }
+        for i in order {
+            let start = self.start(program, i);
+            pad(out, start - at)?;
+            out.write_all(&segments[i].data)?;
+            at = start + segments[i].data.len();
+        }
+        pad(out, self.total - at)
+    }
 }
 
 fn gcd(a: u64, b: u64) -> u64 {

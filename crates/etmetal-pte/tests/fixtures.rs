@@ -292,3 +292,41 @@ fn a_program_without_segment_data_has_no_header() {
     assert_eq!(file.header, None);
     assert_eq!(file.program, program);
 }
+
+#[test]
+fn a_file_written_in_pieces_holds_the_serialized_bytes() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("pte-write");
+    std::fs::create_dir_all(&dir).unwrap();
+    let empty = Program {
+        execution_plan: vec![ExecutionPlan::default()],
+        ..Default::default()
+    };
+    let mut programs = vec![("empty".to_string(), empty, vec![])];
+    for name in FIXTURES {
+        let file = parse(&std::fs::read(fixture(name)).unwrap()).unwrap();
+        let segments: Vec<Segment<'static>> = (file.segments().unwrap().into_iter())
+            .map(|s| Segment {
+                data: s.data.into_owned().into(),
+                alignment: s.alignment,
+            })
+            .collect();
+        programs.push((name.to_string(), file.program.clone(), segments));
+    }
+    for (name, program, segments) in &programs {
+        let path = dir.join(format!("{name}.pte"));
+        let size = serialize_to_file(program, segments, &path).unwrap();
+        let written = std::fs::read(&path).unwrap();
+        assert_eq!(written, serialize(program, segments).unwrap(), "{name}");
+        assert_eq!(size, written.len() as u64, "{name}");
+    }
+    // a program that fails its checks writes no file
+    let (_, mut program, segments) = programs.pop().unwrap();
+    program.named_data.push(NamedData {
+        key: "nowhere".into(),
+        segment_index: 99,
+    });
+    let path = dir.join("refused.pte");
+    let _ = std::fs::remove_file(&path);
+    assert!(serialize_to_file(&program, &segments, &path).is_err());
+    assert!(!path.exists());
+}

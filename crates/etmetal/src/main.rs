@@ -561,24 +561,29 @@ fn compile_cmd(
             )));
         }
     }
-    let compiled = compile::compile_prepared(prepared, options, &mut progress).map_err(in_file)?;
-    std::fs::write(output, &compiled.pte).map_err(|e| Error::io(output.display(), e))?;
+    let lowered = compile::lower_prepared(prepared, options, &mut progress).map_err(in_file)?;
+    // written as it is serialized: the file is never whole in memory (an
+    // error writing it names the output, as before; a failed check the input)
+    let size = lowered.write_file(output).map_err(|e| match e.kind() {
+        etmetal_core::ErrorKind::Io => e,
+        _ => in_file(e),
+    })?;
     say!(
         out,
         "wrote {} ({}) in {:.0} ms",
         output.display(),
-        human_bytes(compiled.pte.len()),
+        human_bytes(size as usize),
         start.elapsed().as_secs_f64() * 1e3
     );
-    for m in compiled
-        .methods
+    let reports = &lowered.reports;
+    for m in reports
         .iter()
         .filter(|_| options.backend == compile::Backend::Metal)
     {
         let kernels: usize = m.partitions.iter().map(|p| p.payload.kernels.len()).sum();
         let delegated: usize = m.partitions.iter().map(|p| p.nodes.len()).sum();
         // a one-method program keeps the summary it always had
-        let method = match compiled.methods.len() {
+        let method = match reports.len() {
             1 => String::new(),
             _ => format!("method `{}`: ", m.name),
         };
@@ -609,8 +614,8 @@ fn compile_cmd(
     if let Some(dir) = emit_msl {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir.display(), e))?;
         let mut files = 0;
-        let one = compiled.methods.len() == 1;
-        for m in &compiled.methods {
+        let one = reports.len() == 1;
+        for m in reports {
             // with several methods, each file name starts with its method's
             let prefix = if one {
                 String::new()

@@ -8,6 +8,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use etmetal_core::{DType, Error, Result, Tensor};
+use rayon::prelude::*;
 use serde_json::Value;
 
 use super::json::{field, sym_ints, tensor_meta};
@@ -24,6 +25,22 @@ pub(crate) struct Archive {
     entries: BTreeMap<String, (Shared, Range<usize>)>,
 }
 
+/// Each stored entry's bytes against its CRC, the entries in parallel:
+/// the first (in the archive's order) that differs is an error, as zip's
+/// reader gives it.
+fn check_crcs(data: &[u8], entries: &[(String, Range<usize>, u32)], origin: &str) -> Result<()> {
+    let bad = entries
+        .par_iter()
+        .position_first(|(_, span, crc)| crc32fast::hash(&data[span.clone()]) != *crc);
+    match bad {
+        None => Ok(()),
+        Some(i) => Err(Error::format(format!(
+            "{origin}: reading zip entry `{}`: Invalid checksum",
+            entries[i].0
+        ))),
+    }
+}
+
 impl Archive {
     pub fn open(bytes: Shared, origin: &str) -> Result<Archive> {
         let data = (*bytes).as_ref();
@@ -36,53 +53,84 @@ impl Archive {
             .map_err(|e| Error::format(format!("{origin}: not a .pt2 archive (zip): {e}")))?;
         let mut prefix: Option<String> = None;
         let mut entries = BTreeMap::new();
+        // stored entries whose CRC is still to check: (name, bytes, CRC)
+        let mut unchecked: Vec<(String, Range<usize>, u32)> = vec![];
         for i in 0..zip.len() {
-            let mut file = zip
-                .by_index(i)
-                .map_err(|e| Error::format(format!("{origin}: zip entry {i}: {e}")))?;
-            let name = file
-                .name()
-                .map_err(|e| Error::format(format!("{origin}: zip entry {i}: {e}")))?
-                .into_owned();
-            // The prefix is the first entry's folder; all others must share it.
-            let p = prefix.get_or_insert_with(|| match name.find('/') {
-                Some(slash) => name[..=slash].to_string(),
-                None => String::new(),
-            });
-            let Some(rel) = name.strip_prefix(p.as_str()) else {
-                return Err(Error::format(format!(
-                    "{origin}: zip entry `{name}` is outside the archive folder `{p}`"
-                )));
-            };
-            let rel = rel.to_string();
-            let reading = |e: std::io::Error| {
-                Error::format(format!("{origin}: reading zip entry `{name}`: {e}"))
-            };
-            let stored = file.compression() == zip::CompressionMethod::Stored && !file.encrypted();
-            let span = file.data_start().and_then(|start| {
-                let start = usize::try_from(start).ok()?;
-                let end = start.checked_add(usize::try_from(file.size()).ok()?)?;
-                (end <= data.len()).then_some(start..end)
-            });
-            let entry = match span.filter(|_| stored) {
-                Some(span) => {
-                    // read through the zip reader only to check the CRC
-                    std::io::copy(&mut file, &mut std::io::sink()).map_err(reading)?;
-                    (bytes.clone(), span)
+            let entry = Archive::entry(&mut zip, i, &bytes, origin, &mut prefix, &mut unchecked);
+            match entry {
+                Ok((rel, entry)) => {
+                    entries.insert(rel, entry);
                 }
-                None => {
-                    let mut v = Vec::with_capacity(file.size().min(1 << 30) as usize);
-                    file.read_to_end(&mut v).map_err(reading)?;
-                    let len = v.len();
-                    (Arc::new(v) as Shared, 0..len)
-                }
-            };
-            entries.insert(rel, entry);
+                // a bad entry after one with a wrong CRC: the CRC's error,
+                // as reading the entries in order gave it
+                Err(e) => return Err(check_crcs(data, &unchecked, origin).err().unwrap_or(e)),
+            }
         }
+        check_crcs(data, &unchecked, origin)?;
         Ok(Archive {
             origin: origin.to_string(),
             entries,
         })
+    }
+
+    /// Entry `i` of `zip` (over `bytes`): its path after the archive
+    /// folder (`prefix`, set by the first entry) and where its bytes are. A
+    /// stored entry stays in `bytes`, its CRC pushed to `unchecked`; another
+    /// is read (decompressed and checked) into bytes of its own.
+    fn entry(
+        zip: &mut zip::ZipArchive<Cursor<&[u8]>>,
+        i: usize,
+        bytes: &Shared,
+        origin: &str,
+        prefix: &mut Option<String>,
+        unchecked: &mut Vec<(String, Range<usize>, u32)>,
+    ) -> Result<(String, (Shared, Range<usize>))> {
+        let data = (**bytes).as_ref();
+        let mut file = zip
+            .by_index(i)
+            .map_err(|e| Error::format(format!("{origin}: zip entry {i}: {e}")))?;
+        let name = file
+            .name()
+            .map_err(|e| Error::format(format!("{origin}: zip entry {i}: {e}")))?
+            .into_owned();
+        // The prefix is the first entry's folder; all others must share it.
+        let p = prefix.get_or_insert_with(|| match name.find('/') {
+            Some(slash) => name[..=slash].to_string(),
+            None => String::new(),
+        });
+        let Some(rel) = name.strip_prefix(p.as_str()) else {
+            return Err(Error::format(format!(
+                "{origin}: zip entry `{name}` is outside the archive folder `{p}`"
+            )));
+        };
+        let rel = rel.to_string();
+        let reading =
+            |e: std::io::Error| Error::format(format!("{origin}: reading zip entry `{name}`: {e}"));
+        let stored = file.compression() == zip::CompressionMethod::Stored && !file.encrypted();
+        let span = file.data_start().and_then(|start| {
+            let start = usize::try_from(start).ok()?;
+            let end = start.checked_add(usize::try_from(file.size()).ok()?)?;
+            (end <= data.len()).then_some(start..end)
+        });
+        let entry = match span.filter(|_| stored) {
+            // the zip reader reads `compressed_size` bytes: checked here
+            // when that is the entry's size, else read through it
+            Some(span) if file.compressed_size() == file.size() => {
+                unchecked.push((name.clone(), span.clone(), file.crc32()));
+                (bytes.clone(), span)
+            }
+            Some(span) => {
+                std::io::copy(&mut file, &mut std::io::sink()).map_err(reading)?;
+                (bytes.clone(), span)
+            }
+            None => {
+                let mut v = Vec::with_capacity(file.size().min(1 << 30) as usize);
+                file.read_to_end(&mut v).map_err(reading)?;
+                let len = v.len();
+                (Arc::new(v) as Shared, 0..len)
+            }
+        };
+        Ok((rel, entry))
     }
 
     /// The bytes of entry `path`.

@@ -84,6 +84,7 @@ use std::sync::Arc;
 
 use etmetal_core::quant::{as_words, QuantFormat};
 use etmetal_core::{BinaryOp, DType, Error, Op, Result, Tensor};
+use rayon::prelude::*;
 
 use crate::decompose::eliminate_dead_code;
 use crate::ir::{Graph, InputKind, Node, ValueId};
@@ -94,6 +95,7 @@ pub mod gptq;
 pub mod mixed;
 
 pub use fit::{dequantize_weight, quantize_weight, Fit, QuantWeight};
+use fit::{quantize_tensors, Values};
 pub use gptq::{gptq, InputStats};
 pub use mixed::Sensitivity;
 
@@ -295,17 +297,32 @@ pub fn weight_values(t: &Tensor, transposed: bool) -> Vec<f32> {
     }
     let (r, c) = (t.shape()[0], t.shape()[1]);
     let mut wt = vec![0.0f32; r * c];
-    for i in 0..r {
-        for j in 0..c {
-            wt[j * r + i] = v[i * c + j];
-        }
-    }
+    // a row of W a task
+    wt.par_chunks_mut(r.max(1))
+        .enumerate()
+        .for_each(|(j, row)| {
+            for (i, x) in row.iter_mut().enumerate() {
+                *x = v[i * c + j];
+            }
+        });
     wt
 }
 
+/// A hash of `t`'s dtype, shape and bytes, the bytes hashed in parallel
+/// pieces (a weight of a decoder is hundreds of MiB): the same whatever
+/// the number of threads.
 fn bytes_hash(t: &Tensor) -> u64 {
+    let pieces: Vec<u64> = t
+        .bytes()
+        .par_chunks(1 << 20)
+        .map(|piece| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            piece.hash(&mut h);
+            h.finish()
+        })
+        .collect();
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (t.dtype().name(), t.shape(), t.bytes()).hash(&mut h);
+    (t.dtype().name(), t.shape(), pieces).hash(&mut h);
     h.finish()
 }
 
@@ -473,29 +490,44 @@ impl<'c> Quantizer<'c> {
         let (n, k) = if transposed { (c, r) } else { (r, c) };
         let dtype = t.dtype();
         let owned;
+        // the weight as it is stored where its rows are W's: converted a
+        // part at a time as it is quantized
         let w = match w {
-            Some(w) => w,
+            Some(w) => Values::F32(w),
+            None if !transposed && dtype.is_float() => Values::Tensor(t),
             None => {
                 owned = weight_values(t, transposed);
-                &owned[..]
+                Values::F32(&owned)
             }
         };
         let stats = self.calibration.and_then(|cal| cal.stats.get(name));
-        let q = match stats {
-            Some(stats) => gptq(w, n, k, stats, format, dtype)
-                .map_err(|e| e.context(format!("quantizing `{name}`")))?,
-            None => quantize_weight(w, n, k, format, Fit::Refine, dtype)?,
+        let made = match stats {
+            Some(stats) => {
+                let owned;
+                let w = match w {
+                    Values::F32(w) => w,
+                    Values::Tensor(t) => {
+                        owned = t.to_f32_vec();
+                        &owned[..]
+                    }
+                };
+                let q = gptq(w, n, k, stats, format, dtype)
+                    .map_err(|e| e.context(format!("quantizing `{name}`")))?;
+                let groups = k / format.group_size;
+                [
+                    as_words(&Tensor::from_slice(
+                        DType::U8,
+                        &[n, k / format.per_byte()],
+                        &q.packed,
+                    )?)?,
+                    Tensor::from_f32(dtype, &[n, groups], &q.scales)?,
+                    Tensor::from_f32(dtype, &[n, groups], &q.zeros)?,
+                ]
+            }
+            None => quantize_tensors(w, n, k, format, Fit::Refine, dtype)?,
         };
-        let groups = k / format.group_size;
-        let made = [
-            as_words(&Tensor::from_slice(
-                DType::U8,
-                &[n, k / format.per_byte()],
-                &q.packed,
-            )?)?,
-            Tensor::from_f32(dtype, &[n, groups], &q.scales)?,
-            Tensor::from_f32(dtype, &[n, groups], &q.zeros)?,
-        ];
+        // shared: the cache and the graphs hold the same bytes
+        let made = made.map(Tensor::into_shared);
         self.done.insert(key, made.clone());
         Ok((made, false))
     }
@@ -536,9 +568,8 @@ impl<'c> Quantizer<'c> {
                 ..
             } = *weight;
             let format = self.options.format(k, self.int8.contains(name));
-            let t = graph.constants[&w].clone();
             let ([packed, scales, zeros], reused) =
-                self.made(name, &t, transposed, format, None)?;
+                self.made(name, &graph.constants[&w], transposed, format, None)?;
             if reused {
                 report.reused.push(node.name.clone());
             }
@@ -801,17 +832,9 @@ fn merge_siblings(graph: &mut Graph) -> Result<()> {
         }
         let first = &graph.nodes[group[0]];
         let (op, x) = (first.op.clone(), first.inputs[0]);
-        let mut parts: [Vec<u8>; 3] = Default::default();
-        let mut widths = vec![];
-        for &i in &group {
-            let n = &graph.nodes[i];
-            for (slot, bytes) in parts.iter_mut().enumerate() {
-                bytes.extend_from_slice(
-                    graph.constants[&n.inputs[slot + 1].expect("checked")].bytes(),
-                );
-            }
-            widths.push(graph.constants[&n.inputs[1].expect("checked")].shape()[0]);
-        }
+        let widths: Vec<usize> = (group.iter())
+            .map(|&i| graph.constants[&graph.nodes[i].inputs[1].expect("checked")].shape()[0])
+            .collect();
         let total: usize = widths.iter().sum();
         let names: Vec<&str> = group
             .iter()
@@ -819,10 +842,31 @@ fn merge_siblings(graph: &mut Graph) -> Result<()> {
             .collect();
         let name = names.join("+");
         let mut weights = vec![];
-        for (slot, bytes) in parts.iter().enumerate() {
+        for slot in 0..3 {
             let of = |i: usize| graph.nodes[i].inputs[slot + 1].expect("checked");
             let t = &graph.constants[&of(group[0])];
-            let merged = Tensor::from_bytes(t.dtype(), &[total, t.shape()[1]], bytes)?;
+            // the parts' bytes one after the other, copied once
+            let mut merged = Tensor::zeros(t.dtype(), &[total, t.shape()[1]])?;
+            let out = merged.bytes_mut();
+            let mut at = 0;
+            for &i in &group {
+                let part = graph.constants[&of(i)].bytes();
+                let end = at + part.len();
+                if end > out.len() {
+                    return Err(Error::internal(format!(
+                        "merged quantized weights {name}: parts of other widths"
+                    )));
+                }
+                out[at..end].copy_from_slice(part);
+                at = end;
+            }
+            if at != out.len() {
+                return Err(Error::internal(format!(
+                    "merged quantized weights {name}: parts of other widths"
+                )));
+            }
+            // as the quantized weights are: a copy of the graph shares them
+            let merged = merged.into_shared();
             // named after the parts' weights (as every method names them)
             let parts: Vec<&str> = group
                 .iter()

@@ -37,6 +37,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ops::{Add, Mul, Sub};
+use std::path::Path;
 
 use etmetal_core::{DType, Error, Op, Result, Scalar, SymExpr};
 use etmetal_graph::plan::plan_memory;
@@ -251,6 +252,27 @@ pub(crate) fn write_program(
     methods: &[LoweredMethod],
     named_data: &NamedDataStore,
 ) -> Result<Vec<u8>> {
+    let (program, segments) = program_and_segments(methods, named_data)?;
+    etmetal_pte::serialize(&program, &segments)
+}
+
+/// [`write_program`] into a file at `path`, a piece at a time (never whole
+/// in memory): the same bytes. Returns their number.
+pub(crate) fn write_program_file(
+    methods: &[LoweredMethod],
+    named_data: &NamedDataStore,
+    path: &Path,
+) -> Result<u64> {
+    let (program, segments) = program_and_segments(methods, named_data)?;
+    etmetal_pte::serialize_to_file(&program, &segments, path)
+}
+
+/// The program of the methods and the bytes of its segments (constants,
+/// mutable state, payloads, `named_data`), borrowed where they can be.
+fn program_and_segments<'a>(
+    methods: &'a [LoweredMethod],
+    named_data: &'a NamedDataStore,
+) -> Result<(Program, Vec<Segment<'a>>)> {
     let mut parts = ProgramParts {
         constants: vec![],
         by_name: HashMap::new(),
@@ -301,7 +323,7 @@ pub(crate) fn write_program(
     let mut segments = parts.segments;
     // after every payload: weights read by several partitions (or methods) once
     named_data.write_into(&mut program, &mut segments, WEIGHT_ALIGNMENT)?;
-    etmetal_pte::serialize(&program, &segments)
+    Ok((program, segments))
 }
 
 /// The execution plan of one method; its delegate payloads go to

@@ -154,6 +154,38 @@ pub fn compile_prepared(
     options: &CompileOptions,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Compiled> {
+    let lowered = lower_prepared(prepared, options, progress)?;
+    Ok(Compiled {
+        pte: emit::write_program(&lowered.methods, &lowered.named_data)?,
+        methods: lowered.reports,
+    })
+}
+
+/// A program lowered, not yet written: [`compile_prepared`] before the
+/// bytes, for a caller that writes them to a file ([`Lowered::write_file`]).
+pub struct Lowered {
+    methods: Vec<emit::LoweredMethod>,
+    named_data: NamedDataStore,
+    /// What went where, per method.
+    pub reports: Vec<MethodReport>,
+}
+
+impl Lowered {
+    /// The `.pte` [`compile_prepared`] makes, written to a file at `path`
+    /// a piece at a time (the program, then each payload and weight from
+    /// its own bytes): never whole in memory, and no file where the
+    /// program fails its checks. Returns its size in bytes.
+    pub fn write_file(&self, path: &Path) -> Result<u64> {
+        emit::write_program_file(&self.methods, &self.named_data, path)
+    }
+}
+
+/// [`compile_prepared`] up to the writing: each prepared method lowered.
+pub fn lower_prepared(
+    prepared: Prepared,
+    options: &CompileOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Lowered> {
     let mut lowered = Vec::with_capacity(prepared.methods.len());
     let mut reports = Vec::with_capacity(prepared.methods.len());
     let mut named_data = NamedDataStore::new();
@@ -170,9 +202,10 @@ pub fn compile_prepared(
         lowered.push(l);
         reports.push(r);
     }
-    Ok(Compiled {
-        pte: emit::write_program(&lowered, &named_data)?,
-        methods: reports,
+    Ok(Lowered {
+        methods: lowered,
+        named_data,
+        reports,
     })
 }
 
