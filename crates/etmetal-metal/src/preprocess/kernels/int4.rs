@@ -30,7 +30,7 @@ use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
 use super::epilogue::Tail;
-use super::gemm::{column_groups, reduce_sums, WORKGROUP_BYTES};
+use super::gemm::{column_groups, reduce_sums, unrolled_passes, WORKGROUP_BYTES};
 use super::matmul::row_stat_prologue;
 use super::rows::as_rows;
 use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
@@ -417,13 +417,11 @@ impl Qmv<'_> {
             }
         }
         let scale = self.codes.scale();
-        let step = unroll * threads;
         // the chunks of a pass: all of k, or a staged block's from `qb`
         let (span, base, local) = match stage {
             Some(st) => (st.chunks, "qb + ", " - kb"),
             None => (chunks, "", ""),
         };
-        let full = span / step * step;
         // the words of `u` chunks `q + x·threads` of each channel, and
         // their scales and zeros
         let loads_of = |s: &mut String, u: usize| {
@@ -490,36 +488,8 @@ impl Qmv<'_> {
                 }
             }
         };
-        // the chunks of a pass after `pre` (the prologue, the staging: run
-        // while the first chunks' words are in flight, since their
-        // barriers would otherwise hold the loads back)
-        let passes = |pre: &str| {
-            let mut s = String::new();
-            let mut from = 0;
-            if full > 0 {
-                let _ = writeln!(s, "  {{\n    let q = {base}tl;");
-                loads_of(&mut s, unroll);
-                s.push_str(pre);
-                math_of(&mut s, unroll);
-                s.push_str("  }\n");
-                from = step;
-            } else {
-                s.push_str(pre);
-            }
-            for (u, to, by) in [(unroll, full, step), (1, span, threads)] {
-                if from < to {
-                    let _ = writeln!(
-                        s,
-                        "  for (var q = {base}{from}u + tl; q < {base}{to}u; q = q + {by}u) {{"
-                    );
-                    loads_of(&mut s, u);
-                    math_of(&mut s, u);
-                    s.push_str("  }\n");
-                }
-                from = from.max(to);
-            }
-            s
-        };
+        let passes =
+            |pre: &str| unrolled_passes(base, span, threads, unroll, pre, loads_of, math_of);
         match stage {
             Some(st) if st.depth() == k => {
                 let pre = prologue.clone() + &st.fill(mb, size);

@@ -455,10 +455,9 @@ impl Gemv {
     /// The loop over chunks `0 … count` of a split's `k`, or of a block of
     /// it, from `base` (a WGSL `u32`): the plan's unrolled chunks of each
     /// column at once (no more than each invocation has) while every
-    /// invocation has them, then one at a time; `pre` runs after the first
-    /// pass's loads (the prologue, the staging: their barriers would
-    /// otherwise hold the loads back). The left operand's chunks are read
-    /// from the staged block where `stage` is given.
+    /// invocation has them, then one at a time, `pre` after the first
+    /// pass's loads ([`unrolled_passes`]). The left operand's chunks are
+    /// read from the staged block where `stage` is given.
     fn chunks(
         &self,
         plan: &Plan,
@@ -470,9 +469,6 @@ impl Gemv {
     ) -> String {
         let (m, cols, threads, lanes) = (self.m, plan.cols, plan.threads, plan.lanes);
         let unroll = plan.unroll.min(count / threads).max(1);
-        let mut s = String::new();
-        let step = unroll * threads;
-        let full = count / step * step;
         // the right operand's chunks `q + x·threads`, x < u
         let loads = |s: &mut String, u: usize| {
             for x in 0..u {
@@ -500,30 +496,8 @@ impl Gemv {
                 }
             }
         };
-        let mut from = 0;
-        if full > 0 {
-            s.push_str("  {\n    let q = tl;\n");
-            loads(&mut s, unroll);
-            s.push_str(pre);
-            math(&mut s, unroll);
-            s.push_str("  }\n");
-            from = step;
-        } else {
-            s.push_str(pre);
-        }
-        for (u, to, by) in [(unroll, full, step), (1, count, threads)] {
-            if from < to {
-                let _ = writeln!(
-                    s,
-                    "  for (var q = {from}u + tl; q < {to}u; q = q + {by}u) {{"
-                );
-                loads(&mut s, u);
-                math(&mut s, u);
-                s.push_str("  }\n");
-            }
-            from = from.max(to);
-        }
-        s
+        // (`base` is the loads' offset of `k`, not a prefix of `q`)
+        unrolled_passes("", count, threads, unroll, pre, loads, math)
     }
 
     /// `s` with the statements adding up the workgroup's partial sums and
@@ -541,6 +515,50 @@ impl Gemv {
         s.push_str(&reduce_sums(&sums, plan.threads, plan.groups, &store));
         s
     }
+}
+
+/// The passes of `threads` invocations over chunks `0 … count` (WGSL `q`,
+/// from `base`: empty or a prefix such as `"qb + "`): `unroll` chunks an
+/// invocation at once while every invocation has them, then one at a time.
+/// The first step issues its loads before `pre` (a prologue, a staging),
+/// whose barriers would otherwise hold the loads back. `loads` and `math`
+/// append the statements of `u` chunks `q + x·threads`, `x < u`.
+pub(crate) fn unrolled_passes(
+    base: &str,
+    count: usize,
+    threads: usize,
+    unroll: usize,
+    pre: &str,
+    loads: impl Fn(&mut String, usize),
+    math: impl Fn(&mut String, usize),
+) -> String {
+    let step = unroll * threads;
+    let full = count / step * step;
+    let mut s = String::new();
+    let mut from = 0;
+    if full > 0 {
+        let _ = writeln!(s, "  {{\n    let q = {base}tl;");
+        loads(&mut s, unroll);
+        s.push_str(pre);
+        math(&mut s, unroll);
+        s.push_str("  }\n");
+        from = step;
+    } else {
+        s.push_str(pre);
+    }
+    for (u, to, by) in [(unroll, full, step), (1, count, threads)] {
+        if from < to {
+            let _ = writeln!(
+                s,
+                "  for (var q = {base}{from}u + tl; q < {base}{to}u; q = q + {by}u) {{"
+            );
+            loads(&mut s, u);
+            math(&mut s, u);
+            s.push_str("  }\n");
+        }
+        from = from.max(to);
+    }
+    s
 }
 
 /// `fn dotc(a, b) -> f32` for chunks of `lanes` elements: WGSL's `dot` for

@@ -33,5 +33,7 @@ pub use coop::VARIANT_COUNT as GEMM_COOP_VARIANTS;
 pub(super) use dequant::QuantOperands;
 #[cfg(test)]
 pub(super) use gemv::GROUP_FILL;
-pub(super) use gemv::{column_groups, reduce_sums, Gemv, GEMV_ROWS, WORKGROUP_BYTES};
+pub(super) use gemv::{
+    column_groups, reduce_sums, unrolled_passes, Gemv, GEMV_ROWS, WORKGROUP_BYTES,
+};
 pub(super) use spec::{Epilogue, F16Scaling, Gemm, GemmArgs, GemvArgs};
