@@ -15,8 +15,9 @@ NAME=...` gives (e.g. an int8 row of the bf16 export). Each binary
 compiles the row itself (`--max-buffer 2G`), so a change in compilation
 counts too. Results: one JSON row per (row, binary) with the median and
 [min, max] of the GPU and end-to-end figures, the dispatch count, the
-file size, the error against the first binary's output, and the kernel
-families summed over the step (the first session's medians).
+file size, the compile's wall seconds, the error against the first
+binary's output, and the kernel families summed over the step (the first
+session's medians).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ import run  # noqa: E402  (the harness: model cases, export, etmetal_bench)
 
 def measure(exe: Path, pt2: Path, inputs: list[Path], flags: list[str], scratch: Path) -> dict:
     pte = scratch / "row.pte"
+    start = time.perf_counter()
     run.sh([exe, "compile", pt2, "-o", pte, "--max-buffer", "2G", *flags])
+    compile_s = time.perf_counter() - start
     sessions = []
     try:
         for _ in range(run.REPEAT):
@@ -56,7 +59,7 @@ def measure(exe: Path, pt2: Path, inputs: list[Path], flags: list[str], scratch:
         families[k["kernel"]] += k["median_ms"]
     return {"gpu_ms": statistics.median(gpu), "gpu_ms_spread": [min(gpu), max(gpu)],
             "e2e_ms": statistics.median(e2e), "e2e_ms_spread": [min(e2e), max(e2e)],
-            "dispatches": len(sessions[0]["gpu"]["dispatches"]), "size": size,
+            "dispatches": len(sessions[0]["gpu"]["dispatches"]), "size": size, "compile_s": round(compile_s, 2),
             "families": dict(sorted(families.items(), key=lambda x: -x[1])),
             "adapter": sessions[0]["device"], "output": sessions[0]["output_0"]}
 
