@@ -198,6 +198,24 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num
                 tie_word_embeddings=False)
 LLAMA_CTX, LLAMA_CACHE = 512, 1024
 
+# A Qwen3-MoE-shaped decoder (the decode issue's MoE row): Qwen3-30B-A3B's
+# layer (hidden 2048, 32 query / 4 KV heads of 128 with per-head q and k
+# RMSNorms, every layer's MLP a sparse block of experts of 768 behind a
+# softmax top-k router whose top-k weights are renormalised, rope theta
+# 1e6) and its untied head over Qwen3's 151936 tokens, with 8 experts
+# routed top-2 (the 30B has 128, top-8) and 6 of its 48 layers. Why 6:
+# the embedding and the head alone are 1.24 GB in bf16 and a layer 113 MB
+# (of which 76 MB experts), so 6 layers keep the model under 2 GB (1.92 GB,
+# less than LLAMA_1B's 3.0 GB: quick to make, export and compile on the GPU
+# machine inside one device call), while a step's layers (attention,
+# router, 2 experts) still read a third of its bytes beside the head. Random weights through the
+# same recipe as LLAMA_1B: one decode step at LLAMA_CTX, LLAMA_CACHE
+# positions.
+QWEN3_MOE = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=6, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=768, norm_topk_prob=True, rope_theta=1000000.0,
+                 tie_word_embeddings=False)
+
 
 class Step(nn.Module):
     """A decoder step with positional inputs (tokens, positions), for export."""
@@ -210,43 +228,76 @@ class Step(nn.Module):
         return self.m(input_ids=tokens, cache_position=positions)
 
 
-def llama(device="cpu", **config) -> nn.Module:
-    """A random transformers Llama of `config` (LLAMA_1B's keys) in bf16
-    behind transformers' static-cache recipe (scripts/export_llm.py; the
-    cache takes the model's dtype and device when the recipe is made, and
-    `.to(device)` does not move it afterwards, so the model is moved first)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def recipe_decoder(arch: str, device="cpu", **config) -> nn.Module:
+    """A random transformers decoder (`arch`: "Llama" or "Qwen3Moe", its
+    `{arch}ForCausalLM` of `{arch}Config(**config)`) in bf16 behind
+    transformers' static-cache recipe (scripts/export_llm.py) of
+    LLAMA_CACHE positions. The cache takes the model's dtype and device
+    when the recipe is made, and `.to(device)` does not move it afterwards,
+    so the model is moved first (PyTorch 2.11 failed in `index_copy_` on a
+    cache left on the CPU)."""
+    import transformers
 
     sys.path.insert(0, str(REPO / "scripts"))
     from export_llm import recipe
 
-    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.bfloat16).eval().to(device)
+    config = getattr(transformers, f"{arch}Config")(**config)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.bfloat16).eval().to(device)
     return Step(recipe(model, LLAMA_CACHE).model)
 
 
-def decoder_roofline_bytes(config: dict, dtype: str, ctx: int) -> dict:
-    """Bytes one decode step at position `ctx` must read: every weight
-    (int4: each linear's packed weight, scales and zeros; the embedding
-    reads one row) and the K and V cache of the `ctx + 1` positions."""
+def llama(device="cpu", **config) -> nn.Module:
+    """A random transformers Llama of `config` (LLAMA_1B's keys), see `recipe_decoder`."""
+    return recipe_decoder("Llama", device, **config)
+
+
+def qwen3_moe(device="cpu", **config) -> nn.Module:
+    """A random transformers Qwen3-MoE of `config` (QWEN3_MOE's keys), see `recipe_decoder`."""
+    return recipe_decoder("Qwen3Moe", device, **config)
+
+
+def decoder_roofline_bytes(config: dict, dtype: str, ctx: int, qk_norm: bool = False) -> dict:
+    """Bytes one decode step at position `ctx` must read: the weights it
+    uses and the K and V cache of the `ctx + 1` positions. Weights: each
+    layer's attention (q, k, v, o), its MLP, its two norms (`qk_norm`: and
+    the per-head q and k norms of Qwen3), the final norm, one embedding row
+    and the head. An MoE config (`num_experts` in it, every layer sparse as
+    in QWEN3_MOE) reads its router and only the `num_experts_per_tok`
+    experts it routes to (the rest of `num_experts` stay unread), a dense
+    one its MLP. int4: each linear's packed weight, scales and zeros; the
+    experts stay bf16 (`--quantize int4` takes linears, and the experts'
+    stacked weights go through `_grouped_mm`, not a linear)."""
     c = config
-    h, kv = c["hidden_size"], c["num_key_value_heads"] * c["head_dim"]
-    q = c["num_attention_heads"] * c["head_dim"]
-    linears = [(q, h), (kv, h), (kv, h), (h, q), (c["intermediate_size"], h), (c["intermediate_size"], h),
-               (h, c["intermediate_size"])] * c["num_hidden_layers"] + [(c["vocab_size"], h)]
+    h, layers, hd = c["hidden_size"], c["num_hidden_layers"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    # (n, k): n outputs over k inputs
+    linears = [(q, h), (kv, h), (kv, h), (h, q)]
+    experts = []
+    if "num_experts" in c:
+        i = c["moe_intermediate_size"]
+        linears.append((c["num_experts"], h))  # the router
+        experts = [(i, h), (i, h), (h, i)] * c["num_experts_per_tok"]  # gate, up, down of each active expert
+    else:
+        i = c["intermediate_size"]
+        linears += [(i, h), (i, h), (h, i)]
+    linears = linears * layers + [(c["vocab_size"], h)]
+    experts = experts * layers
     size = 4 if dtype == "f32" else 2
     if dtype == "int4":
         weights = sum(int4_linear_bytes(n, k) for n, k in linears)
     else:
         weights = sum(n * k for n, k in linears) * size
-    norms = (2 * c["num_hidden_layers"] + 1) * h * size
-    cache = 2 * c["num_hidden_layers"] * kv * (ctx + 1) * size
+    weights += sum(n * k for n, k in experts) * size
+    norms = ((2 * layers + 1) * h + (2 * layers * hd if qk_norm else 0)) * size
+    cache = 2 * layers * kv * (ctx + 1) * size
     return {"weights": weights + norms + h * size, "kv_cache": cache}
 
 
 class ModelCase(NamedTuple):
     """A model row: its maker, its input maker(generator), the dtypes it
     runs in, whether the CPU step runs it, and for a decode step the
-    config and position its roofline counts (`decoder_roofline_bytes`);
+    config and position its roofline counts, and for Qwen3 the per-head
+    q/k norms (`decoder_roofline_bytes`'s arguments after the dtype);
     `recipe`: see `export_save`."""
     make: Callable
     inputs: Callable
@@ -259,7 +310,8 @@ class ModelCase(NamedTuple):
 def model_cases() -> dict[str, ModelCase]:
     """The real-models zoo (tests/parity/models/) at the issue's full sizes,
     batch 1. Decoders run twice: a prefill of 128 tokens and one decode step
-    at position 128; the Llama-3.2-1B shape in bf16 and int4 (GPU only)."""
+    at position 128; the Llama-3.2-1B shape in bf16 and int4 (GPU only),
+    and a Qwen3-MoE-shaped decode step (QWEN3_MOE) in bf16 and int4 (GPU only)."""
     from models.audio import whisper_tiny
     from models.cnn import MobileNetV2, ResNet
     from models.encoders import bert_base, bert_inputs
@@ -285,6 +337,9 @@ def model_cases() -> dict[str, ModelCase]:
                                             roofline=(LLAMA_1B, LLAMA_CTX)),
         "llama1b_prefill512": ModelCase(lambda device="cpu": llama(device, **LLAMA_1B), tokens(vocab, LLAMA_CTX, 0),
                                         dtypes=("bf16", "int4"), cpu=False, recipe=True),
+        "qwen3moe_decode512": ModelCase(lambda device="cpu": qwen3_moe(device, **QWEN3_MOE),
+                                        tokens(QWEN3_MOE["vocab_size"], 1, LLAMA_CTX), dtypes=("bf16", "int4"),
+                                        cpu=False, roofline=(QWEN3_MOE, LLAMA_CTX, True), recipe=True),
     }
 
 
@@ -752,8 +807,10 @@ def gpu_model(name: str, dt: str, scratch: Path, shared: dict) -> dict:
     top = sorted(gpu.get("dispatches", []), key=lambda k: -k["median_ms"])[:3]
     roofline, breakdown = None, None
     if case.roofline:
-        config, ctx = case.roofline
-        roofline = decoder_roofline_bytes(config, dt, ctx)
+        config, ctx, *qk_norm = case.roofline
+        roofline = decoder_roofline_bytes(config, dt, ctx, *qk_norm)
+        if "num_experts" in config:  # its weights count the routed experts only: [routed, of all]
+            roofline["active_experts"] = [config["num_experts_per_tok"], config["num_experts"]]
         # the decode issue asks for one step's per-kernel breakdown
         breakdown = [{"kernel": k["kernel"], "ms": k["median_ms"]} for k in gpu.get("dispatches", [])]
     return {"model": name, "dtype": dt, "weight_bytes": side["weight_bytes"], **side["figures"],
