@@ -6,7 +6,6 @@
 
 mod attention;
 mod conv;
-pub(crate) mod coopmat;
 mod delta;
 mod epilogue;
 mod gemm;
@@ -25,9 +24,9 @@ use etmetal_graph::Node;
 
 pub use gemm::GEMM_COOP_VARIANTS;
 pub(crate) use reduce::row_mean;
-pub(crate) use scatter::{dispatch as scatter, joins as scatter_joins, Scatter};
+pub(crate) use scatter::dispatch as scatter;
 
-use super::Lowering;
+use super::lowering::Lowering;
 use crate::op_table::{form, Form};
 
 pub(crate) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
