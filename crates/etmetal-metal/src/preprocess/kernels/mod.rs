@@ -3,6 +3,10 @@
 //! operands read many times, `Lowering::fused` for operands read once),
 //! writes `Lowering::output_buffer`s and appends dispatches. Which module
 //! an op goes to is the op table's [`Form`] (`crate::op_table`).
+//!
+//! They import the lowering context (`super::lowering`), never the driver
+//! (`super`), which calls [`lower`] for each node and hands the context
+//! [`row_mean`] and [`scatter`] for the work it defers.
 
 mod attention;
 mod conv;
