@@ -1,14 +1,12 @@
 //! The counts `etmetal inspect` opens with (`etmetal::summary`), for a
-//! program and for each method.
+//! program and for each method, in their C form. A leaf: the functions
+//! that hand them out live beside the handles they read (`program.rs`,
+//! `method.rs`).
 
-use std::ffi::{c_char, CString};
+use std::ffi::CString;
 
-use etmetal::summary::MethodSummary;
+use etmetal::summary::{MethodSummary, ProgramSummary};
 use etmetal_core::{Error, Result};
-
-use crate::error::{arg, arg_mut, status, EtmetalStatus};
-use crate::method::EtmetalMethod;
-use crate::program::EtmetalProgram;
 
 /// What a program holds, as `etmetal inspect` counts it.
 #[repr(C)]
@@ -21,6 +19,17 @@ pub struct EtmetalProgramCounters {
     pub named_data_bytes: u64,
     /// Named data entries.
     pub named_data_keys: usize,
+}
+
+impl EtmetalProgramCounters {
+    pub(crate) fn of(s: &ProgramSummary) -> EtmetalProgramCounters {
+        EtmetalProgramCounters {
+            methods: s.methods.len(),
+            constant_bytes: s.constant_bytes,
+            named_data_bytes: s.named_data_bytes,
+            named_data_keys: s.named_data_keys,
+        }
+    }
 }
 
 /// What a method does, as `etmetal inspect` counts it.
@@ -84,87 +93,14 @@ impl MethodCounts {
             cpu_operators,
         })
     }
-}
 
-/// Write the program's counts to `*counters`.
-///
-/// Thread-safety: any thread, concurrently with any other call.
-///
-/// # Safety
-/// `program` is a live program; `counters` points to a writable
-/// `EtmetalProgramCounters`.
-#[no_mangle]
-pub unsafe extern "C" fn etmetal_program_counters(
-    program: *const EtmetalProgram,
-    counters: *mut EtmetalProgramCounters,
-) -> EtmetalStatus {
-    const F: &str = "etmetal_program_counters";
-    status(F, || {
-        // SAFETY: the caller's contract, for each argument.
-        let program = unsafe { arg(program, F, "program") }?;
-        let counters = unsafe { arg_mut(counters, F, "counters") }?;
-        let s = &program.shared.summary;
-        *counters = EtmetalProgramCounters {
-            methods: s.methods.len(),
-            constant_bytes: s.constant_bytes,
-            named_data_bytes: s.named_data_bytes,
-            named_data_keys: s.named_data_keys,
-        };
-        Ok(())
-    })
-}
+    pub(crate) fn counters(&self) -> EtmetalMethodCounters {
+        self.counters
+    }
 
-/// Write the method's counts to `*counters`.
-///
-/// Thread-safety: any thread, concurrently with any other call.
-///
-/// # Safety
-/// `method` is a live method; `counters` points to a writable
-/// `EtmetalMethodCounters`.
-#[no_mangle]
-pub unsafe extern "C" fn etmetal_method_counters(
-    method: *const EtmetalMethod,
-    counters: *mut EtmetalMethodCounters,
-) -> EtmetalStatus {
-    const F: &str = "etmetal_method_counters";
-    status(F, || {
-        // SAFETY: the caller's contract, for each argument.
-        let method = unsafe { arg(method, F, "method") }?;
-        *unsafe { arg_mut(counters, F, "counters") }? = method.counts.counters;
-        Ok(())
-    })
-}
-
-/// The CPU operator `index` (0 to `cpu_operators` - 1, most calls first)
-/// that the method calls: its name (`aten::add.out`, owned by the method)
-/// in `*name` and its calls in `*calls`.
-///
-/// Thread-safety: any thread, concurrently with any other call.
-///
-/// # Safety
-/// `method` is a live method; `name` and `calls` point to writable memory.
-#[no_mangle]
-pub unsafe extern "C" fn etmetal_method_cpu_operator(
-    method: *const EtmetalMethod,
-    index: usize,
-    name: *mut *const c_char,
-    calls: *mut usize,
-) -> EtmetalStatus {
-    const F: &str = "etmetal_method_cpu_operator";
-    status(F, || {
-        // SAFETY: the caller's contract, for each argument.
-        let method = unsafe { arg(method, F, "method") }?;
-        let name = unsafe { arg_mut(name, F, "name") }?;
-        let calls = unsafe { arg_mut(calls, F, "calls") }?;
-        let ops = &method.counts.cpu_operators;
-        let (op, n) = ops.get(index).ok_or_else(|| {
-            Error::invalid_input(format!(
-                "{F}: operator {index} does not exist (the method calls {})",
-                ops.len()
-            ))
-        })?;
-        *name = op.as_ptr();
-        *calls = *n;
-        Ok(())
-    })
+    /// The CPU operators the method calls with their calls, most calls
+    /// first.
+    pub(crate) fn cpu_operators(&self) -> &[(CString, usize)] {
+        &self.cpu_operators
+    }
 }

@@ -19,10 +19,7 @@ mod method;
 mod program;
 mod tensor;
 
-pub use counters::{
-    etmetal_method_counters, etmetal_method_cpu_operator, etmetal_program_counters,
-    EtmetalMethodCounters, EtmetalProgramCounters,
-};
+pub use counters::{EtmetalMethodCounters, EtmetalProgramCounters};
 pub use error::*;
 pub use execute::{etmetal_method_execute, EtmetalInput, EtmetalOutput};
 pub use method::*;
@@ -30,6 +27,13 @@ pub use program::*;
 pub use tensor::*;
 
 use std::ffi::c_char;
+
+// The handles are shared by raw pointer between the caller's threads.
+const _: () = {
+    const fn shared_between_threads<T: Send + Sync>() {}
+    shared_between_threads::<EtmetalProgram>();
+    shared_between_threads::<EtmetalMethod>();
+};
 
 /// The library's version ("0.1.0"), a static string; `ETMETAL_VERSION` is
 /// the header's.

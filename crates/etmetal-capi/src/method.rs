@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use etmetal_core::{Error, Result, TensorSpec};
 
-use crate::counters::MethodCounts;
+use crate::counters::{EtmetalMethodCounters, MethodCounts};
 use crate::error::{arg, arg_mut, guard, status, text, EtmetalStatus};
 use crate::program::{EtmetalProgram, Loaded};
 use crate::tensor::EtmetalTensorSpec;
@@ -212,5 +212,60 @@ pub unsafe extern "C" fn etmetal_method_output_spec(
         let method = unsafe { arg(method, F, "method") }?;
         let spec = unsafe { arg_mut(spec, F, "spec") }?;
         spec_of(&method.outputs, index, "output", spec)
+    })
+}
+
+/// Write the method's counts to `*counters`.
+///
+/// Thread-safety: any thread, concurrently with any other call.
+///
+/// # Safety
+/// `method` is a live method; `counters` points to a writable
+/// `EtmetalMethodCounters`.
+#[no_mangle]
+pub unsafe extern "C" fn etmetal_method_counters(
+    method: *const EtmetalMethod,
+    counters: *mut EtmetalMethodCounters,
+) -> EtmetalStatus {
+    const F: &str = "etmetal_method_counters";
+    status(F, || {
+        // SAFETY: the caller's contract, for each argument.
+        let method = unsafe { arg(method, F, "method") }?;
+        *unsafe { arg_mut(counters, F, "counters") }? = method.counts.counters();
+        Ok(())
+    })
+}
+
+/// The CPU operator `index` (0 to `cpu_operators` - 1, most calls first)
+/// that the method calls: its name (`aten::add.out`, owned by the method)
+/// in `*name` and its calls in `*calls`.
+///
+/// Thread-safety: any thread, concurrently with any other call.
+///
+/// # Safety
+/// `method` is a live method; `name` and `calls` point to writable memory.
+#[no_mangle]
+pub unsafe extern "C" fn etmetal_method_cpu_operator(
+    method: *const EtmetalMethod,
+    index: usize,
+    name: *mut *const c_char,
+    calls: *mut usize,
+) -> EtmetalStatus {
+    const F: &str = "etmetal_method_cpu_operator";
+    status(F, || {
+        // SAFETY: the caller's contract, for each argument.
+        let method = unsafe { arg(method, F, "method") }?;
+        let name = unsafe { arg_mut(name, F, "name") }?;
+        let calls = unsafe { arg_mut(calls, F, "calls") }?;
+        let ops = method.counts.cpu_operators();
+        let (op, n) = ops.get(index).ok_or_else(|| {
+            Error::invalid_input(format!(
+                "{F}: operator {index} does not exist (the method calls {})",
+                ops.len()
+            ))
+        })?;
+        *name = op.as_ptr();
+        *calls = *n;
+        Ok(())
     })
 }

@@ -12,6 +12,7 @@ use etmetal::Model;
 use etmetal_core::{Error, Result};
 use etmetal_runtime::LoadOptions;
 
+use crate::counters::EtmetalProgramCounters;
 use crate::error::{arg, arg_mut, null, status, text, EtmetalStatus};
 
 /// A loaded program. Opaque; made by `etmetal_program_load` or
@@ -29,13 +30,6 @@ pub(crate) struct Loaded {
     warning: Option<CString>,
     pub(crate) summary: ProgramSummary,
 }
-
-// The handles are shared by raw pointer between the caller's threads.
-const _: () = {
-    const fn shared_between_threads<T: Send + Sync>() {}
-    shared_between_threads::<EtmetalProgram>();
-    shared_between_threads::<crate::method::EtmetalMethod>();
-};
 
 impl Loaded {
     /// The model, for one call at a time.
@@ -333,5 +327,27 @@ pub unsafe extern "C" fn etmetal_program_reset_state(
             .shared
             .lock()?
             .reset_state()
+    })
+}
+
+/// Write the program's counts to `*counters`.
+///
+/// Thread-safety: any thread, concurrently with any other call.
+///
+/// # Safety
+/// `program` is a live program; `counters` points to a writable
+/// `EtmetalProgramCounters`.
+#[no_mangle]
+pub unsafe extern "C" fn etmetal_program_counters(
+    program: *const EtmetalProgram,
+    counters: *mut EtmetalProgramCounters,
+) -> EtmetalStatus {
+    const F: &str = "etmetal_program_counters";
+    status(F, || {
+        // SAFETY: the caller's contract, for each argument.
+        let program = unsafe { arg(program, F, "program") }?;
+        let counters = unsafe { arg_mut(counters, F, "counters") }?;
+        *counters = EtmetalProgramCounters::of(&program.shared.summary);
+        Ok(())
     })
 }

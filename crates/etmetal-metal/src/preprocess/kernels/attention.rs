@@ -46,9 +46,9 @@ use crate::payload::Size;
 use crate::preprocess::buffers::{BufferIdx, Storage};
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::LazyRef;
+use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::sizes::{bucket, extent, ROW_BUCKETS};
-use crate::preprocess::Lowering;
 
 /// The tensor-core forms of the prefill kernel: Apple's 8×8 f32 form,
 /// and the dispatch of every form's alternatives.
@@ -1281,7 +1281,7 @@ impl Geometry {
 #[cfg(test)]
 mod tests {
     use super::super::testing::{input, lower_inputs as lower_one, lower_one_with};
-    use crate::preprocess::PreprocessOptions;
+    use crate::preprocess::options::PreprocessOptions;
     use etmetal_core::{DType, Op};
 
     /// 40 query rows over 4096 keys split the keys 128 ways: 204 800

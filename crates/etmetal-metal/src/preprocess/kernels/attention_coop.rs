@@ -42,11 +42,11 @@ use etmetal_core::sym::SymExpr;
 use etmetal_core::Result;
 
 use super::{Attn, KeySplit};
+use crate::preprocess::coopmat::{CoopForm, CoopMat, Role, SUBGROUP};
 use crate::preprocess::emit::{grid, KernelBuilder, FLAT_GROUP};
-use crate::preprocess::kernels::coopmat::{CoopForm, CoopMat, Role, SUBGROUP};
 use crate::preprocess::kernels::gemm::F16_SCALING_WGSL;
+use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::float_literal;
-use crate::preprocess::Lowering;
 
 /// Query rows of a subgroup.
 const RS: usize = 16;
@@ -438,7 +438,8 @@ mod tests {
     use super::super::super::testing::{
         alternatives_gated_alike, dynamic_input, input, lower_one, lower_one_with, Operand,
     };
-    use crate::preprocess::{CoopForm, PreprocessOptions};
+    use crate::preprocess::coopmat::CoopForm;
+    use crate::preprocess::options::PreprocessOptions;
     use etmetal_core::{DType, Op};
 
     fn sdpa(is_causal: bool, enable_gqa: bool) -> Op {

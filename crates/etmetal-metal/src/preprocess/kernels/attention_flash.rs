@@ -50,12 +50,12 @@ use etmetal_core::{DType, Error, Result};
 use super::{Attn, KeySplit};
 use crate::payload::Size;
 use crate::preprocess::buffers::BufferIdx;
+use crate::preprocess::coopmat::{CoopForm, CoopMat, Role, SUBGROUP};
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::LazyRef;
-use crate::preprocess::kernels::coopmat::{CoopForm, CoopMat, Role, SUBGROUP};
 use crate::preprocess::kernels::gemm::F16_SCALING_WGSL;
+use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::float_literal;
-use crate::preprocess::Lowering;
 
 /// Query rows of a subgroup: one 16-row matrix.
 const RS: usize = 16;

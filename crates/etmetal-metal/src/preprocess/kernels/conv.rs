@@ -20,9 +20,9 @@ use super::epilogue::Tail;
 use super::gemm::{Epilogue, F16Scaling, Gemm, GemmArgs};
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::{reshaped, LazyRef};
+use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::sizes::extent;
-use crate::preprocess::Lowering;
 
 /// Output channels per group from which a convolution is a GEMM (fewer
 /// leave most of a GEMM tile idle).

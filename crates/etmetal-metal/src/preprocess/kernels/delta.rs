@@ -11,7 +11,7 @@ use etmetal_core::{Error, Result};
 use etmetal_graph::Node;
 
 use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
-use crate::preprocess::Lowering;
+use crate::preprocess::lowering::Lowering;
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     let views = (0..6)

@@ -15,8 +15,8 @@ use etmetal_graph::Node;
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{unravel, KernelBuilder};
 use crate::preprocess::expr::{Kind, Lazy, LazyRef};
+use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::cast;
-use crate::preprocess::Lowering;
 
 /// Where a template's store puts its value and what it computes first.
 pub(super) struct Tail {

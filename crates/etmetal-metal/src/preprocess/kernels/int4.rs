@@ -33,10 +33,11 @@ use super::epilogue::Tail;
 use super::gemm::{column_groups, reduce_sums, unrolled_passes, WORKGROUP_BYTES};
 use super::matmul::row_stat_prologue;
 use super::rows::as_rows;
+use crate::preprocess::buffers::BufferIdx;
+use crate::preprocess::deferred::RowStat;
 use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::{Kind, LazyRef};
-use crate::preprocess::BufferIdx;
-use crate::preprocess::{Lowering, RowStat};
+use crate::preprocess::lowering::Lowering;
 
 /// Activation rows a workgroup takes (decode batches up to 8 read the
 /// weight once).

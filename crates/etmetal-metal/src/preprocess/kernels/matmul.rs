@@ -20,11 +20,12 @@ use etmetal_graph::Node;
 use super::epilogue::{self, Tail};
 use super::gemm::{Epilogue, F16Scaling, Gemm, GemmArgs, Gemv, GemvArgs, GEMV_ROWS};
 use crate::preprocess::buffers::BufferIdx;
+use crate::preprocess::deferred::RowStat;
 use crate::preprocess::emit::{expanded_index, linear, unravel, KernelBuilder};
 use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
+use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::sizes::extent;
-use crate::preprocess::{Lowering, RowStat};
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     let (args, k) = product(lw, node, String::new(), &[])?;
@@ -645,7 +646,7 @@ mod tests {
     use etmetal_core::{DType, Op};
 
     use crate::preprocess::kernels::testing::{input, lower_one, lower_one_with, weight, Operand};
-    use crate::preprocess::PreprocessOptions;
+    use crate::preprocess::options::PreprocessOptions;
 
     #[test]
     fn products_of_every_form_validate() {

@@ -3,10 +3,13 @@
 //! operands read many times, `Lowering::fused` for operands read once),
 //! writes `Lowering::output_buffer`s and appends dispatches. Which module
 //! an op goes to is the op table's [`Form`] (`crate::op_table`).
+//!
+//! They import the lowering context (`super::lowering`), never the driver
+//! (`super`), which calls [`lower`] for each node and hands the context
+//! [`row_mean`] and [`scatter`] for the work it defers.
 
 mod attention;
 mod conv;
-pub(crate) mod coopmat;
 mod delta;
 mod epilogue;
 mod gemm;
@@ -25,9 +28,9 @@ use etmetal_graph::Node;
 
 pub use gemm::GEMM_COOP_VARIANTS;
 pub(crate) use reduce::row_mean;
-pub(crate) use scatter::{dispatch as scatter, joins as scatter_joins, Scatter};
+pub(crate) use scatter::dispatch as scatter;
 
-use super::Lowering;
+use super::lowering::Lowering;
 use crate::op_table::{form, Form};
 
 pub(crate) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {

@@ -13,8 +13,8 @@ use super::rows::{
 };
 use crate::preprocess::emit::{entry, KernelBuilder};
 use crate::preprocess::expr::{Kind, Lazy, LazyRef};
+use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::{cast, float_literal};
-use crate::preprocess::Lowering;
 
 /// The statistics a row kernel takes of each group.
 #[derive(Clone, Copy, PartialEq)]

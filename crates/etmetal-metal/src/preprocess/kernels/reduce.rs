@@ -11,10 +11,11 @@ use super::rows::{
     Combine, ROW_WORKGROUP,
 };
 use crate::payload::{Fault, Size};
+use crate::preprocess::deferred::RowStat;
 use crate::preprocess::emit::{entry, linear, unravel, KernelBuilder};
 use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
+use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::{cast, compute_type, float_literal};
-use crate::preprocess::{Lowering, RowStat};
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     if let Op::Reduce { op, dims, .. } = &node.op {

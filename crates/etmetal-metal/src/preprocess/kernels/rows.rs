@@ -6,7 +6,7 @@
 use etmetal_core::{DType, Result};
 
 use crate::preprocess::emit::{grid, Built};
-use crate::preprocess::Lowering;
+use crate::preprocess::lowering::Lowering;
 
 use crate::preprocess::expr::{Kind, Lazy, LazyRef};
 

@@ -7,7 +7,7 @@
 //!   resident state input, whose new value the runtime keeps anyway): one
 //!   invocation a written element, so a decode step's KV-cache write touches
 //!   the new rows only, not the cache. The write waits
-//!   ([`Lowering::scatters`]) until a dispatch binds its buffer (the
+//!   ([`Lowering::defer_scatter`]) until a dispatch binds its buffer (the
 //!   attention reading the cache) or the partition ends, and the writes
 //!   waiting then are one dispatch: a layer's key and value cache writes
 //!   are one kernel.
@@ -22,46 +22,16 @@
 use etmetal_core::{BinaryOp, DType, Error, Op, Result, Scalar};
 use etmetal_graph::Node;
 
-use crate::payload::Size;
 use crate::preprocess::buffers::{BufferIdx, Place, Storage};
+use crate::preprocess::deferred::Scatter;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
 use crate::preprocess::expr::{self, Kind, Lazy, LazyRef, Pos};
+use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::cast;
-use crate::preprocess::Lowering;
 
 /// Rows of a static count up to which a copy that cannot be in place is
 /// an expression (a select per row) rather than a copy and a write.
 const EXPRESSION_ROWS: usize = 4;
-
-/// An in-place row write not dispatched yet.
-pub(crate) struct Scatter {
-    /// The buffer written (holding `x`, row-major in `shape`).
-    pub target: BufferIdx,
-    pub shape: Vec<usize>,
-    pub dim: usize,
-    /// `[k]` integer positions along `dim`.
-    pub index: LazyRef,
-    /// `shape` with `dim` of size `k`.
-    pub src: LazyRef,
-    /// The run-time row count where the index is of dynamic length.
-    pub rows: Option<Size>,
-}
-
-impl Scatter {
-    /// Elements of `x` past `dim` (a row), before it and rows.
-    fn geometry(&self) -> (usize, usize, usize) {
-        let inner = self.shape[self.dim + 1..].iter().product();
-        let outer = self.shape[..self.dim].iter().product();
-        (outer, self.src.shape[self.dim], inner)
-    }
-
-    fn reads(&self, buf: BufferIdx) -> bool {
-        let mut b = vec![];
-        self.index.buffers(&mut b);
-        self.src.buffers(&mut b);
-        b.contains(&buf)
-    }
-}
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     let Op::IndexCopy { dim } = node.op else {
@@ -103,7 +73,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         rows: rows.clone(),
     };
     if let Some(target) = in_place_target(lw, x_value, &x, dim) {
-        lw.pending_scatter(scatter(target))?;
+        defer(lw, scatter(target))?;
         let lazy = expr::reshaped(&lw.load(target), x.shape.clone());
         lw.define(out, lazy);
         return Ok(());
@@ -113,7 +83,17 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     }
     let target = lw.output_buffer(node, 0)?;
     lw.write_flat(&x, target)?;
-    lw.pending_scatter(scatter(target))
+    defer(lw, scatter(target))
+}
+
+/// Let the in-place row write `s` wait with the others that it may join
+/// in one dispatch (after those waiting are dispatched, where it may not).
+fn defer(lw: &mut Lowering, s: Scatter) -> Result<()> {
+    if !joins(lw, lw.scatters_waiting(), &s) {
+        lw.flush_scatters()?;
+    }
+    lw.defer_scatter(s);
+    Ok(())
 }
 
 /// The buffer of `x` (the value of graph value `v`), when the node may
@@ -130,27 +110,16 @@ fn in_place_target(
     let desc = &lw.buffers.list[target];
     let ours = match desc.place {
         Place::Temp => true,
-        Place::Input(_) => lw.resident.contains(&target),
+        Place::Input(_) => lw.is_resident(target),
         _ => false,
     };
     // a 16-bit packed buffer is written a word (two elements of a row) at a time
     let inner: usize = x.shape[dim + 1..].iter().product();
     let pairs = desc.storage != Storage::Packed16 || inner.is_multiple_of(2);
-    if !ours || !pairs || lw.readers.get(&v).copied().unwrap_or(0) != 1 {
+    if !ours || !pairs || lw.readers(v) != 1 {
         return None;
     }
-    let reads = |lazy: &LazyRef| {
-        let mut b = vec![];
-        lazy.buffers(&mut b);
-        b.contains(&target)
-    };
-    let live = lw
-        .values
-        .iter()
-        .any(|(w, lazy)| *w != v && lw.readers.get(w).copied().unwrap_or(0) > 0 && reads(lazy));
-    let waiting =
-        lw.pending.iter().any(|st| reads(&st.x)) || lw.scatters.iter().any(|s| s.reads(target));
-    (!live && !waiting).then_some(target)
+    (!lw.read_later(target, v)).then_some(target)
 }
 
 /// `x` with each of the `k` rows of `src` selected where the position along
@@ -197,7 +166,7 @@ fn selected(x: &LazyRef, dim: usize, index: &LazyRef, src: &LazyRef) -> LazyRef 
 /// Whether `s` may join the writes waiting in `waiting` (one dispatch):
 /// none writes its buffer or reads what another writes, and all bind
 /// within the limit.
-pub(crate) fn joins(lw: &Lowering, waiting: &[Scatter], s: &Scatter) -> bool {
+fn joins(lw: &Lowering, waiting: &[Scatter], s: &Scatter) -> bool {
     let apart = waiting
         .iter()
         .all(|w| w.target != s.target && !w.reads(s.target) && !s.reads(w.target));

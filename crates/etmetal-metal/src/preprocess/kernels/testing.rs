@@ -6,7 +6,9 @@ use etmetal_core::{DType, Op, Result, Tensor};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind};
 
 use crate::partitioner::Partition;
-use crate::preprocess::{preprocess, PreprocessOptions, Preprocessed};
+use crate::preprocess::lowering::Preprocessed;
+use crate::preprocess::options::PreprocessOptions;
+use crate::preprocess::preprocess;
 
 /// An operand of a one-node graph: a user input, or a weight (zeros).
 #[derive(Clone)]

@@ -18,8 +18,8 @@ use crate::preprocess::emit::{
     entry, grid, linear, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP,
 };
 use crate::preprocess::expr::{GatherAt, Kind, Lazy, LazyRef, Pos};
+use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::{cast, compute_type, int_literal};
-use crate::preprocess::Lowering;
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     match &node.op {

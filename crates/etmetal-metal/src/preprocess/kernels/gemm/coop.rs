@@ -10,7 +10,7 @@
 //! Apple GPUs' simdgroup matrices through Metal), follows it: the same
 //! kernel over f32 stages, with no scaling. Its real primitives never run
 //! here; both forms run on any adapter with their primitives emulated
-//! (`super::super::coopmat`, the test mode the GPU tests use).
+//! (`preprocess::coopmat`, the test mode the GPU tests use).
 //!
 //! Kernel. A workgroup computes a `bm × bn` tile (128×128 in 8 subgroups
 //! of 64×32, or 64×64 in 4 subgroups of 32×32, chosen by workgroup count
@@ -90,10 +90,10 @@ use etmetal_core::{DType, Error, Result, Tensor};
 use super::spec::{F16Scaling, Gemm, GemmArgs, FILL};
 use super::split::SplitK;
 use crate::preprocess::buffers::BufferIdx;
+use crate::preprocess::coopmat::{CoopForm, CoopMat, Role, SUBGROUP};
 use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::{Kind, LazyRef};
-use crate::preprocess::kernels::coopmat::{CoopForm, CoopMat, Role, SUBGROUP};
-use crate::preprocess::Lowering;
+use crate::preprocess::lowering::Lowering;
 
 /// Bytes after each staged row (the 8 rows a matrix load reads at once
 /// start in different banks).
@@ -1184,7 +1184,7 @@ mod tests {
     use crate::preprocess::kernels::testing::{
         alternatives_gated_alike, dynamic_input, input, lower_one, lower_one_with, weight, Operand,
     };
-    use crate::preprocess::PreprocessOptions;
+    use crate::preprocess::options::PreprocessOptions;
     use etmetal_core::Op;
     use half::{bf16, f16};
 

@@ -30,7 +30,7 @@ use super::split::SplitK;
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::KernelBuilder;
 use crate::preprocess::expr::LazyRef;
-use crate::preprocess::Lowering;
+use crate::preprocess::lowering::Lowering;
 
 /// A quantized linear `y [m, n] = x [m, k] @ Wᵀ` as a GEMM's operands.
 pub(crate) struct QuantOperands<'a> {

@@ -9,7 +9,7 @@ use etmetal_core::Result;
 use super::spec::GemvArgs;
 use super::split::{split_k, SplitK};
 use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
-use crate::preprocess::Lowering;
+use crate::preprocess::lowering::Lowering;
 
 /// Rows (per batch) up to which a product with a `k`-contiguous right
 /// operand (a linear layer's weight) is a [`Gemv`].

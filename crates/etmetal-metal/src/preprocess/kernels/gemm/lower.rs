@@ -8,8 +8,8 @@ use super::coop;
 use super::spec::{Gemm, GemmArgs, FILL};
 use super::split::{split_k, SplitK};
 use crate::preprocess::emit::{grid, Built, KernelBuilder};
+use crate::preprocess::lowering::Lowering;
 use crate::preprocess::sizes::{bucket, ROW_BUCKETS};
-use crate::preprocess::Lowering;
 
 impl Gemm {
     /// Validate and append the kernel(s), reading the operands and storing

@@ -9,7 +9,7 @@ use etmetal_core::{DType, Result};
 
 use crate::payload::Size;
 use crate::preprocess::emit::KernelBuilder;
-use crate::preprocess::Lowering;
+use crate::preprocess::lowering::Lowering;
 
 /// One batched product `C[bt, r, c] = Σ_k A[bt, r, k] · B[bt, k, c]`. The
 /// caller's [`GemmArgs`] read the operands and store the results. When

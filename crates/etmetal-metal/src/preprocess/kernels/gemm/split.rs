@@ -9,7 +9,7 @@ use etmetal_core::{DType, Result};
 use super::spec::Epilogue;
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{entry, grid, linear, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
-use crate::preprocess::Lowering;
+use crate::preprocess::lowering::Lowering;
 
 /// Ways to split `k` among workgroups when `groups` fall short of `fill`:
 /// the fewest of 2, 4, 8 that fill the GPU (else the most) whose parts are

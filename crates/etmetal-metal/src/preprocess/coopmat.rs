@@ -1,5 +1,6 @@
 //! The cooperative-matrix primitives as the tensor-core kernels write them
-//! (`gemm/coop.rs`, `attention_coop.rs`): one seam ([`CoopMat`]) through
+//! (`kernels/gemm/coop.rs`, `kernels/attention_coop.rs`,
+//! `kernels/attention_flash.rs`): one seam ([`CoopMat`]) through
 //! which a kernel declares, loads, multiplies and stores its matrices, in
 //! one of two flavours.
 //!
