@@ -62,11 +62,18 @@ fn counting(t: &etmetal_core::Tensor) -> Option<LazyRef> {
     {
         return None;
     }
-    let counts = t
-        .to_i64_vec()
-        .iter()
-        .enumerate()
-        .all(|(i, &v)| v == i as i64);
+    // element by element, stopping at the first that is not its index: an
+    // int4 model's packed weights (int32) are not widened whole
+    let b = t.bytes();
+    let counts = match t.dtype() {
+        DType::I32 => b.chunks_exact(4).enumerate().all(|(i, c)| {
+            i64::from(i32::from_le_bytes(c.try_into().expect("4 bytes"))) == i as i64
+        }),
+        _ => b
+            .chunks_exact(8)
+            .enumerate()
+            .all(|(i, c)| i64::from_le_bytes(c.try_into().expect("8 bytes")) == i as i64),
+    };
     if !counts {
         return None;
     }
