@@ -85,6 +85,19 @@ class Sdpa(nn.Module):
         return F.scaled_dot_product_attention(q, k, v)
 
 
+class LinearChain(nn.Module):
+    """`n` dependent small linears: each its own dispatch (kernel launch),
+    so the row's time over `n` is the fixed cost of one."""
+    def __init__(self, n: int, width: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 class CausalGqaSdpa(nn.Module):
     """A decoder's prefill attention: causal, query heads sharing kv heads."""
     def forward(self, q, k, v):
@@ -142,6 +155,11 @@ def op_cases() -> dict[str, OpCase]:
         q, kv = (1, 32, t, 64), (1, 8, t, 64)
         cases[f"sdpa_causal_gqa_32x8x{t}"] = OpCase(
             CausalGqaSdpa, [q, kv, kv], 2 * 32 * t * t * 64, 2 * 32 * t * 64 + 2 * 8 * t * 64)
+    # the fixed cost of a dispatch: a decode step is ~115 dependent ones
+    chain, width = 128, 64
+    cases[f"linear_chain_{chain}x{width}"] = OpCase(
+        lambda: LinearChain(chain, width), [(1, width)], 2 * chain * width * width,
+        chain * width * width + 2 * width, dtypes=("bf16",))
     # int4 GEMV of decode (M = 1, bf16 activations): K in, N out, as the
     # int4 issue names them (4096x14336: Llama-3-8B's up-projection)
     for k, n in ((4096, 4096), (4096, 14336)):
