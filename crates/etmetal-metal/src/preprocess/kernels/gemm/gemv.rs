@@ -740,18 +740,28 @@ mod tests {
         }
     }
 
+    /// The plan of a one-row product (`n` outputs over `k`) as
+    /// (invocations a group, columns, splits, lanes, unroll, groups).
+    fn layout(
+        n: usize,
+        k: usize,
+        most: usize,
+        wide: bool,
+        computed: bool,
+    ) -> (usize, usize, usize, usize, usize, usize) {
+        let p: Plan = Gemv {
+            batch: 1,
+            m: 1,
+            n,
+            k,
+        }
+        .plan(most, wide, computed);
+        (p.threads, p.cols, p.splits, p.lanes, p.unroll, p.groups)
+    }
+
     #[test]
     fn few_columns_split_deep_k() {
-        let gemv = |n, k, wide| {
-            let p: Plan = Gemv {
-                batch: 1,
-                m: 1,
-                n,
-                k,
-            }
-            .plan(usize::MAX, wide, false);
-            (p.threads, p.cols, p.splits, p.lanes, p.unroll, p.groups)
-        };
+        let gemv = |n, k, wide| layout(n, k, usize::MAX, wide, false);
         // (invocations a group, columns, splits, lanes, unroll, groups)
         assert_eq!(gemv(64, 4096, false), (64, 1, 8, 4, 2, 4));
         assert_eq!(gemv(64, 4096, true), (32, 1, 8, 8, 2, 4));
@@ -771,16 +781,7 @@ mod tests {
     /// layouts of a Llama-3.2-1B bf16 decode step); a plain one keeps two.
     #[test]
     fn a_computed_left_operand_deepens_invocations() {
-        let gemv = |n, k, computed| {
-            let p: Plan = Gemv {
-                batch: 1,
-                m: 1,
-                n,
-                k,
-            }
-            .plan(1, true, computed);
-            (p.threads, p.cols, p.splits, p.lanes, p.unroll, p.groups)
-        };
+        let gemv = |n, k, computed| layout(n, k, 1, true, computed);
         // (invocations a group, columns, splits, lanes, unroll, groups)
         // gate/up (merged) and the head: 16 chunks, 256 workgroups and more
         assert_eq!(gemv(16384, 2048, true), (16, 4, 1, 8, 2, 16));
