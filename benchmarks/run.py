@@ -160,6 +160,12 @@ def op_cases() -> dict[str, OpCase]:
     cases[f"linear_chain_{chain}x{width}"] = OpCase(
         lambda: LinearChain(chain, width), [(1, width)], 2 * chain * width * width,
         chain * width * width + 2 * width, dtypes=("bf16",))
+    # bf16 GEMV of a Llama-3.2-1B decode step (M = 1), K in, N out: q/k/v
+    # merged, o, gate/up merged, down, the head; against cuBLAS's GEMV
+    for k, n in ((2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048), (2048, 128256)):
+        cases[f"gemv_{k}x{n}"] = OpCase(
+            lambda k=k, n=n: nn.Linear(k, n, bias=False), [(1, k)], 2 * k * n, k * n + k + n,
+            dtypes=("bf16",), memory_bound=True)
     # int4 GEMV of decode (M = 1, bf16 activations): K in, N out, as the
     # int4 issue names them (4096x14336: Llama-3-8B's up-projection)
     for k, n in ((4096, 4096), (4096, 14336)):
