@@ -167,8 +167,9 @@ def op_cases() -> dict[str, OpCase]:
             lambda k=k, n=n: nn.Linear(k, n, bias=False), [(1, k)], 2 * k * n, k * n + k + n,
             dtypes=("bf16",), memory_bound=True)
     # int4 GEMV of decode (M = 1, bf16 activations): K in, N out, as the
-    # int4 issue names them (4096x14336: Llama-3-8B's up-projection)
-    for k, n in ((4096, 4096), (4096, 14336)):
+    # int4 issue names them (4096x14336: Llama-3-8B's up-projection), and
+    # the 1B step's gate/up and down without their prologues
+    for k, n in ((4096, 4096), (4096, 14336), (2048, 16384), (8192, 2048)):
         cases[f"int4_gemv_{k}x{n}"] = OpCase(
             lambda k=k, n=n: nn.Linear(k, n, bias=False), [(1, k)], 2 * k * n, k * n + k + n,
             dtypes=("int4",), memory_bound=True, int4_bytes=int4_linear_bytes(n, k) + 2 * (k + n))
