@@ -22,7 +22,7 @@ use super::gemm::{Epilogue, F16Scaling, Gemm, GemmArgs, Gemv, GemvArgs, GEMV_ROW
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::deferred::RowStat;
 use crate::preprocess::emit::{expanded_index, linear, unravel, KernelBuilder};
-use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
+use crate::preprocess::expr::{reshaped, GatherAt, Kind, Lazy, LazyRef};
 use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::sizes::extent;
@@ -188,7 +188,7 @@ fn product(
     let (a, b, bias, alpha, beta) = match &node.op {
         Op::MatMul => (
             lw.input_view(node, 0)?,
-            lw.input_view(node, 1)?,
+            right_operand(lw, node, 1)?,
             None,
             1.0,
             0.0,
@@ -356,6 +356,22 @@ fn product(
         tag,
     };
     Ok((args, k))
+}
+
+/// Input `slot` of a product, its right operand: a gather of a view at
+/// indices that are a view (a MoE decode step's routed experts' weights,
+/// `index_select(w, 0, expert)`) is read in place by the product's kernel,
+/// which then reads only the routed experts' weights and no copy of them
+/// is written and read again; anything else as [`Lowering::input_view`].
+/// Every reader of the kernels takes it: the element reads (`ga`/`gb`,
+/// emitted through the gather) and the chunk readers, which fall back to
+/// them where it is no plain run of a buffer ([`k_run`]).
+fn right_operand(lw: &mut Lowering, node: &Node, slot: usize) -> Result<LazyRef> {
+    let b = lw.input(node, slot)?;
+    if matches!(&b.kind, Kind::Gather { src, index, .. } if src.is_view() && index.is_view()) {
+        return Ok(b);
+    }
+    lw.input_view(node, slot)
 }
 
 /// Input 0 of a linear layer with `n` outputs: for at most [`GEMV_ROWS`]
@@ -629,7 +645,9 @@ fn k_run(x: &LazyRef, idx: &[String]) -> Option<(BufferIdx, Vec<String>, Vec<usi
 }
 
 /// Whether `x` reads its last two dims swapped (a transposed matrix), so a
-/// tile is best loaded along its second-last dim.
+/// tile is best loaded along its second-last dim. A gather of whole
+/// matrices (`index_select` along a batch dim: routed experts' `[n, k]`
+/// weights) keeps its source's layout within each.
 fn is_transpose(x: &LazyRef) -> bool {
     match &x.kind {
         Kind::Permute(_, dims) => {
@@ -637,6 +655,12 @@ fn is_transpose(x: &LazyRef) -> bool {
             r >= 2 && dims[r - 2] == r - 1 && dims[r - 1] == r - 2
         }
         Kind::Expand(inner) => is_transpose(inner),
+        Kind::Gather {
+            src,
+            dim,
+            at: GatherAt::Dim,
+            ..
+        } if *dim + 2 < x.shape.len() => is_transpose(src),
         _ => false,
     }
 }
