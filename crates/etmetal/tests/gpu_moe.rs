@@ -11,8 +11,8 @@ mod common;
 use std::io::{Cursor, Read, Write};
 
 use common::gpu::{
-    assert_close, check_graph, check_graph_emulating, compile_whole_within, emulations, random,
-    random_indices, run_pte,
+    assert_close, check_graph, check_graph_emulating, compile_emulating_report,
+    compile_whole_within, emulations, random, random_indices, run_pte,
 };
 use etmetal_core::{DType, Op, Tensor};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
@@ -162,6 +162,11 @@ fn routed_rows_read_their_experts_weights_in_place() {
                     .wgsl
                     .contains("var<workgroup> red");
                 assert_eq!(gemv, transposed, "{what}: matrix-vector kernel");
+                if transposed && k % 4 == 0 {
+                    // each 16-byte chunk of a routed expert's row is one
+                    // load, its expert index read once for it
+                    assert!(reads_gathered_chunks(payload, product), "{what}");
+                }
                 let ends: Vec<i64> = offs.iter().map(|&o| o as i64).collect();
                 let inputs = vec![x, w, Tensor::from_i64(DType::I32, &[e], &ends).unwrap()];
                 let expected = etmetal::eval::run_graph(&graph, inputs.clone()).unwrap();
@@ -175,6 +180,29 @@ fn routed_rows_read_their_experts_weights_in_place() {
             }
         }
     }
+}
+
+/// Whether `dispatch`'s kernel reads `w` (the gathered matrices) in
+/// 16-byte chunks through a gather's index read once a chunk (`gi0`):
+/// `w` bound as chunks, and never read element by element.
+fn reads_gathered_chunks(
+    payload: &etmetal_metal::payload::Payload,
+    dispatch: &etmetal_metal::payload::Dispatch,
+) -> bool {
+    let w = payload.buffers.iter().position(|b| b.name == "w").unwrap();
+    let wgsl = &payload.kernels[dispatch.kernel].wgsl;
+    let bound: Vec<&str> = dispatch
+        .buffers
+        .iter()
+        .enumerate()
+        .filter(|&(_, &b)| b == w)
+        .filter_map(|(i, _)| {
+            let decl = format!("b{i}: array<");
+            let at = wgsl.find(&decl)? + decl.len();
+            wgsl[at..].split('>').next()
+        })
+        .collect();
+    wgsl.contains("let gi0 = ") && !bound.is_empty() && bound.iter().all(|t| t.starts_with("vec4"))
 }
 
 /// `x @ index_select(w, 0, idx)` (`x` `[b, m, k]`, `idx` `[b]` of `e`
@@ -264,6 +292,58 @@ fn gathered_right_operands_are_read_in_place_in_every_form() {
             for em in emulations(&[CoopForm::Half16, CoopForm::Float8]) {
                 check_graph_emulating(&graph, inputs.clone(), tol, em, &what);
             }
+        }
+    }
+}
+
+/// The chunk reader's gather clamps its index as the element reader does:
+/// a negative index counts from the end and one out of range reads the
+/// nearest matrix, so no load leaves `w`'s buffer. The GPU matches the
+/// CPU kernels run at the indices so clamped (the CPU's `index_select`
+/// refuses them), in the matrix-vector kernel (f32 and bf16 chunks) and
+/// the tensor-core forms (emulated), whose staging reads chunks too.
+#[test]
+fn gathered_chunks_clamp_their_index_into_the_buffer() {
+    let cases = [
+        ([3, 1, 40, 300, 6], true, DType::F32),
+        ([3, 1, 64, 72, 6], true, DType::BF16),
+        ([3, 40, 48, 64, 6], false, DType::BF16),
+    ];
+    for (i, (dims, transposed, dtype)) in cases.into_iter().enumerate() {
+        let what = format!("{dims:?} transposed {transposed} {dtype:?}");
+        let (graph, mut inputs) = gathered_product(dims, transposed, dtype, 300 + 10 * i as u64);
+        let e = dims[4] as i64;
+        let wild = Tensor::from_i64(DType::I64, &[3], &[e + 3, -1, -100]).unwrap();
+        let clamped = Tensor::from_i64(DType::I64, &[3], &[e - 1, e - 1, 0]).unwrap();
+        inputs[1] = clamped;
+        let expected = etmetal::eval::run_graph(&graph, inputs.clone()).unwrap();
+        inputs[1] = wild;
+        let tol = if dtype == DType::BF16 { 2e-2 } else { 1e-4 };
+        let ptes = if transposed {
+            let compiled = compile_whole_within(&graph, &DeviceLimits::default());
+            let payload = &compiled.methods[0].partitions[0].payload;
+            let product = payload
+                .dispatches
+                .iter()
+                .find(|d| d.nodes.iter().any(|n| n == "mat_mul"))
+                .expect("the product's dispatch");
+            assert!(reads_gathered_chunks(payload, product), "{what}");
+            vec![compiled.pte.clone()]
+        } else {
+            [(CoopForm::Half16, 0), (CoopForm::Float8, 0)]
+                .into_iter()
+                .map(|(form, variant)| {
+                    let compiled = compile_emulating_report(&graph, form, variant);
+                    let wgsl = compiled.methods[0].partitions[0].payload.kernels.iter();
+                    let chunked = wgsl.clone().any(|k| k.wgsl.contains("let gi0 = "));
+                    assert!(chunked, "{what} {form:?}: no gathered chunks");
+                    compiled.pte.clone()
+                })
+                .collect()
+        };
+        for pte in ptes {
+            let got = run_pte(pte, inputs.clone());
+            assert_close(&got[0], &expected[0], tol, &what);
         }
     }
 }
