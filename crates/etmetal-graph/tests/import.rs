@@ -2198,3 +2198,116 @@ fn grouped_mm_gathers_the_routed_experts_of_few_rows() {
         close(&got[0].to_f32_vec(), &want, 1e-5);
     }
 }
+
+/// `--quantize int4` of the grouped matmul's stacked expert weights (a
+/// parameter `[E, K, N]`, or `[E, N, K]` read through a transpose, as
+/// transformers stores them): the sparse form (fewer rows than experts)
+/// and the dense one both become `gather_qmv` of the int4 `W [E, N, K]`,
+/// no float copy of the weights left, and match PyTorch's definition of
+/// the grouped matmul with the dequantized weights, rows past every group
+/// zero.
+#[test]
+fn grouped_mm_experts_quantize_to_gather_qmv() {
+    use etmetal_graph::quantize::{dequantize_weight, QuantWeight, QuantizeOptions, Quantizer};
+    let (k, n) = (64, 8);
+    let cases: &[(usize, &[i32])] = &[(4, &[0, 1, 1, 3, 3]), (7, &[2, 2, 6]), (3, &[1, 3, 3])];
+    for (case, &(s, offs)) in cases.iter().enumerate() {
+        let e = offs.len();
+        for stored_nk in [false, true] {
+            let what = format!("case {case} stored [E, N, K] {stored_nk}");
+            let mut nodes = vec![];
+            let mut mat2 = "w";
+            if stored_nk {
+                nodes.push(hnode(
+                    "permute.default",
+                    "wt",
+                    &[("self", t("w")), ("dims", ints(&[0, 2, 1]))],
+                    &["wt"],
+                ));
+                mat2 = "wt";
+            }
+            nodes.push(hnode(
+                "_grouped_mm.default",
+                "g",
+                &[("self", t("x")), ("mat2", t(mat2)), ("offs", t("offs"))],
+                &["g"],
+            ));
+            let w_shape = if stored_nk { [e, n, k] } else { [e, k, n] };
+            let mut g = import(&program(
+                &[
+                    ("x", F32, &[s, k]),
+                    ("w", F32, &w_shape),
+                    ("offs", I32, &[e]),
+                ],
+                nodes,
+                &["g"],
+                &[],
+            ));
+            // the weights a parameter, as an export's are
+            let w: Vec<f32> = (0..e * k * n).map(|i| (i as f32 * 0.61).cos()).collect();
+            let (id, kind) = g
+                .inputs
+                .iter_mut()
+                .find(|(v, _)| g.values[v.0].name == "w")
+                .unwrap();
+            *kind = InputKind::Parameter {
+                fqn: "experts.w".into(),
+            };
+            let id = *id;
+            g.constants
+                .insert(id, Tensor::from_f32(DType::F32, &w_shape, &w).unwrap());
+            let mut q = Quantizer::new(QuantizeOptions::int4(32, &[]), None);
+            q.plan(&[&g], None).unwrap();
+            let r = q.quantize(&mut g).unwrap();
+            assert_eq!(
+                r.expert_weights(),
+                (1, 0),
+                "{what}: {:?}",
+                r.experts_skipped
+            );
+            let ops = ops(&g);
+            assert!(ops.contains(&"gather_qmv"), "{what}: {ops:?}");
+            assert!(
+                !ops.contains(&"mat_mul") && !ops.contains(&"index_select"),
+                "{what}: {ops:?}"
+            );
+            assert!(
+                g.inputs.iter().all(|(_, k)| *k == InputKind::User),
+                "{what}"
+            );
+            // the dequantized weights, as B [E, K, N]
+            let gather = g
+                .nodes
+                .iter()
+                .find(|n| n.op.name() == "gather_qmv")
+                .unwrap();
+            let c = |slot: usize| &g.constants[&gather.inputs[slot].unwrap()];
+            let deq = dequantize_weight(
+                &QuantWeight {
+                    format: etmetal_core::quant::QuantFormat::int4(32),
+                    packed: c(1).bytes().to_vec(),
+                    scales: c(2).to_f32_vec(),
+                    zeros: c(3).to_f32_vec(),
+                },
+                k,
+            );
+            let b: Vec<f32> = (0..e * k * n)
+                .map(|i| deq[(i / (k * n) * n + i % n) * k + i / n % k])
+                .collect();
+            let x: Vec<f32> = (0..s * k).map(|i| (i as f32 * 0.37).sin() + 0.5).collect();
+            let want = grouped_mm_reference(&x, &b, offs, [s, k, n]);
+            let inputs = vec![
+                Tensor::from_f32(DType::F32, &[s, k], &x).unwrap(),
+                Tensor::from_i64(
+                    DType::I32,
+                    &[e],
+                    &offs.iter().map(|&o| o as i64).collect::<Vec<_>>(),
+                )
+                .unwrap(),
+            ];
+            let got = run_cpu(&g, inputs);
+            assert_eq!(got[0].shape(), [s, n], "{what}");
+            close(&got[0].to_f32_vec(), &want, 1e-4);
+        }
+    }
+}
