@@ -643,6 +643,16 @@ impl<'c> Quantizer<'c> {
         if products.is_empty() {
             return Ok(());
         }
+        if !crate::moe::routed_experts() {
+            for p in products {
+                report.experts_skipped.push((
+                    graph.nodes[p.anchor].name.clone(),
+                    weight_name(graph, p.weight.value),
+                    "routed experts are not on by default until timed on a GPU (ETMETAL_MOE_ROUTED=1)".into(),
+                ));
+            }
+            return Ok(());
+        }
         let weights: Vec<ValueId> = products.iter().map(|p| p.weight.value).collect();
         let mut outside = experts::float_readers(graph, &products, weights);
         // a weight one of whose products stays in float (a skip pattern
