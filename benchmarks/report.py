@@ -157,8 +157,8 @@ LLAMA = ("The Llama-3.2-1B shape (16 layers, hidden 2048, 32/8 heads, MLP 8192, 
 QWEN3_MOE = ("The Qwen3-MoE shape (`qwen3moe_decode512`: Qwen3-30B-A3B's layer, hidden 2048, 32/4 heads of "
              "128 with q/k norms, 8 experts of 768 routed top-2, 6 layers, untied head over 151936 tokens, "
              "random weights, the same recipe and step): its roofline counts the router and only the 2 "
-             "routed experts of each layer (marked '2 of 8 experts'); int4 quantizes the linears, the "
-             "experts stay bf16. ")
+             "routed experts of each layer (marked '2 of 8 experts'); int4 quantizes the linears and the "
+             "experts (routed by gather_qmv). ")
 
 
 def run_of(row) -> str:

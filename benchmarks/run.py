@@ -289,9 +289,9 @@ def decoder_roofline_bytes(config: dict, dtype: str, ctx: int, qk_norm: bool = F
     and the head. An MoE config (`num_experts` in it, every layer sparse as
     in QWEN3_MOE) reads its router and only the `num_experts_per_tok`
     experts it routes to (the rest of `num_experts` stay unread), a dense
-    one its MLP. int4: each linear's packed weight, scales and zeros; the
-    experts stay bf16 (`--quantize int4` takes linears, and the experts'
-    stacked weights go through `_grouped_mm`, not a linear)."""
+    one its MLP. int4: each linear's and each routed expert's packed
+    weight, scales and zeros (`--quantize int4` takes the experts' stacked
+    weights too, read by `gather_qmv`)."""
     c = config
     h, layers, hd = c["hidden_size"], c["num_hidden_layers"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
@@ -309,10 +309,9 @@ def decoder_roofline_bytes(config: dict, dtype: str, ctx: int, qk_norm: bool = F
     experts = experts * layers
     size = 4 if dtype == "f32" else 2
     if dtype == "int4":
-        weights = sum(int4_linear_bytes(n, k) for n, k in linears)
+        weights = sum(int4_linear_bytes(n, k) for n, k in linears + experts)
     else:
-        weights = sum(n * k for n, k in linears) * size
-    weights += sum(n * k for n, k in experts) * size
+        weights = sum(n * k for n, k in linears + experts) * size
     norms = ((2 * layers + 1) * h + (2 * layers * hd if qk_norm else 0)) * size
     cache = 2 * layers * kv * (ctx + 1) * size
     return {"weights": weights + norms + h * size, "kv_cache": cache}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import re
 import subprocess
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def test_qwen3moe_decode_row_is_one_gpu_partition_matching_eager(strict, etmetal
     CPU calls are the recipe's `copy_` of its position counters, as for the
     Llama rows), run on this machine's GPU adapter against eager."""
     monkeypatch.setenv("ETMETAL_BIN", str(etmetal.binary))
+    # the row's routed experts (opt-in until timed on a GPU: etmetal_graph::moe)
+    monkeypatch.setenv("ETMETAL_MOE_ROUTED", "1")
     torch.manual_seed(bench.seed_of("qwen3moe_decode512"))
     module = bench.qwen3_moe(**TINY_MOE).eval()
     g = torch.Generator().manual_seed(1)
@@ -72,14 +75,24 @@ def test_qwen3moe_decode_row_is_one_gpu_partition_matching_eager(strict, etmetal
     with torch.no_grad():
         want = bench.as_tuple(module(*xs))[0]
     inputs = bench.write_inputs(xs, tmp_path / "in")
+    weights = {}
     for dt, tolerance in (("bf16", 1e-2), ("int4", 0.15)):  # int4: its quantization error (about 0.07)
         pte = tmp_path / f"row.{dt}.pte"
         placed = bench.compile_for_gpu(pt2, pte, dt)
         assert (placed["partitions"], placed["cpu_nodes"]) == (1, 0), placed
-        shown = subprocess.run([str(etmetal.binary), "inspect", str(pte)], capture_output=True, text=True,
+        shown = subprocess.run([str(etmetal.binary), "inspect", "-v", str(pte)], capture_output=True, text=True,
                                check=True).stdout
-        on_cpu = shown.split("on the CPU, by operator:")[-1].split()
+        on_cpu = shown.split("on the CPU, by operator:")[-1].split("\n\n")[0].split()
         assert on_cpu == ["2", "aten::copy_"], shown
+        weights[dt] = float(re.search(r"weights ([0-9.]+) KiB", shown).group(1))
+        experts = re.findall(r"named data `(\S*experts\S*)`", shown)
+        if dt == "int4":
+            # the experts' stacked weights in int4 too, each routed row times
+            # its expert's by gather_qmv: no float copy left (bf16: 610 KiB of
+            # weights; int4 with float experts 499 KiB, with int4 ones 235)
+            assert experts and all(re.search(r"\.int4(_scales|_zeros)?$", e) for e in experts), experts
+            assert "gather_qmv" in shown, shown
+            assert weights["int4"] < 0.45 * weights["bf16"], weights
         b = bench.etmetal_bench(pte, inputs, "auto", runs=1, warmup=0)
         assert b["device"].startswith("gpu"), b["device"]
         err = bench.rel_err(b["output_0"], want)

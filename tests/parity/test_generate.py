@@ -163,6 +163,104 @@ def test_non_strict_recipe_export_quantizes_as_the_strict_one(etmetal, tmp_path)
         np.testing.assert_array_equal(a, b, err_msg=f"step {k}")
 
 
+def snap_rows_int4(t: torch.Tensor, g: torch.Generator, gs: int = 32) -> None:
+    """Put every row of `t` (`[..., K]`) on an int4 grid of groups of
+    `gs` (test_int4.py's snapping: each group holds codes 0 and 15 and is
+    `(q + m) * 2^-e`), which `--quantize int4` recovers exactly: eager
+    PyTorch on the snapped weights is the quantized model."""
+    *lead, k = t.shape
+    rows = int(np.prod(lead))
+    q = torch.randint(0, 16, (rows, k // gs, gs), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    e = torch.randint(5, 8, (rows, k // gs, 1), generator=g).float()
+    m = torch.randint(-12, 4, (rows, k // gs, 1), generator=g).float()
+    t.data.copy_(((q.float() + m) * torch.exp2(-e)).reshape(t.shape))
+
+
+@pytest.mark.parametrize("backend", ["metal", "cpu"])
+def test_moe_int4_routes_every_row_to_its_int4_expert(backend, etmetal, tmp_path, monkeypatch):
+    """`--quantize int4` of a Qwen3-MoE decoder quantizes the experts'
+    stacked weights (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, read
+    through a transpose) as well as its linears, in both methods: the
+    decode step's few routed rows (fewer than the experts) and the
+    prefill's many (every expert's product, each row keeping its own) both
+    become `gather_qmv` of the one int4 copy, and no float copy of the
+    experts is left in the file. Every weight snapped on an int4 grid first,
+    the logits of a prefill and decode steps match eager PyTorch on the
+    snapped model at f32 precision."""
+    model = tiny("qwen3_moe")
+    g = torch.Generator().manual_seed(5)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2 and "embed_tokens" not in name:
+            snap_rows_int4(p, g)
+    wrapper = export_llm.recipe(model, CACHE)
+    files = []
+    for name, tokens in [("forward", 1), ("prefill", PREFILL)]:
+        files.append(tmp_path / f"{name}.pt2")
+        torch.export.save(export_llm.export_step(wrapper, tokens), files[-1])
+    pte = tmp_path / "model.pte"
+    args = [str(etmetal.binary), "compile", str(files[0]), "--backend", backend, "--method", f"prefill={files[1]}"]
+    # routed experts are opt-in until timed on a GPU (etmetal_graph::moe):
+    # without ETMETAL_MOE_ROUTED the experts stay in float, and the summary
+    # says so and why
+    monkeypatch.delenv("ETMETAL_MOE_ROUTED", raising=False)
+    p = subprocess.run(args + ["-o", str(pte), "--quantize", "int4"], capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr
+    assert "0 linears and 4 expert weights kept in float" in p.stderr, p.stderr
+    assert "stays in float: routed experts are not on by default" in p.stderr, p.stderr
+    monkeypatch.setenv("ETMETAL_MOE_ROUTED", "1")
+    p = subprocess.run(args + ["-o", str(pte), "--quantize", "int4"], capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr
+    # 2 layers of gate_up and down in each method: 4 stacked weights, each
+    # read by one routed product
+    for method in ("forward", "prefill"):
+        line = next(ln for ln in p.stderr.splitlines() if f"method `{method}`:" in ln and "linears" in ln)
+        assert "and 4 expert weights (4 routed products) in int4" in line, p.stderr
+        assert "0 linears and 0 expert weights kept in float" in line, p.stderr
+    if backend == "metal":
+        for method in ("forward", "prefill"):
+            assert "kernel(s); 0 node(s) on the cpu" in p.stdout.split(f"method `{method}`")[1], p.stdout
+    def weights(pte):
+        shown = subprocess.run([str(etmetal.binary), "inspect", "-v", str(pte)], capture_output=True, text=True,
+                               check=True).stdout
+        return shown, float(shown.split("weights ")[1].split(" KiB")[0])
+
+    shown, int4 = weights(pte)
+    assert "gather_qmv" in shown, shown
+    if backend == "metal":
+        # the delegate's weights by name: the experts' in int4 only
+        experts = {m for m in shown.split() if "experts." in m}
+        assert experts and all(".int4" in m for m in experts), experts
+    # f32 weights of 145 KiB, 96 of them the experts'; in int4 (an f32
+    # scale and zero a group of 32) 37 KiB, the embedding's 12 in float;
+    # with the experts left in float it would be about 117
+    floats = tmp_path / "f32.pte"
+    subprocess.run(args + ["-o", str(floats)], capture_output=True, text=True, timeout=1800, check=True)
+    _, f32 = weights(floats)
+    assert int4 < 0.3 * f32, (int4, f32)
+    eager = wrapper.model
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 96, (PREFILL,), generator=gen)
+    steps = [("prefill", (tokens.view(1, -1), torch.arange(PREFILL)))]
+    want = []
+    with torch.no_grad():
+        logits = eager(input_ids=steps[0][1][0], cache_position=steps[0][1][1])
+        want.append(to_npy(logits))
+        token = logits[0, -1].argmax()
+        for k in range(3):
+            inputs = (token.view(1, 1), torch.tensor([PREFILL + k]))
+            steps.append(("forward", inputs))
+            logits = eager(input_ids=inputs[0], cache_position=inputs[1])
+            want.append(to_npy(logits))
+            token = logits[0, -1].argmax()
+    r = etmetal.replay(pte, steps, tmp_path)
+    assert r.returncode == 0, r.stderr
+    for k, (method, _) in enumerate(steps):
+        got = np.load(tmp_path / f"step{k}_output0.npy")
+        err = np.abs(got - want[k]).max()
+        assert err <= 1e-4 * np.abs(want[k]).max(), f"step {k} ({method}) differs by {err:.3g}"
+
+
 HYBRID_CASES = [k for k in HYBRID if os.environ.get("ETMETAL_SURVEY") == "full" or k in HYBRID_FAST]
 
 

@@ -162,6 +162,10 @@ CASES += [
     ("bicubic", lambda: Lambda(lambda x: (F.interpolate(x, scale_factor=1.5, mode="bicubic"), F.interpolate(x, size=(3, 5), mode="bicubic", align_corners=True), F.interpolate(x, size=(9, 4), mode="bicubic"))), [r(1, 2, 4, 6)]),
     ("histc", lambda: Lambda(lambda x: (torch.histc(x, bins=7, min=-1, max=1.5), torch.histc(torch.cat([x.flatten(), torch.tensor([1.5, -1.0, 3.0])]), bins=4, min=-1, max=1.5))), [r(3, 5)]),
     ("moe_grouped_mm", MoeGroupedMm, [r(7, 4), r(3, 4, 5), lambda g: torch.tensor([2, 0, 3, 1, 0, 2, 3])]),
+    # fewer rows than experts (a decode step's; gathered experts with
+    # ETMETAL_MOE_ROUTED=1, else every expert's product): experts 0
+    # and 1 empty, the row of id 3 past every group
+    ("moe_grouped_mm_routed", MoeGroupedMm, [r(2, 4), r(3, 4, 5), lambda g: torch.tensor([3, 2])]),
     ("meshgrid", lambda: Lambda(lambda a, b, c: (*torch.meshgrid(a, b, indexing="xy"), *torch.meshgrid(a, b, c, indexing="ij"), *torch.meshgrid(a, c[0], indexing="xy"))), [r(3), r(4), r(2)]),
     ("pool_kernel_over_input", lambda: Lambda(lambda x: (F.avg_pool2d(x, 9, ceil_mode=True), F.avg_pool2d(x, 9, padding=2, ceil_mode=True), F.avg_pool2d(x, 9, padding=2, ceil_mode=True, count_include_pad=False), F.max_pool2d(x, (7, 3), ceil_mode=True), F.avg_pool1d(x[0], 8, ceil_mode=True))), [r(1, 2, 4, 6)]),
     ("im2col_col2im", lambda: Lambda(lambda x, cols: (F.unfold(x, 2, stride=2), F.unfold(x, (3, 2), dilation=(1, 2), padding=1, stride=(2, 1)), F.unfold(x[0], 3), F.fold(cols, (5, 6), (2, 3), dilation=(2, 1), padding=(1, 0), stride=(1, 2)), F.fold(F.unfold(x, 2, stride=2), (4, 6), 2, stride=2), F.fold(cols[0], (5, 6), (2, 3), dilation=(2, 1), padding=(1, 0), stride=(1, 2)))), [r(1, 2, 4, 6), r(1, 12, 10)]),

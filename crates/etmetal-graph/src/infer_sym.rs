@@ -201,7 +201,8 @@ pub fn infer_sym(graph: &Graph, node: &Node) -> Result<Option<Vec<Dims>>> {
         }
         Op::MatMul => one(matmul(&x()?, &dims(1)?)),
         Op::Addmm { .. } => one(matmul(&dims(1)?, &dims(2)?)),
-        Op::Linear | Op::Int4Linear { .. } | Op::Int8Linear { .. } => {
+        // (`[P, K]` rows, each times its expert's `[N, K]`: `[P, N]`)
+        Op::Linear | Op::Int4Linear { .. } | Op::Int8Linear { .. } | Op::GatherQmv { .. } => {
             let mut d = x()?;
             if let (Some(last), Some(&n)) = (d.last_mut(), ub[0].last()) {
                 *last = c(n);

@@ -6,6 +6,7 @@ pub mod fold;
 pub mod infer;
 pub mod infer_sym;
 pub mod ir;
+pub mod moe;
 pub mod plan;
 pub mod portable;
 pub mod precision;

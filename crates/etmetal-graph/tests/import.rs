@@ -938,6 +938,7 @@ mod handmade {
 
     pub const F32: i64 = 7;
     pub const I64: i64 = 5;
+    pub const I32: i64 = 4;
 
     fn meta(dtype: i64, shape: &[usize]) -> Value {
         // contiguous strides, as torch.export writes for a fresh tensor
@@ -1061,7 +1062,8 @@ mod handmade {
 }
 
 use handmade::{
-    boolean, device, dtype, float, import, int, ints, node as hnode, program, string, t, F32, I64,
+    boolean, device, dtype, float, import, int, ints, node as hnode, program, string, t, F32, I32,
+    I64,
 };
 
 fn out_shape(g: &Graph, k: usize) -> (DType, Vec<usize>) {
@@ -2085,4 +2087,231 @@ fn a_written_parameter_is_refused_naming_it() {
     });
     let msg = err(&bytes).to_string();
     assert!(msg.contains("writes parameter `fc.bias`"), "{msg}");
+}
+
+/// `g` on the CPU kernels, node by node: its outputs.
+fn run_cpu(g: &Graph, inputs: Vec<Tensor>) -> Vec<Tensor> {
+    let mut env: Vec<Option<Tensor>> = vec![None; g.values.len()];
+    for (id, t) in &g.constants {
+        env[id.0] = Some(t.clone());
+    }
+    for (id, t) in g.user_inputs().zip(inputs) {
+        env[id.0] = Some(t);
+    }
+    for n in &g.nodes {
+        let args: Vec<Option<&Tensor>> = n
+            .inputs
+            .iter()
+            .map(|v| v.map(|v| env[v.0].as_ref().expect("computed before")))
+            .collect();
+        let specs: Vec<_> = n
+            .outputs
+            .iter()
+            .map(|&v| (g.value(v).dtype, g.value(v).shape.clone()))
+            .collect();
+        let outs = etmetal_cpu::execute(&n.op, &args, &specs)
+            .unwrap_or_else(|e| panic!("node `{}`: {e}", n.name));
+        for (v, t) in n.outputs.iter().zip(outs) {
+            env[v.0] = Some(t);
+        }
+    }
+    g.outputs
+        .iter()
+        .map(|(v, _)| env[v.0].clone().expect("an output"))
+        .collect()
+}
+
+/// `aten._grouped_mm` of `x` `[S, K]` by `w` `[E, K, N]` with group ends
+/// `offs`, as PyTorch defines it: row `s` times the weights of the group
+/// holding it, a row past every group zero.
+fn grouped_mm_reference(x: &[f32], w: &[f32], offs: &[i32], [s, k, n]: [usize; 3]) -> Vec<f32> {
+    let mut out = vec![0.0; s * n];
+    let mut start = 0;
+    for (e, &end) in offs.iter().enumerate() {
+        for r in start..end as usize {
+            for c in 0..n {
+                out[r * n + c] = (0..k).map(|i| x[r * k + i] * w[(e * k + i) * n + c]).sum();
+            }
+        }
+        start = end as usize;
+    }
+    out
+}
+
+/// The grouped matmul of MoE layers: fewer rows than experts (a decode
+/// step) gathers the routed experts' weights, more rows compute every
+/// expert's product; both match PyTorch's definition on uneven groups,
+/// empty ones among them, with the last rows past every group (zero).
+#[test]
+fn grouped_mm_gathers_the_routed_experts_of_few_rows() {
+    // routed experts are opt-in (etmetal_graph::moe); the tests of them set it
+    std::env::set_var("ETMETAL_MOE_ROUTED", "1");
+    let (k, n) = (3, 4);
+    let cases: &[(usize, &[i32])] = &[
+        // 4 rows, 5 experts: experts 0, 2 and 4 empty, row 3 past all
+        (4, &[0, 1, 1, 3, 3]),
+        // the last expert's rows, then one past it
+        (4, &[0, 1, 1, 2, 3]),
+        // every row routed, the first expert takes all
+        (2, &[2, 2, 2]),
+        // one row past every group: all zero
+        (1, &[0, 0]),
+        // 7 rows, 3 experts (dense): row 6 past all, expert 1 empty
+        (7, &[2, 2, 6]),
+    ];
+    for (case, &(s, offs)) in cases.iter().enumerate() {
+        let e = offs.len();
+        let nodes = vec![hnode(
+            "_grouped_mm.default",
+            "g",
+            &[("self", t("x")), ("mat2", t("w")), ("offs", t("offs"))],
+            &["g"],
+        )];
+        let g = import(&program(
+            &[
+                ("x", F32, &[s, k]),
+                ("w", F32, &[e, k, n]),
+                ("offs", I32, &[e]),
+            ],
+            nodes,
+            &["g"],
+            &[],
+        ));
+        let ops = ops(&g);
+        let sparse = s < e;
+        assert_eq!(ops.contains(&"index_select"), sparse, "{case}: {ops:?}");
+        let x: Vec<f32> = (0..s * k).map(|i| (i as f32 * 0.37).sin() + 1.5).collect();
+        let w: Vec<f32> = (0..e * k * n)
+            .map(|i| (i as f32 * 0.61).cos() + 1.0)
+            .collect();
+        let want = grouped_mm_reference(&x, &w, offs, [s, k, n]);
+        let inputs = vec![
+            Tensor::from_f32(DType::F32, &[s, k], &x).unwrap(),
+            Tensor::from_f32(DType::F32, &[e, k, n], &w).unwrap(),
+            Tensor::from_i64(
+                DType::I32,
+                &[e],
+                &offs.iter().map(|&o| o as i64).collect::<Vec<_>>(),
+            )
+            .unwrap(),
+        ];
+        let got = run_cpu(&g, inputs);
+        assert_eq!(got[0].shape(), [s, n], "{case}");
+        close(&got[0].to_f32_vec(), &want, 1e-5);
+    }
+}
+
+/// `--quantize int4` of the grouped matmul's stacked expert weights (a
+/// parameter `[E, K, N]`, or `[E, N, K]` read through a transpose, as
+/// transformers stores them): the sparse form (fewer rows than experts)
+/// and the dense one both become `gather_qmv` of the int4 `W [E, N, K]`,
+/// no float copy of the weights left, and match PyTorch's definition of
+/// the grouped matmul with the dequantized weights, rows past every group
+/// zero.
+#[test]
+fn grouped_mm_experts_quantize_to_gather_qmv() {
+    // routed experts are opt-in (etmetal_graph::moe); the tests of them set it
+    std::env::set_var("ETMETAL_MOE_ROUTED", "1");
+    use etmetal_graph::quantize::{dequantize_weight, QuantWeight, QuantizeOptions, Quantizer};
+    let (k, n) = (64, 8);
+    let cases: &[(usize, &[i32])] = &[(4, &[0, 1, 1, 3, 3]), (7, &[2, 2, 6]), (3, &[1, 3, 3])];
+    for (case, &(s, offs)) in cases.iter().enumerate() {
+        let e = offs.len();
+        for stored_nk in [false, true] {
+            let what = format!("case {case} stored [E, N, K] {stored_nk}");
+            let mut nodes = vec![];
+            let mut mat2 = "w";
+            if stored_nk {
+                nodes.push(hnode(
+                    "permute.default",
+                    "wt",
+                    &[("self", t("w")), ("dims", ints(&[0, 2, 1]))],
+                    &["wt"],
+                ));
+                mat2 = "wt";
+            }
+            nodes.push(hnode(
+                "_grouped_mm.default",
+                "g",
+                &[("self", t("x")), ("mat2", t(mat2)), ("offs", t("offs"))],
+                &["g"],
+            ));
+            let w_shape = if stored_nk { [e, n, k] } else { [e, k, n] };
+            let mut g = import(&program(
+                &[
+                    ("x", F32, &[s, k]),
+                    ("w", F32, &w_shape),
+                    ("offs", I32, &[e]),
+                ],
+                nodes,
+                &["g"],
+                &[],
+            ));
+            // the weights a parameter, as an export's are
+            let w: Vec<f32> = (0..e * k * n).map(|i| (i as f32 * 0.61).cos()).collect();
+            let (id, kind) = g
+                .inputs
+                .iter_mut()
+                .find(|(v, _)| g.values[v.0].name == "w")
+                .unwrap();
+            *kind = InputKind::Parameter {
+                fqn: "experts.w".into(),
+            };
+            let id = *id;
+            g.constants
+                .insert(id, Tensor::from_f32(DType::F32, &w_shape, &w).unwrap());
+            let mut q = Quantizer::new(QuantizeOptions::int4(32, &[]), None);
+            q.plan(&[&g], None).unwrap();
+            let r = q.quantize(&mut g).unwrap();
+            assert_eq!(
+                r.expert_weights(),
+                (1, 0),
+                "{what}: {:?}",
+                r.experts_skipped
+            );
+            let ops = ops(&g);
+            assert!(ops.contains(&"gather_qmv"), "{what}: {ops:?}");
+            assert!(
+                !ops.contains(&"mat_mul") && !ops.contains(&"index_select"),
+                "{what}: {ops:?}"
+            );
+            assert!(
+                g.inputs.iter().all(|(_, k)| *k == InputKind::User),
+                "{what}"
+            );
+            // the dequantized weights, as B [E, K, N]
+            let gather = g
+                .nodes
+                .iter()
+                .find(|n| n.op.name() == "gather_qmv")
+                .unwrap();
+            let c = |slot: usize| &g.constants[&gather.inputs[slot].unwrap()];
+            let deq = dequantize_weight(
+                &QuantWeight {
+                    format: etmetal_core::quant::QuantFormat::int4(32),
+                    packed: c(1).bytes().to_vec(),
+                    scales: c(2).to_f32_vec(),
+                    zeros: c(3).to_f32_vec(),
+                },
+                k,
+            );
+            let b: Vec<f32> = (0..e * k * n)
+                .map(|i| deq[(i / (k * n) * n + i % n) * k + i / n % k])
+                .collect();
+            let x: Vec<f32> = (0..s * k).map(|i| (i as f32 * 0.37).sin() + 0.5).collect();
+            let want = grouped_mm_reference(&x, &b, offs, [s, k, n]);
+            let inputs = vec![
+                Tensor::from_f32(DType::F32, &[s, k], &x).unwrap(),
+                Tensor::from_i64(
+                    DType::I32,
+                    &[e],
+                    &offs.iter().map(|&o| o as i64).collect::<Vec<_>>(),
+                )
+                .unwrap(),
+            ];
+            let got = run_cpu(&g, inputs);
+            assert_eq!(got[0].shape(), [s, n], "{what}");
+            close(&got[0].to_f32_vec(), &want, 1e-4);
+        }
+    }
 }

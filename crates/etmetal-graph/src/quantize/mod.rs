@@ -27,6 +27,15 @@
 //! GPTQ's error feedback ([`gptq`]), which minimises the error of the
 //! product with those activations rather than of the weight.
 //!
+//! A mixture-of-experts layer's stacked expert weights, read by its
+//! grouped matmul (a decode step's few routed rows, or a prefill's every
+//! expert's product), become int4 `[E, N, K]` and the product
+//! [`Op::GatherQmv`] ([`experts`]: the same fitting per expert as a
+//! linear's; int4 only, since the kernel has no int8 form: under int8 the
+//! experts stay in float, under mixed they are int4 and not measured; no
+//! calibration), where every reader of the weights in every method is
+//! such a product.
+//!
 //! Linears of one input (q, k and v; gate and up) with weights of one
 //! format then become one product of their weights concatenated along N,
 //! each output a slice of it (`merge_siblings`).
@@ -90,6 +99,7 @@ use crate::decompose::eliminate_dead_code;
 use crate::ir::{Graph, InputKind, Node, ValueId};
 use crate::rewrite::Rewrite;
 
+pub mod experts;
 pub mod fit;
 pub mod gptq;
 pub mod mixed;
@@ -202,12 +212,27 @@ pub struct QuantizeReport {
     pub embeddings: Vec<String>,
     /// Quantized with calibration (GPTQ), a subset of `quantized`.
     pub calibrated: Vec<String>,
+    /// Products of routed rows by stacked expert weights now
+    /// `gather_qmv` of int4 weights ([`experts`]): `(node, weight)`.
+    pub experts: Vec<(String, String)>,
+    /// `(node, weight, why)` for such products left in float.
+    pub experts_skipped: Vec<(String, String, String)>,
 }
 
 impl QuantizeReport {
     /// The quantized nodes' names.
     pub fn nodes(&self) -> Vec<&str> {
         self.quantized.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    /// How many stacked expert weights are in int4, and how many stay in
+    /// float (each counted once, however many products read it).
+    pub fn expert_weights(&self) -> (usize, usize) {
+        let int4: HashSet<&str> = self.experts.iter().map(|(_, w)| w.as_str()).collect();
+        let float: HashSet<&str> = (self.experts_skipped.iter())
+            .map(|(_, w, _)| w.as_str())
+            .collect();
+        (int4.len(), float.len())
     }
 
     /// How many weights of each format, `int4 (group 32): 12, int8 …`.
@@ -349,6 +374,9 @@ pub struct Quantizer<'c> {
     int8: HashSet<String>,
     /// What [`Quantizer::plan`] measured (mixed), most sensitive first.
     pub sensitivity: Vec<Sensitivity>,
+    /// Stacked expert weights (by name) that some method reads other than
+    /// by a routed product, and why: they stay in float in every method.
+    float_experts: HashMap<String, String>,
 }
 
 impl<'c> Quantizer<'c> {
@@ -359,6 +387,7 @@ impl<'c> Quantizer<'c> {
             done: HashMap::new(),
             int8: HashSet::new(),
             sensitivity: vec![],
+            float_experts: HashMap::new(),
         }
     }
 
@@ -412,7 +441,11 @@ impl<'c> Quantizer<'c> {
     /// Each weight's int4 form is measured by `measure` where given (with
     /// calibration: what it does to the model's logits, [`Measure`]), else
     /// by [`mixed::output_error`]. Nothing to do for the other schemes.
+    /// Every scheme: the stacked expert weights that a method reads other
+    /// than by a routed product stay in float in all of them
+    /// ([`experts::float_readers`]), so no weight is in the file twice.
     pub fn plan(&mut self, graphs: &[&Graph], mut measure: Option<&mut Measure<'_>>) -> Result<()> {
+        self.float_experts = float_experts(graphs);
         if self.options.scheme != Scheme::Mixed {
             return Ok(());
         }
@@ -532,10 +565,155 @@ impl<'c> Quantizer<'c> {
         Ok((made, false))
     }
 
+    /// [`Quantizer::made`] of stacked expert weights `t` (`w`): `W [E, N,
+    /// K]` in `format` as `E·N` rows of K, each group fitted as a linear's
+    /// (no calibration: the statistics are the linears'), the three tensors
+    /// with the expert dim in front.
+    fn made_stacked(
+        &mut self,
+        name: &str,
+        t: &Tensor,
+        w: &experts::Stacked,
+        format: QuantFormat,
+    ) -> Result<([Tensor; 3], bool)> {
+        let key = (name.to_string(), w.transposed, format, bytes_hash(t));
+        if let Some(made) = self.done.get(&key) {
+            return Ok((made.clone(), true));
+        }
+        let (e, n, k) = (w.e, w.n, w.k);
+        let owned;
+        let values = match w.transposed {
+            false => Values::Tensor(t),
+            true => {
+                owned = experts::stacked_values(t, [e, k, n]);
+                Values::F32(&owned)
+            }
+        };
+        let made = quantize_tensors(values, e * n, k, format, Fit::Refine, t.dtype())
+            .map_err(|err| err.context(format!("quantizing `{name}`")))?;
+        let made = made.map(|q| {
+            let last = q.shape()[1];
+            // (shared first: the reshape then shares the bytes)
+            q.into_shared().reshape(&[e, n, last])
+        });
+        let [packed, scales, zeros] = made;
+        let made = [packed?, scales?, zeros?];
+        self.done.insert(key, made.clone());
+        Ok((made, false))
+    }
+
+    /// Why the routed products by stacked weight `name` of `k` input
+    /// channels (node `node`) stay in float, if they do.
+    fn expert_skip(&self, name: &str, node: &str, k: usize) -> Option<String> {
+        if self.options.scheme == Scheme::Int8 {
+            return Some(
+                "gather_qmv, the routed-expert kernel, takes int4 codes only: under int8 the experts stay in float"
+                    .into(),
+            );
+        }
+        let skip = self.options.skip.iter();
+        if let Some(p) = skip
+            .clone()
+            .find(|p| name.contains(p.as_str()) || node.contains(p.as_str()))
+        {
+            return Some(format!("matches --quantize-skip {p}"));
+        }
+        if let Err(e) = self.expert_format().check_group(k) {
+            return Some(e.message().to_string());
+        }
+        self.float_experts.get(name).cloned()
+    }
+
+    /// The group size of stacked expert weights in int4.
+    pub fn expert_group(&self) -> usize {
+        self.expert_format().group_size
+    }
+
+    /// The format of stacked expert weights: int4 in the scheme's groups
+    /// (mixed too: `gather_qmv` has no int8 form, and the experts are not
+    /// measured).
+    fn expert_format(&self) -> QuantFormat {
+        QuantFormat::int4(self.options.group_size.unwrap_or(INT4_GROUP))
+    }
+
+    /// The routed products of `graph` ([`experts`]) whose stacked weights
+    /// may go to int4 become `gather_qmv`; the others are reported.
+    fn quantize_experts(&mut self, graph: &mut Graph, report: &mut QuantizeReport) -> Result<()> {
+        let products = experts::routed_products(graph);
+        if products.is_empty() {
+            return Ok(());
+        }
+        if !crate::moe::routed_experts() {
+            for p in products {
+                report.experts_skipped.push((
+                    graph.nodes[p.anchor].name.clone(),
+                    weight_name(graph, p.weight.value),
+                    "routed experts are not on by default until timed on a GPU (ETMETAL_MOE_ROUTED=1)".into(),
+                ));
+            }
+            return Ok(());
+        }
+        let weights: Vec<ValueId> = products.iter().map(|p| p.weight.value).collect();
+        let mut outside = experts::float_readers(graph, &products, weights);
+        // a weight one of whose products stays in float (a skip pattern
+        // naming the node) stays in float in all of them
+        for p in &products {
+            let node = &graph.nodes[p.anchor].name;
+            let name = weight_name(graph, p.weight.value);
+            if let Some(why) = self.expert_skip(&name, node, p.weight.k) {
+                outside.entry(p.weight.value).or_insert(why);
+            }
+        }
+        let format = self.expert_format();
+        let mut tables: HashMap<ValueId, QuantTable> = HashMap::new();
+        let mut rewritten: HashMap<usize, (experts::RoutedProduct, QuantTable)> = HashMap::new();
+        for p in products {
+            let node = graph.nodes[p.anchor].name.clone();
+            let w = p.weight.value;
+            let name = weight_name(graph, w);
+            if let Some(why) = outside.get(&w).cloned() {
+                report.experts_skipped.push((node, name, why));
+                continue;
+            }
+            let table = match tables.get(&w) {
+                Some(&table) => table,
+                None => {
+                    let ([packed, scales, zeros], _) =
+                        self.made_stacked(&name, &graph.constants[&w], &p.weight, format)?;
+                    let tag = format.name();
+                    let table = QuantTable {
+                        packed: graph.add_constant(format!("{name}.{tag}"), packed),
+                        scales: graph.add_constant(format!("{name}.{tag}_scales"), scales),
+                        zeros: graph.add_constant(format!("{name}.{tag}_zeros"), zeros),
+                        format,
+                    };
+                    tables.insert(w, table);
+                    table
+                }
+            };
+            report.experts.push((node, name));
+            rewritten.insert(p.anchor, (p, table));
+        }
+        if rewritten.is_empty() {
+            return Ok(());
+        }
+        let nodes = std::mem::take(&mut graph.nodes);
+        let mut out = Vec::with_capacity(nodes.len());
+        for (i, node) in nodes.into_iter().enumerate() {
+            match rewritten.remove(&i) {
+                Some((p, table)) => out.extend(experts::rewrite(graph, &node, &p, table)?),
+                None => out.push(node),
+            }
+        }
+        graph.nodes = out;
+        Ok(())
+    }
+
     /// Quantize the linears of `graph` (see the module comment).
     pub fn quantize(&mut self, graph: &mut Graph) -> Result<QuantizeReport> {
         self.options.check()?;
         let mut report = QuantizeReport::default();
+        self.quantize_experts(graph, &mut report)?;
         let candidates: HashMap<String, Candidate> = self
             .candidates(graph)
             .into_iter()
@@ -626,6 +804,28 @@ impl<'c> Quantizer<'c> {
         eliminate_dead_code(graph);
         Ok(report)
     }
+}
+
+/// The stacked expert weights (by name) that some graph of `graphs` reads
+/// other than by a routed product, with why ([`experts::float_readers`]
+/// over every graph, for the weights some graph routes).
+fn float_experts(graphs: &[&Graph]) -> HashMap<String, String> {
+    let routed: Vec<Vec<experts::RoutedProduct>> =
+        graphs.iter().map(|g| experts::routed_products(g)).collect();
+    let names: HashSet<String> = (graphs.iter().zip(&routed))
+        .flat_map(|(g, ps)| ps.iter().map(|p| weight_name(g, p.weight.value)))
+        .collect();
+    let mut out = HashMap::new();
+    if names.is_empty() {
+        return out;
+    }
+    for (g, products) in graphs.iter().zip(&routed) {
+        let weights = (g.constants.keys().copied()).filter(|&v| names.contains(&weight_name(g, v)));
+        for (w, why) in experts::float_readers(g, products, weights) {
+            out.entry(weight_name(g, w)).or_insert(why);
+        }
+    }
+    out
 }
 
 /// Quantize every linear of `graph` to int4 in groups of `group_size`

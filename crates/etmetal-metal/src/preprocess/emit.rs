@@ -97,6 +97,22 @@ impl<'a> KernelBuilder<'a> {
         Sizes::wgsl(s)
     }
 
+    /// The u32 position a gather reads along a dim of `n` elements, from
+    /// `raw`, an index value of `dtype`: a negative index counts from the
+    /// end `len` (the run-time one of a dynamic dim); out of range clamps
+    /// into `0..n`, so the read stays inside the buffer.
+    pub fn gather_index(&mut self, raw: &str, dtype: DType, n: usize, len: &Pos) -> Result<String> {
+        let raw = pointwise::cast(raw, dtype, DType::I32);
+        let end = match len {
+            Pos::At(n) => pointwise::int_literal(*n as i64)?,
+            Pos::Run(n) => format!("i32({})", self.size(n)),
+        };
+        Ok(format!(
+            "u32(clamp(select({raw}, {raw} + {end}, {raw} < 0i), 0i, {}))",
+            pointwise::int_literal(n.max(1) as i64 - 1)?
+        ))
+    }
+
     /// Read `buf` from the workgroup array `name` (same elements), not
     /// from a binding.
     pub fn substitute(&mut self, buf: BufferIdx, name: &str) {
@@ -601,18 +617,7 @@ impl<'a> KernelBuilder<'a> {
                     GatherAt::Leading => idx[..idx.len() - 1].to_vec(),
                 };
                 let raw = self.emit(f, index, &at_idx)?;
-                let raw = pointwise::cast(&raw, index.dtype, DType::I32);
-                let n = src.shape[*dim] as i64;
-                // negative indices count from the end (the run-time one of a
-                // dynamic dim); out of range clamps into the buffer
-                let end = match len {
-                    Pos::At(n) => pointwise::int_literal(*n as i64)?,
-                    Pos::Run(n) => format!("i32({})", self.size(n)),
-                };
-                let i = f.index(format!(
-                    "u32(clamp(select({raw}, {raw} + {end}, {raw} < 0i), 0i, {}))",
-                    pointwise::int_literal((n - 1).max(0))?
-                ));
+                let i = f.index(self.gather_index(&raw, index.dtype, src.shape[*dim], len)?);
                 let inner: Vec<String> = match at {
                     GatherAt::Leading => vec![i, idx[idx.len() - 1].clone()],
                     _ => {

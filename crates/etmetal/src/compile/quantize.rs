@@ -96,8 +96,9 @@ pub(super) fn quantize_methods(
         let r = quantizer
             .quantize(graph)
             .map_err(|e| e.context(format!("method `{name}`")))?;
-        linears.push(r.quantized.len() + r.skipped.len());
-        if r.quantized.is_empty() && r.skipped.is_empty() {
+        let (experts, float_experts) = r.expert_weights();
+        linears.push(r.quantized.len() + r.skipped.len() + experts + float_experts);
+        if r.quantized.is_empty() && r.skipped.is_empty() && experts + float_experts == 0 {
             continue;
         }
         let formats: BTreeSet<_> = r
@@ -107,13 +108,24 @@ pub(super) fn quantize_methods(
             .collect();
         let what = match (formats.len(), r.quantized.first()) {
             (1, Some((_, f))) => format!("in {} (group {})", f.name(), f.group_size),
+            (0, _) if experts > 0 => format!("in int4 (group {})", quantizer.expert_group()),
             (0, _) => "quantized".to_string(),
             _ => format!("({})", r.summary()),
         };
+        // stacked expert weights (a MoE layer's), each routed by gather_qmv
+        let (and_experts, kept) = match (experts, float_experts) {
+            (0, 0) => (String::new(), r.skipped.len().to_string()),
+            (q, f) => (
+                format!(
+                    " and {q} expert weights ({} routed products)",
+                    r.experts.len()
+                ),
+                format!("{} linears and {f} expert weights", r.skipped.len()),
+            ),
+        };
         progress(&format!(
-            "method `{name}`: {} linears {what}, {} kept in float{}",
+            "method `{name}`: {} linears{and_experts} {what}, {kept} kept in float{}",
             r.quantized.len(),
-            r.skipped.len(),
             match r.calibrated.len() {
                 0 => String::new(),
                 n => format!("; {n} calibrated"),
@@ -132,6 +144,11 @@ pub(super) fn quantize_methods(
         }
         for (node, why) in &r.skipped {
             progress(&format!("  {node} stays in float: {why}"));
+        }
+        for (node, weight, why) in &r.experts_skipped {
+            progress(&format!(
+                "  {node} (experts `{weight}`) stays in float: {why}"
+            ));
         }
     }
     // (nothing found: the caller says what that means)

@@ -72,8 +72,13 @@ impl Lowerer<'_> {
     /// `offs[e-1]..offs[e]` hold row `s` (rows from `offs[E-1]` on are zero):
     /// the grouped matmul of transformers' mixture-of-experts layers
     /// (`transformers::grouped_mm_fallback`, and `aten._grouped_mm` of a
-    /// 2-D input and 3-D weights). Lowered densely: every expert's product,
-    /// of which each row keeps its own expert's, so memory grows as
+    /// 2-D input and 3-D weights). With fewer rows than experts (a decode
+    /// step's routed rows, both counts static) and routed experts on
+    /// ([`crate::moe`], opt-in until timed on a GPU) each row's expert's weights
+    /// are gathered and multiplied by that row alone ([`Self::grouped_mm_sparse`]),
+    /// so only the routed experts' weights are read; with as many rows or
+    /// more (a prefill) every expert's product is computed and each row
+    /// keeps its own ([`Self::grouped_mm_dense`]): memory grows as
     /// E x S x N, never as a copy of the weights per row.
     pub(super) fn grouped_mm(
         &mut self,
@@ -106,6 +111,58 @@ impl Lowerer<'_> {
                 self.dtype(w)
             )));
         }
+        let static_rows = self.graph.sym_dims(x)[0].as_const().is_some();
+        let out = if static_rows && 0 < s && s < e && crate::moe::routed_experts() {
+            self.grouped_mm_sparse(c, (x, w, offs), [s, k, e, n])?
+        } else {
+            self.grouped_mm_dense(c, (x, w, offs), [s, k, e, n])?
+        };
+        self.bind(c, 0, out)
+    }
+
+    /// [`Self::grouped_mm`] of `S < E` rows: row `s`'s expert
+    /// `e(s) = #{e < E-1 : offs[e] <= s}` (the last offset left out, so a
+    /// row past every group still names an expert, `E-1`, and its gather
+    /// stays in range), its weights gathered (`[S, K, N]`: fewer than the
+    /// `E` experts', and only the routed ones) and multiplied by the row; the rows from `offs[E-1]`
+    /// on are then zeroed by a product with `s < offs[E-1]`, right after
+    /// the matmul and of its shape, so a GPU product stores it in its
+    /// epilogue.
+    fn grouped_mm_sparse(
+        &mut self,
+        c: &Ctx,
+        (x, w, offs): (ValueId, ValueId, ValueId),
+        [s, k, e, n]: [usize; 4],
+    ) -> Result<ValueId> {
+        let dtype = self.dtype(x);
+        let rows = self.iota(c, s, self.dtype(offs))?;
+        let rows = self.reshaped(c, rows, vec![s, 1])?;
+        let starts = self.slice_of(c, offs, 0, 0, e - 1)?;
+        let starts = self.reshaped(c, starts, vec![1, e - 1])?;
+        let before = self.bin(c, BinaryOp::Le, starts, rows)?;
+        let before = self.emit1(c, Op::Cast { dtype: DType::I64 }, vec![Some(before)])?;
+        let expert = self.sum(c, before, 1)?;
+        let last = self.slice_of(c, offs, 0, e - 1, e)?;
+        let last = self.reshaped(c, last, vec![1, 1])?;
+        let keep = self.bin(c, BinaryOp::Lt, rows, last)?;
+        let keep = self.emit1(c, Op::Cast { dtype }, vec![Some(keep)])?;
+        let keep = self.reshaped(c, keep, vec![s, 1, 1])?;
+        let mine = self.emit1(c, Op::IndexSelect { dim: 0 }, vec![Some(w), Some(expert)])?;
+        let x3 = self.reshaped(c, x, vec![s, 1, k])?;
+        let product = self.emit1(c, Op::MatMul, vec![Some(x3), Some(mine)])?;
+        let kept = self.bin(c, BinaryOp::Mul, product, keep)?;
+        self.reshaped(c, kept, vec![s, n])
+    }
+
+    /// [`Self::grouped_mm`] of every expert: `E` products of all rows, of
+    /// which each row keeps its own expert's (`E` past the last group:
+    /// none, so zero).
+    fn grouped_mm_dense(
+        &mut self,
+        c: &Ctx,
+        (x, w, offs): (ValueId, ValueId, ValueId),
+        [s, k, e, n]: [usize; 4],
+    ) -> Result<ValueId> {
         let ot = self.dtype(offs);
         // expert(s) = #{e : offs[e] <= s}, E for the rows past the last group
         let rows = self.iota(c, s, ot)?;
@@ -139,7 +196,7 @@ impl Lowerer<'_> {
         let kept = self.bin(c, BinaryOp::Mul, all, mine)?;
         let out = self.sum(c, kept, 0)?;
         debug_assert_eq!(self.shape(out), [s, n]);
-        self.bind(c, 0, out)
+        Ok(out)
     }
 
     /// `histc`: counts of `x`'s elements in `bins` equal bins over

@@ -21,7 +21,8 @@ impl Lowerer<'_> {
         self.bind(c, 0, v)
     }
 
-    fn slice_of(
+    /// `x[start..end]` along `dim`.
+    pub(super) fn slice_of(
         &mut self,
         c: &Ctx,
         x: ValueId,

@@ -22,7 +22,7 @@ use super::gemm::{Epilogue, F16Scaling, Gemm, GemmArgs, Gemv, GemvArgs, GEMV_ROW
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::deferred::RowStat;
 use crate::preprocess::emit::{expanded_index, linear, unravel, KernelBuilder};
-use crate::preprocess::expr::{reshaped, Kind, Lazy, LazyRef};
+use crate::preprocess::expr::{reshaped, GatherAt, Kind, Lazy, LazyRef, Pos};
 use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::sizes::extent;
@@ -188,7 +188,7 @@ fn product(
     let (a, b, bias, alpha, beta) = match &node.op {
         Op::MatMul => (
             lw.input_view(node, 0)?,
-            lw.input_view(node, 1)?,
+            right_operand(lw, node, 1)?,
             None,
             1.0,
             0.0,
@@ -356,6 +356,22 @@ fn product(
         tag,
     };
     Ok((args, k))
+}
+
+/// Input `slot` of a product, its right operand: a gather of a view at
+/// indices that are a view (a MoE decode step's routed experts' weights,
+/// `index_select(w, 0, expert)`) is read in place by the product's kernel,
+/// which then reads only the routed experts' weights and no copy of them
+/// is written and read again; anything else as [`Lowering::input_view`].
+/// Every reader of the kernels takes it: the element reads (`ga`/`gb`,
+/// emitted through the gather) and the chunk readers, which fall back to
+/// them where it is no plain run of a buffer ([`k_run`]).
+fn right_operand(lw: &mut Lowering, node: &Node, slot: usize) -> Result<LazyRef> {
+    let b = lw.input(node, slot)?;
+    if matches!(&b.kind, Kind::Gather { src, index, .. } if src.is_view() && index.is_view()) {
+        return Ok(b);
+    }
+    lw.input_view(node, slot)
 }
 
 /// Input 0 of a linear layer with `n` outputs: for at most [`GEMV_ROWS`]
@@ -535,7 +551,8 @@ impl GemvArgs for MatmulArgs {
     fn a_is_plain(&self) -> bool {
         let mut idx = unravel("bt", &self.batch);
         idx.extend(["j".to_string(), "k".to_string()]);
-        k_run(&self.a, &idx).is_some()
+        let mut gathers = vec![];
+        k_run(&self.a, &idx, &mut gathers).is_some() && gathers.is_empty()
     }
 
     fn prologue_bytes(&self) -> usize {
@@ -548,7 +565,9 @@ impl GemvArgs for MatmulArgs {
 /// product's `[batch…, rows, K]` left operand `x`, or of column `j` of its
 /// `[batch…, K, cols]` right operand (`column`), as a `vec4<f32>` (4) or an
 /// `array<vec4<f32>, 2>` (8). A contiguous run of a buffer is read in
-/// vector loads, anything else element by element.
+/// vector loads (through gathers along other dims, each index read once
+/// for the chunk: a MoE decode step's routed experts' weights), anything
+/// else element by element.
 fn chunk_reader(
     kb: &mut KernelBuilder,
     x: &LazyRef,
@@ -572,14 +591,23 @@ fn chunk_reader(
         4 => "vec4<f32>",
         _ => "array<vec4<f32>, 2>",
     };
-    let body = match k_run(x, &idx("k")) {
+    let at = idx("k");
+    let mut gathers = vec![];
+    let body = match k_run(x, &at, &mut gathers) {
         Some((buf, at, shape)) if kdim.is_multiple_of(lanes) => {
+            let mut lets = String::new();
+            for (i, g) in gathers.iter().enumerate() {
+                let f = format!("v{name}_g{i}");
+                kb.value_fn(g.index, &f)?;
+                let pos = kb.gather_index(&format!("ri{i}"), g.index.dtype, g.n, g.len)?;
+                let _ = write!(lets, "let ri{i} = {f}({});\n  let gi{i} = {pos};\n  ", g.at);
+            }
             let c = format!("({}) / {lanes}u", linear(&at, &shape));
             let load = match lanes {
                 4 => kb.load4(buf, &c)?,
                 _ => kb.load8(buf, &c)?,
             };
-            format!("return {load};")
+            format!("{lets}return {load};")
         }
         _ => {
             let f = format!("v{name}");
@@ -609,10 +637,28 @@ fn chunk_reader(
     ))
 }
 
+/// A gather (`index_select`) that [`k_run`] sees through: the index it
+/// reads, once for a whole chunk, as `gi{n}` (its place in the list).
+struct Gathered<'a> {
+    index: &'a LazyRef,
+    /// Where `index` is read (the gathered dim's index, never `k`).
+    at: String,
+    /// The gathered dim's size, which the index is clamped into.
+    n: usize,
+    len: &'a Pos,
+}
+
 /// Where `x` read at `idx` lies in a buffer, when `x` only permutes and
 /// broadcasts that buffer and the index named `k` walks its last,
 /// contiguous dim: the buffer, the index there and the shape it is read as.
-fn k_run(x: &LazyRef, idx: &[String]) -> Option<(BufferIdx, Vec<String>, Vec<usize>)> {
+/// A gather along a dim that `k` does not walk (the batch dim of routed
+/// experts' weights) is seen through: its index is pushed on `gathers`
+/// and read by name (`gi{n}`), one read for all of a chunk's elements.
+fn k_run<'a>(
+    x: &'a LazyRef,
+    idx: &[String],
+    gathers: &mut Vec<Gathered<'a>>,
+) -> Option<(BufferIdx, Vec<String>, Vec<usize>)> {
     match &x.kind {
         Kind::Load(buf) => (idx.last().map(String::as_str) == Some("k"))
             .then(|| (*buf, idx.to_vec(), x.shape.clone())),
@@ -621,15 +667,34 @@ fn k_run(x: &LazyRef, idx: &[String]) -> Option<(BufferIdx, Vec<String>, Vec<usi
             for (i, &d) in dims.iter().enumerate() {
                 at[d] = idx[i].clone();
             }
-            k_run(inner, &at)
+            k_run(inner, &at, gathers)
         }
-        Kind::Expand(inner) => k_run(inner, &expanded_index(idx, &inner.shape)),
+        Kind::Expand(inner) => k_run(inner, &expanded_index(idx, &inner.shape), gathers),
+        Kind::Gather {
+            src,
+            dim,
+            index,
+            at: GatherAt::Dim,
+            len,
+        } if idx[*dim] != "k" => {
+            let mut inner = idx.to_vec();
+            inner[*dim] = format!("gi{}", gathers.len());
+            gathers.push(Gathered {
+                index,
+                at: idx[*dim].clone(),
+                n: src.shape[*dim],
+                len,
+            });
+            k_run(src, &inner, gathers)
+        }
         _ => None,
     }
 }
 
 /// Whether `x` reads its last two dims swapped (a transposed matrix), so a
-/// tile is best loaded along its second-last dim.
+/// tile is best loaded along its second-last dim. A gather of whole
+/// matrices (`index_select` along a batch dim: routed experts' `[n, k]`
+/// weights) keeps its source's layout within each.
 fn is_transpose(x: &LazyRef) -> bool {
     match &x.kind {
         Kind::Permute(_, dims) => {
@@ -637,6 +702,12 @@ fn is_transpose(x: &LazyRef) -> bool {
             r >= 2 && dims[r - 2] == r - 1 && dims[r - 1] == r - 2
         }
         Kind::Expand(inner) => is_transpose(inner),
+        Kind::Gather {
+            src,
+            dim,
+            at: GatherAt::Dim,
+            ..
+        } if *dim + 2 < x.shape.len() => is_transpose(src),
         _ => false,
     }
 }
