@@ -162,8 +162,7 @@ CASES += [
     ("bicubic", lambda: Lambda(lambda x: (F.interpolate(x, scale_factor=1.5, mode="bicubic"), F.interpolate(x, size=(3, 5), mode="bicubic", align_corners=True), F.interpolate(x, size=(9, 4), mode="bicubic"))), [r(1, 2, 4, 6)]),
     ("histc", lambda: Lambda(lambda x: (torch.histc(x, bins=7, min=-1, max=1.5), torch.histc(torch.cat([x.flatten(), torch.tensor([1.5, -1.0, 3.0])]), bins=4, min=-1, max=1.5))), [r(3, 5)]),
     ("moe_grouped_mm", MoeGroupedMm, [r(7, 4), r(3, 4, 5), lambda g: torch.tensor([2, 0, 3, 1, 0, 2, 3])]),
-    # fewer rows than experts (a decode step's; gathered experts with
-    # ETMETAL_MOE_ROUTED=1, else every expert's product): experts 0
+    # fewer rows than experts (a decode step's): gathered experts, experts 0
     # and 1 empty, the row of id 3 past every group
     ("moe_grouped_mm_routed", MoeGroupedMm, [r(2, 4), r(3, 4, 5), lambda g: torch.tensor([3, 2])]),
     ("meshgrid", lambda: Lambda(lambda a, b, c: (*torch.meshgrid(a, b, indexing="xy"), *torch.meshgrid(a, b, c, indexing="ij"), *torch.meshgrid(a, c[0], indexing="xy"))), [r(3), r(4), r(2)]),

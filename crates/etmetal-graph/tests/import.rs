@@ -2144,8 +2144,6 @@ fn grouped_mm_reference(x: &[f32], w: &[f32], offs: &[i32], [s, k, n]: [usize; 3
 /// empty ones among them, with the last rows past every group (zero).
 #[test]
 fn grouped_mm_gathers_the_routed_experts_of_few_rows() {
-    // routed experts are opt-in (etmetal_graph::moe); the tests of them set it
-    std::env::set_var("ETMETAL_MOE_ROUTED", "1");
     let (k, n) = (3, 4);
     let cases: &[(usize, &[i32])] = &[
         // 4 rows, 5 experts: experts 0, 2 and 4 empty, row 3 past all
@@ -2210,8 +2208,8 @@ fn grouped_mm_gathers_the_routed_experts_of_few_rows() {
 /// zero.
 #[test]
 fn grouped_mm_experts_quantize_to_gather_qmv() {
-    // routed experts are opt-in (etmetal_graph::moe); the tests of them set it
-    std::env::set_var("ETMETAL_MOE_ROUTED", "1");
+    // int4 experts are opt-in (etmetal_graph::moe)
+    std::env::set_var("ETMETAL_MOE_INT4", "1");
     use etmetal_graph::quantize::{dequantize_weight, QuantWeight, QuantizeOptions, Quantizer};
     let (k, n) = (64, 8);
     let cases: &[(usize, &[i32])] = &[(4, &[0, 1, 1, 3, 3]), (7, &[2, 2, 6]), (3, &[1, 3, 3])];

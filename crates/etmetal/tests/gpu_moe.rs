@@ -25,8 +25,6 @@ use serde_json::{json, Value};
 /// last two dims where `transposed`, as transformers passes experts
 /// stored `[E, n, k]`), every operand a user input: its graph.
 fn grouped_mm(x: &Tensor, w: &Tensor, transposed: bool, e: usize) -> Graph {
-    // the sparse form is opt-in (etmetal_graph::moe); every test here wants it
-    std::env::set_var("ETMETAL_MOE_ROUTED", "1");
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/mlp.pt2");
     let config = zip::read::Config {
         archive_offset: zip::read::ArchiveOffset::Known(0),

@@ -465,8 +465,8 @@ mod tests {
     }
 
     fn quantize(g: &mut Graph, options: QuantizeOptions) -> crate::quantize::QuantizeReport {
-        // routed experts are opt-in (crate::moe); every test here wants them
-        std::env::set_var("ETMETAL_MOE_ROUTED", "1");
+        // int4 experts are opt-in (crate::moe); every test here wants them
+        std::env::set_var("ETMETAL_MOE_INT4", "1");
         let mut q = Quantizer::new(options, None);
         q.plan(&[g], None).unwrap();
         q.quantize(g).unwrap()

@@ -643,12 +643,12 @@ impl<'c> Quantizer<'c> {
         if products.is_empty() {
             return Ok(());
         }
-        if !crate::moe::routed_experts() {
+        if !crate::moe::int4_experts() {
             for p in products {
                 report.experts_skipped.push((
                     graph.nodes[p.anchor].name.clone(),
                     weight_name(graph, p.weight.value),
-                    "routed experts are not on by default until timed on a GPU (ETMETAL_MOE_ROUTED=1)".into(),
+                    "int4 experts are opt-in until their prefill form is timed on a GPU (ETMETAL_MOE_INT4=1)".into(),
                 ));
             }
             return Ok(());

@@ -73,8 +73,7 @@ impl Lowerer<'_> {
     /// the grouped matmul of transformers' mixture-of-experts layers
     /// (`transformers::grouped_mm_fallback`, and `aten._grouped_mm` of a
     /// 2-D input and 3-D weights). With fewer rows than experts (a decode
-    /// step's routed rows, both counts static) and routed experts on
-    /// ([`crate::moe`], opt-in until timed on a GPU) each row's expert's weights
+    /// step's routed rows, both counts static; [`crate::moe`]) each row's expert's weights
     /// are gathered and multiplied by that row alone ([`Self::grouped_mm_sparse`]),
     /// so only the routed experts' weights are read; with as many rows or
     /// more (a prefill) every expert's product is computed and each row
@@ -112,7 +111,7 @@ impl Lowerer<'_> {
             )));
         }
         let static_rows = self.graph.sym_dims(x)[0].as_const().is_some();
-        let out = if static_rows && 0 < s && s < e && crate::moe::routed_experts() {
+        let out = if static_rows && 0 < s && s < e {
             self.grouped_mm_sparse(c, (x, w, offs), [s, k, e, n])?
         } else {
             self.grouped_mm_dense(c, (x, w, offs), [s, k, e, n])?
