@@ -2,7 +2,8 @@
 //! mixture-of-experts layer, as the grouped matmul reads them once the
 //! importer has lowered it (`pt2::lower::composite`, `grouped_mm`), become
 //! int4, and the product [`Op::GatherQmv`] (`metal::gather_qmv`), which
-//! multiplies each row by its own expert's weights.
+//! multiplies each row by its own expert's weights, where
+//! `ETMETAL_MOE_INT4=1` is set (`moe.rs`).
 //!
 //! The two forms the importer writes, `B [E, K, N]` the stacked weights as
 //! the product reads them:

@@ -34,7 +34,8 @@
 //! linear's; int4 only, since the kernel has no int8 form: under int8 the
 //! experts stay in float, under mixed they are int4 and not measured; no
 //! calibration), where every reader of the weights in every method is
-//! such a product.
+//! such a product, and where `ETMETAL_MOE_INT4=1` is set (`moe.rs`: opt-in
+//! until the prefill form is timed on a GPU).
 //!
 //! Linears of one input (q, k and v; gate and up) with weights of one
 //! format then become one product of their weights concatenated along N,
