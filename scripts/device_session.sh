@@ -14,6 +14,9 @@
 #         host    benchmarks/host_path.py (the host path, 1 KiB to 1 GiB)
 #         int4    benchmarks/run.py prepare --only int4_gemv (exports the GEMV rows)
 #         bench   benchmarks/run.py gpu --only "$ONLY" $BENCH_ARGS into $OUT/gpu_$TAG.json
+#         ab      benchmarks/binaries.py $BINS $ROWS into $OUT/binaries_$TAG.json:
+#                 binaries side by side (BINS='--bin main=.bench/main --bin new=.bench/etmetal';
+#                 a wrapper script setting an environment switch serves as a binary too)
 #       T bounds each part's seconds. Fold the JSON back here with
 #       `python3 benchmarks/run.py merge FILE` and `run.py report`.
 set -uo pipefail
@@ -54,8 +57,14 @@ run() {
                 --out "$out/gpu_${TAG:-rows}.json" >"$out/gpu_${TAG:-rows}.log" 2>&1
             tail -c 1500 "$out/gpu_${TAG:-rows}.log"
             ;;
+        ab)
+            # shellcheck disable=SC2086 # BINS, ROWS: lists, split
+            timeout "${T:-450}" python3 benchmarks/binaries.py ${BINS:?BINS names the binaries} ${ROWS:?ROWS names the rows} \
+                --out "$out/binaries_${TAG:-ab}.json" >"$out/binaries_${TAG:-ab}.log" 2>&1
+            tail -c 1500 "$out/binaries_${TAG:-ab}.log"
+            ;;
         *)
-            echo "unknown part $part: info, crash, host, int4 or bench" >&2
+            echo "unknown part $part: info, crash, host, int4, bench or ab" >&2
             exit 2
             ;;
         esac
