@@ -238,27 +238,7 @@ def test_moe_int4_routes_every_row_to_its_int4_expert(backend, etmetal, tmp_path
     subprocess.run(args + ["-o", str(floats)], capture_output=True, text=True, timeout=1800, check=True)
     _, f32 = weights(floats)
     assert int4 < 0.3 * f32, (int4, f32)
-    eager = wrapper.model
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 96, (PREFILL,), generator=gen)
-    steps = [("prefill", (tokens.view(1, -1), torch.arange(PREFILL)))]
-    want = []
-    with torch.no_grad():
-        logits = eager(input_ids=steps[0][1][0], cache_position=steps[0][1][1])
-        want.append(to_npy(logits))
-        token = logits[0, -1].argmax()
-        for k in range(3):
-            inputs = (token.view(1, 1), torch.tensor([PREFILL + k]))
-            steps.append(("forward", inputs))
-            logits = eager(input_ids=inputs[0], cache_position=inputs[1])
-            want.append(to_npy(logits))
-            token = logits[0, -1].argmax()
-    r = etmetal.replay(pte, steps, tmp_path)
-    assert r.returncode == 0, r.stderr
-    for k, (method, _) in enumerate(steps):
-        got = np.load(tmp_path / f"step{k}_output0.npy")
-        err = np.abs(got - want[k]).max()
-        assert err <= 1e-4 * np.abs(want[k]).max(), f"step {k} ({method}) differs by {err:.3g}"
+    check_steps_against_eager(etmetal, pte, wrapper.model, tmp_path, f"qwen3_moe int4 ({backend})", 3)
 
 
 HYBRID_CASES = [k for k in HYBRID if os.environ.get("ETMETAL_SURVEY") == "full" or k in HYBRID_FAST]
@@ -322,9 +302,18 @@ def check_recipe_steps(kind, etmetal, tmp_path, backend: str, decode_steps: int,
         for method in ("forward", "prefill"):
             assert "kernel(s); 0 node(s) on the cpu" in report.split(f"method `{method}`")[1], report
         assert report.count("state kept on the GPU") == 2, report
-    # eager: the recipe module, its cache advancing as etmetal's does; the
-    # prompt padded to PREFILL (what `etmetal generate` does), then greedy
-    eager = wrapper.model
+    check_steps_against_eager(etmetal, pte, wrapper.model, tmp_path, f"{kind} ({backend})", decode_steps, prompt)
+    return report
+
+
+def check_steps_against_eager(etmetal, pte: Path, eager, tmp_path, what: str, decode_steps: int,
+                              prompt: int = PREFILL) -> None:
+    """Replay `pte`'s `prefill` of a prompt of `prompt` random tokens
+    (padded to PREFILL, as `etmetal generate` does), then `decode_steps`
+    greedy `forward` steps, against the recipe module `eager` run the same
+    way (its cache advancing as etmetal's does): each step's logits within
+    1e-4 of the largest (a padded prefill's rows past the prompt not
+    compared)."""
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 96, (prompt,), generator=g)
     padded = torch.cat([tokens, tokens[-1:].repeat(PREFILL - prompt)])
@@ -344,12 +333,10 @@ def check_recipe_steps(kind, etmetal, tmp_path, backend: str, decode_steps: int,
     assert r.returncode == 0, r.stderr
     for k, (method, _) in enumerate(steps):
         got = np.load(tmp_path / f"step{k}_output0.npy")
-        # a padded prefill's rows past the prompt are not compared
         rows = prompt if method == "prefill" else 1
         w, g_ = want[k][:, :rows], got[:, :rows]
         err = np.abs(g_ - w).max()
-        assert err <= 1e-4 * np.abs(w).max(), f"{kind} ({backend}): step {k} ({method}) differs by {err:.3g}"
-    return report
+        assert err <= 1e-4 * np.abs(w).max(), f"{what}: step {k} ({method}) differs by {err:.3g}"
 
 
 def test_state_that_disagrees_between_methods_is_refused_naming_it(etmetal, tmp_path):

@@ -2121,6 +2121,12 @@ fn run_cpu(g: &Graph, inputs: Vec<Tensor>) -> Vec<Tensor> {
         .collect()
 }
 
+/// The group ends `offs` of a grouped matmul as its int32 input.
+fn group_ends(offs: &[i32]) -> Tensor {
+    let ends: Vec<i64> = offs.iter().map(|&o| o.into()).collect();
+    Tensor::from_i64(DType::I32, &[offs.len()], &ends).unwrap()
+}
+
 /// `aten._grouped_mm` of `x` `[S, K]` by `w` `[E, K, N]` with group ends
 /// `offs`, as PyTorch defines it: row `s` times the weights of the group
 /// holding it, a row past every group zero.
@@ -2186,12 +2192,7 @@ fn grouped_mm_gathers_the_routed_experts_of_few_rows() {
         let inputs = vec![
             Tensor::from_f32(DType::F32, &[s, k], &x).unwrap(),
             Tensor::from_f32(DType::F32, &[e, k, n], &w).unwrap(),
-            Tensor::from_i64(
-                DType::I32,
-                &[e],
-                &offs.iter().map(|&o| o as i64).collect::<Vec<_>>(),
-            )
-            .unwrap(),
+            group_ends(offs),
         ];
         let got = run_cpu(&g, inputs);
         assert_eq!(got[0].shape(), [s, n], "{case}");
@@ -2300,12 +2301,7 @@ fn grouped_mm_experts_quantize_to_gather_qmv() {
             let want = grouped_mm_reference(&x, &b, offs, [s, k, n]);
             let inputs = vec![
                 Tensor::from_f32(DType::F32, &[s, k], &x).unwrap(),
-                Tensor::from_i64(
-                    DType::I32,
-                    &[e],
-                    &offs.iter().map(|&o| o as i64).collect::<Vec<_>>(),
-                )
-                .unwrap(),
+                group_ends(offs),
             ];
             let got = run_cpu(&g, inputs);
             assert_eq!(got[0].shape(), [s, n], "{what}");
