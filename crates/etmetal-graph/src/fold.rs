@@ -17,6 +17,7 @@ use std::collections::{HashMap, HashSet};
 
 use etmetal_core::{BinaryOp, ConvAttrs, DType, Op, Result, Tensor};
 
+use crate::eval::run_node;
 use crate::ir::{Graph, InputKind, Node, ValueId};
 
 /// The largest output, in bytes, that [`fold_constants`] stores in place
@@ -92,16 +93,8 @@ pub fn fold_constants(graph: &mut Graph, state: &[String]) -> Result<usize> {
                 continue;
             }
             if !node.outputs.iter().all(|o| computed.contains_key(o)) {
-                let value = |v: &ValueId| computed.get(v).or_else(|| graph.constants.get(v));
-                let inputs: Vec<Option<&Tensor>> = node
-                    .inputs
-                    .iter()
-                    .map(|s| s.as_ref().and_then(value))
-                    .collect();
-                let expect: Vec<_> = (node.outputs.iter())
-                    .map(|o| (graph.value(*o).dtype, graph.value(*o).shape.clone()))
-                    .collect();
-                let Ok(results) = etmetal_cpu::execute(&node.op, &inputs, &expect) else {
+                let value = |v: ValueId| computed.get(&v).or_else(|| graph.constants.get(&v));
+                let Ok(results) = run_node(graph, node, value) else {
                     blocked.insert(i);
                     continue;
                 };

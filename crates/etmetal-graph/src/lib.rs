@@ -1,7 +1,9 @@
 //! The etmetal graph IR and the passes on it: import from a torch.export
-//! `.pt2` archive, shape and dtype inference, decompositions, folding.
+//! `.pt2` archive, shape and dtype inference, decompositions, folding, and
+//! the graph's evaluation node by node on the CPU kernels (`eval`).
 
 pub mod decompose;
+pub mod eval;
 pub mod fold;
 pub mod infer;
 pub mod infer_sym;

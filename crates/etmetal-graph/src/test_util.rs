@@ -1,7 +1,7 @@
 //! Helpers of the passes' tests: building graphs node by node and checking
 //! them.
 
-use etmetal_core::{Op, Tensor};
+use etmetal_core::Op;
 
 use crate::infer::infer;
 use crate::ir::{Graph, Node, ValueId};
@@ -39,32 +39,4 @@ pub fn reinfers(g: &Graph) {
             .collect();
         assert_eq!(got, want, "node {}", n.name);
     }
-}
-
-/// `g` run node by node on the CPU kernels with its user inputs `inputs`:
-/// its outputs.
-pub fn run(g: &Graph, inputs: Vec<Tensor>) -> Vec<Tensor> {
-    let mut env: Vec<Option<Tensor>> = vec![None; g.values.len()];
-    for (id, t) in &g.constants {
-        env[id.0] = Some(t.clone());
-    }
-    for (id, t) in g.user_inputs().zip(inputs) {
-        env[id.0] = Some(t);
-    }
-    for n in &g.nodes {
-        let args: Vec<Option<&Tensor>> = (n.inputs.iter())
-            .map(|v| v.map(|v| env[v.0].as_ref().expect("computed before")))
-            .collect();
-        let specs: Vec<_> = (n.outputs.iter())
-            .map(|&v| (g.value(v).dtype, g.value(v).shape.clone()))
-            .collect();
-        let outs = etmetal_cpu::execute(&n.op, &args, &specs)
-            .unwrap_or_else(|e| panic!("node `{}`: {e}", n.name));
-        for (v, t) in n.outputs.iter().zip(outs) {
-            env[v.0] = Some(t);
-        }
-    }
-    (g.outputs.iter())
-        .map(|(v, _)| env[v.0].clone().expect("an output"))
-        .collect()
 }

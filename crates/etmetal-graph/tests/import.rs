@@ -9,6 +9,7 @@ use etmetal_core::{
     npy, AvgPoolAttrs, BinaryOp, ConvAttrs, DType, ErrorKind, MaxPoolAttrs, Op, SymExpr, SymRange,
     Tensor,
 };
+use etmetal_graph::eval::run_graph;
 use etmetal_graph::{
     decompose, eliminate_dead_code, import_pt2, infer, load_pt2, Graph, InputKind, OutputKind,
 };
@@ -2089,38 +2090,6 @@ fn a_written_parameter_is_refused_naming_it() {
     assert!(msg.contains("writes parameter `fc.bias`"), "{msg}");
 }
 
-/// `g` on the CPU kernels, node by node: its outputs.
-fn run_cpu(g: &Graph, inputs: Vec<Tensor>) -> Vec<Tensor> {
-    let mut env: Vec<Option<Tensor>> = vec![None; g.values.len()];
-    for (id, t) in &g.constants {
-        env[id.0] = Some(t.clone());
-    }
-    for (id, t) in g.user_inputs().zip(inputs) {
-        env[id.0] = Some(t);
-    }
-    for n in &g.nodes {
-        let args: Vec<Option<&Tensor>> = n
-            .inputs
-            .iter()
-            .map(|v| v.map(|v| env[v.0].as_ref().expect("computed before")))
-            .collect();
-        let specs: Vec<_> = n
-            .outputs
-            .iter()
-            .map(|&v| (g.value(v).dtype, g.value(v).shape.clone()))
-            .collect();
-        let outs = etmetal_cpu::execute(&n.op, &args, &specs)
-            .unwrap_or_else(|e| panic!("node `{}`: {e}", n.name));
-        for (v, t) in n.outputs.iter().zip(outs) {
-            env[v.0] = Some(t);
-        }
-    }
-    g.outputs
-        .iter()
-        .map(|(v, _)| env[v.0].clone().expect("an output"))
-        .collect()
-}
-
 /// The group ends `offs` of a grouped matmul as its int32 input.
 fn group_ends(offs: &[i32]) -> Tensor {
     let ends: Vec<i64> = offs.iter().map(|&o| o.into()).collect();
@@ -2194,7 +2163,7 @@ fn grouped_mm_gathers_the_routed_experts_of_few_rows() {
             Tensor::from_f32(DType::F32, &[e, k, n], &w).unwrap(),
             group_ends(offs),
         ];
-        let got = run_cpu(&g, inputs);
+        let got = run_graph(&g, inputs).unwrap();
         assert_eq!(got[0].shape(), [s, n], "{case}");
         close(&got[0].to_f32_vec(), &want, 1e-5);
     }
@@ -2303,7 +2272,7 @@ fn grouped_mm_experts_quantize_to_gather_qmv() {
                 Tensor::from_f32(DType::F32, &[s, k], &x).unwrap(),
                 group_ends(offs),
             ];
-            let got = run_cpu(&g, inputs);
+            let got = run_graph(&g, inputs).unwrap();
             assert_eq!(got[0].shape(), [s, n], "{what}");
             close(&got[0].to_f32_vec(), &want, 1e-4);
         }

@@ -13,10 +13,12 @@ pub mod calibrate;
 pub mod chat;
 pub mod compile;
 pub mod device;
-pub mod eval;
 pub mod generate;
 mod model;
 pub mod summary;
 pub mod transcribe;
 
+/// The graph interpreter, at home in `etmetal-graph` (its passes and tests
+/// run graphs too); re-exported so that `etmetal::eval::run_graph` stays.
+pub use etmetal_graph::eval;
 pub use model::{is_pte, Model};

@@ -389,11 +389,12 @@ mod tests {
     use etmetal_core::quant::QuantFormat;
 
     use super::*;
+    use crate::eval::run_graph;
     use crate::ir::{InputKind, OutputKind};
     use crate::quantize::fit::tests::gaussian;
     use crate::quantize::fit::{dequantize_weight, quantize_tensors, Fit, QuantWeight, Values};
     use crate::quantize::{QuantizeOptions, Quantizer, Scheme};
-    use crate::test_util::{ops, push, reinfers, run};
+    use crate::test_util::{ops, push, reinfers};
 
     const E: usize = 5;
     const N: usize = 12;
@@ -531,8 +532,8 @@ mod tests {
                 );
             }
             // against the float product of the dequantized weights
-            let expected = run(&sparse(3, &deq, false), inputs(3));
-            let got = run(&g, inputs(3));
+            let expected = run_graph(&sparse(3, &deq, false), inputs(3)).unwrap();
+            let got = run_graph(&g, inputs(3)).unwrap();
             assert_eq!(got[0].shape(), [3, 1, N]);
             for (a, b) in got[0].to_f32_vec().iter().zip(expected[0].to_f32_vec()) {
                 assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");

@@ -1,10 +1,16 @@
-//! Evaluate a graph node by node with the CPU kernels.
+//! Evaluate a graph node by node with the CPU kernels: the reference the
+//! compiled programs are checked against ([`run_graph`]), the calibration
+//! run that watches each node's inputs ([`run_graph_observed`]), and a run
+//! kept whole so that one changed weight is re-evaluated cheaply
+//! ([`Trace`], [`rerun_from`]). [`crate::fold_constants`] evaluates its
+//! nodes with the same `run_node`.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 
 use etmetal_core::{Error, Result, Tensor};
-use etmetal_graph::{Graph, Node, ValueId};
+
+use crate::ir::{Graph, Node, ValueId};
 
 /// For each value, the index of the last node that reads it; values read by
 /// no node (graph outputs, unused inputs) have none and are kept.
@@ -163,7 +169,7 @@ pub fn rerun_from(
 }
 
 /// One node on the CPU kernels, its inputs read through `get`.
-fn run_node<'a>(
+pub(crate) fn run_node<'a>(
     graph: &Graph,
     node: &Node,
     get: impl Fn(ValueId) -> Option<&'a Tensor>,
