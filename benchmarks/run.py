@@ -335,7 +335,7 @@ def model_cases() -> dict[str, ModelCase]:
     """The real-models zoo (tests/parity/models/) at the issue's full sizes,
     batch 1. Decoders run twice: a prefill of 128 tokens and one decode step
     at position 128; the Llama-3.2-1B shape in bf16 and int4 (GPU only),
-    and a Qwen3-MoE-shaped decode step (QWEN3_MOE) in bf16 and int4 (GPU only)."""
+    and a Qwen3-MoE-shaped decode step and prefill (QWEN3_MOE) in bf16 and int4 (GPU only)."""
     from models.audio import whisper_tiny
     from models.cnn import MobileNetV2, ResNet
     from models.encoders import bert_base, bert_inputs
@@ -364,6 +364,11 @@ def model_cases() -> dict[str, ModelCase]:
         "qwen3moe_decode512": ModelCase(lambda device="cpu": qwen3_moe(device, **QWEN3_MOE),
                                         tokens(QWEN3_MOE["vocab_size"], 1, LLAMA_CTX), dtypes=("bf16", "int4"),
                                         cpu=False, roofline=(QWEN3_MOE, LLAMA_CTX, True), recipe=True),
+        # the same model's 512-token prefill: every expert's rows at once
+        # (the grouped matmul's dense form; int4 experts as gather_qmv rows)
+        "qwen3moe_prefill512": ModelCase(lambda device="cpu": qwen3_moe(device, **QWEN3_MOE),
+                                         tokens(QWEN3_MOE["vocab_size"], LLAMA_CTX, 0), dtypes=("bf16", "int4"),
+                                         cpu=False, recipe=True),
     }
 
 
