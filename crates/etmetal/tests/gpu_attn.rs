@@ -433,6 +433,13 @@ fn attention_on_emulated_tensor_cores() {
     case(sdpa(true, Some(0.2), false), f, [2, 70, 70, 64], 2, APPLE);
     case(sdpa(false, None, false), b, [8, 64, 17, 64], 8, BOTH);
     case(sdpa(false, None, false), h, [16, 256, 1, 64], 16, BOTH);
+    // the prefetching twin of the smallest 16×16 variant (the next tiles
+    // loaded into registers a tile ahead), keys off the tiles, causal GQA
+    OpCase::new(sdpa(true, None, true))
+        .input(random(b, &[1, 4, 150, 64], 31))
+        .input(random(b, &[1, 2, 150, 64], 32))
+        .input(random(b, &[1, 2, 150, 64], 33))
+        .check_coop_emulating(BF16_TOL, &[(CoopForm::Half16, 1)]);
 }
 
 /// The real 16×16 flash attention (not emulated), each of its variants
@@ -452,6 +459,10 @@ fn flash_attention_on_real_tensor_cores_where_offered() {
         (sdpa(false, None, false), b, [1, 1, 64, 64, 64]),
         (sdpa(true, None, true), h, [4, 2, 130, 150, 128]),
     ];
+    // the variants offered: at head dim 64 four tile shapes and three of
+    // them prefetching; at 128 three shapes within the workgroup memory
+    // and one prefetching
+    let variants = |d: usize| if d == 64 { 7 } else { 4 };
     for (op, dtype, [heads, kv, l, s, d]) in cases {
         let what = format!("{op:?} {dtype:?} {heads}/{kv} heads, {l}x{s}, d {d}");
         let seed = (heads * 1000 + l + s) as u64;
@@ -463,7 +474,7 @@ fn flash_attention_on_real_tensor_cores_where_offered() {
         let expected = etmetal::eval::run_graph(&graph, inputs.clone()).unwrap();
         let pte = compile_whole(&graph);
         // (the 16×16 variants come first among the alternatives)
-        for variant in 0..3 {
+        for variant in 0..variants(d) {
             let gpu =
                 Arc::new(MetalBackend::new(DeviceChoice::Auto).with_forced_alternative(variant));
             let mut method = load_method_on(gpu.clone(), &pte);

@@ -1,7 +1,7 @@
 //! Flash attention on tensor cores in the 16×16 f16 form (NVIDIA GPUs
 //! through Vulkan): payload alternatives of the prefill kernel of
 //! `attention.rs` for f16 and bf16 attention over head dims 64 and 128
-//! (q, k and v alike), one for each [`VARIANTS`] entry that fits
+//! (q, k and v alike), one for each variant ([`variants`]) that fits
 //! [`MAX_STORAGE`]; the runtime measures them against the portable kernel
 //! and keeps the fastest. Where the portable kernel splits the keys over
 //! workgroups, these take the same splits and write the same partials,
@@ -26,7 +26,10 @@
 //! matrices (staged once) and its 16 × dv output as f32
 //! accumulators, and the keys go by in tiles of `bc`:
 //! 1. the workgroup stages the key and value tiles in workgroup memory
-//!    (8 bytes a load; zeros past the end of keys);
+//!    (8 bytes a load; zeros past the end of keys); a prefetching variant
+//!    stores them from registers, and loads the next tiles into those
+//!    registers as soon as the stores are past the barrier, so their
+//!    latency is spent on steps 2–4 rather than before them;
 //! 2. each subgroup computes `S = Q·Kᵀ` (16 × bc) and stores it;
 //! 3. two lanes a row (pairs by subgroup and lane, which Vulkan does not
 //!    tie to the local index) turn their half of the row into scores in log2 units
@@ -72,32 +75,53 @@ const P_EXP: i32 = 7;
 /// Workgroup memory a variant may use (what NVIDIA's Vulkan drivers offer).
 const MAX_STORAGE: usize = 48 << 10;
 
-/// One shape of the kernel: subgroups a workgroup, keys a tile.
-#[derive(Clone, Copy, Debug)]
+/// One shape of the kernel: subgroups a workgroup, keys a tile, and
+/// whether each invocation loads its share of the next key and value tiles
+/// into registers while the current ones are multiplied
+/// ([`Variant::prefetches`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Variant {
     subgroups: usize,
     bc: usize,
+    prefetch: bool,
 }
 
-/// The variants offered (those within [`MAX_STORAGE`]).
-const VARIANTS: [Variant; 4] = [
-    Variant {
-        subgroups: 4,
-        bc: 64,
-    },
-    Variant {
-        subgroups: 4,
-        bc: 32,
-    },
-    Variant {
-        subgroups: 2,
-        bc: 64,
-    },
-    Variant {
-        subgroups: 2,
-        bc: 32,
-    },
-];
+/// The tile shapes (subgroups, keys a tile) of the variants.
+const SHAPES: [(usize, usize); 4] = [(4, 64), (4, 32), (2, 64), (2, 32)];
+
+/// Every variant, in the order of the payload's alternatives (those that
+/// [`fits`] are offered): each shape, then each shape prefetching, so an
+/// alternative's index names the same kernel as before prefetching came.
+fn variants() -> impl Iterator<Item = Variant> {
+    [false, true].into_iter().flat_map(|prefetch| {
+        SHAPES.map(|(subgroups, bc)| Variant {
+            subgroups,
+            bc,
+            prefetch,
+        })
+    })
+}
+
+/// 8-byte loads of the next key tile (and of the value tile) an invocation
+/// of a prefetching variant holds at most: 16 registers each.
+const PREFETCH_LOADS: usize = 8;
+
+impl Variant {
+    /// The 8-byte loads of a `cols`-wide tile each invocation makes: the
+    /// tile's chunks spread evenly over the workgroup.
+    fn loads(self, cols: usize) -> Option<usize> {
+        let (chunks, threads) = (self.bc * cols / 4, self.subgroups * SUBGROUP);
+        chunks.is_multiple_of(threads).then_some(chunks / threads)
+    }
+
+    /// Whether a prefetching variant's registers hold the next tiles of
+    /// head dims `dh` and `dv`.
+    fn prefetches(self, dh: usize, dv: usize) -> bool {
+        [dh, dv]
+            .iter()
+            .all(|&c| self.loads(c).is_some_and(|n| n <= PREFETCH_LOADS))
+    }
+}
 
 /// The largest rows a workgroup of any variant takes (the q copy's padding).
 const MAX_ROWS: usize = 4 * RS;
@@ -121,12 +145,18 @@ pub(super) fn alternatives(
     span: usize,
 ) -> Result<()> {
     let mut copies: Option<[Copy16; 3]> = None;
-    let mut variants: Vec<Variant> = VARIANTS.into_iter().filter(|&v| fits(a, v)).collect();
+    let mut variants: Vec<Variant> = variants().filter(|&v| fits(a, v)).collect();
     if !lw.variants() {
         // emulated, the smallest replaces the portable dispatch (software
-        // adapters offer 32 KiB of workgroup memory)
-        variants.sort_by_key(|&v| storage(a, v));
-        variants.truncate(1);
+        // adapters offer 32 KiB of workgroup memory): variant
+        // `emulate_variant` of the smallest ones (0 loads each tile when
+        // it is used, 1 prefetches it where it can)
+        variants.sort_by_key(|&v| (storage(a, v), v.prefetch));
+        if let Some(&least) = variants.first() {
+            variants.retain(|&v| storage(a, v) == storage(a, least));
+            let pick = lw.options.emulate_variant.min(variants.len() - 1);
+            variants = vec![variants[pick]];
+        }
     }
     for v in variants {
         lw.alternative(d, CoopForm::Half16, |lw| {
@@ -209,10 +239,13 @@ fn storage(a: &Attn, v: Variant) -> usize {
 }
 
 /// Whether variant `v` applies to `a`: the block's q rows fit where the
-/// key and value tiles go, and its workgroup memory fits.
+/// key and value tiles go, its workgroup memory fits, and a prefetching
+/// variant's registers hold the next tiles.
 fn fits(a: &Attn, v: Variant) -> bool {
     let p = pitches(a, v);
-    v.subgroups * RS * p.k <= v.bc * (p.k + p.v) && storage(a, v) <= MAX_STORAGE
+    v.subgroups * RS * p.k <= v.bc * (p.k + p.v)
+        && storage(a, v) <= MAX_STORAGE
+        && (!v.prefetch || v.prefetches(a.g.e, a.g.ev))
 }
 
 /// The run-time query rows, where they are a run-time size.
@@ -436,7 +469,7 @@ fn kernel(
     span: usize,
 ) -> Result<()> {
     let (l, dh, dv) = (a.g.l, a.g.e, a.g.ev);
-    let Variant { subgroups, bc } = v;
+    let Variant { subgroups, bc, .. } = v;
     let br = subgroups * RS;
     let threads = subgroups * SUBGROUP;
     let Pitches {
@@ -555,29 +588,77 @@ fn kernel(
     for j in 0..dv / 16 {
         let _ = writeln!(m, "  var o{j} = {};", cm.zero());
     }
+    // 1. the key and value tiles (zeros past the end of keys): staged
+    // from the copies, or from registers loaded one tile ahead
+    let tiles = [
+        (&bk, "kh", ck, dh, kp, "0u".to_string(), "nk"),
+        (&bv, "vh", cv, dv, vp, format!("{}u", bc * kp), "nv"),
+    ];
+    let read = |src: &str, head: &str, copy: &Copy16, cols: usize, t: &str| {
+        format!(
+            "{src}[({head} * {}u + min({t} + j, {}u)) * {}u + c]",
+            copy.prows,
+            copy.prows - 1,
+            cols / 4
+        )
+    };
+    // (the loads of the tile from key `t` into registers `nk0…`, `nv0…`)
+    let fetch = |t: &str| -> String {
+        let mut f = String::new();
+        for (src, head, copy, cols, _, _, regs) in &tiles {
+            let per = cols / 4;
+            for i in 0..v.loads(*cols).unwrap_or(0) {
+                let _ = writeln!(
+                    f,
+                    "  {{\n    let w = lid + {}u;\n    let j = w / {per}u;\n    let c = w % {per}u;\n\
+                     \x20   {regs}{i} = select(vec4<f16>(), {}, {t} + j < kend);\n  }}",
+                    i * threads,
+                    read(src, head, copy, *cols, t)
+                );
+            }
+        }
+        f
+    };
+    if v.prefetch {
+        for (_, _, _, cols, _, _, regs) in &tiles {
+            for i in 0..v.loads(*cols).unwrap_or(0) {
+                let _ = writeln!(m, "  var {regs}{i}: vec4<f16>;");
+            }
+        }
+        m.push_str(&fetch("kbeg"));
+    }
     let _ = writeln!(
         m,
         "  var mref = {ninf};\n  var l = 0.0;\n\
          \x20 for (var t0 = kbeg; t0 < kend; t0 = t0 + {bc}u) {{\n\
          \x20   workgroupBarrier();\n    if (lid == 0u) {{ resc[0] = 0u; }}"
     );
-    // 1. the key and value tiles (zeros past the end of keys)
-    for (src, head, copy, cols, pitch, at) in [
-        (&bk, "kh", ck, dh, kp, "0u".to_string()),
-        (&bv, "vh", cv, dv, vp, format!("{}u", bc * kp)),
-    ] {
-        let read = format!(
-            "{src}[({head} * {}u + min(t0 + j, {}u)) * {}u + c]",
-            copy.prows,
-            copy.prows - 1,
-            cols / 4
-        );
-        m.push_str(&indent(
-            &stage("kv", &at, pitch, bc, cols, &read, "t0 + j < kend", threads),
-            2,
-        ));
+    for (src, head, copy, cols, pitch, at, regs) in &tiles {
+        let (cols, pitch) = (*cols, *pitch);
+        if !v.prefetch {
+            let read = read(src, head, copy, cols, "t0");
+            m.push_str(&indent(
+                &stage("kv", at, pitch, bc, cols, &read, "t0 + j < kend", threads),
+                2,
+            ));
+            continue;
+        }
+        let per = cols / 4;
+        for i in 0..v.loads(cols).unwrap_or(0) {
+            let x = format!("{regs}{i}");
+            let _ = writeln!(
+                m,
+                "    {{\n      let w = lid + {}u;\n      let e = {at} + (w / {per}u) * {pitch}u + 4u * (w % {per}u);\n\
+                 \x20     kv[e] = {x}.x;\n      kv[e + 1u] = {x}.y;\n      kv[e + 2u] = {x}.z;\n      kv[e + 3u] = {x}.w;\n    }}",
+                i * threads
+            );
+        }
     }
     m.push_str("    workgroupBarrier();\n");
+    if v.prefetch {
+        // (issued now, they land while the tiles are multiplied)
+        m.push_str(&indent(&fetch(&format!("(t0 + {bc}u)")), 2));
+    }
     // 2. S = Q·Kᵀ
     m.push_str("    {\n");
     for j in 0..bc / 16 {
@@ -803,4 +884,77 @@ fn through_memory(
 fn indent(s: &str, by: usize) -> String {
     let pad = " ".repeat(by);
     s.lines().map(|line| format!("{pad}{line}\n")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::super::testing::{input, lower_one_with};
+    use crate::preprocess::coopmat::CoopForm;
+    use crate::preprocess::options::PreprocessOptions;
+    use etmetal_core::{DType, Op};
+
+    /// The WGSL of each flash kernel of a bf16 prefill of head dim `d`
+    /// (`emulate`: the emulated forms, variant `variant`), in the order of
+    /// the prefill dispatch's alternatives.
+    fn flash_kernels(d: usize, emulate: Option<usize>) -> Vec<String> {
+        let options = PreprocessOptions {
+            emulate_coop: emulate.map(|_| CoopForm::Half16),
+            emulate_variant: emulate.unwrap_or(0),
+            ..PreprocessOptions::default()
+        };
+        let op = Op::Sdpa {
+            is_causal: true,
+            scale: None,
+            enable_gqa: true,
+        };
+        let b = DType::BF16;
+        let operands = vec![
+            input(b, &[1, 8, 256, d]),
+            input(b, &[1, 2, 256, d]),
+            input(b, &[1, 2, 256, d]),
+        ];
+        let p = lower_one_with(op, operands, &options).unwrap().payload;
+        let alts = p.dispatches.iter().flat_map(|d| &d.alternatives);
+        p.dispatches
+            .iter()
+            .chain(alts.flat_map(|a| &a.dispatches))
+            .map(|d| &p.kernels[d.kernel])
+            .filter(|k| k.name.ends_with("sdpa_coop") || k.name.ends_with("sdpa_coopemu"))
+            .map(|k| k.wgsl.clone())
+            .collect()
+    }
+
+    /// Head dim 64 offers the four tile shapes and three prefetching
+    /// twins (the fourth, 2 subgroups over 64 keys, would hold 16 loads a
+    /// tile); 128 the three shapes within the workgroup memory and one
+    /// twin. A prefetching kernel loads the next tiles into registers
+    /// after the barrier that follows their stores, and only it does.
+    #[test]
+    fn prefetching_variants_follow_the_others() {
+        for (d, offered) in [(64, 7), (128, 4)] {
+            let wgsl = flash_kernels(d, None);
+            assert_eq!(wgsl.len(), offered, "head dim {d}");
+            let prefetching: Vec<bool> = wgsl.iter().map(|w| w.contains("var nk0")).collect();
+            let first = prefetching.iter().position(|&p| p).unwrap();
+            assert!(
+                prefetching[first..].iter().all(|&p| p) && first == 4.min(offered - 1),
+                "head dim {d}: {prefetching:?}"
+            );
+            let w = &wgsl[first];
+            let stores = w.find("kv[e] = nk0.x").expect("stores from registers");
+            let next = w.find("(t0 + ").expect("the next tile's loads");
+            assert!(
+                stores < next,
+                "head dim {d}: next tile loaded after the stores"
+            );
+        }
+        // emulated: variant 1 is the smallest shape's prefetching twin
+        let [plain] = &flash_kernels(64, Some(0))[..] else {
+            panic!("one emulated kernel")
+        };
+        let [twin] = &flash_kernels(64, Some(1))[..] else {
+            panic!("one emulated kernel")
+        };
+        assert!(!plain.contains("var nk0") && twin.contains("var nk0"));
+    }
 }
