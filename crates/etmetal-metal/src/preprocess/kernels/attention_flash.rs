@@ -32,7 +32,8 @@
 //!    latency is spent on steps 2–4 rather than before them;
 //! 2. each subgroup computes `S = Q·Kᵀ` (16 × bc) and stores it;
 //! 3. two lanes a row (pairs by subgroup and lane, which Vulkan does not
-//!    tie to the local index) turn their half of the row into scores in log2 units
+//!    tie to the local index) turn their half of the row into scores, held
+//!    in registers, in log2 units
 //!    (`S · scale · log2 e · 2^-(sq + sk)`, masked as the portable kernel
 //!    masks), reduce the row's max, and write `P = 2^(x − m)` as f16
 //!    scaled by 2^[`P_EXP`], summing it in f32. The reference `m` moves
@@ -689,34 +690,44 @@ fn kernel(
         let _ = writeln!(m, "      {st}");
     }
     m.push_str("    }\n    workgroupBarrier();\n");
-    // 3. scores, the row's max (two lanes a row), P
+    // 3. scores, the row's max (two lanes a row), P: each lane's half row
+    // of scores held in registers (`x0…`) from the scaling to the
+    // exponentials, unrolled, rather than written back to the score
+    // memory and read again (H100, 2026-12-07: the flash kernel 1.19–1.50×
+    // faster in every variant, BENCHMARKS.md)
     let half = bc / 2;
-    let masked = a.mask("x", "qi", "key", "key < kend", Some(&log2e));
+    let masked = indent(&a.mask("x", "qi", "key", "key < kend", Some(&log2e)), 6);
+    let _ = writeln!(m, "    var mx = {ninf};");
+    for c in 0..half {
+        let _ = writeln!(
+            m,
+            "    var x{c}: f32;\n    {{\n      let key = t0 + hf * {half}u + {c}u;\n\
+             \x20     var x = sc[row * {sw}u + hf * {half}u + {c}u] * f;\n{masked}\
+             \x20     x{c} = x;\n      mx = max(mx, x);\n    }}"
+        );
+    }
     let _ = write!(
         m,
-        "    var mx = {ninf};\n\
-         \x20   for (var c = 0u; c < {half}u; c = c + 1u) {{\n\
-         \x20     let jj = hf * {half}u + c;\n      let key = t0 + jj;\n\
-         \x20     var x = sc[row * {sw}u + jj] * f;\n{}\
-         \x20     sc[row * {sw}u + jj] = x;\n      mx = max(mx, x);\n    }}\n\
-         \x20   rm[lane] = mx;\n    workgroupBarrier();\n    mx = max(mx, rm[lane ^ 1u]);\n\
+        "    rm[lane] = mx;\n    workgroupBarrier();\n    mx = max(mx, rm[lane ^ 1u]);\n\
          \x20   var al = 1.0;\n\
          \x20   if (mx > mref + {}) {{\n\
          \x20     al = exp2(mref - mx);\n      if (mref != {ninf}) {{ resc[0] = 1u; }}\n\
          \x20     l = l * al;\n      mref = mx;\n    }}\n\
          \x20   if (hf == 0u) {{ rowa[row] = al; }}\n\
-         \x20   let ms = select(mref, 0.0, mref == {ninf});\n    var sum = 0.0;\n\
-         \x20   for (var c = 0u; c < {half}u; c = c + 2u) {{\n\
-         \x20     let jj = hf * {half}u + c;\n\
-         \x20     let p = exp2(vec2<f32>(sc[row * {sw}u + jj], sc[row * {sw}u + jj + 1u]) - ms);\n\
-         \x20     sum = sum + p.x + p.y;\n\
-         \x20     let h = vec2<f16>(p * {});\n\
-         \x20     pt[row * {pw}u + jj] = h.x;\n      pt[row * {pw}u + jj + 1u] = h.y;\n    }}\n\
-         \x20   rs[lane] = sum;\n",
-        indent(&masked, 6),
-        float_literal(TAU),
-        float_literal(2f64.powi(P_EXP))
+         \x20   let ms = select(mref, 0.0, mref == {ninf});\n    var sum = 0.0;\n",
+        float_literal(TAU)
     );
+    for c in (0..half).step_by(2) {
+        let _ = writeln!(
+            m,
+            "    {{\n      let p = exp2(vec2<f32>(x{c}, x{}) - ms);\n      sum = sum + p.x + p.y;\n\
+             \x20     let h = vec2<f16>(p * {});\n      let at = row * {pw}u + hf * {half}u + {c}u;\n\
+             \x20     pt[at] = h.x;\n      pt[at + 1u] = h.y;\n    }}",
+            c + 1,
+            float_literal(2f64.powi(P_EXP))
+        );
+    }
+    m.push_str("    rs[lane] = sum;\n");
     // (the barrier inside the uniform load also orders rs, pt and rowa)
     m.push_str(
         "    let rescale = workgroupUniformLoad(&resc[0]);\n    l = l + sum + rs[lane ^ 1u];\n    if (rescale != 0u) {\n",
