@@ -276,6 +276,35 @@ def binaries_section():
             *md]
 
 
+def flash_variants_section():
+    """BENCHMARKS.md's flash-attention section, from
+    results/flash_variants_*.json (each 16x16 variant forced in turn with
+    `ETMETAL_COOP_FORCE`, as benchmarks/variants.py does, in a build whose
+    compile-time switches leave parts of the kernel out); empty where there
+    is none."""
+    md = []
+    for path in sorted(RESULTS.glob("flash_variants*.json")):
+        r = json.loads(path.read_text())
+        seen, rows = set(), []
+        for row in r["rows"]:
+            key = (row["op"], row["variant"], row["form"])
+            if key in seen:  # (a form timed again in a later call of the run)
+                continue
+            seen.add(key)
+            variant = "portable" if row["variant"] is None else f"{row['variant']}: {r['variants'][row['variant']]}"
+            rows.append([f"{row['op']} {row['dtype']}", variant, row["form"], f(row["attention_ms"]),
+                         f(row["total_ms"]), f"{row['err']:.1e}"])
+        forms = "; ".join(f"`{k}`: {v}" for k, v in r["forms"].items())
+        md += [f"### `{path.name}`", "",
+               f"{r['run']}, {r['machine']['nvidia_smi']}. Binary: {r['binary']}. Forms: {forms}. Kernel time "
+               "(median of 10 profiled executes): the attention kernel, and every dispatch (the f16 pre-passes, "
+               "the output copy); error against PyTorch's float32 result on the same inputs.", "",
+               table(["op", "variant", "form", "attention ms", "all kernels ms", "err"], rows), ""]
+    if not md:
+        return []
+    return ["## Flash attention: variants and what each part costs", "", *md]
+
+
 def quant_accuracy_section():
     """BENCHMARKS.md's quantization section, from results/quant_accuracy.json
     (scripts/eval_llm.py); empty where that file is missing."""
@@ -455,6 +484,7 @@ def main():
         md += ["## CPU", "", "Not run: no `results/cpu.json`.", ""]
     md += host_path_section()
     md += binaries_section()
+    md += flash_variants_section()
     md += quant_accuracy_section()
     md += whisper_rtf_section()
     if gpu and chart(op_ratios, model_ratios):
