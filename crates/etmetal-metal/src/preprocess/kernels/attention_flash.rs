@@ -646,12 +646,11 @@ fn kernel(
         }
         let per = cols / 4;
         for i in 0..v.loads(cols).unwrap_or(0) {
-            let x = format!("{regs}{i}");
             let _ = writeln!(
                 m,
-                "    {{\n      let w = lid + {}u;\n      let e = {at} + (w / {per}u) * {pitch}u + 4u * (w % {per}u);\n\
-                 \x20     kv[e] = {x}.x;\n      kv[e + 1u] = {x}.y;\n      kv[e + 2u] = {x}.z;\n      kv[e + 3u] = {x}.w;\n    }}",
-                i * threads
+                "    {{\n      let w = lid + {}u;\n      let e = {at} + (w / {per}u) * {pitch}u + 4u * (w % {per}u);\n      {}\n    }}",
+                i * threads,
+                store4("kv", &format!("{regs}{i}"))
             );
         }
     }
@@ -836,9 +835,17 @@ fn stage(
         "  for (var w = lid; w < {}u; w = w + {threads}u) {{\n\
          \x20   let j = w / {per}u;\n    let c = w % {per}u;\n\
          \x20   let x = select(vec4<f16>(), {read}, {valid});\n\
-         \x20   let e = {at} + j * {pitch}u + 4u * c;\n\
-         \x20   {dst}[e] = x.x;\n    {dst}[e + 1u] = x.y;\n    {dst}[e + 2u] = x.z;\n    {dst}[e + 3u] = x.w;\n  }}\n",
-        rows * per
+         \x20   let e = {at} + j * {pitch}u + 4u * c;\n    {}\n  }}\n",
+        rows * per,
+        store4(dst, "x")
+    )
+}
+
+/// The statement storing the four halves of `x` (a `vec4<f16>`) at
+/// elements `e …` of workgroup array `dst`.
+fn store4(dst: &str, x: &str) -> String {
+    format!(
+        "{dst}[e] = {x}.x; {dst}[e + 1u] = {x}.y; {dst}[e + 2u] = {x}.z; {dst}[e + 3u] = {x}.w;"
     )
 }
 
