@@ -590,10 +590,30 @@ fn kernel(
         let _ = writeln!(m, "  var o{j} = {};", cm.zero());
     }
     // 1. the key and value tiles (zeros past the end of keys): staged
-    // from the copies, or from registers loaded one tile ahead
+    // from the copies, or from registers loaded one tile ahead (`loads` a
+    // tile an invocation; none where the variant does not prefetch)
+    let loads = |cols: usize| -> Result<usize> {
+        if !v.prefetch {
+            return Ok(0);
+        }
+        v.loads(cols).ok_or_else(|| {
+            Error::internal(format!(
+                "flash attention: {v:?} cannot prefetch {cols} columns"
+            ))
+        })
+    };
     let tiles = [
-        (&bk, "kh", ck, dh, kp, "0u".to_string(), "nk"),
-        (&bv, "vh", cv, dv, vp, format!("{}u", bc * kp), "nv"),
+        (&bk, "kh", ck, dh, kp, "0u".to_string(), "nk", loads(dh)?),
+        (
+            &bv,
+            "vh",
+            cv,
+            dv,
+            vp,
+            format!("{}u", bc * kp),
+            "nv",
+            loads(dv)?,
+        ),
     ];
     let read = |src: &str, head: &str, copy: &Copy16, cols: usize, t: &str| {
         format!(
@@ -606,9 +626,9 @@ fn kernel(
     // (the loads of the tile from key `t` into registers `nk0…`, `nv0…`)
     let fetch = |t: &str| -> String {
         let mut f = String::new();
-        for (src, head, copy, cols, _, _, regs) in &tiles {
+        for (src, head, copy, cols, _, _, regs, n) in &tiles {
             let per = cols / 4;
-            for i in 0..v.loads(*cols).unwrap_or(0) {
+            for i in 0..*n {
                 let _ = writeln!(
                     f,
                     "  {{\n    let w = lid + {}u;\n    let j = w / {per}u;\n    let c = w % {per}u;\n\
@@ -621,8 +641,8 @@ fn kernel(
         f
     };
     if v.prefetch {
-        for (_, _, _, cols, _, _, regs) in &tiles {
-            for i in 0..v.loads(*cols).unwrap_or(0) {
+        for (_, _, _, _, _, _, regs, n) in &tiles {
+            for i in 0..*n {
                 let _ = writeln!(m, "  var {regs}{i}: vec4<f16>;");
             }
         }
@@ -634,7 +654,7 @@ fn kernel(
          \x20 for (var t0 = kbeg; t0 < kend; t0 = t0 + {bc}u) {{\n\
          \x20   workgroupBarrier();\n    if (lid == 0u) {{ resc[0] = 0u; }}"
     );
-    for (src, head, copy, cols, pitch, at, regs) in &tiles {
+    for (src, head, copy, cols, pitch, at, regs, n) in &tiles {
         let (cols, pitch) = (*cols, *pitch);
         if !v.prefetch {
             let read = read(src, head, copy, cols, "t0");
@@ -645,7 +665,7 @@ fn kernel(
             continue;
         }
         let per = cols / 4;
-        for i in 0..v.loads(cols).unwrap_or(0) {
+        for i in 0..*n {
             let _ = writeln!(
                 m,
                 "    {{\n      let w = lid + {}u;\n      let e = {at} + (w / {per}u) * {pitch}u + 4u * (w % {per}u);\n      {}\n    }}",
