@@ -434,12 +434,21 @@ fn attention_on_emulated_tensor_cores() {
     case(sdpa(false, None, false), b, [8, 64, 17, 64], 8, BOTH);
     case(sdpa(false, None, false), h, [16, 256, 1, 64], 16, BOTH);
     // the prefetching twin of the smallest 16×16 variant (the next tiles
-    // loaded into registers a tile ahead), keys off the tiles, causal GQA
+    // loaded into registers a tile ahead), and the smallest 32-row variant
+    // and its twin (two matrices of q a subgroup, a row of scores a lane),
+    // keys off the tiles, causal GQA
     OpCase::new(sdpa(true, None, true))
         .input(random(b, &[1, 4, 150, 64], 31))
         .input(random(b, &[1, 2, 150, 64], 32))
         .input(random(b, &[1, 2, 150, 64], 33))
-        .check_coop_emulating(BF16_TOL, &[(CoopForm::Half16, 1)]);
+        .check_coop_emulating(
+            BF16_TOL,
+            &[
+                (CoopForm::Half16, 1),
+                (CoopForm::Half16, 2),
+                (CoopForm::Half16, 3),
+            ],
+        );
 }
 
 /// The real 16×16 flash attention (not emulated), each of its variants
@@ -459,10 +468,11 @@ fn flash_attention_on_real_tensor_cores_where_offered() {
         (sdpa(false, None, false), b, [1, 1, 64, 64, 64]),
         (sdpa(true, None, true), h, [4, 2, 130, 150, 128]),
     ];
-    // the variants offered: at head dim 64 four tile shapes and three of
-    // them prefetching; at 128 three shapes within the workgroup memory
-    // and one prefetching
-    let variants = |d: usize| if d == 64 { 7 } else { 4 };
+    // the variants offered: at head dim 64 four 16-row tile shapes and
+    // three of them prefetching, then three 32-row shapes and two
+    // prefetching; at 128 the shapes within the workgroup memory (3 and 1,
+    // 2 and 1)
+    let variants = |d: usize| if d == 64 { 12 } else { 7 };
     for (op, dtype, [heads, kv, l, s, d]) in cases {
         let what = format!("{op:?} {dtype:?} {heads}/{kv} heads, {l}x{s}, d {d}");
         let seed = (heads * 1000 + l + s) as u64;

@@ -61,8 +61,8 @@ use crate::preprocess::kernels::gemm::F16_SCALING_WGSL;
 use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::float_literal;
 
-/// Query rows of a subgroup: one 16-row matrix.
-const RS: usize = 16;
+/// Rows (and columns, and depth) of one cooperative matrix.
+const MAT: usize = 16;
 /// Rows of a pre-pass workgroup's chunk; the copies' rows are padded to it.
 const CHUNK_ROWS: usize = 64;
 /// Invocations of a pre-pass workgroup.
@@ -76,31 +76,42 @@ const P_EXP: i32 = 7;
 /// Workgroup memory a variant may use (what NVIDIA's Vulkan drivers offer).
 const MAX_STORAGE: usize = 48 << 10;
 
-/// One shape of the kernel: subgroups a workgroup, keys a tile, and
-/// whether each invocation loads its share of the next key and value tiles
-/// into registers while the current ones are multiplied
-/// ([`Variant::prefetches`]).
+/// One shape of the kernel: subgroups a workgroup, keys a tile, query
+/// rows a subgroup (one or two matrices high), and whether each invocation
+/// loads its share of the next key and value tiles into registers while
+/// the current ones are multiplied ([`Variant::prefetches`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Variant {
     subgroups: usize,
     bc: usize,
+    rows: usize,
     prefetch: bool,
 }
 
-/// The tile shapes (subgroups, keys a tile) of the variants.
+/// The tile shapes (subgroups, keys a tile) of the 16-row variants, and of
+/// the 32-row ones: each staged key and value fragment then feeds two
+/// products, each lane holds a whole row of scores (no exchange between
+/// lanes for its max and sum), and a workgroup's tiles serve twice the
+/// rows.
 const SHAPES: [(usize, usize); 4] = [(4, 64), (4, 32), (2, 64), (2, 32)];
+const TALL_SHAPES: [(usize, usize); 3] = [(4, 32), (2, 64), (2, 32)];
 
 /// Every variant, in the order of the payload's alternatives (those that
-/// [`fits`] are offered): each shape, then each shape prefetching, so an
-/// alternative's index names the same kernel as before prefetching came.
+/// [`fits`] are offered): each 16-row shape, then each prefetching, then
+/// the 32-row shapes likewise, so an alternative's index names the same
+/// kernel as before the later kinds came.
 fn variants() -> impl Iterator<Item = Variant> {
-    [false, true].into_iter().flat_map(|prefetch| {
-        SHAPES.map(|(subgroups, bc)| Variant {
-            subgroups,
-            bc,
-            prefetch,
+    let kind = |shapes: &'static [(usize, usize)], rows: usize| {
+        [false, true].into_iter().flat_map(move |prefetch| {
+            shapes.iter().map(move |&(subgroups, bc)| Variant {
+                subgroups,
+                bc,
+                rows,
+                prefetch,
+            })
         })
-    })
+    };
+    kind(&SHAPES, MAT).chain(kind(&TALL_SHAPES, 2 * MAT))
 }
 
 /// 8-byte loads of the next key tile (and of the value tile) an invocation
@@ -122,10 +133,21 @@ impl Variant {
             .iter()
             .all(|&c| self.loads(c).is_some_and(|n| n <= PREFETCH_LOADS))
     }
+
+    /// Query rows of a workgroup.
+    fn block(self) -> usize {
+        self.subgroups * self.rows
+    }
+
+    /// Lanes sharing a row of scores (1 or 2): a subgroup's lanes over its
+    /// rows.
+    fn lanes_per_row(self) -> usize {
+        SUBGROUP / self.rows
+    }
 }
 
 /// The largest rows a workgroup of any variant takes (the q copy's padding).
-const MAX_ROWS: usize = 4 * RS;
+const MAX_ROWS: usize = 4 * 2 * MAT;
 
 /// Whether attention `a` gets these forms: 16-bit operands of one dtype,
 /// head dims 64 or 128.
@@ -148,13 +170,14 @@ pub(super) fn alternatives(
     let mut copies: Option<[Copy16; 3]> = None;
     let mut variants: Vec<Variant> = variants().filter(|&v| fits(a, v)).collect();
     if !lw.variants() {
-        // emulated, the smallest replaces the portable dispatch (software
-        // adapters offer 32 KiB of workgroup memory): variant
-        // `emulate_variant` of the smallest ones (0 loads each tile when
-        // it is used, 1 prefetches it where it can)
-        variants.sort_by_key(|&v| (storage(a, v), v.prefetch));
-        if let Some(&least) = variants.first() {
-            variants.retain(|&v| storage(a, v) == storage(a, least));
+        // emulated, one replaces the portable dispatch (software adapters
+        // offer 32 KiB of workgroup memory): variant `emulate_variant` of
+        // the smallest of each kind, 16-row before 32-row, plain before
+        // prefetching (0: 16 rows, loading each tile when it is used; 1:
+        // its prefetching twin; 2 and 3: the same with 32 rows)
+        variants.sort_by_key(|&v| (v.rows, v.prefetch, storage(a, v)));
+        variants.dedup_by_key(|v| (v.rows, v.prefetch));
+        if !variants.is_empty() {
             let pick = lw.options.emulate_variant.min(variants.len() - 1);
             variants = vec![variants[pick]];
         }
@@ -233,18 +256,29 @@ fn pitches(a: &Attn, v: Variant) -> Pitches {
 /// Workgroup memory of variant `v` for `a`, in bytes.
 fn storage(a: &Attn, v: Variant) -> usize {
     let p = pitches(a, v);
-    let (rows, threads) = (v.subgroups * RS, v.subgroups * SUBGROUP);
+    let rows = v.block();
     let bytes =
-        2 * v.bc * (p.k + p.v) + 4 * rows * p.s + 2 * rows * p.p + 4 * (rows + 2 * threads + 4);
+        2 * v.bc * (p.k + p.v) + 4 * rows * p.s + 2 * rows * p.p + 4 * (rows + 2 * exchange(v) + 4);
     bytes.next_multiple_of(16)
 }
 
-/// Whether variant `v` applies to `a`: the block's q rows fit where the
-/// key and value tiles go, its workgroup memory fits, and a prefetching
-/// variant's registers hold the next tiles.
+/// The elements of the arrays through which two lanes sharing a row trade
+/// their halves' max and sum (none where a lane holds a whole row).
+fn exchange(v: Variant) -> usize {
+    if v.lanes_per_row() > 1 {
+        v.subgroups * SUBGROUP
+    } else {
+        0
+    }
+}
+
+/// Whether variant `v` applies to `a`: a round of the block's q rows (one
+/// matrix high a subgroup) fits where the key and value tiles go, its
+/// workgroup memory fits, and a prefetching variant's registers hold the
+/// next tiles.
 fn fits(a: &Attn, v: Variant) -> bool {
     let p = pitches(a, v);
-    v.subgroups * RS * p.k <= v.bc * (p.k + p.v)
+    v.subgroups * MAT * p.k <= v.bc * (p.k + p.v)
         && storage(a, v) <= MAX_STORAGE
         && (!v.prefetch || v.prefetches(a.g.e, a.g.ev))
 }
@@ -470,8 +504,15 @@ fn kernel(
     span: usize,
 ) -> Result<()> {
     let (l, dh, dv) = (a.g.l, a.g.e, a.g.ev);
-    let Variant { subgroups, bc, .. } = v;
-    let br = subgroups * RS;
+    let Variant {
+        subgroups,
+        bc,
+        rows: rs,
+        ..
+    } = v;
+    let (br, lpr) = (v.block(), v.lanes_per_row());
+    // matrices a subgroup's rows span
+    let mr = rs / MAT;
     let threads = subgroups * SUBGROUP;
     let Pitches {
         k: kp,
@@ -519,7 +560,7 @@ fn kernel(
         4 * br * sw,
         2 * br * pw,
         4 * br,
-        4 * threads,
+        4 * exchange(v),
     ];
     if let Some(bad) = sizes.iter().find(|&&b| b % 16 != 0) {
         return Err(Error::internal(format!(
@@ -531,12 +572,18 @@ fn kernel(
         m,
         "var<workgroup> kv: array<f16, {}>;\nvar<workgroup> sc: array<f32, {}>;\n\
          var<workgroup> pt: array<f16, {}>;\nvar<workgroup> rowa: array<f32, {br}>;\n\
-         var<workgroup> rm: array<f32, {threads}>;\nvar<workgroup> rs: array<f32, {threads}>;\n\
          var<workgroup> resc: array<u32, 4>;",
         bc * (kp + vp),
         br * sw,
         br * pw
     );
+    if exchange(v) > 0 {
+        let _ = writeln!(
+            m,
+            "var<workgroup> rm: array<f32, {0}>;\nvar<workgroup> rs: array<f32, {0}>;",
+            exchange(v)
+        );
+    }
     let _ = writeln!(
         m,
         "@compute @workgroup_size({threads})\n\
@@ -554,7 +601,7 @@ fn kernel(
          \x20 let kend = {kend};\n\
          \x20 let qh = {qh};\n  let kh = {kh};\n  let vh = {vh};\n\
          \x20 let f = unscale({}, {eq}, {ek});\n\
-         \x20 let r = sl / 2u;\n  let hf = sl % 2u;\n  let row = sg * {RS}u + r;\n\
+         \x20 let r = sl / {lpr}u;\n  let hf = sl % {lpr}u;\n  let row = sg * {rs}u + r;\n\
          \x20 let lane = sg * {SUBGROUP}u + sl;\n\
          \x20 let gi = i0 + row;\n  let qi = min(gi, {}u);\n",
         a.block_lets("g1", br, blocks),
@@ -563,31 +610,41 @@ fn kernel(
         l - 1
     );
     // q, once: the block's rows staged where the key and value tiles go,
-    // each subgroup's 16 rows kept as matrices
-    m.push_str(&stage(
-        "kv",
-        "0u",
-        kp,
-        br,
-        dh,
-        &format!("{bq}[(qh * {}u + i0 + j) * {}u + c]", cq.prows, dh / 4),
-        "true",
-        threads,
-    ));
-    m.push_str("  workgroupBarrier();\n");
-    for d in 0..dh / 16 {
-        let ld = cm.load(
-            Role::A,
+    // one matrix of each subgroup's rows a round (staged row `j` is row
+    // `(j / 16) · rs + round · 16 + j % 16` of the block), kept as
+    // matrices `qa{round}_{d}`
+    for i in 0..mr {
+        let at = format!("(j / {MAT}u) * {rs}u + {}u + j % {MAT}u", i * MAT);
+        m.push_str(&stage(
             "kv",
-            "f16",
-            &format!("sg * {}u + {}u", RS * kp, d * 16),
-            &format!("{kp}u"),
-            true,
-        );
-        let _ = writeln!(m, "  let qa{d} = {ld};");
+            "0u",
+            kp,
+            subgroups * MAT,
+            dh,
+            &format!("{bq}[(qh * {}u + i0 + {at}) * {}u + c]", cq.prows, dh / 4),
+            "true",
+            threads,
+        ));
+        m.push_str("  workgroupBarrier();\n");
+        for d in 0..dh / 16 {
+            let ld = cm.load(
+                Role::A,
+                "kv",
+                "f16",
+                &format!("sg * {}u + {}u", MAT * kp, d * 16),
+                &format!("{kp}u"),
+                true,
+            );
+            let _ = writeln!(m, "  let qa{i}_{d} = {ld};");
+        }
+        if i + 1 < mr {
+            m.push_str("  workgroupBarrier();\n");
+        }
     }
-    for j in 0..dv / 16 {
-        let _ = writeln!(m, "  var o{j} = {};", cm.zero());
+    for i in 0..mr {
+        for j in 0..dv / 16 {
+            let _ = writeln!(m, "  var o{i}_{j} = {};", cm.zero());
+        }
     }
     // 1. the key and value tiles (zeros past the end of keys): staged
     // from the copies, or from registers loaded one tile ahead (`loads` a
@@ -680,9 +737,12 @@ fn kernel(
         m.push_str(&indent(&fetch(&format!("(t0 + {bc}u)")), 2));
     }
     // 2. S = Q·Kᵀ
+    // (each key fragment loaded once for the subgroup's `mr` matrices)
     m.push_str("    {\n");
-    for j in 0..bc / 16 {
-        let _ = writeln!(m, "      var s{j} = {};", cm.zero());
+    for i in 0..mr {
+        for j in 0..bc / 16 {
+            let _ = writeln!(m, "      var s{i}_{j} = {};", cm.zero());
+        }
     }
     for d in 0..dh / 16 {
         for j in 0..bc / 16 {
@@ -694,19 +754,28 @@ fn kernel(
                 &format!("{kp}u"),
                 false,
             );
-            let product = cm.mma(&format!("qa{d}"), &format!("kb{d}_{j}"), &format!("s{j}"));
-            let _ = writeln!(m, "      let kb{d}_{j} = {ld};\n      s{j} = {product};");
+            let _ = writeln!(m, "      let kb{d}_{j} = {ld};");
+            for i in 0..mr {
+                let product = cm.mma(
+                    &format!("qa{i}_{d}"),
+                    &format!("kb{d}_{j}"),
+                    &format!("s{i}_{j}"),
+                );
+                let _ = writeln!(m, "      s{i}_{j} = {product};");
+            }
         }
     }
-    for j in 0..bc / 16 {
-        let st = cm.store(
-            &format!("s{j}"),
-            "sc",
-            &format!("sg * {}u + {}u", RS * sw, j * 16),
-            &format!("{sw}u"),
-            true,
-        );
-        let _ = writeln!(m, "      {st}");
+    for i in 0..mr {
+        for j in 0..bc / 16 {
+            let st = cm.store(
+                &format!("s{i}_{j}"),
+                "sc",
+                &format!("sg * {}u + {}u", rs * sw, i * MAT * sw + j * 16),
+                &format!("{sw}u"),
+                true,
+            );
+            let _ = writeln!(m, "      {st}");
+        }
     }
     m.push_str("    }\n    workgroupBarrier();\n");
     // 3. scores, the row's max (two lanes a row), P: each lane's half row
@@ -714,7 +783,7 @@ fn kernel(
     // exponentials, unrolled, rather than written back to the score
     // memory and read again (H100, 2026-12-07: the flash kernel 1.19–1.50×
     // faster in every variant, BENCHMARKS.md)
-    let half = bc / 2;
+    let half = bc / lpr;
     let masked = indent(&a.mask("x", "qi", "key", "key < kend", Some(&log2e)), 6);
     let _ = writeln!(m, "    var mx = {ninf};");
     for c in 0..half {
@@ -725,10 +794,14 @@ fn kernel(
              \x20     x{c} = x;\n      mx = max(mx, x);\n    }}"
         );
     }
+    if lpr > 1 {
+        m.push_str(
+            "    rm[lane] = mx;\n    workgroupBarrier();\n    mx = max(mx, rm[lane ^ 1u]);\n",
+        );
+    }
     let _ = write!(
         m,
-        "    rm[lane] = mx;\n    workgroupBarrier();\n    mx = max(mx, rm[lane ^ 1u]);\n\
-         \x20   var al = 1.0;\n\
+        "    var al = 1.0;\n\
          \x20   if (mx > mref + {}) {{\n\
          \x20     al = exp2(mref - mx);\n      if (mref != {ninf}) {{ resc[0] = 1u; }}\n\
          \x20     l = l * al;\n      mref = mx;\n    }}\n\
@@ -746,22 +819,28 @@ fn kernel(
             float_literal(2f64.powi(P_EXP))
         );
     }
-    m.push_str("    rs[lane] = sum;\n");
     // (the barrier inside the uniform load also orders rs, pt and rowa)
-    m.push_str(
-        "    let rescale = workgroupUniformLoad(&resc[0]);\n    l = l + sum + rs[lane ^ 1u];\n    if (rescale != 0u) {\n",
+    let pair_sum = if lpr > 1 {
+        m.push_str("    rs[lane] = sum;\n");
+        " + rs[lane ^ 1u]"
+    } else {
+        ""
+    };
+    let _ = writeln!(
+        m,
+        "    let rescale = workgroupUniformLoad(&resc[0]);\n    l = l + sum{pair_sum};\n    if (rescale != 0u) {{"
     );
     // (rare) the accumulators rescaled by their rows' factors
     m.push_str(&indent(
         &through_memory(
             &mut cm,
+            v,
             dv,
-            bc,
             sw,
             |cols| {
                 format!(
                 "let a = rowa[row];\nfor (var c = 0u; c < {0}u; c = c + 1u) {{ sc[row * {sw}u + hf * {0}u + c] = sc[row * {sw}u + hf * {0}u + c] * a; }}\n",
-                cols / 2
+                cols / lpr
             )
             },
             true,
@@ -769,17 +848,19 @@ fn kernel(
         6,
     ));
     m.push_str("    }\n");
-    // 4. O += P·V
+    // 4. O += P·V (each value fragment loaded once for the `mr` matrices)
     for kk in 0..bc / 16 {
-        let pa = cm.load(
-            Role::A,
-            "pt",
-            "f16",
-            &format!("sg * {}u + {}u", RS * pw, kk * 16),
-            &format!("{pw}u"),
-            true,
-        );
-        let _ = writeln!(m, "    let pa{kk} = {pa};");
+        for i in 0..mr {
+            let pa = cm.load(
+                Role::A,
+                "pt",
+                "f16",
+                &format!("sg * {}u + {}u", rs * pw, i * MAT * pw + kk * 16),
+                &format!("{pw}u"),
+                true,
+            );
+            let _ = writeln!(m, "    let pa{i}_{kk} = {pa};");
+        }
         for j in 0..dv / 16 {
             let vb = cm.load(
                 Role::B,
@@ -789,8 +870,15 @@ fn kernel(
                 &format!("{vp}u"),
                 true,
             );
-            let product = cm.mma(&format!("pa{kk}"), &format!("vb{kk}_{j}"), &format!("o{j}"));
-            let _ = writeln!(m, "    let vb{kk}_{j} = {vb};\n    o{j} = {product};");
+            let _ = writeln!(m, "    let vb{kk}_{j} = {vb};");
+            for i in 0..mr {
+                let product = cm.mma(
+                    &format!("pa{i}_{kk}"),
+                    &format!("vb{kk}_{j}"),
+                    &format!("o{i}_{j}"),
+                );
+                let _ = writeln!(m, "    o{i}_{j} = {product};");
+            }
         }
     }
     m.push_str("  }\n  workgroupBarrier();\n");
@@ -806,14 +894,14 @@ fn kernel(
     );
     m.push_str(&through_memory(
         &mut cm,
+        v,
         dv,
-        bc,
         sw,
         |cols| {
-            let value = value.replace("HALF", &format!("{}u", cols / 2));
+            let value = value.replace("HALF", &format!("{}u", cols / lpr));
             format!(
             "for (var c = 0u; c < {0}u; c = c + 1u) {{\n  let col = c0 + hf * {0}u + c;\n  let acc = {value};\n  if (gi < {l}u) {{ {store} }}\n}}\n",
-            cols / 2
+            cols / lpr
         )
         },
         false,
@@ -869,29 +957,39 @@ fn store4(dst: &str, x: &str) -> String {
     )
 }
 
-/// Statements moving the output accumulators `o0…` through the score
-/// memory `bc` columns at a time: each round stores them, runs `lanes`
-/// (WGSL for one lane pair's row `row`, half `hf`, of `cols` columns from
-/// column `c0`) and, when `back`, loads them again.
+/// Statements moving variant `v`'s output accumulators `o{i}_{j}`
+/// through the score memory `v.bc` columns at a time: each round stores
+/// them, runs `lanes` (WGSL for the lanes of row `row`, lane `hf` of them,
+/// over `cols` columns from column `c0`) and, when `back`, loads them
+/// again.
 fn through_memory(
     cm: &mut CoopMat,
+    v: Variant,
     dv: usize,
-    bc: usize,
     sw: usize,
     lanes: impl Fn(usize) -> String,
     back: bool,
 ) -> String {
     let mut s = String::new();
+    let bc = v.bc;
     let per = bc / 16;
+    // each stored matrix `o{i}_{j}`, at column `x` of the round's
+    let at = |i: usize, x: usize| format!("sg * {}u + {}u", v.rows * sw, i * MAT * sw + x * 16);
     for round in 0..dv.div_ceil(bc) {
         let cols = bc.min(dv - round * bc);
-        let mats = round * per..round * per + cols / 16;
+        let mats: Vec<(usize, usize, usize)> = (0..v.rows / MAT)
+            .flat_map(|i| {
+                (round * per..round * per + cols / 16)
+                    .enumerate()
+                    .map(move |(x, j)| (i, x, j))
+            })
+            .collect();
         let _ = writeln!(s, "{{\n  let c0 = {}u;", round * bc);
-        for (x, j) in mats.clone().enumerate() {
+        for &(i, x, j) in &mats {
             let st = cm.store(
-                &format!("o{j}"),
+                &format!("o{i}_{j}"),
                 "sc",
-                &format!("sg * {}u + {}u", RS * sw, x * 16),
+                &at(i, x),
                 &format!("{sw}u"),
                 true,
             );
@@ -901,16 +999,9 @@ fn through_memory(
         s.push_str(&indent(&lanes(cols), 2));
         s.push_str("  workgroupBarrier();\n");
         if back {
-            for (x, j) in mats.enumerate() {
-                let ld = cm.load(
-                    Role::C,
-                    "sc",
-                    "f32",
-                    &format!("sg * {}u + {}u", RS * sw, x * 16),
-                    &format!("{sw}u"),
-                    true,
-                );
-                let _ = writeln!(s, "  o{j} = {ld};");
+            for &(i, x, j) in &mats {
+                let ld = cm.load(Role::C, "sc", "f32", &at(i, x), &format!("{sw}u"), true);
+                let _ = writeln!(s, "  o{i}_{j} = {ld};");
             }
             s.push_str("  workgroupBarrier();\n");
         }
@@ -962,37 +1053,55 @@ mod tests {
             .collect()
     }
 
-    /// Head dim 64 offers the four tile shapes and three prefetching
-    /// twins (the fourth, 2 subgroups over 64 keys, would hold 16 loads a
-    /// tile); 128 the three shapes within the workgroup memory and one
-    /// twin. A prefetching kernel loads the next tiles into registers
-    /// after the barrier that follows their stores, and only it does.
+    /// Head dim 64 offers the four 16-row tile shapes and three
+    /// prefetching twins (the fourth, 2 subgroups over 64 keys, would hold
+    /// 16 loads a tile), then the three 32-row shapes and two twins; 128
+    /// the shapes within the workgroup memory likewise. A prefetching
+    /// kernel loads the next tiles into registers after the barrier that
+    /// follows their stores, and only it does; a 32-row kernel keeps two
+    /// matrices of q a subgroup, and only it does.
     #[test]
-    fn prefetching_variants_follow_the_others() {
-        for (d, offered) in [(64, 7), (128, 4)] {
+    fn variants_in_the_order_of_the_alternatives() {
+        let (f, t) = (false, true);
+        for (d, kinds) in [
+            (
+                64,
+                vec![(f, f), (f, f), (f, f), (f, f), (t, f), (t, f), (t, f)],
+            ),
+            (128, vec![(f, f), (f, f), (f, f), (t, f)]),
+        ] {
+            let tall = match d {
+                64 => vec![(f, t), (f, t), (f, t), (t, t), (t, t)],
+                _ => vec![(f, t), (f, t), (t, t)],
+            };
+            let want: Vec<(bool, bool)> = kinds.into_iter().chain(tall).collect();
             let wgsl = flash_kernels(d, None);
-            assert_eq!(wgsl.len(), offered, "head dim {d}");
-            let prefetching: Vec<bool> = wgsl.iter().map(|w| w.contains("var nk0")).collect();
-            let first = prefetching.iter().position(|&p| p).unwrap();
-            assert!(
-                prefetching[first..].iter().all(|&p| p) && first == 4.min(offered - 1),
-                "head dim {d}: {prefetching:?}"
-            );
-            let w = &wgsl[first];
-            let stores = w.find("kv[e] = nk0.x").expect("stores from registers");
-            let next = w.find("(t0 + ").expect("the next tile's loads");
-            assert!(
-                stores < next,
-                "head dim {d}: next tile loaded after the stores"
-            );
+            let got: Vec<(bool, bool)> = wgsl
+                .iter()
+                .map(|w| (w.contains("var nk0"), w.contains("qa1_0")))
+                .collect();
+            assert_eq!(got, want, "head dim {d}: (prefetching, 32 rows)");
+            for w in wgsl.iter().filter(|w| w.contains("var nk0")) {
+                let stores = w.find("kv[e] = nk0.x").expect("stores from registers");
+                let next = w.find("(t0 + ").expect("the next tile's loads");
+                assert!(
+                    stores < next,
+                    "head dim {d}: next tile loaded after the stores"
+                );
+            }
+            // two lanes share a row's scores only in the 16-row kernels
+            for (w, (_, tall)) in wgsl.iter().zip(&got) {
+                assert_eq!(w.contains("rm[lane ^ 1u]"), !tall, "head dim {d}");
+            }
         }
-        // emulated: variant 1 is the smallest shape's prefetching twin
-        let [plain] = &flash_kernels(64, Some(0))[..] else {
-            panic!("one emulated kernel")
-        };
-        let [twin] = &flash_kernels(64, Some(1))[..] else {
-            panic!("one emulated kernel")
-        };
-        assert!(!plain.contains("var nk0") && twin.contains("var nk0"));
+        // emulated: the smallest of each kind, 16-row before 32-row,
+        // plain before prefetching
+        for (variant, want) in [(0, (f, f)), (1, (t, f)), (2, (f, t)), (3, (t, t))] {
+            let [w] = &flash_kernels(64, Some(variant))[..] else {
+                panic!("one emulated kernel")
+            };
+            let got = (w.contains("var nk0"), w.contains("qa1_0"));
+            assert_eq!(got, want, "emulated variant {variant}");
+        }
     }
 }
