@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run  # noqa: E402  (the harness: op cases, inputs, etmetal_bench)
 
-MAX_ALTERNATIVES = 16
+MAX_ALTERNATIVES = 12
 
 
 def forms(name: str, dt: str, runs: int) -> list[dict]:

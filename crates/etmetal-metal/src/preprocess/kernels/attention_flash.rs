@@ -77,31 +77,15 @@ const P_EXP: i32 = 7;
 const MAX_STORAGE: usize = 48 << 10;
 
 /// One shape of the kernel: subgroups a workgroup, keys a tile, query
-/// rows a subgroup (one or two matrices high), and how the key and value
-/// tiles reach workgroup memory.
+/// rows a subgroup (one or two matrices high), and whether each invocation
+/// loads its share of the next key and value tiles into registers while
+/// the current ones are multiplied ([`Variant::prefetches`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Variant {
     subgroups: usize,
     bc: usize,
     rows: usize,
-    staging: Staging,
-}
-
-/// How a variant brings each key and value tile into workgroup memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Staging {
-    /// Loaded from the copies when the tile is used, between a barrier
-    /// that frees the tile memory and one that publishes the tile.
-    Load,
-    /// Stored from registers into which each invocation loaded its share
-    /// of the tiles one tile ahead ([`Variant::prefetches`]), so the loads'
-    /// latency is spent on the products and the softmax.
-    Prefetch,
-    /// Prefetched, into two tile buffers in turn: the next tiles are
-    /// stored after the barrier that follows the scores' store (every
-    /// subgroup is then done with the buffer they go to) and published by
-    /// the softmax's barrier, so a tile needs no barrier of its own.
-    Double,
+    prefetch: bool,
 }
 
 /// The tile shapes (subgroups, keys a tile) of the 16-row variants, and of
@@ -117,22 +101,17 @@ const TALL_SHAPES: [(usize, usize); 3] = [(4, 32), (2, 64), (2, 32)];
 /// the 32-row shapes likewise, so an alternative's index names the same
 /// kernel as before the later kinds came.
 fn variants() -> impl Iterator<Item = Variant> {
-    let kind = |shapes: &'static [(usize, usize)], rows: usize, staging: &'static [Staging]| {
-        staging.iter().flat_map(move |&staging| {
+    let kind = |shapes: &'static [(usize, usize)], rows: usize| {
+        [false, true].into_iter().flat_map(move |prefetch| {
             shapes.iter().map(move |&(subgroups, bc)| Variant {
                 subgroups,
                 bc,
                 rows,
-                staging,
+                prefetch,
             })
         })
     };
-    let single = &[Staging::Load, Staging::Prefetch];
-    let double = &[Staging::Double];
-    kind(&SHAPES, MAT, single)
-        .chain(kind(&TALL_SHAPES, 2 * MAT, single))
-        .chain(kind(&SHAPES, MAT, double))
-        .chain(kind(&TALL_SHAPES, 2 * MAT, double))
+    kind(&SHAPES, MAT).chain(kind(&TALL_SHAPES, 2 * MAT))
 }
 
 /// 8-byte loads of the next key tile (and of the value tile) an invocation
@@ -145,20 +124,6 @@ impl Variant {
     fn loads(self, cols: usize) -> Option<usize> {
         let (chunks, threads) = (self.bc * cols / 4, self.subgroups * SUBGROUP);
         chunks.is_multiple_of(threads).then_some(chunks / threads)
-    }
-
-    /// Whether the variant loads the next tiles into registers.
-    fn prefetch(self) -> bool {
-        self.staging != Staging::Load
-    }
-
-    /// Tile buffers in workgroup memory.
-    fn buffers(self) -> usize {
-        if self.staging == Staging::Double {
-            2
-        } else {
-            1
-        }
     }
 
     /// Whether a prefetching variant's registers hold the next tiles of
@@ -207,12 +172,11 @@ pub(super) fn alternatives(
     if !lw.variants() {
         // emulated, one replaces the portable dispatch (software adapters
         // offer 32 KiB of workgroup memory): variant `emulate_variant` of
-        // the smallest of each kind (0: 16 rows, loading each tile when it
-        // is used; 1: its prefetching twin; 2 and 3: the same with 32
-        // rows; 4 and 5: double-buffered, 16 and 32 rows)
-        let kind = |v: &Variant| (v.staging == Staging::Double, v.rows, v.staging);
-        variants.sort_by_key(|v| (kind(v), storage(a, *v)));
-        variants.dedup_by_key(|v| kind(v));
+        // the smallest of each kind, 16-row before 32-row, plain before
+        // prefetching (0: 16 rows, loading each tile when it is used; 1:
+        // its prefetching twin; 2 and 3: the same with 32 rows)
+        variants.sort_by_key(|&v| (v.rows, v.prefetch, storage(a, v)));
+        variants.dedup_by_key(|v| (v.rows, v.prefetch));
         if !variants.is_empty() {
             let pick = lw.options.emulate_variant.min(variants.len() - 1);
             variants = vec![variants[pick]];
@@ -293,10 +257,8 @@ fn pitches(a: &Attn, v: Variant) -> Pitches {
 fn storage(a: &Attn, v: Variant) -> usize {
     let p = pitches(a, v);
     let rows = v.block();
-    let bytes = 2 * v.bc * (p.k + p.v) * v.buffers()
-        + 4 * rows * p.s
-        + 2 * rows * p.p
-        + 4 * (rows + 2 * exchange(v) + 4);
+    let bytes =
+        2 * v.bc * (p.k + p.v) + 4 * rows * p.s + 2 * rows * p.p + 4 * (rows + 2 * exchange(v) + 4);
     bytes.next_multiple_of(16)
 }
 
@@ -318,7 +280,7 @@ fn fits(a: &Attn, v: Variant) -> bool {
     let p = pitches(a, v);
     v.subgroups * MAT * p.k <= v.bc * (p.k + p.v)
         && storage(a, v) <= MAX_STORAGE
-        && (!v.prefetch() || v.prefetches(a.g.e, a.g.ev))
+        && (!v.prefetch || v.prefetches(a.g.e, a.g.ev))
 }
 
 /// The run-time query rows, where they are a run-time size.
@@ -593,11 +555,8 @@ fn kernel(
     // and the driver lays the arrays out as it likes. (On an H100 a lone
     // `u32` flag set every array 4 bytes off, and each load read its
     // matrix 2 halves early.)
-    // one buffer of key and value tiles, in halves
-    let tile = bc * (kp + vp);
-    let double = v.staging == Staging::Double;
     let sizes = [
-        2 * tile * v.buffers(),
+        2 * bc * (kp + vp),
         4 * br * sw,
         2 * br * pw,
         4 * br,
@@ -614,7 +573,7 @@ fn kernel(
         "var<workgroup> kv: array<f16, {}>;\nvar<workgroup> sc: array<f32, {}>;\n\
          var<workgroup> pt: array<f16, {}>;\nvar<workgroup> rowa: array<f32, {br}>;\n\
          var<workgroup> resc: array<u32, 4>;",
-        tile * v.buffers(),
+        bc * (kp + vp),
         br * sw,
         br * pw
     );
@@ -654,14 +613,11 @@ fn kernel(
     // one matrix of each subgroup's rows a round (staged row `j` is row
     // `(j / 16) · rs + round · 16 + j % 16` of the block), kept as
     // matrices `qa{round}_{d}`
-    // (in the second tile buffer of a double-buffered variant, which its
-    // first tile leaves free)
-    let qat = if double { tile } else { 0 };
     for i in 0..mr {
         let at = format!("(j / {MAT}u) * {rs}u + {}u + j % {MAT}u", i * MAT);
         m.push_str(&stage(
             "kv",
-            &format!("{qat}u"),
+            "0u",
             kp,
             subgroups * MAT,
             dh,
@@ -675,7 +631,7 @@ fn kernel(
                 Role::A,
                 "kv",
                 "f16",
-                &format!("sg * {}u + {}u", MAT * kp, qat + d * 16),
+                &format!("sg * {}u + {}u", MAT * kp, d * 16),
                 &format!("{kp}u"),
                 true,
             );
@@ -694,7 +650,7 @@ fn kernel(
     // from the copies, or from registers loaded one tile ahead (`loads` a
     // tile an invocation; none where the variant does not prefetch)
     let loads = |cols: usize| -> Result<usize> {
-        if !v.prefetch() {
+        if !v.prefetch {
             return Ok(0);
         }
         v.loads(cols).ok_or_else(|| {
@@ -741,23 +697,7 @@ fn kernel(
         }
         f
     };
-    // (the registers' tiles stored into the tile buffer at `buf`)
-    let store = |buf: &str| -> String {
-        let mut f = String::new();
-        for (_, _, _, cols, pitch, at, regs, n) in &tiles {
-            let per = cols / 4;
-            for i in 0..*n {
-                let _ = writeln!(
-                    f,
-                    "  {{\n    let w = lid + {}u;\n    let e = {buf}{at} + (w / {per}u) * {pitch}u + 4u * (w % {per}u);\n    {}\n  }}",
-                    i * threads,
-                    store4("kv", &format!("{regs}{i}"))
-                );
-            }
-        }
-        f
-    };
-    if v.prefetch() {
+    if v.prefetch {
         for (_, _, _, _, _, _, regs, n) in &tiles {
             for i in 0..*n {
                 let _ = writeln!(m, "  var {regs}{i}: vec4<f16>;");
@@ -765,43 +705,37 @@ fn kernel(
         }
         m.push_str(&fetch("kbeg"));
     }
-    if double {
-        // the first tiles in buffer 0, the next ones in registers;
-        // `cur` is the buffer of the tiles in use
-        m.push_str(&store(""));
-        m.push_str("  workgroupBarrier();\n");
-        m.push_str(&fetch(&format!("(kbeg + {bc}u)")));
-        m.push_str("  var cur = 0u;\n");
-    }
-    // (the resc reset: every invocation read the flag before the second
-    // barrier of the last tile's uniform load, and sets it only after the
-    // barrier that follows this tile's scores)
     let _ = writeln!(
         m,
         "  var mref = {ninf};\n  var l = 0.0;\n\
-         \x20 for (var t0 = kbeg; t0 < kend; t0 = t0 + {bc}u) {{"
+         \x20 for (var t0 = kbeg; t0 < kend; t0 = t0 + {bc}u) {{\n\
+         \x20   workgroupBarrier();\n    if (lid == 0u) {{ resc[0] = 0u; }}"
     );
-    if !double {
-        m.push_str("    workgroupBarrier();\n");
-    }
-    m.push_str("    if (lid == 0u) { resc[0] = 0u; }\n");
-    if v.staging == Staging::Load {
-        for (src, head, copy, cols, pitch, at, _, _) in &tiles {
-            let read = read(src, head, copy, *cols, "t0");
+    for (src, head, copy, cols, pitch, at, regs, n) in &tiles {
+        let (cols, pitch) = (*cols, *pitch);
+        if !v.prefetch {
+            let read = read(src, head, copy, cols, "t0");
             m.push_str(&indent(
-                &stage("kv", at, *pitch, bc, *cols, &read, "t0 + j < kend", threads),
+                &stage("kv", at, pitch, bc, cols, &read, "t0 + j < kend", threads),
                 2,
             ));
+            continue;
         }
-        m.push_str("    workgroupBarrier();\n");
-    } else if v.staging == Staging::Prefetch {
-        m.push_str(&indent(&store(""), 2));
-        m.push_str("    workgroupBarrier();\n");
+        let per = cols / 4;
+        for i in 0..*n {
+            let _ = writeln!(
+                m,
+                "    {{\n      let w = lid + {}u;\n      let e = {at} + (w / {per}u) * {pitch}u + 4u * (w % {per}u);\n      {}\n    }}",
+                i * threads,
+                store4("kv", &format!("{regs}{i}"))
+            );
+        }
+    }
+    m.push_str("    workgroupBarrier();\n");
+    if v.prefetch {
         // (issued now, they land while the tiles are multiplied)
         m.push_str(&indent(&fetch(&format!("(t0 + {bc}u)")), 2));
     }
-    // the tile buffer in use, as an offset's first term
-    let kvo = if double { "cur + " } else { "" };
     // 2. S = Q·Kᵀ
     // (each key fragment loaded once for the subgroup's `mr` matrices)
     m.push_str("    {\n");
@@ -816,7 +750,7 @@ fn kernel(
                 Role::B,
                 "kv",
                 "f16",
-                &format!("{kvo}{}u", j * 16 * kp + d * 16),
+                &format!("{}u", j * 16 * kp + d * 16),
                 &format!("{kp}u"),
                 false,
             );
@@ -844,12 +778,6 @@ fn kernel(
         }
     }
     m.push_str("    }\n    workgroupBarrier();\n");
-    if double {
-        // (every subgroup is past the last tile, whose buffer takes the
-        // next tiles; the uniform load's barrier publishes them)
-        m.push_str(&indent(&store(&format!("{tile}u - cur + ")), 2));
-        m.push_str(&indent(&fetch(&format!("(t0 + {}u)", 2 * bc)), 2));
-    }
     // 3. scores, the row's max (two lanes a row), P: each lane's half row
     // of scores held in registers (`x0…`) from the scaling to the
     // exponentials, unrolled, rather than written back to the score
@@ -938,7 +866,7 @@ fn kernel(
                 Role::B,
                 "kv",
                 "f16",
-                &format!("{kvo}{}u", bc * kp + kk * 16 * vp + j * 16),
+                &format!("{}u", bc * kp + kk * 16 * vp + j * 16),
                 &format!("{vp}u"),
                 true,
             );
@@ -952,9 +880,6 @@ fn kernel(
                 let _ = writeln!(m, "    o{i}_{j} = {product};");
             }
         }
-    }
-    if double {
-        let _ = writeln!(m, "    cur = {tile}u - cur;");
     }
     m.push_str("  }\n  workgroupBarrier();\n");
     // the output: normalised (or a split's partials), unscaled per column
@@ -1093,7 +1018,6 @@ fn indent(s: &str, by: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::super::super::testing::{input, lower_one_with};
-    use super::Staging;
     use crate::preprocess::coopmat::CoopForm;
     use crate::preprocess::options::PreprocessOptions;
     use etmetal_core::{DType, Op};
@@ -1131,92 +1055,53 @@ mod tests {
 
     /// Head dim 64 offers the four 16-row tile shapes and three
     /// prefetching twins (the fourth, 2 subgroups over 64 keys, would hold
-    /// 16 loads a tile), then the three 32-row shapes and two twins, then
-    /// the double-buffered ones that fit (two of each height); 128 the
-    /// shapes within the workgroup memory likewise, and none
-    /// double-buffered. A prefetching kernel loads the next tiles into
-    /// registers after the barrier that follows their stores (a
-    /// double-buffered one after the scores' barrier), and only it does; a
-    /// 32-row kernel keeps two matrices of q a subgroup, and only it does.
+    /// 16 loads a tile), then the three 32-row shapes and two twins; 128
+    /// the shapes within the workgroup memory likewise. A prefetching
+    /// kernel loads the next tiles into registers after the barrier that
+    /// follows their stores, and only it does; a 32-row kernel keeps two
+    /// matrices of q a subgroup, and only it does.
     #[test]
     fn variants_in_the_order_of_the_alternatives() {
-        let kind = |w: &String| {
-            let double = w.contains("var cur = 0u");
-            let staging = match (w.contains("var nk0"), double) {
-                (false, _) => Staging::Load,
-                (true, false) => Staging::Prefetch,
-                (true, true) => Staging::Double,
-            };
-            (staging, w.contains("qa1_0"))
-        };
-        let (l, p, d2) = (Staging::Load, Staging::Prefetch, Staging::Double);
-        for (d, want) in [
+        let (f, t) = (false, true);
+        for (d, kinds) in [
             (
                 64,
-                vec![
-                    (l, false),
-                    (l, false),
-                    (l, false),
-                    (l, false),
-                    (p, false),
-                    (p, false),
-                    (p, false),
-                    (l, true),
-                    (l, true),
-                    (l, true),
-                    (p, true),
-                    (p, true),
-                    (d2, false),
-                    (d2, false),
-                    (d2, true),
-                    (d2, true),
-                ],
+                vec![(f, f), (f, f), (f, f), (f, f), (t, f), (t, f), (t, f)],
             ),
-            (
-                128,
-                vec![
-                    (l, false),
-                    (l, false),
-                    (l, false),
-                    (p, false),
-                    (l, true),
-                    (l, true),
-                    (p, true),
-                ],
-            ),
+            (128, vec![(f, f), (f, f), (f, f), (t, f)]),
         ] {
+            let tall = match d {
+                64 => vec![(f, t), (f, t), (f, t), (t, t), (t, t)],
+                _ => vec![(f, t), (f, t), (t, t)],
+            };
+            let want: Vec<(bool, bool)> = kinds.into_iter().chain(tall).collect();
             let wgsl = flash_kernels(d, None);
-            let got: Vec<(Staging, bool)> = wgsl.iter().map(kind).collect();
-            assert_eq!(got, want, "head dim {d}: (staging, 32 rows)");
-            for (w, (staging, tall)) in wgsl.iter().zip(&got) {
-                // the next tiles load after the stores of the current ones
-                // (double-buffered: after the scores' barrier)
-                if *staging != l {
-                    let after = match staging {
-                        Staging::Double => w.find("s0_0, &sc").expect("the scores' store"),
-                        _ => w.find("kv[e] = nk0.x").expect("stores from registers"),
-                    };
-                    let next = w[after..].find("(t0 + ");
-                    assert!(next.is_some(), "head dim {d}: next tiles loaded after");
-                }
-                // two lanes share a row's scores only in the 16-row kernels
+            let got: Vec<(bool, bool)> = wgsl
+                .iter()
+                .map(|w| (w.contains("var nk0"), w.contains("qa1_0")))
+                .collect();
+            assert_eq!(got, want, "head dim {d}: (prefetching, 32 rows)");
+            for w in wgsl.iter().filter(|w| w.contains("var nk0")) {
+                let stores = w.find("kv[e] = nk0.x").expect("stores from registers");
+                let next = w.find("(t0 + ").expect("the next tile's loads");
+                assert!(
+                    stores < next,
+                    "head dim {d}: next tile loaded after the stores"
+                );
+            }
+            // two lanes share a row's scores only in the 16-row kernels
+            for (w, (_, tall)) in wgsl.iter().zip(&got) {
                 assert_eq!(w.contains("rm[lane ^ 1u]"), !tall, "head dim {d}");
             }
         }
-        // emulated: the smallest of each kind (16-row before 32-row; load,
-        // prefetch; then double-buffered)
-        for (variant, want) in [
-            (0, (l, false)),
-            (1, (p, false)),
-            (2, (l, true)),
-            (3, (p, true)),
-            (4, (d2, false)),
-            (5, (d2, true)),
-        ] {
+        // emulated: the smallest of each kind, 16-row before 32-row,
+        // plain before prefetching
+        for (variant, want) in [(0, (f, f)), (1, (t, f)), (2, (f, t)), (3, (t, t))] {
             let [w] = &flash_kernels(64, Some(variant))[..] else {
                 panic!("one emulated kernel")
             };
-            assert_eq!(kind(w), want, "emulated variant {variant}");
+            let got = (w.contains("var nk0"), w.contains("qa1_0"));
+            assert_eq!(got, want, "emulated variant {variant}");
         }
     }
 }
