@@ -295,10 +295,15 @@ def flash_variants_section():
             rows.append([f"{row['op']} {row['dtype']}", variant, row["form"], f(row["attention_ms"]),
                          f(row["total_ms"]), f"{row['err']:.1e}"])
         forms = "; ".join(f"`{k}`: {v}" for k, v in r["forms"].items())
+        # PyTorch and the earlier build on the same rows, where the run timed them
+        beside = "".join(
+            f" {op}: PyTorch {f(ms)} ms, earlier build {f(r.get('main_before_ms', {}).get(op))} ms (all kernels);"
+            for op, ms in r.get("torch_ms", {}).items())
+        same_run = f" Same run ({r['torch_note']}):{beside}" if beside else ""
         md += [f"### `{path.name}`", "",
                f"{r['run']}, {r['machine']['nvidia_smi']}. Binary: {r['binary']}. Forms: {forms}. Kernel time "
                "(median of 10 profiled executes): the attention kernel, and every dispatch (the f16 pre-passes, "
-               "the output copy); error against PyTorch's float32 result on the same inputs.", "",
+               f"the output copy); error against PyTorch's float32 result on the same inputs.{same_run}", "",
                table(["op", "variant", "form", "attention ms", "all kernels ms", "err"], rows), ""]
     if not md:
         return []
