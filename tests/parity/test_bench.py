@@ -60,8 +60,6 @@ def test_qwen3moe_decode_row_is_one_gpu_partition_matching_eager(strict, etmetal
     CPU calls are the recipe's `copy_` of its position counters, as for the
     Llama rows), run on this machine's GPU adapter against eager."""
     monkeypatch.setenv("ETMETAL_BIN", str(etmetal.binary))
-    # the row's experts in int4 too (opt-in: etmetal_graph::moe)
-    monkeypatch.setenv("ETMETAL_MOE_INT4", "1")
     torch.manual_seed(bench.seed_of("qwen3moe_decode512"))
     module = bench.qwen3_moe(**TINY_MOE).eval()
     g = torch.Generator().manual_seed(1)

@@ -178,7 +178,7 @@ def snap_rows_int4(t: torch.Tensor, g: torch.Generator, gs: int = 32) -> None:
 
 
 @pytest.mark.parametrize("backend", ["metal", "cpu"])
-def test_moe_int4_routes_every_row_to_its_int4_expert(backend, etmetal, tmp_path, monkeypatch):
+def test_moe_int4_routes_every_row_to_its_int4_expert(backend, etmetal, tmp_path):
     """`--quantize int4` of a Qwen3-MoE decoder quantizes the experts'
     stacked weights (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, read
     through a transpose) as well as its linears, in both methods: the
@@ -200,15 +200,13 @@ def test_moe_int4_routes_every_row_to_its_int4_expert(backend, etmetal, tmp_path
         torch.export.save(export_llm.export_step(wrapper, tokens), files[-1])
     pte = tmp_path / "model.pte"
     args = [str(etmetal.binary), "compile", str(files[0]), "--backend", backend, "--method", f"prefill={files[1]}"]
-    # int4 experts are opt-in until their prefill form is timed on a GPU
-    # (etmetal_graph::moe): without ETMETAL_MOE_INT4 they stay in float, and
-    # the summary says so and why
-    monkeypatch.delenv("ETMETAL_MOE_INT4", raising=False)
-    p = subprocess.run(args + ["-o", str(pte), "--quantize", "int4"], capture_output=True, text=True, timeout=1800)
+    # `--quantize-skip experts` keeps the experts in float, and the
+    # summary says so and why
+    p = subprocess.run(args + ["-o", str(pte), "--quantize", "int4", "--quantize-skip", "experts"],
+                       capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr
     assert "0 linears and 4 expert weights kept in float" in p.stderr, p.stderr
-    assert "stays in float: int4 experts are opt-in" in p.stderr, p.stderr
-    monkeypatch.setenv("ETMETAL_MOE_INT4", "1")
+    assert "stays in float: matches --quantize-skip experts" in p.stderr, p.stderr
     p = subprocess.run(args + ["-o", str(pte), "--quantize", "int4"], capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr
     # 2 layers of gate_up and down in each method: 4 stacked weights, each

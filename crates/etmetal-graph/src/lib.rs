@@ -8,7 +8,6 @@ pub mod fold;
 pub mod infer;
 pub mod infer_sym;
 pub mod ir;
-pub mod moe;
 pub mod plan;
 pub mod portable;
 pub mod precision;

@@ -2178,8 +2178,6 @@ fn grouped_mm_gathers_the_routed_experts_of_few_rows() {
 /// zero.
 #[test]
 fn grouped_mm_experts_quantize_to_gather_qmv() {
-    // int4 experts are opt-in (etmetal_graph::moe)
-    std::env::set_var("ETMETAL_MOE_INT4", "1");
     use etmetal_graph::quantize::{dequantize_weight, QuantWeight, QuantizeOptions, Quantizer};
     let (k, n) = (64, 8);
     let cases: &[(usize, &[i32])] = &[(4, &[0, 1, 1, 3, 3]), (7, &[2, 2, 6]), (3, &[1, 3, 3])];

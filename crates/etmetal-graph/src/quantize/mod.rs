@@ -34,8 +34,7 @@
 //! linear's; int4 only, since the kernel has no int8 form: under int8 the
 //! experts stay in float, under mixed they are int4 and not measured; no
 //! calibration), where every reader of the weights in every method is
-//! such a product, and where `ETMETAL_MOE_INT4=1` is set (`moe.rs`: opt-in
-//! until the prefill form is timed on a GPU).
+//! such a product (`--quantize-skip experts` keeps them in float).
 //!
 //! Linears of one input (q, k and v; gate and up) with weights of one
 //! format then become one product of their weights concatenated along N,
@@ -642,16 +641,6 @@ impl<'c> Quantizer<'c> {
     fn quantize_experts(&mut self, graph: &mut Graph, report: &mut QuantizeReport) -> Result<()> {
         let products = experts::routed_products(graph);
         if products.is_empty() {
-            return Ok(());
-        }
-        if !crate::moe::int4_experts() {
-            for p in products {
-                report.experts_skipped.push((
-                    graph.nodes[p.anchor].name.clone(),
-                    weight_name(graph, p.weight.value),
-                    "int4 experts are opt-in until their prefill form is timed on a GPU (ETMETAL_MOE_INT4=1)".into(),
-                ));
-            }
             return Ok(());
         }
         let weights: Vec<ValueId> = products.iter().map(|p| p.weight.value).collect();
