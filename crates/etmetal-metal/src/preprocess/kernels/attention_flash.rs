@@ -21,19 +21,21 @@
 //! max|k|` (the GEMM's bound, `gemm/coop.rs`); per column of v likewise.
 //! All variants of one attention share the copies.
 //!
-//! **Kernel.** A workgroup takes `16 · subgroups` query rows of one
-//! batch·head; each subgroup keeps its 16 rows of q as cooperative
-//! matrices (staged once) and its 16 × dv output as f32
-//! accumulators, and the keys go by in tiles of `bc`:
+//! **Kernel.** A workgroup takes `rows · subgroups` query rows of one
+//! batch·head (`rows` 16 or 32: one or two matrices high); each subgroup
+//! keeps its rows of q as cooperative matrices (staged once, a matrix a
+//! subgroup at a time) and its rows × dv output as f32 accumulators, and
+//! the keys go by in tiles of `bc`:
 //! 1. the workgroup stages the key and value tiles in workgroup memory
 //!    (8 bytes a load; zeros past the end of keys); a prefetching variant
 //!    stores them from registers, and loads the next tiles into those
 //!    registers as soon as the stores are past the barrier, so their
 //!    latency is spent on steps 2–4 rather than before them;
-//! 2. each subgroup computes `S = Q·Kᵀ` (16 × bc) and stores it;
-//! 3. two lanes a row (pairs by subgroup and lane, which Vulkan does not
-//!    tie to the local index) turn their half of the row into scores, held
-//!    in registers, in log2 units
+//! 2. each subgroup computes `S = Q·Kᵀ` (rows × bc; each key fragment
+//!    loaded once for its matrices) and stores it;
+//! 3. the lanes of a row (two at 16 rows, paired by subgroup and lane,
+//!    which Vulkan does not tie to the local index; one at 32) turn their
+//!    share of the row into scores, held in registers, in log2 units
 //!    (`S · scale · log2 e · 2^-(sq + sk)`, masked as the portable kernel
 //!    masks), reduce the row's max, and write `P = 2^(x − m)` as f16
 //!    scaled by 2^[`P_EXP`], summing it in f32. The reference `m` moves
@@ -41,7 +43,14 @@
 //!    below 2^TAU, and f16 holds it); only then are the accumulators
 //!    rescaled, through workgroup memory, by every subgroup at once
 //!    (rare after the first tiles);
-//! 4. each subgroup adds `P·V` into its accumulators.
+//! 4. each subgroup adds `P·V` into its accumulators (each value fragment
+//!    loaded once for its matrices).
+//!
+//! On an H100 (2026-12-07, BENCHMARKS.md) the 32-row variants were the
+//! fastest on both timed rows (their fragments feed twice the products,
+//! and no lane waits on another for a row's max); double-buffered tiles,
+//! which spared a tile its own two barriers, gained nothing and are not
+//! offered.
 //!
 //! At the end the accumulators go through workgroup memory to the output,
 //! divided by the row sums and unscaled per column.
