@@ -1,7 +1,8 @@
 """Each form of an op row's kernels on the GPU machine, side by side: the
 portable kernels (`--coop off`), every payload alternative forced in turn
 (`ETMETAL_COOP_FORCE=N`) and the runtime's measured choice (`--coop
-auto`), each with its kernel time and its error against PyTorch's result
+auto`), each with its kernel time, its ratio to PyTorch's kernel time on
+the same inputs in the same run, and its error against PyTorch's result
 on the same inputs (float64 on the GPU, or float32 where the op has no
 float64 kernel). It answers which variant is fastest on this card and
 whether every variant is right, before a variant becomes a default.
@@ -32,9 +33,13 @@ MAX_ALTERNATIVES = 12
 def forms(name: str, dt: str, runs: int) -> list[dict]:
     module, xs = run.make_op(name, dt, device="cuda", seed=1)
     with torch.no_grad():
+        # PyTorch's kernel time in this run, the ratios' baseline (before
+        # `.float()` turns the module's own weights to f32)
+        torch_ms = run.torch_kernel_ms(lambda: module(*xs))
         want = module.float()(*(x.float() for x in xs))
     pte = run.WORK / "ops" / f"{name}.{dt}.pte"
-    rows = []
+    rows = [{"op": name, "dtype": dt, "form": "pytorch", "kernel_ms": torch_ms}]
+    print(json.dumps(rows[-1]), flush=True)
     with tempfile.TemporaryDirectory() as d:
         inputs = run.write_inputs(xs, Path(d) / "in")
         tries = [("portable", "off", None), ("measured", "auto", None)]
@@ -74,12 +79,17 @@ def main():
     for case in a.cases:
         name, dt = case.split(":")
         rows += forms(name, dt, a.runs)
-    print(f"{'op':<28} {'form':<16} {'kernel ms':>10} {'err':>9}")
+    print(f"{'op':<28} {'form':<16} {'kernel ms':>10} {'/ PyTorch':>9} {'err':>9}")
+    torch_ms = {(r["op"], r["dtype"]): r["kernel_ms"] for r in rows if r["form"] == "pytorch"}
     for r in rows:
+        what = f"{r['op'] + ' ' + r['dtype']:<28} {r['form']:<16}"
         if "error" in r:
-            print(f"{r['op'] + ' ' + r['dtype']:<28} {r['form']:<16} error: {r['error'][-120:]}")
-        else:
-            print(f"{r['op'] + ' ' + r['dtype']:<28} {r['form']:<16} {r['kernel_ms'] or 0:>10.4f} {r['err']:>9.2e}")
+            print(f"{what} error: {r['error'][-120:]}")
+            continue
+        ms = r["kernel_ms"] or 0
+        ratio = ms / torch_ms[r["op"], r["dtype"]]
+        err = f"{r['err']:>9.2e}" if "err" in r else ""
+        print(f"{what} {ms:>10.4f} {ratio:>9.2f} {err}")
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
 

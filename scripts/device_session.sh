@@ -14,6 +14,9 @@
 #         host    benchmarks/host_path.py (the host path, 1 KiB to 1 GiB)
 #         int4    benchmarks/run.py prepare --only int4_gemv (exports the GEMV rows)
 #         bench   benchmarks/run.py gpu --only "$ONLY" $BENCH_ARGS into $OUT/gpu_$TAG.json
+#         variants benchmarks/variants.py $CASES into $OUT/variants_$TAG.json: every
+#                 form of op rows (CASES='sdpa_10x20x1500:bf16 mm_4096:bf16'),
+#                 PyTorch's kernel time in the same run beside them
 #         ab      benchmarks/binaries.py $BINS $ROWS into $OUT/binaries_$TAG.json:
 #                 binaries side by side (BINS='--bin main=.bench/main --bin new=.bench/etmetal';
 #                 a wrapper script setting an environment switch serves as a binary too)
@@ -57,6 +60,12 @@ run() {
                 --out "$out/gpu_${TAG:-rows}.json" >"$out/gpu_${TAG:-rows}.log" 2>&1
             tail -c 1500 "$out/gpu_${TAG:-rows}.log"
             ;;
+        variants)
+            # shellcheck disable=SC2086 # CASES: a list, split
+            timeout "${T:-300}" python3 benchmarks/variants.py ${CASES:?CASES names the op rows} \
+                --out "$out/variants_${TAG:-ops}.json" >"$out/variants_${TAG:-ops}.log" 2>&1
+            grep -v '^{' "$out/variants_${TAG:-ops}.log" | tail -40
+            ;;
         ab)
             # shellcheck disable=SC2086 # BINS, ROWS: lists, split
             timeout "${T:-450}" python3 benchmarks/binaries.py ${BINS:?BINS names the binaries} ${ROWS:?ROWS names the rows} \
@@ -64,7 +73,7 @@ run() {
             tail -c 1500 "$out/binaries_${TAG:-ab}.log"
             ;;
         *)
-            echo "unknown part $part: info, crash, host, int4, bench or ab" >&2
+            echo "unknown part $part: info, crash, host, int4, bench, variants or ab" >&2
             exit 2
             ;;
         esac
