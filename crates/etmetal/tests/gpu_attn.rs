@@ -546,9 +546,15 @@ fn dynamic_prefill_on_emulated_tensor_cores() {
             .build()
     };
     let at = [(0, 2), (1, 2), (2, 2)];
-    for form in [None, Some(CoopForm::Half16), Some(CoopForm::Float8)] {
-        let what = format!("dynamic causal prefill {form:?}");
-        let emulated = form.map(|f| (f, 0));
+    // (16×16: the smallest flash variant, and the 32-row prefetching one,
+    // whose row buckets are blocks of 64 rows)
+    for emulated in [
+        None,
+        Some((CoopForm::Half16, 0)),
+        Some((CoopForm::Half16, 3)),
+        Some((CoopForm::Float8, 0)),
+    ] {
+        let what = format!("dynamic causal prefill {emulated:?}");
         check_dynamic(case, &at, 128, &[100, 1, 17, 64], BF16_TOL, emulated, &what);
     }
 }
