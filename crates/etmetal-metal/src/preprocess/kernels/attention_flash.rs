@@ -763,15 +763,13 @@ fn kernel(
                 &format!("{kp}u"),
                 false,
             );
-            let _ = writeln!(m, "      let kb{d}_{j} = {ld};");
-            for i in 0..mr {
-                let product = cm.mma(
-                    &format!("qa{i}_{d}"),
-                    &format!("kb{d}_{j}"),
-                    &format!("s{i}_{j}"),
-                );
-                let _ = writeln!(m, "      s{i}_{j} = {product};");
-            }
+            m.push_str(&fragment_products(
+                &mut cm,
+                (&format!("kb{d}_{j}"), &ld),
+                mr,
+                |i| (format!("qa{i}_{d}"), format!("s{i}_{j}")),
+                6,
+            ));
         }
     }
     for i in 0..mr {
@@ -879,15 +877,13 @@ fn kernel(
                 &format!("{vp}u"),
                 true,
             );
-            let _ = writeln!(m, "    let vb{kk}_{j} = {vb};");
-            for i in 0..mr {
-                let product = cm.mma(
-                    &format!("pa{i}_{kk}"),
-                    &format!("vb{kk}_{j}"),
-                    &format!("o{i}_{j}"),
-                );
-                let _ = writeln!(m, "    o{i}_{j} = {product};");
-            }
+            m.push_str(&fragment_products(
+                &mut cm,
+                (&format!("vb{kk}_{j}"), &vb),
+                mr,
+                |i| (format!("pa{i}_{kk}"), format!("o{i}_{j}")),
+                4,
+            ));
         }
     }
     m.push_str("  }\n  workgroupBarrier();\n");
@@ -931,6 +927,26 @@ fn kernel(
         storage(a, v) as u32,
         actual,
     )
+}
+
+/// Statements (indented `by`) loading B matrix `b` (`(name, load)`) once
+/// and adding its product with each of a subgroup's `mr` A matrices into
+/// an accumulator (`ac(i)`: the A matrix and the accumulator of matrix
+/// row `i`).
+fn fragment_products(
+    cm: &mut CoopMat,
+    (b, load): (&str, &str),
+    mr: usize,
+    ac: impl Fn(usize) -> (String, String),
+    by: usize,
+) -> String {
+    let mut s = format!("let {b} = {load};\n");
+    for i in 0..mr {
+        let (a, c) = ac(i);
+        let product = cm.mma(&a, b, &c);
+        let _ = writeln!(s, "{c} = {product};");
+    }
+    indent(&s, by)
 }
 
 /// Statements staging `rows` rows of `cols` halves (row `j`, 4-half chunk
