@@ -451,6 +451,46 @@ fn attention_on_emulated_tensor_cores() {
         );
 }
 
+/// bf16 operands beyond f16's range, held only by the last rows of a
+/// chunk of the pre-pass (150 keys: rows 140–149 of the third chunk of
+/// 64): the 16×16 flash forms copy q and k to f16 scaled per head and v
+/// per column, so k's 2^16 (past f16's 65504) and v's 2^20 must be found
+/// wherever they sit, or the copies overflow. q is 2^-16 so the scores
+/// stay as they were. The smallest variant and the 32-row prefetching one.
+#[test]
+fn flash_scales_operands_beyond_f16_range() {
+    let (l, d) = (150, 64);
+    // `seed`'s values times `by(row, column)`
+    let scaled = |seed, shape: &[usize], by: &dyn Fn(usize, usize) -> f32| {
+        let (rows, cols) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+        let x = random(DType::F32, shape, seed).to_f32_vec();
+        let x: Vec<f32> = x
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * by((i / cols) % rows, i % cols))
+            .collect();
+        Tensor::from_f32(DType::BF16, shape, &x).unwrap()
+    };
+    let big = |p: i32| 2f32.powi(p);
+    OpCase::new(sdpa(true, None, true))
+        .input(scaled(41, &[1, 4, l, d], &|_, _| big(-16)))
+        .input(scaled(42, &[1, 2, l, d], &|r, _| {
+            if r >= 140 {
+                big(16)
+            } else {
+                1.0
+            }
+        }))
+        .input(scaled(43, &[1, 2, l, d], &|r, c| {
+            if r == l - 1 && c == 5 {
+                big(20)
+            } else {
+                1.0
+            }
+        }))
+        .check_coop_emulating(BF16_TOL, &[(CoopForm::Half16, 0), (CoopForm::Half16, 3)]);
+}
+
 /// The real 16×16 flash attention (not emulated), each of its variants
 /// forced in turn, against the CPU kernels: on an adapter that offers the
 /// form (NVIDIA through Vulkan) every case must run it; elsewhere (lavapipe)

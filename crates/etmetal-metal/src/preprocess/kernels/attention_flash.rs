@@ -386,6 +386,9 @@ impl Copy16 {
         };
         let (lets, at) = Self::reader(x);
         let lanes = PREPASS / cols;
+        // (a fixed trip count, rows past the end read clamped and left
+        // out, so the compiler can issue the loads together)
+        let clamped = format!("min(r, {}u)", rows - 1);
         let mut s = format!("{F16_SCALING_WGSL}var<workgroup> red: array<u32, {PREPASS}>;\n\n");
         s.push_str(&entry(PREPASS as u32));
         let store = kb.store(
@@ -398,13 +401,16 @@ impl Copy16 {
             "  let g = {FLAT_GROUP};\n  if (g >= {groups}u) {{ return; }}\n\
              \x20 let h = g / {chunks}u;\n  let r0 = (g % {chunks}u) * {CHUNK_ROWS}u;\n{lets}\
              \x20 let c = lid % {cols}u;\n  var mx = 0u;\n\
-             \x20 for (var r = r0 + lid / {cols}u; r < min(r0 + {CHUNK_ROWS}u, {end}); r = r + {lanes}u) {{\n\
-             \x20   mx = max(mx, finite_bits(vec4<f32>({})).x);\n  }}\n\
+             \x20 for (var i = 0u; i < {}u; i = i + 1u) {{\n\
+             \x20   let r = r0 + lid / {cols}u + i * {lanes}u;\n\
+             \x20   let bits = finite_bits(vec4<f32>({})).x;\n\
+             \x20   mx = max(mx, select(0u, bits, r < {end}));\n  }}\n\
              \x20 red[lid] = mx;\n  workgroupBarrier();\n\
              \x20 if (lid < {cols}u) {{\n    var m = 0u;\n\
              \x20   for (var k = 0u; k < {lanes}u; k = k + 1u) {{ m = max(m, red[k * {cols}u + lid]); }}\n\
              \x20   {store}\n  }}\n}}\n",
-            at("r", "c")
+            CHUNK_ROWS / lanes,
+            at(&clamped, "c")
         );
         let ops = vec![lw.op_label()];
         lw.add_dispatch(
