@@ -279,9 +279,10 @@ def binaries_section():
 def flash_variants_section():
     """BENCHMARKS.md's flash-attention section, from
     results/flash_variants_*.json (each 16x16 variant forced in turn with
-    `ETMETAL_COOP_FORCE`, as benchmarks/variants.py does, in a build whose
-    compile-time switches leave parts of the kernel out); empty where there
-    is none."""
+    `ETMETAL_COOP_FORCE`, as benchmarks/variants.py does; each file's
+    `binary` and `forms` say what was built: a file may hold forms of a
+    diagnostic build that leave parts of the kernel out, and PyTorch's time
+    on the same rows in the same run); empty where there is none."""
     md = []
     for path in sorted(RESULTS.glob("flash_variants*.json")):
         r = json.loads(path.read_text())

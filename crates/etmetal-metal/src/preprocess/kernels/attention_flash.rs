@@ -155,8 +155,11 @@ impl Variant {
     }
 }
 
-/// The largest rows a workgroup of any variant takes (the q copy's padding).
-const MAX_ROWS: usize = 4 * 2 * MAT;
+/// The most query rows a workgroup of any variant takes (the q copy's
+/// padding, so every variant's last block reads inside it).
+fn max_rows() -> usize {
+    variants().map(Variant::block).max().unwrap_or(MAT)
+}
 
 /// Whether attention `a` gets these forms: 16-bit operands of one dtype,
 /// head dims 64 or 128.
@@ -208,7 +211,7 @@ pub(super) fn alternatives(
                             lw,
                             &a.q,
                             &format!("{label}.q16"),
-                            MAX_ROWS,
+                            max_rows(),
                             (exps, 0),
                             false,
                         )?,
@@ -791,8 +794,8 @@ fn kernel(
         }
     }
     m.push_str("    }\n    workgroupBarrier();\n");
-    // 3. scores, the row's max (two lanes a row), P: each lane's half row
-    // of scores held in registers (`x0…`) from the scaling to the
+    // 3. scores, the row's max (over the `lpr` lanes of a row), P: each
+    // lane's share of its row of scores held in registers (`x0…`) from the scaling to the
     // exponentials, unrolled, rather than written back to the score
     // memory and read again (H100, 2026-12-07: the flash kernel 1.19–1.50×
     // faster in every variant, BENCHMARKS.md)
