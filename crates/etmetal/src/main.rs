@@ -157,7 +157,7 @@ enum Command {
         /// (default: all of K, one per output channel).
         #[arg(long, value_name = "G", requires = "quantize")]
         group_size: Option<usize>,
-        /// Keep the linears whose weight or node name contains PATTERN in float; repeatable.
+        /// Keep the linears (and MoE expert weights) whose weight or node name contains PATTERN in float; repeatable.
         #[arg(long = "quantize-skip", value_name = "PATTERN")]
         quantize_skip: Vec<String>,
         /// Calibrate the quantization on FILE (GPTQ error feedback over the
