@@ -453,26 +453,27 @@ impl<'a> KernelBuilder<'a> {
             Kind::Binary { op, compute, a, b } => {
                 let xa = self.emit(f, a, idx)?;
                 let xb = self.emit(f, b, idx)?;
-                let ca = pointwise::cast(&xa, a.dtype, *compute);
-                let cb = pointwise::cast(&xb, b.dtype, *compute);
+                let ca = pointwise::convert(&xa, a.dtype, *compute);
+                let cb = pointwise::convert(&xb, b.dtype, *compute);
                 let name = Op::Binary(*op).name();
                 let e = pointwise::binary_checked(*op, &ca, &cb, *compute, &mut |fault| {
                     self.site(node_of(v), name, fault)
                 })?;
-                let e = if op.is_predicate() {
-                    e
-                } else {
-                    pointwise::cast(&e, *compute, v.dtype)
-                };
-                pointwise::round_to(e, v.dtype)
+                // (the result of the op is computed in f32 or i32: rounded
+                // to `v`'s dtype once, by the cast or in place)
+                match (op.is_predicate(), *compute == v.dtype) {
+                    (true, _) => e,
+                    (false, true) => pointwise::round_to(e, v.dtype),
+                    (false, false) => pointwise::cast(&e, *compute, v.dtype),
+                }
             }
             Kind::Where(c, a, b) => {
                 let xc = self.emit(f, c, idx)?;
                 let xa = self.emit(f, a, idx)?;
                 let xb = self.emit(f, b, idx)?;
                 let xc = pointwise::cast(&xc, c.dtype, DType::Bool);
-                let xa = pointwise::cast(&xa, a.dtype, v.dtype);
-                let xb = pointwise::cast(&xb, b.dtype, v.dtype);
+                let xa = pointwise::convert(&xa, a.dtype, v.dtype);
+                let xb = pointwise::convert(&xb, b.dtype, v.dtype);
                 format!("select({xb}, {xa}, {xc})")
             }
             Kind::Cast(x) => {
@@ -546,7 +547,7 @@ impl<'a> KernelBuilder<'a> {
                         n.max(1) - 1
                     ));
                     let x = self.emit(f, p, &inner)?;
-                    let x = pointwise::cast(&x, p.dtype, v.dtype);
+                    let x = pointwise::convert(&x, p.dtype, v.dtype);
                     e = if k == 0 {
                         x
                     } else {
@@ -574,7 +575,7 @@ impl<'a> KernelBuilder<'a> {
                     inner.push(f.index(format!("u32(clamp({p}, 0i, {}i))", n.max(1) - 1)));
                 }
                 let a = self.emit(f, x, &inner)?;
-                let a = pointwise::cast(&a, x.dtype, v.dtype);
+                let a = pointwise::convert(&a, x.dtype, v.dtype);
                 if inside.is_empty() {
                     a
                 } else {
@@ -596,7 +597,7 @@ impl<'a> KernelBuilder<'a> {
             }
             Kind::Masked { x, valid, fill } => {
                 let a = self.emit(f, x, idx)?;
-                let a = pointwise::cast(&a, x.dtype, v.dtype);
+                let a = pointwise::convert(&a, x.dtype, v.dtype);
                 let inside: Vec<String> = valid
                     .iter()
                     .map(|(d, n)| format!("{} < {}", idx[*d], self.size(n)))

@@ -252,6 +252,17 @@ pub(crate) fn cast(x: &str, from: DType, to: DType) -> String {
     }
 }
 
+/// [`cast`] of a value `x` that already holds a `from` (an emitted
+/// expression's value, rounded where it was made): none where the dtypes
+/// agree, so no rounding is repeated (a bf16 kernel's elementwise chain ran
+/// up to three `rbf16` an op).
+pub(crate) fn convert(x: &str, from: DType, to: DType) -> String {
+    match from == to {
+        true => x.to_string(),
+        false => cast(x, from, to),
+    }
+}
+
 /// `x` rounded to the precision of `dtype` (16-bit floats are computed in
 /// f32 and rounded where PyTorch would store them).
 pub(crate) fn round_to(x: String, dtype: DType) -> String {
