@@ -332,13 +332,14 @@ class ModelCase(NamedTuple):
 
 
 def model_cases() -> dict[str, ModelCase]:
-    """The real-models zoo (tests/parity/models/) at the issue's full sizes,
+    """The real-models zoo (tests/parity/models/) and torchvision's ViT-B/16 at the issue's full sizes,
     batch 1. Decoders run twice: a prefill of 128 tokens and one decode step
     at position 128; the Llama-3.2-1B shape in bf16 and int4 (GPU only),
     and a Qwen3-MoE-shaped decode step and prefill (QWEN3_MOE) in bf16 and int4 (GPU only)."""
     from models.audio import whisper_tiny
     from models.cnn import MobileNetV2, ResNet
     from models.encoders import bert_base, bert_inputs
+    from torchvision.models import vit_b_16 as vit_b16
 
     image = lambda g: (torch.randn(1, 3, 224, 224, generator=g),)  # noqa: E731
     tokens = lambda vocab, n, first: lambda g: (  # noqa: E731
@@ -349,6 +350,9 @@ def model_cases() -> dict[str, ModelCase]:
         "mobilenet_v2": ModelCase(MobileNetV2, image),
         "bert_base": ModelCase(bert_base, lambda g: bert_inputs(g, batch=1, vocab=30522)),
         "whisper_tiny_encoder": ModelCase(whisper_tiny, lambda g: (torch.randn(1, 80, 3000, generator=g),)),
+        # torchvision's own ViT-B/16 (random weights: the GPU machine has no
+        # network), as users export it
+        "vit_b16": ModelCase(vit_b16, image),
         "llama_prefill128": ModelCase(lambda: full_decoder(True), tokens(32000, PREFILL, 0)),
         "llama_decode": ModelCase(lambda: full_decoder(True), tokens(32000, 1, PREFILL)),
         "gpt_prefill128": ModelCase(lambda: full_decoder(False), tokens(50257, PREFILL, 0)),
