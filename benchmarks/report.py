@@ -100,7 +100,7 @@ def model_rows(gpu):
                      fs(m, "torch_e2e_ms"), fs(m, "etmetal_kernel_ms"), fs(m, "etmetal_e2e_ms"), f(r, 2),
                      f(ratio(m["etmetal_kernel_ms"], m.get("torch_compile_ms")), 2), roofline(m), placed,
                      m["dispatches"], "–" if top is None else f"{top['kernel']} {100 * top['share']:.0f}%",
-                     f(m["err"], 1)])
+                     f(m.get("err"), 1)])
         if r is not None:
             ratios.append((f"{m['model']} {m['dtype']}", r))
     return rows, ratios

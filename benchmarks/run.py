@@ -194,6 +194,17 @@ def user_llama1b() -> nn.Module:
     return m
 
 
+def vit_b16() -> nn.Module:
+    """torchvision's own ViT-B/16 (random weights: the GPU machine has no
+    network), its classifier drawn like the rest: torchvision starts it at
+    zeros, which would leave nothing in the logits to compare."""
+    from torchvision.models import vit_b_16
+
+    model = vit_b_16()
+    nn.init.normal_(model.heads.head.weight, std=0.02)
+    return model
+
+
 def full_decoder(llama: bool) -> nn.Module:
     """The KV-cache decoders of tests/parity/models/decoders.py at full size:
     Llama-style 1024 wide, 8 layers, GQA 16/4 heads, 32k vocabulary; GPT-2
@@ -339,7 +350,6 @@ def model_cases() -> dict[str, ModelCase]:
     from models.audio import whisper_tiny
     from models.cnn import MobileNetV2, ResNet
     from models.encoders import bert_base, bert_inputs
-    from torchvision.models import vit_b_16 as vit_b16
 
     image = lambda g: (torch.randn(1, 3, 224, 224, generator=g),)  # noqa: E731
     tokens = lambda vocab, n, first: lambda g: (  # noqa: E731
@@ -350,8 +360,6 @@ def model_cases() -> dict[str, ModelCase]:
         "mobilenet_v2": ModelCase(MobileNetV2, image),
         "bert_base": ModelCase(bert_base, lambda g: bert_inputs(g, batch=1, vocab=30522)),
         "whisper_tiny_encoder": ModelCase(whisper_tiny, lambda g: (torch.randn(1, 80, 3000, generator=g),)),
-        # torchvision's own ViT-B/16 (random weights: the GPU machine has no
-        # network), as users export it
         "vit_b16": ModelCase(vit_b16, image),
         "llama_prefill128": ModelCase(lambda: full_decoder(True), tokens(32000, PREFILL, 0)),
         "llama_decode": ModelCase(lambda: full_decoder(True), tokens(32000, 1, PREFILL)),
