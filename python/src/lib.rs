@@ -281,7 +281,7 @@ impl Program {
                 1,
             )?;
         }
-        let Some(backend) = placement.backend(false) else {
+        let Some(backend) = placement.backend(false, false) else {
             return Ok(Program {
                 program,
                 device: "cpu".into(),

@@ -64,7 +64,7 @@ fn load(
 ) -> Result<EtmetalProgram> {
     let placement = device::choose(preference, origin, Workload::of_pte(program.file()))?;
     let mut options = LoadOptions::default();
-    if let Some(backend) = placement.backend(false) {
+    if let Some(backend) = placement.backend(false, false) {
         options.backends.register(backend)?;
     }
     let model = Model::from_pte_program(program, options)

@@ -749,10 +749,13 @@ fn choose_forms(
         .coop
         .as_ref()
         .filter(|_| selection != Selection::Portable);
+    // (a forced alternative runs whatever its form: tests reach each)
+    let untested = !matches!(selection, Selection::Measured { untested: false });
     let eligible = select::eligible(
         payload,
         offer,
         gpu.limits.max_storage_buffers_per_shader_stage,
+        untested,
     );
     Ok(match selection {
         Selection::Portable => vec![None; payload.dispatches.len()],
@@ -760,10 +763,10 @@ fn choose_forms(
             .iter()
             .map(|e| e.contains(&k).then_some(k))
             .collect(),
-        Selection::Measured if eligible.iter().all(Vec::is_empty) => {
+        Selection::Measured { .. } if eligible.iter().all(Vec::is_empty) => {
             vec![None; payload.dispatches.len()]
         }
-        Selection::Measured => {
+        Selection::Measured { .. } => {
             let mut cache = TuningCache::open(&gpu.adapter.get_info(), payload_hash);
             // (kernels reading the run-time sizes run at their bounds)
             if let Some(u) = binder.sizes {
@@ -1608,6 +1611,37 @@ mod tests {
         }
     }
 
+    /// An Apple GPU's offer through Metal: 8×8 f32 simdgroup matrices.
+    fn apple() -> CoopOffer {
+        CoopOffer {
+            configurations: vec![wgpu::CooperativeMatrixProperties {
+                m_size: 8,
+                n_size: 8,
+                k_size: 8,
+                ab_type: wgpu::CooperativeScalarType::F32,
+                cr_type: wgpu::CooperativeScalarType::F32,
+                saturating_accumulation: false,
+            }],
+            ..h200()
+        }
+    }
+
+    /// A payload of `dispatches` and nothing else.
+    fn payload_of(dispatches: Vec<Dispatch>) -> Payload {
+        Payload {
+            buffers: vec![],
+            kernels: vec![],
+            dispatches,
+            inputs: vec![],
+            outputs: vec![],
+            arenas: vec![],
+            requirements: Requirements::default(),
+            state: vec![],
+            checks: vec![],
+            symbols: vec![],
+        }
+    }
+
     #[test]
     fn offers_meet_needs_by_configuration_subgroup_and_memory() {
         let o = h200();
@@ -1635,22 +1669,43 @@ mod tests {
         };
         assert!(!varying.meets(&needs(32, 0)));
         // an Apple GPU's 8×8 f32 matrices do not run 16×16 kernels
-        let apple = CoopOffer {
-            configurations: vec![wgpu::CooperativeMatrixProperties {
-                m_size: 8,
-                n_size: 8,
-                k_size: 8,
-                ab_type: wgpu::CooperativeScalarType::F32,
-                cr_type: wgpu::CooperativeScalarType::F32,
-                saturating_accumulation: false,
-            }],
-            ..h200()
-        };
+        let apple = apple();
         assert!(!apple.meets(&needs(32, 0)));
         // the 8×8 f32 alternative runs there, and not on the H200
         let apple8 = etmetal_metal::payload::Needs::f32_8x8x8(32, 24576);
         assert!(apple.meets(&apple8));
         assert!(!h200().meets(&apple8));
+    }
+
+    /// The measured choice offers a form no real GPU has run (Apple's 8×8)
+    /// only when asked (`with_untested_forms`, `--coop all`); the 16×16
+    /// form, run on NVIDIA's, always.
+    #[test]
+    fn untested_forms_are_eligible_only_when_asked() {
+        let mut with = dispatch(0, 2);
+        with.alternatives = vec![
+            Alternative {
+                needs: needs(32, 0),
+                dispatches: vec![dispatch(1, 2)],
+            },
+            Alternative {
+                needs: Needs::f32_8x8x8(32, 0),
+                dispatches: vec![dispatch(2, 2)],
+            },
+        ];
+        let payload = payload_of(vec![with]);
+        let none: Vec<usize> = vec![];
+        assert_eq!(select::eligible(&payload, Some(&apple()), 8, false), [none]);
+        assert_eq!(
+            select::eligible(&payload, Some(&apple()), 8, true),
+            [vec![1]]
+        );
+        for untested in [false, true] {
+            assert_eq!(
+                select::eligible(&payload, Some(&h200()), 8, untested),
+                [vec![0]]
+            );
+        }
     }
 
     #[test]
@@ -1666,18 +1721,7 @@ mod tests {
                 dispatches: vec![dispatch(2, 3), dispatch(3, 3)],
             },
         ];
-        let payload = Payload {
-            buffers: vec![],
-            kernels: vec![],
-            dispatches: vec![dispatch(4, 1), with],
-            inputs: vec![],
-            outputs: vec![],
-            arenas: vec![],
-            requirements: Requirements::default(),
-            state: vec![],
-            checks: vec![],
-            symbols: vec![],
-        };
+        let payload = payload_of(vec![dispatch(4, 1), with]);
         let kernels = |launches: &[Launch]| -> Vec<usize> {
             launches.iter().map(|s| s.dispatch.kernel).collect()
         };
@@ -1685,16 +1729,16 @@ mod tests {
         // (the first alternative needs more workgroup memory than offered)
         let none: Vec<usize> = vec![];
         assert_eq!(
-            select::eligible(&payload, Some(&offer), 8),
+            select::eligible(&payload, Some(&offer), 8, false),
             [none.clone(), vec![1]]
         );
         assert_eq!(
-            select::eligible(&payload, None, 8),
+            select::eligible(&payload, None, 8, false),
             [none.clone(), none.clone()]
         );
         // an alternative binding more than the device allows is passed over
         assert_eq!(
-            select::eligible(&payload, Some(&offer), 2),
+            select::eligible(&payload, Some(&offer), 2, false),
             [none.clone(), none]
         );
         let launches = select::launches(&payload, &[None, Some(1)]);

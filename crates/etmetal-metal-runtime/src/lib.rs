@@ -54,6 +54,8 @@ pub struct MetalBackend {
     cap: Option<Requirements>,
     /// Whether payload alternatives may run (see `with_cooperative_matrix`).
     coop: bool,
+    /// Whether forms no real GPU has run may (see `with_untested_forms`).
+    untested: bool,
     /// The alternative every dispatch runs (see `with_forced_alternative`).
     forced: Option<usize>,
     device: Mutex<Option<Arc<GpuDevice>>>,
@@ -68,6 +70,7 @@ impl MetalBackend {
             timeout: DEFAULT_TIMEOUT,
             cap: None,
             coop: false,
+            untested: false,
             forced: None,
             device: Mutex::new(None),
             counters: Arc::default(),
@@ -83,13 +86,24 @@ impl MetalBackend {
     }
 
     /// Whether delegates may run their payload's alternatives (tensor-core
-    /// matrix products) where the device offers what they need; with
-    /// `false` every dispatch runs its portable kernel, as on a device
-    /// without them. Off by default until the measured choice has run on
-    /// more cards (see the README's Tensor cores). With `true` the device
-    /// is opened with cooperative matrices where the adapter has them.
+    /// matrix products) where the device offers what they need, each only
+    /// where it measures faster than the portable kernel; with `false`
+    /// every dispatch runs its portable kernel, as on a device without
+    /// them. Off by default until the measured choice has run on more
+    /// cards (see the README's Tensor cores). With `true` the device is
+    /// opened with cooperative matrices where the adapter has them.
     pub fn with_cooperative_matrix(mut self, on: bool) -> MetalBackend {
         self.coop = on;
+        self
+    }
+
+    /// Whether the measured choice may also take forms that no real GPU
+    /// has run yet (Apple's 8×8 f32 simdgroup matrices:
+    /// `etmetal_metal::payload::Needs::has_run`); off by default. Turns
+    /// alternatives on.
+    pub fn with_untested_forms(mut self, on: bool) -> MetalBackend {
+        self.untested = on;
+        self.coop |= on;
         self
     }
 
@@ -200,7 +214,7 @@ impl Backend for MetalBackend {
             self.timeout,
             (payload, select::fnv64(&[processed])),
             named_data,
-            select::Selection::of(self.coop, self.forced)?,
+            select::Selection::of(self.coop, self.untested, self.forced)?,
         )?))
     }
 }

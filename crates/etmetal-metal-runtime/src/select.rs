@@ -39,8 +39,9 @@ const RUNS: usize = 5;
 pub(crate) enum Selection {
     /// Every dispatch runs its portable kernel.
     Portable,
-    /// The fastest form, measured (and cached).
-    Measured,
+    /// The fastest form, measured (and cached), among the forms that have
+    /// run on a real GPU ([`Needs::has_run`]), or all where `untested`.
+    Measured { untested: bool },
     /// Alternative `N` wherever a dispatch has it and the device runs it.
     Forced(usize),
 }
@@ -49,8 +50,12 @@ impl Selection {
     /// The backend's setting: portable unless `alternatives`
     /// (`with_cooperative_matrix`); then alternative `forced`
     /// (`with_forced_alternative`) or the one `ETMETAL_COOP_FORCE` names,
-    /// else measured.
-    pub(crate) fn of(alternatives: bool, forced: Option<usize>) -> Result<Selection> {
+    /// else measured (`untested`: `with_untested_forms`).
+    pub(crate) fn of(
+        alternatives: bool,
+        untested: bool,
+        forced: Option<usize>,
+    ) -> Result<Selection> {
         if !alternatives {
             return Ok(Selection::Portable);
         }
@@ -63,17 +68,19 @@ impl Selection {
                     "ETMETAL_COOP_FORCE={v}: expected an alternative's index (0, 1, …)"
                 ))
             }),
-            _ => Ok(Selection::Measured),
+            _ => Ok(Selection::Measured { untested }),
         }
     }
 }
 
 /// Per payload dispatch, the indices of the alternatives `offer` runs
-/// whose kernels bind at most `max_bindings` buffers.
+/// whose kernels bind at most `max_bindings` buffers, and (unless
+/// `untested`) whose form has run on a real GPU.
 pub(crate) fn eligible(
     payload: &Payload,
     offer: Option<&CoopOffer>,
     max_bindings: u32,
+    untested: bool,
 ) -> Vec<Vec<usize>> {
     payload
         .dispatches
@@ -84,6 +91,7 @@ pub(crate) fn eligible(
                 .enumerate()
                 .filter(|(_, a)| {
                     offer.is_some_and(|o| o.meets(&a.needs))
+                        && (untested || a.needs.has_run())
                         && a.dispatches
                             .iter()
                             .all(|x| x.buffers.len() as u64 <= u64::from(max_bindings))

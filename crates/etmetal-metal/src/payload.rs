@@ -374,6 +374,15 @@ impl Needs {
         }
     }
 
+    /// Whether kernels of this form have run on a real GPU, their results
+    /// checked against PyTorch's there: the 16×16×16 f16 form has (NVIDIA
+    /// GPUs through Vulkan, README "Tensor cores"), the 8×8×8 f32 form has
+    /// not (no Apple GPU is part of the test setup). The runtime's default
+    /// measured choice offers only forms that have.
+    pub fn has_run(&self) -> bool {
+        (self.m, self.n, self.k, self.ab) == (16, 16, 16, CoopType::F16)
+    }
+
     /// 8×8×8 f32 × f32 → f32 matrices (Apple GPUs' simdgroup matrices
     /// through Metal) in subgroups of `subgroup_size`, with
     /// `workgroup_storage` bytes of workgroup memory.

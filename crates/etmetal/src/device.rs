@@ -99,11 +99,16 @@ pub struct Placement {
 }
 
 impl Placement {
-    /// The backend for the GPU delegates, tensor-core forms on where
-    /// `cooperative_matrix` (and the adapter offers them).
-    pub fn backend(&self, cooperative_matrix: bool) -> Option<Arc<MetalBackend>> {
+    /// The backend for the GPU delegates, tensor-core forms measured where
+    /// `cooperative_matrix` (and the adapter offers them), those no real
+    /// GPU has run too where `untested`.
+    pub fn backend(&self, cooperative_matrix: bool, untested: bool) -> Option<Arc<MetalBackend>> {
         self.gpu.as_ref().map(|g| {
-            Arc::new(MetalBackend::new(g.choice).with_cooperative_matrix(cooperative_matrix))
+            Arc::new(
+                MetalBackend::new(g.choice)
+                    .with_cooperative_matrix(cooperative_matrix)
+                    .with_untested_forms(untested),
+            )
         })
     }
 }
@@ -199,7 +204,7 @@ mod tests {
         assert_eq!(p.gpu, None);
         let warning = p.warning.clone().unwrap();
         assert!(warning.contains("--device vulkan is not used"), "{warning}");
-        assert!(p.backend(false).is_none());
+        assert!(p.backend(false, false).is_none());
     }
 
     #[test]

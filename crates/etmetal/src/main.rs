@@ -67,13 +67,24 @@ impl Device {
 }
 
 /// Whether GPU delegates may run the tensor-core (cooperative-matrix)
-/// forms of their matrix products.
+/// forms of their matrix products, each only where it measures faster
+/// than the portable kernel (README: Tensor cores).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Coop {
-    /// Where the GPU offers what they need (16×16 f16 matrices, subgroups of 32).
+    /// The forms that have run on a real GPU (16×16 f16 matrices in
+    /// subgroups of 32: NVIDIA through Vulkan), where the GPU offers them.
     Auto,
+    /// Also forms no real GPU has run yet (Apple's 8×8 f32 matrices).
+    All,
     /// Never: every kernel runs its portable form.
     Off,
+}
+
+impl Coop {
+    /// The GPU backend `placement` gives, with this setting.
+    fn backend(self, placement: &device::Placement) -> Option<Arc<MetalBackend>> {
+        placement.backend(self != Coop::Off, self == Coop::All)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -215,8 +226,12 @@ enum Command {
         #[arg(long, value_enum, default_value = "auto", env = "ETMETAL_DEVICE")]
         device: Device,
         /// Tensor-core forms of f16/bf16 matrix products (payload
-        /// alternatives): `auto` runs them where the GPU offers them; off
-        /// by default while they are experimental (README: Tensor cores).
+        /// alternatives): `auto` measures those that have run on a real GPU
+        /// against the portable kernels the first time a program loads on
+        /// a GPU offering them, and keeps the faster (cached on disk);
+        /// `all` adds the forms never run yet; `off`, the default while
+        /// they are experimental, runs the portable kernels only (README:
+        /// Tensor cores).
         #[arg(long, value_enum, default_value = "off", env = "ETMETAL_COOP")]
         coop: Coop,
         /// Execute N times after the warm-up runs and print latency figures.
@@ -685,7 +700,7 @@ fn run(
     if let Some(warning) = &placement.warning {
         eprintln!("etmetal: warning: {warning}");
     }
-    let gpu = placement.backend(coop == Coop::Auto);
+    let gpu = coop.backend(&placement);
     let mut options = etmetal_runtime::LoadOptions::default();
     if let Some(backend) = &gpu {
         options.backends.register(backend.clone())?;
@@ -796,7 +811,7 @@ fn load_pte_on(
     if let Some(warning) = &placement.warning {
         eprintln!("etmetal: warning: {warning}");
     }
-    let gpu = placement.backend(coop == Coop::Auto);
+    let gpu = coop.backend(&placement);
     let mut options = etmetal_runtime::LoadOptions::default();
     if let Some(backend) = &gpu {
         options.backends.register(backend.clone())?;
