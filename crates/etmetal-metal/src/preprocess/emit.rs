@@ -459,12 +459,12 @@ impl<'a> KernelBuilder<'a> {
                 let e = pointwise::binary_checked(*op, &ca, &cb, *compute, &mut |fault| {
                     self.site(node_of(v), name, fault)
                 })?;
-                // (the result of the op is computed in f32 or i32: rounded
-                // to `v`'s dtype once, by the cast or in place)
-                match (op.is_predicate(), *compute == v.dtype) {
-                    (true, _) => e,
-                    (false, true) => pointwise::round_to(e, v.dtype),
-                    (false, false) => pointwise::cast(&e, *compute, v.dtype),
+                // (the op's f32 or i32 result, cast to `v`'s dtype: rounded
+                // or wrapped once)
+                if op.is_predicate() {
+                    e
+                } else {
+                    pointwise::cast(&e, *compute, v.dtype)
                 }
             }
             Kind::Where(c, a, b) => {
