@@ -16,8 +16,8 @@ compiles the row itself (`--max-buffer 2G`), so a change in compilation
 counts too. Results: one JSON row per (row, binary) with the median and
 [min, max] of the GPU and end-to-end figures, the dispatch count, the
 file size, the compile's wall seconds, the error against the first
-binary's output, and the kernel families summed over the step (the first
-session's medians).
+binary's output, the kernel families summed over the step and the host
+trace of one execute (the first session's).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def measure(exe: Path, pt2: Path, inputs: list[Path], flags: list[str], scratch:
             "e2e_ms": statistics.median(e2e), "e2e_ms_spread": [min(e2e), max(e2e)],
             "dispatches": len(sessions[0]["gpu"]["dispatches"]), "size": size, "compile_s": round(compile_s, 2),
             "families": dict(sorted(families.items(), key=lambda x: -x[1])),
-            "adapter": sessions[0]["device"], "output": sessions[0]["output_0"]}
+            "adapter": sessions[0]["device"], "host_trace": sessions[0]["trace"],
+            "output": sessions[0]["output_0"]}
 
 
 def main():

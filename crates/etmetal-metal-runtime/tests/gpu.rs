@@ -304,6 +304,71 @@ fn two_dispatches_chain_through_an_intermediate_and_share_a_pipeline() {
     assert_eq!(out[0].shape(), shape);
 }
 
+/// `n` dispatches of `+1` over 15 floats, each reading the one before
+/// (ping-pong between two buffers after the input): more than one command
+/// buffer's worth, so each chunk reads what the one before wrote.
+fn long_chain_payload(n: usize) -> Payload {
+    let shape = [3, 5];
+    let dispatches = (0..n)
+        .map(|d| match d {
+            0 => dispatch(0, &[0, 1], 1),
+            _ if d % 2 == 1 => dispatch(0, &[1, 2], 1),
+            _ => dispatch(0, &[2, 1], 1),
+        })
+        .collect();
+    Payload {
+        buffers: vec![
+            arena("x", DType::F32, &shape, 0, 0),
+            arena("a", DType::F32, &shape, 0, 256),
+            arena("b", DType::F32, &shape, 1, 0),
+        ],
+        kernels: vec![kernel(
+            "k0_add",
+            elementwise("f32", 15, "x[i] + 1.0", ""),
+            &[Access::ReadWrite, Access::ReadWrite],
+        )],
+        dispatches,
+        inputs: vec![0],
+        outputs: vec![if n % 2 == 1 { 1 } else { 2 }],
+        arenas: vec![512, 60],
+        requirements: Requirements::default(),
+        state: vec![],
+        checks: vec![],
+        symbols: vec![],
+    }
+}
+
+#[test]
+fn a_long_chain_is_submitted_in_growing_command_buffers_in_order() {
+    // 8 + 32 + 1 dispatches: three submits an execute
+    let n = 41;
+    let payload = long_chain_payload(n);
+    let x = Tensor::from_f32(
+        DType::F32,
+        &[3, 5],
+        &(0..15).map(|i| i as f32).collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let want: Vec<f32> = (0..15).map(|i| (i + n) as f32).collect();
+    let b = backend();
+    let mut h = b.init(&payload.encode(), &[], &Named::new()).unwrap();
+    for profiled in [false, true, false] {
+        b.set_profiling(profiled);
+        let before = b.stats().submits;
+        let out = exec(&mut *h, std::slice::from_ref(&x), &payload).unwrap();
+        assert_eq!(out[0].to_f32_vec(), want, "profiled: {profiled}");
+        assert_eq!(b.stats().submits - before, 3);
+    }
+    let times = b.take_dispatch_times();
+    if b.can_profile() {
+        assert_eq!(
+            times.len(),
+            n,
+            "every dispatch of the profiled execute timed"
+        );
+    }
+}
+
 /// [`chain_payload`] whose second dispatch has two alternatives: one no
 /// device meets (4 GiB of workgroup memory) with a kernel that is not even
 /// WGSL, then one for 16×16×16 f16 matrices in subgroups of 32 computing
