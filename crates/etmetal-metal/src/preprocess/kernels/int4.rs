@@ -35,7 +35,7 @@ use super::matmul::row_stat_prologue;
 use super::rows::as_rows;
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::deferred::RowStat;
-use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
+use crate::preprocess::emit::{entry, grid, lane_strided, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::expr::{Kind, LazyRef};
 use crate::preprocess::lowering::Lowering;
 
@@ -561,13 +561,11 @@ impl Stage {
     /// (all `size` invocations), then a barrier.
     fn fill(&self, mb: usize, size: usize) -> String {
         let quads = self.depth() / 4;
-        format!(
-            "  for (var i = lid; i < {all}u; i = i + {size}u) {{\n\
-             \x20   let r = i / {quads}u;\n    let c = kb + (i % {quads}u) * 4u;\n\
-             \x20   xs[i] = vec4<f32>(x(r, c), x(r, c + 1u), x(r, c + 2u), x(r, c + 3u));\n\
-             \x20 }}\n  workgroupBarrier();\n",
-            all = mb * quads,
-        )
+        let body = format!(
+            "    let r = i / {quads}u;\n    let c = kb + (i % {quads}u) * 4u;\n\
+             \x20   xs[i] = vec4<f32>(x(r, c), x(r, c + 1u), x(r, c + 2u), x(r, c + 3u));\n"
+        );
+        lane_strided("i", mb * quads, size, &body) + "  workgroupBarrier();\n"
     }
 
     /// The loop over the blocks of `k` (`kb` the first code, `qb` the

@@ -21,7 +21,7 @@ use super::epilogue::{self, Tail};
 use super::gemm::{Epilogue, F16Scaling, Gemm, GemmArgs, Gemv, GemvArgs, GEMV_ROWS};
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::deferred::RowStat;
-use crate::preprocess::emit::{expanded_index, linear, unravel, KernelBuilder};
+use crate::preprocess::emit::{expanded_index, lane_strided, linear, unravel, KernelBuilder};
 use crate::preprocess::expr::{reshaped, GatherAt, Kind, Lazy, LazyRef, Pos};
 use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::{cast, float_literal};
@@ -412,15 +412,19 @@ pub(super) fn row_stat_prologue(
         );
         // each row: strided sums, halved in workgroup memory
         for r in 0..st.rows {
+            let sum = lane_strided(
+                "c",
+                st.cols,
+                threads,
+                &format!("    acc = acc + {f}({r}u, c);\n"),
+            );
             let _ = writeln!(
                 s,
-                "  {{\n    var acc = 0.0;\n\
-                 \x20   for (var c = lid; c < {cols}u; c = c + {threads}u) {{ acc = acc + {f}({r}u, c); }}\n\
+                "  {{\n    var acc = 0.0;\n{sum}\
                  \x20   red[lid] = acc;\n    workgroupBarrier();\n\
                  \x20   for (var h = {half}u; h > 0u; h = h >> 1u) {{\n\
                  \x20     if (lid < h) {{ red[lid] = red[lid] + red[lid + h]; }}\n      workgroupBarrier();\n    }}\n\
                  \x20   if (lid == 0u) {{ {name}[{r}u] = {mean}; }}\n    workgroupBarrier();\n  }}",
-                cols = st.cols,
                 half = threads / 2
             );
         }

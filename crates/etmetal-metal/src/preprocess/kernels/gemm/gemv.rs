@@ -8,7 +8,7 @@ use etmetal_core::Result;
 
 use super::spec::GemvArgs;
 use super::split::{split_k, SplitK};
-use crate::preprocess::emit::{entry, grid, KernelBuilder, FLAT_GROUP};
+use crate::preprocess::emit::{entry, grid, lane_strided, KernelBuilder, FLAT_GROUP};
 use crate::preprocess::lowering::Lowering;
 
 /// Rows (per batch) up to which a product with a `k`-contiguous right
@@ -428,28 +428,24 @@ impl Gemv {
     /// workgroup's invocations, each evaluating `xa` for a chunk of a row.
     fn fill(&self, plan: &Plan, tag: &str, stage: Stage, base: &str, count: usize) -> String {
         let (lanes, block) = (plan.lanes, stage.block);
-        let mut s = format!(
-            "  for (var e = lid; e < {}u; e = e + {}u) {{\n\
-             \x20   let r = e / {count}u;\n    let c = e % {count}u;\n\
-             \x20   let a = xa{tag}(bt, r, {base} + c * {lanes}u);\n",
-            self.m * count,
-            plan.size()
+        let mut body = format!(
+            "    let r = e / {count}u;\n    let c = e % {count}u;\n\
+             \x20   let a = xa{tag}(bt, r, {base} + c * {lanes}u);\n"
         );
         match lanes {
             4 => {
-                let _ = writeln!(s, "    xs[r * {block}u + c] = a;");
+                let _ = writeln!(body, "    xs[r * {block}u + c] = a;");
             }
             _ => {
                 let _ = writeln!(
-                    s,
+                    body,
                     "    xs[r * {}u + c] = a[0];\n    xs[r * {}u + {block}u + c] = a[1];",
                     2 * block,
                     2 * block
                 );
             }
         }
-        s.push_str("  }\n  workgroupBarrier();\n");
-        s
+        lane_strided("e", self.m * count, plan.size(), &body) + "  workgroupBarrier();\n"
     }
 
     /// The loop over chunks `0 … count` of a split's `k`, or of a block of
