@@ -65,25 +65,40 @@ pub(crate) struct Values {
     fqns: Vec<Option<String>>,
 }
 
-/// The initial value of a planned tensor with data: offset `data_buffer_idx`
-/// of mutable data segment `mutable_data_segments_idx` (the verifier
-/// checked both are in range).
+/// Pieces of [`copy_bytes`]'s parallel copy; tensors under 4 of them are
+/// copied by one thread.
+const COPY_CHUNK: usize = 1 << 20;
+
 /// Copy `src` into `dst` (equal lengths). Large tensors are copied by all
 /// threads: a method's inputs and outputs cross planned memory once each
 /// execute, and one thread's memcpy (with the page faults of a fresh output)
 /// is what made large inputs slower than PyTorch's host-to-device copy.
 pub fn copy_bytes(dst: &mut [u8], src: &[u8]) {
     use rayon::prelude::*;
-    const CHUNK: usize = 1 << 20;
-    if src.len() < 4 * CHUNK {
+    if src.len() < 4 * COPY_CHUNK {
         dst.copy_from_slice(src);
         return;
     }
-    dst.par_chunks_mut(CHUNK)
-        .zip(src.par_chunks(CHUNK))
+    dst.par_chunks_mut(COPY_CHUNK)
+        .zip(src.par_chunks(COPY_CHUNK))
         .for_each(|(d, s)| d.copy_from_slice(s));
 }
 
+/// An owned copy of `view`, written once: a small tensor straight from its
+/// bytes, a large one zeroed and then copied by all threads
+/// ([`copy_bytes`]).
+fn owned_copy(view: &View) -> Result<Tensor> {
+    if view.bytes.len() < 4 * COPY_CHUNK {
+        return Tensor::from_bytes(view.dtype, view.shape, view.bytes);
+    }
+    let mut out = Tensor::zeros(view.dtype, view.shape)?;
+    copy_bytes(out.bytes_mut(), view.bytes);
+    Ok(out)
+}
+
+/// The initial value of a planned tensor with data: offset `data_buffer_idx`
+/// of mutable data segment `mutable_data_segments_idx` (the verifier
+/// checked both are in range).
 fn mutable_initial(file: &PteFile, t: &etmetal_pte::Tensor, what: &str) -> Result<Tensor> {
     let m = t
         .extra_tensor_info
@@ -336,12 +351,7 @@ impl Values {
         let t = self.tensor_slot(v)?;
         match &t.place {
             Place::Constant(c) | Place::Unplanned(Some(c)) => Ok(c.clone()),
-            _ => {
-                let view = self.view(v)?;
-                let mut out = Tensor::zeros(view.dtype, view.shape)?;
-                copy_bytes(out.bytes_mut(), view.bytes);
-                Ok(out)
-            }
+            _ => owned_copy(&self.view(v)?),
         }
     }
 
