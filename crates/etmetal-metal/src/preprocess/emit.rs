@@ -893,9 +893,15 @@ mod tests {
         assert!(!exact.contains("for") && !exact.contains("if"), "{exact}");
         assert!(exact.contains("let i = lid + 0u;") && exact.contains("let i = lid + 256u;"));
         let partial = lane_strided("i", 300, 256, body);
-        assert!(partial.contains("let i = lid + 256u;\n    if (i < 300u)"), "{partial}");
+        assert!(
+            partial.contains("let i = lid + 256u;\n    if (i < 300u)"),
+            "{partial}"
+        );
         assert_eq!(partial.matches("if (").count(), 1);
         let long = lane_strided("i", 9 * 256, 256, body);
-        assert!(long.starts_with("  for (var i = lid; i < 2304u; i = i + 256u)"), "{long}");
+        assert!(
+            long.starts_with("  for (var i = lid; i < 2304u; i = i + 256u)"),
+            "{long}"
+        );
     }
 }
