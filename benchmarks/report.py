@@ -15,8 +15,10 @@ PNG = HERE / "ratios.png"
 # int4 rows compute in bf16.
 PEAK = {"f32": 67e12, "bf16": 990e12, "int4": 990e12}
 PEAK_BW = 4.8e12
-# the decode issue's roofline: what a device-to-device copy reaches on the H200
-ROOFLINE_BW = 4.3e12
+# the decode issue's roofline bandwidth per card: what a device-to-device
+# copy reaches on the H200; the H100's datasheet HBM3 figure (no copy was
+# measured there, and the datasheet is the stricter bound)
+ROOFLINE_BW = {"H200": 4.3e12, "H100": 3.35e12}
 
 
 def load(name):
@@ -106,13 +108,20 @@ def model_rows(gpu):
     return rows, ratios
 
 
+def card_of(row) -> str:
+    """The row's card, short (`H100`)."""
+    return row.get("card", "").replace("NVIDIA ", "").split(" ")[0]
+
+
 def roofline(m):
-    """A decode step's roofline (its weight and KV-cache bytes over
-    ROOFLINE_BW) and etmetal's kernel time's % of it; – for other rows."""
+    """A decode step's roofline (its weight and KV-cache bytes over its
+    card's ROOFLINE_BW) and etmetal's kernel time's % of it; – for other
+    rows and unknown cards."""
     b = m.get("roofline_bytes")
-    if not b:
+    bw = ROOFLINE_BW.get(card_of(m))
+    if not b or bw is None:
         return "–"
-    ms = (b["weights"] + b["kv_cache"]) / ROOFLINE_BW * 1e3
+    ms = (b["weights"] + b["kv_cache"]) / bw * 1e3
     pct = ratio(ms, m["etmetal_kernel_ms"])
     # an MoE step's weight bytes count only the experts it routes to
     experts = " ({} of {} experts)".format(*b["active_experts"]) if b.get("active_experts") else ""
@@ -153,7 +162,8 @@ LLAMA = ("The Llama-3.2-1B shape (16 layers, hidden 2048, 32/8 heads, MLP 8192, 
          "head, random weights, transformers' static-cache recipe with 1024 positions): a decode step at "
          "position 512 and a 512-token prefill, in bf16 and int4 (PyTorch runs bf16 for both); roofline: the "
          "weight bytes the step reads (the embedding one row) plus the K and V cache of 513 positions, over "
-         "4.3 TB/s, and etmetal's kernel time's % of it. ")
+         "4.3 TB/s on the H200 (what a device-to-device copy reaches there) or the H100's datasheet 3.35 TB/s, "
+         "and etmetal's kernel time's % of it. ")
 QWEN3_MOE = ("The Qwen3-MoE shape (`qwen3moe_decode512`: Qwen3-30B-A3B's layer, hidden 2048, 32/4 heads of "
              "128 with q/k norms, 8 experts of 768 routed top-2, 6 layers, untied head over 151936 tokens, "
              "random weights, the same recipe and step): its roofline counts the router and only the 2 "
@@ -166,8 +176,7 @@ def run_of(row) -> str:
     file): its date and card, and `events` where PyTorch's figure was CUDA
     events around each call (launch overhead included) and each figure one
     measurement, as before the profiler timing."""
-    card = row.get("card", "").replace("NVIDIA ", "").split(" ")[0]
-    run = f"{row.get('run', '–')} {card}".strip()
+    run = f"{row.get('run', '–')} {card_of(row)}".strip()
     if row.get("torch_timing", "events") == "profiler":
         return run
     return f"{run} (events)"
