@@ -261,8 +261,22 @@ fn affine_over_weights_and_load_once() {
 }
 
 /// Two dispatches of one kernel `y = (x*2+1)*2+1` through an intermediate.
+/// `y = 2x + 1` twice, through an intermediate ([`chain_of`]).
 fn chain_payload(shape: [usize; 2]) -> Payload {
-    let add_one = elementwise("f32", 15, "x[i] * 2.0 + 1.0", "");
+    chain_of(shape, 2, "k0_mul_add", "x[i] * 2.0 + 1.0")
+}
+
+/// `n` dispatches of kernel `name` (`expr` of `x[i]`) over the 15 floats of
+/// `shape`, each reading what the one before wrote: the input, then
+/// back and forth between two buffers in two arenas.
+fn chain_of(shape: [usize; 2], n: usize, name: &str, expr: &str) -> Payload {
+    let dispatches = (0..n)
+        .map(|d| match d {
+            0 => dispatch(0, &[0, 1], 1),
+            _ if d % 2 == 1 => dispatch(0, &[1, 2], 1),
+            _ => dispatch(0, &[2, 1], 1),
+        })
+        .collect();
     Payload {
         buffers: vec![
             arena("x", DType::F32, &shape, 0, 0),
@@ -270,13 +284,13 @@ fn chain_payload(shape: [usize; 2]) -> Payload {
             arena("y", DType::F32, &shape, 1, 0),
         ],
         kernels: vec![kernel(
-            "k0_mul_add",
-            add_one,
+            name,
+            elementwise("f32", 15, expr, ""),
             &[Access::ReadWrite, Access::ReadWrite],
         )],
-        dispatches: vec![dispatch(0, &[0, 1], 1), dispatch(0, &[1, 2], 1)],
+        dispatches,
         inputs: vec![0],
-        outputs: vec![2],
+        outputs: vec![if n % 2 == 1 { 1 } else { 2 }],
         arenas: vec![512, 60],
         requirements: Requirements::default(),
         state: vec![],
@@ -304,45 +318,11 @@ fn two_dispatches_chain_through_an_intermediate_and_share_a_pipeline() {
     assert_eq!(out[0].shape(), shape);
 }
 
-/// `n` dispatches of `+1` over 15 floats, each reading the one before
-/// (ping-pong between two buffers after the input): more than one command
-/// buffer's worth, so each chunk reads what the one before wrote.
-fn long_chain_payload(n: usize) -> Payload {
-    let shape = [3, 5];
-    let dispatches = (0..n)
-        .map(|d| match d {
-            0 => dispatch(0, &[0, 1], 1),
-            _ if d % 2 == 1 => dispatch(0, &[1, 2], 1),
-            _ => dispatch(0, &[2, 1], 1),
-        })
-        .collect();
-    Payload {
-        buffers: vec![
-            arena("x", DType::F32, &shape, 0, 0),
-            arena("a", DType::F32, &shape, 0, 256),
-            arena("b", DType::F32, &shape, 1, 0),
-        ],
-        kernels: vec![kernel(
-            "k0_add",
-            elementwise("f32", 15, "x[i] + 1.0", ""),
-            &[Access::ReadWrite, Access::ReadWrite],
-        )],
-        dispatches,
-        inputs: vec![0],
-        outputs: vec![if n % 2 == 1 { 1 } else { 2 }],
-        arenas: vec![512, 60],
-        requirements: Requirements::default(),
-        state: vec![],
-        checks: vec![],
-        symbols: vec![],
-    }
-}
-
 #[test]
 fn a_long_chain_is_submitted_in_growing_command_buffers_in_order() {
     // 8 + 32 + 1 dispatches: three submits an execute
     let n = 41;
-    let payload = long_chain_payload(n);
+    let payload = chain_of([3, 5], n, "k0_add", "x[i] + 1.0");
     let x = Tensor::from_f32(
         DType::F32,
         &[3, 5],
