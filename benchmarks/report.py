@@ -91,7 +91,7 @@ def model_rows(gpu):
     rows, ratios = [], []
     for m in gpu["models"]:
         if "error" in m:
-            rows.append([m["model"], m["dtype"], run_of(m), "error: " + m["error"].splitlines()[-1][:120]] + [""] * 12)
+            rows.append([m["model"], m["dtype"], run_of(m), "error: " + m["error"].splitlines()[-1][:120]] + [""] * 13)
             continue
         r = ratio(m["etmetal_e2e_ms"], m["torch_e2e_ms"])
         top = m["top_kernels"][0] if m["top_kernels"] else None
@@ -99,7 +99,8 @@ def model_rows(gpu):
         compiled = fs(m, "torch_compile_ms") if "torch_compile_error" not in m else \
             "error: " + m["torch_compile_error"][:60]
         rows.append([m["model"], m["dtype"], run_of(m), mib(m["weight_bytes"]), fs(m, "torch_ms"), compiled,
-                     fs(m, "torch_e2e_ms"), fs(m, "etmetal_kernel_ms"), fs(m, "etmetal_e2e_ms"), f(r, 2),
+                     fs(m, "torch_e2e_ms"), fs(m, "torch_compile_e2e_ms"), fs(m, "etmetal_kernel_ms"),
+                     fs(m, "etmetal_e2e_ms"), f(r, 2),
                      f(ratio(m["etmetal_kernel_ms"], m.get("torch_compile_ms")), 2), roofline(m), placed,
                      m["dispatches"], "–" if top is None else f"{top['kernel']} {100 * top['share']:.0f}%",
                      f(m.get("err"), 1)])
@@ -432,14 +433,15 @@ def main():
                f"with `etmetal compile --max-buffer 2G`. PyTorch GPU: {torch_timing(gpu)}, inputs already on the GPU; "
                "torch.compile: default mode, the same timing after its compiling first call; PyTorch e2e: "
                "host inputs to the GPU, forward, outputs back to the host (wall clock), the same work an "
-               "etmetal execute does. ratio e2e = etmetal e2e / PyTorch eager e2e; ratio compiled = etmetal "
+               "etmetal execute does; torch.compile e2e: the same for the compiled module (– in rows measured before "
+               "it was added). ratio e2e = etmetal e2e / PyTorch eager e2e; ratio compiled = etmetal "
                "kernel / torch.compile GPU. " + (LLAMA if any(m["model"].startswith("llama1b") for m in gpu["models"])
                                                 else "") +
                (QWEN3_MOE if any(m["model"].startswith("qwen3moe") for m in gpu["models"]) else "") +
                "placed: partitions / kernels / nodes left on the CPU. err "
                "against PyTorch eager's output on the GPU.", "",
                table(["model", "dtype", "run", "weights MiB", "PyTorch GPU ms", "torch.compile GPU ms", "PyTorch e2e ms",
-                      "etmetal kernel ms", "etmetal e2e ms", "ratio e2e", "ratio compiled", "roofline",
+                      "torch.compile e2e ms", "etmetal kernel ms", "etmetal e2e ms", "ratio e2e", "ratio compiled", "roofline",
                       "placed", "dispatches", "top kernel", "err"], rows), ""]
         comp = [[m["model"], m["dtype"], f(m.get("compile_s")), f(m.get("torch_compile_first_s"))]
                 for m in gpu["models"] if "error" not in m]

@@ -788,16 +788,20 @@ def gpu_op(name: str, dt: str, scratch: Path) -> dict:
             "err": rel_err(b["output_0"], ref), "adapter": b["device"]}
 
 
-def torch_compiled_ms(m, xs) -> dict:
+def torch_compiled_ms(m, xs, host_xs) -> dict:
     """`torch.compile` (default mode) of `m`: the first call's seconds
-    (compilation) and its kernel time (REPEAT profiler sessions)."""
+    (compilation), its kernel time on the GPU inputs `xs` and its end to
+    end from the host inputs `host_xs` (inputs up, run, outputs down, as
+    eager's end to end; REPEAT sessions each)."""
     try:
         cm = torch.compile(m)
         t = time.perf_counter()
         cm(*xs)
         torch.cuda.synchronize()
         first = time.perf_counter() - t
-        return {**repeated(lambda: {"torch_compile_ms": torch_kernel_ms(lambda: cm(*xs))}),
+        e2e = lambda: [o.cpu() for o in as_tuple(cm(*(x.cuda() for x in host_xs)))]  # noqa: E731
+        return {**repeated(lambda: {"torch_compile_ms": torch_kernel_ms(lambda: cm(*xs)),
+                                    "torch_compile_e2e_ms": wall_time_ms(e2e)}),
                 "torch_compile_first_s": first}
     except Exception as e:  # a compile failure is a figure, not a crash
         return {"torch_compile_error": f"{type(e).__name__}: {e}"[:300]}
@@ -830,7 +834,7 @@ def torch_side(name: str, dt: str, scratch: Path, shared: dict) -> dict:
         if not ETMETAL_ONLY:
             torch_figures = repeated(lambda: {"torch_ms": torch_kernel_ms(lambda: m(*cuda_xs), RUNS, WARMUP),
                                               "torch_e2e_ms": wall_time_ms(e2e)})
-            compiled_torch = torch_compiled_ms(copy.deepcopy(m), cuda_xs)
+            compiled_torch = torch_compiled_ms(copy.deepcopy(m), cuda_xs, xs)
     shared[key] = {"pt2": pt2, "xs": xs, "want": want, "weight_bytes": weight_bytes(module),
                    "figures": {**torch_figures, **compiled_torch}}
     return shared[key]
