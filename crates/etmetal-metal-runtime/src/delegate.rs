@@ -4,7 +4,7 @@
 //! buffer, records their copies into the arena and the dispatches into a
 //! few command buffers, each submitted as soon as it is recorded (so the GPU
 //! starts while the host records the rest), and converts the outputs back, with the
-//! status words of the payload's run-time checks (zeroed in the same
+//! status words of the payload's run-time checks (zeroed in the first
 //! command buffer): a set bit fails the execute. Mutable buffers the
 //! payload marks as [`payload::State`] stay in the arena across
 //! executes: written only when the method passes their host value, updated
@@ -569,11 +569,12 @@ const SUBMIT_GROWTH: usize = 4;
 
 /// The dispatch ranges an execute submits one command buffer each: a
 /// first few, then each range [`SUBMIT_GROWTH`] times the one before. The
-/// GPU starts on the first while the host records the rest: recording
-/// costs about 3 µs a dispatch on an H100's host (0.3–0.4 ms for a
-/// decode step or a Whisper encoder, which the GPU waited for when one
-/// command buffer held them all), and the GPU takes longer than that
-/// over each dispatch, so it rarely waits for the next range. A program
+/// GPU starts on the first while the host records the rest: on an H100's
+/// host a submit costs about 0.1 ms and each dispatch recorded about
+/// 1.5 µs (0.3–0.8 ms for a decode step, a Whisper or a ViT encoder, which
+/// the GPU waited for when one command buffer held them all), and the GPU
+/// takes longer than that over each range, so it rarely waits for the
+/// next one. A program
 /// of at most [`FIRST_SUBMIT`] dispatches submits once; no dispatches
 /// still make one (empty) range, for the copies around them.
 fn submit_chunks(dispatches: usize) -> Vec<std::ops::Range<usize>> {
