@@ -35,4 +35,8 @@ parallel=()
 if "$python" -c "import xdist" 2>/dev/null; then
   parallel=(-n auto)
 fi
-exec "$python" -m pytest tests/parity -q "${parallel[@]}" "$@"
+# A run writes about 6.6 GB of exports and .pte files under pytest's temp
+# directory, and pytest keeps the last three runs': keep only the failed
+# tests' files, of the last run, so repeated runs do not fill the disk.
+exec "$python" -m pytest tests/parity -q "${parallel[@]}" \
+  -o tmp_path_retention_count=1 -o tmp_path_retention_policy=failed "$@"
