@@ -14,7 +14,8 @@ PNG = HERE / "ratios.png"
 # H200 SXM leads from the datasheet (plain f32, dense bf16 tensor cores, HBM3e);
 # int4 rows compute in bf16.
 PEAK = {"f32": 67e12, "bf16": 990e12, "int4": 990e12}
-PEAK_BW = 4.8e12
+# HBM datasheet bandwidth per card (H200 HBM3e, H100 SXM HBM3)
+PEAK_BW = {"H200": 4.8e12, "H100": 3.35e12}
 # the decode issue's roofline bandwidth per card: what a device-to-device
 # copy reaches on the H200; the H100's datasheet HBM3 figure (no copy was
 # measured there, and the datasheet is the stricter bound)
@@ -70,7 +71,8 @@ def op_rows(gpu):
         if memory_bound:
             # (PyTorch's int4 rows move a bf16 weight: `torch_bytes`)
             rate = lambda ms, b=o["bytes"]: None if ms is None else b / (ms * 1e-3) / 1e9  # noqa: E731
-            peak = lambda ms: None if ms is None else o["bytes"] / (ms * 1e-3) / PEAK_BW  # noqa: E731
+            bw = PEAK_BW.get(card_of(o))
+            peak = lambda ms: None if ms is None or bw is None else o["bytes"] / (ms * 1e-3) / bw  # noqa: E731
             torch_rate = rate(t, o.get("torch_bytes", o["bytes"]))
             unit = "GB/s"
         else:
@@ -417,8 +419,9 @@ def main():
                "the GPU timestamps of every dispatch (each in its own compute pass, so no launch gaps), median "
                "over the profiled runs. etmetal end to end: one "
                "`Method::execute` (host inputs up, dispatches, outputs read back), which PyTorch's column "
-               "does not include. Peak: the datasheet's 67 TFLOP/s f32, 990 TFLOP/s dense bf16, 4.8 TB/s "
-               "(memory-bound rows: GB/s and % of 4.8 TB/s). " + (INT4 if any(o["dtype"] == "int4" for o in gpu["ops"])
+               "does not include. Peak: the datasheet's 67 TFLOP/s f32 and 990 TFLOP/s dense bf16 (both "
+               "cards), and HBM 4.8 TB/s on the H200, 3.35 TB/s on the H100 (memory-bound rows: GB/s and % "
+               "of the row's card's). " + (INT4 if any(o["dtype"] == "int4" for o in gpu["ops"])
                                                              else "") +
                "err: ‖etmetal − ref‖/‖ref‖, ref in f64 (f32 rows) or f32 (bf16 rows) from the same inputs. "
                f"bmm runs {4} batches.", "",
