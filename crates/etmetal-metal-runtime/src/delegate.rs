@@ -2,10 +2,10 @@
 //! arenas, pipelines, bind groups and the input and read-back buffers made
 //! once at load; an execute converts the lent inputs into the mapped input
 //! buffer, records their copies into the arena and the dispatches into a
-//! few command buffers, each submitted as soon as it is recorded (so the GPU
-//! starts while the host records the rest), and converts the outputs back, with the
-//! status words of the payload's run-time checks (zeroed in the first
-//! command buffer): a set bit fails the execute. Mutable buffers the
+//! few command buffers, each submitted as soon as it is recorded (so the
+//! GPU starts while the host records the rest), and converts the outputs
+//! back, with the status words of the payload's run-time checks (zeroed in
+//! the first command buffer): a set bit fails the execute. Mutable buffers the
 //! payload marks as [`payload::State`] stay in the arena across
 //! executes: written only when the method passes their host value, updated
 //! by a GPU copy at the end of each execute, read back only on request.
@@ -574,9 +574,9 @@ const SUBMIT_GROWTH: usize = 4;
 /// 1.5 µs (0.3–0.8 ms for a decode step, a Whisper or a ViT encoder, which
 /// the GPU waited for when one command buffer held them all), and the GPU
 /// takes longer than that over each range, so it rarely waits for the
-/// next one. A program
-/// of at most [`FIRST_SUBMIT`] dispatches submits once; no dispatches
-/// still make one (empty) range, for the copies around them.
+/// next one. A program of at most [`FIRST_SUBMIT`] dispatches submits
+/// once; no dispatches still make one (empty) range, for the copies
+/// around them.
 fn submit_chunks(dispatches: usize) -> Vec<std::ops::Range<usize>> {
     let mut chunks = vec![];
     let (mut start, mut size) = (0, FIRST_SUBMIT);
@@ -1170,6 +1170,71 @@ impl GpuDelegate {
         Ok(())
     }
 
+    /// The commands that open an execute's first command buffer: the
+    /// inputs' copies from the upload buffer into the arena (`copies`: each
+    /// offset in the upload buffer and its region), and the status words
+    /// zeroed.
+    fn start_commands(&self, encoder: &mut wgpu::CommandEncoder, copies: &[(u64, Region)]) {
+        if let Some(upload) = &self.upload {
+            for (at, r) in copies {
+                encoder.copy_buffer_to_buffer(
+                    upload,
+                    *at,
+                    &self.buffers[r.buffer],
+                    r.offset,
+                    r.size,
+                );
+            }
+        }
+        for (r, _) in &self.statuses {
+            encoder.clear_buffer(&self.buffers[r.buffer], r.offset, Some(r.size));
+        }
+    }
+
+    /// Record launches `range` (`counts`: each launch's workgroups at this
+    /// execute's sizes; none where zero) in one compute pass, or where
+    /// `profiler` times them, each in its own: pass-boundary timestamps
+    /// need only TIMESTAMP_QUERY (Apple GPUs have no timestamps inside
+    /// passes).
+    fn record(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        range: std::ops::Range<usize>,
+        counts: &[[u32; 3]],
+        profiler: Option<&Profiler>,
+    ) {
+        let dispatch = |pass: &mut wgpu::ComputePass, d: usize| {
+            let [x, y, z] = counts[d];
+            if x == 0 {
+                return;
+            }
+            let pipeline = self.pipelines[self.launches[d].dispatch.kernel]
+                .as_ref()
+                .expect("a pipeline for every kernel a launch runs");
+            pass.set_pipeline(pipeline);
+            pass.set_bind_group(0, &self.bind_groups[d], &[]);
+            pass.dispatch_workgroups(x, y, z);
+        };
+        match profiler {
+            None => {
+                let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("etmetal delegate"),
+                    timestamp_writes: None,
+                });
+                range.for_each(|d| dispatch(&mut pass, d));
+            }
+            Some(p) => {
+                for d in range {
+                    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: Some("etmetal delegate (profiled)"),
+                        timestamp_writes: Some(p.writes(d)),
+                    });
+                    dispatch(&mut pass, d);
+                }
+            }
+        }
+    }
+
     /// The commands that end an execute's last command buffer: the new
     /// state becomes the next execute's input, on the GPU (nothing to copy
     /// where the kernels wrote the input in place), and the outputs
@@ -1300,19 +1365,6 @@ impl GpuDelegate {
                         format!("running kernels [{}]", kernels.join(", "))
                     },
                     || {
-                        let record = |pass: &mut wgpu::ComputePass, d: usize| {
-                            let dispatch = &self.launches[d].dispatch;
-                            let [x, y, z] = counts[d];
-                            if x == 0 {
-                                return;
-                            }
-                            let pipeline = self.pipelines[dispatch.kernel]
-                                .as_ref()
-                                .expect("a pipeline for every kernel a launch runs");
-                            pass.set_pipeline(pipeline);
-                            pass.set_bind_group(0, &self.bind_groups[d], &[]);
-                            pass.dispatch_workgroups(x, y, z);
-                        };
                         let last = chunks.len() - 1;
                         let mut index = None;
                         for (c, range) in chunks.iter().enumerate() {
@@ -1322,49 +1374,9 @@ impl GpuDelegate {
                                 },
                             );
                             if c == 0 {
-                                if let Some(upload) = &self.upload {
-                                    for (at, r) in &copies {
-                                        encoder.copy_buffer_to_buffer(
-                                            upload,
-                                            *at,
-                                            &self.buffers[r.buffer],
-                                            r.offset,
-                                            r.size,
-                                        );
-                                    }
-                                }
-                                for (r, _) in &self.statuses {
-                                    encoder.clear_buffer(
-                                        &self.buffers[r.buffer],
-                                        r.offset,
-                                        Some(r.size),
-                                    );
-                                }
+                                self.start_commands(&mut encoder, &copies);
                             }
-                            match profiler {
-                                None => {
-                                    let mut pass =
-                                        encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                                            label: Some("etmetal delegate"),
-                                            timestamp_writes: None,
-                                        });
-                                    range.clone().for_each(|d| record(&mut pass, d));
-                                }
-                                // Pass-boundary timestamps need only TIMESTAMP_QUERY
-                                // (Apple GPUs have no timestamps inside passes), so a
-                                // profiled execute gives each dispatch its own pass.
-                                Some(p) => {
-                                    for d in range.clone() {
-                                        let mut pass = encoder.begin_compute_pass(
-                                            &wgpu::ComputePassDescriptor {
-                                                label: Some("etmetal delegate (profiled)"),
-                                                timestamp_writes: Some(p.writes(d)),
-                                            },
-                                        );
-                                        record(&mut pass, d);
-                                    }
-                                }
-                            }
+                            self.record(&mut encoder, range.clone(), &counts, profiler);
                             if c == last {
                                 if let Some(p) = profiler {
                                     p.resolve(&mut encoder);
