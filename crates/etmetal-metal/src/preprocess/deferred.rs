@@ -12,7 +12,12 @@ use crate::payload::Size;
 /// A mean over the last dim of a few rows (an RMSNorm's mean of squares)
 /// whose kernel waits until a dispatch binds its buffer: a matrix-vector
 /// product reading it computes it itself (`kernels::matmul`), so when only
-/// products read it, it is never dispatched.
+/// products read it, it is never dispatched. Measured on an H100
+/// (2026-12-07, `benchmarks/results/binaries_prologue_h100.json`): with the
+/// mean dispatched, or the whole RMSNorm written out by one kernel, the
+/// products lost their prologue (int4 gate/up 0.47 → 0.36 ms a
+/// Llama-1B step) but the extra dispatches cost more, the step 1.07–1.19×
+/// slower in GPU time and 1.02–1.14× end to end.
 #[derive(Clone)]
 pub(crate) struct RowStat {
     pub buf: BufferIdx,
