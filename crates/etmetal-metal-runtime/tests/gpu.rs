@@ -260,7 +260,6 @@ fn affine_over_weights_and_load_once() {
     assert_eq!(after.bytes_read_back, 2 * 24);
 }
 
-/// Two dispatches of one kernel `y = (x*2+1)*2+1` through an intermediate.
 /// `y = 2x + 1` twice, through an intermediate ([`chain_of`]).
 fn chain_payload(shape: [usize; 2]) -> Payload {
     chain_of(shape, 2, "k0_mul_add", "x[i] * 2.0 + 1.0")
