@@ -312,7 +312,10 @@ impl Qmv<'_> {
             .find(|&c| mb * c <= 32 && n.div_ceil(c) * mblocks >= QMV_FILL)
             .unwrap_or(1);
         // staged: one chunk of a block per invocation (measured faster
-        // than two); else two chunks of all of k
+        // than two, and than the bf16 products' deep layout of four chunks
+        // in full workgroups: on an H100, int4 gate/up 0.474 -> 0.506 ms,
+        // a Llama-1B step 1.525 -> 1.599 ms end to end); else two chunks
+        // of all of k
         let layout = |stage: Option<Stage>| {
             let span = stage.map_or(chunks.div_ceil(2), |st| st.chunks);
             let threads = span.next_power_of_two().clamp(32, 128);
