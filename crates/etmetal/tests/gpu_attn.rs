@@ -327,6 +327,30 @@ fn decode_stops_at_the_masked_tail() {
     }
 }
 
+/// With 256 query rows the keys are not split: a workgroup walks all 600
+/// keys in chunks, its running max carried from chunk to chunk (each
+/// chunk's max one atomic in one of two workgroup slots, reused every
+/// other chunk), also across chunks the mask wholly removes (keys 100 to
+/// 399) and with scores of both signs.
+#[test]
+fn decode_carries_its_max_across_many_chunks() {
+    let (rows, s) = (256, 600);
+    let keep: Vec<i64> = (0..s)
+        .map(|j| i64::from(!(100..400).contains(&j)))
+        .collect();
+    let mask = Tensor::from_i64(DType::Bool, &[1, 1, 1, s], &keep).unwrap();
+    for mask in [None, Some(mask)] {
+        let mut case = OpCase::new(sdpa(false, None, false))
+            .input(random(DType::F32, &[1, rows, 1, 8], 140))
+            .input(random(DType::F32, &[1, rows, s, 8], 141))
+            .input(random(DType::F32, &[1, rows, s, 8], 142));
+        if let Some(m) = mask {
+            case = case.input(m);
+        }
+        case.check(TOL);
+    }
+}
+
 /// 40 queries over 4096 keys split the keys 128 ways, their partials
 /// (204 800 bytes) larger than any value (131 072): within a 140 000 byte
 /// limit the keys split fewer ways and the payload loads on a device

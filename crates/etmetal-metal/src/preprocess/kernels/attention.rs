@@ -32,7 +32,9 @@
 //!   not read. q is staged before that scan, whose end is one atomic max
 //!   and one barrier (the tree it replaced took seven); on an H100 this
 //!   took a Llama-1B-shaped step's attention from 0.250 to 0.240 ms
-//!   (int4) and 0.255 to 0.246 ms (bf16).
+//!   (int4) and 0.255 to 0.246 ms (bf16). Each chunk's max is likewise
+//!   one atomic max ([`MAX_KEYS`]; 0.242 to 0.238 ms and 0.247 to 0.244
+//!   ms, H100).
 //! * Either grid, when small, splits the keys over workgroups
 //!   (flash-decoding, see [`key_split`]): each split writes its partial
 //!   max, sum and unnormalised output, and a combine kernel merges them.
@@ -73,6 +75,15 @@ const PV_UNROLL: usize = 4;
 const TARGET_GROUPS: usize = 256;
 /// Key splits whose partials a combine invocation loads at once.
 const COMBINE_UNROLL: usize = 8;
+
+/// WGSL of two workgroup slots `cmx` and `max_key`/`key_max`: an f32
+/// mapped to a u32 key whose unsigned order is the float order (negative
+/// floats' bits inverted, positive ones' sign bit set), so a max over the
+/// workgroup is one `atomicMax`; key 0, the zero-initialised slot's, is
+/// below every float's key (-inf's is 0x007fffff).
+const MAX_KEYS: &str = "var<workgroup> cmx: array<atomic<u32>, 2>;\n\
+fn max_key(x: f32) -> u32 { let b = bitcast<u32>(x); return select(~b, b | 0x80000000u, (b & 0x80000000u) == 0u); }\n\
+fn key_max(k: u32) -> f32 { return bitcast<f32>(select(~k, k & 0x7fffffffu, (k & 0x80000000u) != 0u)); }\n";
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
     let Op::Sdpa {
@@ -927,6 +938,7 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
         "var<workgroup> qs: array<vec4<f32>, {e4}>;\nvar<workgroup> ps: array<f32, {DECODE_CHUNK}>;\n"
     );
     main.push_str(&shared("red", "f32"));
+    main.push_str(MAX_KEYS);
     if parts > 1 {
         main.push_str(&format!(
             "var<workgroup> red4: array<vec4<f32>, {}>;\n",
@@ -1036,8 +1048,16 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
             kk * wg
         ));
     }
-    let body = tree_reduce("red", "cmax", "tmax", &|x, y| format!("max({x}, {y})"));
-    main.extend(body.lines().map(|line| format!("  {line}\n")));
+    // the chunk's max: one atomic max of order-preserving keys and one
+    // barrier (a tree takes eight), in one of two slots by the chunk's
+    // parity; the other slot, read before the last chunk's later barriers,
+    // is cleared for the next chunk
+    main.push_str(&format!(
+        "    let slot = ((c0 - kbeg) / {DECODE_CHUNK}u) % 2u;\n\
+         \x20   atomicMax(&cmx[slot], max_key(cmax));\n    workgroupBarrier();\n\
+         \x20   let tmax = key_max(atomicLoad(&cmx[slot]));\n\
+         \x20   if (lid == 0u) {{ atomicStore(&cmx[1u - slot], 0u); }}\n"
+    ));
     main.push_str(&format!(
         "    let mx = max(m, tmax);\n    let ms = select(mx, 0.0, mx == {ninf});\n\
          \x20   let a = exp(m - ms);\n    var psum = 0.0;\n"
