@@ -282,6 +282,35 @@ fn reductions_over_size_one_dims() {
     }
 }
 
+/// Outputs that are one computation of separate nodes (transformers'
+/// static cache: every layer's `cumulative_length` becomes
+/// `cache_position[0] + 1`) are written by one kernel, each output still
+/// its value; other computations keep kernels of their own.
+#[test]
+fn outputs_of_one_computation_are_written_once() {
+    let mut b = Builder::default();
+    let pos = b.input(Tensor::from_i64(DType::I64, &[2], &[511, 7]).unwrap());
+    let x = b.input(random(DType::F32, &[5], 31));
+    let one = b.weight(Tensor::from_i64(DType::I64, &[], &[1]).unwrap());
+    let two = b.weight(Tensor::from_i64(DType::I64, &[], &[2]).unwrap());
+    let mut outputs: Vec<ValueId> = (0..4).map(|_| b.binary(BinaryOp::Add, pos, one)).collect();
+    outputs.push(b.binary(BinaryOp::Add, pos, two));
+    outputs.push(b.binary(BinaryOp::Mul, x, x));
+    for &v in &outputs {
+        b.graph.outputs.push((v, OutputKind::User));
+    }
+    let payload =
+        &compile_whole_within(&b.graph, &DeviceLimits::default()).methods[0].partitions[0].payload;
+    let kernels: Vec<&str> = payload
+        .dispatches
+        .iter()
+        .map(|d| payload.kernels[d.kernel].ops[0].as_str())
+        .collect();
+    assert_eq!(kernels, ["add", "add", "mul"], "one kernel a computation");
+    assert_eq!(payload.outputs.len(), outputs.len());
+    check_graph(&b.graph, b.inputs, 0.0, "repeated outputs");
+}
+
 /// The greedy token: argmax over a vocabulary-sized last dim (odd sizes).
 #[test]
 fn argmax_over_a_vocabulary() {

@@ -27,10 +27,24 @@ pub(crate) struct Lazy {
     pub node: Option<String>,
 }
 
+/// Two lazy values are equal where they compute the same elements the same
+/// way (the nodes they are named after aside): a partition's outputs that
+/// are one computation are written once.
+impl PartialEq for Lazy {
+    fn eq(&self, other: &Lazy) -> bool {
+        self.dtype == other.dtype && self.shape == other.shape && self.kind == other.kind
+    }
+}
+
+/// (So that comparing two handles of one value is a pointer comparison; a
+/// NaN literal is only unequal to itself, which at worst writes a value
+/// twice.)
+impl Eq for Lazy {}
+
 /// How the element at a logical index of an [`Lazy`] is computed. Children
 /// of pointwise kinds already have the node's shape (broadcasts are
 /// explicit [`Kind::Expand`]s).
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 pub(crate) enum Kind {
     /// Element of a contiguous buffer of the same shape.
     Load(BufferIdx),
@@ -104,7 +118,7 @@ pub(crate) enum Kind {
 
 /// A position along a dim: fixed, or counted from a dynamic end and read
 /// from the sizes uniform at run time (payload 1.3).
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 pub(crate) enum Pos {
     At(usize),
     Run(crate::payload::Size),

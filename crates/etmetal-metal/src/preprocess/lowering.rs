@@ -1022,10 +1022,18 @@ impl<'g> Lowering<'g> {
     pub(crate) fn finish(mut self) -> Result<Preprocessed> {
         self.current = "output".into();
         let mut outputs = vec![];
+        // outputs written here, by their values: another output that is
+        // the same computation (the recipe's per-layer cache lengths, each
+        // `cache_position[0] + 1`) is the same buffer, not one more kernel
+        let mut written: Vec<(LazyRef, BufferIdx)> = vec![];
         for (k, &v) in self.outputs.clone().iter().enumerate() {
             let lazy = self.value(v)?;
             let info = self.graph.value(v);
             let desc = BufferDesc::new(&info.name, info.dtype, &info.shape, Place::Output(k))?;
+            if let Some((_, b)) = written.iter().find(|(w, _)| *w == lazy) {
+                outputs.push(*b);
+                continue;
+            }
             let reuse = match lazy.kind {
                 Kind::Load(b)
                     if self.buffers.list[b].place == Place::Temp
@@ -1052,6 +1060,7 @@ impl<'g> Lowering<'g> {
                     let b = self.add_buffer(desc)?;
                     self.record_dims(b, v);
                     self.write_flat(&lazy, b)?;
+                    written.push((lazy, b));
                     b
                 }
             };
