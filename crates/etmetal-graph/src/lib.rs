@@ -14,6 +14,7 @@ pub mod precision;
 pub mod pt2;
 pub mod quantize;
 mod rewrite;
+pub mod siblings;
 #[cfg(test)]
 mod test_util;
 

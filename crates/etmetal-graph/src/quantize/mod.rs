@@ -38,7 +38,7 @@
 //!
 //! Linears of one input (q, k and v; gate and up) with weights of one
 //! format then become one product of their weights concatenated along N,
-//! each output a slice of it (`merge_siblings`).
+//! each output a slice of it (`crate::siblings`).
 //!
 //! The LM head is quantized by default, as the seed's `fpa4w` filter does
 //! (every `nn.Linear`): it is the largest matmul of a decoder step, so it
@@ -790,7 +790,7 @@ impl<'c> Quantizer<'c> {
         }
         graph.nodes = nodes;
         quantized_embeddings(graph, &tables, &mut report)?;
-        merge_siblings(graph)?;
+        crate::siblings::merge(graph)?;
         eliminate_dead_code(graph);
         Ok(report)
     }
@@ -961,158 +961,6 @@ fn quantized_gather(
     let mut rw = Rewrite::new(graph, node);
     let y = gather_rows(&mut rw, table, idx, dtype)?;
     rw.finish(y)
-}
-
-/// The largest packed weight [`merge_siblings`] makes: wgpu's storage
-/// binding limit on every adapter (the partitioner's default), so products
-/// the GPU takes apart it takes merged.
-const MERGED_MAX_BYTES: usize = 128 << 20;
-
-/// Quantized linears of one input (q, k and v; gate and up) and one
-/// format as one, their weights, scales and zeros concatenated along N,
-/// each output a slice of its outputs: the input is read once, and a
-/// decode step's products are one kernel (a kernel binds three buffers a
-/// weight, so separate products would be separate kernels).
-fn merge_siblings(graph: &mut Graph) -> Result<()> {
-    // the quantized linears of each input with constant weights, in order
-    let mut by_input: Vec<(ValueId, Vec<usize>)> = vec![];
-    for (i, node) in graph.nodes.iter().enumerate() {
-        let [Some(x), rest @ ..] = node.inputs.as_slice() else {
-            continue;
-        };
-        if QuantFormat::of_linear(&node.op).is_none() {
-            continue;
-        }
-        let constant = rest.len() == 3
-            && rest
-                .iter()
-                .all(|w| w.is_some_and(|w| graph.constants.contains_key(&w)))
-            && node.outputs.len() == 1;
-        if !constant {
-            continue;
-        }
-        match by_input.iter_mut().find(|(v, _)| v == x) {
-            Some((_, found)) => found.push(i),
-            None => by_input.push((*x, vec![i])),
-        }
-    }
-    let mut replaced: HashMap<usize, Vec<Node>> = HashMap::new();
-    for (_, group) in by_input {
-        // one format (the op), K and scale dtype
-        let key = |i: usize| {
-            let n = &graph.nodes[i];
-            let c = |slot: usize| &graph.constants[&n.inputs[slot].expect("checked above")];
-            (n.op.clone(), c(1).shape()[1], c(2).dtype(), c(2).shape()[1])
-        };
-        let group: Vec<usize> = group
-            .iter()
-            .copied()
-            .filter(|&i| key(i) == key(group[0]))
-            .collect();
-        let bytes: usize = group
-            .iter()
-            .map(|&i| {
-                graph.constants[&graph.nodes[i].inputs[1].expect("checked")]
-                    .bytes()
-                    .len()
-            })
-            .sum();
-        if group.len() < 2 || bytes > MERGED_MAX_BYTES {
-            continue;
-        }
-        let first = &graph.nodes[group[0]];
-        let (op, x) = (first.op.clone(), first.inputs[0]);
-        let widths: Vec<usize> = (group.iter())
-            .map(|&i| graph.constants[&graph.nodes[i].inputs[1].expect("checked")].shape()[0])
-            .collect();
-        let total: usize = widths.iter().sum();
-        let names: Vec<&str> = group
-            .iter()
-            .map(|&i| graph.nodes[i].name.as_str())
-            .collect();
-        let name = names.join("+");
-        let mut weights = vec![];
-        for slot in 0..3 {
-            let of = |i: usize| graph.nodes[i].inputs[slot + 1].expect("checked");
-            let t = &graph.constants[&of(group[0])];
-            // the parts' bytes one after the other, copied once
-            let mut merged = Tensor::zeros(t.dtype(), &[total, t.shape()[1]])?;
-            let out = merged.bytes_mut();
-            let mut at = 0;
-            for &i in &group {
-                let part = graph.constants[&of(i)].bytes();
-                let end = at + part.len();
-                if end > out.len() {
-                    return Err(Error::internal(format!(
-                        "merged quantized weights {name}: parts of other widths"
-                    )));
-                }
-                out[at..end].copy_from_slice(part);
-                at = end;
-            }
-            if at != out.len() {
-                return Err(Error::internal(format!(
-                    "merged quantized weights {name}: parts of other widths"
-                )));
-            }
-            // as the quantized weights are: a copy of the graph shares them
-            let merged = merged.into_shared();
-            // named after the parts' weights (as every method names them)
-            let parts: Vec<&str> = group
-                .iter()
-                .map(|&i| graph.value(of(i)).name.as_str())
-                .collect();
-            let name = parts.join("+");
-            weights.push(Some(graph.add_constant(name, merged)));
-        }
-        let mut merged = Node {
-            name: name.clone(),
-            target: graph.nodes[group[0]].target.clone(),
-            op,
-            inputs: [vec![x], weights].concat(),
-            outputs: vec![],
-        };
-        let (dtype, shape) = crate::infer::infer(graph, &merged)?
-            .into_iter()
-            .next()
-            .ok_or_else(|| Error::internal("a quantized linear with no output"))?;
-        let y = graph.add_value(format!("{name}.out"), dtype, shape.clone());
-        merged.outputs.push(y);
-        crate::infer_sym::assign_sym(graph, &merged)?;
-        let mut start = 0;
-        for (k, (&i, &width)) in group.iter().zip(&widths).enumerate() {
-            let n = &graph.nodes[i];
-            let slice = Node {
-                name: format!("{}.slice", n.name),
-                target: n.target.clone(),
-                op: Op::Slice {
-                    dim: shape.len() - 1,
-                    start,
-                    end: start + width,
-                    step: 1,
-                },
-                inputs: vec![Some(y)],
-                outputs: n.outputs.clone(),
-            };
-            start += width;
-            let at = replaced.entry(i).or_default();
-            if k == 0 {
-                at.push(merged.clone());
-            }
-            at.push(slice);
-        }
-    }
-    if replaced.is_empty() {
-        return Ok(());
-    }
-    let nodes = std::mem::take(&mut graph.nodes);
-    for (i, node) in nodes.into_iter().enumerate() {
-        match replaced.remove(&i) {
-            Some(new) => graph.nodes.extend(new),
-            None => graph.nodes.push(node),
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -223,8 +223,9 @@ fn program_state<'g>(graphs: impl Iterator<Item = &'g Graph>) -> Vec<String> {
 
 /// The methods' graphs with the options that rewrite a graph applied:
 /// `dtype`, then quantization over all of them (the weights they share are
-/// quantized once). Also returns how many linears quantization found in
-/// each (0 without it).
+/// quantized once), then the linears of one input merged
+/// (`etmetal_graph::siblings`). Also returns how many linears quantization
+/// found in each (0 without it).
 fn apply_options(
     methods: &[(&str, &Graph)],
     options: &CompileOptions,
@@ -245,6 +246,11 @@ fn apply_options(
         }
         None => vec![0; graphs.len()],
     };
+    // linears of one input as one product (after quantization, which
+    // picks formats and skips by each linear's own name)
+    for (g, (name, _)) in graphs.iter_mut().zip(methods) {
+        etmetal_graph::siblings::merge(g).map_err(|e| e.context(format!("method `{name}`")))?;
+    }
     Ok((graphs, linears))
 }
 
