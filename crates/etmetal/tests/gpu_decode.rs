@@ -10,20 +10,22 @@
 
 mod common;
 
-use common::gpu::{assert_close, compile_whole, load_method, random, run_pte};
+use common::gpu::{assert_close, backend, compile_whole, load_method, random, run_pte};
 use etmetal::compile::{compile, compile_cpu, CompileOptions};
+use etmetal::Model;
 use etmetal_core::{BinaryOp, DType, Op, Tensor};
 use etmetal_graph::{Graph, InputKind, Node, OutputKind, ValueId};
+use etmetal_runtime::LoadOptions;
 
-/// Dispatches a decoder layer's step may take (issue 18's goal): q, k and
-/// v (2: one kernel's 8 bindings hold two beside the norm's reads; each
-/// computes the RMSNorm's mean of squares itself and reads its scaling),
-/// the new key and value caches (2: each a partition output written once,
-/// which attention reads), attention computing the rotary q and the causal
-/// mask as it reads them (1), o and down with their residual adds in the
-/// store (2), gate and up as one (1; with the second norm; the SiLU gate
-/// is read by down). Before these fusions: 29.
-const LAYER_DISPATCHES: usize = 8;
+/// Dispatches a decoder layer's step may take: q, k and v as one product
+/// of concatenated weights (1; computing the RMSNorm's mean of squares
+/// itself and reading its scaling), attention computing the rotary q and
+/// the causal mask as it reads them and writing the step's key and value
+/// rows into the caches first (1), o and down with their residual adds in
+/// the store (2), gate and up as one (1; with the second norm; the SiLU
+/// gate in gate's store, read by down). Before these fusions: 29; then 8
+/// (q, k and v two kernels for the bindings, each new cache its own).
+const LAYER_DISPATCHES: usize = 5;
 
 fn decoder(layers: usize, dtype: DType) -> Graph {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -103,26 +105,67 @@ fn int4_decode_step_matches_the_cpu_kernels() {
     }
 }
 
+/// Decode steps of the 2-layer decoder, its linears in float and in int4
+/// (q, k and v one product either way, so attention binds few enough
+/// buffers to write the step's key and value rows into the caches itself,
+/// no dispatch of their own): each step's logits read the rows every step
+/// before wrote, and match the CPU kernels' at each of 6 positions, in
+/// f32 and bf16.
+#[test]
+fn attention_writes_the_cache_rows_later_steps_read() {
+    let cases = [(DType::F32, 1e-4), (DType::BF16, 2e-2)];
+    for ((dtype, tol), int4) in cases.iter().flat_map(|&c| [(c, false), (c, true)]) {
+        let mut graph = decoder(2, dtype);
+        if int4 {
+            etmetal_graph::quantize::quantize_int4(&mut graph, 32, &[]).unwrap();
+        }
+        let dtype = format!("{dtype}{}", if int4 { " int4" } else { "" });
+        let gpu = compile(&graph, &CompileOptions::default(), &mut |_| {}).unwrap();
+        let payload = &gpu.methods[0].partitions[0].payload;
+        let ops: Vec<&str> = (payload.dispatches.iter())
+            .map(|d| payload.kernels[d.kernel].ops[0].as_str())
+            .collect();
+        assert!(
+            !ops.contains(&"index_copy"),
+            "{dtype}: the cache rows have a dispatch of their own: {ops:?}"
+        );
+        let mut options = LoadOptions::default();
+        options.backends.register(backend()).unwrap();
+        let mut on_gpu = Model::from_pte_bytes(&gpu.pte, options).unwrap();
+        let cpu = compile_cpu(&graph).unwrap();
+        let mut on_cpu = Model::from_pte_bytes(&cpu, LoadOptions::default()).unwrap();
+        for (pos, token) in [(0, 3), (1, 17), (2, 5), (3, 60), (4, 1), (5, 33)] {
+            let inputs = vec![
+                Tensor::from_i64(DType::I64, &[1, 1], &[token]).unwrap(),
+                Tensor::from_i64(DType::I64, &[1], &[pos]).unwrap(),
+            ];
+            let want = on_cpu.execute_method("forward", inputs.clone()).unwrap();
+            let got = on_gpu.execute_method("forward", inputs).unwrap();
+            assert_close(&got[0], &want[0], tol, &format!("{dtype} step at {pos}"));
+        }
+    }
+}
+
 /// Dispatches of the last layer (from its q projection, which reads its
-/// input norm's weight, to the final norm's)
-/// of the transformers recipe's Llama decode step
-/// (tests/fixtures/llm/decode.pt2, made by scripts/make_llm_fixture.py: 2
-/// layers, a static KV cache kept on the GPU; the first layer also makes
-/// the rotary table and reads the embedding): q, k and v with the norm (1),
-/// the rotary key row and the value row written into their caches in
-/// place, both in one kernel (1), attention reading the rotary q and the
-/// mask as it goes (1), o (1), gate and up with the norm (1), down with the
-/// SiLU gate (1). Before: 9 in f32, 11 in bf16 (each cache rewritten whole
-/// by a `where`, the rotary q and the position's add each a kernel; in
-/// bf16 the rotary tables' rounding too).
-const RECIPE_LAYER_DISPATCHES: usize = 6;
+/// input norm's weight, to the final norm's) of the transformers recipe's
+/// Llama decode step (tests/fixtures/llm/decode.pt2, made by
+/// scripts/make_llm_fixture.py: 2 layers, a static KV cache kept on the
+/// GPU; the first layer also makes the rotary table and reads the
+/// embedding): q, k and v as one product with the norm (1), attention
+/// writing the rotary key row and the value row into their caches in
+/// place and reading the rotary q and the mask as it goes (1), o (1), gate
+/// and up with the norm (1), down with the SiLU gate (1). Before: 9 in
+/// f32, 11 in bf16 (each cache rewritten whole by a `where`, the rotary q
+/// and the position's add each a kernel; in bf16 the rotary tables'
+/// rounding too), then 6 (the cache rows one kernel of their own).
+const RECIPE_LAYER_DISPATCHES: usize = 5;
 /// The same with every linear in int4 (q, k and v one int4 product of
 /// concatenated weights, as gate and up; the norms' means and scaling, the
-/// residual adds and the SiLU gate in the products). Before: 19.
-const RECIPE_INT4_LAYER_DISPATCHES: usize = 6;
+/// residual adds and the SiLU gate in the products). Before: 19, then 6.
+const RECIPE_INT4_LAYER_DISPATCHES: usize = 5;
 
 #[test]
-fn recipe_decode_layer_takes_six_dispatches_and_writes_its_caches_in_place() {
+fn recipe_decode_layer_takes_five_dispatches_and_writes_its_caches_in_place() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/llm/decode.pt2");
     let cases = [

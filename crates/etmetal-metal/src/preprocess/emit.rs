@@ -325,6 +325,53 @@ impl<'a> KernelBuilder<'a> {
         format!("b{b}[{w}] = {};", self.pair(buf, lo, hi))
     }
 
+    /// A statement storing `values` (f32 WGSL expressions, 4 or 8, each
+    /// already of the buffer's dtype where it is stored as f32) as elements
+    /// `n·c … n·c + n - 1` of float buffer `buf` (`c` a u32 expression, `n`
+    /// the count), through the binding [`Self::load4`] (4) or
+    /// [`Self::load8`] (8) reads chunks by: a kernel reading the buffer so
+    /// writes it without binding it twice.
+    pub fn store_chunk(&mut self, buf: BufferIdx, c: &str, values: &[String]) -> Result<String> {
+        let storage = self.buffers.list[buf].storage;
+        let pairs = |kb: &Self| -> Vec<String> {
+            values
+                .chunks(2)
+                .map(|p| kb.pair(buf, &p[0], &p[1]))
+                .collect()
+        };
+        Ok(match (storage, values.len()) {
+            (Storage::F32, 4) => {
+                let b = self.bind_as(buf, 4);
+                format!("b{b}[{c}] = vec4<f32>({});", values.join(", "))
+            }
+            (Storage::F32, 8) => {
+                let b = self.bind_as(buf, 4);
+                format!(
+                    "b{b}[2u * ({c})] = vec4<f32>({}); b{b}[2u * ({c}) + 1u] = vec4<f32>({});",
+                    values[..4].join(", "),
+                    values[4..].join(", ")
+                )
+            }
+            (Storage::Packed16, 4) => {
+                let words = pairs(self);
+                let b = self.bind_as(buf, 4);
+                format!("b{b}[{c}] = vec2<u32>({});", words.join(", "))
+            }
+            (Storage::Packed16, 8) => {
+                let words = pairs(self);
+                let b = self.bind_as(buf, 8);
+                format!("b{b}[{c}] = vec4<u32>({});", words.join(", "))
+            }
+            _ => {
+                return Err(Error::internal(format!(
+                    "no store of {} elements of buffer `{}` at once",
+                    values.len(),
+                    self.buffers.list[buf].name
+                )))
+            }
+        })
+    }
+
     /// Statements storing [`Self::store_pair`]'s `lo` where WGSL bool
     /// `in_lo` holds and `hi` where `in_hi` does, keeping the word's other
     /// half (written by another dispatch: a slice ending mid-word).

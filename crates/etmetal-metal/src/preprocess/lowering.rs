@@ -971,6 +971,27 @@ impl<'g> Lowering<'g> {
         self.scatters.push(s);
     }
 
+    /// Take the row writes waiting at `indices` (of [`Self::scatters_waiting`])
+    /// for the kernel about to be added to write itself, which it may only
+    /// where it runs at every size ([`Self::is_gated`]).
+    pub(crate) fn take_scatters(&mut self, indices: &[usize]) -> Vec<Scatter> {
+        let mut taken = vec![];
+        let mut kept = vec![];
+        for (i, s) in std::mem::take(&mut self.scatters).into_iter().enumerate() {
+            match indices.contains(&i) {
+                true => taken.push(s),
+                false => kept.push(s),
+            }
+        }
+        self.scatters = kept;
+        taken
+    }
+
+    /// Whether the dispatches added now run only at some sizes (a bucket's).
+    pub(crate) fn is_gated(&self) -> bool {
+        self.gate.is_some()
+    }
+
     /// Dispatch the row writes waiting (one kernel), outside any size gate.
     pub(crate) fn flush_scatters(&mut self) -> Result<()> {
         let waiting = std::mem::take(&mut self.scatters);

@@ -49,8 +49,9 @@ use etmetal_graph::Node;
 use super::rows::{shared, tree_reduce, ROW_WORKGROUP};
 use crate::payload::Size;
 use crate::preprocess::buffers::{BufferIdx, Storage};
+use crate::preprocess::deferred::Scatter;
 use crate::preprocess::emit::{entry, grid, unravel, KernelBuilder, FLAT_GROUP, FLAT_WORKGROUP};
-use crate::preprocess::expr::LazyRef;
+use crate::preprocess::expr::{Kind, Lazy, LazyRef};
 use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::sizes::{bucket, extent, ROW_BUCKETS};
@@ -923,6 +924,7 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     let total = a.nb * l * nsplit;
     let split = a.split(lw, nsplit)?;
     let [kr, vr] = row_reads(lw, a);
+    let writes = row_writes(lw, a);
     let mut kb = a.builder_reading(lw, kr, vr)?;
     let e4 = e.div_ceil(4);
     // invocations share the output: units of `vw` columns (one V load or
@@ -960,6 +962,29 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
          \x20 let kbeg = sp * {span}u;\n",
         a.batch_lets(),
     ));
+    // the cache rows this step writes whose positions are in the
+    // workgroup's keys, written before they are read (each workgroup of
+    // the split writes them all: the same bytes, a few KiB)
+    for (t, w) in writes.iter().enumerate() {
+        let keep = format!("j >= i32(kbeg) && j < i32(min({s}u, kbeg + {span}u))");
+        // (in chunks through the binding the rows are read by)
+        let chunk = [kr, vr]
+            .into_iter()
+            .find(|r| r.buf() == Some(w.target))
+            .map_or(0, RowRead::width);
+        if let Some(w) = super::scatter::element_write(&mut kb, lw, w, t, Some(&keep), chunk)? {
+            main.push_str(&format!(
+                "  for (var t = lid; t < {}u; t = t + {wg}u) {{\n{}  }}\n",
+                w.items, w.body
+            ));
+        }
+    }
+    // (visible to every invocation of the workgroup with the barrier that
+    // ends the mask's scan)
+    let written = match writes.is_empty() {
+        true => "",
+        false => "storageBarrier();\n  ",
+    };
     // q is staged first, so that its loads and the mask's are in flight
     // together, and the barrier ending the mask's scan covers both
     main.push_str(&format!(
@@ -980,11 +1005,13 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
         main.extend(keep.lines().map(|line| format!("    {line}\n")));
         main.push_str(&format!(
             "    if (x != {ninf}) {{ last = j + 1u; }}\n  }}\n\
-             \x20 atomicMax(&tend, last);\n  workgroupBarrier();\n\
+             \x20 atomicMax(&tend, last);\n  {written}workgroupBarrier();\n\
              \x20 let kend = min(kall, atomicLoad(&tend));\n"
         ));
     } else {
-        main.push_str(&format!("  let kend = {kend};\n  workgroupBarrier();\n"));
+        main.push_str(&format!(
+            "  let kend = {kend};\n  {written}workgroupBarrier();\n"
+        ));
     }
     main.push_str(&format!(
         "  let cc = lid % {cw}u;\n  let part = lid / {cw}u;\n\
@@ -1180,6 +1207,69 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     match split {
         Some(sp) => combine(lw, a, &sp),
         None => Ok(()),
+    }
+}
+
+/// The in-place row writes waiting ([`Lowering::scatters_waiting`]: a
+/// decode step's KV cache rows) that the decode kernel writes itself
+/// instead of a dispatch before it: every waiting write into a buffer the
+/// attention reads, where each is into the buffer of k or v whose keys are
+/// its rows (key `j` is position `j` along the written dim: [`keys_are_rows`]),
+/// the kernel runs at every size and binds them all within the limit (it
+/// writes a buffer through the binding it reads it by: [`RowRead`]'s
+/// chunks, else words). Else none, and they are dispatched before the
+/// kernel as usual.
+fn row_writes(lw: &mut Lowering, a: &Attn) -> Vec<Scatter> {
+    let mut bound = vec![];
+    for x in [&a.q, &a.k, &a.v].into_iter().chain(&a.mask) {
+        x.buffers(&mut bound);
+    }
+    let ours: Vec<usize> = (lw.scatters_waiting().iter().enumerate())
+        .filter(|(_, w)| bound.contains(&w.target))
+        .map(|(i, _)| i)
+        .collect();
+    if ours.is_empty() || lw.is_gated() {
+        return vec![];
+    }
+    let waiting = lw.scatters_waiting();
+    let mut checks = [&a.q, &a.k, &a.v]
+        .into_iter()
+        .chain(&a.mask)
+        .any(|x| x.has_checks());
+
+    for &i in &ours {
+        let w = &waiting[i];
+        let (_, _, inner) = w.geometry();
+        let aligned = [&a.k, &a.v].into_iter().any(|x| {
+            let r = x.shape.len();
+            keys_are_rows(x, w.target)
+                && w.shape[w.dim] == x.shape[r - 2]
+                && inner == x.shape[r - 1]
+        });
+        if !aligned {
+            return vec![];
+        }
+        w.index.buffers(&mut bound);
+        w.src.buffers(&mut bound);
+        checks |= w.index.has_checks() || w.src.has_checks();
+    }
+    // (and the output or the key splits' partials)
+    if bound.len() + 1 + usize::from(checks) > lw.options.max_bindings {
+        return vec![];
+    }
+    lw.take_scatters(&ours)
+}
+
+/// Whether key `j` of `x` (an attention's k or v, `[…, keys, d]`) is row
+/// `j` of buffer `buf` seen as `[…, keys, d]`: `x` reads `buf` through
+/// reshapes and expands that keep its last two dims as they are.
+fn keys_are_rows(x: &Lazy, buf: BufferIdx) -> bool {
+    let r = x.shape.len();
+    let same = |y: &Lazy| y.shape.len() >= 2 && y.shape[y.shape.len() - 2..] == x.shape[r - 2..];
+    match &x.kind {
+        Kind::Load(b) => *b == buf,
+        Kind::Reshape(y) | Kind::Expand(y) if same(y) => keys_are_rows(y, buf),
+        _ => false,
     }
 }
 

@@ -194,48 +194,15 @@ pub(crate) fn dispatch(lw: &mut Lowering, scatters: &[Scatter]) -> Result<()> {
     ));
     let mut start = 0usize;
     for (i, s) in scatters.iter().enumerate() {
-        let (outer, k, inner) = s.geometry();
-        let n = s.shape[s.dim];
-        let packed = lw.buffers.list[s.target].storage == Storage::Packed16;
-        let per = if packed { 2 } else { 1 };
-        let items = outer * k * inner / per;
-        if items == 0 {
+        let Some(write) = element_write(&mut kb, lw, s, i, None, 0)? else {
             continue;
-        }
-        let (src, ix) = (format!("src{i}"), format!("ix{i}"));
-        kb.value_fn(&s.src, &src)?;
-        kb.value_fn(&s.index, &ix)?;
-        let inner_items = inner / per;
-        let valid = match &s.rows {
-            Some(rows) => format!(" && m < {}", kb.size(rows)),
-            None => String::new(),
-        };
-        let at = |c: &str| -> String {
-            let mut idx = unravel("o", &s.shape[..s.dim]);
-            idx.push("m".into());
-            idx.extend(unravel(c, &s.shape[s.dim + 1..]));
-            format!("{src}({})", idx.join(", "))
-        };
-        let position = cast(&format!("{ix}(m)"), s.index.dtype, DType::I32);
-        let e = format!("(o * {n}u + u32(j)) * {inner}u + c");
-        let store = if packed {
-            kb.store_pair(s.target, &format!("({e}) / 2u"), &at("c"), &at("(c + 1u)"))
-        } else {
-            let v = cast(&at("c"), s.src.dtype, lw.buffers.list[s.target].dtype);
-            kb.store(s.target, &e, &v)?
         };
         main.push_str(&format!(
-            "  if (g >= {start}u && g < {end}u) {{\n\
-             \x20   let t = g - {start}u;\n\
-             \x20   let c = (t % {inner_items}u) * {per}u;\n\
-             \x20   let m = (t / {inner_items}u) % {k}u;\n\
-             \x20   let o = t / {row_items}u;\n\
-             \x20   let j = {position};\n\
-             \x20   if (j >= 0i && j < {n}i{valid}) {{ {store} }}\n  }}\n",
-            end = start + items,
-            row_items = inner_items * k,
+            "  if (g >= {start}u && g < {end}u) {{\n    let t = g - {start}u;\n{}  }}\n",
+            write.body,
+            end = start + write.items,
         ));
-        start += items;
+        start += write.items;
     }
     if start == 0 {
         // no rows to write
@@ -246,4 +213,84 @@ pub(crate) fn dispatch(lw: &mut Lowering, scatters: &[Scatter]) -> Result<()> {
     let workgroups = grid(groups, lw.options.max_workgroups_per_dim)?;
     let ops = vec![lw.op_label()];
     lw.add_dispatch(kb.finish(&main), ops, [FLAT_WORKGROUP, 1, 1], workgroups, 0)
+}
+
+/// The elements of a row write, as one invocation writes each.
+pub(crate) struct ElementWrite {
+    /// How many: one a written element, or a word of two where 16-bit
+    /// packed.
+    pub items: usize,
+    /// WGSL statements writing element `t` (a `u32` below `items`, in
+    /// scope), with `j`, its position along the dim, an `i32`.
+    pub body: String,
+}
+
+/// How a kernel writes the rows of `s` (its functions tagged `i`): element
+/// `t` is written where its position is inside the dim, inside the run-time
+/// row count, and meets `keep` where given (a WGSL condition on `j`). An
+/// element is one value (a word of two where 16-bit packed), or with
+/// `chunk` 4 or 8 that many (a divisor of a row), stored as the kernel's
+/// chunked reads load them ([`KernelBuilder::store_chunk`]). None where
+/// there are no rows.
+pub(crate) fn element_write(
+    kb: &mut KernelBuilder,
+    lw: &Lowering,
+    s: &Scatter,
+    i: usize,
+    keep: Option<&str>,
+    chunk: usize,
+) -> Result<Option<ElementWrite>> {
+    let (outer, k, inner) = s.geometry();
+    let n = s.shape[s.dim];
+    let packed = lw.buffers.list[s.target].storage == Storage::Packed16;
+    let per = match (chunk, packed) {
+        (0, true) => 2,
+        (0, false) => 1,
+        _ => chunk,
+    };
+    let items = outer * k * inner / per;
+    if items == 0 {
+        return Ok(None);
+    }
+    let (src, ix) = (format!("src{i}"), format!("ix{i}"));
+    kb.value_fn(&s.src, &src)?;
+    kb.value_fn(&s.index, &ix)?;
+    let inner_items = inner / per;
+    let mut valid = match &s.rows {
+        Some(rows) => format!(" && m < {}", kb.size(rows)),
+        None => String::new(),
+    };
+    if let Some(keep) = keep {
+        valid += &format!(" && {keep}");
+    }
+    let at = |c: &str| -> String {
+        let mut idx = unravel("o", &s.shape[..s.dim]);
+        idx.push("m".into());
+        idx.extend(unravel(c, &s.shape[s.dim + 1..]));
+        format!("{src}({})", idx.join(", "))
+    };
+    let position = cast(&format!("{ix}(m)"), s.index.dtype, DType::I32);
+    let e = format!("(o * {n}u + u32(j)) * {inner}u + c");
+    // (a 16-bit word's halves are rounded as they are packed)
+    let stored = |c: &str| match packed {
+        true => at(c),
+        false => cast(&at(c), s.src.dtype, lw.buffers.list[s.target].dtype),
+    };
+    let store = match (chunk, packed) {
+        (0, true) => kb.store_pair(s.target, &format!("({e}) / 2u"), &at("c"), &at("(c + 1u)")),
+        (0, false) => kb.store(s.target, &e, &stored("c"))?,
+        _ => {
+            let values: Vec<String> = (0..chunk).map(|q| stored(&format!("(c + {q}u)"))).collect();
+            kb.store_chunk(s.target, &format!("({e}) / {chunk}u"), &values)?
+        }
+    };
+    let body = format!(
+        "    let c = (t % {inner_items}u) * {per}u;\n\
+         \x20   let m = (t / {inner_items}u) % {k}u;\n\
+         \x20   let o = t / {row_items}u;\n\
+         \x20   let j = {position};\n\
+         \x20   if (j >= 0i && j < {n}i{valid}) {{ {store} }}\n",
+        row_items = inner_items * k,
+    );
+    Ok(Some(ElementWrite { items, body }))
 }
