@@ -73,6 +73,9 @@ const DECODE_CHUNK: usize = 2 * ROW_WORKGROUP as usize;
 /// Keys whose V rows a decode invocation loads before it uses them.
 const PV_UNROLL: usize = 4;
 /// Workgroups below which the keys are split (a few per SM of a large GPU).
+/// Fewer splits save the combine dispatch but cost more: on an H200 a
+/// Llama-1B decode step (32 heads, 513 keys) took 1.524 ms GPU with 256,
+/// 1.687 ms with 64 and 1.734 ms with 32 (no split, no combine).
 const TARGET_GROUPS: usize = 256;
 /// Key splits whose partials a combine invocation loads at once.
 const COMBINE_UNROLL: usize = 8;
