@@ -146,6 +146,89 @@ fn attention_writes_the_cache_rows_later_steps_read() {
     }
 }
 
+/// `sdpa(q, k_cache.index_copy_(2, pos, k), v_cache.index_copy_(2, pos,
+/// v), mask)` with GQA (4 query heads on 2 KV heads) and 3 new rows a step
+/// into caches of 300 positions kept on the GPU: attention writes the rows
+/// itself (no dispatch of their own), rows on both sides of its key
+/// split's boundary (256) and a row written over, and later steps read
+/// what earlier ones wrote, as the CPU kernels do.
+#[test]
+fn attention_writes_several_rows_across_its_key_splits() {
+    let (heads, kv, s, d, l) = (4, 2, 300, 16, 3);
+    for dtype in [DType::F32, DType::BF16] {
+        let mut g = Graph::default();
+        let mut cache = |g: &mut Graph, name: &str, seed| {
+            let c = g.add_constant(format!("b_{name}"), random(dtype, &[1, kv, s, d], seed));
+            let fqn = name.to_string();
+            g.inputs.push((
+                c,
+                InputKind::Buffer {
+                    fqn,
+                    persistent: true,
+                },
+            ));
+            c
+        };
+        let (kc, vc) = (cache(&mut g, "k_cache", 1), cache(&mut g, "v_cache", 2));
+        let pos = value(&mut g, "pos", DType::I64, &[l]);
+        let q = value(&mut g, "q", dtype, &[1, heads, l, d]);
+        let k = value(&mut g, "k", dtype, &[1, kv, l, d]);
+        let v = value(&mut g, "v", dtype, &[1, kv, l, d]);
+        let mask = value(&mut g, "mask", DType::Bool, &[l, s]);
+        let copy = Op::IndexCopy { dim: 2 };
+        let nk = push(&mut g, copy.clone(), &[kc, pos, k], &[1, kv, s, d], dtype);
+        let nv = push(&mut g, copy, &[vc, pos, v], &[1, kv, s, d], dtype);
+        let sdpa = Op::Sdpa {
+            is_causal: false,
+            scale: None,
+            enable_gqa: true,
+        };
+        let y = push(&mut g, sdpa, &[q, nk, nv, mask], &[1, heads, l, d], dtype);
+        for (v, fqn) in [(nk, "k_cache"), (nv, "v_cache")] {
+            let fqn = fqn.to_string();
+            g.outputs.push((v, OutputKind::BufferMutation { fqn }));
+        }
+        g.outputs.push((y, OutputKind::User));
+        let gpu = compile(&g, &CompileOptions::default(), &mut |_| {}).unwrap();
+        let payload = &gpu.methods[0].partitions[0].payload;
+        let ops: Vec<&str> = (payload.dispatches.iter())
+            .map(|d| payload.kernels[d.kernel].ops[0].as_str())
+            .collect();
+        assert!(!ops.contains(&"index_copy"), "{dtype}: {ops:?}");
+        assert!(ops.len() >= 2, "{dtype}: the keys split: {ops:?}");
+        let mut on_gpu = load_method(&gpu.pte);
+        let cpu = etmetal_runtime::Program::from_bytes(&compile_cpu(&g).unwrap()).unwrap();
+        let mut on_cpu = cpu.method("forward").unwrap();
+        for (step, at) in [[254, 255, 256], [257, 0, 299], [1, 2, 3]]
+            .into_iter()
+            .enumerate()
+        {
+            // each row sees the keys up to the latest position written
+            let last = at.iter().max().copied().unwrap_or(0);
+            let keep: Vec<i64> = (0..l * s)
+                .map(|i| i64::from((i % s) as i64 <= last))
+                .collect();
+            let seed = 10 * step as u64;
+            let inputs = vec![
+                Tensor::from_i64(DType::I64, &[l], &at).unwrap(),
+                random(dtype, &[1, heads, l, d], seed + 3),
+                random(dtype, &[1, kv, l, d], seed + 4),
+                random(dtype, &[1, kv, l, d], seed + 5),
+                Tensor::from_i64(DType::Bool, &[l, s], &keep).unwrap(),
+            ];
+            let got = on_gpu.execute(inputs.clone()).unwrap();
+            let want = on_cpu.execute(inputs).unwrap();
+            let tol = if dtype == DType::BF16 { 2e-2 } else { 1e-5 };
+            assert_close(
+                &got[0],
+                &want[0],
+                tol,
+                &format!("{dtype} step {step} at {at:?}"),
+            );
+        }
+    }
+}
+
 /// Dispatches of the last layer (from its q projection, which reads its
 /// input norm's weight, to the final norm's) of the transformers recipe's
 /// Llama decode step (tests/fixtures/llm/decode.pt2, made by
