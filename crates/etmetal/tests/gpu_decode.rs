@@ -157,7 +157,7 @@ fn attention_writes_several_rows_across_its_key_splits() {
     let (heads, kv, s, d, l) = (4, 2, 300, 16, 3);
     for dtype in [DType::F32, DType::BF16] {
         let mut g = Graph::default();
-        let mut cache = |g: &mut Graph, name: &str, seed| {
+        let cache = |g: &mut Graph, name: &str, seed| {
             let c = g.add_constant(format!("b_{name}"), random(dtype, &[1, kv, s, d], seed));
             let fqn = name.to_string();
             g.inputs.push((
