@@ -966,8 +966,8 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
         a.batch_lets(),
     ));
     // the cache rows this step writes whose positions are in the
-    // workgroup's keys, written before they are read (each workgroup of
-    // the split writes them all: the same bytes, a few KiB)
+    // workgroup's keys, written before they are read (every workgroup of
+    // those keys writes all their heads' rows: the same bytes, a few KiB)
     for (t, w) in writes.iter().enumerate() {
         let keep = format!("j >= i32(kbeg) && j < i32(min({s}u, kbeg + {span}u))");
         // (in chunks through the binding the rows are read by)
@@ -1239,7 +1239,6 @@ fn row_writes(lw: &mut Lowering, a: &Attn) -> Vec<Scatter> {
         .into_iter()
         .chain(&a.mask)
         .any(|x| x.has_checks());
-
     for &i in &ours {
         let w = &waiting[i];
         let (_, _, inner) = w.geometry();
