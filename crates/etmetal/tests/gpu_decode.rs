@@ -5,8 +5,9 @@
 //! residual adds fused into the products and attention, and that the fused
 //! step's logits match the CPU kernels' in f32 and bf16. Then the
 //! transformers recipe's decode step (tests/fixtures/llm/), whose KV-cache
-//! writes (`index_copy_`) are written in place on the GPU, and those writes
-//! against the CPU kernels.
+//! writes (`index_copy_`) are written in place on the GPU, those writes
+//! against the CPU kernels, and the attention that makes them itself over
+//! several steps.
 
 mod common;
 
