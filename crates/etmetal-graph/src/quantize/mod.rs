@@ -38,7 +38,8 @@
 //!
 //! Linears of one input (q, k and v; gate and up) with weights of one
 //! format then become one product of their weights concatenated along N,
-//! each output a slice of it (`crate::siblings`).
+//! each output a slice of it: `crate::siblings`, which the compile runs
+//! after quantization for every dtype.
 //!
 //! The LM head is quantized by default, as the seed's `fpa4w` filter does
 //! (every `nn.Linear`): it is the largest matmul of a decoder step, so it
@@ -790,7 +791,6 @@ impl<'c> Quantizer<'c> {
         }
         graph.nodes = nodes;
         quantized_embeddings(graph, &tables, &mut report)?;
-        crate::siblings::merge(graph)?;
         eliminate_dead_code(graph);
         Ok(report)
     }
@@ -1050,8 +1050,9 @@ mod tests {
         assert_eq!(rc.reused, ["head"]);
     }
 
-    /// Two linears of one input (`q` without bias, `k` with one): one
-    /// int4 product of the weights concatenated along N, its output
+    /// Two linears of one input (`q` without bias, `k` with one),
+    /// quantized and then merged (`crate::siblings`, as the compile does):
+    /// one int4 product of the weights concatenated along N, its output
     /// sliced at each part's offset, the bias added after the slice.
     #[test]
     fn linears_of_one_input_become_one_int4_product() {
@@ -1075,6 +1076,7 @@ mod tests {
         g.outputs.push((q, OutputKind::User));
         g.outputs.push((k, OutputKind::User));
         let r = quantize_int4(&mut g, 32, &[]).unwrap();
+        crate::siblings::merge(&mut g).unwrap();
         assert_eq!(r.nodes(), ["q_proj", "k_proj"]);
         assert_eq!(ops(&g), ["int4_linear", "slice", "slice", "add"]);
         reinfers(&g);
