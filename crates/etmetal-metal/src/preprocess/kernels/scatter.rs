@@ -277,7 +277,12 @@ pub(crate) fn element_write(
         false => cast(&at(c), s.src.dtype, lw.buffers.list[s.target].dtype),
     };
     let store = match (chunk, packed) {
-        (0, true) => kb.store_pair(s.target, &format!("({e}) / 2u"), &at("c"), &at("(c + 1u)")),
+        (0, true) => kb.store_pair(
+            s.target,
+            &format!("({e}) / 2u"),
+            &stored("c"),
+            &stored("(c + 1u)"),
+        ),
         (0, false) => kb.store(s.target, &e, &stored("c"))?,
         _ => {
             let values: Vec<String> = (0..chunk).map(|q| stored(&format!("(c + {q}u)"))).collect();
