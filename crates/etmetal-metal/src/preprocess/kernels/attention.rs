@@ -967,7 +967,10 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     ));
     // the cache rows this step writes whose positions are in the
     // workgroup's keys, written before they are read (every workgroup of
-    // those keys writes all their heads' rows: the same bytes, a few KiB)
+    // those keys writes all their heads' rows: the same bytes, a few KiB),
+    // after q's loads and the mask's scan have issued theirs (the position
+    // they read first is then at hand)
+    let mut rows = String::new();
     for (t, w) in writes.iter().enumerate() {
         let keep = format!("j >= i32(kbeg) && j < i32(min({s}u, kbeg + {span}u))");
         // (in chunks through the binding the rows are read by)
@@ -976,7 +979,7 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
             .find(|r| r.buf() == Some(w.target))
             .map_or(0, RowRead::width);
         if let Some(w) = super::scatter::element_write(&mut kb, lw, w, t, Some(&keep), chunk)? {
-            main.push_str(&format!(
+            rows.push_str(&format!(
                 "  for (var t = lid; t < {}u; t = t + {wg}u) {{\n{}  }}\n",
                 w.items, w.body
             ));
@@ -984,10 +987,9 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
     }
     // (visible to every invocation of the workgroup with the barrier that
     // ends the mask's scan)
-    let written = match writes.is_empty() {
-        true => "",
-        false => "storageBarrier();\n  ",
-    };
+    if !writes.is_empty() {
+        rows.push_str("  storageBarrier();\n");
+    }
     // q is staged first, so that its loads and the mask's are in flight
     // together, and the barrier ending the mask's scan covers both
     main.push_str(&format!(
@@ -1008,12 +1010,12 @@ fn decode(lw: &mut Lowering, a: &Attn) -> Result<()> {
         main.extend(keep.lines().map(|line| format!("    {line}\n")));
         main.push_str(&format!(
             "    if (x != {ninf}) {{ last = j + 1u; }}\n  }}\n\
-             \x20 atomicMax(&tend, last);\n  {written}workgroupBarrier();\n\
+             {rows}\x20 atomicMax(&tend, last);\n  workgroupBarrier();\n\
              \x20 let kend = min(kall, atomicLoad(&tend));\n"
         ));
     } else {
         main.push_str(&format!(
-            "  let kend = {kend};\n  {written}workgroupBarrier();\n"
+            "  let kend = {kend};\n{rows}  workgroupBarrier();\n"
         ));
     }
     main.push_str(&format!(
