@@ -18,7 +18,8 @@
 #   bash scripts/coop_crash.sh run [crash|stress]...
 #       # on the GPU machine (carry .gl and .bench/coop); each part appends
 #       # to $OUT/coop_crash.txt (or ./coop_crash.txt); both by default.
-#       # TIMES=N repeats the test binary N times (10).
+#       # TIMES=N repeats the test binary N times (10); SINGLE=0 skips
+#       # its single-threaded run (for a check spread over several calls).
 #
 # `run` answers:
 #  1. does the crash come back: the test binary TIMES times multi-threaded,
@@ -102,7 +103,7 @@ run() {
         crash)
             # 1. the crash, unchanged (the binary's default: a test thread a core)
             repeat "gpu_matmul x$threads" ${TIMES:-10} $DIR/gpu_matmul
-            repeat "gpu_matmul single-threaded" 1 $DIR/gpu_matmul --test-threads=1
+            [ "${SINGLE:-1}" = 0 ] || repeat "gpu_matmul single-threaded" 1 $DIR/gpu_matmul --test-threads=1
             ;;
         stress)
             # 2. the patterns
