@@ -17,7 +17,7 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use etmetal::compile::{self, Backend, CompileOptions, Partitioned, Quantization};
-use etmetal::device::{DevicePreference, Workload};
+use etmetal::device::{DevicePreference, TensorCores, Workload};
 use etmetal_core::{DType, Error, ErrorKind, Tensor};
 use etmetal_graph::quantize::{QuantizeOptions, Scheme};
 use etmetal_graph::Graph;
@@ -264,7 +264,8 @@ struct Program {
 impl Program {
     /// `device`: `auto`, `metal`, `vulkan`, `dx12` or `cpu`, as
     /// `etmetal run --device`. A file with GPU delegates and no adapter (or
-    /// `cpu`) is an error, as in the CLI.
+    /// `cpu`) is an error, as in the CLI. Tensor cores as `etmetal run`
+    /// runs them (`ETMETAL_COOP` sets them as `--coop` does).
     #[new]
     #[pyo3(signature = (path, device = "auto"))]
     fn new(py: Python<'_>, path: &str, device: &str) -> PyResult<Program> {
@@ -281,7 +282,7 @@ impl Program {
                 1,
             )?;
         }
-        let Some(backend) = placement.backend(false, false) else {
+        let Some(backend) = placement.backend(TensorCores::from_env().map_err(py_err)?) else {
             return Ok(Program {
                 program,
                 device: "cpu".into(),

@@ -348,7 +348,10 @@ void etmetal_program_free(struct EtmetalProgram *program);
 // `ETMETAL_STATUS_UNSUPPORTED` error, never a silent fallback; a program
 // without them runs on the CPU whatever is asked
 // (`etmetal_program_warning` says so). A `.pt2` archive is refused:
-// compile it with `etmetal compile`.
+// compile it with `etmetal compile`. Tensor-core forms of f16/bf16
+// products run where they measured faster on the device, as with
+// `etmetal run`; the environment variable `ETMETAL_COOP` (`auto`, `all`
+// or `off`) sets them as `--coop` does.
 //
 // On success `*out` is the program (release it with
 // `etmetal_program_free`); on failure `*out` is NULL.

@@ -6,7 +6,7 @@ use std::ffi::{c_char, CString};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use etmetal::device::{self, DevicePreference, Workload};
+use etmetal::device::{self, DevicePreference, TensorCores, Workload};
 use etmetal::summary::{summarize, ProgramSummary};
 use etmetal::Model;
 use etmetal_core::{Error, Result};
@@ -64,7 +64,7 @@ fn load(
 ) -> Result<EtmetalProgram> {
     let placement = device::choose(preference, origin, Workload::of_pte(program.file()))?;
     let mut options = LoadOptions::default();
-    if let Some(backend) = placement.backend(false, false) {
+    if let Some(backend) = placement.backend(TensorCores::from_env()?) {
         options.backends.register(backend)?;
     }
     let model = Model::from_pte_program(program, options)
@@ -120,7 +120,10 @@ fn path_of(bytes: &[u8]) -> PathBuf {
 /// `ETMETAL_STATUS_UNSUPPORTED` error, never a silent fallback; a program
 /// without them runs on the CPU whatever is asked
 /// (`etmetal_program_warning` says so). A `.pt2` archive is refused:
-/// compile it with `etmetal compile`.
+/// compile it with `etmetal compile`. Tensor-core forms of f16/bf16
+/// products run where they measured faster on the device, as with
+/// `etmetal run`; the environment variable `ETMETAL_COOP` (`auto`, `all`
+/// or `off`) sets them as `--coop` does.
 ///
 /// On success `*out` is the program (release it with
 /// `etmetal_program_free`); on failure `*out` is NULL.

@@ -329,6 +329,15 @@ fn the_c_example_fails_with_the_commands_exit_codes() {
     assert_eq!(gpu.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&gpu.stderr);
     assert!(stderr.contains("(unsupported)"), "{stderr}");
+    // a tensor-core setting the CLI would refuse is refused, named
+    let coop = Command::new(&built.run_pte)
+        .arg(gpu_pte("mlp"))
+        .env("ETMETAL_COOP", "fast")
+        .output()
+        .unwrap();
+    assert_eq!(coop.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&coop.stderr);
+    assert!(stderr.contains("ETMETAL_COOP=`fast`"), "{stderr}");
 }
 
 #[test]

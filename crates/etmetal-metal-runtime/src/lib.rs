@@ -69,7 +69,7 @@ impl MetalBackend {
             choice,
             timeout: DEFAULT_TIMEOUT,
             cap: None,
-            coop: false,
+            coop: true,
             untested: false,
             forced: None,
             device: Mutex::new(None),
@@ -89,9 +89,9 @@ impl MetalBackend {
     /// matrix products) where the device offers what they need, each only
     /// where it measures faster than the portable kernel; with `false`
     /// every dispatch runs its portable kernel, as on a device without
-    /// them. Off by default until the measured choice has run on more
-    /// cards (see the README's Tensor cores). With `true` the device is
-    /// opened with cooperative matrices where the adapter has them.
+    /// them. On by default: a measured form cannot make a program slower
+    /// (see the README's Tensor cores). With `true` the device is opened
+    /// with cooperative matrices where the adapter has them.
     pub fn with_cooperative_matrix(mut self, on: bool) -> MetalBackend {
         self.coop = on;
         self

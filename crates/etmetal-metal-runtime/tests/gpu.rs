@@ -25,7 +25,7 @@ fn backend() -> MetalBackend {
              apt-get install mesa-vulkan-drivers libvulkan1 (Mesa lavapipe)"
         );
     }
-    MetalBackend::new(DeviceChoice::Auto).with_cooperative_matrix(true)
+    MetalBackend::new(DeviceChoice::Auto)
 }
 
 fn arena(name: &str, dtype: DType, shape: &[usize], arena: usize, offset: u64) -> Buffer {
@@ -376,8 +376,8 @@ fn chain_with_alternatives() -> (Payload, Needs) {
     (p, needs)
 }
 
-/// The first alternative the device meets runs (where the adapter has
-/// 16×16 f16 matrices in subgroups of 32: an NVIDIA GPU), else the
+/// By default, the first alternative the device meets runs (where the
+/// adapter has 16×16 f16 matrices in subgroups of 32: an NVIDIA GPU), else the
 /// dispatch itself; kernels of alternatives that do not run are not built.
 #[test]
 fn alternatives_run_where_the_device_meets_them() {

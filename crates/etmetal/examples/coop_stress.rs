@@ -123,7 +123,7 @@ fn cases() -> Vec<Case> {
 }
 
 fn backend() -> Arc<MetalBackend> {
-    Arc::new(MetalBackend::new(DeviceChoice::Auto).with_cooperative_matrix(true))
+    Arc::new(MetalBackend::new(DeviceChoice::Auto))
 }
 
 /// Load `case` on `gpu` (building its pipelines) and run it once.

@@ -15,6 +15,36 @@ use etmetal_core::{Error, Result};
 use etmetal_metal_runtime::{describe, select_adapter, DeviceChoice, MetalBackend, BACKEND_ID};
 use etmetal_pte::PteFile;
 
+/// Which tensor-core (cooperative-matrix) forms of f16/bf16 matrix
+/// products GPU delegates may run (README: Tensor cores). A form runs only
+/// where it measured faster than the portable kernel on the device (at the
+/// first load, then cached on disk), so the default takes them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum TensorCores {
+    /// The forms that have run on a real GPU (16×16 f16 matrices in
+    /// subgroups of 32: NVIDIA through Vulkan), where the GPU offers them.
+    #[default]
+    Auto,
+    /// Also forms no real GPU has run yet (Apple's 8×8 f32 matrices).
+    All,
+    /// Never: every kernel runs its portable form.
+    Off,
+}
+
+impl TensorCores {
+    /// The setting `ETMETAL_COOP` names (as `etmetal run --coop` takes it),
+    /// else the default: for the C API and the Python module, which take no
+    /// flags.
+    pub fn from_env() -> Result<TensorCores> {
+        match std::env::var("ETMETAL_COOP") {
+            Err(_) => Ok(TensorCores::default()),
+            Ok(name) => <TensorCores as clap::ValueEnum>::from_str(&name, false).map_err(|_| {
+                Error::invalid_input(format!("ETMETAL_COOP=`{name}`: expected auto, all or off"))
+            }),
+        }
+    }
+}
+
 /// The device a user asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DevicePreference {
@@ -99,15 +129,14 @@ pub struct Placement {
 }
 
 impl Placement {
-    /// The backend for the GPU delegates, tensor-core forms measured where
-    /// `cooperative_matrix` (and the adapter offers them), those no real
-    /// GPU has run too where `untested`.
-    pub fn backend(&self, cooperative_matrix: bool, untested: bool) -> Option<Arc<MetalBackend>> {
+    /// The backend for the GPU delegates, running the tensor-core forms
+    /// `tensor_cores` allows.
+    pub fn backend(&self, tensor_cores: TensorCores) -> Option<Arc<MetalBackend>> {
         self.gpu.as_ref().map(|g| {
             Arc::new(
                 MetalBackend::new(g.choice)
-                    .with_cooperative_matrix(cooperative_matrix)
-                    .with_untested_forms(untested),
+                    .with_cooperative_matrix(tensor_cores != TensorCores::Off)
+                    .with_untested_forms(tensor_cores == TensorCores::All),
             )
         })
     }
@@ -204,7 +233,7 @@ mod tests {
         assert_eq!(p.gpu, None);
         let warning = p.warning.clone().unwrap();
         assert!(warning.contains("--device vulkan is not used"), "{warning}");
-        assert!(p.backend(false, false).is_none());
+        assert!(p.backend(TensorCores::default()).is_none());
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use etmetal::compile::{self, CompileOptions};
-use etmetal::device::{self, DevicePreference, Workload};
+use etmetal::device::{self, DevicePreference, TensorCores, Workload};
 use etmetal::Model;
 use etmetal_core::{npy, DType, Error, Result, Tensor};
 use etmetal_graph::quantize::{QuantizeOptions, Scheme};
@@ -63,27 +63,6 @@ impl Device {
             Device::Dx12 => DevicePreference::Dx12,
             Device::Cpu => DevicePreference::Cpu,
         }
-    }
-}
-
-/// Whether GPU delegates may run the tensor-core (cooperative-matrix)
-/// forms of their matrix products, each only where it measures faster
-/// than the portable kernel (README: Tensor cores).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Coop {
-    /// The forms that have run on a real GPU (16×16 f16 matrices in
-    /// subgroups of 32: NVIDIA through Vulkan), where the GPU offers them.
-    Auto,
-    /// Also forms no real GPU has run yet (Apple's 8×8 f32 matrices).
-    All,
-    /// Never: every kernel runs its portable form.
-    Off,
-}
-
-impl Coop {
-    /// The GPU backend `placement` gives, with this setting.
-    fn backend(self, placement: &device::Placement) -> Option<Arc<MetalBackend>> {
-        placement.backend(self != Coop::Off, self == Coop::All)
     }
 }
 
@@ -219,21 +198,8 @@ enum Command {
         /// Where to write output_0.npy, output_1.npy, ...
         #[arg(long, default_value = ".")]
         output_dir: PathBuf,
-        /// Where GPU work runs: `auto` picks Metal, then a discrete GPU, then
-        /// any adapter, and falls back to the cpu (with a warning) when there
-        /// is none. A `.pt2` is compiled in memory for the GPU first; `cpu`
-        /// interprets it. What the GPU does not take runs on the cpu.
-        #[arg(long, value_enum, default_value = "auto", env = "ETMETAL_DEVICE")]
-        device: Device,
-        /// Tensor-core forms of f16/bf16 matrix products (payload
-        /// alternatives): `auto` measures those that have run on a real GPU
-        /// against the portable kernels the first time a program loads on
-        /// a GPU offering them, and keeps the faster (cached on disk);
-        /// `all` adds the forms never run yet; `off`, the default while
-        /// they are experimental, runs the portable kernels only (README:
-        /// Tensor cores).
-        #[arg(long, value_enum, default_value = "off", env = "ETMETAL_COOP")]
-        coop: Coop,
+        #[command(flatten)]
+        device: DeviceArgs,
         /// Execute N times after the warm-up runs and print latency figures.
         #[arg(long, value_name = "N")]
         bench: Option<usize>,
@@ -283,12 +249,8 @@ struct GenerateArgs {
     /// repeatable; replaces the configured ones.
     #[arg(long = "eos", value_name = "TOKEN")]
     eos: Vec<String>,
-    /// Where GPU work runs (as for `run`).
-    #[arg(long, value_enum, default_value = "auto", env = "ETMETAL_DEVICE")]
-    device: Device,
-    /// Tensor-core forms of f16/bf16 matrix products (as for `run`).
-    #[arg(long, value_enum, default_value = "off", env = "ETMETAL_COOP")]
-    coop: Coop,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// Instead of generating, run any stateful program step by step on
     /// DIR/step{k}_input{i}.npy (method from DIR/step{k}_method.txt) and
     /// write DIR/step{k}_output{i}.npy, through one loaded model (on a GPU,
@@ -304,15 +266,23 @@ struct GenerateArgs {
     repeat: usize,
 }
 
-/// Where GPU work runs, shared by the commands that run a `.pte`.
+/// Where GPU work runs, shared by the commands that run a program.
 #[derive(clap::Args)]
 struct DeviceArgs {
-    /// Where GPU work runs (as for `run`).
+    /// Where GPU work runs: `auto` picks Metal, then a discrete GPU, then
+    /// any adapter, and falls back to the cpu (with a warning) when there
+    /// is none. A `.pt2` is compiled in memory for the GPU first; `cpu`
+    /// interprets it. What the GPU does not take runs on the cpu.
     #[arg(long, value_enum, default_value = "auto", env = "ETMETAL_DEVICE")]
     device: Device,
-    /// Tensor-core forms of f16/bf16 matrix products (as for `run`).
-    #[arg(long, value_enum, default_value = "off", env = "ETMETAL_COOP")]
-    coop: Coop,
+    /// Tensor-core forms of f16/bf16 matrix products (payload
+    /// alternatives): `auto`, the default, measures those that have run on
+    /// a real GPU against the portable kernels the first time a program
+    /// loads on a GPU offering them, and keeps a form only where it is
+    /// faster (cached on disk); `all` adds the forms never run yet; `off`
+    /// runs the portable kernels only (README: Tensor cores).
+    #[arg(long, value_enum, default_value_t, env = "ETMETAL_COOP")]
+    coop: TensorCores,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -478,7 +448,6 @@ fn main() -> ExitCode {
             inputs,
             output_dir,
             device,
-            coop,
             bench,
             warmup,
             bench_json,
@@ -489,7 +458,7 @@ fn main() -> ExitCode {
             &method,
             &inputs,
             &output_dir,
-            (device, coop, trace),
+            (device, trace),
             bench.map(|runs| Bench {
                 runs,
                 warmup,
@@ -685,7 +654,7 @@ fn run(
     method: &str,
     input_paths: &[PathBuf],
     output_dir: &Path,
-    (device, coop, trace): (Device, Coop, bool),
+    (DeviceArgs { device, coop }, trace): (DeviceArgs, bool),
     bench: Option<Bench>,
 ) -> Result<()> {
     // a .pte is loaded once: its delegates decide the backend it runs with
@@ -700,7 +669,7 @@ fn run(
     if let Some(warning) = &placement.warning {
         eprintln!("etmetal: warning: {warning}");
     }
-    let gpu = coop.backend(&placement);
+    let gpu = placement.backend(coop);
     let mut options = etmetal_runtime::LoadOptions::default();
     if let Some(backend) = &gpu {
         options.backends.register(backend.clone())?;
@@ -789,7 +758,7 @@ fn run(
 
 /// Load the `.pte` at `path` for `what` (a command's name) on the device
 /// `device` asks for: every method, GPU delegates on the adapter chosen.
-fn load_pte(path: &Path, what: &str, device: Device, coop: Coop) -> Result<Model> {
+fn load_pte(path: &Path, what: &str, device: Device, coop: TensorCores) -> Result<Model> {
     load_pte_on(path, what, device, coop).map(|(model, _)| model)
 }
 
@@ -798,7 +767,7 @@ fn load_pte_on(
     path: &Path,
     what: &str,
     device: Device,
-    coop: Coop,
+    coop: TensorCores,
 ) -> Result<(Model, Option<Arc<MetalBackend>>)> {
     if !etmetal::is_pte(path)? {
         return Err(Error::invalid_input(format!(
@@ -811,7 +780,7 @@ fn load_pte_on(
     if let Some(warning) = &placement.warning {
         eprintln!("etmetal: warning: {warning}");
     }
-    let gpu = coop.backend(&placement);
+    let gpu = placement.backend(coop);
     let mut options = etmetal_runtime::LoadOptions::default();
     if let Some(backend) = &gpu {
         options.backends.register(backend.clone())?;
@@ -839,7 +808,12 @@ fn eos_ids(tokenizer: &etmetal::generate::TextTokenizer, eos: &[String]) -> Resu
 
 fn generate_cmd(args: &GenerateArgs) -> Result<()> {
     use etmetal::generate::{self as gen, TextTokenizer};
-    let (mut model, gpu) = load_pte_on(&args.model, "generate", args.device, args.coop)?;
+    let (mut model, gpu) = load_pte_on(
+        &args.model,
+        "generate",
+        args.device.device,
+        args.device.coop,
+    )?;
     if let Some(dir) = &args.replay {
         return gen::replay(&mut model, dir, args.steps, args.repeat, gpu.as_deref());
     }

@@ -488,10 +488,8 @@ fn coop_alternative_runs_where_the_adapter_offers_it() {
         )
     });
     let backends = forced.chain([
-        (
-            "measured",
-            MetalBackend::new(DeviceChoice::Auto).with_cooperative_matrix(true),
-        ),
+        // (the default)
+        ("measured", MetalBackend::new(DeviceChoice::Auto)),
         (
             "off",
             MetalBackend::new(DeviceChoice::Auto).with_cooperative_matrix(false),

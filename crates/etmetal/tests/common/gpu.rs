@@ -27,8 +27,9 @@ pub fn backend() -> Arc<MetalBackend> {
                      apt-get install mesa-vulkan-drivers libvulkan1 (Mesa lavapipe)"
                 );
             }
-            // tensor-core alternatives run wherever the adapter offers them
-            Arc::new(MetalBackend::new(DeviceChoice::Auto).with_cooperative_matrix(true))
+            // (by default tensor-core alternatives are measured wherever the
+            // adapter offers them)
+            Arc::new(MetalBackend::new(DeviceChoice::Auto))
         })
         .clone()
 }
