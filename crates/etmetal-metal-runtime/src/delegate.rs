@@ -809,48 +809,73 @@ fn choose_forms(
                     gpu.queue.write_buffer(u, 0, &words);
                 }
             }
-            let choices =
-                trace::span(
-                    || "gpu: measure the kernels' forms".into(),
-                    None,
-                    || {
-                        select::measured(payload, &eligible, &mut cache, |d, alts| {
-                            let main = &payload.dispatches[d];
-                            let mut forms: Vec<Vec<&Dispatch>> = vec![vec![main]];
-                            forms.extend(alts.iter().map(|&a| {
+            let choices = trace::span(
+                || "gpu: measure the kernels' forms".into(),
+                None,
+                || {
+                    select::measured(payload, &eligible, &mut cache, |d, alts| {
+                        let main = &payload.dispatches[d];
+                        let mut forms: Vec<Vec<&Dispatch>> = vec![vec![main]];
+                        forms.extend(
+                            alts.iter().map(|&a| {
                                 main.alternatives[a].dispatches.iter().collect::<Vec<_>>()
-                            }));
-                            for (f, form) in forms.iter().enumerate() {
-                                for x in form {
+                            }),
+                        );
+                        // an alternative the driver will not build or
+                        // bind is left out, its time infinite: it is a
+                        // speed-up, never a reason for a load to fail
+                        // (the portable form's errors are the load's)
+                        let mut groups: Vec<Option<Vec<wgpu::BindGroup>>> = vec![];
+                        for (f, form) in forms.iter().enumerate() {
+                            let ready = form
+                                .iter()
+                                .map(|x| {
                                     kernels.build(x.kernel, f > 0)?;
-                                }
-                            }
-                            let groups = forms
-                                .iter()
-                                .map(|form| {
-                                    form.iter()
-                                        .map(|x| binder.bind(kernels, x, "timing"))
-                                        .collect::<Result<Vec<_>>>()
+                                    binder.bind(kernels, x, "timing")
                                 })
-                                .collect::<Result<Vec<_>>>()?;
-                            let timed: Vec<select::Form> = forms
-                                .iter()
-                                .zip(&groups)
-                                .map(|(form, groups)| {
+                                .collect::<Result<Vec<_>>>();
+                            groups.push(match (ready, f) {
+                                (Ok(g), _) => Some(g),
+                                (Err(e), 0) => return Err(e),
+                                (Err(e), _) => {
+                                    trace::span(
+                                        || format!("gpu: form {f} of dispatch {d} left out: {e}"),
+                                        None,
+                                        || (),
+                                    );
+                                    None
+                                }
+                            });
+                        }
+                        let timed: Vec<select::Form> = forms
+                            .iter()
+                            .zip(&groups)
+                            .filter_map(|(form, groups)| {
+                                let groups = groups.as_ref()?;
+                                Some(
                                     form.iter()
                                         .zip(groups)
                                         .map(|(x, g)| (kernels.pipeline(x.kernel), g, x.workgroups))
-                                        .collect()
-                                })
-                                .collect();
-                            scoped(
-                                gpu,
-                                || format!("timing the forms of dispatch {d}"),
-                                || select::time_forms(&gpu.device, &gpu.queue, &timed, timeout),
-                            )?
-                        })
-                    },
-                )?;
+                                        .collect(),
+                                )
+                            })
+                            .collect();
+                        let mut times = scoped(
+                            gpu,
+                            || format!("timing the forms of dispatch {d}"),
+                            || select::time_forms(&gpu.device, &gpu.queue, &timed, timeout),
+                        )??
+                        .into_iter();
+                        Ok(groups
+                            .iter()
+                            .map(|g| match g {
+                                Some(_) => times.next().unwrap_or(f64::INFINITY),
+                                None => f64::INFINITY,
+                            })
+                            .collect())
+                    })
+                },
+            )?;
             cache.save();
             choices
         }

@@ -269,7 +269,11 @@ impl TuningCache {
                     .get("ms")?
                     .as_array()?
                     .iter()
-                    .map(|x| x.as_f64())
+                    // (a form left out is infinitely slow: JSON's null)
+                    .map(|x| match x {
+                        serde_json::Value::Null => Some(f64::INFINITY),
+                        x => x.as_f64(),
+                    })
                     .collect::<Option<Vec<f64>>>()?;
                 Some((sig.clone(), (choice, ms)))
             })
@@ -604,6 +608,37 @@ mod tests {
         })
         .unwrap();
         assert_eq!(calls, 2);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A form the driver would not build is timed as infinitely slow: it
+    /// is never chosen, and the cache keeps that (JSON's null) so that a
+    /// later load neither builds it again nor trusts it.
+    #[test]
+    fn a_form_left_out_is_never_chosen_and_stays_cached() {
+        let p = payload(vec![dispatch(0, &[1, 2]), dispatch(3, &[4])], 5);
+        let eligible = vec![vec![0, 1], vec![0]];
+        let dir = std::env::temp_dir().join(format!("etmetal-left-out-{}", std::process::id()));
+        let file = dir.join("cache.json");
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut cache = TuningCache::at(Some(file.clone()));
+        let choices = measured(&p, &eligible, &mut cache, |d, _| {
+            Ok(match d {
+                0 => vec![1.0, f64::INFINITY, 0.5],
+                _ => vec![1.0, f64::INFINITY],
+            })
+        })
+        .unwrap();
+        assert_eq!(choices, [Some(1), None]);
+        cache.save();
+        let text = std::fs::read_to_string(&file).unwrap();
+        assert!(text.contains("null"), "{text}");
+        let mut again = TuningCache::at(Some(file));
+        let choices = measured(&p, &eligible, &mut again, |d, _| {
+            panic!("measured {d} again")
+        })
+        .unwrap();
+        assert_eq!(choices, [Some(1), None]);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
