@@ -735,9 +735,14 @@ fn run(
         Some(adapter) => format!("gpu {adapter} and cpu"),
         None => "cpu".to_string(),
     };
+    // (tensor-core forms are chosen per device at load: say where they run)
+    let cores = match gpu.as_ref().map_or(0, |b| b.stats().alternatives_chosen) {
+        0 => String::new(),
+        n => format!(", {n} GPU dispatches in their tensor-core forms"),
+    };
     say!(
         out,
-        "ran on {place} in {:.3} ms",
+        "ran on {place} in {:.3} ms{cores}",
         elapsed.as_secs_f64() * 1e3
     );
     if let Some(bench) = bench {
