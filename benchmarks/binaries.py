@@ -6,7 +6,7 @@ change is faster on this card before it becomes a default.
 
     python3 benchmarks/binaries.py --bin main=.bench/etmetal-main --bin new=.bench/etmetal \\
         llama1b_user_decode512:int4 llama1b_user_decode512:bf16 llama1b_decode512:int4 \\
-        [--flags int8='--quantize int8'] [--out FILE]
+        [--flags int8='--quantize int8'] [--coop main=off] [--out FILE]
 
 A row is `MODEL:DTYPE` of `run.py`'s model cases (its weights, inputs and
 export; int4 rows are compiled with `--quantize int4 --group-size 32`);
@@ -17,7 +17,9 @@ counts too. Results: one JSON row per (row, binary) with the median and
 [min, max] of the GPU and end-to-end figures, the dispatch count, the
 file size, the compile's wall seconds, the error against the first
 binary's output, the kernel families summed over the step and the host
-trace of one execute (the first session's).
+trace of one execute (the first session's). Each binary runs with `--coop
+auto` (tensor cores measured), or the mode `--coop NAME=MODE` gives it: the
+same binary under two names compares tensor cores with portable kernels.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run  # noqa: E402  (the harness: model cases, export, etmetal_bench)
 
 
-def measure(exe: Path, pt2: Path, inputs: list[Path], flags: list[str], scratch: Path) -> dict:
+def measure(exe: Path, pt2: Path, inputs: list[Path], flags: list[str], scratch: Path, coop: str) -> dict:
     pte = scratch / "row.pte"
     start = time.perf_counter()
     run.sh([exe, "compile", pt2, "-o", pte, "--max-buffer", "2G", *flags])
@@ -48,7 +50,7 @@ def measure(exe: Path, pt2: Path, inputs: list[Path], flags: list[str], scratch:
     try:
         for _ in range(run.REPEAT):
             os.environ["ETMETAL_BIN"] = str(exe)
-            sessions.append(run.etmetal_bench(pte, inputs, "auto"))
+            sessions.append(run.etmetal_bench(pte, inputs, "auto", coop=coop))
         size = pte.stat().st_size
     finally:
         pte.unlink(missing_ok=True)
@@ -70,10 +72,14 @@ def main():
     ap.add_argument("rows", nargs="+", help="MODEL:DTYPE or MODEL:DTYPE:FLAGS_NAME")
     ap.add_argument("--bin", action="append", required=True, help="NAME=PATH (the first is the reference)")
     ap.add_argument("--flags", action="append", default=[], help="NAME='compile flags'")
+    ap.add_argument("--coop", action="append", default=[], help="BINARY_NAME=MODE (auto, all or off; default auto)")
     ap.add_argument("--out", default=str(run.RESULTS / "binaries.json"))
     args = ap.parse_args()
     bins = [b.split("=", 1) for b in args.bin]
     named = {k: shlex.split(v) for k, v in (f.split("=", 1) for f in args.flags)}
+    coop = dict(c.split("=", 1) for c in args.coop)
+    if unknown := set(coop) - {label for label, _ in bins}:
+        ap.error(f"--coop names no --bin: {', '.join(sorted(unknown))}")
     machine = run.gpu_info()
     rows = []
     with tempfile.TemporaryDirectory() as d:
@@ -91,13 +97,14 @@ def main():
             for label, exe in bins:
                 t = time.time()
                 try:
-                    row = measure(Path(exe), pt2, inputs, flags, scratch)
+                    row = measure(Path(exe), pt2, inputs, flags, scratch, coop.get(label, "auto"))
                     out = row.pop("output").astype(np.float64)
                     ref = out if ref is None else ref
                     row["err_vs_first"] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
                 except Exception as e:  # a failing binary is a row with its error
                     row = {"error": str(e)[-600:]}
-                rows.append({"row": spec, "binary": label, "flags": flags, "seconds": round(time.time() - t, 1), **row})
+                rows.append({"row": spec, "binary": label, "flags": flags, "coop": coop.get(label, "auto"),
+                             "seconds": round(time.time() - t, 1), **row})
                 print(json.dumps(rows[-1]), flush=True)
             pt2.unlink()
     Path(args.out).write_text(json.dumps({"machine": machine, "run": time.strftime("%Y-%m-%d", time.gmtime()),

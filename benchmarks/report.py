@@ -272,7 +272,9 @@ def binaries_section():
                 rows.append([row["row"], row["binary"], "error: " + row["error"][:80], "", "", "", ""])
                 continue
             top = sorted(row["families"].items(), key=lambda x: -x[1])[:3]
-            rows.append([row["row"], row["binary"], fs(row, "gpu_ms"), fs(row, "e2e_ms"), row["dispatches"],
+            # (a binary run with other tensor-core settings than auto says so)
+            binary = row["binary"] + ("" if row.get("coop", "auto") == "auto" else f" (--coop {row['coop']})")
+            rows.append([row["row"], binary, fs(row, "gpu_ms"), fs(row, "e2e_ms"), row["dispatches"],
                          mib(row["size"]), ", ".join(f"{k} {v:.3f}" for k, v in top)])
         what = "; ".join(f"`{k}`: {v}" for k, v in r["binaries"].items())
         md += [f"### `{path.name}`", "",
