@@ -814,65 +814,7 @@ fn choose_forms(
                 None,
                 || {
                     select::measured(payload, &eligible, &mut cache, |d, alts| {
-                        let main = &payload.dispatches[d];
-                        let mut forms: Vec<Vec<&Dispatch>> = vec![vec![main]];
-                        forms.extend(
-                            alts.iter().map(|&a| {
-                                main.alternatives[a].dispatches.iter().collect::<Vec<_>>()
-                            }),
-                        );
-                        // an alternative the driver will not build or
-                        // bind is left out, its time infinite: it is a
-                        // speed-up, never a reason for a load to fail
-                        // (the portable form's errors are the load's)
-                        let mut groups: Vec<Option<Vec<wgpu::BindGroup>>> = vec![];
-                        for (f, form) in forms.iter().enumerate() {
-                            let ready = form
-                                .iter()
-                                .map(|x| {
-                                    kernels.build(x.kernel, f > 0)?;
-                                    binder.bind(kernels, x, "timing")
-                                })
-                                .collect::<Result<Vec<_>>>();
-                            groups.push(match (ready, f) {
-                                (Ok(g), _) => Some(g),
-                                (Err(e), 0) => return Err(e),
-                                (Err(e), _) => {
-                                    trace::span(
-                                        || format!("gpu: form {f} of dispatch {d} left out: {e}"),
-                                        None,
-                                        || (),
-                                    );
-                                    None
-                                }
-                            });
-                        }
-                        let timed: Vec<select::Form> = forms
-                            .iter()
-                            .zip(&groups)
-                            .filter_map(|(form, groups)| {
-                                let groups = groups.as_ref()?;
-                                Some(
-                                    form.iter()
-                                        .zip(groups)
-                                        .map(|(x, g)| (kernels.pipeline(x.kernel), g, x.workgroups))
-                                        .collect(),
-                                )
-                            })
-                            .collect();
-                        let mut times = scoped(
-                            gpu,
-                            || format!("timing the forms of dispatch {d}"),
-                            || select::time_forms(&gpu.device, &gpu.queue, &timed, timeout),
-                        )??
-                        .into_iter();
-                        Ok(groups
-                            .iter()
-                            .map(|g| match g {
-                                Some(_) => times.next().unwrap_or(f64::INFINITY),
-                                None => f64::INFINITY,
-                            })
-                            .collect())
+                        time_forms_of(gpu, (payload, d, alts), kernels, binder, timeout)
                     })
                 },
             )?;
@@ -880,6 +822,71 @@ fn choose_forms(
             choices
         }
     })
+}
+
+/// The GPU milliseconds of dispatch `d` of `payload` in each of its forms:
+/// its portable kernel, then alternatives `alts`. An alternative the driver
+/// will not build or bind is left out, its time infinite (named in the
+/// trace): it is a speed-up, never a reason for a load to fail; the
+/// portable form's errors are the load's.
+fn time_forms_of(
+    gpu: &GpuDevice,
+    (payload, d, alts): (&Payload, usize, &[usize]),
+    kernels: &mut Kernels,
+    binder: &Binder,
+    timeout: Duration,
+) -> Result<Vec<f64>> {
+    let main = &payload.dispatches[d];
+    let mut forms: Vec<Vec<&Dispatch>> = vec![vec![main]];
+    forms.extend(
+        alts.iter()
+            .map(|&a| main.alternatives[a].dispatches.iter().collect::<Vec<_>>()),
+    );
+    let mut groups: Vec<Option<Vec<wgpu::BindGroup>>> = vec![];
+    for (f, form) in forms.iter().enumerate() {
+        let ready = form
+            .iter()
+            .map(|x| {
+                kernels.build(x.kernel, f > 0)?;
+                binder.bind(kernels, x, "timing")
+            })
+            .collect::<Result<Vec<_>>>();
+        groups.push(match (ready, f) {
+            (Ok(g), _) => Some(g),
+            (Err(e), 0) => return Err(e),
+            (Err(e), _) => {
+                let left_out = || format!("gpu: form {f} of dispatch {d} left out: {e}");
+                trace::span(left_out, None, || ());
+                None
+            }
+        });
+    }
+    let timed: Vec<select::Form> = forms
+        .iter()
+        .zip(&groups)
+        .filter_map(|(form, groups)| {
+            let groups = groups.as_ref()?;
+            Some(
+                form.iter()
+                    .zip(groups)
+                    .map(|(x, g)| (kernels.pipeline(x.kernel), g, x.workgroups))
+                    .collect(),
+            )
+        })
+        .collect();
+    let mut times = scoped(
+        gpu,
+        || format!("timing the forms of dispatch {d}"),
+        || select::time_forms(&gpu.device, &gpu.queue, &timed, timeout),
+    )??
+    .into_iter();
+    Ok(groups
+        .iter()
+        .map(|g| match g {
+            Some(_) => times.next().unwrap_or(f64::INFINITY),
+            None => f64::INFINITY,
+        })
+        .collect())
 }
 
 /// The host side of an execute: each input's place in the mapped upload
