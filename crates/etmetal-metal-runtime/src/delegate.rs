@@ -1764,6 +1764,65 @@ mod tests {
         }
     }
 
+    /// A kernel of no bindings named `name` with `wgsl` as its source.
+    fn bare_kernel(name: &str, wgsl: &str) -> etmetal_metal::payload::Kernel {
+        etmetal_metal::payload::Kernel {
+            name: name.into(),
+            ops: vec![],
+            wgsl: wgsl.into(),
+            msl: String::new(),
+            entry_point: "main".into(),
+            bindings: vec![],
+            workgroup_size: [1, 1, 1],
+            sizes: false,
+        }
+    }
+
+    /// An alternative the driver will not build (here: not WGSL) is timed
+    /// as infinitely slow, so it is never chosen, and the load goes on with
+    /// the others; the portable kernel's own failure stays the load's.
+    #[test]
+    fn an_alternative_the_driver_refuses_is_left_out() {
+        let gpu = GpuDevice::shared(crate::DeviceChoice::Auto, None, false)
+            .unwrap_or_else(|e| panic!("GPU tests need an adapter (Mesa lavapipe): {e}"));
+        let fine = "@compute @workgroup_size(1) fn main() {}";
+        let mut main = dispatch(0, 0);
+        main.alternatives = [1, 2]
+            .map(|kernel| Alternative {
+                needs: needs(32, 0),
+                dispatches: vec![dispatch(kernel, 0)],
+            })
+            .into();
+        let mut payload = payload_of(vec![main]);
+        payload.kernels = vec![
+            bare_kernel("portable", fine),
+            bare_kernel("refused", "this is not a kernel"),
+            bare_kernel("alternative", fine),
+        ];
+        let counters = Counters::default();
+        let measure = |payload: &Payload, alts: &[usize]| {
+            let binder = Binder {
+                gpu: &gpu,
+                payload,
+                regions: &[],
+                buffers: &[],
+                sizes: None,
+            };
+            let mut kernels = Kernels::new(&gpu, payload, &counters);
+            let timeout = Duration::from_secs(60);
+            time_forms_of(&gpu, (payload, 0, alts), &mut kernels, &binder, timeout)
+        };
+        let ms = measure(&payload, &[0, 1]).unwrap();
+        assert_eq!(ms.len(), 3, "{ms:?}");
+        assert!(ms[0].is_finite() && ms[2].is_finite(), "{ms:?}");
+        assert_eq!(ms[1], f64::INFINITY, "{ms:?}");
+        assert_ne!(select::fastest(&ms, &[0, 1]), Some(0));
+        // a portable kernel the driver refuses fails the load, naming it
+        payload.kernels[0] = bare_kernel("portable", "not WGSL either");
+        let e = measure(&payload, &[1]).unwrap_err().to_string();
+        assert!(e.contains("`portable`"), "{e}");
+    }
+
     #[test]
     fn offers_meet_needs_by_configuration_subgroup_and_memory() {
         let o = h200();
