@@ -413,8 +413,8 @@ def main():
                f"{gpu['runs']} timed runs after {gpu['warmup']} warm-ups (PyTorch: 5x the runs). "
                f"{repeats(gpu)} etmetal "
                "runs with `--coop auto`: f16/bf16 matrix products on the tensor-core alternatives where the "
-               "GPU offers them (kernels named `…_coop`, `…_range` the scaling pre-pass; off by default, "
-               "see the README).", ""]
+               "GPU offers them and they measure faster (kernels named `…_coop`, `…_range` the scaling "
+               "pre-pass; the default since 2026-12-07, see the README).", ""]
         rows, op_ratios = op_rows(gpu)
         md += ["### Ops", "",
                f"PyTorch: {torch_timing(gpu)}, operands on the GPU, TF32 off. etmetal kernel: sum of "
