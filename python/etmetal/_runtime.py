@@ -78,8 +78,8 @@ class Method:
 class Program:
     """A `.pte` loaded by etmetal's runtime; see `load`."""
 
-    def __init__(self, path: str | os.PathLike, device: str = "auto") -> None:
-        self._program = _etmetal.Program(os.fspath(path), device)
+    def __init__(self, path: str | os.PathLike, device: str = "auto", coop: str | None = None) -> None:
+        self._program = _etmetal.Program(os.fspath(path), device, coop)
         self._methods: Dict[str, Method] = {}
 
     @property
@@ -103,8 +103,11 @@ class Program:
     __call__ = forward
 
 
-def load(path: str | os.PathLike, device: str = "auto") -> Program:
+def load(path: str | os.PathLike, device: str = "auto", coop: str | None = None) -> Program:
     """Load a `.pte`. `device` is `etmetal run --device`'s: `auto`, `metal`,
     `vulkan`, `dx12` or `cpu`. A file with `EtMetalBackend` delegates needs a
-    GPU adapter (an error otherwise); one without runs on the CPU kernels."""
-    return Program(path, device)
+    GPU adapter (an error otherwise); one without runs on the CPU kernels.
+    `coop` is `--coop`'s: `auto` (tensor-core forms where they measure
+    faster on the GPU), `all` or `off`; `None` takes `ETMETAL_COOP`, else
+    `auto`."""
+    return Program(path, device, coop)

@@ -264,12 +264,18 @@ struct Program {
 impl Program {
     /// `device`: `auto`, `metal`, `vulkan`, `dx12` or `cpu`, as
     /// `etmetal run --device`. A file with GPU delegates and no adapter (or
-    /// `cpu`) is an error, as in the CLI. Tensor cores as `etmetal run`
-    /// runs them (`ETMETAL_COOP` sets them as `--coop` does).
+    /// `cpu`) is an error, as in the CLI. `coop`: the tensor-core setting,
+    /// as `etmetal run --coop` takes it (`auto`, `all` or `off`); `None`,
+    /// `ETMETAL_COOP`'s, else `auto`.
     #[new]
-    #[pyo3(signature = (path, device = "auto"))]
-    fn new(py: Python<'_>, path: &str, device: &str) -> PyResult<Program> {
+    #[pyo3(signature = (path, device = "auto", coop = None))]
+    fn new(py: Python<'_>, path: &str, device: &str, coop: Option<&str>) -> PyResult<Program> {
         let preference = DevicePreference::parse(device).map_err(py_err)?;
+        let tensor_cores = match coop {
+            Some(name) => TensorCores::parse(name, "coop="),
+            None => TensorCores::from_env(),
+        }
+        .map_err(py_err)?;
         let program = etmetal_runtime::Program::load(path).map_err(py_err)?;
         let workload = Workload::of_pte(program.file());
         let placement =
@@ -282,7 +288,7 @@ impl Program {
                 1,
             )?;
         }
-        let Some(backend) = placement.backend(TensorCores::from_env().map_err(py_err)?) else {
+        let Some(backend) = placement.backend(tensor_cores) else {
             return Ok(Program {
                 program,
                 device: "cpu".into(),

@@ -286,6 +286,11 @@ def test_load_api(add_pte):
         etm.load(pte, device="cpu")
     with pytest.raises(ValueError, match="device `tpu`"):
         etm.load(pte, device="tpu")
+    # the tensor-core setting, as `etmetal run --coop` takes it
+    (out,) = etm.load(pte, coop="off").forward(a, b)
+    assert np.array_equal(out, a + b)
+    with pytest.raises(ValueError, match="coop=`fast`: expected auto, all or off"):
+        etm.load(pte, coop="fast")
 
 
 class Int64Only(torch.nn.Module):

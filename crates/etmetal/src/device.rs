@@ -32,15 +32,19 @@ pub enum TensorCores {
 }
 
 impl TensorCores {
-    /// The setting `ETMETAL_COOP` names (as `etmetal run --coop` takes it),
-    /// else the default: for the C API and the Python module, which take no
-    /// flags.
+    /// The setting `name` (as `etmetal run --coop` takes it: `auto`, `all`
+    /// or `off`), `what` (`coop=`) naming it in the error.
+    pub fn parse(name: &str, what: &str) -> Result<TensorCores> {
+        <TensorCores as clap::ValueEnum>::from_str(name, false)
+            .map_err(|_| Error::invalid_input(format!("{what}`{name}`: expected auto, all or off")))
+    }
+
+    /// The setting `ETMETAL_COOP` names, else the default: for the C API
+    /// and the Python module, which take no flags.
     pub fn from_env() -> Result<TensorCores> {
         match std::env::var("ETMETAL_COOP") {
             Err(_) => Ok(TensorCores::default()),
-            Ok(name) => <TensorCores as clap::ValueEnum>::from_str(&name, false).map_err(|_| {
-                Error::invalid_input(format!("ETMETAL_COOP=`{name}`: expected auto, all or off"))
-            }),
+            Ok(name) => TensorCores::parse(&name, "ETMETAL_COOP="),
         }
     }
 }
