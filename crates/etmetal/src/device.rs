@@ -39,8 +39,8 @@ impl TensorCores {
             .map_err(|_| Error::invalid_input(format!("{what}`{name}`: expected auto, all or off")))
     }
 
-    /// The setting `ETMETAL_COOP` names, else the default: for the C API
-    /// and the Python module, which take no flags.
+    /// The setting `ETMETAL_COOP` names, else the default: for the C API,
+    /// which takes no flags, and Python's `load` without `coop`.
     pub fn from_env() -> Result<TensorCores> {
         match std::env::var("ETMETAL_COOP") {
             Err(_) => Ok(TensorCores::default()),
