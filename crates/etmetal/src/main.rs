@@ -762,17 +762,16 @@ fn run(
 }
 
 /// Load the `.pte` at `path` for `what` (a command's name) on the device
-/// `device` asks for: every method, GPU delegates on the adapter chosen.
-fn load_pte(path: &Path, what: &str, device: Device, coop: TensorCores) -> Result<Model> {
-    load_pte_on(path, what, device, coop).map(|(model, _)| model)
+/// `on` asks for: every method, GPU delegates on the adapter chosen.
+fn load_pte(path: &Path, what: &str, on: &DeviceArgs) -> Result<Model> {
+    load_pte_on(path, what, on).map(|(model, _)| model)
 }
 
 /// [`load_pte`], and the GPU backend its delegates run on (if any).
 fn load_pte_on(
     path: &Path,
     what: &str,
-    device: Device,
-    coop: TensorCores,
+    on: &DeviceArgs,
 ) -> Result<(Model, Option<Arc<MetalBackend>>)> {
     if !etmetal::is_pte(path)? {
         return Err(Error::invalid_input(format!(
@@ -781,11 +780,12 @@ fn load_pte_on(
         )));
     }
     let program = etmetal_runtime::Program::load(path)?;
-    let placement = device::choose(device.preference(), path, Workload::of_pte(program.file()))?;
+    let workload = Workload::of_pte(program.file());
+    let placement = device::choose(on.device.preference(), path, workload)?;
     if let Some(warning) = &placement.warning {
         eprintln!("etmetal: warning: {warning}");
     }
-    let gpu = placement.backend(coop);
+    let gpu = placement.backend(on.coop);
     let mut options = etmetal_runtime::LoadOptions::default();
     if let Some(backend) = &gpu {
         options.backends.register(backend.clone())?;
@@ -813,12 +813,7 @@ fn eos_ids(tokenizer: &etmetal::generate::TextTokenizer, eos: &[String]) -> Resu
 
 fn generate_cmd(args: &GenerateArgs) -> Result<()> {
     use etmetal::generate::{self as gen, TextTokenizer};
-    let (mut model, gpu) = load_pte_on(
-        &args.model,
-        "generate",
-        args.device.device,
-        args.device.coop,
-    )?;
+    let (mut model, gpu) = load_pte_on(&args.model, "generate", &args.device)?;
     if let Some(dir) = &args.replay {
         return gen::replay(&mut model, dir, args.steps, args.repeat, gpu.as_deref());
     }
@@ -854,12 +849,7 @@ fn transcribe_cmd(args: &TranscribeArgs) -> Result<()> {
     let start = Instant::now();
     // the audio first: a bad file fails before a GPU is opened
     let audio = etmetal::audio::load_wav(&args.audio, etmetal::audio::SPEECH_RATE)?;
-    let mut model = load_pte(
-        &args.model,
-        "transcribe",
-        args.device.device,
-        args.device.coop,
-    )?;
+    let mut model = load_pte(&args.model, "transcribe", &args.device)?;
     transcribe::kind(&model).map_err(|e| e.context(args.model.display().to_string()))?;
     let dir = match &args.tokenizer {
         Some(dir) => dir.clone(),
@@ -891,7 +881,7 @@ fn chat_cmd(args: &ChatArgs) -> Result<()> {
     use etmetal::chat::{self, Chat, ChatOptions};
     use etmetal::generate::{self as gen, TextTokenizer};
     use std::io::{BufRead, IsTerminal, Write};
-    let mut model = load_pte(&args.model, "chat", args.device.device, args.device.coop)?;
+    let mut model = load_pte(&args.model, "chat", &args.device)?;
     let dir = chat::tokenizer_dir(&args.tokenizer);
     let tokenizer = TextTokenizer::load(&chat::tokenizer_json(&args.tokenizer)?)?;
     let mut stop = chat::configured_stop_strings(&dir)?;
