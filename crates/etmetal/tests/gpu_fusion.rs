@@ -211,6 +211,112 @@ fn silu_gate_into_the_down_product() {
     }
 }
 
+/// The dispatches whose kernel's first op is `op`, in order.
+fn product_dispatches<'p>(
+    payload: &'p etmetal_metal::payload::Payload,
+    op: &str,
+) -> Vec<&'p etmetal_metal::payload::Dispatch> {
+    payload
+        .dispatches
+        .iter()
+        .filter(|d| payload.kernels[d.kernel].ops[0] == op)
+        .collect()
+}
+
+/// The names of the buffers `dispatch` writes, the graph's inputs aside.
+fn intermediates_written(
+    payload: &etmetal_metal::payload::Payload,
+    dispatch: &etmetal_metal::payload::Dispatch,
+    graph: &Graph,
+) -> Vec<String> {
+    let inputs: Vec<&str> = graph
+        .inputs
+        .iter()
+        .map(|(v, _)| graph.value(*v).name.as_str())
+        .collect();
+    let kernel = &payload.kernels[dispatch.kernel];
+    kernel
+        .bindings
+        .iter()
+        .zip(&dispatch.buffers)
+        .filter(|(a, _)| **a == etmetal_metal::payload::Access::ReadWrite)
+        .map(|(_, &b)| payload.buffers[b].name.clone())
+        .filter(|name| !inputs.contains(&name.as_str()))
+        .collect()
+}
+
+/// A gated MLP as a decoder writes it, `down(act(gate(h)) · up(h)) + x`
+/// after an RMSNorm: gate and up are one dispatch whose store writes only
+/// the gated value (SiLU or GELU, either operand order, with and without
+/// biases), which the down product reads as a plain vector (nothing
+/// staged); where the gate is read elsewhere too, the products stay
+/// siblings storing their own outputs. Against the CPU kernels.
+#[test]
+fn gated_products_store_only_the_gated_value() {
+    for dtype in [DType::F32, DType::BF16] {
+        for (m, k, n, act, swap, biased, seed) in [
+            (1, 64, 96, UnaryOp::Silu, false, false, 1),
+            (3, 40, 22, UnaryOp::Gelu { tanh: true }, true, true, 2),
+            (8, 136, 70, UnaryOp::Silu, false, true, 3),
+            (1, 256, 1030, UnaryOp::Silu, true, false, 4),
+        ] {
+            let what = format!("{dtype} m {m} k {k} n {n} {act:?}");
+            for shared_gate in [false, true] {
+                let mut b = Builder::default();
+                let x = b.input(random(dtype, &[1, m, k], seed));
+                let h = b.rms_norm(x, dtype, k, seed + 10);
+                let linear = |b: &mut Builder, s: u64| {
+                    let w = b.weight(random(dtype, &[n, k], seed + s));
+                    let bias = biased.then(|| b.weight(random(dtype, &[n], seed + s + 1)));
+                    b.node(Op::Linear, &[Some(h), Some(w), bias])
+                };
+                let gate = linear(&mut b, 20);
+                let up = linear(&mut b, 30);
+                let g = b.node(Op::Unary(act), &[Some(gate)]);
+                let gated = match swap {
+                    true => b.binary(BinaryOp::Mul, up, g),
+                    false => b.binary(BinaryOp::Mul, g, up),
+                };
+                let wd = b.weight(random(dtype, &[k, n], seed + 40));
+                let y = b.node(Op::Linear, &[Some(gated), Some(wd), None]);
+                let y = b.binary(BinaryOp::Add, y, x);
+                let mut outputs = vec![y];
+                if shared_gate {
+                    outputs.push(b.binary(BinaryOp::Add, gate, gate));
+                }
+                let mut graph = b.graph.clone();
+                for &v in &outputs {
+                    graph.outputs.push((v, OutputKind::User));
+                }
+                let payload = &compile_whole_within(&graph, &DeviceLimits::default()).methods[0]
+                    .partitions[0]
+                    .payload;
+                let products = product_dispatches(payload, "linear");
+                assert_eq!(products.len(), 2, "{what}: {} products", products.len());
+                let written = intermediates_written(payload, products[0], &b.graph);
+                let gated_name = b.graph.value(gated).name.clone();
+                match shared_gate {
+                    false => {
+                        assert_eq!(written, [gated_name], "{what}");
+                        let down = &payload.kernels[products[1].kernel];
+                        assert!(
+                            !down.wgsl.contains("var<workgroup> xs"),
+                            "{what}: the down product stages its input"
+                        );
+                    }
+                    true => assert!(
+                        written.contains(&b.graph.value(gate).name),
+                        "{what}: {written:?}"
+                    ),
+                }
+                let what = format!("{what}, gate read elsewhere: {shared_gate}");
+                let kernels = ["linear", "add"];
+                b.check(&outputs, tol(dtype), &what, &kernels, 2);
+            }
+        }
+    }
+}
+
 /// A prefill-sized bf16 linear whose store adds its bias and a residual,
 /// on each emulated tensor-core form in each of its GEMM variants: the
 /// add is the product's store, not a dispatch of its own.
@@ -540,6 +646,64 @@ fn quantized_product_stages_a_computed_input_in_blocks() {
                 payload.requirements.max_compute_workgroup_storage_size <= 16384,
                 "{what}: {:?}",
                 payload.requirements
+            );
+            check_graph(&b.graph, b.inputs, tol(dtype), &what);
+        }
+    }
+}
+
+/// A quantized gated MLP, `down(silu(gate(h)) · up(h)) + x` after an
+/// RMSNorm, int4 and int8: gate and up (merged into one product of both
+/// weights) are one dispatch storing only the gated value, which the down
+/// product reads as a plain vector (nothing staged). Against the CPU
+/// kernels.
+#[test]
+fn quantized_gated_products_store_only_the_gated_value() {
+    use etmetal_core::quant::QuantFormat;
+    for dtype in [DType::F32, DType::BF16] {
+        for (m, k, n, format, seed) in [
+            (1, 256, 96, QuantFormat::int4(32), 71),
+            (3, 128, 128, QuantFormat::int4(64), 72),
+            (1, 512, 1056, QuantFormat::int4(32), 73),
+            (2, 256, 64, QuantFormat::int8(32), 74),
+        ] {
+            let what = format!("{} {dtype} m {m} k {k} n {n}", format.name());
+            let mut b = Builder::default();
+            let x = b.input(random(dtype, &[1, m, k], seed));
+            let h = b.rms_norm(x, dtype, k, seed + 10);
+            let quantized = |b: &mut Builder, input: ValueId, n: usize, k: usize, s: u64| {
+                let g = format.group_size;
+                let packed = b.weight(random_words(&[n, k / format.per_word()], seed + s));
+                // (scales and zeros as a quantizer makes them, zero about
+                // -8 scales: small products keep the outputs within bf16's
+                // reach)
+                let small = |seed: u64, by: f32| {
+                    let v = random(dtype, &[n, k / g], seed).to_f32_vec();
+                    let v: Vec<f32> = v.iter().map(|x| x * by).collect();
+                    Tensor::from_f32(dtype, &[n, k / g], &v).unwrap()
+                };
+                let scales = b.weight(small(seed + s + 1, 0.002));
+                let zeros = b.weight(small(seed + s + 2, 0.016));
+                let op = format.linear_op();
+                b.node(op, &[Some(input), Some(packed), Some(scales), Some(zeros)])
+            };
+            let gate = quantized(&mut b, h, n, k, 20);
+            let up = quantized(&mut b, h, n, k, 30);
+            let s = b.node(Op::Unary(UnaryOp::Silu), &[Some(gate)]);
+            let gated = b.binary(BinaryOp::Mul, s, up);
+            let y = quantized(&mut b, gated, k, n, 40);
+            let y = b.binary(BinaryOp::Add, y, x);
+            b.graph.outputs.push((y, OutputKind::User));
+            let compiled = compile_whole_within(&b.graph, &DeviceLimits::default());
+            let payload = &compiled.methods[0].partitions[0].payload;
+            let products = product_dispatches(payload, format.linear_op().name());
+            assert_eq!(products.len(), 2, "{what}: {} products", products.len());
+            let written = intermediates_written(payload, products[0], &b.graph);
+            assert_eq!(written, [b.graph.value(gated).name.clone()], "{what}");
+            let down = &payload.kernels[products[1].kernel];
+            assert!(
+                !down.wgsl.contains("var<workgroup> xs"),
+                "{what}: the down product stages its input"
             );
             check_graph(&b.graph, b.inputs, tol(dtype), &what);
         }

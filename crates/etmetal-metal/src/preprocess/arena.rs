@@ -48,11 +48,6 @@ pub(crate) fn plan(buffers: &Buffers, dispatches: &[Dispatch]) -> Result<ArenaPl
             }
             _ => {}
         }
-        if first[b] == usize::MAX {
-            // never bound (a value no kernel touched): give it its own range
-            first[b] = 0;
-            last[b] = end;
-        }
     }
     order.sort_by_key(|&b| (first[b], b));
     let mut offsets = vec![None; n];
@@ -60,6 +55,14 @@ pub(crate) fn plan(buffers: &Buffers, dispatches: &[Dispatch]) -> Result<ArenaPl
     for b in order {
         let desc = &buffers.list[b];
         let bytes = desc.gpu_bytes()?.next_multiple_of(ARENA_ALIGN);
+        if first[b] == usize::MAX {
+            // an intermediate no kernel binds (a value a store substitutes,
+            // `kernels/glu.rs`): nothing reads or writes its bytes, so it
+            // shares the arena's start with whatever lives there
+            size = size.max(bytes);
+            offsets[b] = Some((0, 0));
+            continue;
+        }
         live.retain(|&(_, l, _, _)| l >= first[b]);
         live.sort_by_key(|&(_, _, o, _)| o);
         // lowest gap that fits between the live ranges

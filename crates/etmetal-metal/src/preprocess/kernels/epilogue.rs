@@ -157,6 +157,16 @@ impl Tail {
         })
     }
 
+    /// The buffer of a template without a chain and `v` (an f32 value)
+    /// rounded to its dtype: for a store that substitutes its loads rather
+    /// than writing it (`glu.rs`).
+    pub(super) fn substituted(&self, v: &str) -> Result<(BufferIdx, String)> {
+        if self.chain.is_some() {
+            return Err(Error::internal("a substituted store with an epilogue"));
+        }
+        Ok((self.out, cast(&format!("({v})"), DType::F32, self.dtype)))
+    }
+
     /// The buffers the chain reads besides the one stored.
     pub(super) fn buffers(&self, bufs: &mut Vec<BufferIdx>) {
         let mut read = vec![];

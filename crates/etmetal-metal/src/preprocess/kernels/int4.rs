@@ -31,6 +31,7 @@ use etmetal_graph::Node;
 
 use super::epilogue::Tail;
 use super::gemm::{column_groups, reduce_sums, unrolled_passes, WORKGROUP_BYTES};
+use super::glu::{Gated, GatedStore};
 use super::matmul::row_stat_prologue;
 use super::rows::as_rows;
 use crate::preprocess::buffers::BufferIdx;
@@ -152,16 +153,30 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         return operands.alternatives(lw, d);
     }
     // a decode product's store computes its pointwise tail (a skip
-    // connection's add); gather_qmv's stores none
-    let tail = match experts {
-        true => Tail::none(lw, node)?,
-        false => {
+    // connection's add), or the gated value of its halves (a merged gate
+    // and up); gather_qmv's stores none
+    let gated = match experts {
+        true => None,
+        false => Gated::of_halves(lw, node),
+    };
+    let store = match (experts, gated) {
+        (true, _) => Store::Tail(Tail::none(lw, node)?),
+        (false, Some(gated)) => {
+            let (store, halves) = gated.lower_halves(lw, node)?;
+            let (_, dtype, _) = lw.output_info(node, 0)?;
+            Store::Gated {
+                store,
+                halves,
+                dtype,
+            }
+        }
+        (false, None) => {
             let mut bound = vec![];
             for v in [&xr, &packed, &scales, &zeros] {
                 v.buffers(&mut bound);
             }
             let checks = [&xr, &scales, &zeros].iter().any(|v| v.has_checks());
-            Tail::plan(lw, node, &bound, usize::from(checks), &[])?
+            Store::Tail(Tail::plan(lw, node, &bound, usize::from(checks), &[])?)
         }
     };
     let q = Qmv {
@@ -170,7 +185,7 @@ pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
         scales: &scales,
         zeros: &zeros,
         experts: idx.as_ref(),
-        tail,
+        store,
         stats: if experts { vec![] } else { row_stats(lw, &xr) },
         m,
         n,
@@ -191,14 +206,30 @@ struct Qmv<'a> {
     zeros: &'a LazyRef,
     /// gather_qmv: each row's expert `[m]`.
     experts: Option<&'a LazyRef>,
-    /// The store `[m, n]`, and its pointwise tail.
-    tail: Tail,
+    /// How the `[m, n]` sums are stored.
+    store: Store,
     /// The row means `x` reads (an RMSNorm's), which the kernel computes.
     stats: Vec<(RowStat, DType)>,
     m: usize,
     n: usize,
     words: usize,
     codes: Codes,
+}
+
+/// How a [`Qmv`] stores its sums.
+enum Store {
+    /// As its output `[m, n]`, and its pointwise tail.
+    Tail(Tail),
+    /// As the gated value `[m, n/2]` of its two halves (a merged gate and
+    /// up, `glu.rs`): columns are interleaved, even ones channels of the
+    /// first half, odd ones the second's, so a workgroup holds both sums of
+    /// an output; `halves` are the buffers the store substitutes for them,
+    /// and `dtype` the product's.
+    Gated {
+        store: GatedStore,
+        halves: [BufferIdx; 2],
+        dtype: DType,
+    },
 }
 
 /// Independent 16-byte weight loads an invocation issues before using
@@ -307,10 +338,11 @@ impl Qmv<'_> {
         let (loads, pieces) = (cw * per_word / 8, per_word / 4);
         let mut fns = self.words_fn(&mut kb, cw)?;
         let chunks = words / cw;
+        let pairs = matches!(self.store, Store::Gated { .. });
         let cols = [4, 2]
             .into_iter()
             .find(|&c| mb * c <= 32 && n.div_ceil(c) * mblocks >= QMV_FILL)
-            .unwrap_or(1);
+            .unwrap_or(if pairs { 2 } else { 1 });
         // staged: one chunk of a block per invocation (measured faster
         // than two, and than the bf16 products' deep layout of four chunks
         // in full workgroups: on an H100, int4 gate/up 0.474 -> 0.506 ms,
@@ -378,10 +410,23 @@ impl Qmv<'_> {
             self.codes.decode_fn()
         );
 
-        // the store of output (r, c), its f32 sum `v`
-        let (tail_decls, write) = self
-            .tail
-            .store(&mut kb, &format!("(r * {n}u + c)"), "v", "")?;
+        // the store of output (r, c), its f32 sum `v` (and the second
+        // half's `u`)
+        let (tail_decls, write) = match &self.store {
+            Store::Tail(tail) => tail.store(&mut kb, &format!("(r * {n}u + c)"), "v", "")?,
+            Store::Gated {
+                store,
+                halves: [first, second],
+                dtype,
+            } => store.store(
+                &mut kb,
+                &format!("(r * {}u + (c >> 1u))", n / 2),
+                [
+                    (*first, GatedStore::rounded("v", *dtype)),
+                    (*second, GatedStore::rounded("u", *dtype)),
+                ],
+            )?,
+        };
         let staged = match stage {
             Some(st) => format!(
                 "var<workgroup> xs: array<vec4<f32>, {}>;\n",
@@ -408,11 +453,11 @@ impl Qmv<'_> {
         }
         for j in 0..cols {
             // a last block's missing channels read the last one (not stored)
-            let _ = writeln!(
-                s,
-                "  let c{j} = min(n0 + grp * {cols}u + {j}u, {}u);",
-                n - 1
-            );
+            let c = match pairs {
+                true => format!("((n0 + grp * {cols}u + {j}u) >> 1u) + {}u", j % 2 * n / 2),
+                false => format!("n0 + grp * {cols}u + {j}u"),
+            };
+            let _ = writeln!(s, "  let c{j} = min({c}, {}u);", n - 1);
         }
         for i in 0..mb {
             let _ = writeln!(s, "  let r{i} = min(m0 + {i}u, {}u);", m - 1);
@@ -513,10 +558,10 @@ impl Qmv<'_> {
             .flat_map(|i| (0..cols).map(move |j| format!("s{i}_{j}")))
             .collect();
         let store = format!(
-            "let c = n0 + (lid / {sums}u) * {cols}u + lid % {cols}u;\n    let r = m0 + (lid % {sums}u) / {cols}u;\n\
+            "let c = n0 + (x / {sums}u) * {cols}u + x % {cols}u;\n    let r = m0 + (x % {sums}u) / {cols}u;\n\
              \x20   if (c < {n}u && r < {m}u) {{ {write} }}"
         );
-        s.push_str(&reduce_sums(&names, threads, groups, &store));
+        s.push_str(&reduce_sums(&names, threads, groups, pairs, &store));
         s.push_str("}\n");
         let built = kb.finish(&s);
         let workgroups = grid((blocks * mblocks) as u64, lw.options.max_workgroups_per_dim)?;

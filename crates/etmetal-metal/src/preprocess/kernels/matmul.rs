@@ -19,6 +19,7 @@ use etmetal_graph::Node;
 
 use super::epilogue::{self, Tail};
 use super::gemm::{Epilogue, F16Scaling, Gemm, GemmArgs, Gemv, GemvArgs, GEMV_ROWS};
+use super::glu::Gated;
 use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::deferred::RowStat;
 use crate::preprocess::emit::{expanded_index, lane_strided, linear, unravel, KernelBuilder};
@@ -28,7 +29,10 @@ use crate::preprocess::pointwise::{cast, float_literal};
 use crate::preprocess::sizes::extent;
 
 pub(super) fn lower(lw: &mut Lowering, node: &Node) -> Result<()> {
-    let (args, k) = product(lw, node, String::new(), &[])?;
+    if let Some(gated) = Gated::of_siblings(lw, node) {
+        return gated.lower_siblings(lw, node);
+    }
+    let (args, k) = product(lw, node, String::new(), &[], true)?;
     let (m, n) = (args.m, args.n);
     let batches: usize = args.batch.iter().product();
     if m <= GEMV_ROWS && is_transpose(&args.b) {
@@ -167,7 +171,7 @@ fn lower_siblings(
         lw.absorb(n, &[]);
         // (a tail reading another product of the kernel would read it unwritten)
         let written: Vec<BufferIdx> = all.iter().map(|p| p.tail.out).collect();
-        let (p, _) = product(lw, node, format!("_{}", i + 1), &written)?;
+        let (p, _) = product(lw, node, format!("_{}", i + 1), &written, true)?;
         all.push(p);
     }
     let members: Vec<(usize, String, &dyn GemvArgs)> = all
@@ -179,11 +183,14 @@ fn lower_siblings(
 
 /// A matrix product's operands, output and store ([`MatmulArgs`], its
 /// functions named with `tag`) and `k`; its kernel also writes `unwritten`.
-fn product(
+/// The store computes the pointwise nodes after it ([`Tail::plan`]) where
+/// `epilogue`, else stores the product alone.
+pub(super) fn product(
     lw: &mut Lowering,
     node: &Node,
     tag: String,
     unwritten: &[BufferIdx],
+    epilogue: bool,
 ) -> Result<(MatmulArgs, usize)> {
     let (a, b, bias, alpha, beta) = match &node.op {
         Op::MatMul => (
@@ -311,7 +318,10 @@ fn product(
             .filter(|x| F16Scaling::of(lw, x) == Some(F16Scaling::Lines))
             .count(),
     };
-    let tail = Tail::plan(lw, node, &bound, usize::from(checks) + lines, unwritten)?;
+    let tail = match epilogue {
+        true => Tail::plan(lw, node, &bound, usize::from(checks) + lines, unwritten)?,
+        false => Tail::none(lw, node)?,
+    };
     let (out, out_dtype) = (tail.out, lw.buffers.list[tail.out].dtype);
     let floats = [Some(&a), Some(&b), bias.as_ref()]
         .into_iter()
@@ -436,9 +446,9 @@ pub(super) fn row_stat_prologue(
 /// `[batch…, m, k]` and `[batch…, k, n]`) and store its output (`alpha`,
 /// the bias times `beta`, rounding to the output dtype, then its pointwise
 /// tail: a skip connection's add, an activation).
-struct MatmulArgs {
+pub(super) struct MatmulArgs {
     a: LazyRef,
-    b: LazyRef,
+    pub b: LazyRef,
     /// `[batch…, m, n]`; absent (also when `beta` is 0).
     bias: Option<LazyRef>,
     /// The store, and the pointwise chain after it ([`Tail`]).
@@ -446,9 +456,9 @@ struct MatmulArgs {
     alpha: f64,
     beta: f64,
     /// The broadcast batch dims.
-    batch: Vec<usize>,
-    m: usize,
-    n: usize,
+    pub batch: Vec<usize>,
+    pub m: usize,
+    pub n: usize,
     /// Appended to the names of its matrix-vector functions (`xa`, `xb`,
     /// `gstore`, …), so products of one kernel have their own.
     tag: String,
@@ -460,7 +470,7 @@ struct MatmulArgs {
 /// Add the buffers a kernel binds to read `x` to `bufs`: a pending row
 /// mean's are those of what it averages (a matrix-vector kernel computes
 /// it; elsewhere it is dispatched first and read: one buffer less).
-fn add_reads(lw: &Lowering, x: &LazyRef, bufs: &mut Vec<BufferIdx>) {
+pub(super) fn add_reads(lw: &Lowering, x: &LazyRef, bufs: &mut Vec<BufferIdx>) {
     let mut read = vec![];
     x.buffers(&mut read);
     for b in read {
@@ -481,12 +491,14 @@ impl MatmulArgs {
     }
 }
 
-impl Epilogue for MatmulArgs {
-    fn store(&self, kb: &mut KernelBuilder) -> Result<String> {
+impl MatmulArgs {
+    /// The f32 value of output `(bt, r, c)` from its sum `v`: `alpha`, and
+    /// the bias times `beta`.
+    fn scaled(&self, kb: &mut KernelBuilder, v: &str) -> Result<String> {
         let mut value = if self.alpha == 1.0 {
-            "v".to_string()
+            v.to_string()
         } else {
-            format!("{} * v", float_literal(self.alpha))
+            format!("{} * {v}", float_literal(self.alpha))
         };
         if let Some(bias) = &self.bias {
             let f = format!("vbias{}", self.tag);
@@ -498,6 +510,25 @@ impl Epilogue for MatmulArgs {
                 format!("{} * {read} + {value}", float_literal(self.beta))
             };
         }
+        Ok(value)
+    }
+
+    /// The buffer a product stored without an epilogue would write, and its
+    /// value from the sum `v`, rounded to the output dtype (a store that
+    /// substitutes it, `glu.rs`).
+    pub(super) fn stored_value(
+        &self,
+        kb: &mut KernelBuilder,
+        v: &str,
+    ) -> Result<(BufferIdx, String)> {
+        let value = self.scaled(kb, v)?;
+        self.tail.substituted(&value)
+    }
+}
+
+impl Epilogue for MatmulArgs {
+    fn store(&self, kb: &mut KernelBuilder) -> Result<String> {
+        let value = self.scaled(kb, "v")?;
         let batches: usize = self.batch.iter().product();
         let e = linear(
             &["bt".into(), "r".into(), "c".into()],
@@ -572,7 +603,7 @@ impl GemvArgs for MatmulArgs {
 /// vector loads (through gathers along other dims, each index read once
 /// for the chunk: a MoE decode step's routed experts' weights), anything
 /// else element by element.
-fn chunk_reader(
+pub(super) fn chunk_reader(
     kb: &mut KernelBuilder,
     x: &LazyRef,
     name: &str,

@@ -13,6 +13,7 @@ mod conv;
 mod delta;
 mod epilogue;
 mod gemm;
+mod glu;
 mod int4;
 mod matmul;
 mod norm;

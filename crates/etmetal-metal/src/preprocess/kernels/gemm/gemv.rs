@@ -108,6 +108,9 @@ struct Plan {
     lanes: usize,
     /// Chunks of each column an invocation loads at once.
     unroll: usize,
+    /// Columns come in pairs, one of each of two products (see
+    /// [`Gemv::lower_pair`]): `cols` is even.
+    pairs: bool,
 }
 
 impl Plan {
@@ -142,8 +145,9 @@ impl Gemv {
     /// each of a part of `k` (32 to 128), or, where the left operand is
     /// `computed`, for up to 16 (see [`GEMV_DEEP_WORKGROUPS`]); unrolled to
     /// about [`GEMV_LOADS`] loads. `wide`: the right operand is 16-bit
-    /// (8-element chunks where `k` allows).
-    fn plan(&self, most: usize, wide: bool, computed: bool) -> Plan {
+    /// (8-element chunks where `k` allows). `pairs`: columns in pairs
+    /// ([`Gemv::lower_pair`]), at least two a column group.
+    fn plan(&self, most: usize, wide: bool, computed: bool, pairs: bool) -> Plan {
         let lanes = if wide && self.k.is_multiple_of(8) {
             8
         } else {
@@ -154,7 +158,7 @@ impl Gemv {
             .find(|&c| {
                 self.m * c <= GEMV_SUMS && (self.n.div_ceil(c) * self.batch) as u64 >= GEMV_FILL
             })
-            .unwrap_or(1);
+            .unwrap_or(if pairs { 2 } else { 1 });
         let groups = (self.n.div_ceil(cols) * self.batch) as u64;
         let splits = split_k(groups, GEMV_FILL, self.k, lanes * 64, lanes, most);
         let chunks = (self.k / splits).div_ceil(lanes).max(1);
@@ -188,6 +192,7 @@ impl Gemv {
             splits,
             lanes,
             unroll,
+            pairs,
         }
     }
 
@@ -214,11 +219,46 @@ impl Gemv {
     }
 
     pub fn lower(&self, lw: &mut Lowering, args: &impl GemvArgs) -> Result<()> {
-        if self.m == 0 || self.n == 0 || self.batch == 0 {
+        if self.is_empty() {
             return Ok(());
         }
         let most = SplitK::most(lw, self.batch, self.m, self.n)?;
-        let plan = self.plan(most, args.b_dtype().size() == 2, !args.a_is_plain());
+        self.dispatch(lw, args, most, false)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.m == 0 || self.n == 0 || self.batch == 0
+    }
+
+    /// Two products of one input whose outputs only meet in one pointwise
+    /// value (a gated MLP's `act(x·Wg) * (x·Wu)`) as one dispatch storing
+    /// that value alone: `self.n` columns of each, interleaved so that a
+    /// column group owns column `c` of both (even columns the first
+    /// product's, read by `xb`, odd ones the second's, `xb_1`), and the
+    /// store, `args`' `gstore(bt, r, c, v, u)`, gets both sums. The next
+    /// product then reads a plain vector, with nothing to evaluate or stage.
+    /// `k` is not split.
+    pub fn lower_pair(&self, lw: &mut Lowering, args: &impl GemvArgs) -> Result<()> {
+        if self.is_empty() {
+            return Ok(());
+        }
+        let both = Gemv {
+            n: 2 * self.n,
+            ..*self
+        };
+        both.dispatch(lw, args, 1, true)
+    }
+
+    /// The dispatch of the product (and, split at most `most` ways, the
+    /// partial sums' sum).
+    fn dispatch(
+        &self,
+        lw: &mut Lowering,
+        args: &impl GemvArgs,
+        most: usize,
+        pairs: bool,
+    ) -> Result<()> {
+        let plan = self.plan(most, args.b_dtype().size() == 2, !args.a_is_plain(), pairs);
         let split = SplitK::new(lw, plan.splits, self.batch, self.m, self.n)?;
         let mut kb = KernelBuilder::new(&lw.buffers);
         let (decls, pro) = args.prologue(&mut kb, plan.size())?;
@@ -266,7 +306,7 @@ impl Gemv {
         };
         let wide = members.iter().all(|(_, _, a)| a.b_dtype().size() == 2);
         let computed = !members.iter().all(|(_, _, a)| a.a_is_plain());
-        let plan = whole.plan(1, wide, computed);
+        let plan = whole.plan(1, wide, computed, false);
         let mut kb = KernelBuilder::new(&lw.buffers);
         let mut fns = String::new();
         let mut pros = vec![];
@@ -474,7 +514,12 @@ impl Gemv {
                     x * threads
                 );
                 for j in 0..cols {
-                    let _ = writeln!(s, "    let b{x}_{j} = xb{tag}(bt, c{j}, k{x});");
+                    let read = match (plan.pairs, j % 2) {
+                        (false, _) => format!("xb{tag}(bt, c{j}, k{x})"),
+                        (true, 0) => format!("xb{tag}(bt, c{j} >> 1u, k{x})"),
+                        (true, _) => format!("xb{tag}_1(bt, c{j} >> 1u, k{x})"),
+                    };
+                    let _ = writeln!(s, "    let b{x}_{j} = {read};");
                 }
             }
         };
@@ -504,11 +549,21 @@ impl Gemv {
             .flat_map(|i| (0..cols).map(move |j| format!("s{i}_{j}")))
             .collect();
         let per = m * cols;
+        let (c, sums_of) = match plan.pairs {
+            true => ("c >> 1u", "v, u"),
+            false => ("c", "v"),
+        };
         let store = format!(
-            "let c = n0 + (lid / {per}u) * {cols}u + lid % {cols}u;\n\
-             \x20   if (c < {n}u) {{ gstore{tag}(sb, (lid % {per}u) / {cols}u, c, v); }}"
+            "let c = n0 + (x / {per}u) * {cols}u + x % {cols}u;\n\
+             \x20   if (c < {n}u) {{ gstore{tag}(sb, (x % {per}u) / {cols}u, {c}, {sums_of}); }}"
         );
-        s.push_str(&reduce_sums(&sums, plan.threads, plan.groups, &store));
+        s.push_str(&reduce_sums(
+            &sums,
+            plan.threads,
+            plan.groups,
+            plan.pairs,
+            &store,
+        ));
         s
     }
 }
@@ -575,13 +630,20 @@ const STRIPS: usize = 8;
 /// invocations (`threads` a power of two, at least [`STRIPS`]; group `lid
 /// / threads`), each invocation's f32 partial sums named `sums` (in `red`,
 /// a workgroup array of `sums.len() × threads × groups` f32), then running
-/// `store` in invocation `lid < groups · sums.len()` with `v` the total of
-/// sum `lid % sums.len()` of group `lid / sums.len()`. Two barriers
-/// whatever the workgroup size: every invocation adds up a strip of
-/// `threads / STRIPS` partials of one sum, and the storing invocation adds
-/// up the strips; no subgroup size is assumed (lavapipe has 8, NVIDIA 32).
-/// Call it in uniform control flow.
-pub(crate) fn reduce_sums(sums: &[String], threads: usize, groups: usize, store: &str) -> String {
+/// `store` with `v` the total of sum `x % sums.len()` of group `x /
+/// sums.len()`, for each `x < groups · sums.len()`; with `pairs` (an even
+/// count of sums), `x` even only, and `u` the total of sum `x + 1`. Two
+/// barriers whatever the workgroup size: every invocation adds up a strip
+/// of `threads / STRIPS` partials of one sum, and the storing invocation
+/// adds up the strips; no subgroup size is assumed (lavapipe has 8, NVIDIA
+/// 32). Call it in uniform control flow.
+pub(crate) fn reduce_sums(
+    sums: &[String],
+    threads: usize,
+    groups: usize,
+    pairs: bool,
+    store: &str,
+) -> String {
     let count = sums.len();
     let width = threads / STRIPS;
     let size = threads * groups;
@@ -592,6 +654,20 @@ pub(crate) fn reduce_sums(sums: &[String], threads: usize, groups: usize, store:
             "  red[((lid / {threads}u) * {count}u + {i}u) * {threads}u + lid % {threads}u] = {name};"
         );
     }
+    let total = |x: &str| {
+        format!(
+            "0.0;\n    for (var p = 0u; p < {STRIPS}u; p = p + 1u) {{ {x} = {x} + red[{} * {threads}u + p * {width}u]; }}",
+            if x == "v" { "x" } else { "(x + 1u)" }
+        )
+    };
+    let (storing, x, second) = match pairs {
+        true => (
+            count * groups / 2,
+            "2u * lid",
+            format!("\n    var u = {}", total("u")),
+        ),
+        false => (count * groups, "lid", String::new()),
+    };
     let _ = writeln!(
         s,
         "  workgroupBarrier();\n\
@@ -600,12 +676,12 @@ pub(crate) fn reduce_sums(sums: &[String], threads: usize, groups: usize, store:
          \x20   var t = red[o];\n\
          \x20   for (var i = 1u; i < {width}u; i = i + 1u) {{ t = t + red[o + i]; }}\n\
          \x20   red[o] = t;\n  }}\n  workgroupBarrier();\n\
-         \x20 if (lid < {total}u) {{\n\
-         \x20   var v = 0.0;\n\
-         \x20   for (var p = 0u; p < {STRIPS}u; p = p + 1u) {{ v = v + red[lid * {threads}u + p * {width}u]; }}\n\
+         \x20 if (lid < {storing}u) {{\n\
+         \x20   let x = {x};\n\
+         \x20   var v = {}{second}\n\
          \x20   {store}\n  }}",
+        total("v"),
         strips = count * groups * STRIPS,
-        total = count * groups,
     );
     s
 }
@@ -731,7 +807,7 @@ mod tests {
     #[test]
     fn partial_sums_fit_the_workgroup_memory() {
         for (m, n, k) in [(8, 4096, 4096), (5, 2048, 256), (8, 128256, 2048)] {
-            let p: Plan = Gemv { batch: 1, m, n, k }.plan(usize::MAX, true, false);
+            let p: Plan = Gemv { batch: 1, m, n, k }.plan(usize::MAX, true, false, false);
             assert!(4 * m * p.cols * p.size() <= WORKGROUP_BYTES, "{p:?}");
         }
     }
@@ -751,7 +827,7 @@ mod tests {
             n,
             k,
         }
-        .plan(most, wide, computed);
+        .plan(most, wide, computed, false);
         (p.threads, p.cols, p.splits, p.lanes, p.unroll, p.groups)
     }
 
