@@ -201,6 +201,22 @@ impl Lazy {
         }
     }
 
+    /// The buffer it reads in its own row-major order, element `i` at `i`:
+    /// a load through reshapes and permutes that move only dims of size 1
+    /// (an attention's `[1, heads, 1, d]` output transposed and flattened
+    /// for the next linear), so readers take it in vector loads.
+    pub fn contiguous_source(&self) -> Option<BufferIdx> {
+        match &self.kind {
+            Kind::Load(b) => Some(*b),
+            Kind::Reshape(x) if x.dtype == self.dtype => x.contiguous_source(),
+            Kind::Permute(x, dims) if x.dtype == self.dtype => {
+                let moved: Vec<usize> = dims.iter().copied().filter(|&d| x.shape[d] != 1).collect();
+                moved.is_sorted().then(|| x.contiguous_source())?
+            }
+            _ => None,
+        }
+    }
+
     /// Where its rows lie whole and in order in one buffer: the buffer,
     /// when reading it costs only index arithmetic and one load and every
     /// layout op keeps the last dim as it is (so element `(…, c)` is the

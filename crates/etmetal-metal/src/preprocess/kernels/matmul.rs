@@ -684,7 +684,8 @@ struct Gathered<'a> {
 }
 
 /// Where `x` read at `idx` lies in a buffer, when `x` only permutes and
-/// broadcasts that buffer and the index named `k` walks its last,
+/// broadcasts that buffer (or reads it in order through reshapes,
+/// [`Lazy::contiguous_source`]) and the index named `k` walks its last,
 /// contiguous dim: the buffer, the index there and the shape it is read as.
 /// A gather along a dim that `k` does not walk (the batch dim of routed
 /// experts' weights) is seen through: its index is pushed on `gathers`
@@ -697,6 +698,10 @@ fn k_run<'a>(
     match &x.kind {
         Kind::Load(buf) => (idx.last().map(String::as_str) == Some("k"))
             .then(|| (*buf, idx.to_vec(), x.shape.clone())),
+        // (a buffer read in order through reshapes: x's index is the buffer's)
+        Kind::Reshape(_) => (idx.last().map(String::as_str) == Some("k"))
+            .then(|| x.contiguous_source())?
+            .map(|buf| (buf, idx.to_vec(), x.shape.clone())),
         Kind::Permute(inner, dims) => {
             let mut at = vec![String::new(); dims.len()];
             for (i, &d) in dims.iter().enumerate() {
