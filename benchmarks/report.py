@@ -290,6 +290,41 @@ def binaries_section():
             *md]
 
 
+def first_load_section():
+    """BENCHMARKS.md's first-load section, from results/first_load.json
+    (benchmarks/first_load.py: what `--coop auto`'s measured choice costs a
+    load); empty where that file is missing."""
+    r = load("first_load")
+    if not r:
+        return []
+    card = r["machine"].get("nvidia_smi", "no GPU")
+    rows = []
+    for m in r["rows"]:
+        if "configs" not in m:
+            continue
+        for name, c in m["configs"].items():
+            w, e = c["wall_ms"], c["execute_ms"]
+            extra = m.get("extra_wall_vs_off_ms", {}).get(name)
+            rows.append([m["model"], m["dtype"], name, f"{w['median']:.0f} ({w['min']:.0f}–{w['max']:.0f})",
+                         f"{e['median']:.2f}", "" if extra is None else f"{extra:+.0f}",
+                         max(c.get("coop_dispatches") or [0])])
+    warm = [f"{m['model']}: {m['driver_warmup']['off']['wall_ms'] / 1000:.1f} s portable, "
+            f"{m['driver_warmup']['nocache']['wall_ms'] / 1000:.1f} s with every form measured"
+            for m in r["rows"] if "driver_warmup" in m]
+    spans = [f"{m['model']} {m['traced']['cold']['measure_ms']:.0f} ms cold, {m['traced']['warm']['measure_ms']:.0f} "
+             "ms warm" for m in r["rows"] if m.get("traced", {}).get("cold", {}).get("measure_ms") is not None]
+    return ["## First load: what the measured choice of tensor-core forms costs", "",
+            f"`benchmarks/first_load.py`, {r['run']}, {card}: one `etmetal run` process (start to exit, the first "
+            f"execute included), median of {r['repeat']} with (min–max), per configuration: `off` (`--coop off`, "
+            "nothing measured), `nocache` (`--coop auto`, `ETMETAL_TUNING_CACHE=off`: every load measures), `cold` "
+            "(`--coop auto`, an empty tuning cache: the first load of a payload on a device) and `warm` (the "
+            "same cache again: nothing measured). The driver's own shader cache is warmed first for all; its "
+            "cold first loads took " + "; ".join(warm) + " (every form's pipeline compiled by the driver once "
+            "per machine). The measuring span of `ETMETAL_TRACE`: " + "; ".join(spans) + ".", "",
+            table(["model", "dtype", "config", "wall ms", "first execute ms", "vs off ms", "tensor-core dispatches"],
+                  rows), ""]
+
+
 def flash_variants_section():
     """BENCHMARKS.md's flash-attention section, from
     results/flash_variants_*.json (each 16x16 variant forced in turn with
@@ -506,6 +541,7 @@ def main():
         md += ["## CPU", "", "Not run: no `results/cpu.json`.", ""]
     md += host_path_section()
     md += binaries_section()
+    md += first_load_section()
     md += flash_variants_section()
     md += quant_accuracy_section()
     md += whisper_rtf_section()
