@@ -18,6 +18,12 @@ use crate::preprocess::expr::{Kind, Lazy, LazyRef};
 use crate::preprocess::lowering::Lowering;
 use crate::preprocess::pointwise::cast;
 
+/// `v`, a template's f32 value, rounded to `dtype` as PyTorch stores it
+/// before anything reads it.
+pub(super) fn rounded(v: &str, dtype: DType) -> String {
+    cast(&format!("({v})"), DType::F32, dtype)
+}
+
 /// Where a template's store puts its value and what it computes first.
 pub(super) struct Tail {
     /// The dtype of the template's own value.
@@ -164,7 +170,7 @@ impl Tail {
         if self.chain.is_some() {
             return Err(Error::internal("a substituted store with an epilogue"));
         }
-        Ok((self.out, cast(&format!("({v})"), DType::F32, self.dtype)))
+        Ok((self.out, rounded(v, self.dtype)))
     }
 
     /// The buffers the chain reads besides the one stored.
@@ -190,7 +196,7 @@ impl Tail {
         v: &str,
         tag: &str,
     ) -> Result<(String, String)> {
-        let value = cast(&format!("({v})"), DType::F32, self.dtype);
+        let value = rounded(v, self.dtype);
         let Some(chain) = &self.chain else {
             return Ok((String::new(), kb.store(self.out, e, &value)?));
         };

@@ -26,13 +26,12 @@ use crate::preprocess::buffers::BufferIdx;
 use crate::preprocess::emit::{linear, unravel, KernelBuilder};
 use crate::preprocess::expr::LazyRef;
 use crate::preprocess::lowering::Lowering;
-use crate::preprocess::pointwise::cast;
 
 /// The nodes after a product that make its output one of a gated pair.
 pub(super) struct Gated<'g> {
     /// The nodes the dispatch takes before the chains: the sibling product
     /// (float), or the two slices of the merged output (quantized, the
-    /// gate's first).
+    /// first half's first).
     parts: Vec<(usize, &'g Node)>,
     /// The unary ops from either value to the multiply (each the sole
     /// reader of the value before it), in order.
@@ -133,13 +132,7 @@ impl<'g> Gated<'g> {
         add_reads(lw, &x, &mut bufs);
         for node in [gate, up.1] {
             for v in node.inputs[1..].iter().flatten() {
-                let mut read = vec![];
-                lw.value(*v).ok()?.buffers(&mut read);
-                for b in read {
-                    if !bufs.contains(&b) {
-                        bufs.push(b);
-                    }
-                }
+                add_reads(lw, &lw.value(*v).ok()?, &mut bufs);
             }
         }
         if bufs.len() + 1 + usize::from(x.has_checks()) > lw.options.max_bindings {
@@ -216,10 +209,8 @@ impl<'g> Gated<'g> {
     ) -> Result<(GatedStore, [BufferIdx; 2])> {
         let mut bufs = [0; 2];
         for (b, &(n, slice)) in bufs.iter_mut().zip(&self.parts) {
-            let (name, dtype, shape) = lw.output_info(slice, 0)?;
-            *b = lw.temp(&name, dtype, &shape)?;
-            let load = lw.load(*b);
-            lw.absorb(n, &[(slice.outputs[0], load)]);
+            *b = lw.output_buffer(slice, 0)?;
+            lw.absorb(n, &[]);
         }
         let (value, out) = self.lower_chains(lw, &node.name)?;
         Ok((GatedStore { value, out }, bufs))
@@ -272,11 +263,6 @@ impl GatedStore {
         let at = unravel(e, &self.value.shape).join(", ");
         s += &kb.store(self.out, e, &format!("vgated({at})"))?;
         Ok((decls, s))
-    }
-
-    /// `v` (an f32 sum) rounded to `dtype`, as PyTorch stores a product.
-    pub(super) fn rounded(v: &str, dtype: DType) -> String {
-        cast(&format!("({v})"), DType::F32, dtype)
     }
 }
 

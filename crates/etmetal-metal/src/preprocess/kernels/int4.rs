@@ -29,6 +29,7 @@ use etmetal_core::quant::QuantFormat;
 use etmetal_core::{DType, Error, Op, Result};
 use etmetal_graph::Node;
 
+use super::epilogue::rounded;
 use super::epilogue::Tail;
 use super::gemm::{column_groups, reduce_sums, unrolled_passes, WORKGROUP_BYTES};
 use super::glu::{Gated, GatedStore};
@@ -422,8 +423,8 @@ impl Qmv<'_> {
                 &mut kb,
                 &format!("(r * {}u + (c >> 1u))", n / 2),
                 [
-                    (*first, GatedStore::rounded("v", *dtype)),
-                    (*second, GatedStore::rounded("u", *dtype)),
+                    (*first, rounded("v", *dtype)),
+                    (*second, rounded("u", *dtype)),
                 ],
             )?,
         };

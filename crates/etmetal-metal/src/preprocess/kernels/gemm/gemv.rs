@@ -654,17 +654,17 @@ pub(crate) fn reduce_sums(
             "  red[((lid / {threads}u) * {count}u + {i}u) * {threads}u + lid % {threads}u] = {name};"
         );
     }
-    let total = |x: &str| {
+    // `var name`: the total of sum `at`'s strips
+    let total = |name: &str, at: &str| {
         format!(
-            "0.0;\n    for (var p = 0u; p < {STRIPS}u; p = p + 1u) {{ {x} = {x} + red[{} * {threads}u + p * {width}u]; }}",
-            if x == "v" { "x" } else { "(x + 1u)" }
+            "var {name} = 0.0;\n    for (var p = 0u; p < {STRIPS}u; p = p + 1u) {{ {name} = {name} + red[{at} * {threads}u + p * {width}u]; }}"
         )
     };
     let (storing, x, second) = match pairs {
         true => (
             count * groups / 2,
             "2u * lid",
-            format!("\n    var u = {}", total("u")),
+            format!("\n    {}", total("u", "(x + 1u)")),
         ),
         false => (count * groups, "lid", String::new()),
     };
@@ -678,9 +678,9 @@ pub(crate) fn reduce_sums(
          \x20   red[o] = t;\n  }}\n  workgroupBarrier();\n\
          \x20 if (lid < {storing}u) {{\n\
          \x20   let x = {x};\n\
-         \x20   var v = {}{second}\n\
+         \x20   {}{second}\n\
          \x20   {store}\n  }}",
-        total("v"),
+        total("v", "x"),
         strips = count * groups * STRIPS,
     );
     s
